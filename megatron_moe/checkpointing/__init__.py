@@ -1,0 +1,236 @@
+"""Save and resume with megatron-core dist_checkpointing.
+
+Layout of a `--save` directory:
+
+    latest_checkpointed_iteration.txt   "N", written last (tmp file + rename)
+    iter_000000N/                       one dist_checkpointing checkpoint
+    iter_000000N.tmp/                   a save in progress (never read)
+
+A save writes into `iter_N.tmp`, renames it to `iter_N` once every rank has
+finished, then publishes the pointer: a save killed at any point leaves the
+previous checkpoint and pointer intact. Sharded tensors are resharded by
+dist_checkpointing on load, so a checkpoint loads into any TP/PP/EP layout.
+Each rank's RNG states are restored when the layout is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from megatron_moe.config import ConfigError, RunConfig
+
+log = logging.getLogger("megatron_moe")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+# "fully_reshardable": the distributed optimizer gathers its state into model-parameter
+# space on save, so it loads into any TP/PP/EP/DP layout (0.16.1 cannot save the
+# "fully_sharded_model_space" format: flattened ranges are no longer supported).
+# No "chained_N." key prefix: with EP>1 megatron chains a dense and an expert
+# optimizer, and the keys must not depend on that for a checkpoint to move layouts.
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# Flags whose change makes a checkpoint's weights meaningless for this model.
+SHAPE_FIELDS = {
+    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
+              "untie_embeddings_and_output_weights"),
+    "moe": ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size"),
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where training stands: restored exactly on resume."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+
+
+def _iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "world": dist.get_world_size(),
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+    }
+
+
+def _rng_state() -> dict:
+    return {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is_loading: bool) -> dict:
+    model_state = model[0].module.sharded_state_dict()
+    state = {"model": model_state}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING
+        )
+    if with_rng:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return state
+
+
+def save_checkpoint(root: str, cfg: RunConfig, model, optimizer, scheduler, train_state: TrainState) -> str:
+    """Collective: every rank calls it. Returns the published checkpoint directory."""
+    final = _iter_dir(root, train_state.iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
+        os.makedirs(tmp)
+    dist.barrier()
+    # Before the first step the optimizer holds no state (Adam's moments are lazy).
+    with_optimizer = not cfg.checkpoint.no_save_optim and train_state.iteration > 0
+    state = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=True, is_loading=False)
+    state.update(
+        train_state=dataclasses.asdict(train_state),
+        scheduler=scheduler.state_dict(),
+        config=cfg.to_dict(),
+        layout=_layout(),
+        has_optimizer=with_optimizer,
+        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _publish(root, train_state.iteration)
+        log.info("saved checkpoint at iteration %d to %s", train_state.iteration, final)
+    dist.barrier()
+    return final
+
+
+def _publish(root: str, iteration: int) -> None:
+    pointer = os.path.join(root, TRACKER)
+    with open(pointer + ".tmp", "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer + ".tmp", pointer)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The published checkpoint under `root`, or None if nothing was published there."""
+    pointer = os.path.join(root, TRACKER)
+    if not os.path.isfile(pointer):
+        return None
+    text = open(pointer).read().strip()
+    if not text.isdigit():
+        raise ConfigError(f"--load={root}: {TRACKER} holds {text!r}, not an iteration number")
+    path = _iter_dir(root, int(text))
+    if not os.path.isdir(path):
+        raise ConfigError(f"--load={root}: {TRACKER} names iteration {text} but {path} is missing")
+    return path
+
+
+def resolve_load_dir(cfg: RunConfig) -> str | None:
+    """The checkpoint to resume from, None to start fresh; a clear error for a bad --load."""
+    root = cfg.checkpoint.load
+    if root is None:
+        return None
+    if not os.path.isdir(root):
+        raise ConfigError(f"--load={root}: no such directory; give a directory written by --save")
+    if os.path.isfile(os.path.join(root, "metadata.json")):  # one checkpoint, e.g. --load SAVE/iter_0000100
+        return root
+    path = latest_checkpoint(root)
+    if path is None:
+        if root == cfg.checkpoint.save:  # auto-resume pattern: nothing saved yet
+            return None
+        raise ConfigError(f"--load={root}: no {TRACKER} there; give a directory written by --save")
+    return path
+
+
+def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
+    """Refuse a checkpoint whose model shape differs, naming every differing flag."""
+    current = cfg.to_dict()
+    diffs = [
+        f"--{name.replace('_', '-')}: checkpoint {saved[group][name]!r}, now {current[group][name]!r}"
+        for group, names in SHAPE_FIELDS.items()
+        for name in names
+        if saved[group].get(name) != current[group][name]
+    ]
+    if diffs:
+        raise ConfigError(f"--load={path}: the checkpoint's model differs: " + "; ".join(diffs))
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state so a checkpoint can load into it.
+
+    Its sharded_state_dict needs existing state (megatron-core does this itself
+    only for FSDP). One Adam step with zero gradients at lr=0 and no weight decay
+    creates the state without moving any weight; loading then overwrites it.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or opt.optimizer.state:
+            continue
+        saved = [(g["lr"], g["weight_decay"]) for g in opt.optimizer.param_groups]
+        for group in opt.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
+        opt._init_optimizer_states_with_dummy_values()
+        for group, (lr, wd) in zip(opt.optimizer.param_groups, saved):
+            group["lr"], group["weight_decay"] = lr, wd
+
+
+def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> TrainState:
+    """Load `path` into this layout; returns the training position to continue from."""
+    common = dist_checkpointing.load_common_state_dict(path)
+    check_compatible(common["config"], cfg, path)
+    same_layout = common["layout"] == _layout()
+    with_optimizer = not cfg.checkpoint.no_load_optim and common["has_optimizer"]
+    saved_distributed = common["distributed_optimizer"]
+    if with_optimizer and saved_distributed != cfg.parallel.use_distributed_optimizer:
+        # The two keep different state: the distributed one also saves fp32 main params.
+        raise ConfigError(
+            f"--load={path}: its optimizer state was saved with --use-distributed-optimizer="
+            f"{saved_distributed}, this run has {cfg.parallel.use_distributed_optimizer}; use the same "
+            f"setting, or --no-load-optim to load the weights only"
+        )
+    with_rng = same_layout and not cfg.checkpoint.no_load_rng
+    if with_optimizer:
+        _materialize_optimizer_state(optimizer)
+    request = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng,
+                             is_loading=True)  # fmt: skip
+    state = dist_checkpointing.load(request, path)
+    model[0].module.load_state_dict(state["model"])
+    if with_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(common["scheduler"])
+    if with_rng:
+        _set_rng_state(state["rng_state"])
+    elif not cfg.checkpoint.no_load_rng:
+        log.warning("checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout())
+    train_state = TrainState(**common["train_state"])
+    log.info("loaded %s (iteration %d, optimizer %s)", path, train_state.iteration,
+             "restored" if with_optimizer else "fresh")  # fmt: skip
+    return train_state

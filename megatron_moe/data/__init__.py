@@ -1,0 +1,95 @@
+"""Data pipeline: raw text inputs (here), tokenizer, tokenized data, GPT datasets, samplers.
+
+This module stays free of torch and megatron-core so that ``tools/train_tokenizer.py``
+starts fast; import ``megatron_moe.data.tokenizer``, ``.datasets`` and ``.sampler``
+for the rest.
+"""
+
+import glob
+import json
+import os
+from typing import Iterator
+
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+class DataError(ValueError):
+    """Input text, tokenized data or the arguments that point at them are unusable."""
+
+
+def expand_input_paths(patterns: list[str], flag: str = "--input") -> list[str]:
+    """Expand files, directories (recursively) and globs into a de-duplicated file list.
+
+    Arguments keep their order; each directory or glob expands in sorted order. Hidden
+    files and ``__pycache__`` directories are skipped inside directories.
+    """
+    paths: list[str] = []
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            matched = _files_under(pattern)
+        elif os.path.isfile(pattern):
+            matched = [pattern]
+        else:
+            matched = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        if not matched:
+            raise DataError(f"{flag} {pattern!r}: no such file, or no file under it; "
+                            f"pass .jsonl files, text files, directories or globs")
+        paths.extend(matched)
+    return list(dict.fromkeys(paths))
+
+
+def _files_under(directory: str) -> list[str]:
+    """All non-hidden files below ``directory``, sorted, skipping ``__pycache__``."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        found.extend(os.path.join(root, f) for f in files if not f.startswith("."))
+    return sorted(found)
+
+
+def iter_documents(paths: list[str], json_keys: list[str]) -> Iterator[dict[str, str]]:
+    """Yield one ``{key: text}`` dict per document.
+
+    ``.jsonl``/``.json`` files hold one JSON object per line; any other file is read whole
+    (exactly, line endings kept) as the single key's text.
+    """
+    for path in paths:
+        if path.endswith(JSON_SUFFIXES):
+            yield from _iter_json_lines(path, json_keys)
+        else:
+            yield {_single_key(json_keys, path): _read_text(path)}
+
+
+def _single_key(json_keys: list[str], path: str) -> str:
+    """The key a plain-text document is stored under; plain files hold only one text."""
+    if len(json_keys) != 1:
+        raise DataError(f"--json-keys {' '.join(json_keys)}: plain-text input {path!r} holds "
+                        f"one text per file; pass a single key (e.g. --json-keys text)")
+    return json_keys[0]
+
+
+def _read_text(path: str) -> str:
+    """Read a UTF-8 text file exactly (no newline translation)."""
+    try:
+        with open(path, encoding="utf-8", newline="") as stream:
+            return stream.read()
+    except UnicodeDecodeError as error:
+        raise DataError(f"--input file {path!r} is not UTF-8 text ({error}); "
+                        f"remove it or convert it to UTF-8") from error
+
+
+def _iter_json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]]:
+    """Yield the requested keys of each JSON line, with errors naming file and line."""
+    with open(path, encoding="utf-8") as stream:
+        for number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"--input {path}:{number} is not valid JSON ({error})") from error
+            missing = [k for k in json_keys if not isinstance(record.get(k), str)]
+            if missing:
+                raise DataError(f"--json-keys {missing[0]!r}: {path}:{number} has no string "
+                                f"field {missing[0]!r}; keys present: {sorted(record)}")
+            yield {k: record[k] for k in json_keys}

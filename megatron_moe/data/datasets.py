@@ -1,0 +1,233 @@
+"""Tokenized data validation and megatron-core GPT dataset building.
+
+Tokenized data is megatron-core's IndexedDataset format: ``PREFIX.bin`` (token ids) and
+``PREFIX.idx`` (lengths, offsets, document boundaries), written by
+``tools/preprocess_data.py``. ``--data-path`` takes one prefix or a blend
+``W1 PREFIX1 W2 PREFIX2 ...``, as in Megatron-LM.
+"""
+
+import copy
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.blended_megatron_dataset_builder import (
+    BlendedMegatronDatasetBuilder,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
+
+from megatron_moe.data import DataError
+
+DATA_PATH_FLAG = "--data-path"
+PREPROCESS_HINT = ("create it with: python tools/preprocess_data.py --input CORPUS.jsonl "
+                   "--tokenizer-model TOKENIZER.model --output-prefix PREFIX --append-eod "
+                   "(--data-path then takes PREFIX_text_document)")
+_IDX_HEADER = b"MMIDIDX\x00\x00"
+_IDX_FIXED_BYTES = len(_IDX_HEADER) + 8 + 1 + 8 + 8
+_MAX_SCAN_CHUNK = 1 << 24
+
+
+# ------------------------------------------------------------------------ --data-path
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], Optional[list[float]]]:
+    """Parse ``--data-path``: ``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
+
+    Returns ``(prefixes, weights)``; weights is None for a single unweighted prefix.
+    """
+    if not data_path:
+        raise DataError(f"{DATA_PATH_FLAG} is empty; pass a prefix such as "
+                        f"data/corpus_text_document or a blend '0.7 PREFIX1 0.3 PREFIX2'")
+    if len(data_path) == 1:
+        return [data_path[0]], None
+    if len(data_path) % 2:
+        raise DataError(f"{DATA_PATH_FLAG} {' '.join(data_path)}: a blend needs weight/prefix "
+                        f"pairs but got {len(data_path)} values; e.g. '0.7 PREFIX1 0.3 PREFIX2'")
+    weights = [_parse_weight(w, data_path) for w in data_path[0::2]]
+    if sum(weights) <= 0:
+        raise DataError(f"{DATA_PATH_FLAG} {' '.join(data_path)}: the weights sum to zero; "
+                        f"give at least one positive weight")
+    return list(data_path[1::2]), weights
+
+
+def _parse_weight(value: str, data_path: list[str]) -> float:
+    """Parse one blend weight (a non-negative number)."""
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = -1.0
+    if not weight >= 0.0:
+        raise DataError(f"{DATA_PATH_FLAG} {' '.join(data_path)}: blend weight {value!r} is not "
+                        f"a non-negative number; use 'W1 PREFIX1 W2 PREFIX2 ...' "
+                        f"e.g. '0.7 PREFIX1 0.3 PREFIX2'")
+    return weight
+
+
+# --------------------------------------------------------------------------- validation
+
+@dataclass(frozen=True)
+class DataSummary:
+    """What ``validate_data_prefix`` found in one prefix."""
+
+    prefix: str
+    num_documents: int
+    num_sequences: int
+    num_tokens: int
+    max_token_id: int
+
+
+def _read_idx_counts(idx_path: str) -> tuple[type, int, int]:
+    """Read and check the ``.idx`` header; return (dtype, sequence count, document count)."""
+    corrupt = (f"{DATA_PATH_FLAG}: index file {idx_path} is truncated or corrupt; "
+               f"re-run tools/preprocess_data.py to rebuild it")
+    size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as stream:
+        head = stream.read(_IDX_FIXED_BYTES)
+    if len(head) < _IDX_FIXED_BYTES or not head.startswith(_IDX_HEADER):
+        raise DataError(corrupt)
+    version, code, seq_count, doc_count = struct.unpack("<QBQQ", head[len(_IDX_HEADER):])
+    if version != 1 or code not in {d.value for d in DType}:
+        raise DataError(corrupt)
+    if size != _IDX_FIXED_BYTES + seq_count * (4 + 8) + doc_count * 8:
+        raise DataError(corrupt)
+    return DType.dtype_from_code(code), seq_count, doc_count
+
+
+def _max_token_id(bin_path: str, dtype: type, count: int) -> int:
+    """Largest token id in the ``.bin`` file, scanned in chunks of the memmap."""
+    if count == 0:
+        return -1
+    tokens = numpy.memmap(bin_path, dtype=dtype, mode="r", shape=(count,))
+    largest = max(int(tokens[i:i + _MAX_SCAN_CHUNK].max())
+                  for i in range(0, count, _MAX_SCAN_CHUNK))
+    del tokens
+    return largest
+
+
+def _sequence_lengths(prefix: str, idx_path: str) -> numpy.ndarray:
+    """Open the prefix with megatron-core's reader and return a copy of its sequence lengths."""
+    try:
+        dataset = IndexedDataset(prefix, mmap=True)
+    except (AssertionError, ValueError) as error:
+        raise DataError(f"{DATA_PATH_FLAG}: index file {idx_path} is corrupt ({error}); "
+                        f"re-run tools/preprocess_data.py to rebuild it") from error
+    lengths = numpy.array(dataset.index.sequence_lengths)
+    del dataset
+    return lengths
+
+
+def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
+    """Check that ``PREFIX.bin/.idx`` exist, are intact and fit a ``vocab_size`` tokenizer."""
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    for path in (bin_path, idx_path):
+        if not os.path.isfile(path):
+            raise DataError(f"{DATA_PATH_FLAG} {prefix}: missing {path}; {PREPROCESS_HINT}")
+    dtype, seq_count, doc_count = _read_idx_counts(idx_path)
+    if seq_count == 0:
+        raise DataError(f"{DATA_PATH_FLAG} {prefix}: {idx_path} holds no documents; "
+                        f"{PREPROCESS_HINT}")
+    lengths = _sequence_lengths(prefix, idx_path)
+    num_tokens = int(lengths.sum(dtype=numpy.int64))
+    expected = num_tokens * numpy.dtype(dtype).itemsize
+    if os.path.getsize(bin_path) != expected:
+        raise DataError(f"{DATA_PATH_FLAG}: data file {bin_path} is truncated or corrupt "
+                        f"({os.path.getsize(bin_path)} bytes, its index expects {expected}); "
+                        f"re-run tools/preprocess_data.py to rebuild it")
+    max_id = _max_token_id(bin_path, dtype, num_tokens)
+    if max_id >= vocab_size:
+        raise DataError(f"tokenizer vocabulary ({vocab_size}) smaller than the data's token ids "
+                        f"(max {max_id}) in {bin_path}; use the tokenizer the data was "
+                        f"preprocessed with (--tokenizer-model)")
+    return DataSummary(prefix, doc_count - 1, len(lengths), num_tokens, max_id)
+
+
+# ----------------------------------------------------------------------------- building
+
+class _Builder(BlendedMegatronDatasetBuilder):
+    """megatron-core's builder, usable for blends without torch.distributed.
+
+    megatron-core 0.16.1's BlendedDataset calls ``torch.distributed.get_rank()`` on a cache
+    miss even when no process group exists. Without one, blend indices (cheap to build) are
+    therefore not cached; GPTDataset indices still are.
+    """
+
+    @staticmethod
+    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+        """Drop ``path_to_cache`` for BlendedDataset when torch.distributed is not set up."""
+        if cls is BlendedDataset and not torch.distributed.is_initialized():
+            *rest, config = args
+            config = copy.copy(config)
+            config.path_to_cache = None
+            args = (*rest, config)
+        return BlendedMegatronDatasetBuilder.build_generic_dataset(
+            cls, is_built_on_rank, synchronize_ranks, *args)
+
+
+def check_split(split: str) -> None:
+    """Check ``--split``: up to three comma-separated non-negative shares, not all zero."""
+    parts = [p.strip() for p in split.split(",")] if split else []
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        shares = []
+    if not 1 <= len(shares) <= 3 or min(shares) < 0 or not sum(shares) > 0:
+        raise DataError(f"--split {split!r}: expected up to three comma-separated non-negative "
+                        f"train,valid,test shares, e.g. --split 98,2,0")
+
+
+def _check_split_coverage(summary: DataSummary, config: GPTDatasetConfig, split: str) -> None:
+    """Refuse splits with no document: megatron-core 0.16.1 would loop forever on them."""
+    names = ("train", "valid", "test")
+    for name, bookends in zip(names, config.split_matrix):
+        if bookends is None:
+            continue
+        begin = int(round(bookends[0] * summary.num_sequences))
+        end = int(round(bookends[1] * summary.num_sequences))
+        if end <= begin:
+            raise DataError(f"--split {split}: the {name} split of {summary.prefix} gets none of "
+                            f"its {summary.num_sequences} documents; give it a larger share "
+                            f"(e.g. --split 90,10,0), set its share to 0, or add documents")
+
+
+def build_gpt_datasets(*, data_path: list[str], split: str, tokenizer, seq_length: int,
+                       seed: int, train_samples: int, valid_samples: int, test_samples: int,
+                       cache_dir: Optional[str], is_built_on_rank: Callable[[], bool]):
+    """Build (train, valid, test) GPT datasets with megatron-core; None for an empty split.
+
+    Call on every rank. With torch.distributed initialized, rank 0 builds and caches the
+    indices in ``cache_dir`` first and the other ranks read them after a barrier; ranks
+    where ``is_built_on_rank()`` is False get None. Without torch.distributed the datasets
+    are built in this process. ``cache_dir=None`` uses megatron-core's default cache
+    location, the directory ``PREFIX/cache/GPTDataset_indices``.
+    """
+    prefixes, weights = parse_data_path(data_path)
+    check_split(split)
+    if seq_length < 1:
+        raise DataError(f"--seq-length {seq_length} must be >= 1 (e.g. 512)")
+    counts = {"train": train_samples, "valid": valid_samples, "test": test_samples}
+    for name, count in counts.items():
+        if count < 0:
+            raise DataError(f"{name}_samples={count} must be >= 0 (check --train-iters, "
+                            f"--eval-iters and the batch sizes)")
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    for prefix in prefixes:
+        summary = validate_data_prefix(prefix, tokenizer.vocab_size)
+        _check_split_coverage(summary, config, split)
+    sizes = [train_samples, valid_samples, test_samples]
+    train, valid, test = _Builder(GPTDataset, sizes, is_built_on_rank, config).build()
+    return train, valid, test

@@ -1,0 +1,143 @@
+"""RunConfig -> megatron-core TransformerConfig -> GPTModel (one pipeline stage)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_moe.config import RunConfig
+from megatron_moe.model.spec import block_spec
+from megatron_moe.platform import current_platform
+
+
+def params_dtype(cfg: RunConfig) -> torch.dtype:
+    if cfg.training.bf16:
+        return torch.bfloat16
+    if cfg.training.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def use_transformer_engine() -> bool:
+    return current_platform().is_accelerator and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(cfg: RunConfig) -> TransformerConfig:
+    """The megatron-core TransformerConfig for this run (parallel sizes included)."""
+    m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.training
+    dtype = params_dtype(cfg)
+    on_cpu = not current_platform().is_accelerator
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    moe_kwargs = {}
+    if moe.is_moe:
+        moe_kwargs = dict(
+            num_moe_experts=moe.num_experts,
+            moe_router_topk=moe.moe_router_topk,
+            moe_ffn_hidden_size=moe.moe_ffn_hidden_size or ffn,
+            moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+            moe_z_loss_coeff=moe.moe_z_loss_coeff,
+            moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
+            moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
+            moe_expert_capacity_factor=moe.moe_capacity_factor,
+            moe_pad_expert_input_to_capacity=moe.moe_capacity_factor is not None,
+            moe_layer_freq=moe.layer_pattern(m.num_layers),
+            moe_grouped_gemm=moe.moe_grouped_gemm,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        add_bias_linear=not m.disable_bias_linear,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
+        context_parallel_size=p.context_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        use_cpu_initialization=on_cpu,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        deallocate_pipeline_outputs=True,
+        recompute_granularity=t.recompute_granularity,
+        recompute_method="uniform" if t.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if t.recompute_granularity == "full" else None,
+        **moe_kwargs,
+    )
+
+
+def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:
+    """Pad the vocabulary to a multiple of --make-vocab-size-divisible-by.
+
+    Unlike Megatron-LM the padding does not grow with TP (the multiple must be
+    divisible by TP instead), so the output layer, and so the loss, is the same
+    in every layout and a checkpoint moves between TP sizes unchanged.
+    """
+    multiple = cfg.model.make_vocab_size_divisible_by
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> GPTModel:
+    """This rank's pipeline stage of the GPT-MoE."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    m = cfg.model
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(
+            config,
+            cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers,
+            use_transformer_engine=use_transformer_engine(),
+            pp_rank=pp_rank,
+        ),
+        vocab_size=padded_vocab_size(vocab_size, cfg),
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
+    )
+    mark_expert_params(model)
+    return model
+
+
+def mark_expert_params(model: torch.nn.Module) -> None:
+    """Expert weights are always reduced over the expert-data-parallel group.
+
+    megatron-core marks them (`allreduce=False`) only when EP>1, which makes the
+    optimizer a single one at EP=1 but a dense+expert chain at EP>1, and
+    optimizer checkpoints could not move between the two. With EP=1 the
+    expert-data-parallel group holds the same ranks the dense gradient reduce
+    uses, so the gradients are the same either way.
+
+    Nor are expert parameters `sequence_parallel` (megatron-core marks the
+    experts' output bias so): the expert-data-parallel reduce already spans
+    the TP ranks, and a second all-reduce over TP doubled that bias's gradient.
+    """
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.allreduce = False
+            param.sequence_parallel = False

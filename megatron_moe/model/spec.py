@@ -1,0 +1,86 @@
+"""The megatron_moe layer spec: megatron-core TransformerLayers with our norms and MoE.
+
+Dense and MoE layers share attention; the MLP slot holds a dense MLP or an MoE
+layer as `--moe-layer-freq` says. On a GPU with transformer-engine installed
+the linear layers and attention come from it; otherwise from megatron-core's
+local modules. Norms are always `SequenceParallelNorm`.
+"""
+
+from __future__ import annotations
+
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from megatron_moe.platform.norms import SequenceParallelNorm
+
+
+def backend_provider(use_transformer_engine: bool) -> BackendSpecProvider:
+    if use_transformer_engine:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalSpecProvider()
+
+
+def layer_spec(config: TransformerConfig, *, moe: bool, backend: BackendSpecProvider) -> ModuleSpec:
+    """One transformer layer: norm -> self-attention -> norm -> MLP or MoE."""
+    mlp = get_mlp_module_spec_for_backend(
+        backend=backend,
+        num_experts=config.num_moe_experts if moe else None,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=SequenceParallelNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=SequenceParallelNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def block_spec(
+    config: TransformerConfig,
+    moe_pattern: list[int],
+    *,
+    use_transformer_engine: bool = False,
+    pp_rank: int | None = None,
+) -> TransformerBlockSubmodules:
+    """The layers this pipeline stage builds, MoE where `moe_pattern` has a 1."""
+    backend = backend_provider(use_transformer_engine)
+    dense = layer_spec(config, moe=False, backend=backend)
+    moe = layer_spec(config, moe=True, backend=backend) if config.num_moe_experts else None
+    specs = [moe if is_moe else dense for is_moe in moe_pattern]
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=specs[offset : offset + count], layer_norm=SequenceParallelNorm
+    )

@@ -1,0 +1,28 @@
+"""The platform layer: the only place in megatron_moe that knows about devices.
+
+`init_platform()` picks the device and the torch.distributed backend (cuda+nccl
+when CUDA is available, else cpu+gloo) and, on a machine without CUDA, applies
+the CPU compatibility patches that let megatron-core 0.16.1 run there
+(`cpu_compat.py`). Everything else in megatron_moe asks this module for the
+device, the RNG, memory figures and optional kernels instead of naming one.
+"""
+
+from megatron_moe.platform.device import (
+    Platform,
+    current_platform,
+    init_platform,
+    kernels_in_use,
+    memory_in_use_bytes,
+    peak_memory_bytes,
+    synchronize,
+)
+
+__all__ = [
+    "Platform",
+    "current_platform",
+    "init_platform",
+    "kernels_in_use",
+    "memory_in_use_bytes",
+    "peak_memory_bytes",
+    "synchronize",
+]

@@ -1,0 +1,93 @@
+"""Device and backend selection, memory figures and optional-kernel discovery."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import resource
+
+import psutil
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """Where this process computes and how it talks to its peers."""
+
+    device: torch.device
+    """`cuda:<local rank>` on a GPU machine, else `cpu`."""
+    backend: str
+    """torch.distributed backend: `nccl` with CUDA, else `gloo`."""
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.device.type != "cpu"
+
+
+def _has_cuda() -> bool:
+    return torch.cuda.is_available() and os.environ.get("MEGATRON_MOE_FORCE_CPU", "0") != "1"
+
+
+def current_platform() -> Platform:
+    """The platform this process runs on (no side effects)."""
+    if _has_cuda():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return Platform(device=torch.device("cuda", local_rank), backend="nccl")
+    return Platform(device=torch.device("cpu"), backend="gloo")
+
+
+def init_platform() -> Platform:
+    """Select the device; on a CPU-only machine make megatron-core runnable.
+
+    Idempotent: the CPU patches are applied once per process.
+    """
+    from megatron_moe.platform import upstream_fixes
+
+    platform = current_platform()
+    upstream_fixes.apply_all()
+    if platform.is_accelerator:
+        torch.cuda.set_device(platform.device)
+    else:
+        from megatron_moe.platform import cpu_compat
+
+        cpu_compat.apply_all()
+    return platform
+
+
+def synchronize() -> None:
+    """Wait for queued device work (timing); CPU work is already synchronous."""
+    if current_platform().is_accelerator:
+        torch.cuda.synchronize()
+
+
+def memory_in_use_bytes() -> int:
+    """Device memory allocated by tensors on GPU; resident set size on CPU."""
+    if current_platform().is_accelerator:
+        return torch.cuda.memory_allocated()
+    return psutil.Process().memory_info().rss
+
+
+def peak_memory_bytes() -> int:
+    """Peak device memory allocated on GPU; peak resident set size on CPU."""
+    if current_platform().is_accelerator:
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def kernels_in_use() -> dict[str, str]:
+    """Which optional fused-kernel packages this process can use (for the startup log)."""
+    accel = current_platform().is_accelerator
+
+    def state(module: str) -> str:
+        if importlib.util.find_spec(module) is None:
+            return "not installed"
+        return "in use" if accel else "installed, unused on CPU"
+
+    return {
+        "transformer_engine": state("transformer_engine"),
+        "apex": state("apex"),
+        "grouped_gemm": state("grouped_gemm"),
+        "attention": "torch SDPA-free megatron-core DotProductAttention",
+        "norm": "megatron_moe torch LayerNorm/RMSNorm (sequence-parallel aware)",
+    }

@@ -1,0 +1,138 @@
+"""Fixes for megatron-core 0.16.1 bugs that bite on every device, applied at start-up.
+
+Like the CPU patches, each is a named `Patch` whose `still_needed()` probe
+reads megatron-core's source, so `tests/unit/test_platform.py` says when an
+upgrade has fixed it upstream.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_moe.platform.cpu_compat import Patch, _source
+
+
+# 1. Without transformer-engine, moe_utils never binds `te_general_gemm`, and
+#    the router's gating GEMM raises NameError.
+def _apply_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _router_needs_te_general_gemm() -> bool:
+    src = _source("megatron.core.transformer.moe.moe_utils")
+    return "te_general_gemm is not None" in src and "te_general_gemm = None" not in src
+
+
+# 2. The experts' RowParallelLinear "reduces" (or reduce-scatters, under
+#    sequence parallelism) over its expert-TP group even when that group has
+#    one rank (EP=1, or TP>1 with expert-TP=1), through an autograd Function that
+#    returns its input as-is; MLP then adds the expert bias in place on that
+#    output, which autograd forbids ("Output 0 of _ReduceFromModelParallelRegion
+#    is a view ..."). Either collective over one rank is the identity, so the
+#    Function is skipped there.
+def _identity_on_one_rank(collective):
+    from megatron.core.tensor_parallel import mappings
+
+    @functools.wraps(collective)
+    def wrapped(input_, group=None, *args, **kwargs):
+        if mappings.get_tensor_model_parallel_group_if_none(group).size() == 1:
+            return input_
+        return collective(input_, group, *args, **kwargs)
+
+    return wrapped
+
+
+def _apply_single_rank_reduce() -> None:
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for name in ("reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region"):
+        setattr(layers, name, _identity_on_one_rank(getattr(mappings, name)))
+
+
+def _mlp_adds_bias_in_place() -> bool:
+    return "output += output_bias" in _source("megatron.core.transformer.mlp", "MLP")
+
+
+# 3. Without apex/transformer-engine the distributed optimizer keeps torch Adam's
+#    per-parameter "step" in its state, but the "fully_reshardable" checkpoint
+#    format stores step once per param group (restored by load_state_dict) and
+#    not beside exp_avg/exp_avg_sq; loading then fails with KeyError: 'step'.
+#    Keep the step load_state_dict already restored.
+#    That restore also hands every parameter's state the *same* step tensor, which
+#    torch Adam then increments in place once per parameter per step: after a
+#    resume the bias correction is wrong. Give each parameter its own copy.
+def _apply_reshardable_step() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_own_steps(self, state_dict):
+        result = load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return result
+
+    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def _reshardable_load_copies_every_state_key() -> bool:
+    src = _source("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer")
+    return (
+        "for key in dst_tensors:" in src
+        and "dst_tensors[key].copy_(tensors[key])" in src
+        and 's["step"] = step' in src  # one tensor shared by every parameter's state
+    )
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "te_general_gemm",
+        "router gating raises NameError te_general_gemm without transformer-engine.",
+        _apply_te_general_gemm,
+        _router_needs_te_general_gemm,
+    ),
+    Patch(
+        "single_rank_tp_reduce",
+        "expert bias added in place on a 1-rank reduce/reduce-scatter's aliased output.",
+        _apply_single_rank_reduce,
+        _mlp_adds_bias_in_place,
+    ),
+    Patch(
+        "reshardable_optimizer_step",
+        "distributed optimizer fully_reshardable load: KeyError 'step' without apex/TE.",
+        _apply_reshardable_step,
+        _reshardable_load_copies_every_state_key,
+    ),
+)
+
+_applied = False
+
+
+def apply_all() -> None:
+    """Apply every fix once (idempotent)."""
+    global _applied
+    if not _applied:
+        for patch in PATCHES:
+            patch.apply()
+        _applied = True

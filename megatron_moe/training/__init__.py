@@ -1,0 +1,37 @@
+"""Pretraining: start-up, the model/optimizer set-up, the loop and its logging."""
+
+from __future__ import annotations
+
+import logging
+
+from megatron_moe.checkpointing import TrainState, load_checkpoint, resolve_load_dir
+from megatron_moe.config import RunConfig
+from megatron_moe.data.tokenizer import SentencePieceTokenizer
+from megatron_moe.model import transformer_config
+from megatron_moe.training.data import build_run_data
+from megatron_moe.training.initialize import initialize, shutdown
+from megatron_moe.training.loop import Trainer
+from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler, wire_model_config
+
+log = logging.getLogger("megatron_moe")
+
+
+def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
+    """Train as `cfg` says; returns per-step figures (lm loss, grad norm) on the logging rank.
+
+    `keep_process_group` leaves torch.distributed up (tests run several layouts in one job).
+    """
+    initialize(cfg)
+    try:
+        tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+        load_dir = resolve_load_dir(cfg)
+        config = transformer_config(cfg)
+        model = build_ddp_model(cfg, config, tokenizer.vocab_size)
+        optimizer = build_optimizer(cfg, model)
+        scheduler = build_scheduler(cfg, optimizer)
+        wire_model_config(config, model, optimizer)
+        state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
+        data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
+        return Trainer(cfg, model, optimizer, scheduler, state, data).train()
+    finally:
+        shutdown(destroy_process_group=not keep_process_group)

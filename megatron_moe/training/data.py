@@ -1,0 +1,53 @@
+"""The run's tokenizer, datasets and iterators, positioned by the training state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_moe.config import RunConfig
+from megatron_moe.data.datasets import build_gpt_datasets
+from megatron_moe.data.sampler import build_data_loader
+
+
+@dataclasses.dataclass
+class RunData:
+    train_iterator: object
+    _valid_dataset: object
+    _loader_args: dict
+
+    def valid_iterator(self):
+        """A fresh iterator over the same validation batches (comparable across evaluations)."""
+        if self._valid_dataset is None:
+            return None
+        return iter(build_data_loader(self._valid_dataset, 0, cyclic=True, **self._loader_args))
+
+
+def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int) -> RunData:
+    """Datasets for this run; the train iterator resumes after `consumed_train_samples`."""
+    t = cfg.training
+    gbs = t.global_batch_size
+    train, valid, _ = build_gpt_datasets(
+        data_path=cfg.data.data_path,
+        split=cfg.data.split,
+        tokenizer=tokenizer,
+        seq_length=cfg.model.seq_length,
+        seed=t.seed,
+        train_samples=max(t.train_iters, 1) * gbs,
+        valid_samples=t.eval_iters * gbs if t.eval_iters else 0,
+        test_samples=0,
+        cache_dir=cfg.data.data_cache_path,
+        is_built_on_rank=lambda: True,
+    )
+    loader_args = dict(
+        micro_batch_size=t.micro_batch_size,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        num_workers=cfg.data.num_workers,
+    )
+    train_iterator = None
+    if consumed_train_samples < t.train_iters * gbs:
+        train_iterator = iter(build_data_loader(train, consumed_train_samples, **loader_args))
+    return RunData(train_iterator, valid, loader_args)

@@ -1,0 +1,77 @@
+"""Process start-up: platform, torch.distributed, megatron-core parallel state, seeds."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_moe.config import RunConfig
+from megatron_moe.platform import Platform, init_platform, kernels_in_use
+
+log = logging.getLogger("megatron_moe")
+
+
+def initialize(cfg: RunConfig) -> Platform:
+    """Bring up this rank: validate `cfg` against the world size, build the groups, seed.
+
+    Validation happens before any process group exists beyond the default one,
+    so a bad flag fails on every rank with the same message.
+    """
+    platform = init_platform()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=platform.backend,
+            timeout=datetime.timedelta(minutes=int(os.environ.get("MEGATRON_MOE_DIST_TIMEOUT_MIN", "10"))),
+        )
+    cfg.validate(dist.get_world_size())
+    p = cfg.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
+    )
+    set_seed(cfg.training.seed)
+    if dist.get_rank() == 0:
+        log.info("platform: device=%s backend=%s", platform.device, platform.backend)
+        log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernels_in_use().items()))
+        log.info("layout: %s", describe_layout(cfg))
+    return platform
+
+
+def describe_layout(cfg: RunConfig) -> str:
+    world = dist.get_world_size()
+    p = cfg.parallel
+    return (
+        f"world={world} TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+        f"CP={p.context_parallel_size} EP={p.expert_model_parallel_size} "
+        f"DP={cfg.data_parallel_size(world)} SP={p.sequence_parallel} "
+        f"microbatches={cfg.num_microbatches(world)}"
+    )
+
+
+def set_seed(seed: int) -> None:
+    """Megatron's seeding: a different stream per pipeline stage, TP/EP trackers forked from it."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def shutdown(destroy_process_group: bool = True) -> None:
+    """Tear down groups so no rank leaves a collective or a helper process behind."""
+    if dist.is_initialized():
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        if destroy_process_group:
+            dist.destroy_process_group()

@@ -1,0 +1,90 @@
+"""The Megatron-style console line and the TensorBoard event files."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from megatron_moe.platform import memory_in_use_bytes
+
+log = logging.getLogger("megatron_moe")
+
+
+class TrainingLogger:
+    """Accumulates step figures between log lines; rank-local, called on the logging rank."""
+
+    def __init__(self, *, train_iters: int, log_interval: int, tokens_per_step: int, tensorboard_dir: str | None):
+        self.train_iters = train_iters
+        self.log_interval = log_interval
+        self.tokens_per_step = tokens_per_step
+        self.writer = None
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._steps = 0
+        self._sums: dict[str, float] = {}
+        self._skipped = 0
+        self._t0 = time.perf_counter()
+
+    def step(self, iteration: int, figures: dict[str, float], *, lr: float, grad_norm: float | None,
+             skipped: bool) -> None:  # fmt: skip
+        self._steps += 1
+        self._skipped += int(skipped)
+        for name, value in figures.items():
+            self._sums[name] = self._sums.get(name, 0.0) + value
+        if self.writer:
+            for name, value in figures.items():
+                self.writer.add_scalar(name.replace(" ", "_"), value, iteration)
+            self.writer.add_scalar("learning_rate", lr, iteration)
+            if grad_norm is not None:
+                self.writer.add_scalar("grad_norm", grad_norm, iteration)
+        if iteration % self.log_interval == 0 or iteration == self.train_iters:
+            self._emit(iteration, lr, grad_norm)
+
+    def _emit(self, iteration: int, lr: float, grad_norm: float | None) -> None:
+        elapsed = time.perf_counter() - self._t0
+        ms_per_iter = 1000.0 * elapsed / max(self._steps, 1)
+        tokens_per_s = self.tokens_per_step * self._steps / max(elapsed, 1e-9)
+        eta_s = (self.train_iters - iteration) * ms_per_iter / 1000.0
+        memory = memory_in_use_bytes()
+        parts = [
+            f"iteration {iteration:8d}/{self.train_iters:8d}",
+            f"ms/iteration: {ms_per_iter:.1f}",
+            f"tokens/s: {tokens_per_s:.0f}",
+            f"ETA: {_hms(eta_s)}",
+            f"learning rate: {lr:.3E}",
+        ]
+        parts += [f"{name}: {total / self._steps:.6E}" for name, total in self._sums.items()]
+        if grad_norm is not None:
+            parts.append(f"grad norm: {grad_norm:.4f}")
+        parts += [f"skipped iterations: {self._skipped}", f"memory: {memory / 2**20:.0f} MiB"]
+        log.info(" | ".join(parts))
+        if self.writer:
+            self.writer.add_scalar("iteration_time_ms", ms_per_iter, iteration)
+            self.writer.add_scalar("tokens_per_s", tokens_per_s, iteration)
+            self.writer.add_scalar("memory_bytes", memory, iteration)
+            self.writer.flush()
+        self._reset()
+
+    def validation(self, iteration: int, figures: dict[str, float]) -> None:
+        text = " | ".join(f"{name}: {value:.6E} | {name} PPL: {math.exp(min(value, 20)):.3f}"
+                          for name, value in figures.items())  # fmt: skip
+        log.info(f"validation loss at iteration {iteration} | {text}")
+        if self.writer:
+            for name, value in figures.items():
+                self.writer.add_scalar(f"validation/{name.replace(' ', '_')}", value, iteration)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,149 @@
+"""The training loop: steps, validation, logging and checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_moe.checkpointing import TrainState, save_checkpoint
+from megatron_moe.config import RunConfig
+from megatron_moe.training.logger import TrainingLogger
+from megatron_moe.training.moe_metrics import pop_moe_aux_losses
+from megatron_moe.training.step import forward_step
+
+log = logging.getLogger("megatron_moe")
+
+AUX_LOG_NAMES = {"load_balancing_loss": "moe aux loss", "z_loss": "moe z loss"}
+
+
+def _reduce_lm_loss(losses_reduced: list[dict]) -> float | None:
+    """Mean token loss of the step over all DP ranks (None off the last stage)."""
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    total = torch.stack([d["lm loss"] for d in losses_reduced]).sum(dim=0).float()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return (total[0] / total[1]).item()
+
+
+class Trainer:
+    """Owns the model, optimizer and data iterators of one run."""
+
+    def __init__(self, cfg: RunConfig, model, optimizer, scheduler, state: TrainState, data):
+        self.cfg = cfg
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.state = state
+        self.data = data  # megatron_moe.training.data.RunData
+        self.world = dist.get_world_size()
+        self.num_microbatches = cfg.num_microbatches(self.world)
+        self.forward_backward = get_forward_backward_func()
+        self.num_moe_layers = sum(cfg.moe.layer_pattern(cfg.model.num_layers)) if cfg.moe.is_moe else 0
+        self.is_logging_rank = dist.get_rank() == self.world - 1  # a last-stage rank
+        self.logger = None
+        if self.is_logging_rank:
+            self.logger = TrainingLogger(
+                train_iters=cfg.training.train_iters,
+                log_interval=cfg.logging.log_interval,
+                tokens_per_step=cfg.training.global_batch_size * cfg.model.seq_length,
+                tensorboard_dir=cfg.logging.tensorboard_dir,
+            )
+
+    def _run_microbatches(self, data_iterator, *, forward_only: bool) -> list[dict]:
+        seq = self.cfg.model.seq_length
+        return self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            seq_length=seq,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            decoder_seq_length=seq,
+            forward_only=forward_only,
+        )
+
+    def _aux_figures(self) -> dict[str, float]:
+        figures = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
+        wanted = {"load_balancing_loss": self.cfg.moe.moe_router_load_balancing_type != "none",
+                  "z_loss": self.cfg.moe.moe_z_loss_coeff is not None}  # fmt: skip
+        return {AUX_LOG_NAMES[k]: v for k, v in figures.items() if wanted[k]}
+
+    def train_step(self) -> dict:
+        """One optimizer step over the global batch; returns its figures."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        gbs = self.cfg.training.global_batch_size
+        if update_successful:
+            self.scheduler.step(increment=gbs)
+        self.state.iteration += 1
+        self.state.consumed_train_samples += gbs
+        return {
+            "lm loss": _reduce_lm_loss(losses),
+            "aux": self._aux_figures(),
+            "grad_norm": grad_norm,
+            "skipped": not update_successful,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation token loss over `--eval-iters` global batches (same batches every time)."""
+        if self.cfg.training.eval_iters == 0:
+            return None
+        iterator = self.data.valid_iterator()
+        if iterator is None:
+            return None
+        for chunk in self.model:
+            chunk.eval()
+        totals = []
+        for _ in range(self.cfg.training.eval_iters):
+            losses = self._run_microbatches(iterator, forward_only=True)
+            if parallel_state.is_pipeline_last_stage():
+                totals += losses
+        pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
+        for chunk in self.model:
+            chunk.train()
+        return _reduce_lm_loss(totals)
+
+    def _validate_and_log(self) -> None:
+        loss = self.evaluate()
+        if self.logger and loss is not None:
+            self.logger.validation(self.state.iteration, {"lm loss": loss})
+
+    def _save(self) -> None:
+        if self.cfg.checkpoint.save:
+            save_checkpoint(self.cfg.checkpoint.save, self.cfg, self.model, self.optimizer, self.scheduler, self.state)
+
+    def train(self) -> list[dict]:
+        """Run to `--train-iters`; returns each step's lm loss and grad norm (logging rank)."""
+        t, ck = self.cfg.training, self.cfg.checkpoint
+        history = []
+        start_iteration = self.state.iteration
+        started = time.perf_counter()
+        while self.state.iteration < t.train_iters:
+            figures = self.train_step()
+            it = self.state.iteration
+            if self.logger:
+                history.append({"iteration": it, "lm loss": figures["lm loss"], "grad norm": figures["grad_norm"]})
+                self.logger.step(it, {"lm loss": figures["lm loss"], **figures["aux"]},
+                                 lr=self.optimizer.param_groups[0]["lr"], grad_norm=figures["grad_norm"],
+                                 skipped=figures["skipped"])  # fmt: skip
+            if t.eval_interval and it % t.eval_interval == 0 and it < t.train_iters:
+                self._validate_and_log()
+            if ck.save_interval and it % ck.save_interval == 0 and it < t.train_iters:
+                self._save()
+            if ck.exit_interval and it - start_iteration >= ck.exit_interval:
+                log.info("--exit-interval=%d reached at iteration %d", ck.exit_interval, it)
+                break
+        self._validate_and_log()
+        self._save()
+        if self.logger:
+            log.info("trained %d iterations in %.1f s", self.state.iteration - start_iteration,
+                     time.perf_counter() - started)  # fmt: skip
+            self.logger.close()
+        return history

@@ -1,0 +1,37 @@
+"""MoE auxiliary-loss figures for the log, reduced with a fixed shape on every rank.
+
+megatron-core's MoE layers record their balancing and z losses per layer in
+its tracker. A pipeline stage without MoE layers has no entries, so every
+rank first makes sure each tracked name exists with one slot per layer:
+all ranks then join the same reductions and none can hang.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe import moe_utils
+
+from megatron_moe.platform import current_platform
+
+TRACKED = ("load_balancing_loss", "z_loss")  # megatron-core tracker names
+
+
+def pop_moe_aux_losses(num_layers: int, num_moe_layers: int, num_microbatches: int) -> dict[str, float]:
+    """Per-step mean over MoE layers of each tracked aux loss (unweighted by its coefficient)."""
+    if num_moe_layers == 0:
+        return {}
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    for name in TRACKED:
+        if name not in tracker:
+            tracker[name] = {"values": torch.zeros(num_layers, device=current_platform().device)}
+    # One fixed-shape reduction over the whole world: a sum over pipeline stages
+    # (each holds its own layers' slots) and an average over the ranks of a stage.
+    values = torch.stack([tracker[name]["values"] for name in TRACKED])
+    dist.all_reduce(values)
+    ranks_per_stage = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
+    totals = values.sum(dim=1) / (ranks_per_stage * num_moe_layers * num_microbatches)
+    figures = dict(zip(TRACKED, totals.tolist()))
+    moe_utils.clear_aux_losses_tracker()
+    return figures

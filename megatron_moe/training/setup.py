@@ -1,0 +1,94 @@
+"""Model chunks wrapped in megatron-core DDP, the megatron optimizer and LR scheduler."""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+from megatron_moe.config import RunConfig
+from megatron_moe.model import build_model
+from megatron_moe.model.builder import params_dtype
+from megatron_moe.platform import current_platform
+
+
+def build_ddp_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[DistributedDataParallel]:
+    """This rank's model chunks (one per stage, no virtual pipeline) in megatron-core DDP."""
+    module = build_model(cfg, config, vocab_size)
+    module.to(current_platform().device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    model.broadcast_params()
+    return [model]
+
+
+def build_optimizer(cfg: RunConfig, model: list[DistributedDataParallel]):
+    t = cfg.training
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        params_dtype=params_dtype(cfg),
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    _set_tensor_parallel_groups(optimizer)
+    return optimizer
+
+
+def _set_tensor_parallel_groups(optimizer) -> None:
+    """Tell each optimizer which TP group its replicated parameters are duplicated over.
+
+    The grad norm counts a parameter that is not TP-sharded on TP rank 0 only.
+    Without a `tp_group` megatron-core uses the global TP rank for expert
+    parameters too, so with TP>1 and expert-TP=1 the norm on TP rank 1 left out
+    the experts' biases (and differed between ranks).
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        is_expert = any(group.get("is_expert_parallel", False) for group in sub.optimizer.param_groups)
+        sub.tp_group = (
+            parallel_state.get_expert_tensor_parallel_group()
+            if is_expert
+            else parallel_state.get_tensor_model_parallel_group()
+        )
+
+
+def build_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:
+    """Warm-up then decay, counted in samples like Megatron-LM (steps x global batch)."""
+    t = cfg.training
+    gbs = t.global_batch_size
+    decay_iters = t.lr_decay_iters or t.train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if t.lr_warmup_iters else t.lr,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters * gbs,
+        lr_decay_steps=max(decay_iters, t.lr_warmup_iters + 1) * gbs,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=max(t.train_iters, 1) * gbs,
+        wd_incr_style="constant",
+    )
+
+
+def wire_model_config(config: TransformerConfig, model, optimizer) -> None:
+    """Hooks megatron-core's schedules call: grad finalisation, loss scaling, no_sync."""
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync

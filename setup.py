@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_moe",
+    version="0.1.0",
+    description="Megatron-style model-parallel Mixture-of-Experts pretraining on megatron-core",
+    packages=find_packages(include=["megatron_moe", "megatron_moe.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "sentencepiece",
+        "tensorboard",
+        "numpy",
+        "psutil",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],
+        "test": ["pytest"],
+    },
+)

@@ -1,0 +1,56 @@
+"""Shared fixtures: a small real corpus (this Python's stdlib sources), a tokenizer, data."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+VOCAB = 600
+
+
+def load_tool(name):
+    """Import tools/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so worker processes can unpickle its functions
+    spec.loader.exec_module(module)
+    return module
+
+
+corpus_tool = load_tool("make_stdlib_corpus")
+tokenizer_tool = load_tool("train_tokenizer")
+preprocess_tool = load_tool("preprocess_data")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """(path of a ~250 KB stdlib jsonl corpus, its documents)."""
+    path = str(tmp_path_factory.mktemp("corpus") / "stdlib.jsonl")
+    corpus_tool.main(["--output", path, "--max-bytes", "250000"])
+    with open(path, encoding="utf-8") as stream:
+        documents = [json.loads(line)["text"] for line in stream]
+    return path, documents
+
+
+@pytest.fixture(scope="session")
+def tokenizer(corpus, tmp_path_factory):
+    """A small BPE tokenizer trained on the corpus."""
+    from megatron_moe.data.tokenizer import SentencePieceTokenizer
+
+    prefix = str(tmp_path_factory.mktemp("tok") / "tok")
+    model = tokenizer_tool.main(["--input", corpus[0], "--model-prefix", prefix,
+                                 "--vocab-size", str(VOCAB), "--num-threads", "2"])  # fmt: skip
+    return SentencePieceTokenizer(model)
+
+
+@pytest.fixture(scope="session")
+def train_data(corpus, tokenizer, tmp_path_factory):
+    """(data prefix, tokenizer model path) of the preprocessed corpus, for training runs."""
+    prefix = str(tmp_path_factory.mktemp("data") / "stdlib")
+    preprocess_tool.main(["--input", corpus[0], "--tokenizer-model", tokenizer.model_path,
+                          "--output-prefix", prefix, "--append-eod"])  # fmt: skip
+    return prefix + "_text_document", tokenizer.model_path

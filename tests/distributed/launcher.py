@@ -1,0 +1,42 @@
+"""Run a worker script under torchrun (gloo) and hand its JSON results to pytest.
+
+A torchrun job costs 10-20 s to start here, so each worker script runs many
+cases in one job and writes `{case: result}` to `$RESULTS` (rank 0). The
+launcher also checks that the job left no child process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 600, env: dict | None = None) -> dict:
+    """Run `script` on `nproc` gloo ranks; returns the JSON rank 0 wrote to $RESULTS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.json")
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", RESULTS=results, PYTHONPATH=ROOT, **(env or {}))
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", script, *args]  # fmt: skip
+        proc = subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        assert not leftovers, f"processes outlived the job: {[p.cmdline() for p in leftovers]}"
+        with open(results) as f:
+            return json.load(f)

@@ -1,0 +1,84 @@
+"""torchrun worker: many short training runs in one job, results as JSON for pytest.
+
+    torchrun --nproc-per-node N train_worker.py SCENARIO DATA_PREFIX TOKENIZER WORKDIR
+
+Scenarios (each a list of cases run one after another in this job):
+- `reference` (1 rank): save the initial weights, then train from them.
+- `layouts` (4 ranks): TP=2, EP=2, PP=2, TP=2+EP=2 and the distributed
+  optimizer, each from the same initial weights; a checkpoint saved mid-run in
+  one layout resumed in another; the resume-exactness check.
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from megatron_moe.config import parse_args
+from megatron_moe.training import pretrain
+
+SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
+ITERS = 4
+
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
+    "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
+    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "98,2,0", "--seed", "7",
+]  # fmt: skip
+
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "ep2": ["--expert-model-parallel-size", "2"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "tp2_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"],
+    "ep4_distopt": ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
+}
+
+
+def train(*extra: str) -> list[dict]:
+    """One run; every rank returns the logging rank's per-step figures."""
+    history = pretrain(parse_args([*MODEL, *extra]), keep_process_group=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, history)
+    return gathered[-1]
+
+
+def ckpt(name: str) -> str:
+    return os.path.join(WORKDIR, name)
+
+
+def reference() -> dict:
+    train("--train-iters", "0", "--save", ckpt("init"))
+    return {
+        "reference": train("--train-iters", str(ITERS), "--load", ckpt("init"), "--save", ckpt("ref"),
+                           "--save-interval", "2"),  # fmt: skip
+    }
+
+
+def layouts() -> dict:
+    init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
+    results = {name: train(*init, *args) for name, args in LAYOUTS.items()}
+    # Iteration 2 of the single-process run, resumed under other layouts (optimizer resharded).
+    results["resume_ref_as_tp2_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("ref/iter_0000002"),
+                                             *LAYOUTS["tp2_ep2"])  # fmt: skip
+    # Distributed-optimizer state saved at iteration 2 under EP=4, resumed under PP=2.
+    train(*init, *LAYOUTS["ep4_distopt"], "--exit-interval", "2", "--save", ckpt("distopt"))
+    results["resume_ep4_distopt_as_pp2"] = train("--train-iters", str(ITERS), "--load", ckpt("distopt"),
+                                                 *LAYOUTS["pp2"], "--use-distributed-optimizer")  # fmt: skip
+    # Resume exactness in one layout: 6 straight vs 3 + resume + 3 (EP=2, DP=4: per-rank RNG).
+    ep = LAYOUTS["ep2"] + ["--hidden-dropout", "0.1"]
+    results["straight"] = train("--train-iters", "6", *ep)
+    train("--train-iters", "6", "--exit-interval", "3", "--save", ckpt("resume"), *ep)
+    results["resumed"] = train("--train-iters", "6", "--load", ckpt("resume"), "--save", ckpt("resume"), *ep)
+    return results
+
+
+if __name__ == "__main__":
+    results = {"reference": reference, "layouts": layouts}[SCENARIO]()
+    if dist.get_rank() == 0:
+        with open(os.environ["RESULTS"], "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()

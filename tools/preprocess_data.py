@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Tokenize documents into megatron-core IndexedDataset files (Megatron-LM compatible).
+
+Writes ``{output_prefix}_{key}_document.bin/.idx`` for every ``--json-keys`` key, one
+IndexedDataset document per input document, in input order whatever ``--workers`` is.
+Files are written under temporary names and renamed at the end, so an interrupted run
+never leaves a half-written ``.bin``/``.idx`` behind.
+
+Example:
+    python tools/preprocess_data.py --input data/stdlib.jsonl \
+        --tokenizer-model data/tokenizer.model --output-prefix data/stdlib --append-eod
+"""
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from functools import lru_cache
+from typing import Iterable, Iterator, Optional
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+import numpy  # noqa: E402
+import torch  # noqa: E402
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+
+from megatron_moe.data import DataError, expand_input_paths, iter_documents  # noqa: E402
+from megatron_moe.data.tokenizer import SentencePieceTokenizer  # noqa: E402
+
+CHUNK_SIZE = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="files, directories or globs; .jsonl/.json are JSON lines, "
+                             "any other file is one document")
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="JSON keys to tokenize, one output dataset each")
+    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
+    parser.add_argument("--append-eod", action="store_true",
+                        help="append the end-of-document token to every document")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--log-interval", type=int, default=1000,
+                        help="print progress every this many documents")
+    return parser
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Reject bad numeric arguments with a message naming the flag."""
+    if args.workers < 1:
+        raise SystemExit(f"--workers {args.workers} must be >= 1 (e.g. --workers 2)")
+    if args.log_interval < 1:
+        raise SystemExit(f"--log-interval {args.log_interval} must be >= 1 (e.g. 1000)")
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(model_path: str) -> SentencePieceTokenizer:
+    """The tokenizer for ``model_path``, loaded once per process."""
+    return SentencePieceTokenizer(model_path)
+
+
+def encode_document(task: tuple[str, bool, dict[str, str]]) -> tuple[dict[str, numpy.ndarray], int]:
+    """Tokenize one document; return ``({key: ids}, utf-8 bytes read)``."""
+    model_path, append_eod, document = task
+    tokenizer = _tokenizer(model_path)
+    encoded = {}
+    num_bytes = 0
+    for key, text in document.items():
+        ids = tokenizer.tokenize(text)
+        if append_eod:
+            ids.append(tokenizer.eod)
+        encoded[key] = numpy.asarray(ids, dtype=numpy.int64)
+        num_bytes += len(text.encode("utf-8"))
+    return encoded, num_bytes
+
+
+def _pool_context():
+    """Fork where available: workers then skip re-importing torch and megatron-core."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context()
+
+
+def encoded_documents(tasks: Iterable, workers: int) -> Iterator[tuple[dict, int]]:
+    """Encode tasks in order, in this process or in a pool of ``workers`` processes."""
+    if workers == 1:
+        yield from map(encode_document, tasks)
+        return
+    with _pool_context().Pool(workers) as pool:
+        yield from pool.imap(encode_document, tasks, chunksize=CHUNK_SIZE)
+
+
+def output_paths(output_prefix: str, key: str) -> tuple[str, str]:
+    """Final ``.bin`` and ``.idx`` paths for one key."""
+    prefix = f"{output_prefix}_{key}_document"
+    return prefix + ".bin", prefix + ".idx"
+
+
+def temporary_path(path: str) -> str:
+    """The name a file is written under before being renamed into place."""
+    return f"{path}.tmp{os.getpid()}"
+
+
+class ProgressLog:
+    """Megatron-style progress lines on stderr."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.start = time.time()
+        self.documents = 0
+        self.bytes = 0
+
+    def update(self, num_bytes: int) -> None:
+        """Count one document; print every ``interval`` documents."""
+        self.documents += 1
+        self.bytes += num_bytes
+        if self.documents % self.interval == 0:
+            self.report()
+
+    def report(self) -> None:
+        """Print ``Processed N documents (X docs/s, Y MB/s).``"""
+        elapsed = max(time.time() - self.start, 1e-9)
+        print(f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
+              f"{self.bytes / elapsed / 1024 / 1024:.2f} MB/s).", file=sys.stderr, flush=True)
+
+
+def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer,
+                   paths: list[str]) -> dict[str, int]:
+    """Tokenize all documents into temporary files; return token counts per key."""
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    builders = {key: IndexedDatasetBuilder(temporary_path(output_paths(args.output_prefix, key)[0]),
+                                           dtype=dtype)
+                for key in args.json_keys}
+    tokens = {key: 0 for key in args.json_keys}
+    tasks = ((args.tokenizer_model, args.append_eod, doc)
+             for doc in iter_documents(paths, args.json_keys))
+    progress = ProgressLog(args.log_interval)
+    for encoded, num_bytes in encoded_documents(tasks, args.workers):
+        for key, ids in encoded.items():
+            if ids.size:
+                builders[key].add_item(torch.from_numpy(ids))
+                builders[key].end_document()
+                tokens[key] += int(ids.size)
+        progress.update(num_bytes)
+    progress.report()
+    for key, builder in builders.items():
+        builder.finalize(temporary_path(output_paths(args.output_prefix, key)[1]))
+    return tokens
+
+
+def remove_temporaries(args: argparse.Namespace) -> None:
+    """Delete this run's temporary files (after a failure)."""
+    for key in args.json_keys:
+        for path in output_paths(args.output_prefix, key):
+            if os.path.exists(temporary_path(path)):
+                os.remove(temporary_path(path))
+
+
+def publish(args: argparse.Namespace) -> None:
+    """Rename the temporary files into place (.bin first, then the .idx that describes it)."""
+    for key in args.json_keys:
+        for path in output_paths(args.output_prefix, key):
+            os.replace(temporary_path(path), path)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, int]:
+    """Run preprocessing; return the number of tokens written per key."""
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    paths = expand_input_paths(args.input, flag="--input")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    try:
+        tokens = write_datasets(args, tokenizer, paths)
+    except BaseException:
+        remove_temporaries(args)
+        raise
+    publish(args)
+    for key, count in tokens.items():
+        print(f"Wrote {count} tokens to {output_paths(args.output_prefix, key)[0]} (and .idx)",
+              file=sys.stderr)
+    return tokens
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as error:
+        raise SystemExit(f"error: {error}") from None

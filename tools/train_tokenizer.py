@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""Train a SentencePiece tokenizer (BPE or unigram) on jsonl or plain-text files.
+
+The model is set up for source code and any other text: byte fallback (no text is ever
+unknown), identity normalization, whitespace kept exactly (runs of spaces may form
+pieces), digits split, no dummy prefix. ``detokenize(tokenize(x)) == x`` for any string.
+Special ids: unk=0, bos=1, eos=2 (the end-of-document id), pad=3.
+
+Example:
+    python tools/train_tokenizer.py --input data/stdlib.jsonl \
+        --model-prefix data/tokenizer --vocab-size 4096
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+from typing import Iterable, Iterator, Optional
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+import sentencepiece  # noqa: E402
+
+from megatron_moe.data import DataError, expand_input_paths, iter_documents  # noqa: E402
+
+SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
+BYTE_PIECES = 256
+MODEL_TYPES = ("bpe", "unigram")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="files, directories or globs; .jsonl/.json are JSON lines, "
+                             "any other file is one document")
+    parser.add_argument("--json-key", default="text", help="JSON key holding the text")
+    parser.add_argument("--model-prefix", required=True,
+                        help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
+    parser.add_argument("--input-sentence-size", type=int, default=1_000_000,
+                        help="train on at most this many lines, sampled with --seed (0: all)")
+    parser.add_argument("--max-sentence-length", type=int, default=16384,
+                        help="longest line in bytes; longer lines are cut into pieces")
+    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--character-coverage", type=float, default=0.9995,
+                        help="share of characters given their own piece; rarer characters "
+                             "fall back to byte pieces")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the line sampling")
+    parser.add_argument("--verbose", action="store_true", help="show SentencePiece's log")
+    return parser
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Reject values SentencePiece would fail on late or obscurely."""
+    minimum = BYTE_PIECES + len(SPECIAL_IDS) + 1
+    if args.vocab_size < minimum:
+        raise SystemExit(f"--vocab-size {args.vocab_size} is too small: byte fallback needs "
+                         f"{BYTE_PIECES} byte pieces + {len(SPECIAL_IDS)} special pieces; "
+                         f"use at least {minimum} (e.g. 4096)")
+    if args.input_sentence_size < 0:
+        raise SystemExit(f"--input-sentence-size {args.input_sentence_size} is negative; "
+                         f"use 0 (all lines) or a positive cap such as 1000000")
+    if args.max_sentence_length < 16:
+        raise SystemExit(f"--max-sentence-length {args.max_sentence_length} is too small; "
+                         f"use e.g. 16384")
+    if not 0.0 < args.character_coverage <= 1.0:
+        raise SystemExit(f"--character-coverage {args.character_coverage} is outside (0, 1]; "
+                         f"use e.g. 0.9995")
+    if args.num_threads < 1:
+        raise SystemExit(f"--num-threads {args.num_threads} must be >= 1")
+
+
+def split_long_line(line: str, max_bytes: int) -> Iterator[str]:
+    """Cut a line into pieces of at most ``max_bytes`` UTF-8 bytes (4 bytes per char max)."""
+    if len(line.encode("utf-8")) <= max_bytes:
+        yield line
+        return
+    step = max(1, max_bytes // 4)
+    for start in range(0, len(line), step):
+        yield line[start:start + step]
+
+
+def iter_training_lines(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """Yield the non-blank lines of every text, long lines cut to ``max_bytes``."""
+    for text in texts:
+        for line in text.split("\n"):
+            if line.strip():
+                yield from split_long_line(line, max_bytes)
+
+
+def sample_lines(lines: Iterable[str], cap: int, seed: int) -> tuple[list[str], int]:
+    """Reservoir-sample at most ``cap`` lines (all when cap is 0); return them and the total."""
+    if cap == 0:
+        kept = list(lines)
+        return kept, len(kept)
+    rng = random.Random(seed)
+    reservoir: list[str] = []
+    total = 0
+    for total, line in enumerate(lines, start=1):
+        if len(reservoir) < cap:
+            reservoir.append(line)
+        else:
+            slot = rng.randrange(total)
+            if slot < cap:
+                reservoir[slot] = line
+    return reservoir, total
+
+
+def trainer_options(args: argparse.Namespace) -> dict:
+    """SentencePiece trainer options for lossless code/text tokenization."""
+    return dict(
+        model_prefix=args.model_prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+        num_threads=args.num_threads,
+        max_sentence_length=args.max_sentence_length,
+        input_sentence_size=0,  # sampling is done here, deterministically
+        shuffle_input_sentence=False,
+        byte_fallback=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        normalization_rule_name="identity",
+        **SPECIAL_IDS,
+    )
+
+
+def _hint(message: str) -> str:
+    """Which of our flags fixes a SentencePiece vocabulary-size error."""
+    if "smaller than required_chars" in message:
+        return "; raise --vocab-size or lower --character-coverage"
+    if "Vocabulary size" in message:
+        return "; lower --vocab-size or add more --input text"
+    return ""
+
+
+def train(args: argparse.Namespace, lines: list[str]) -> None:
+    """Run the SentencePiece trainer, turning its errors into ones that name our flags."""
+    parent = os.path.dirname(os.path.abspath(args.model_prefix))
+    os.makedirs(parent, exist_ok=True)
+    log = None if args.verbose else open(os.devnull, "w")
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), logstream=log, **trainer_options(args))
+    except RuntimeError as error:
+        raise SystemExit(f"tokenizer training failed: {error}{_hint(str(error))}") from error
+    finally:
+        if log is not None:
+            log.close()
+
+
+def main(argv: Optional[list[str]] = None) -> str:
+    """Train the tokenizer; return the path of the written ``.model`` file."""
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    start = time.time()
+    paths = expand_input_paths(args.input, flag="--input")
+    texts = (doc[args.json_key] for doc in iter_documents(paths, [args.json_key]))
+    lines, total = sample_lines(iter_training_lines(texts, args.max_sentence_length),
+                                args.input_sentence_size, args.seed)
+    if not lines:
+        raise SystemExit(f"--input {' '.join(args.input)}: no non-blank text found")
+    train(args, lines)
+    model_path = args.model_prefix + ".model"
+    print(f"Trained {args.model_type} tokenizer (vocab {args.vocab_size}) on {len(lines)} of "
+          f"{total} lines from {len(paths)} files in {time.time() - start:.1f}s: {model_path}",
+          file=sys.stderr)
+    return model_path
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as error:
+        raise SystemExit(f"error: {error}") from None
