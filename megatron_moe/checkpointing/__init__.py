@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_moe.config import ConfigError, RunConfig
+from megatron_moe.platform.rng import rng_tracker
 
 log = logging.getLogger("megatron_moe")
 
@@ -74,7 +74,7 @@ def _rng_state() -> dict:
         "random": random.getstate(),
         "np": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
+        "tracker": rng_tracker().get_states(),
     }
 
 
@@ -82,7 +82,7 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["np"])
     torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    rng_tracker().set_states(state["tracker"])
 
 
 def _sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is_loading: bool) -> dict:

@@ -6,15 +6,16 @@ import datetime
 import logging
 import os
 import random
+import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_moe.config import RunConfig
 from megatron_moe.platform import Platform, init_platform, kernels_in_use
+from megatron_moe.platform.rng import seed_model_parallel
 
 log = logging.getLogger("megatron_moe")
 
@@ -26,6 +27,7 @@ def initialize(cfg: RunConfig) -> Platform:
     so a bad flag fails on every rank with the same message.
     """
     platform = init_platform()
+    _default_to_single_process()
     if not dist.is_initialized():
         dist.init_process_group(
             backend=platform.backend,
@@ -48,6 +50,20 @@ def initialize(cfg: RunConfig) -> Platform:
     return platform
 
 
+def _default_to_single_process() -> None:
+    """Let `python pretrain_gpt_moe.py ...` run as one rank without torchrun."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def describe_layout(cfg: RunConfig) -> str:
     world = dist.get_world_size()
     p = cfg.parallel
@@ -65,7 +81,7 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    seed_model_parallel(seed)
 
 
 def shutdown(destroy_process_group: bool = True) -> None:

@@ -1,0 +1,24 @@
+"""Model-parallel RNG streams, named without their CUDA history.
+
+megatron-core calls its model-parallel RNG tracker "cuda" for historical
+reasons; on CPU the CPU compatibility layer routes it to the CPU generator.
+"""
+
+from __future__ import annotations
+
+from megatron.core.tensor_parallel import random as _mc_random
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed the tracker's streams (TP-region, expert-parallel, data-parallel) from `seed`."""
+    _mc_random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def rng_tracker():
+    """megatron-core's tracker of named RNG streams (fork() one for dropout in a region)."""
+    return _mc_random.get_cuda_rng_tracker()
+
+
+def expert_parallel_stream() -> str:
+    """Name of the stream that differs between expert-parallel ranks."""
+    return _mc_random.get_expert_parallel_rng_tracker_name()

@@ -1,0 +1,62 @@
+"""Which checkpoint --load resolves to, and the errors when it resolves to nothing."""
+
+import os
+
+import pytest
+
+from megatron_moe.checkpointing import TRACKER, _publish, check_compatible, latest_checkpoint, resolve_load_dir
+from megatron_moe.config import ConfigError, parse_args
+
+
+def cfg(*flags):
+    return parse_args(["--data-path", "d", "--tokenizer-model", "t", *flags])
+
+
+def publish(root, iteration):
+    os.makedirs(os.path.join(root, f"iter_{iteration:07d}"))
+    open(os.path.join(root, f"iter_{iteration:07d}", "metadata.json"), "w").close()
+    _publish(str(root), iteration)
+
+
+def test_load_pointing_at_nothing(tmp_path):
+    with pytest.raises(ConfigError, match=r"--load=.*nowhere: no such directory"):
+        resolve_load_dir(cfg("--load", str(tmp_path / "nowhere")))
+    with pytest.raises(ConfigError, match=f"no {TRACKER} there"):
+        resolve_load_dir(cfg("--load", str(tmp_path)))
+
+
+def test_auto_resume_starts_fresh_when_nothing_saved(tmp_path):
+    assert resolve_load_dir(cfg("--load", str(tmp_path), "--save", str(tmp_path))) is None
+
+
+def test_killed_save_keeps_previous_checkpoint(tmp_path):
+    publish(tmp_path, 10)
+    # A save of iteration 20 killed mid-write: its files exist only under the .tmp name.
+    os.makedirs(tmp_path / "iter_0000020.tmp")
+    (tmp_path / "iter_0000020.tmp" / "half_written.distcp").write_bytes(b"\0" * 10)
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_0000010")
+    publish(tmp_path, 20)
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_0000020")
+    assert (tmp_path / TRACKER).read_text() == "20"
+    assert not (tmp_path / (TRACKER + ".tmp")).exists()
+
+
+def test_load_a_single_iteration_directory(tmp_path):
+    publish(tmp_path, 3)
+    path = str(tmp_path / "iter_0000003")
+    assert resolve_load_dir(cfg("--load", path)) == path
+
+
+def test_corrupt_pointer(tmp_path):
+    (tmp_path / TRACKER).write_text("latest")
+    with pytest.raises(ConfigError, match="not an iteration number"):
+        latest_checkpoint(str(tmp_path))
+    (tmp_path / TRACKER).write_text("7")
+    with pytest.raises(ConfigError, match="names iteration 7 but .*iter_0000007 is missing"):
+        latest_checkpoint(str(tmp_path))
+
+
+def test_model_shape_mismatch_names_each_flag():
+    saved = cfg("--num-layers", "4", "--hidden-size", "256").to_dict()
+    with pytest.raises(ConfigError, match=r"--num-layers: checkpoint 4, now 6; --hidden-size: checkpoint 256, now 128"):
+        check_compatible(saved, cfg("--num-layers", "6", "--hidden-size", "128"), "ckpt")

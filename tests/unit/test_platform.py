@@ -1,0 +1,95 @@
+"""The platform layer: device choice, the CPU patches, the upstream fixes, the norms.
+
+`test_patch_still_needed` is the upgrade alarm: each patch's probe reads
+megatron-core's source for the construct it works around, so after an upgrade
+the failing cases name the patches that can be deleted.
+"""
+
+import pytest
+import torch
+
+from megatron_moe.platform import cpu_compat, current_platform, init_platform, upstream_fixes
+from megatron_moe.platform.norms import SequenceParallelNorm
+
+ALL_PATCHES = cpu_compat.PATCHES + upstream_fixes.PATCHES
+
+
+def test_cpu_platform_picks_gloo():
+    platform = current_platform()
+    assert platform.device.type == "cpu" and platform.backend == "gloo"
+
+
+@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+def test_patch_still_needed(patch):
+    assert patch.still_needed(), f"megatron-core no longer needs patch {patch.name!r}: {patch.why}"
+
+
+def test_patch_names_unique_and_documented():
+    names = [p.name for p in ALL_PATCHES]
+    assert len(names) == len(set(names))
+    assert all(p.why for p in ALL_PATCHES)
+
+
+def test_init_platform_is_idempotent():
+    init_platform()
+    current_device = torch.cuda.current_device
+    init_platform()
+    assert torch.cuda.current_device is current_device
+    assert cpu_compat.is_applied()
+    assert torch.cuda.current_device() == torch.device("cpu")
+
+
+def test_device_literals_map_to_cpu_only_in_patched_modules():
+    init_platform()
+    from megatron.core.optimizer import clip_grads
+
+    t = clip_grads.torch.zeros(2, device="cuda", pin_memory=True)
+    assert t.device.type == "cpu"
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(2, device="cuda")  # the rest of the process keeps real torch
+
+
+def test_rng_tracker_forks_cpu_generator():
+    init_platform()
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    tracker = CudaRNGStatesTracker()
+    tracker.add("stream", 123)
+    torch.manual_seed(0)
+    outside = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork("stream"):
+        forked = torch.rand(3)
+    after = torch.rand(3)
+    assert not torch.equal(outside, forked)
+    assert torch.equal(outside, after)  # the default stream did not advance inside the fork
+
+
+def test_type_names_restored_after_optimizer_checks():
+    init_platform()
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    with cpu_compat._tensors_report_cuda_types():
+        assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_sequence_parallel_norm_matches_torch(normalization):
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               normalization=normalization, sequence_parallel=True,
+                               tensor_model_parallel_size=2)  # fmt: skip
+    norm = SequenceParallelNorm(config, 8, eps=1e-5)
+    assert all(p.sequence_parallel for p in norm.parameters())
+    x = torch.randn(4, 2, 8)
+    reference = torch.nn.LayerNorm(8) if normalization == "LayerNorm" else torch.nn.RMSNorm(8, eps=1e-5)
+    torch.testing.assert_close(norm(x), reference(x))
+
+
+def test_unknown_normalization_is_rejected():
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    with pytest.raises(ValueError, match="--normalization='L2Norm'.*LayerNorm or RMSNorm"):
+        SequenceParallelNorm(config, 8, normalization="L2Norm")
