@@ -157,13 +157,16 @@ def resolve_load_dir(cfg: RunConfig) -> str | None:
     root = cfg.checkpoint.load
     if root is None:
         return None
+    resuming_own_saves = root == cfg.checkpoint.save  # auto-resume pattern (e.g. a requeued job)
     if not os.path.isdir(root):
+        if resuming_own_saves:
+            return None
         raise ConfigError(f"--load={root}: no such directory; give a directory written by --save")
     if os.path.isfile(os.path.join(root, "metadata.json")):  # one checkpoint, e.g. --load SAVE/iter_0000100
         return root
     path = latest_checkpoint(root)
     if path is None:
-        if root == cfg.checkpoint.save:  # auto-resume pattern: nothing saved yet
+        if resuming_own_saves:  # nothing saved yet
             return None
         raise ConfigError(f"--load={root}: no {TRACKER} there; give a directory written by --save")
     return path

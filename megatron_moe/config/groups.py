@@ -230,6 +230,8 @@ class CheckpointConfig:
     no_load_rng: bool = arg(False, "do not restore RNG states")
     no_save_optim: bool = arg(False, "save weights only")
     exit_interval: int | None = arg(None, "save and exit after this many steps of this run")
+    exit_duration_in_mins: float | None = arg(None, "save and exit once this run has trained this long")
+    exit_signal_handler: bool = arg(True, "on SIGTERM (e.g. slurm's pre-timeout signal) save and exit")
 
 
 @dataclasses.dataclass(kw_only=True)

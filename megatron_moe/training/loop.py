@@ -14,6 +14,7 @@ from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.config import RunConfig
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
+from megatron_moe.training.preemption import ExitRequest
 from megatron_moe.training.step import forward_step
 
 log = logging.getLogger("megatron_moe")
@@ -125,6 +126,8 @@ class Trainer:
         history = []
         start_iteration = self.state.iteration
         started = time.perf_counter()
+        exit_request = ExitRequest(exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler)
+        preempted = False
         while self.state.iteration < t.train_iters:
             figures = self.train_step()
             it = self.state.iteration
@@ -140,8 +143,14 @@ class Trainer:
             if ck.exit_interval and it - start_iteration >= ck.exit_interval:
                 log.info("--exit-interval=%d reached at iteration %d", ck.exit_interval, it)
                 break
-        self._validate_and_log()
+            if exit_request.requested():
+                log.info("%s: saving at iteration %d and exiting", exit_request.reason, it)
+                preempted = True
+                break
+        if not preempted:  # time is short when preempted: save only
+            self._validate_and_log()
         self._save()
+        exit_request.restore_default_handler()
         if self.logger:
             log.info("trained %d iterations in %.1f s", self.state.iteration - start_iteration,
                      time.perf_counter() - started)  # fmt: skip

@@ -27,6 +27,8 @@ def test_load_pointing_at_nothing(tmp_path):
 
 def test_auto_resume_starts_fresh_when_nothing_saved(tmp_path):
     assert resolve_load_dir(cfg("--load", str(tmp_path), "--save", str(tmp_path))) is None
+    new = str(tmp_path / "not_created_yet")
+    assert resolve_load_dir(cfg("--load", new, "--save", new)) is None
 
 
 def test_killed_save_keeps_previous_checkpoint(tmp_path):
