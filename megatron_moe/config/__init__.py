@@ -9,6 +9,7 @@ from typing import Sequence
 from megatron_moe.config.fields import ConfigError, add_arguments, from_namespace, require
 from megatron_moe.config.groups import (
     GROUPS,
+    ActivationsConfig,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -27,6 +28,7 @@ class RunConfig:
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    activations: ActivationsConfig = dataclasses.field(default_factory=ActivationsConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -44,6 +46,8 @@ class RunConfig:
         self.moe.validate(self.model)
         self.parallel.validate(world_size, self.model, self.moe)
         self.training.validate()
+        self.activations.validate()
+        self.activation_policy()  # names and formats checked before any process group exists
         self.data.validate()
         dp = self.data_parallel_size(world_size)
         t = self.training
@@ -61,6 +65,17 @@ class RunConfig:
             "--seq-length", self.model.seq_length,
             "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
         )  # fmt: skip
+
+    def activation_policy(self):
+        """The per-module ActivationPolicy, or None when no selective policy is asked for."""
+        from megatron_moe.activations.policy import build_policy
+
+        a = self.activations
+        if not a.selective:
+            return None
+        preset = "none" if a.activation_policy == "full" else a.activation_policy
+        return build_policy(preset=preset, recompute=a.recompute_modules, quantize=a.quantize_activations,
+                            quant_format=a.activation_quant_format)  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -83,6 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
 
 
 __all__ = [
+    "ActivationsConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",

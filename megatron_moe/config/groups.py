@@ -194,7 +194,6 @@ class TrainingConfig:
     seed: int = arg(1234, "random seed")
     eval_interval: int = arg(50, "validation every N steps (0: only at the end)")
     eval_iters: int = arg(4, "validation micro-batch rounds per evaluation")
-    recompute_granularity: str | None = arg(None, "megatron-core activation recompute", choices=(None, "full"))
 
     def validate(self) -> None:
         require(not (self.bf16 and self.fp16), "--bf16/--fp16", "both", "choose one")
@@ -202,6 +201,50 @@ class TrainingConfig:
         require(self.train_iters >= 0, "--train-iters", self.train_iters, "must be >= 0")
         require(self.lr >= self.min_lr >= 0, "--min-lr", self.min_lr, f"must be in [0, --lr={self.lr}]")
         require(self.eval_iters >= 0, "--eval-iters", self.eval_iters, "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ActivationsConfig:
+    """Activation memory: what each module keeps for backward (save, recompute, quantize)."""
+
+    recompute_granularity: str | None = arg(
+        None, "full: megatron-core recomputes whole layers; selective: per module (below)",
+        choices=("full", "selective"),
+    )
+    activation_policy: str = arg("none", "preset: none, full (= --recompute-granularity full), or arctic "
+                                 "(recompute norms/activations, quantize GEMM inputs, keep all-to-all outputs)",
+                                 choices=("none", "full", "arctic"))  # fmt: skip
+    recompute_modules: list[str] = arg([], "modules whose outputs are recomputed in backward "
+                                       "(megatron_moe/activations/policy.py lists the names)")  # fmt: skip
+    quantize_activations: list[str] = arg([], "modules whose saved activations are kept quantized")
+    activation_quant_format: str = arg("int8_row", "int8_row, int8_block or fp8_row (fp8 e4m3)",
+                                       choices=("int8_row", "int8_block", "fp8_row"))  # fmt: skip
+
+    @property
+    def full_recompute(self) -> bool:
+        return self.recompute_granularity == "full" or self.activation_policy == "full"
+
+    @property
+    def selective(self) -> bool:
+        return not self.full_recompute and (
+            self.recompute_granularity == "selective" or self.activation_policy != "none"
+            or bool(self.recompute_modules or self.quantize_activations)
+        )  # fmt: skip
+
+    def validate(self) -> None:
+        per_module = self.recompute_modules or self.quantize_activations
+        require(
+            not (self.full_recompute and (per_module or self.activation_policy == "arctic")),
+            "--recompute-granularity", self.recompute_granularity,
+            "full recompute conflicts with --activation-policy arctic / --recompute-modules / "
+            "--quantize-activations; use --recompute-granularity selective for per-module control",
+        )  # fmt: skip
+        require(
+            not (self.recompute_granularity == "selective" and self.activation_policy == "none" and not per_module),
+            "--recompute-granularity", "selective",
+            "name what to recompute or quantize: --activation-policy arctic, --recompute-modules or "
+            "--quantize-activations",
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -248,6 +291,7 @@ GROUPS: tuple[tuple[str, type], ...] = (
     ("moe", MoEConfig),
     ("parallel", ParallelConfig),
     ("training", TrainingConfig),
+    ("activations", ActivationsConfig),
     ("data", DataConfig),
     ("checkpoint", CheckpointConfig),
     ("logging", LoggingConfig),

@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import RunConfig
 from megatron_moe.model.spec import block_spec
 from megatron_moe.platform import current_platform
@@ -81,9 +82,9 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         bf16=t.bf16,
         fp16=t.fp16,
         deallocate_pipeline_outputs=True,
-        recompute_granularity=t.recompute_granularity,
-        recompute_method="uniform" if t.recompute_granularity == "full" else None,
-        recompute_num_layers=1 if t.recompute_granularity == "full" else None,
+        recompute_granularity="full" if cfg.activations.full_recompute else None,
+        recompute_method="uniform" if cfg.activations.full_recompute else None,
+        recompute_num_layers=1 if cfg.activations.full_recompute else None,
         **moe_kwargs,
     )
 
@@ -121,6 +122,9 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> G
         rotary_base=m.rotary_base,
     )
     mark_expert_params(model)
+    policy = cfg.activation_policy()
+    if policy is not None:
+        apply_activation_policy(model, policy)
     return model
 
 

@@ -6,6 +6,7 @@ reasons; on CPU the CPU compatibility layer routes it to the CPU generator.
 
 from __future__ import annotations
 
+import torch
 from megatron.core.tensor_parallel import random as _mc_random
 
 
@@ -22,3 +23,20 @@ def rng_tracker():
 def expert_parallel_stream() -> str:
     """Name of the stream that differs between expert-parallel ranks."""
     return _mc_random.get_expert_parallel_rng_tracker_name()
+
+
+def get_rng_states() -> dict:
+    """Every RNG stream a forward may draw from (to replay it in a recompute)."""
+    from megatron_moe.platform.device import current_platform
+
+    states = {"cpu": torch.get_rng_state(), "tracker": dict(rng_tracker().get_states())}
+    if current_platform().is_accelerator:
+        states["device"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    rng_tracker().set_states(dict(states["tracker"]))  # the tracker adopts the dict it is given
+    if "device" in states:
+        torch.cuda.set_rng_state(states["device"])

@@ -1,0 +1,175 @@
+"""Carrying out an ActivationPolicy with saved-tensor hooks, and counting what is kept.
+
+One `saved_tensors_hooks` pair is installed around each transformer layer's
+forward (`LayerScope`). Module regions inside it (`region(name)`) tell the
+pack hook which module is saving; outputs of `recompute` modules are
+registered, so when *anyone* saves such an output (or a view of it) for
+backward the hook stores a recipe instead: the module's function, its inputs
+and its RNG state at the time. Backward replays the recipe once (cached for
+all consumers), restoring the RNG so dropout masks match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from megatron_moe.activations.policy import ActivationPolicy
+from megatron_moe.activations.quantize import Packed, dequantize, quantize, worth_quantizing
+from megatron_moe.platform.rng import get_rng_states, set_rng_states
+
+
+class SavedBytes:
+    """Exact bytes of what autograd keeps for backward (each storage counted once)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def add_tensor(self, t: torch.Tensor) -> None:
+        if isinstance(t, torch.nn.Parameter):
+            return  # weights are not activations
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+
+    def add(self, stored: Any) -> None:
+        if isinstance(stored, Packed):
+            self.bytes += stored.nbytes
+        elif isinstance(stored, Recipe):
+            for t in stored.entry.tensor_inputs():
+                self.add_tensor(t)
+        elif torch.is_tensor(stored):
+            self.add_tensor(stored)
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count everything saved in this context that no inner policy scope handles."""
+
+        def pack(t):
+            self.add(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield self
+
+
+@dataclasses.dataclass
+class _Entry:
+    """How to recompute one module call's output."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    rng: Any
+    output: Any = None  # the live output during forward, the recomputed one in backward
+
+    def tensor_inputs(self):
+        return [a for a in (*self.args, *self.kwargs.values()) if torch.is_tensor(a)]
+
+    def recompute(self):
+        if self.output is None:
+            saved = get_rng_states()
+            set_rng_states(self.rng)
+            try:
+                with torch.no_grad():
+                    self.output = self.fn(*self.args, **self.kwargs)
+            finally:
+                set_rng_states(saved)
+        return self.output
+
+
+@dataclasses.dataclass
+class Recipe:
+    entry: _Entry
+    path: tuple  # where the saved tensor sits in the output structure
+    size: tuple
+    stride: tuple
+    offset_delta: int  # its storage offset relative to that output's
+
+
+def _tensors_with_paths(obj, path=()):
+    if torch.is_tensor(obj):
+        yield path, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            yield from _tensors_with_paths(item, (*path, i))
+
+
+def _at(obj, path):
+    for i in path:
+        obj = obj[i]
+    return obj
+
+
+class LayerScope:
+    """The hooks of one policy, active for the forward of one layer at a time."""
+
+    def __init__(self, policy: ActivationPolicy, counter: SavedBytes | None = None):
+        self.policy = policy
+        self.counter = counter
+        self._regions: list[str] = []
+        self._outputs: dict[int, tuple[_Entry, tuple, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def active(self):
+        self._outputs.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            # Drop the live outputs: from here on only recipes reference entries.
+            for entry, _, _ in self._outputs.values():
+                entry.output = None
+            self._outputs.clear()
+
+    @contextlib.contextmanager
+    def region(self, name: str):
+        self._regions.append(name)
+        try:
+            yield
+        finally:
+            self._regions.pop()
+
+    def call(self, name: str, fn: Callable, *args, **kwargs):
+        """Run one module call under its policy."""
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        mode = self.policy.mode(name)
+        rng = get_rng_states() if mode == "recompute" else None
+        with self.region(name):
+            output = fn(*args, **kwargs)
+        if mode == "recompute":
+            detached = tuple(a.detach() if torch.is_tensor(a) else a for a in args)
+            entry = _Entry(fn, detached, kwargs, rng, output)
+            for path, t in _tensors_with_paths(output):
+                if t.is_floating_point():
+                    self._outputs[t.untyped_storage().data_ptr()] = (entry, path, t)
+        return output
+
+    def _pack(self, t: torch.Tensor):
+        stored: Any = t
+        registered = self._outputs.get(t.untyped_storage().data_ptr()) if t.is_floating_point() else None
+        if registered is not None:
+            entry, path, output = registered
+            delta = t.storage_offset() - output.storage_offset()
+            stored = Recipe(entry, path, tuple(t.shape), tuple(t.stride()), delta)
+        elif (self._regions and self.policy.mode(self._regions[-1]) == "quantize" and worth_quantizing(t)
+              and not isinstance(t, torch.nn.Parameter)):  # fmt: skip
+            stored = quantize(t, self.policy.quant_format, self.policy.quant_block)
+        if self.counter is not None:
+            self.counter.add(stored)
+        return stored
+
+    @staticmethod
+    def _unpack(stored):
+        if isinstance(stored, Packed):
+            return dequantize(stored)
+        if isinstance(stored, Recipe):
+            full = _at(stored.entry.recompute(), stored.path)
+            return full.as_strided(stored.size, stored.stride, full.storage_offset() + stored.offset_delta)
+        return stored

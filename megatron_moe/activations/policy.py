@@ -1,0 +1,104 @@
+"""Per-module activation policy: keep, recompute, or keep quantized (Arctic's selective scheme).
+
+Every module of a transformer layer gets one mode:
+
+- `save`: what its backward needs is kept as is (the default).
+- `recompute`: its *output* is not kept for whoever needs it in backward (the
+  next GEMM, usually); it is recomputed from the module's inputs when that
+  backward runs. Cheap, memory-heavy ops (norms, activation functions) are the
+  candidates. The module's own small saved tensors stay.
+- `quantize`: the tensors saved for backward *inside* the module (a GEMM's
+  input, an activation's input, ...) are kept in a compact format and
+  dequantized in backward.
+
+Module names (a dense layer's MLP uses the mlp_* names, an MoE layer the rest):
+see `MODULES`. Presets: `none` (everything saved), `full` (megatron-core's
+whole-layer recompute), `arctic` (recompute norms and activation functions,
+quantize GEMM inputs, save all-to-all outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_moe.activations.quantize import FORMATS
+from megatron_moe.config.fields import ConfigError, require
+
+MODES = ("save", "recompute", "quantize")
+
+# name -> (what it is, whether floating-point activations are saved inside it)
+MODULES: dict[str, tuple[str, bool]] = {
+    "input_norm": ("norm before attention", True),
+    "qkv": ("QKV projection GEMM", True),
+    "core_attention": ("softmax(QK^T)V", True),
+    "attn_proj": ("attention output projection GEMM", True),
+    "pre_mlp_norm": ("norm before the MLP / MoE", True),
+    "router": ("gate: router GEMM, scores, top-k", True),
+    "ordering": ("token -> expert-major scatter", False),
+    "dispatch": ("dispatch all-to-all", False),
+    "expert_fc1": ("experts' first GEMM", True),
+    "expert_act": ("experts' activation function", True),
+    "expert_fc2": ("experts' second GEMM", True),
+    "combine": ("combine all-to-all", False),
+    "unorder": ("expert-major -> token gather, gate weighting", True),
+    "shared_expert": ("dense shared expert MLP", True),
+    "mlp_fc1": ("dense MLP first GEMM", True),
+    "mlp_act": ("dense MLP activation function", True),
+    "mlp_fc2": ("dense MLP second GEMM", True),
+}
+
+PRESETS: dict[str, dict[str, str]] = {
+    "none": {},
+    "arctic": {
+        **dict.fromkeys(["input_norm", "pre_mlp_norm", "expert_act", "mlp_act"], "recompute"),
+        **dict.fromkeys(["qkv", "attn_proj", "expert_fc1", "expert_fc2", "mlp_fc1", "mlp_fc2",
+                         "core_attention", "shared_expert"], "quantize"),  # fmt: skip
+        **dict.fromkeys(["dispatch", "combine"], "save"),
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationPolicy:
+    """The mode of every module, and the quantized format."""
+
+    modes: dict[str, str]
+    quant_format: str = "int8_row"
+    quant_block: int = 128
+
+    def mode(self, name: str) -> str:
+        return self.modes.get(name, "save")
+
+    @property
+    def is_trivial(self) -> bool:
+        return all(m == "save" for m in self.modes.values())
+
+
+def _names(flag: str, names: list[str]) -> list[str]:
+    for name in names:
+        require(name in MODULES, flag, name, f"a module name, one of: {', '.join(MODULES)}")
+    return names
+
+
+def build_policy(*, preset: str, recompute: list[str], quantize: list[str], quant_format: str,
+                 quant_block: int = 128) -> ActivationPolicy:  # fmt: skip
+    """The preset, then per-module overrides from --recompute-modules / --quantize-activations."""
+    require(preset in PRESETS, "--activation-policy", preset, f"one of {', '.join([*PRESETS, 'full'])}")
+    require(quant_format in FORMATS, "--activation-quant-format", quant_format, f"one of {', '.join(FORMATS)}")
+    require(quant_block > 0, "--activation-quant-block", quant_block, "must be positive")
+    modes = dict(PRESETS[preset])
+    both = set(recompute) & set(quantize)
+    if both:
+        raise ConfigError(f"--recompute-modules and --quantize-activations both name {sorted(both)}; "
+                          "give each module one mode")  # fmt: skip
+    for name in _names("--recompute-modules", recompute):
+        modes[name] = "recompute"
+    for name in _names("--quantize-activations", quantize):
+        if not MODULES[name][1]:
+            raise ConfigError(
+                f"--quantize-activations={name}: the {MODULES[name][0]} keeps no floating-point "
+                f"activations of its own to quantize; quantize its consumer instead (e.g. expert_fc1 "
+                f"for the dispatched tokens) or choose save/recompute"
+            )
+        modes[name] = "quantize"
+    return ActivationPolicy(modes=modes, quant_format=quant_format, quant_block=quant_block)
