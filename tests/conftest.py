@@ -54,3 +54,22 @@ def train_data(corpus, tokenizer, tmp_path_factory):
     preprocess_tool.main(["--input", corpus[0], "--tokenizer-model", tokenizer.model_path,
                           "--output-prefix", prefix, "--append-eod"])  # fmt: skip
     return prefix + "_text_document", tokenizer.model_path
+
+
+@pytest.fixture(scope="module")
+def megatron_world1(tmp_path_factory):
+    """torch.distributed (gloo, one rank) and megatron-core's parallel state, for in-process models."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_moe.platform import init_platform
+    from megatron_moe.platform.rng import seed_model_parallel
+
+    init_platform()
+    store = str(tmp_path_factory.mktemp("store") / "rendezvous")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    seed_model_parallel(0)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -1,0 +1,162 @@
+"""Activation memory and step time of the activation policies, measured in one run.
+
+    python tools/bench_activation_memory.py [--repeats 5] [--cases layer,demo]
+
+For each case (one MoE transformer layer at GPT2-S-MoE shapes; the demo
+model) and policy (`none`, `full` = megatron-core whole-layer recompute,
+`arctic`), prints one JSON object per line:
+
+    {"case", "policy", "activation_bytes", "activation_ratio_vs_none",
+     "step_ms", "step_ratio_vs_none", "peak_mem_bytes", ...}
+
+`activation_bytes` is exact: every tensor autograd keeps for backward passes
+through a saved-tensor hook that counts each storage once (quantized tensors
+at their packed size, recompute recipes at the inputs they hold). `step_ms` is
+the median forward+backward time after warm-up. `peak_mem_bytes` is the peak
+RSS (CPU) or allocated memory (GPU) of the process so far, a coarser view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_moe.activations.apply import apply_activation_policy  # noqa: E402
+from megatron_moe.activations.engine import SavedBytes  # noqa: E402
+from megatron_moe.config import parse_args  # noqa: E402
+from megatron_moe.platform import current_platform, peak_memory_bytes, synchronize  # noqa: E402
+
+CASES = {
+    # One MoE transformer layer, GPT2-S-MoE shapes: 1024 tokens (seq 512 x micro-batch 2).
+    "layer_gpt2s_moe": dict(layers=1, flags=[
+        "--num-layers", "1", "--hidden-size", "768", "--num-attention-heads", "12", "--ffn-hidden-size", "3072",
+        "--num-experts", "8", "--moe-router-topk", "2", "--seq-length", "512"], micro_batch=2),
+    # The demo model (examples/pretrain_gpt_moe_tiny_cpu.sh), whole model with embeddings and loss.
+    "demo_model": dict(layers=None, flags=[
+        "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--num-experts", "8",
+        "--moe-router-topk", "2", "--moe-layer-freq", "2", "--seq-length", "256"], micro_batch=8),
+}  # fmt: skip
+POLICIES = {
+    "none": [],
+    "full": ["--recompute-granularity", "full"],
+    "arctic": ["--activation-policy", "arctic"],
+}
+VOCAB = 4096
+
+
+def init_single_process() -> None:
+    from megatron.core import parallel_state
+
+    from megatron_moe.platform import init_platform
+    from megatron_moe.platform.rng import seed_model_parallel
+
+    init_platform()
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.distributed.init_process_group(current_platform().backend, rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    seed_model_parallel(1234)
+
+
+def build(case: dict, policy_flags: list[str]):
+    """(cfg, model, selective policy or None) for one case; the caller installs the policy."""
+    from megatron_moe.model import build_model, transformer_config
+
+    cfg = parse_args([*case["flags"], *policy_flags, "--data-path", "x", "--tokenizer-model", "x"])
+    cfg.validate(world_size=1)
+    config = transformer_config(cfg)
+    policy = cfg.activation_policy()
+    torch.manual_seed(0)
+    model = build_model(_without_policy(cfg), config, VOCAB).to(current_platform().device)
+    return cfg, model, policy
+
+
+def _without_policy(cfg):
+    """The same config with the selective policy left for the benchmark to install (with its counter)."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg.activations.activation_policy = "none"
+    cfg.activations.recompute_modules, cfg.activations.quantize_activations = [], []
+    if cfg.activations.recompute_granularity == "selective":
+        cfg.activations.recompute_granularity = None
+    return cfg
+
+
+def forward_backward(model, cfg, case, counter: SavedBytes | None):
+    device = current_platform().device
+    seq, mbs = cfg.model.seq_length, case["micro_batch"]
+    g = torch.Generator().manual_seed(0)
+    if case["layers"]:  # one transformer layer on hidden states [S, B, H]
+        x = torch.randn(seq, mbs, cfg.model.hidden_size, generator=g).to(device).requires_grad_()
+        layer = model.decoder
+        ctx = counter.counting() if counter else _null()
+        with ctx:
+            out = layer(x, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(seq))
+        out.float().square().mean().backward()
+        return
+    tokens = torch.randint(0, VOCAB, (mbs, seq), generator=g).to(device)
+    position_ids = torch.arange(seq, device=device).expand(mbs, seq)
+    ctx = counter.counting() if counter else _null()
+    with ctx:
+        loss = model(tokens, position_ids, None, labels=tokens)
+    loss.float().mean().backward()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def measure(case_name: str, policy_name: str, repeats: int) -> dict:
+    case = CASES[case_name]
+    cfg, model, policy = build(case, POLICIES[policy_name])
+    counter = SavedBytes()
+    scope = apply_activation_policy(model, policy, counter) if policy is not None else None
+    forward_backward(model, cfg, case, counter)  # counted pass (also warm-up)
+    if scope is not None:
+        scope.counter = None  # count one pass only
+    times = []
+    for _ in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        synchronize()
+        start = time.perf_counter()
+        forward_backward(model, cfg, case, None)
+        synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return {"case": case_name, "policy": policy_name, "activation_bytes": counter.bytes,
+            "step_ms": statistics.median(times[1:]), "peak_mem_bytes": peak_memory_bytes()}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    init_single_process()
+    for case_name in args.cases.split(","):
+        results = [measure(case_name, policy, args.repeats) for policy in POLICIES]
+        base = results[0]
+        for r in results:
+            r["activation_ratio_vs_none"] = round(r["activation_bytes"] / base["activation_bytes"], 4)
+            r["step_ratio_vs_none"] = round(r["step_ms"] / base["step_ms"], 4)
+            print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
