@@ -20,7 +20,10 @@ def setup_logging() -> None:
     level = logging.INFO if rank in (0, world - 1) else logging.WARNING
     logging.basicConfig(level=level, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # We subclass its legacy tokenizer on purpose (the GPTDataset interface); no need to say so per run.
+    logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="megatron")  # apex/TE-absent notices, deprecations
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,6 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],
-        "test": ["pytest"],
+        "test": ["pytest", "transformers==5.23.*"],
     },
 )

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import re
 import types
 from typing import Callable
 
@@ -37,8 +38,23 @@ class Patch:
 
 
 def _source(module_name: str, attr: str | None = None) -> str:
+    """megatron-core's source text as shipped (the file, so patches applied here don't hide it).
+
+    With `attr`, only the top-level `def attr` / `class attr` block.
+    """
     module = importlib.import_module(module_name)
-    return inspect.getsource(getattr(module, attr) if attr else module)
+    with open(inspect.getsourcefile(module)) as f:
+        text = f.read()
+    if attr is None:
+        return text
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(rf"(def|class) {re.escape(attr)}\b", line)), None)
+    if start is None:
+        return ""
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end][0] in " \t)"):
+        end += 1
+    return "\n".join(lines[start:end])
 
 
 # ---------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class Trainer:
         self.forward_backward = get_forward_backward_func()
         self.num_moe_layers = sum(cfg.moe.layer_pattern(cfg.model.num_layers)) if cfg.moe.is_moe else 0
         self.is_logging_rank = dist.get_rank() == self.world - 1  # a last-stage rank
+        self._validated_at = None
         self.logger = None
         if self.is_logging_rank:
             self.logger = TrainingLogger(
@@ -112,6 +113,9 @@ class Trainer:
         return _reduce_lm_loss(totals)
 
     def _validate_and_log(self) -> None:
+        if self._validated_at == self.state.iteration:
+            return
+        self._validated_at = self.state.iteration
         loss = self.evaluate()
         if self.logger and loss is not None:
             self.logger.validation(self.state.iteration, {"lm loss": loss})

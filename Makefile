@@ -1,0 +1,69 @@
+# megatron_moe: set-up, the demo, the tests.
+#
+#   make demo     set up, then pretrain the tiny GPT-MoE on CPU (examples/pretrain_gpt_moe_tiny_cpu.sh)
+#   make test     set up, then check the example scripts' flags and run the test suite
+#   make install  set up only: .venv with torch first, then this package editable with its test extra
+#   make clean    remove runs/, data/ and caches;  make distclean also removes the venv
+#
+# Variables: VENV (.venv), PYTHON_BOOTSTRAP (python3.11, else python3), TORCH_SPEC
+# (torch==2.13.0: the CPU wheel on this machine's disk, the CUDA build from PyPI
+# elsewhere; empty: keep the torch the venv sees), EXTRAS (test; test,gpu on GPUs),
+# VENV_ARGS (e.g. --system-site-packages in a container that ships torch),
+# PYTEST_ARGS, DEMO_ARGS (extra trainer flags for the demo, e.g. --train-iters 20).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+.PHONY: help install demo test check-examples clean distclean
+
+VENV ?= .venv
+PYTHON_BOOTSTRAP ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= test
+VENV_ARGS ?=
+PYTEST_ARGS ?= -q -ra --durations=10 --import-mode=importlib
+DEMO_ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megatron_moe-installed
+DEMO_RUN_DIR := runs/gpt_moe_tiny_cpu
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+help:
+	@sed -n '3,7p' Makefile | sed 's/^# *//'
+
+$(PY):
+	@test -n "$(PYTHON_BOOTSTRAP)" || { echo "error: no python3.11 or python3 on PATH (set PYTHON_BOOTSTRAP)"; exit 2; }
+	$(PYTHON_BOOTSTRAP) -m venv $(VENV_ARGS) $(VENV)
+
+# torch goes in first and alone: anything that depends on torch, installed
+# before it, makes pip fetch a multi-GB CUDA build. Re-run when setup.py changes.
+$(STAMP): setup.py | $(PY)
+	$(if $(strip $(TORCH_SPEC)),$(PY) -m pip install "$(TORCH_SPEC)")
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(STAMP)
+
+# Every `make demo` is a fresh run (the script itself resumes from its checkpoint).
+demo: $(STAMP)
+	rm -rf $(DEMO_RUN_DIR)
+	PYTHON="$(abspath $(PY))" RUN_DIR="$(abspath $(DEMO_RUN_DIR))" bash examples/pretrain_gpt_moe_tiny_cpu.sh $(DEMO_ARGS)
+
+# Each example's flags parsed and checked against its intended world size (no training).
+check-examples: $(STAMP)
+	@set -e; export PYTHON="$(abspath $(PY))" DRY_RUN=1 DATA_PATH=/data/corpus_text_document TOKENIZER_MODEL=/data/tokenizer.model MASTER_ADDR=node0; \
+	for spec in pretrain_gpt_moe_tiny_cpu:1:2 pretrain_gpt2_s_moe:1:8 pretrain_gpt2_l_moe:2:8 pretrain_mixtral_8x7b:8:8; do \
+		IFS=: read -r name nodes gpus <<<"$$spec"; \
+		echo -n "examples/$$name.sh ($$nodes x $$gpus): "; \
+		NNODES=$$nodes GPUS_PER_NODE=$$gpus bash examples/$$name.sh | tail -n1; \
+	done
+
+test: check-examples
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs data build .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,186 @@
+# Shared launcher logic for the example scripts; source it, don't run it.
+#
+# Provides:
+#   REPO_ROOT, PYTHON            the repository and the Python that runs it
+#   require_env NAME HINT        fail with a clear message when $NAME is unset
+#   resolve_launcher DEFAULT_NPROC
+#                                sets NNODES NODE_RANK MASTER_ADDR MASTER_PORT
+#                                GPUS_PER_NODE: from the environment, else from
+#                                Slurm, else single-node defaults
+#   gpus_on_node FALLBACK        GPUs here (Slurm, nvidia-smi), else FALLBACK
+#   data_from_env                DATA_PATHS/TOKENIZER_MODEL from DATA_PATH/TOKENIZER_MODEL
+#   check_args WORLD ARGS...     parse and validate trainer flags for a world size
+#   launch_pretrain ARGS...      torchrun pretrain_gpt_moe.py ARGS on this node
+#
+# Environment knobs every example honours:
+#   NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE   the launch
+#   DRY_RUN=1    print the torchrun command and check the flags against the
+#                world size (NNODES x GPUS_PER_NODE) without training
+#   PYTHON       interpreter (default: the active venv, else REPO_ROOT/.venv,
+#                else python3)
+# Extra arguments given to an example script are appended to its flags, so
+# they override the script's values (`... --train-iters 20`).
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -n "${VIRTUAL_ENV:-}" && -x "$VIRTUAL_ENV/bin/python" ]]; then
+        PYTHON="$VIRTUAL_ENV/bin/python"
+    elif [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then
+        PYTHON="$REPO_ROOT/.venv/bin/python"
+    else
+        PYTHON="$(command -v python3 || command -v python)"
+    fi
+fi
+
+log() { echo "[$(date '+%Y-%m-%d %H:%M:%S')] $*" >&2; }
+
+die() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+# require_env NAME HINT: the variable must be set and non-empty.
+require_env() {
+    local name=$1 hint=$2
+    if [[ -z "${!name:-}" ]]; then
+        die "$name is not set: $hint"
+    fi
+}
+
+# require_file PATH WHAT: the file must exist (skipped under DRY_RUN=1).
+require_file() {
+    local path=$1 what=$2
+    if [[ "${DRY_RUN:-0}" != 1 && ! -e "$path" ]]; then
+        die "$what not found: $path"
+    fi
+}
+
+# data_from_env: DATA_PATHS (an array) and TOKENIZER_MODEL from the environment,
+# for the examples that train on your data. DATA_PATH is one .bin/.idx prefix
+# or a blend "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ...".
+data_from_env() {
+    require_env DATA_PATH "give the .bin/.idx prefix written by tools/preprocess_data.py, e.g. DATA_PATH=/data/corpus_text_document, or a blend DATA_PATH='0.7 /data/a_text_document 0.3 /data/b_text_document'"
+    require_env TOKENIZER_MODEL "give the SentencePiece .model the data was tokenized with (tools/train_tokenizer.py writes one), e.g. TOKENIZER_MODEL=/data/tokenizer.model"
+    read -r -a DATA_PATHS <<<"$DATA_PATH"
+    local item
+    for item in "${DATA_PATHS[@]}"; do
+        if [[ ! "$item" =~ ^[0-9.eE+-]+$ ]]; then  # a prefix, not a blend weight
+            require_file "$item.bin" "DATA_PATH: token file"
+            require_file "$item.idx" "DATA_PATH: index file"
+        fi
+    done
+    require_file "$TOKENIZER_MODEL" "TOKENIZER_MODEL"
+}
+
+# The first host of the Slurm allocation, as an address other nodes can reach.
+# Slurm's NodeAddr is used when it differs from the node name (pretend nodes,
+# clusters whose node names do not resolve).
+slurm_master_addr() {
+    local host addr
+    host="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
+    [[ -n "$host" ]] || return 1
+    addr="$(scontrol show node "$host" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n1 | cut -d= -f2 || true)"
+    echo "${addr:-$host}"
+}
+
+# A TCP port nothing listens on now.
+free_port() {
+    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
+
+# resolve_launcher DEFAULT_NPROC: the torchrun topology of this node.
+resolve_launcher() {
+    local default_nproc=$1
+    NNODES="${NNODES:-${SLURM_NNODES:-1}}"
+    NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
+    if [[ -z "${MASTER_ADDR:-}" ]]; then
+        if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null 2>&1; then
+            MASTER_ADDR="$(slurm_master_addr)" || die "cannot read the first host of SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST; set MASTER_ADDR"
+        elif [[ "$NNODES" -gt 1 && "${DRY_RUN:-0}" == 1 ]]; then
+            MASTER_ADDR=NODE0_ADDRESS  # a dry run only shows where it goes
+        elif [[ "$NNODES" -gt 1 ]]; then
+            die "NNODES=$NNODES but MASTER_ADDR is not set (and no Slurm allocation to read it from): set MASTER_ADDR to node 0's address"
+        else
+            MASTER_ADDR=localhost
+        fi
+    fi
+    if [[ -z "${MASTER_PORT:-}" ]]; then
+        # One port per Slurm job so jobs sharing a node do not collide.
+        if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+            MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+        elif [[ "$NNODES" == 1 && "${DRY_RUN:-0}" != 1 ]]; then
+            MASTER_PORT="$(free_port)"  # one node: any free port, so runs side by side don't collide
+        else
+            MASTER_PORT=29500
+        fi
+    fi
+    GPUS_PER_NODE="${GPUS_PER_NODE:-$default_nproc}"
+    export NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE
+}
+
+# gpus_on_node FALLBACK: GPUs on this node: Slurm's count, else nvidia-smi's,
+# else FALLBACK (so a dry run on a machine without GPUs shows the real layout).
+gpus_on_node() {
+    local count=0
+    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
+        count=$SLURM_GPUS_ON_NODE
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        count="$(nvidia-smi --list-gpus 2>/dev/null | wc -l)"
+    fi
+    if [[ "$count" -gt 0 ]]; then echo "$count"; else echo "$1"; fi
+}
+
+# check_args WORLD_SIZE ARGS...: parse the flags as the trainer does and check
+# them against the world size (layout divisibility, batch sizes); starts nothing.
+check_args() {
+    local world=$1
+    shift
+    PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" - "$world" "$@" <<'EOF'
+import sys
+from megatron_moe.config import ConfigError, parse_args
+
+world = int(sys.argv[1])
+cfg = parse_args(sys.argv[2:])
+try:
+    cfg.validate(world)
+except ConfigError as error:
+    sys.exit(f"error: {error}")
+p, m = cfg.parallel, cfg.model
+print(f"flags OK for world size {world}: TP={p.tensor_model_parallel_size} "
+      f"PP={p.pipeline_model_parallel_size} CP={p.context_parallel_size} "
+      f"EP={p.expert_model_parallel_size} DP={cfg.data_parallel_size(world)} "
+      f"SP={p.sequence_parallel} micro-batch={cfg.training.micro_batch_size} "
+      f"global-batch={cfg.training.global_batch_size} "
+      f"microbatches={cfg.num_microbatches(world)} MoE layers="
+      f"{sum(cfg.moe.layer_pattern(m.num_layers)) if cfg.moe.is_moe else 0}/{m.num_layers}")
+EOF
+}
+
+# launch_pretrain ARGS...: torchrun pretrain_gpt_moe.py on this node.
+launch_pretrain() {
+    # torchrun beside the interpreter, else the same module run by it.
+    local torchrun=("$(dirname "$PYTHON")/torchrun")
+    [[ -x "${torchrun[0]}" ]] || torchrun=("$PYTHON" -m torch.distributed.run)
+    local cmd=(
+        "${torchrun[@]}"
+        --nnodes "$NNODES"
+        --node-rank "$NODE_RANK"
+        --master-addr "$MASTER_ADDR"
+        --master-port "$MASTER_PORT"
+        --nproc-per-node "$GPUS_PER_NODE"
+        "$REPO_ROOT/pretrain_gpt_moe.py"
+        "$@"
+    )
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        local word line=""
+        for word in "${cmd[@]}"; do
+            if [[ "$word" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then line+="$word "; else line+="$(printf '%q' "$word") "; fi
+        done
+        echo "${line% }"
+        check_args $((NNODES * GPUS_PER_NODE)) "$@"
+        return
+    fi
+    log "node $NODE_RANK of $NNODES: $GPUS_PER_NODE processes, master $MASTER_ADDR:$MASTER_PORT"
+    "${cmd[@]}"
+}

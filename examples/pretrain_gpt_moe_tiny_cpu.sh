@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Pretrain a tiny GPT-MoE on CPU: 2 gloo processes, expert parallelism 2.
+#
+# The data is the Python standard library's own sources (real text nobody here
+# wrote). When $DATA_DIR does not hold it yet, it is built first:
+#   tools/make_stdlib_corpus.py -> tools/train_tokenizer.py -> tools/preprocess_data.py
+#
+#   examples/pretrain_gpt_moe_tiny_cpu.sh                  # what `make demo` runs
+#   examples/pretrain_gpt_moe_tiny_cpu.sh --train-iters 20 # extra flags override
+#   DRY_RUN=1 examples/pretrain_gpt_moe_tiny_cpu.sh        # print the command only
+#
+# Environment: DATA_DIR (default REPO/data), RUN_DIR (default
+# REPO/runs/gpt_moe_tiny_cpu: tensorboard/ and checkpoints/ go there),
+# VOCAB_SIZE (4096), and the launcher variables of examples/common.sh.
+# A second run with the same RUN_DIR resumes from its checkpoint (--load ==
+# --save); remove RUN_DIR to start over.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+DATA_DIR="${DATA_DIR:-$REPO_ROOT/data}"
+RUN_DIR="${RUN_DIR:-$REPO_ROOT/runs/gpt_moe_tiny_cpu}"
+VOCAB_SIZE="${VOCAB_SIZE:-4096}"
+TOKENIZER_MODEL="$DATA_DIR/tokenizer.model"
+DATA_PREFIX="$DATA_DIR/stdlib_text_document"
+
+# Two processes on two cores: one thread each, or they fight over the cores.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# A CPU demo: stay on the CPU even where CUDA exists (0 to use the GPUs).
+export MEGATRON_MOE_FORCE_CPU="${MEGATRON_MOE_FORCE_CPU:-1}"
+
+prepare_data() {
+    if [[ -f "$DATA_PREFIX.bin" && -f "$DATA_PREFIX.idx" && -f "$TOKENIZER_MODEL" ]]; then
+        log "data: using $DATA_PREFIX.{bin,idx} and $TOKENIZER_MODEL"
+        return
+    fi
+    log "data: building the stdlib corpus, tokenizer and token files in $DATA_DIR"
+    mkdir -p "$DATA_DIR"
+    "$PYTHON" "$REPO_ROOT/tools/make_stdlib_corpus.py" --output "$DATA_DIR/stdlib.jsonl"
+    "$PYTHON" "$REPO_ROOT/tools/train_tokenizer.py" --input "$DATA_DIR/stdlib.jsonl" \
+        --model-prefix "$DATA_DIR/tokenizer" --vocab-size "$VOCAB_SIZE" --num-threads 2
+    "$PYTHON" "$REPO_ROOT/tools/preprocess_data.py" --input "$DATA_DIR/stdlib.jsonl" \
+        --tokenizer-model "$TOKENIZER_MODEL" --output-prefix "$DATA_DIR/stdlib" \
+        --workers 2 --append-eod
+}
+
+MODEL_ARGS=(
+    --num-layers 4
+    --hidden-size 256
+    --num-attention-heads 4
+    --seq-length 256
+    --position-embedding-type rope
+    --normalization LayerNorm
+)
+MOE_ARGS=(
+    --num-experts 8
+    --moe-router-topk 2
+    --moe-layer-freq 2              # layers 0 and 2 are MoE, 1 and 3 dense
+    --moe-aux-loss-coeff 0.01
+    --moe-token-dispatcher-type alltoall
+)
+DATA_ARGS=(
+    --data-path "$DATA_PREFIX"
+    --tokenizer-model "$TOKENIZER_MODEL"
+    --split 98,2,0
+)
+TRAINING_ARGS=(
+    --micro-batch-size 4
+    --global-batch-size 8            # 4 per rank x DP 2: 2,048 tokens a step
+    --train-iters 200                # ~410K tokens, a third of the corpus
+    --lr 2e-3
+    --min-lr 2e-4
+    --lr-warmup-iters 20
+    --lr-decay-style cosine
+    --weight-decay 0.01
+    --clip-grad 1.0
+    --eval-interval 50
+    --eval-iters 4                   # 4 x 8 = 32 held-out sequences
+)
+PARALLEL_ARGS=(
+    --expert-model-parallel-size 2   # 4 experts per rank
+)
+LOGGING_ARGS=(
+    --log-interval 10
+    --tensorboard-dir "$RUN_DIR/tensorboard"
+)
+CHECKPOINT_ARGS=(
+    --save "$RUN_DIR/checkpoints"
+    --load "$RUN_DIR/checkpoints"
+)
+
+resolve_launcher 2
+# Node 0 builds the data; other nodes (shared filesystem) read it once the
+# rendezvous, which waits for node 0's torchrun, has completed.
+if [[ "${DRY_RUN:-0}" != 1 && "$NODE_RANK" == 0 ]]; then
+    prepare_data
+fi
+launch_pretrain \
+    "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \
+    "${PARALLEL_ARGS[@]}" "${LOGGING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "$@"
