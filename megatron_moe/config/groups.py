@@ -66,7 +66,27 @@ class MoEConfig:
     moe_router_load_balancing_type: str = arg(
         "aux_loss", "balancing loss", choices=("aux_loss", "seq_aux_loss", "none")
     )
-    moe_capacity_factor: float | None = arg(None, "tokens per expert over the fair share; unset = dropless")
+    moe_capacity_factor: float | None = arg(
+        None, "Tutel semantics: > 0 fixed (drop overflow), 0 or unset dropless, < 0 dropless capped at |f|; "
+        "C = ceil(|f| x topk x tokens / experts) per expert per EP rank"
+    )
+    moe_gate: str = arg(
+        "topk", "routing function",
+        choices=("topk", "noisy_topk", "switch", "sigmoid", "xmoe", "cosine", "expert_choice", "soft", "bpr", "rts"),
+    )  # fmt: skip
+    moe_ordering: str = arg("sparse", "token layout: sparse (index gather/scatter) or dense (GShard einsum)",
+                            choices=("sparse", "dense"))  # fmt: skip
+    moe_dispatcher: str = arg("alltoallv", "EP all-to-all: alltoallv (exact rows) or alltoall (capacity-padded)",
+                              choices=("alltoallv", "alltoall"))  # fmt: skip
+    moe_shared_expert_ffn_hidden_size: int | None = arg(None, "width of a dense MLP beside the experts (unset: none)")
+    moe_load_balancing: str | None = arg(None, "balancing loss: switch, gshard (first choice) or none "
+                                         "(default from --moe-router-load-balancing-type)",
+                                         choices=(None, "switch", "gshard", "none"))  # fmt: skip
+    moe_normalize_topk: bool = arg(True, "rescale the k chosen gate scores to sum to 1 (k > 1)")
+    moe_router_dim: int | None = arg(None, "projection width of the xmoe/cosine gates (default 16 / 256)")
+    moe_soft_slots: int = arg(1, "slots per expert of --moe-gate soft")
+    moe_layer_impl: str = arg("megatron_moe", "MoE layer: ours or megatron-core's (for comparison)",
+                              choices=("megatron_moe", "mcore"))  # fmt: skip
     moe_token_dispatcher_type: str = arg("alltoall", "token dispatch", choices=("alltoall", "allgather"))
     moe_grouped_gemm: bool = arg(False, "grouped-GEMM experts (needs the grouped_gemm package)")
 
@@ -100,6 +120,18 @@ class MoEConfig:
             f"must be between 1 and --num-experts={self.num_experts}",
         )  # fmt: skip
         self.layer_pattern(model.num_layers)
+        if self.moe_layer_impl == "megatron_moe":
+            from megatron_moe.moe import MoELayerConfig  # its validate() names the flag, value and a choice
+
+            MoELayerConfig(
+                num_experts=self.num_experts, hidden_size=model.hidden_size,
+                ffn_hidden_size=self.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+                topk=self.moe_router_topk, gate=self.moe_gate, capacity_factor=self.moe_capacity_factor,
+                ordering=self.moe_ordering, dispatcher=self.moe_dispatcher,
+                shared_expert_ffn_hidden_size=self.moe_shared_expert_ffn_hidden_size,
+                load_balancing=self.moe_load_balancing or "switch", router_dim=self.moe_router_dim,
+                soft_slots=self.moe_soft_slots,
+            ).validate()  # fmt: skip
 
 
 @dataclasses.dataclass(kw_only=True)

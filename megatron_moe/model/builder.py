@@ -44,8 +44,9 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
             moe_z_loss_coeff=moe.moe_z_loss_coeff,
             moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
             moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
-            moe_expert_capacity_factor=moe.moe_capacity_factor,
-            moe_pad_expert_input_to_capacity=moe.moe_capacity_factor is not None,
+            # megatron-core's own layer (--moe-layer-impl mcore) knows only f > 0; 0 and < 0 are dropless there.
+            moe_expert_capacity_factor=_mcore_capacity(moe.moe_capacity_factor),
+            moe_pad_expert_input_to_capacity=_mcore_capacity(moe.moe_capacity_factor) is not None,
             moe_layer_freq=moe.layer_pattern(m.num_layers),
             moe_grouped_gemm=moe.moe_grouped_gemm,
             moe_router_dtype="fp32",
@@ -89,6 +90,26 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
     )
 
 
+def _mcore_capacity(factor: float | None) -> float | None:
+    return factor if factor is not None and factor > 0 else None
+
+
+def moe_layer(cfg: RunConfig, config: TransformerConfig):
+    """Our MoE layer's settings, or None to use megatron-core's MoELayer."""
+    m = cfg.moe
+    if not m.is_moe or m.moe_layer_impl != "megatron_moe":
+        return None
+    from megatron_moe.moe import moe_layer_config
+
+    overrides = {"load_balancing": m.moe_load_balancing} if m.moe_load_balancing else {}
+    return moe_layer_config(
+        config, gate=m.moe_gate, capacity_factor=m.moe_capacity_factor, ordering=m.moe_ordering,
+        dispatcher=m.moe_dispatcher, shared_expert_ffn_hidden_size=m.moe_shared_expert_ffn_hidden_size,
+        normalize_topk=m.moe_normalize_topk, router_dim=m.moe_router_dim, soft_slots=m.moe_soft_slots,
+        **overrides,
+    )  # fmt: skip
+
+
 def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:
     """Pad the vocabulary to a multiple of --make-vocab-size-divisible-by.
 
@@ -112,6 +133,7 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> G
             cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers,
             use_transformer_engine=use_transformer_engine(),
             pp_rank=pp_rank,
+            moe_layer=moe_layer(cfg, config),
         ),
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=m.max_position_embeddings or m.seq_length,

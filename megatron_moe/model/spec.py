@@ -1,7 +1,8 @@
 """The megatron_moe layer spec: megatron-core TransformerLayers with our norms and MoE.
 
 Dense and MoE layers share attention; the MLP slot holds a dense MLP or an MoE
-layer as `--moe-layer-freq` says. On a GPU with transformer-engine installed
+layer as `--moe-layer-freq` says: megatron_moe's own (`megatron_moe.moe`, the
+default) or megatron-core's (`--moe-layer-impl mcore`). On a GPU with transformer-engine installed
 the linear layers and attention come from it; otherwise from megatron-core's
 local modules. Norms are always `SequenceParallelNorm`.
 """
@@ -26,6 +27,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from megatron_moe.moe import MoELayerConfig, moe_layer_spec
 from megatron_moe.platform.norms import SequenceParallelNorm
 
 
@@ -37,13 +39,20 @@ def backend_provider(use_transformer_engine: bool) -> BackendSpecProvider:
     return LocalSpecProvider()
 
 
-def layer_spec(config: TransformerConfig, *, moe: bool, backend: BackendSpecProvider) -> ModuleSpec:
-    """One transformer layer: norm -> self-attention -> norm -> MLP or MoE."""
-    mlp = get_mlp_module_spec_for_backend(
-        backend=backend,
-        num_experts=config.num_moe_experts if moe else None,
-        moe_grouped_gemm=config.moe_grouped_gemm,
-    )
+def layer_spec(config: TransformerConfig, *, moe: bool, backend: BackendSpecProvider,
+               moe_layer: MoELayerConfig | None = None) -> ModuleSpec:  # fmt: skip
+    """One transformer layer: norm -> self-attention -> norm -> MLP or MoE.
+
+    MoE layers hold megatron_moe's MoELayer when `moe_layer` is given, else megatron-core's.
+    """
+    if moe and moe_layer is not None:
+        mlp = moe_layer_spec(moe_layer)
+    else:
+        mlp = get_mlp_module_spec_for_backend(
+            backend=backend,
+            num_experts=config.num_moe_experts if moe else None,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+        )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -73,11 +82,12 @@ def block_spec(
     *,
     use_transformer_engine: bool = False,
     pp_rank: int | None = None,
+    moe_layer: MoELayerConfig | None = None,
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage builds, MoE where `moe_pattern` has a 1."""
     backend = backend_provider(use_transformer_engine)
     dense = layer_spec(config, moe=False, backend=backend)
-    moe = layer_spec(config, moe=True, backend=backend) if config.num_moe_experts else None
+    moe = layer_spec(config, moe=True, backend=backend, moe_layer=moe_layer) if config.num_moe_experts else None
     specs = [moe if is_moe else dense for is_moe in moe_pattern]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, pp_rank=pp_rank)

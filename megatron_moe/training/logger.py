@@ -32,13 +32,15 @@ class TrainingLogger:
         self._t0 = time.perf_counter()
 
     def step(self, iteration: int, figures: dict[str, float], *, lr: float, grad_norm: float | None,
-             skipped: bool) -> None:  # fmt: skip
+             skipped: bool, tensorboard_only: dict[str, float] | None = None) -> None:  # fmt: skip
+        """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
+        per-layer MoE figures) to TensorBoard alone."""
         self._steps += 1
         self._skipped += int(skipped)
         for name, value in figures.items():
             self._sums[name] = self._sums.get(name, 0.0) + value
         if self.writer:
-            for name, value in figures.items():
+            for name, value in {**figures, **(tensorboard_only or {})}.items():
                 self.writer.add_scalar(name.replace(" ", "_"), value, iteration)
             self.writer.add_scalar("learning_rate", lr, iteration)
             if grad_norm is not None:

@@ -12,6 +12,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.config import RunConfig
+from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.preemption import ExitRequest
@@ -43,6 +44,7 @@ class Trainer:
         self.num_microbatches = cfg.num_microbatches(self.world)
         self.forward_backward = get_forward_backward_func()
         self.num_moe_layers = sum(cfg.moe.layer_pattern(cfg.model.num_layers)) if cfg.moe.is_moe else 0
+        self.own_moe = cfg.moe.is_moe and cfg.moe.moe_layer_impl == "megatron_moe"
         self.is_logging_rank = dist.get_rank() == self.world - 1  # a last-stage rank
         self._validated_at = None
         self.logger = None
@@ -68,6 +70,10 @@ class Trainer:
         )
 
     def _aux_figures(self) -> dict[str, float]:
+        """MoE figures of the step. Collective: every rank calls it, MoE layers or not."""
+        if self.own_moe:
+            return collect_moe_metrics(self.model, num_layers=self.cfg.model.num_layers,
+                                       num_experts=self.cfg.moe.num_experts)  # fmt: skip
         figures = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
         wanted = {"load_balancing_loss": self.cfg.moe.moe_router_load_balancing_type != "none",
                   "z_loss": self.cfg.moe.moe_z_loss_coeff is not None}  # fmt: skip
@@ -78,6 +84,12 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.own_moe:
+            # The factor megatron-core's schedule gives the lm loss: router-loss grads become a
+            # per-step mean whatever the number of micro-batches.
+            scale = (self.optimizer.get_loss_scale().item() * parallel_state.get_context_parallel_world_size()
+                     / self.num_microbatches)  # fmt: skip
+            set_moe_aux_loss_scale(self.model, scale)
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         gbs = self.cfg.training.global_batch_size
@@ -107,7 +119,8 @@ class Trainer:
             losses = self._run_microbatches(iterator, forward_only=True)
             if parallel_state.is_pipeline_last_stage():
                 totals += losses
-        pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
+        if not self.own_moe:  # our layers record nothing in evaluation
+            pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
         for chunk in self.model:
             chunk.train()
         return _reduce_lm_loss(totals)
@@ -137,9 +150,11 @@ class Trainer:
             it = self.state.iteration
             if self.logger:
                 history.append({"iteration": it, "lm loss": figures["lm loss"], "grad norm": figures["grad_norm"]})
-                self.logger.step(it, {"lm loss": figures["lm loss"], **figures["aux"]},
+                aux = figures["aux"]
+                self.logger.step(it, {"lm loss": figures["lm loss"], **{k: v for k, v in aux.items() if "/" not in k}},
                                  lr=self.optimizer.param_groups[0]["lr"], grad_norm=figures["grad_norm"],
-                                 skipped=figures["skipped"])  # fmt: skip
+                                 skipped=figures["skipped"],
+                                 tensorboard_only={k: v for k, v in aux.items() if "/" in k})  # fmt: skip
             if t.eval_interval and it % t.eval_interval == 0 and it < t.train_iters:
                 self._validate_and_log()
             if ck.save_interval and it % ck.save_interval == 0 and it < t.train_iters:

@@ -1,0 +1,136 @@
+"""Expert: the local experts' computation on rows grouped by expert.
+
+Legend: L = local experts, R = rows (all local experts), C = rows per expert
+when padded, H = hidden, F = expert ffn width (x2 for SwiGLU's gate and up).
+
+Any `torch.nn.Module` with `num_local_experts` and `forward(rows_RH, counts)`
+is an expert module (`Experts` protocol). Built in:
+
+- `FFNExperts`: GPT GELU FFN or Mixtral SwiGLU, all local experts as one bmm
+  when every expert has the same row count (capacity-padded) or one grouped
+  GEMM otherwise (dropless / exact rows).
+- `ModuleListExperts`: wraps one arbitrary module per local expert (a loop;
+  for custom experts whose shapes do not batch).
+
+On-disk layout of `FFNExperts`, whatever kernel runs and whatever the EP size:
+`weight1` [E, F (2F for SwiGLU: gate rows then up rows), H] and `weight2`
+[E, H, F], i.e. torch Linear's [out, in] per expert, sharded along E with the
+global expert index as the offset, replicated over expert-data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_moe.moe import comm
+from megatron_moe.moe.grouped_gemm import grouped_linear
+
+
+@runtime_checkable
+class Experts(Protocol):
+    """The expert interface: rows grouped by local expert in, same-shaped rows out."""
+
+    num_local_experts: int
+
+    def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor: ...
+
+
+def mark_expert_params(module: torch.nn.Module) -> None:
+    """megatron-core DDP reduces params with `allreduce=False` over the expert-data-parallel group."""
+    for param in module.parameters():
+        param.allreduce = False
+
+
+def _group_rank(group) -> int:
+    return 0 if group is None else torch.distributed.get_rank(group)
+
+
+def _activation(h, gated: bool):
+    if gated:
+        gate, up = torch.chunk(h, 2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
+class FFNExperts(torch.nn.Module):
+    """L experts of one MLP each (GELU or SwiGLU), weights stacked along the expert dim."""
+
+    def __init__(self, *, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, gated: bool,
+                 init_method: Callable, output_init_method: Callable, ep_group=None, expert_dp_group=None,
+                 params_dtype: torch.dtype = torch.float32):  # fmt: skip
+        super().__init__()
+        self.num_local_experts, self.gated = num_local_experts, gated
+        self.ep_group, self.expert_dp_group = ep_group, expert_dp_group
+        width = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, width, hidden_size, dtype=params_dtype))
+        self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden_size, ffn_hidden_size,
+                                                      dtype=params_dtype))  # fmt: skip
+        with torch.no_grad():
+            for e in range(num_local_experts):
+                init_method(self.weight1[e])
+                output_init_method(self.weight2[e])
+        mark_expert_params(self)
+        self.region: Callable | None = None
+        """Set by an activation policy: region(name, fn, *args) runs fn as expert_fc1/expert_act/expert_fc2."""
+
+    def _call(self, name: str, fn: Callable, *args):
+        return fn(*args) if self.region is None else self.region(name, fn, *args)
+
+    def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if rows_RH.shape[0] and all(c == counts[0] for c in counts):
+            # Capacity-padded (or perfectly even): one batched GEMM per projection.
+            x_LCH = rows_RH.view(self.num_local_experts, counts[0], -1)
+            h_LCF = self._call("expert_fc1", torch.bmm, x_LCH, self.weight1.transpose(1, 2))
+            h_LCF = self._call("expert_act", _activation, h_LCF, self.gated)
+            y_LCH = self._call("expert_fc2", torch.bmm, h_LCF, self.weight2.transpose(1, 2))
+            return y_LCH.view(rows_RH.shape[0], -1)
+        h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts)
+        h_RF = self._call("expert_act", _activation, h_RF, self.gated)
+        return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """weight1/weight2 as ShardedTensors: global expert offset = EP rank x L."""
+        ep_rank, ep_size = _group_rank(self.ep_group), comm.group_size(self.ep_group)
+        axis = len(sharded_offsets)
+        # (PP, TP, DP): experts are not TP-split here (expert-TP = 1); copies differ by expert-DP rank.
+        replica_id = (0, 0, _group_rank(self.expert_dp_group))
+        return {
+            f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+                f"{prefix}{name}", param, *sharded_offsets, (axis, ep_rank, ep_size),
+                replica_id=replica_id, prepend_axis_num=axis,
+            )  # fmt: skip
+            for name, param in (("weight1", self.weight1), ("weight2", self.weight2))
+        }
+
+
+class ModuleListExperts(torch.nn.Module):
+    """Custom experts: one module per local expert, each mapping [n, H] -> [n, H]."""
+
+    def __init__(self, experts: list[torch.nn.Module], *, ep_group=None, expert_dp_group=None):
+        super().__init__()
+        self.local_experts = torch.nn.ModuleList(experts)
+        self.num_local_experts = len(experts)
+        self.ep_group, self.expert_dp_group = ep_group, expert_dp_group
+        mark_expert_params(self)
+
+    def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        chunks = torch.split(rows_RH, counts)
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.local_experts, chunks)])
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Each expert under its global index: `{prefix}local_experts.{global e}.{param}`."""
+        first = _group_rank(self.ep_group) * self.num_local_experts
+        replica_id = (0, 0, _group_rank(self.expert_dp_group))
+        out = {}
+        for local, expert in enumerate(self.local_experts):
+            for name, param in expert.state_dict(keep_vars=True).items():
+                # The dict key is this module's path; the checkpoint key names the global expert.
+                global_key = f"{prefix}local_experts.{first + local}.{name}"
+                out[f"{prefix}local_experts.{local}.{name}"] = ShardedTensor.from_rank_offsets(
+                    global_key, param, *sharded_offsets, replica_id=replica_id, prepend_axis_num=len(sharded_offsets)
+                )
+        return out

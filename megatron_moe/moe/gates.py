@@ -1,0 +1,156 @@
+"""Token-choice gates: each token picks its top-k experts.
+
+Legend: T = tokens, H = hidden, E = experts, K = top-k, D = router projection width.
+
+- `SoftmaxTopKGate`: GShard top-k softmax; `noisy` adds trainable noise
+  (Shazeer et al.); k = 1 without renormalising is Switch; `priority`
+  "importance" is Batch-Prioritized Routing (the least confident tokens lose
+  their slots first) and "random" is Random Token Selection.
+- `SigmoidGate`: independent sigmoid score per expert (BASE/StableMoE style).
+- `CosineGate`: cosine between a low-rank projection of the token and
+  learned expert embeddings, scaled by a learned temperature: X-MoE and
+  Tutel's cosine router differ only in width and initial scale.
+
+`build_gate(cfg)` picks a gate by `--moe-gate`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron_moe.moe.config import MoELayerConfig
+from megatron_moe.moe.routing import Gate, Routing, router_linear, router_losses
+
+PRIORITIES = ("token", "importance", "random")
+
+
+class _TopKGateBase(Gate):
+    """Shared tail of the token-choice gates: top-k, renormalise, claim order, losses."""
+
+    def __init__(self, cfg: MoELayerConfig, *, normalize: bool, priority: str = "token"):
+        super().__init__()
+        assert priority in PRIORITIES, priority
+        self.num_experts, self.topk = cfg.num_experts, cfg.topk
+        self.normalize = normalize and cfg.topk > 1
+        self.priority = priority
+        self.load_balancing, self.aux_coeff, self.z_coeff = cfg.load_balancing, cfg.aux_loss_coeff, cfg.z_loss_coeff
+
+    def _route(self, logits_TE, scores_TE, probs_TE, valid_T) -> Routing:
+        """`scores` pick the experts and are the combine weights; `probs` (sums to 1) feed the losses."""
+        num_tokens = logits_TE.shape[0]
+        weight_TK, expert_TK = torch.topk(scores_TE, self.topk, dim=-1)
+        if self.normalize:
+            weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+        aux, parts = router_losses(logits_TE, probs_TE, expert_TK, kind=self.load_balancing,
+                                   aux_coeff=self.aux_coeff, z_coeff=self.z_coeff, valid_T=valid_T, group=self.token_group)  # fmt: skip
+        return Routing(
+            num_tokens=num_tokens,
+            num_experts=self.num_experts,
+            probs_TE=probs_TE,
+            expert_N=expert_TK.t().reshape(-1),  # k-major: all first choices, then all second ...
+            weight_N=weight_TK.t().reshape(-1),
+            claim_N=self._claim_order(scores_TE, weight_TK),
+            aux_loss=aux,
+            losses=parts,
+        )
+
+    def _claim_order(self, scores_TE, weight_TK) -> torch.Tensor | None:
+        """Pairs in the order they take capacity slots; None = k-major token order."""
+        if self.priority == "token":
+            return None
+        num_tokens = scores_TE.shape[0]
+        if self.priority == "importance" or not self.training:
+            # BPR: a token's importance is its top score; most important first.
+            order_T = torch.argsort(weight_TK[:, 0].detach(), descending=True, stable=True)
+        else:
+            order_T = torch.randperm(num_tokens, device=scores_TE.device)
+        k_offsets = torch.arange(self.topk, device=order_T.device).unsqueeze(1) * num_tokens
+        return (k_offsets + order_T.unsqueeze(0)).reshape(-1)
+
+
+class SoftmaxTopKGate(_TopKGateBase):
+    """softmax(x W) -> top-k (GShard / Switch / BPR / RTS), optionally with trainable noise."""
+
+    def __init__(self, cfg: MoELayerConfig, *, noisy: bool = False, priority: str = "token", normalize=None):
+        super().__init__(cfg, normalize=cfg.normalize_topk if normalize is None else normalize, priority=priority)
+        self.weight = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        torch.nn.init.normal_(self.weight, std=cfg.init_method_std)
+        self.noise_weight = None
+        if noisy:
+            # Shazeer et al.: noise std = softplus(x W_noise), learned; starts at softplus(0).
+            self.noise_weight = torch.nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        logits_TE = router_linear(x_TH, self.weight)
+        if self.noise_weight is not None and self.training:
+            noise_std_TE = F.softplus(router_linear(x_TH, self.noise_weight))
+            logits_TE = logits_TE + torch.randn_like(logits_TE) * noise_std_TE
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        return self._route(logits_TE, probs_TE, probs_TE, valid_T)
+
+
+class SigmoidGate(_TopKGateBase):
+    """sigmoid(x W) per expert; top-k by score; balancing on the scores normalised per token."""
+
+    def __init__(self, cfg: MoELayerConfig):
+        super().__init__(cfg, normalize=cfg.normalize_topk)
+        self.weight = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        torch.nn.init.normal_(self.weight, std=cfg.init_method_std)
+
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        logits_TE = router_linear(x_TH, self.weight)
+        scores_TE = torch.sigmoid(logits_TE)
+        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        return self._route(logits_TE, scores_TE, probs_TE, valid_T)
+
+
+class CosineGate(_TopKGateBase):
+    """softmax(scale * cos(P x, e_j)) with P a D x H projection and e_j learned expert embeddings.
+
+    The log of the scale is learned and clamped at log(100) as in Tutel, so a
+    growing temperature cannot blow up the logits.
+    """
+
+    MAX_LOG_SCALE = math.log(100.0)
+
+    def __init__(self, cfg: MoELayerConfig, *, dim: int, init_scale: float):
+        super().__init__(cfg, normalize=cfg.normalize_topk)
+        self.proj_weight = torch.nn.Parameter(torch.empty(dim, cfg.hidden_size))
+        self.expert_embedding = torch.nn.Parameter(torch.empty(cfg.num_experts, dim))
+        torch.nn.init.normal_(self.proj_weight, std=cfg.init_method_std)
+        torch.nn.init.normal_(self.expert_embedding, std=cfg.init_method_std)
+        self.log_scale = torch.nn.Parameter(torch.tensor(math.log(init_scale)))
+
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        proj_TD = F.normalize(router_linear(x_TH, self.proj_weight), dim=-1)
+        experts_ED = F.normalize(self.expert_embedding.float(), dim=-1)
+        scale = torch.exp(torch.clamp(self.log_scale.float(), max=self.MAX_LOG_SCALE))
+        logits_TE = scale * (proj_TD @ experts_ED.t())
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        return self._route(logits_TE, probs_TE, probs_TE, valid_T)
+
+
+def build_gate(cfg: MoELayerConfig) -> Gate:
+    """The gate `--moe-gate` names."""
+    from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
+
+    builders = {
+        "topk": lambda: SoftmaxTopKGate(cfg),
+        "noisy_topk": lambda: SoftmaxTopKGate(cfg, noisy=True),
+        "switch": lambda: SoftmaxTopKGate(cfg, normalize=False),
+        "bpr": lambda: SoftmaxTopKGate(cfg, priority="importance"),
+        "rts": lambda: SoftmaxTopKGate(cfg, priority="random"),
+        "sigmoid": lambda: SigmoidGate(cfg),
+        # X-MoE: 16-wide projection, temperature 0.07 (scale 1/0.07); Tutel: 256 wide, scale 1/0.01.
+        "xmoe": lambda: CosineGate(cfg, dim=cfg.router_dim or 16, init_scale=1 / 0.07),
+        "cosine": lambda: CosineGate(cfg, dim=cfg.router_dim or 256, init_scale=1 / 0.01),
+        "expert_choice": lambda: ExpertChoiceGate(cfg),
+        "soft": lambda: SoftMoEGate(cfg),
+    }
+    return builders[cfg.gate]()
+
+
+__all__ = ["CosineGate", "SigmoidGate", "SoftmaxTopKGate", "build_gate"]

@@ -1,0 +1,81 @@
+"""Hooks: change what flows between the MoE stages without touching the layer.
+
+Six points, called in this order in every forward:
+
+    before_moe_start(tokens_TH)   -> route -> order
+    before_dispatch(rows_RH)      -> dispatch all-to-all
+    after_dispatch(rows_RH)       -> experts
+    before_combine(rows_RH)       -> combine all-to-all
+    after_combine(rows_RH)        -> unorder
+    before_moe_end(output_TH)
+
+Each returns the tensor the next stage gets (return the argument to leave it
+alone). A hook may change values and dtype (compress before dispatch,
+decompress after) and the row width, but not the number of rows between
+`before_dispatch` and `after_dispatch` or between `before_combine` and
+`after_combine`. Hooks run inside autograd, so what they do is differentiated.
+Register with `MoELayer.register_moe_hook(hook)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+HOOK_POINTS = (
+    "before_moe_start",
+    "before_dispatch",
+    "after_dispatch",
+    "before_combine",
+    "after_combine",
+    "before_moe_end",
+)
+
+
+@dataclasses.dataclass
+class HookContext:
+    """What a hook may want to know about the call it is in."""
+
+    layer_number: int | None
+    counts: list[int] | None = None
+    """Rows per expert of the tensor at hand (global experts before dispatch, local after)."""
+
+
+class MoEHook:
+    """Base class: every point passes its tensor through; override the ones you need."""
+
+    def before_moe_start(self, tokens_TH: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        return tokens_TH
+
+    def before_dispatch(self, rows_RH: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        return rows_RH
+
+    def after_dispatch(self, rows_RH: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        return rows_RH
+
+    def before_combine(self, rows_RH: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        return rows_RH
+
+    def after_combine(self, rows_RH: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        return rows_RH
+
+    def before_moe_end(self, output_TH: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        return output_TH
+
+
+class HookHandle:
+    """Returned by registration; `remove()` unregisters the hook."""
+
+    def __init__(self, hooks: list, hook: MoEHook):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+def run_hooks(hooks: list[MoEHook], point: str, tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+    for hook in hooks:
+        tensor = getattr(hook, point)(tensor, ctx)
+    return tensor

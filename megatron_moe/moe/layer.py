@@ -1,0 +1,214 @@
+"""The MoE layer: route -> order -> dispatch -> experts -> combine -> unorder, with hooks between.
+
+Legend: S = sequence (this TP rank's shard under sequence parallelism),
+B = micro-batch, T = S x B tokens, H = hidden, R = expert-major rows.
+
+It fills the MLP slot of a megatron-core TransformerLayer: built by
+`build_module(spec, config=config)`, called as `layer(hidden_SBH,
+padding_mask=...)`, returns `(output_SBH, None)`. Every stage is a pluggable
+object (Gate, Ordering, Dispatcher, Experts) chosen by `MoELayerConfig`, so a
+user swaps one without touching the others or this file. Process groups come
+from the constructor, else from megatron-core's `parallel_state`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_moe.moe import comm
+from megatron_moe.moe.capacity import expert_capacity
+from megatron_moe.moe.config import MoELayerConfig
+from megatron_moe.moe.dispatch import Dispatched, build_dispatcher
+from megatron_moe.moe.experts import Experts, FFNExperts
+from megatron_moe.moe.gates import build_gate
+from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
+from megatron_moe.moe.metrics import AuxLossAutoScaler, MoEStats
+from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, make_plan
+from megatron_moe.moe.routing import Routing, entropy_sum
+from megatron_moe.moe.shared import SharedExpert
+
+
+def _default_groups():
+    """(EP group, expert-DP group) from megatron-core, or (None, None) in a single process."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None, None
+    return (parallel_state.get_expert_model_parallel_group(),
+            parallel_state.get_expert_data_parallel_group())  # fmt: skip
+
+
+class MoELayer(MegatronModule):
+    """A mixture-of-experts MLP whose stages are named methods and pluggable objects."""
+
+    def __init__(self, config: TransformerConfig, moe_config: MoELayerConfig | None = None, *,
+                 ep_group=None, expert_dp_group=None, experts: ModuleSpec | Callable | None = None,
+                 hooks: Sequence[MoEHook] = (), layer_number: int | None = None):  # fmt: skip
+        super().__init__(config=config)
+        from megatron_moe.moe.spec import moe_layer_config
+
+        if ep_group is None and expert_dp_group is None:
+            ep_group, expert_dp_group = _default_groups()
+        self.cfg = (moe_config or moe_layer_config(config)).validate(ep_size=comm.group_size(ep_group))
+        self.dispatcher = build_dispatcher(self.cfg.dispatcher, ep_group, self.cfg.num_experts)
+        self.layer_number = layer_number
+        self.num_local_experts = self.dispatcher.num_local_experts
+        self.gate = build_gate(self.cfg)
+        self.ordering = build_ordering(self.cfg.ordering)
+        self.experts = self._build_experts(config, experts, ep_group, expert_dp_group)
+        self.shared_expert = None
+        if self.cfg.shared_expert_ffn_hidden_size:
+            self.shared_expert = SharedExpert(
+                hidden_size=self.cfg.hidden_size, ffn_hidden_size=self.cfg.shared_expert_ffn_hidden_size,
+                gated=self.cfg.gated, init_method=config.init_method,
+                output_init_method=config.output_layer_init_method,
+                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+            )  # fmt: skip
+        # Under sequence parallelism each TP rank routes its own tokens: router grads are partial,
+        # and the router losses are over the whole sequences' tokens (all TP ranks).
+        for param in self.gate.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        if config.sequence_parallel and parallel_state.model_parallel_is_initialized():
+            self.gate.token_group = parallel_state.get_tensor_model_parallel_group()
+        self.gate.to(config.params_dtype)
+        self.hooks: list[MoEHook] = list(hooks)
+        self.stats = MoEStats(self.cfg.num_experts)
+        self.aux_loss_scale = 1.0
+        """Gradient scale of the router losses; the loop sets loss_scale / micro-batches."""
+        self._scope = None
+
+    def use_activation_scope(self, scope) -> None:
+        """Run the stages as named regions of an activation policy (`megatron_moe.activations`):
+        router, ordering, dispatch, expert_fc1/act/fc2 (built-in experts), combine, unorder, shared_expert."""
+        self._scope = scope
+        if hasattr(self.experts, "region"):
+            self.experts.region = scope.call
+
+    def _region(self, name: str, fn, *args):
+        return fn(*args) if self._scope is None else self._scope.call(name, fn, *args)
+
+    def _in_region(self, name: str):
+        return contextlib.nullcontext() if self._scope is None else self._scope.region(name)
+
+    def _build_experts(self, config, experts, ep_group, expert_dp_group) -> torch.nn.Module:
+        if experts is not None:
+            kwargs = dict(num_local_experts=self.num_local_experts, moe_config=self.cfg, ep_group=ep_group,
+                          expert_dp_group=expert_dp_group)  # fmt: skip
+            module = build_module(experts, **kwargs) if isinstance(experts, ModuleSpec) else experts(**kwargs)
+            if not isinstance(module, Experts) or module.num_local_experts != self.num_local_experts:
+                raise TypeError(f"custom experts {type(module).__name__} must be an nn.Module with "
+                                f"num_local_experts={self.num_local_experts} and forward(rows, counts)")  # fmt: skip
+            return module
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        tracker = get_cuda_rng_tracker()
+        name = get_expert_parallel_rng_tracker_name()
+        # Expert weights differ per EP rank: draw them from megatron's expert-parallel RNG stream.
+        rng = tracker.fork(name) if tracker.is_initialized() and name in tracker.get_states() else contextlib.nullcontext()
+        with rng:
+            return FFNExperts(
+                num_local_experts=self.num_local_experts, hidden_size=self.cfg.hidden_size,
+                ffn_hidden_size=self.cfg.ffn_hidden_size, gated=self.cfg.gated,
+                init_method=config.init_method, output_init_method=config.output_layer_init_method,
+                ep_group=ep_group, expert_dp_group=expert_dp_group, params_dtype=config.params_dtype,
+            )  # fmt: skip
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def register_moe_hook(self, hook: MoEHook) -> HookHandle:
+        self.hooks.append(hook)
+        return HookHandle(self.hooks, hook)
+
+    # ------------------------------------------------------------------ stages
+
+    def route(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        return self.gate(x_TH, valid_T)
+
+    def plan(self, routing: Routing) -> Plan:
+        """Capacity for this step, then every pair's row in the expert-major buffer."""
+        padded = self.dispatcher.needs_padding or isinstance(self.ordering, DenseOrdering)
+        if routing.is_soft:
+            return make_plan(routing, capacity=None, padded=True)
+        routed_E = torch.bincount(routing.expert_N, minlength=routing.num_experts)
+        largest = int(routed_E.max()) if routed_E.numel() else 0
+        if routing.slots_per_expert is not None:  # expert choice: loads fixed by the gate
+            capacity = routing.slots_per_expert
+        else:
+            topk = routing.expert_N.numel() // max(routing.num_tokens, 1)
+            capacity = expert_capacity(self.cfg.capacity_factor, num_tokens=routing.num_tokens, topk=topk,
+                                       num_experts=routing.num_experts, largest_count=largest)  # fmt: skip
+        if padded:
+            capacity = self.dispatcher.agree_capacity(largest if capacity is None else capacity, routed_E.device)
+        return make_plan(routing, capacity=capacity, padded=padded, routed_E=routed_E)
+
+    def order(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        return self.ordering.encode(x_TH, plan)
+
+    def dispatch(self, rows_RH: torch.Tensor, plan: Plan):
+        return self.dispatcher.dispatch(rows_RH, plan.counts)
+
+    def compute_experts(self, dispatched: Dispatched, rows_RH: torch.Tensor) -> torch.Tensor:
+        return self.experts(rows_RH, dispatched.counts)
+
+    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        return self.dispatcher.combine(rows_RH, dispatched).wait()
+
+    def unorder(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        return self.ordering.decode(rows_RH, plan)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """hidden [S, B, H] -> ([S, B, H], None). `padding_mask` [B, S], True = padding (kept out of stats)."""
+        shape = hidden_states.shape
+        ctx = HookContext(self.layer_number)
+        x_TH = run_hooks(self.hooks, "before_moe_start", hidden_states.reshape(-1, shape[-1]), ctx)
+        valid_T = None if padding_mask is None else ~padding_mask.transpose(0, 1).reshape(-1).bool()
+        routing = self._region("router", self.route, x_TH, valid_T)
+        with self._in_region("ordering"):
+            plan = self.plan(routing)
+        rows_RH = self._region("ordering", self.order, x_TH, plan)
+        ctx.counts = plan.counts
+        rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
+        with self._in_region("dispatch"):
+            handle = self.dispatch(rows_RH, plan)
+        # Independent of the routed path: runs while the dispatch all-to-all is in flight.
+        shared_TH = self._region("shared_expert", self.shared_expert, x_TH) if self.shared_expert is not None else None
+        with self._in_region("dispatch"):
+            dispatched = handle.wait()
+        ctx.counts = dispatched.counts
+        rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
+        rows_RH = self.compute_experts(dispatched, rows_RH)
+        rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
+        with self._in_region("combine"):
+            rows_RH = self.combine(rows_RH, dispatched)
+        ctx.counts = plan.counts
+        rows_RH = run_hooks(self.hooks, "after_combine", rows_RH, ctx)
+        out_TH = self._region("unorder", self.unorder, rows_RH, plan)
+        if shared_TH is not None:
+            out_TH = out_TH + shared_TH
+        out_TH = run_hooks(self.hooks, "before_moe_end", out_TH, ctx)
+        out_TH = self._attach_router_losses(out_TH, routing, plan, valid_T)
+        return out_TH.view(shape), None
+
+    def _attach_router_losses(self, out_TH, routing: Routing, plan: Plan, valid_T) -> torch.Tensor:
+        """Feed the weighted router losses to backward and record the step's statistics.
+
+        Only in a training forward with grad: an evaluation pass must not count,
+        and under full activation recompute the first (no-grad) pass of a layer
+        must not count twice.
+        """
+        if not (self.training and torch.is_grad_enabled()):
+            return out_TH
+        if routing.aux_loss is not None and routing.aux_loss.requires_grad:
+            out_TH = AuxLossAutoScaler.apply(out_TH, routing.aux_loss, self.aux_loss_scale)
+        tokens = routing.num_tokens if valid_T is None else int(valid_T.sum())
+        self.stats.record(routed_E=plan.routed_E, dropped=plan.dropped, tokens=tokens,
+                          entropy_sum=entropy_sum(routing.probs_TE, valid_T), losses=routing.losses)  # fmt: skip
+        return out_TH

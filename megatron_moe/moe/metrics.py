@@ -1,0 +1,146 @@
+"""Router losses in the backward pass, and per-layer MoE statistics for the log.
+
+No module-level state: each `MoELayer` owns an `MoEStats` (detached sums
+over the step) and an `aux_loss_scale`; the training loop sets the scale with
+`set_moe_aux_loss_scale` and reads the figures with `collect_moe_metrics`.
+
+Legend: E = experts, L = layers of the whole model (all pipeline stages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_moe.moe import comm
+
+# Per-layer statistics row: E routed counts, then these scalars.
+SCALARS = ("dropped", "pairs", "tokens", "entropy_sum", "load_balancing_sum", "z_loss_sum", "calls")
+PER_LAYER = ("tokens_min", "tokens_max", "tokens_cv", "dropped_fraction", "dead_experts", "router_entropy",
+             "aux_loss", "z_loss")  # fmt: skip
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Identity on the layer output whose backward also feeds d(aux)/d(aux) = scale into the router.
+
+    The scale is taken when the forward runs (`scale` argument), not from a
+    global: the loop sets it to loss_scale / num_microbatches, exactly the
+    factor megatron-core's schedule applies to the lm loss, so the aux-loss
+    gradient of a step is the mean over its micro-batches whatever their number.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+class MoEStats:
+    """Detached running sums of one layer's routing over a step (reset by `collect_moe_metrics`)."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.sums: torch.Tensor | None = None
+
+    def record(self, *, routed_E: torch.Tensor, dropped: int, tokens: int, entropy_sum: torch.Tensor,
+               losses: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        device = routed_E.device
+        zero = torch.zeros((), device=device)
+        scalars = torch.stack([
+            torch.tensor(float(dropped), device=device), routed_E.sum().float(),
+            torch.tensor(float(tokens), device=device), entropy_sum.float(),
+            losses.get("load_balancing", zero).float(), losses.get("z_loss", zero).float(),
+            torch.ones((), device=device),
+        ])  # fmt: skip
+        row = torch.cat([routed_E.double(), scalars.double()])
+        self.sums = row if self.sums is None else self.sums + row
+
+    def reset(self) -> None:
+        self.sums = None
+
+
+def _moe_layers(model_chunks):
+    from megatron_moe.moe.layer import MoELayer
+
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                yield module
+
+
+def set_moe_aux_loss_scale(model_chunks, scale: float) -> None:
+    """Scale of the router losses' gradient for the coming forward passes (loss_scale / micro-batches)."""
+    for layer in _moe_layers(model_chunks):
+        layer.aux_loss_scale = float(scale)
+
+
+def _layer_figures(row: torch.Tensor, num_experts: int) -> dict[str, float]:
+    counts = row[:num_experts]
+    s = dict(zip(SCALARS, row[num_experts:].tolist()))
+    mean = counts.mean()
+    cv = (counts.std(unbiased=False) / mean).item() if mean > 0 else 0.0
+    return {
+        "tokens_min": counts.min().item(),
+        "tokens_max": counts.max().item(),
+        "tokens_cv": cv,
+        "dropped_fraction": s["dropped"] / max(s["pairs"], 1.0),
+        "dead_experts": float((counts == 0).sum().item()),
+        "router_entropy": s["entropy_sum"] / max(s["tokens"], 1.0),
+        "aux_loss": s["load_balancing_sum"] / s["calls"],
+        "z_loss": s["z_loss_sum"] / s["calls"],
+    }
+
+
+def collect_moe_metrics(model_chunks, *, num_layers: int, num_experts: int, group=None, max_keys: int = 64,
+                        device=None, reset: bool = True) -> dict[str, float]:  # fmt: skip
+    """Step figures of every MoE layer of the model; call on EVERY rank, once per step.
+
+    One all-reduce of a fixed [num_layers, num_experts + 7] table over `group`
+    (default: the world), so ranks whose pipeline stage has no MoE layer join
+    with zeros and nothing can hang. Every rank of a stage routes different
+    tokens (DP, EP, and TP under sequence parallelism), so summing gives the
+    counts of the whole step. Losses are unweighted means over ranks and
+    micro-batches. Returns aggregates (`moe aux loss`, `moe z loss`,
+    `moe dropped fraction`, `moe tokens cv`, `moe tokens cv max`,
+    `moe dead experts`, `moe router entropy`) and `moe/layer_NNN/<figure>`
+    for as many layers as fit in `max_keys` (evenly spaced, the same layers
+    every step).
+    """
+    width = num_experts + len(SCALARS)
+    table = torch.zeros(num_layers, width, dtype=torch.float64, device=device)
+    for layer in _moe_layers(model_chunks):
+        if layer.stats.sums is not None and layer.layer_number is not None:
+            sums = layer.stats.sums.to(table.device)
+            e = layer.stats.num_experts
+            table[layer.layer_number - 1, :e] += sums[:e]
+            table[layer.layer_number - 1, num_experts:] += sums[e:]
+        if reset:
+            layer.stats.reset()
+    comm.all_reduce_sum_(table, group)
+    calls = table[:, -1]
+    present = [i for i in range(num_layers) if calls[i] > 0]
+    if not present:
+        return {}
+    per_layer = {i + 1: _layer_figures(table[i], num_experts) for i in present}
+    figures = {
+        "moe aux loss": sum(f["aux_loss"] for f in per_layer.values()) / len(per_layer),
+        "moe z loss": sum(f["z_loss"] for f in per_layer.values()) / len(per_layer),
+        "moe dropped fraction": float(table[present, num_experts].sum() / table[present, num_experts + 1].sum().clamp(min=1)),
+        "moe tokens cv": sum(f["tokens_cv"] for f in per_layer.values()) / len(per_layer),
+        "moe tokens cv max": max(f["tokens_cv"] for f in per_layer.values()),
+        "moe dead experts": sum(f["dead_experts"] for f in per_layer.values()),
+        "moe router entropy": sum(f["router_entropy"] for f in per_layer.values()) / len(per_layer),
+    }
+    room = max(0, (max_keys - len(figures)) // len(PER_LAYER))
+    shown = list(per_layer)
+    if room < len(shown):
+        shown = [shown[round(j * (len(shown) - 1) / max(room - 1, 1))] for j in range(room)] if room else []
+    for number in dict.fromkeys(shown):
+        for name, value in per_layer[number].items():
+            figures[f"moe/layer_{number:03d}/{name}"] = value
+    return figures

@@ -1,0 +1,192 @@
+"""Order and I-Order: tokens [T, H] <-> rows grouped by expert [R, H].
+
+Legend: T = tokens, H = hidden, E = experts (global), C = capacity (slots per
+expert), N = routed pairs, R = rows of the expert-major buffer, S = soft slots.
+
+`make_plan` turns a `Routing` into a `Plan` with ONE stable sort of the pairs
+by expert (in the gate's claim order), which gives each pair its slot in its
+expert; pairs past the capacity are dropped. Rows are either exact (only the
+kept pairs, expert after expert: `capacity` None or rows not padded) or padded
+(C rows per expert, empty slots zero: what the padded all-to-all and the
+dense ordering need). Either way the buffer is "rows grouped by expert" with
+`counts[e]` rows for expert e, which is all the dispatchers and experts see.
+
+Orderings: `SparseOrdering` gathers / scatter-adds rows by index (Tutel's
+fast encode/decode, O(N H)); `DenseOrdering` builds GShard's one-hot
+dispatch and combine tensors [T, E, C] and uses einsum (O(T E C H)). Both
+weight the rows by the gate scores inside the decode (the I-Order).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+from megatron_moe.moe.routing import Routing
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where each kept (token, expert) pair sits in the expert-major row buffer."""
+
+    num_tokens: int
+    counts: list[int]
+    """Rows per expert in the buffer (len E); all equal to `capacity` when padded."""
+    capacity: int | None
+    """Slots per expert when the rows are padded; None for exact rows."""
+    routed_E: torch.Tensor
+    """Pairs each expert was given before dropping (long [E]), for statistics."""
+    dropped: int
+    token_of_row: torch.Tensor | None = None
+    """Source token of each kept pair, in buffer order (long [R'])."""
+    weight_of_row: torch.Tensor | None = None
+    """Gate weight of each kept pair (fp32, differentiable)."""
+    row_index: torch.Tensor | None = None
+    """Buffer row of each kept pair when padded (None: kept pair i is row i)."""
+    expert_of_row: torch.Tensor | None = None
+    slot_of_row: torch.Tensor | None = None
+    routing: Routing | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def padded(self) -> bool:
+        return self.capacity is not None
+
+
+def sort_pairs(routing: Routing, routed_E: torch.Tensor | None = None):
+    """(pair index, expert, slot within the expert) of every pair grouped by expert, and the counts.
+
+    Within an expert, pairs keep the gate's claim order, so the slot number is
+    the claim rank and dropping "slot >= C" drops the last claimants.
+    """
+    expert_N = routing.expert_N
+    claim_N = routing.claim_N
+    key_N = expert_N if claim_N is None else expert_N.index_select(0, claim_N)
+    expert_sorted, order = torch.sort(key_N, stable=True)
+    pair_sorted = order if claim_N is None else claim_N.index_select(0, order)
+    if routed_E is None:
+        routed_E = torch.bincount(expert_N, minlength=routing.num_experts)
+    starts_E = torch.cumsum(routed_E, 0) - routed_E
+    slot_sorted = torch.arange(expert_sorted.numel(), device=expert_N.device) - starts_E.index_select(0, expert_sorted)
+    return pair_sorted, expert_sorted, slot_sorted, routed_E
+
+
+def make_plan(routing: Routing, *, capacity: int | None, padded: bool, routed_E: torch.Tensor | None = None) -> Plan:
+    """Lay the routed pairs out by expert: exact rows, or C padded rows per expert.
+
+    `capacity` None means nothing is dropped; `padded` needs a capacity.
+    """
+    num_experts = routing.num_experts
+    if routing.is_soft:
+        slots = routing.slots_per_expert
+        zero = torch.zeros(num_experts, dtype=torch.long, device=routing.probs_TE.device)
+        return Plan(num_tokens=routing.num_tokens, counts=[slots] * num_experts, capacity=slots,
+                    routed_E=zero + routing.num_tokens, dropped=0, routing=routing)  # fmt: skip
+    assert capacity is not None or not padded, "padded rows need a capacity"
+    pair_sorted, expert_sorted, slot_sorted, routed_E = sort_pairs(routing, routed_E)
+    routed = routed_E.tolist()
+    dropped = 0
+    if capacity is not None and max(routed, default=0) > capacity:
+        keep = slot_sorted < capacity
+        pair_sorted, expert_sorted, slot_sorted = pair_sorted[keep], expert_sorted[keep], slot_sorted[keep]
+        dropped = sum(routed) - pair_sorted.numel()
+    if padded:
+        counts, row_index = [capacity] * num_experts, expert_sorted * capacity + slot_sorted
+    else:
+        counts = [min(c, capacity) for c in routed] if capacity is not None else routed
+        row_index = None
+    return Plan(
+        num_tokens=routing.num_tokens,
+        counts=counts,
+        capacity=capacity if padded else None,
+        routed_E=routed_E,
+        dropped=dropped,
+        token_of_row=routing.token_of(pair_sorted),
+        weight_of_row=routing.weight_N.index_select(0, pair_sorted),
+        row_index=row_index,
+        expert_of_row=expert_sorted,
+        slot_of_row=slot_sorted,
+        routing=routing,
+    )
+
+
+class Ordering(abc.ABC):
+    """Order (encode) tokens into expert-major rows, and I-Order (decode) them back, weighted."""
+
+    @abc.abstractmethod
+    def encode(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """[T, H] -> [R, H] rows grouped by expert (`plan.counts`)."""
+
+    @abc.abstractmethod
+    def decode(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """[R, H] -> [T, H]: each token's rows times their gate weights, summed."""
+
+
+def _soft_encode(x_TH, plan: Plan) -> torch.Tensor:
+    # Slot s = sum_t dispatch[t, s] * x_t; slots are expert-major (E x P), as the rows.
+    return plan.routing.dispatch_TS.t().to(x_TH.dtype) @ x_TH
+
+
+def _soft_decode(rows_RH, plan: Plan) -> torch.Tensor:
+    return plan.routing.combine_TS.to(rows_RH.dtype) @ rows_RH
+
+
+class SparseOrdering(Ordering):
+    """Index gather on the way in, weighted index-add on the way out (Tutel fast encode/decode)."""
+
+    def encode(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if plan.routing.is_soft:
+            return _soft_encode(x_TH, plan)
+        kept_RH = x_TH.index_select(0, plan.token_of_row)
+        if plan.row_index is None:
+            return kept_RH
+        rows_RH = x_TH.new_zeros(plan.num_rows, x_TH.shape[1])
+        return rows_RH.index_copy(0, plan.row_index, kept_RH)
+
+    def decode(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if plan.routing.is_soft:
+            return _soft_decode(rows_RH, plan)
+        kept_RH = rows_RH if plan.row_index is None else rows_RH.index_select(0, plan.row_index)
+        # The gate-score weighting is fused into the scatter: one pass over the rows.
+        weighted_RH = kept_RH * plan.weight_of_row.to(rows_RH.dtype).unsqueeze(1)
+        out_TH = rows_RH.new_zeros(plan.num_tokens, rows_RH.shape[1])
+        return out_TH.index_add(0, plan.token_of_row, weighted_RH)
+
+
+class DenseOrdering(Ordering):
+    """GShard: one-hot dispatch mask and combine weights [T, E, C], then einsum. Needs padded rows."""
+
+    def _masks(self, plan: Plan, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        num_experts, capacity = len(plan.counts), plan.capacity
+        assert capacity is not None, "the dense ordering lays rows out padded to a capacity"
+        flat = (plan.token_of_row * num_experts + plan.expert_of_row) * capacity + plan.slot_of_row
+        size = plan.num_tokens * num_experts * capacity
+        device = plan.token_of_row.device
+        combine = torch.zeros(size, dtype=dtype, device=device).index_put(
+            (flat,), plan.weight_of_row.to(dtype)
+        )  # fmt: skip
+        dispatch = torch.zeros(size, dtype=dtype, device=device).index_fill_(0, flat, 1.0)
+        shape = (plan.num_tokens, num_experts, capacity)
+        return dispatch.view(shape), combine.view(shape)
+
+    def encode(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if plan.routing.is_soft:
+            return _soft_encode(x_TH, plan)
+        dispatch_TEC, _ = self._masks(plan, x_TH.dtype)
+        return torch.einsum("tec,th->ech", dispatch_TEC, x_TH).reshape(-1, x_TH.shape[1])
+
+    def decode(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if plan.routing.is_soft:
+            return _soft_decode(rows_RH, plan)
+        _, combine_TEC = self._masks(plan, rows_RH.dtype)
+        rows_ECH = rows_RH.view(combine_TEC.shape[1], combine_TEC.shape[2], rows_RH.shape[1])
+        return torch.einsum("tec,ech->th", combine_TEC, rows_ECH)
+
+
+def build_ordering(name: str) -> Ordering:
+    return {"sparse": SparseOrdering, "dense": DenseOrdering}[name]()

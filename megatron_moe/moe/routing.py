@@ -1,0 +1,140 @@
+"""What a gate returns (`Routing`), the gate interface, and the router losses.
+
+Legend: T = tokens of this rank, H = hidden, E = experts (global), K = top-k,
+N = routed (token, expert) pairs, S = soft slots (E x slots per expert).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+
+import torch
+
+from megatron_moe.moe import comm
+
+
+@dataclasses.dataclass
+class Routing:
+    """A gate's decision for the T tokens of this rank.
+
+    Token- and expert-choice gates give (token, expert, weight) pairs. Pairs of
+    token-choice gates are k-major (pair n = k * T + t, so `token_N` is None);
+    `claim_N` lists the pairs in the order in which they claim capacity slots
+    (None: pair order, i.e. every first choice before any second choice, as GShard).
+    The soft gate gives dense dispatch and combine weights over slots instead.
+    """
+
+    num_tokens: int
+    num_experts: int
+    probs_TE: torch.Tensor
+    """fp32 router distribution per token (sums to 1), for statistics; may carry grad."""
+    expert_N: torch.Tensor | None = None
+    weight_N: torch.Tensor | None = None
+    """fp32 combine weight of each pair (differentiable)."""
+    token_N: torch.Tensor | None = None
+    """Source token of each pair; None for k-major token-choice pairs."""
+    claim_N: torch.Tensor | None = None
+    slots_per_expert: int | None = None
+    """Expert-choice and soft gates fix every expert's load to exactly this many slots."""
+    dispatch_TS: torch.Tensor | None = None
+    combine_TS: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    """Weighted sum of the router losses (scalar with grad), attached to backward by the layer."""
+    losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Unweighted losses, detached, for the log (`load_balancing`, `z_loss`)."""
+
+    @property
+    def is_soft(self) -> bool:
+        return self.dispatch_TS is not None
+
+    def token_of(self, pairs: torch.Tensor) -> torch.Tensor:
+        """Source token of the given pair indices."""
+        if self.token_N is None:
+            return torch.remainder(pairs, self.num_tokens)
+        return self.token_N.index_select(0, pairs)
+
+
+class Gate(torch.nn.Module, abc.ABC):
+    """A routing function: tokens [T, H] -> Routing. Router math runs in fp32."""
+
+    token_group = None
+    """Ranks holding other shards of the same sequences (TP under sequence parallelism), for the losses."""
+
+    @abc.abstractmethod
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        """`valid_T` (bool, optional) marks tokens that count in losses and statistics."""
+
+
+def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
+    """fp32 logits whatever the parameter and activation dtypes."""
+    return torch.nn.functional.linear(x_TH.float(), weight_EH.float())
+
+
+def _masked_mean(values_T: torch.Tensor, valid_T: torch.Tensor | None, group=None) -> torch.Tensor:
+    """Mean over the (valid) tokens of every rank of `group` that holds a shard of these sequences."""
+    if valid_T is None:
+        total, count = values_T.sum(dim=0), torch.tensor(float(values_T.shape[0]), device=values_T.device)
+    else:
+        weights = valid_T.to(values_T.dtype).view(-1, *([1] * (values_T.dim() - 1)))
+        total, count = (values_T * weights).sum(dim=0), weights.sum()
+    if comm.group_size(group) > 1:
+        total = comm.sum_across_shards(total, group)
+        count = comm.sum_across_shards(count.detach(), group)
+    return total / count.clamp(min=1)
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, expert_TK: torch.Tensor, kind: str,
+                        valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:  # fmt: skip
+    """Switch/GShard balancing loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
+
+    f_e: fraction of routed choices on expert e (switch: all k choices, gshard:
+    the first choice); P_e: mean router probability of e. Only P carries grad.
+    """
+    num_experts = probs_TE.shape[1]
+    chosen = expert_TK[:, :1] if kind == "gshard" else expert_TK
+    one_hot_TE = torch.zeros_like(probs_TE).scatter_add_(
+        1, chosen, torch.ones(chosen.shape, dtype=probs_TE.dtype, device=chosen.device)
+    )
+    fraction_E = _masked_mean(one_hot_TE, valid_T, group) / chosen.shape[1]
+    return num_experts * torch.sum(fraction_E.detach() * _masked_mean(probs_TE, valid_T, group))
+
+
+def z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """ST-MoE router z-loss: mean of logsumexp(logits)^2."""
+    return _masked_mean(torch.logsumexp(logits_TE, dim=-1).square(), valid_T, group)
+
+
+def entropy_sum(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over (valid) tokens of the router distribution's entropy, in nats (detached)."""
+    p = probs_TE.detach()
+    ent_T = -(p * torch.log(p.clamp(min=1e-20))).sum(dim=-1)
+    if valid_T is not None:
+        ent_T = ent_T * valid_T
+    return ent_T.sum()
+
+
+def router_losses(logits_TE, probs_TE, expert_TK, *, kind: str, aux_coeff: float, z_coeff: float,
+                  valid_T=None, group=None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:  # fmt: skip
+    """(weighted total with grad or None, unweighted detached parts).
+
+    `group`: the ranks whose tokens are shards of the same sequences (TP under
+    sequence parallelism); the losses are over all of their tokens, as on one rank.
+    """
+    total, parts = None, {}
+    if kind != "none" and expert_TK is not None:
+        lb = load_balancing_loss(probs_TE, expert_TK, kind, valid_T, group)
+        parts["load_balancing"] = lb.detach()
+        if aux_coeff > 0:
+            total = aux_coeff * lb
+    if z_coeff > 0:
+        z = z_loss(logits_TE, valid_T, group)
+        parts["z_loss"] = z.detach()
+        total = z_coeff * z if total is None else total + z_coeff * z
+    return total, parts
+
+
+def expert_choice_slots(num_tokens: int, topk: int, num_experts: int) -> int:
+    """Tokens each expert picks so that on average a token gets `topk` experts."""
+    return max(1, min(num_tokens, math.ceil(topk * num_tokens / num_experts)))

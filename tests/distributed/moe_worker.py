@@ -1,0 +1,240 @@
+"""torchrun worker (4 gloo ranks): our MoE layer at EP=2 and EP=4 against the EP=1 layer.
+
+The EP=1 reference is the same layout with DP instead of EP: every rank runs a
+single-rank layer holding ALL experts on its own tokens. With the same global
+weights, the EP layer's output and input/router grads on rank r equal the
+reference's on rank r, and its local experts' grads equal the reference's
+grads of those experts summed over the EP group (whose tokens they served).
+Every figure is the max over ranks; rank 0 writes `{case: figures}` to $RESULTS.
+Also: a checkpoint saved at EP=2 (expert-DP replicas) loads at EP=4, and the
+metric reduction does not hang when half the ranks have no MoE layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+warnings.filterwarnings("ignore")
+
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from megatron_moe.moe import MoEHook, MoELayer, collect_moe_metrics, moe_layer_config  # noqa: E402
+from megatron_moe.platform import init_platform  # noqa: E402
+
+H, FFN, E = 32, 48, 8
+S, B = 12, 2
+
+# name -> (layer settings, train mode). rts and noisy_topk are random in training: compared in eval.
+CASES = {
+    "topk_dropless_v": (dict(gate="topk"), True),
+    "topk_dropless_padded": (dict(gate="topk", dispatcher="alltoall"), True),
+    "topk_cap1_v": (dict(gate="topk", capacity_factor=1.0), True),
+    "topk_cap1_padded": (dict(gate="topk", capacity_factor=1.0, dispatcher="alltoall"), True),
+    "topk_adaptive_padded": (dict(gate="topk", capacity_factor=-1.0, dispatcher="alltoall"), True),
+    "switch_cap125_v": (dict(gate="switch", topk=1, capacity_factor=1.25), True),
+    "sigmoid_dropless_v": (dict(gate="sigmoid", z_loss_coeff=0.01), True),
+    "xmoe_cap1_padded_dense": (dict(gate="xmoe", capacity_factor=1.0, dispatcher="alltoall", ordering="dense"), True),
+    "cosine_dropless_v_dense": (dict(gate="cosine", ordering="dense"), True),
+    "expert_choice_v": (dict(gate="expert_choice"), True),
+    "expert_choice_padded": (dict(gate="expert_choice", dispatcher="alltoall"), True),
+    "soft_v": (dict(gate="soft", soft_slots=2), True),
+    "soft_padded": (dict(gate="soft", soft_slots=2, dispatcher="alltoall"), True),
+    "bpr_cap075_v": (dict(gate="bpr", capacity_factor=0.75), True),
+    "rts_eval_cap075_padded": (dict(gate="rts", capacity_factor=0.75, dispatcher="alltoall"), False),
+    "noisy_eval_v": (dict(gate="noisy_topk"), False),
+    "swiglu_shared_v": (dict(gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24), True),
+    "bf16_wire_hook_v": (dict(gate="topk"), True),
+}
+
+
+class Bf16OnTheWire(MoEHook):
+    def before_dispatch(self, rows, ctx):
+        return rows.to(torch.bfloat16)
+
+    def after_dispatch(self, rows, ctx):
+        return rows.float()
+
+    def before_combine(self, rows, ctx):
+        return rows.to(torch.bfloat16)
+
+    def after_combine(self, rows, ctx):
+        return rows.float()
+
+
+def tconfig(ep: int) -> TransformerConfig:
+    return TransformerConfig(num_layers=2, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=4,
+                             num_moe_experts=E, moe_router_topk=2, add_bias_linear=False,
+                             use_cpu_initialization=True, expert_model_parallel_size=ep)  # fmt: skip
+
+
+def global_weights(layer: MoELayer) -> None:
+    """Overwrite every parameter with values seeded by its name: the same on every rank and layout."""
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if param.dim() == 0:
+                continue
+            g = torch.Generator().manual_seed(sum(map(ord, name)))
+            param.copy_(torch.randn(param.shape, generator=g) * (0.5 if "gate" in name else 0.2))
+
+
+def load_from_reference(layer: MoELayer, ref: MoELayer, first: int) -> None:
+    local = layer.num_local_experts
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            src = dict(ref.named_parameters())[name]
+            param.copy_(src[first : first + local] if name.startswith("experts.") else src)
+
+
+def run(layer, x, grad, train):
+    layer.train(train)
+    x = x.clone().requires_grad_()
+    out, _ = layer(x)
+    out.backward(grad)
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def compare(ep: int, fields: dict, train: bool, solo_group, rank: int, hooks=()) -> dict:
+    config = tconfig(ep)
+    ref = MoELayer(config, moe_layer_config(config, **fields), ep_group=solo_group, expert_dp_group=solo_group)
+    global_weights(ref)
+    layer = MoELayer(config, moe_layer_config(config, **fields), hooks=hooks)
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    first = ep_group.rank() * layer.num_local_experts
+    load_from_reference(layer, ref, first)
+    g = torch.Generator().manual_seed(100 + rank)
+    # Rank-dependent skew so capacities bind differently on different ranks.
+    x = torch.randn(S, B, H, generator=g) + 0.5 * torch.randn(H, generator=g)
+    grad = torch.randn(S, B, H, generator=g)
+    out_ref, xg_ref, pg_ref = run(ref, x, grad, train)
+    out, xg, pg = run(layer, x, grad, train)
+    errors = {"output": (out - out_ref).abs().max(), "input_grad": (xg - xg_ref).abs().max(),
+              "output_rel": (out - out_ref).abs().max() / out_ref.abs().max()}  # fmt: skip
+    router = [(pg[n] - pg_ref[n]).abs().max() for n in pg if not n.startswith("experts.") and pg[n] is not None]
+    errors["router_and_shared_grads"] = torch.stack(router).max() if router else torch.tensor(0.0)
+    expert_err = []
+    for name in ("experts.weight1", "experts.weight2"):
+        summed = pg_ref[name].clone()
+        dist.all_reduce(summed, group=ep_group)  # an expert's grad collects all its EP group's tokens
+        expert_err.append((pg[name] - summed[first : first + layer.num_local_experts]).abs().max())
+    errors["expert_grads"] = torch.stack(expert_err).max()
+    errors["expert_grads_rel"] = errors["expert_grads"] / max(pg_ref[n].abs().max() for n in ("experts.weight1", "experts.weight2"))
+    figures = torch.stack([errors[k].double() for k in errors])
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    result = dict(zip(errors, figures.tolist()))
+    result["output_abs_mean"] = out.abs().mean().item()
+    if train:
+        same_counts = torch.equal(layer.stats.sums[:E], ref.stats.sums[:E])
+        result["stats_match"] = bool(_all_true(same_counts))
+        result["dropped"] = int(_sum(layer.stats.sums[E].item()))
+    return result
+
+
+def _all_true(flag: bool) -> bool:
+    t = torch.tensor([0 if flag else 1])
+    dist.all_reduce(t)
+    return int(t) == 0
+
+
+def _sum(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def checkpoint_across_layouts(ep: int, ckpt_dir: str, solo_group) -> dict:
+    """EP=2 saves (with expert-DP replicas), EP=4 loads: the experts must equal the global weights."""
+    config = tconfig(ep)
+    layer = MoELayer(config, moe_layer_config(config, gate="xmoe"), layer_number=1)
+    prefix = "decoder.layers.0.mlp."
+    if ep == 2:
+        global_weights(layer)  # global weights sliced for this EP rank
+        ref = MoELayer(config, moe_layer_config(config, gate="xmoe"), ep_group=solo_group, expert_dp_group=solo_group)
+        global_weights(ref)
+        first = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
+        load_from_reference(layer, ref, first)
+        dist_checkpointing.save(layer.sharded_state_dict(prefix=prefix), ckpt_dir)
+        return {}
+    loaded = dist_checkpointing.load(layer.sharded_state_dict(prefix=prefix), ckpt_dir)
+    layer.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
+    ref = MoELayer(tconfig(1), moe_layer_config(tconfig(1), gate="xmoe"), ep_group=solo_group,
+                   expert_dp_group=solo_group)
+    global_weights(ref)
+    first = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
+    err = max((dict(layer.named_parameters())[n] - (p[first : first + layer.num_local_experts]
+               if n.startswith("experts.") else p)).abs().max().item() for n, p in ref.named_parameters())  # fmt: skip
+    return {"max_abs_error": _max(err)}
+
+
+def _max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def metrics_with_moe_less_ranks(rank: int, solo_group) -> dict:
+    """Ranks 2 and 3 hold no MoE layer (as a pipeline stage without one): same reduction, no hang.
+
+    The layer runs on ranks 0 and 1 alone (a 1-rank EP group each), as a stage's own layers would.
+    """
+    config = tconfig(1)
+    layer = MoELayer(config, moe_layer_config(config), layer_number=2, ep_group=solo_group, expert_dp_group=solo_group)
+    chunks = [layer] if rank < 2 else []
+    if rank < 2:
+        out, _ = layer(torch.randn(S, B, H))
+        out.sum().backward()
+    figures = collect_moe_metrics(chunks, num_layers=4, num_experts=E, max_keys=64)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, figures)
+    return {"same_on_all_ranks": all(g == gathered[0] for g in gathered),
+            "pairs_counted": gathered[0].get("moe/layer_002/tokens_max", 0) > 0,
+            "keys": sorted(gathered[0])}  # fmt: skip
+
+
+def _progress(rank: int, ep: int, name: str) -> None:
+    if os.environ.get("MOE_WORKER_VERBOSE"):
+        print(f"[rank {rank}] ep{ep}/{name} done", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    init_platform()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank joins every new_group call
+    ckpt_dir = os.path.join(tempfile.gettempdir(), f"moe_worker_ckpt_{os.environ.get('MASTER_PORT', '0')}")
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    results = {}
+    for ep in (2, 4):
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+        model_parallel_cuda_manual_seed(1234)
+        for name, (fields, train) in CASES.items():
+            hooks = (Bf16OnTheWire(),) if name.startswith("bf16") else ()
+            results[f"ep{ep}/{name}"] = compare(ep, fields, train, solo, rank, hooks)
+            _progress(rank, ep, name)
+        results[f"ep{ep}/checkpoint"] = checkpoint_across_layouts(ep, ckpt_dir, solo)
+        _progress(rank, ep, "checkpoint")
+        if ep == 4:
+            results["ep4/metrics_without_moe_on_half_the_ranks"] = metrics_with_moe_less_ranks(rank, solo)
+        parallel_state.destroy_model_parallel()
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        with open(os.environ["RESULTS"], "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
