@@ -12,7 +12,8 @@ model) and policy (`none`, `full` = megatron-core whole-layer recompute,
 `activation_bytes` is exact: every tensor autograd keeps for backward passes
 through a saved-tensor hook that counts each storage once (quantized tensors
 at their packed size, recompute recipes at the inputs they hold). `step_ms` is
-the median forward+backward time after warm-up. `peak_mem_bytes` is the peak
+the median forward+backward time after warm-up, the policies timed in turn
+(round-robin) so that machine noise affects them alike. `peak_mem_bytes` is the peak
 RSS (CPU) or allocated memory (GPU) of the process so far, a coarser view.
 """
 
@@ -121,24 +122,29 @@ class _null:
         return False
 
 
-def measure(case_name: str, policy_name: str, repeats: int) -> dict:
+def measure_case(case_name: str, repeats: int) -> list[dict]:
+    """All policies of one case; timed round-robin so machine noise hits them alike."""
     case = CASES[case_name]
-    cfg, model, policy = build(case, POLICIES[policy_name])
-    counter = SavedBytes()
-    scope = apply_activation_policy(model, policy, counter) if policy is not None else None
-    forward_backward(model, cfg, case, counter)  # counted pass (also warm-up)
-    if scope is not None:
-        scope.counter = None  # count one pass only
-    times = []
+    runs = {}
+    for policy_name, flags in POLICIES.items():
+        cfg, model, policy = build(case, flags)
+        counter = SavedBytes()
+        scope = apply_activation_policy(model, policy, counter) if policy is not None else None
+        forward_backward(model, cfg, case, counter)  # the counted pass (also a warm-up)
+        if scope is not None:
+            scope.counter = None  # count one pass only
+        runs[policy_name] = (cfg, model, counter.bytes, [])
     for _ in range(repeats + 1):
-        model.zero_grad(set_to_none=True)
-        synchronize()
-        start = time.perf_counter()
-        forward_backward(model, cfg, case, None)
-        synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-    return {"case": case_name, "policy": policy_name, "activation_bytes": counter.bytes,
-            "step_ms": statistics.median(times[1:]), "peak_mem_bytes": peak_memory_bytes()}  # fmt: skip
+        for cfg, model, _, times in runs.values():
+            model.zero_grad(set_to_none=True)
+            synchronize()
+            start = time.perf_counter()
+            forward_backward(model, cfg, case, None)
+            synchronize()
+            times.append(1000 * (time.perf_counter() - start))
+    return [{"case": case_name, "policy": name, "activation_bytes": nbytes,
+             "step_ms": round(statistics.median(times[1:]), 2), "peak_mem_bytes": peak_memory_bytes()}
+            for name, (_, _, nbytes, times) in runs.items()]  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -150,7 +156,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     init_single_process()
     for case_name in args.cases.split(","):
-        results = [measure(case_name, policy, args.repeats) for policy in POLICIES]
+        results = measure_case(case_name, args.repeats)
         base = results[0]
         for r in results:
             r["activation_ratio_vs_none"] = round(r["activation_bytes"] / base["activation_bytes"], 4)

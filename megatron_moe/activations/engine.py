@@ -39,10 +39,12 @@ class SavedBytes:
 
     def add(self, stored: Any) -> None:
         if isinstance(stored, Packed):
-            self.bytes += stored.nbytes
+            if id(stored) not in self._seen:  # one packed copy may serve several savers
+                self._seen.add(id(stored))
+                self.bytes += stored.nbytes
         elif isinstance(stored, Recipe):
             for t in stored.entry.tensor_inputs():
-                self.add_tensor(t)
+                self.add(t)
         elif torch.is_tensor(stored):
             self.add_tensor(stored)
 
@@ -69,15 +71,16 @@ class _Entry:
     output: Any = None  # the live output during forward, the recomputed one in backward
 
     def tensor_inputs(self):
-        return [a for a in (*self.args, *self.kwargs.values()) if torch.is_tensor(a)]
+        return [a for a in (*self.args, *self.kwargs.values()) if torch.is_tensor(a) or isinstance(a, Packed)]
 
     def recompute(self):
         if self.output is None:
             saved = get_rng_states()
             set_rng_states(self.rng)
+            args = tuple(dequantize(a) if isinstance(a, Packed) else a for a in self.args)
             try:
                 with torch.no_grad():
-                    self.output = self.fn(*self.args, **self.kwargs)
+                    self.output = self.fn(*args, **self.kwargs)
             finally:
                 set_rng_states(saved)
         return self.output
@@ -114,10 +117,12 @@ class LayerScope:
         self.counter = counter
         self._regions: list[str] = []
         self._outputs: dict[int, tuple[_Entry, tuple, torch.Tensor]] = {}
+        self._packed: dict[tuple, tuple[torch.Tensor, Packed]] = {}
 
     @contextlib.contextmanager
     def active(self):
         self._outputs.clear()
+        self._packed.clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -126,6 +131,7 @@ class LayerScope:
             for entry, _, _ in self._outputs.values():
                 entry.output = None
             self._outputs.clear()
+            self._packed.clear()
 
     @contextlib.contextmanager
     def region(self, name: str):
@@ -140,12 +146,14 @@ class LayerScope:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         mode = self.policy.mode(name)
-        rng = get_rng_states() if mode == "recompute" else None
+        recompute = mode.startswith("recompute")
+        rng = get_rng_states() if recompute else None
         with self.region(name):
             output = fn(*args, **kwargs)
-        if mode == "recompute":
-            detached = tuple(a.detach() if torch.is_tensor(a) else a for a in args)
-            entry = _Entry(fn, detached, kwargs, rng, output)
+        if recompute:
+            keep = self._quantized if mode == "recompute+quantize" else torch.Tensor.detach
+            stored = tuple(keep(a) if torch.is_tensor(a) else a for a in args)
+            entry = _Entry(fn, stored, kwargs, rng, output)
             for path, t in _tensors_with_paths(output):
                 if t.is_floating_point():
                     self._outputs[t.untyped_storage().data_ptr()] = (entry, path, t)
@@ -158,12 +166,21 @@ class LayerScope:
             entry, path, output = registered
             delta = t.storage_offset() - output.storage_offset()
             stored = Recipe(entry, path, tuple(t.shape), tuple(t.stride()), delta)
-        elif (self._regions and self.policy.mode(self._regions[-1]) == "quantize" and worth_quantizing(t)
-              and not isinstance(t, torch.nn.Parameter)):  # fmt: skip
-            stored = quantize(t, self.policy.quant_format, self.policy.quant_block)
+        elif self._regions and self.policy.mode(self._regions[-1]).endswith("quantize"):
+            stored = self._quantized(t)
         if self.counter is not None:
             self.counter.add(stored)
         return stored
+
+    def _quantized(self, t: torch.Tensor):
+        """`t` packed (one packed copy per tensor view in this scope), or `t` if not worth it."""
+        if not worth_quantizing(t) or isinstance(t, torch.nn.Parameter):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        cached = self._packed.get(key)
+        if cached is None:
+            cached = self._packed[key] = (t, quantize(t, self.policy.quant_format, self.policy.quant_block))
+        return cached[1]
 
     @staticmethod
     def _unpack(stored):

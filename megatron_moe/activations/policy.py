@@ -10,6 +10,8 @@ Every module of a transformer layer gets one mode:
 - `quantize`: the tensors saved for backward *inside* the module (a GEMM's
   input, an activation's input, ...) are kept in a compact format and
   dequantized in backward.
+- `recompute+quantize` (named in both lists): the module's input is kept
+  quantized, once, both for its own backward and to recompute its output from.
 
 Module names (a dense layer's MLP uses the mlp_* names, an MoE layer the rest):
 see `MODULES`. Presets: `none` (everything saved), `full` (megatron-core's
@@ -24,7 +26,7 @@ import dataclasses
 from megatron_moe.activations.quantize import FORMATS
 from megatron_moe.config.fields import ConfigError, require
 
-MODES = ("save", "recompute", "quantize")
+MODES = ("save", "recompute", "quantize", "recompute+quantize")
 
 # name -> (what it is, whether floating-point activations are saved inside it)
 MODULES: dict[str, tuple[str, bool]] = {
@@ -49,10 +51,13 @@ MODULES: dict[str, tuple[str, bool]] = {
 
 PRESETS: dict[str, dict[str, str]] = {
     "none": {},
+    # Arctic: recompute the cheap, memory-heavy ops (norms, activation functions) from
+    # their quantized inputs; quantize what the GEMMs and attention keep; keep the
+    # all-to-all outputs (recomputing those would repeat communication).
     "arctic": {
-        **dict.fromkeys(["input_norm", "pre_mlp_norm", "expert_act", "mlp_act"], "recompute"),
+        **dict.fromkeys(["input_norm", "pre_mlp_norm", "expert_act", "mlp_act"], "recompute+quantize"),
         **dict.fromkeys(["qkv", "attn_proj", "expert_fc1", "expert_fc2", "mlp_fc1", "mlp_fc2",
-                         "core_attention", "shared_expert"], "quantize"),  # fmt: skip
+                         "core_attention", "shared_expert", "unorder"], "quantize"),  # fmt: skip
         **dict.fromkeys(["dispatch", "combine"], "save"),
     },
 }
@@ -87,13 +92,12 @@ def build_policy(*, preset: str, recompute: list[str], quantize: list[str], quan
     require(quant_format in FORMATS, "--activation-quant-format", quant_format, f"one of {', '.join(FORMATS)}")
     require(quant_block > 0, "--activation-quant-block", quant_block, "must be positive")
     modes = dict(PRESETS[preset])
-    both = set(recompute) & set(quantize)
-    if both:
-        raise ConfigError(f"--recompute-modules and --quantize-activations both name {sorted(both)}; "
-                          "give each module one mode")  # fmt: skip
     for name in _names("--recompute-modules", recompute):
         modes[name] = "recompute"
     for name in _names("--quantize-activations", quantize):
+        if name in recompute:
+            modes[name] = "recompute+quantize"
+            continue
         if not MODULES[name][1]:
             raise ConfigError(
                 f"--quantize-activations={name}: the {MODULES[name][0]} keeps no floating-point "

@@ -47,14 +47,11 @@ def _rows(t: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 
 def quantize(t: torch.Tensor, fmt: str, block: int = 128) -> Packed:
-    rows = _rows(t, fmt, block).float()
-    amax = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-    if fmt == "fp8_row":
-        scale = amax / FP8_MAX
-        data = (rows / scale).to(torch.float8_e4m3fn)
-    else:
-        scale = amax / 127.0
-        data = torch.round(rows / scale).to(torch.int8)
+    rows = _rows(t, fmt, block)
+    amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True, dtype=torch.float32)
+    scale = amax.clamp_min(1e-12) / (FP8_MAX if fmt == "fp8_row" else 127.0)
+    scaled = rows.float().mul(scale.reciprocal())  # one temporary, then in place
+    data = scaled.to(torch.float8_e4m3fn) if fmt == "fp8_row" else scaled.round_().to(torch.int8)
     return Packed(data, scale, t.shape, t.dtype, fmt)
 
 

@@ -104,10 +104,10 @@ class MoELayer(MegatronModule):
                 raise TypeError(f"custom experts {type(module).__name__} must be an nn.Module with "
                                 f"num_local_experts={self.num_local_experts} and forward(rows, counts)")  # fmt: skip
             return module
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+        from megatron_moe.platform.rng import expert_parallel_stream, rng_tracker
 
-        tracker = get_cuda_rng_tracker()
-        name = get_expert_parallel_rng_tracker_name()
+        tracker = rng_tracker()
+        name = expert_parallel_stream()
         # Expert weights differ per EP rank: draw them from megatron's expert-parallel RNG stream.
         rng = tracker.fork(name) if tracker.is_initialized() and name in tracker.get_states() else contextlib.nullcontext()
         with rng:

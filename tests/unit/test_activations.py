@@ -76,6 +76,11 @@ def test_unknown_module_name():
         parse_args([*MODEL, "--recompute-modules", "attention"]).validate(1)
 
 
+def test_recompute_and_quantize_together():
+    policy = parse_args([*MODEL, "--recompute-modules", "mlp_act", "--quantize-activations", "mlp_act"]).activation_policy()
+    assert policy.mode("mlp_act") == "recompute+quantize"
+
+
 def test_quantizing_a_module_with_nothing_to_quantize():
     with pytest.raises(ConfigError, match=r"--quantize-activations=dispatch: the dispatch all-to-all keeps no"):
         parse_args([*MODEL, "--quantize-activations", "dispatch"]).validate(1)
@@ -84,7 +89,6 @@ def test_quantizing_a_module_with_nothing_to_quantize():
 @pytest.mark.parametrize("flags, message", [
     (["--recompute-granularity", "full", "--activation-policy", "arctic"], "full recompute conflicts with"),
     (["--recompute-granularity", "selective"], "name what to recompute or quantize"),
-    (["--recompute-modules", "qkv", "--quantize-activations", "qkv"], r"both name \['qkv'\]"),
 ])  # fmt: skip
 def test_conflicting_policies(flags, message):
     with pytest.raises(ConfigError, match=message):
