@@ -1,0 +1,194 @@
+"""Export to / import from HuggingFace Mixtral, and verify by comparing logits with transformers.
+
+All three run in one CPU process (TP=PP=EP=1, fp32): dist_checkpointing
+reshards a checkpoint of any layout into it on load, and a checkpoint it saves
+loads into any layout. The whole model sits in host memory once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+
+from megatron_moe.checkpointing import TrainState
+from megatron_moe.checkpointing import hf_mixtral
+from megatron_moe.config import ConfigError, RunConfig, parse_args
+
+log = logging.getLogger("megatron_moe")
+SINGLE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+              expert_tensor_parallel_size=None, context_parallel_size=1, sequence_parallel=False,
+              use_distributed_optimizer=False)  # fmt: skip
+TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+                    "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": False, "add_eos_token": False,
+                    "add_prefix_space": False, "legacy": False}  # fmt: skip
+
+
+def single_process() -> None:
+    """torch.distributed with one gloo rank and megatron-core's groups (idempotent)."""
+    from megatron_moe.platform import init_platform
+    from megatron_moe.platform.rng import seed_model_parallel
+    from megatron_moe.training.initialize import _default_to_single_process
+
+    init_platform()
+    if not dist.is_initialized():
+        _default_to_single_process()
+        dist.init_process_group("gloo")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        seed_model_parallel(0)
+
+
+def build_single(cfg: RunConfig, vocab_size: int):
+    from megatron_moe.model import build_model, transformer_config
+
+    for name, value in SINGLE.items():
+        setattr(cfg.parallel, name, value)
+    cfg.training.bf16 = cfg.training.fp16 = False
+    cfg.validate(world_size=1)
+    return build_model(cfg, transformer_config(cfg), vocab_size).eval()
+
+
+def load_single(ckpt: str, tokenizer_model: str | None = None):
+    """(cfg, model, tokenizer) from a megatron_moe checkpoint directory of any layout."""
+    from megatron_moe.checkpointing import resolve_load_dir
+    from megatron_moe.data.tokenizer import SentencePieceTokenizer
+
+    single_process()
+    probe = parse_args(["--data-path", "x", "--tokenizer-model", "x", "--load", ckpt])
+    path = resolve_load_dir(probe)
+    common = dist_checkpointing.load_common_state_dict(path)
+    cfg = RunConfig.from_dict(common["config"])
+    tokenizer = SentencePieceTokenizer(tokenizer_model or cfg.data.tokenizer_model)
+    model = build_single(cfg, tokenizer.vocab_size)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    model.load_state_dict(state["model"])
+    return cfg, model, tokenizer
+
+
+def _fresh_dir(path: str, overwrite: bool, flag: str) -> str:
+    if os.path.exists(path) and os.listdir(path):
+        if not overwrite:
+            raise ConfigError(f"{flag}={path} exists and is not empty; choose a new directory or pass --overwrite")
+        shutil.rmtree(path)
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def export_hf(ckpt: str, out: str, *, tokenizer_model: str | None = None, overwrite: bool = False,
+              progress: Callable[[str], None] = log.info) -> str:  # fmt: skip
+    """Write `ckpt` as an HF Mixtral directory (config, safetensors, tokenizer); returns `out`."""
+    from safetensors.torch import save_file
+
+    cfg, model, tokenizer = load_single(ckpt, tokenizer_model)
+    hf_mixtral.check_exportable(cfg)
+    tmp = _fresh_dir(out, overwrite, "--save")
+    ours = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    tensors = {}
+    for layer, group in hf_mixtral.to_hf(ours, cfg, tokenizer.vocab_size):
+        tensors.update({k: v.contiguous().clone() for k, v in group.items()})
+        progress(f"export: {'embeddings, final norm, lm head' if layer is None else f'layer {layer}'} "
+                 f"({len(group)} tensors)")  # fmt: skip
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    config = hf_mixtral.hf_config(cfg, tokenizer.vocab_size, tokenizer.bos, tokenizer.eod)
+    _write_json(os.path.join(tmp, "config.json"), config)
+    _write_json(os.path.join(tmp, "generation_config.json"),
+                {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eod})  # fmt: skip
+    shutil.copyfile(tokenizer.model_path, os.path.join(tmp, "tokenizer.model"))
+    _write_json(os.path.join(tmp, "tokenizer_config.json"), TOKENIZER_CONFIG)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+
+
+def read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"--load={hf_dir}: no *.safetensors files; give an HF Mixtral model directory")
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(hf_dir, name)))
+    return tensors
+
+
+def import_hf(hf_dir: str, out: str, *, extra_flags: list[str] = (), overwrite: bool = False,
+              progress: Callable[[str], None] = log.info) -> str:  # fmt: skip
+    """Write an HF Mixtral directory as a megatron_moe checkpoint (iteration 0, no optimizer)."""
+    from megatron_moe.data.tokenizer import SentencePieceTokenizer
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    if config.get("model_type") != "mixtral":
+        raise ConfigError(f"--load={hf_dir}: model_type={config.get('model_type')!r}; only 'mixtral' imports")
+    tokenizer_model = os.path.join(hf_dir, "tokenizer.model")
+    if not os.path.isfile(tokenizer_model):
+        raise ConfigError(f"--load={hf_dir}: no tokenizer.model (sentencepiece) to train with")
+    single_process()
+    cfg = parse_args([*hf_mixtral.run_flags_from_hf(config), "--data-path", "unset", "--tokenizer-model",
+                      tokenizer_model, *extra_flags])  # fmt: skip
+    vocab = max(config["vocab_size"], SentencePieceTokenizer(tokenizer_model).vocab_size)
+    model = build_single(cfg, vocab)
+    from megatron_moe.model.builder import padded_vocab_size
+
+    hf = read_hf_tensors(hf_dir)
+    ours = hf_mixtral.from_hf(hf, cfg, padded_vocab_size(vocab, cfg))
+    progress(f"import: {len(hf)} HF tensors -> {len(ours)} megatron_moe tensors")
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConfigError(f"--load={hf_dir}: weights do not match the model: missing {missing}, unexpected {unexpected}")
+    tmp = _fresh_dir(out, overwrite, "--save")
+    shutil.copyfile(tokenizer_model, os.path.join(tmp, "tokenizer.model"))
+    cfg.data.tokenizer_model = os.path.join(out, "tokenizer.model")
+    save_single(tmp, cfg, model)
+    os.replace(tmp, out)
+    return out
+
+
+def save_single(root: str, cfg: RunConfig, model) -> None:
+    """Save a single-process model's weights as iteration 0 of a --save directory (no optimizer)."""
+    from megatron_moe.checkpointing import save_checkpoint
+
+    save_checkpoint(root, cfg, [_Unwrapped(model)], None, _NoScheduler(), TrainState())
+
+
+class _Unwrapped:
+    """What save_checkpoint expects of a DDP chunk: `.module`."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+class _NoScheduler:
+    def state_dict(self):
+        return {}
+
+
+def probe_tokens(vocab_size: int, batch: int = 2, length: int = 24) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def max_logit_difference(model, hf_dir: str, tokens: torch.Tensor) -> float:
+    """max |ours - transformers| over the logits of `tokens` [B, S] (first vocab_size entries)."""
+    from transformers import MixtralForCausalLM
+
+    hf_model = MixtralForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    hf_logits = hf_model(tokens).logits
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    ours = model(tokens, positions, None)  # [B, S, V_pad]
+    return (ours[..., : hf_logits.shape[-1]].float() - hf_logits.float()).abs().max().item()

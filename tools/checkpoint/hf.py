@@ -1,0 +1,80 @@
+"""`export-hf`, `import-hf` and `verify`: HuggingFace Mixtral in both directions, checked by logits.
+
+Each ends by running our model and transformers' MixtralForCausalLM on the
+same tokens (CPU, fp32) and printing the largest absolute logit difference;
+it fails (exit 2) above --tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_moe.config import ConfigError
+
+
+def _verify(ckpt: str, hf_dir: str, tolerance: float) -> float:
+    from megatron_moe.checkpointing.hf_convert import load_single, max_logit_difference, probe_tokens
+
+    _, model, tokenizer = load_single(ckpt)
+    diff = max_logit_difference(model, hf_dir, probe_tokens(tokenizer.vocab_size))
+    print(f"verify: max |logits(megatron_moe) - logits(transformers)| = {diff:.3e} (tolerance {tolerance:g})",
+          flush=True)  # fmt: skip
+    if diff > tolerance:
+        raise ConfigError(f"--tolerance={tolerance}: logits differ by {diff:.3e}; the conversion is wrong")
+    return diff
+
+
+def _common(parser: argparse.ArgumentParser, load_help: str, save_help: str) -> None:
+    parser.add_argument("--load", required=True, help=load_help)
+    parser.add_argument("--save", required=True, help=save_help)
+    parser.add_argument("--overwrite", action="store_true", help="replace --save if it exists")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted logit difference")
+
+
+class ExportHFCommand:
+    help = "write a checkpoint (any layout) as a HuggingFace Mixtral model directory"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        _common(parser, "a --save directory or one iter_N directory", "the new HF model directory")
+        parser.add_argument("--tokenizer-model", help="sentencepiece model (default: the run's --tokenizer-model)")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> None:
+        from megatron_moe.checkpointing.hf_convert import export_hf
+
+        export_hf(args.load, args.save, tokenizer_model=args.tokenizer_model, overwrite=args.overwrite,
+                  progress=lambda line: print(line, flush=True))  # fmt: skip
+        print(f"export-hf: wrote {args.save}", flush=True)
+        _verify(args.load, args.save, args.tolerance)
+
+
+class ImportHFCommand:
+    help = "write a HuggingFace Mixtral model directory as a megatron_moe checkpoint"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        _common(parser, "HF Mixtral directory (config.json, *.safetensors, tokenizer.model)",
+                "the new --save directory (loads into any TP/PP/EP layout)")  # fmt: skip
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> None:
+        from megatron_moe.checkpointing.hf_convert import import_hf
+
+        import_hf(args.load, args.save, overwrite=args.overwrite, progress=lambda line: print(line, flush=True))
+        print(f"import-hf: wrote {args.save}", flush=True)
+        _verify(args.save, args.load, args.tolerance)
+
+
+class VerifyCommand:
+    help = "compare a checkpoint's logits with a HuggingFace Mixtral directory's"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--load", required=True, help="megatron_moe checkpoint")
+        parser.add_argument("--hf", required=True, help="HF Mixtral directory")
+        parser.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted logit difference")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> None:
+        _verify(args.load, args.hf, args.tolerance)
