@@ -1,0 +1,110 @@
+"""torchrun worker for test_reshard.py: train, reshard in-process, resume; results as JSON.
+
+    torchrun --nproc-per-node N reshard_worker.py SCENARIO DATA_PREFIX TOKENIZER WORKDIR
+
+Scenarios:
+- `source` (1 rank): train steps 1-2 of 4 and save WORKDIR/src; then resume
+  it in the same layout for steps 3-4 (the reference).
+- `chain` (2 ranks): starting from WORKDIR/ep2 (written by the convert.py
+  CLI from src), reshard with the tool's own converter, one hop after the
+  other: EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1; and src -> EP2 with the
+  distributed optimizer, weights only. Each result is resumed in its target
+  layout for steps 3-4; and, with dropout, the TP2 result against its source
+  resumed directly in TP2. The hops run in this one job because a torchrun
+  start costs 10-20 s here.
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
+from reshard import Target  # noqa: E402 (light: the heavy imports are inside functions)
+
+SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
+ITERS, SAVED_AT = 4, 2
+
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
+    "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
+    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "98,2,0", "--seed", "7",
+    "--train-iters", str(ITERS),
+]  # fmt: skip
+
+# name: (the checkpoint it is made from, the target, the training flags of that layout)
+HOPS = {
+    "tp2_sp": ("ep2", Target(tensor_parallel_size=2, expert_parallel_size=1),
+               ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": ("tp2_sp", Target(tensor_parallel_size=1, pipeline_parallel_size=2),
+            ["--pipeline-model-parallel-size", "2"]),
+    "back_to_1": ("pp2", Target(pipeline_parallel_size=1), []),
+    "ep2_distopt_weights_only": ("src", Target(expert_parallel_size=2, use_distributed_optimizer=True,
+                                               drop_optimizer=True),
+                                 ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+}  # fmt: skip
+EP2_FLAGS = ["--expert-model-parallel-size", "2"]
+
+
+def ckpt(name: str) -> str:
+    return os.path.join(WORKDIR, name)
+
+
+def train(*extra: str) -> list[dict]:
+    """One run; every rank returns the logging rank's per-step figures."""
+    import torch.distributed as dist
+
+    from megatron_moe.config import parse_args
+    from megatron_moe.training import pretrain
+
+    history = pretrain(parse_args([*MODEL, *extra]), keep_process_group=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, history)
+    return gathered[-1]
+
+
+def facts(root: str) -> dict:
+    """What the saved checkpoint says about itself (common state, JSON-able parts)."""
+    from megatron.core import dist_checkpointing
+
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read())
+    common = dist_checkpointing.load_common_state_dict(os.path.join(root, f"iter_{iteration:07d}"))
+    keys = ("layout", "train_state", "scheduler", "has_optimizer", "distributed_optimizer")
+    return {"iteration": iteration, "parallel": common["config"]["parallel"], **{k: common[k] for k in keys}}
+
+
+def source() -> dict:
+    train("--exit-interval", str(SAVED_AT), "--save", ckpt("src"))
+    return {"reference": train("--load", ckpt("src")), "src": facts(ckpt("src"))}
+
+
+def chain() -> dict:
+    from reshard import make_plan, reshard_on_this_rank
+
+    results = {"ep2": {"resumed": train("--load", ckpt("ep2"), *EP2_FLAGS), **facts(ckpt("ep2"))}}
+    for name, (origin, target, flags) in HOPS.items():
+        plan = make_plan(ckpt(origin), ckpt(name), target)
+        reshard_on_this_rank(plan, ckpt(name), keep_process_group=True)
+        results[name] = {"resumed": train("--load", ckpt(name), *flags), "world_size": plan.world_size,
+                         **facts(ckpt(name))}  # fmt: skip
+    # RNG across layouts: with dropout, resuming the resharded TP2 checkpoint must equal resuming
+    # its EP2 source directly in TP2 (both start from the TP2 layout's fresh seeds).
+    tp2, dropout = HOPS["tp2_sp"][2], ["--hidden-dropout", "0.1"]
+    results["dropout_direct"] = train("--load", ckpt("ep2"), *tp2, *dropout)
+    results["dropout_resharded"] = train("--load", ckpt("tp2_sp"), *tp2, *dropout)
+    return results
+
+
+# Heavy imports stay out of module level: the checkpoint writer spawns a helper process that
+# re-imports this script, and importing megatron-core there costs seconds per rank and job.
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    results = {"source": source, "chain": chain}[SCENARIO]()
+    if dist.get_rank() == 0:
+        with open(os.environ["RESULTS"], "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Checkpoint conversions for megatron_moe, one subcommand each.
+
+    python tools/checkpoint/convert.py reshard --load SRC --save DST \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 \\
+        --target-expert-parallel-size 2
+
+Subcommands:
+  reshard    move a checkpoint to another TP/PP/EP layout offline, on CPU,
+             optimizer state included (see reshard.py)
+  export-hf  write a checkpoint as a HuggingFace Mixtral directory, then verify logits
+  import-hf  write a HuggingFace Mixtral directory as a checkpoint, then verify logits
+  verify     largest logit difference between a checkpoint and an HF Mixtral directory
+
+A new subcommand is a module with `add_arguments(parser)` and `run(args)`
+registered in SUBCOMMANDS. Every subcommand writes a new directory and never
+overwrites an existing one unless given --overwrite. Errors exit with code 2
+and one line that names the flag, its value and what would work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, however this is started
+
+from megatron_moe.config import ConfigError  # noqa: E402 (pure Python, cheap)
+
+
+class ReshardCommand:
+    """`reshard`: another TP/PP/EP layout (and optionally the other optimizer format, weights only)."""
+
+    help = "move a checkpoint to another tensor/pipeline/expert-parallel layout (offline, CPU)"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--load", required=True, metavar="SRC",
+                            help="a --save directory (its latest checkpoint) or one iter_N directory")  # fmt: skip
+        parser.add_argument("--save", required=True, metavar="DST",
+                            help="new --save directory for the converted checkpoint (must not exist)")  # fmt: skip
+        for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP")]:
+            parser.add_argument(f"--target-{name}-parallel-size", type=int, metavar=what,
+                                help=f"{what} of the converted checkpoint (default: the source's)")  # fmt: skip
+        parser.add_argument("--target-sequence-parallel", action=argparse.BooleanOptionalAction,
+                            help="record --sequence-parallel in the saved config (default: on when TP>1)")  # fmt: skip
+        parser.add_argument("--target-use-distributed-optimizer", action=argparse.BooleanOptionalAction,
+                            help="optimizer format of the converted checkpoint (default: the source's); "
+                                 "changing it needs --no-optimizer")  # fmt: skip
+        parser.add_argument("--no-optimizer", action="store_true",
+                            help="convert the weights only and drop the optimizer state")  # fmt: skip
+        parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> None:
+        from reshard import Target, make_plan, run_plan
+
+        target = Target(
+            tensor_parallel_size=args.target_tensor_parallel_size,
+            pipeline_parallel_size=args.target_pipeline_parallel_size,
+            expert_parallel_size=args.target_expert_parallel_size,
+            sequence_parallel=args.target_sequence_parallel,
+            use_distributed_optimizer=args.target_use_distributed_optimizer,
+            drop_optimizer=args.no_optimizer,
+        )
+        print(f"reshard: reading {args.load}", flush=True)
+        plan = make_plan(args.load, args.save, target, overwrite=args.overwrite)
+        print(f"reshard: iteration {plan.iteration}, source layout {plan.source_layout}", flush=True)
+        print(f"reshard: target {plan.describe_target()}, optimizer state "
+              f"{'moves' if plan.with_optimizer else 'not converted'}", flush=True)  # fmt: skip
+        run_plan(plan)
+        print(f"reshard: wrote {plan.destination} (iteration {plan.iteration}, {plan.describe_target()})", flush=True)
+
+
+from hf import ExportHFCommand, ImportHFCommand, VerifyCommand  # noqa: E402
+
+SUBCOMMANDS = {
+    "reshard": ReshardCommand,
+    "export-hf": ExportHFCommand,
+    "import-hf": ImportHFCommand,
+    "verify": VerifyCommand,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Convert megatron_moe checkpoints.", allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, description=command.__doc__, allow_abbrev=False)
+        command.add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started = time.perf_counter()
+    warnings.filterwarnings("ignore", module="megatron")  # TE/apex-absent notices on import
+    from reshard import ReshardError
+
+    try:
+        SUBCOMMANDS[args.command].run(args)
+    except (ConfigError, ReshardError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    print(f"{args.command}: done in {time.perf_counter() - started:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: the checkpoint writer spawns processes
+    sys.exit(main())

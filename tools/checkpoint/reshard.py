@@ -1,0 +1,366 @@
+"""Reshard a megatron_moe checkpoint offline to another TP/PP/EP layout.
+
+Two halves:
+
+- the planner (`make_plan`, one process, no torch.distributed): reads the
+  source's saved RunConfig, derives the target config, picks the smallest
+  world size that fits the target layout and refuses what cannot work
+  (impossible layout, optimizer formats that cannot move, an existing
+  destination) before any process is started;
+- the converter (`reshard_on_this_rank`, every rank of a torchrun job):
+  builds the model and optimizer in the target layout with megatron_moe's own
+  training code, loads the source (dist_checkpointing reshards on load) and
+  saves it again, so a converted checkpoint is exactly what training in that
+  layout would have saved.
+
+`run_plan` ties them together for `convert.py reshard`: it saves into a
+staging directory beside the destination and renames it into place only
+when every rank succeeded, so a failure leaves no half-written destination.
+
+Run as a script this module is the torchrun worker: `reshard.py --plan PLAN.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+
+# Only light imports at module level: torchrun runs this file, and the checkpoint writer's
+# spawned helper re-imports it; megatron-core is imported where it is used.
+from megatron_moe.config import ConfigError, RunConfig
+
+log = logging.getLogger("megatron_moe")
+
+# Target flag of this tool -> the training flag whose value it sets (for error messages).
+TARGET_FLAGS = {
+    "--tensor-model-parallel-size": "--target-tensor-parallel-size",
+    "--pipeline-model-parallel-size": "--target-pipeline-parallel-size",
+    "--expert-model-parallel-size": "--target-expert-parallel-size",
+    "--sequence-parallel": "--target-sequence-parallel",
+}
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+class ReshardError(RuntimeError):
+    """A conversion that cannot be done as asked; the message says why and what to do instead."""
+
+
+@dataclasses.dataclass
+class Target:
+    """What the user asked for; None keeps the source's value."""
+
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    expert_parallel_size: int | None = None
+    sequence_parallel: bool | None = None
+    use_distributed_optimizer: bool | None = None
+    drop_optimizer: bool = False
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything a rank needs to convert; JSON-serialisable so torchrun workers can read it."""
+
+    source: str  # the iteration directory that is read
+    destination: str  # the --save root the user named
+    iteration: int
+    source_layout: dict
+    target_config: dict  # RunConfig.to_dict() in the target layout
+    world_size: int
+    vocab_size: int  # padded rows of the embedding, read from the checkpoint
+    with_optimizer: bool
+    scheduler: dict  # the source's LR scheduler state, kept even when the optimizer is dropped
+
+    def config(self) -> RunConfig:
+        return RunConfig.from_dict(self.target_config)
+
+    def describe_target(self) -> str:
+        p = self.config().parallel
+        return (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+                f"EP={p.expert_model_parallel_size} SP={p.sequence_parallel} "
+                f"distributed-optimizer={p.use_distributed_optimizer}")  # fmt: skip
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+# ---------------------------------------------------------------- planning
+
+
+def smallest_world_size(cfg: RunConfig) -> int:
+    """Fewest ranks that hold the layout: world % (TP*PP*CP) == 0 and (world/PP) % (EP*expert-TP) == 0.
+
+    Fewer ranks means fewer processes (and copies of the non-expert weights)
+    on the converting machine; data parallelism does not change what is saved.
+    """
+    p = cfg.parallel
+    per_stage = math.lcm(p.tensor_model_parallel_size * p.context_parallel_size,
+                         p.expert_model_parallel_size * (p.expert_tensor_parallel_size or 1))  # fmt: skip
+    return p.pipeline_model_parallel_size * per_stage
+
+
+def _read_source(load: str) -> tuple[str, dict]:
+    """(iteration directory, common state) of `load`: a --save root or one iter_N directory."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_moe.checkpointing import resolve_load_dir
+
+    probe = RunConfig()
+    probe.checkpoint.load = load
+    path = resolve_load_dir(probe)  # raises ConfigError naming --load for anything unusable
+    common = dist_checkpointing.load_common_state_dict(path)
+    missing = [k for k in ("config", "layout", "train_state", "has_optimizer", "distributed_optimizer")
+               if k not in common]  # fmt: skip
+    if missing:
+        raise ReshardError(f"--load={load}: {path} is not a megatron_moe checkpoint (no {', '.join(missing)})")
+    return path, common
+
+
+def _saved_config(common: dict, path: str) -> RunConfig:
+    try:
+        return RunConfig.from_dict(common["config"])
+    except TypeError as error:  # a flag this version does not know (or no longer has)
+        raise ReshardError(f"{path}: its saved run config does not fit this version of megatron_moe: {error}") from None
+
+
+def _vocab_rows(path: str) -> int:
+    """Padded vocabulary size from the saved embedding, so the tokenizer file is not needed."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(path)
+    if EMBEDDING_KEY not in metadata:
+        raise ReshardError(f"{path}: no {EMBEDDING_KEY} in the checkpoint; cannot size the model")
+    return metadata[EMBEDDING_KEY].global_shape[0]
+
+
+def _target_config(source: RunConfig, target: Target) -> RunConfig:
+    cfg = RunConfig.from_dict(source.to_dict())
+    p = cfg.parallel
+    if target.tensor_parallel_size is not None:
+        p.tensor_model_parallel_size = target.tensor_parallel_size
+    if target.pipeline_parallel_size is not None:
+        p.pipeline_model_parallel_size = target.pipeline_parallel_size
+    if target.expert_parallel_size is not None:
+        p.expert_model_parallel_size = target.expert_parallel_size
+    # Sequence parallelism changes no saved tensor; MoE needs it with TP>1, so it follows TP unless told.
+    p.sequence_parallel = (target.sequence_parallel if target.sequence_parallel is not None
+                           else p.tensor_model_parallel_size > 1)  # fmt: skip
+    if target.use_distributed_optimizer is not None:
+        p.use_distributed_optimizer = target.use_distributed_optimizer
+    return cfg
+
+
+def _validate_layout(cfg: RunConfig) -> int:
+    """The world size for `cfg`, or a ConfigError that names this tool's flags."""
+    p = cfg.parallel
+    sizes = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size)
+    for flag, value in zip(list(TARGET_FLAGS.values())[:3], sizes):
+        if value < 1:
+            raise ConfigError(f"{flag}={value}: must be >= 1")
+    world = smallest_world_size(cfg)
+    try:
+        cfg.validate(world)
+    except ConfigError as error:
+        message = str(error)
+        for training_flag, tool_flag in TARGET_FLAGS.items():
+            message = message.replace(training_flag, tool_flag)
+        raise ConfigError(f"target layout TP={sizes[0]} PP={sizes[1]} EP={sizes[2]} cannot hold this "
+                          f"checkpoint's model: {message}") from None  # fmt: skip
+    return world
+
+
+def _check_optimizer(common: dict, cfg: RunConfig, target: Target) -> bool:
+    """Whether optimizer state moves; refuses a move between the two optimizer formats."""
+    if not common["has_optimizer"] or target.drop_optimizer:
+        return False
+    saved, wanted = common["distributed_optimizer"], cfg.parallel.use_distributed_optimizer
+    if saved != wanted:
+        flag = "--target-use-distributed-optimizer" if wanted else "--no-target-use-distributed-optimizer"
+        raise ReshardError(
+            f"{flag}: the source's optimizer state was saved {'with' if saved else 'without'} "
+            f"--use-distributed-optimizer, and optimizer state cannot move between the distributed "
+            f"optimizer's format (fp32 main weights and Adam moments gathered per parameter) and the "
+            f"plain optimizer's. Keep the source's setting (leave the flag out), or add --no-optimizer "
+            f"to convert the weights only (a run resumed from it starts Adam and the LR schedule afresh, "
+            f"as --no-load-optim does)."
+        )
+    return True
+
+
+def _check_destination(destination: str, source_root: str, overwrite: bool) -> None:
+    dst, src = os.path.realpath(destination), os.path.realpath(source_root)
+    if dst == src or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+        raise ReshardError(f"--save={destination}: must not be, contain or lie inside --load={source_root}")
+    if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)) and not overwrite:
+        raise ReshardError(f"--save={destination}: already exists; choose a new directory or add --overwrite")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise ReshardError(f"--save={destination}: is a file, not a directory")
+
+
+def make_plan(load: str, save: str, target: Target, *, overwrite: bool = False) -> Plan:
+    """Read the source and decide everything; no side effects. Raises ConfigError/ReshardError."""
+    load, save = os.path.abspath(load), os.path.abspath(save)
+    path, common = _read_source(load)
+    source_root = os.path.dirname(load) if os.path.isfile(os.path.join(load, "metadata.json")) else load
+    _check_destination(save, source_root, overwrite)
+    cfg = _target_config(_saved_config(common, path), target)
+    world = _validate_layout(cfg)
+    with_optimizer = _check_optimizer(common, cfg, target)
+    cfg.checkpoint.load, cfg.checkpoint.save = load, save
+    cfg.checkpoint.no_load_optim = cfg.checkpoint.no_save_optim = not with_optimizer
+    return Plan(
+        source=os.path.abspath(path),
+        destination=save,
+        iteration=common["train_state"]["iteration"],
+        source_layout=common["layout"],
+        target_config=cfg.to_dict(),
+        world_size=world,
+        vocab_size=_vocab_rows(path),
+        with_optimizer=with_optimizer,
+        scheduler=common.get("scheduler") or {},
+    )
+
+
+# ---------------------------------------------------------------- converting (every rank)
+
+
+def reshard_on_this_rank(plan: Plan, save_root: str, *, keep_process_group: bool = False) -> str:
+    """Collective: load `plan.source` into the target layout and save it under `save_root`.
+
+    Uses the same start-up, model, optimizer, scheduler, load and save code as
+    training, so the result is what a run in the target layout would save.
+    RNG states move only when the layouts are equal (load_checkpoint decides);
+    otherwise the saved ones are the target layout's fresh seeds, the state a
+    run resuming the source directly in that layout would start from.
+    """
+    from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_moe.model import transformer_config
+    from megatron_moe.training.initialize import initialize, shutdown
+    from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler
+
+    cfg = plan.config()
+    initialize(cfg)
+    try:
+        log.info("reshard: building the model and optimizer in the target layout (%s)", plan.describe_target())
+        model = build_ddp_model(cfg, transformer_config(cfg), plan.vocab_size)
+        optimizer = build_optimizer(cfg, model)
+        scheduler = build_scheduler(cfg, optimizer)
+        log.info("reshard: loading %s (layout %s)", plan.source, plan.source_layout)
+        state = load_checkpoint(plan.source, cfg, model, optimizer, scheduler)
+        if not plan.with_optimizer and plan.scheduler:
+            scheduler.load_state_dict(plan.scheduler)  # load_checkpoint restores it with the optimizer only
+        log.info("reshard: saving iteration %d", state.iteration)
+        return save_checkpoint(save_root, cfg, model, optimizer, scheduler, state)
+    finally:
+        shutdown(destroy_process_group=not keep_process_group)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _missing_ancestors(path: str) -> list[str]:
+    """Directories above `path` that do not exist yet, deepest first."""
+    missing, parent = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    return missing
+
+
+def _launch(plan_path: str, world: int, save_root: str) -> int:
+    """torchrun this module on `world` CPU processes; their output streams through."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # world processes share the cores
+    env.setdefault("MEGATRON_MOE_FORCE_CPU", "1")  # offline: the CPU, even where GPUs exist
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           os.path.abspath(__file__), "--plan", plan_path, "--save-root", save_root]  # fmt: skip
+    print(f"reshard: launching {world} CPU process{'es' if world > 1 else ''}: {' '.join(cmd)}", flush=True)
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publish(staging: str, destination: str) -> None:
+    """Move the finished staging directory to `destination`, replacing what --overwrite allowed."""
+    from megatron_moe.checkpointing import TRACKER
+
+    if not os.path.isfile(os.path.join(staging, TRACKER)):
+        raise ReshardError(f"the conversion wrote no {TRACKER} into {staging}")
+    old = None
+    if os.path.isdir(destination) and os.listdir(destination):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(destination)}.replaced-", dir=os.path.dirname(destination))
+        os.replace(destination, os.path.join(old, "previous"))
+    elif os.path.isdir(destination):
+        os.rmdir(destination)
+    os.replace(staging, destination)
+    if old:
+        shutil.rmtree(old)
+
+
+def run_plan(plan: Plan) -> str:
+    """Convert into a staging directory beside the destination, then rename it into place."""
+    created = _missing_ancestors(plan.destination)
+    os.makedirs(os.path.dirname(plan.destination), exist_ok=True)
+    name = os.path.basename(plan.destination)
+    staging = tempfile.mkdtemp(prefix=f".{name}.reshard-", dir=os.path.dirname(plan.destination))
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would become the destination's mode
+    published = False
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            plan_path = os.path.join(tmp, "plan.json")
+            plan.save(plan_path)
+            code = _launch(plan_path, plan.world_size, staging)
+        if code != 0:
+            raise ReshardError(f"the conversion job failed (exit code {code}); {plan.destination} was not written")
+        _publish(staging, plan.destination)
+        published = True
+    finally:
+        if not published:
+            shutil.rmtree(staging, ignore_errors=True)
+            for directory in created:  # parents this run created, if still empty
+                if os.path.isdir(directory) and not os.listdir(directory):
+                    os.rmdir(directory)
+    return plan.destination
+
+
+def _setup_worker_logging() -> None:
+    """Progress on rank 0 only; megatron-core's notices at WARNING."""
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")  # fmt: skip
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module="megatron")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.checkpoint")
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="torchrun worker of `convert.py reshard` (not for direct use)")
+    parser.add_argument("--plan", required=True, help="the JSON Plan written by run_plan")
+    parser.add_argument("--save-root", required=True, help="where to save (run_plan's staging directory)")
+    args = parser.parse_args(argv)
+    _setup_worker_logging()
+    reshard_on_this_rank(Plan.load(args.plan), args.save_root)
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: the checkpoint writer spawns processes
+    sys.exit(worker_main())
