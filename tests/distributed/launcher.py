@@ -40,3 +40,19 @@ def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 6
         assert not leftovers, f"processes outlived the job: {[p.cmdline() for p in leftovers]}"
         with open(results) as f:
             return json.load(f)
+
+
+# Equivalence tolerances of a layout against the single-process run (reduction order differs; seen ~1e-7).
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
+
+
+def assert_matches(steps: list[dict], reference: list[dict]) -> None:
+    """Every step's lm loss and grad norm equal the reference's step of the same iteration."""
+    import pytest
+
+    by_iteration = {step["iteration"]: step for step in reference}
+    assert steps, "the run logged no steps"
+    for step in steps:
+        ref = by_iteration[step["iteration"]]
+        assert step["lm loss"] == pytest.approx(ref["lm loss"], rel=LOSS_RTOL), step
+        assert step["grad norm"] == pytest.approx(ref["grad norm"], rel=GRAD_NORM_RTOL), step

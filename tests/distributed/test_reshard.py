@@ -20,11 +20,10 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.launcher import LOSS_RTOL, assert_matches, run_torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "reshard_worker.py")
 CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -51,15 +50,6 @@ def runs(train_data, tmp_path_factory):
     assert cli.returncode == 0, f"convert.py failed:\n{cli.stdout[-6000:]}\n{cli.stderr[-6000:]}"
     chain = run_torchrun(WORKER, 2, ["chain", data, tokenizer, workdir])
     return {"workdir": workdir, "cli": cli, **source, **chain}
-
-
-def assert_matches(steps, reference):
-    by_iteration = {step["iteration"]: step for step in reference}
-    assert steps, "the run logged no steps"
-    for step in steps:
-        ref = by_iteration[step["iteration"]]
-        assert step["lm loss"] == pytest.approx(ref["lm loss"], rel=LOSS_RTOL), step
-        assert step["grad norm"] == pytest.approx(ref["grad norm"], rel=GRAD_NORM_RTOL), step
 
 
 TARGETS = {  # name: (TP, PP, EP, sequence parallel)

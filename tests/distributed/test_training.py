@@ -11,10 +11,9 @@ import os
 
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.launcher import assert_matches, run_torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +23,6 @@ def runs(train_data, tmp_path_factory):
     reference = run_torchrun(WORKER, 1, ["reference", data, tokenizer, workdir])
     layouts = run_torchrun(WORKER, 4, ["layouts", data, tokenizer, workdir])
     return reference["reference"], layouts, workdir
-
-
-def assert_matches(steps, reference):
-    by_iteration = {step["iteration"]: step for step in reference}
-    assert steps, "the run logged no steps"
-    for step in steps:
-        ref = by_iteration[step["iteration"]]
-        assert step["lm loss"] == pytest.approx(ref["lm loss"], rel=LOSS_RTOL), step
-        assert step["grad norm"] == pytest.approx(ref["grad norm"], rel=GRAD_NORM_RTOL), step
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2", "tp2_ep2", "ep4_distopt"])

@@ -54,31 +54,12 @@ def tokens(s=6, b=3, seed=1):
     return torch.randn(s, b, H, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def single_rank_megatron(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_moe.platform import init_platform
-
-    init_platform()
-    store = str(tmp_path_factory.mktemp("store") / "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(0)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-
 # ---------------------------------------------------------------------------- dense equivalence
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("dispatcher", ["alltoallv", "alltoall"])
-def test_one_expert_moe_equals_megatron_dense_mlp(swiglu, dispatcher, single_rank_megatron):
+def test_one_expert_moe_equals_megatron_dense_mlp(swiglu, dispatcher, megatron_world1):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.transformer.spec_utils import build_module
@@ -259,7 +240,7 @@ def test_sharded_state_dict_uses_one_global_expert_layout():
     assert sd["e.weight1"].global_shape == (2, E, 2 * FFN, H) and sd["e.weight1"].global_offset == (1, 0, 0, 0)
 
 
-def test_layer_plugs_into_a_megatron_transformer_layer(single_rank_megatron):
+def test_layer_plugs_into_a_megatron_transformer_layer(megatron_world1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
