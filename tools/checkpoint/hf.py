@@ -15,7 +15,8 @@ from megatron_moe.config import ConfigError
 def _verify(ckpt: str, hf_dir: str, tolerance: float) -> float:
     from megatron_moe.checkpointing.hf_convert import load_single, max_logit_difference, probe_tokens
 
-    _, model, tokenizer = load_single(ckpt)
+    # The HF directory's tokenizer: the one the model was made with, wherever the checkpoint came from.
+    _, model, tokenizer = load_single(ckpt, tokenizer_model=f"{hf_dir}/tokenizer.model")
     diff = max_logit_difference(model, hf_dir, probe_tokens(tokenizer.vocab_size))
     print(f"verify: max |logits(megatron_moe) - logits(transformers)| = {diff:.3e} (tolerance {tolerance:g})",
           flush=True)  # fmt: skip
@@ -56,12 +57,37 @@ class ImportHFCommand:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _common(parser, "HF Mixtral directory (config.json, *.safetensors, tokenizer.model)",
                 "the new --save directory (loads into any TP/PP/EP layout)")  # fmt: skip
+        for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP")]:
+            parser.add_argument(f"--target-{name}-parallel-size", type=int, metavar=what,
+                                help=f"record the checkpoint in this {what} (default 1; any layout loads it)")  # fmt: skip
 
     @staticmethod
     def run(args: argparse.Namespace) -> None:
+        import shutil
+        import tempfile
+
         from megatron_moe.checkpointing.hf_convert import import_hf
 
-        import_hf(args.load, args.save, overwrite=args.overwrite, progress=lambda line: print(line, flush=True))
+        layout = [args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                  args.target_expert_parallel_size]  # fmt: skip
+        progress = lambda line: print(line, flush=True)  # noqa: E731
+        if not any(layout):
+            import_hf(args.load, args.save, overwrite=args.overwrite, progress=progress)
+        else:  # import in one process, then move to the asked layout with `reshard`
+            from reshard import Target, make_plan, run_plan
+
+            staging = tempfile.mkdtemp(prefix="import-hf-")
+            try:
+                imported = import_hf(args.load, f"{staging}/ckpt", progress=progress)
+                target = Target(tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1],
+                                expert_parallel_size=layout[2], sequence_parallel=None,
+                                use_distributed_optimizer=None, drop_optimizer=False)  # fmt: skip
+                plan = make_plan(imported, args.save, target, overwrite=args.overwrite)
+                progress(f"import-hf: resharding to {plan.describe_target()}")
+                run_plan(plan)
+                shutil.copyfile(f"{imported}/tokenizer.model", f"{args.save}/tokenizer.model")
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         print(f"import-hf: wrote {args.save}", flush=True)
         _verify(args.save, args.load, args.tolerance)
 
