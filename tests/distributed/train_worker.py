@@ -29,13 +29,23 @@ MODEL = [
     "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "98,2,0", "--seed", "7",
 ]  # fmt: skip
 
+RECOMPUTE_ALL = ["--recompute-modules", "input_norm", "qkv", "core_attention", "attn_proj", "pre_mlp_norm", "router",
+                 "ordering", "expert_fc1", "expert_act", "expert_fc2", "unorder", "mlp_fc1", "mlp_act", "mlp_fc2"]
+
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "ep2": ["--expert-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "tp2_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"],
     "ep4_distopt": ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
+    # Selective activation recompute changes nothing numerically, under TP+SP, EP and PP.
+    "tp2_ep2_recompute": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
+                          "2", *RECOMPUTE_ALL],
+    "pp2_ep2_recompute": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
 }
+# Quantized activations change the backward only: the first loss is exact, the rest close.
+ARCTIC = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+          "--activation-policy", "arctic"]
 
 
 def train(*extra: str) -> list[dict]:
@@ -61,6 +71,7 @@ def reference() -> dict:
 def layouts() -> dict:
     init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
     results = {name: train(*init, *args) for name, args in LAYOUTS.items()}
+    results["tp2_pp2_arctic"] = train(*init, *ARCTIC)
     # Iteration 2 of the single-process run, resumed under other layouts (optimizer resharded).
     results["resume_ref_as_tp2_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("ref/iter_0000002"),
                                              *LAYOUTS["tp2_ep2"])  # fmt: skip
