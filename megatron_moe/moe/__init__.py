@@ -12,7 +12,7 @@ from megatron_moe.moe.config import MoEConfigError, MoELayerConfig
 from megatron_moe.moe.dispatch import AllToAllV, Dispatcher, PaddedAllToAll
 from megatron_moe.moe.experts import Experts, FFNExperts, ModuleListExperts
 from megatron_moe.moe.gates import build_gate
-from megatron_moe.moe.hooks import HOOK_POINTS, HookContext, MoEHook
+from megatron_moe.moe.hooks import HOOK_POINTS, Bf16OnTheWire, HookContext, MoEHook
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import collect_moe_metrics, set_moe_aux_loss_scale
 from megatron_moe.moe.ordering import DenseOrdering, Ordering, SparseOrdering
@@ -21,7 +21,7 @@ from megatron_moe.moe.spec import moe_layer_config, moe_layer_spec
 
 __all__ = [
     "AllToAllV", "DenseOrdering", "Dispatcher", "Experts", "FFNExperts", "Gate", "HOOK_POINTS", "HookContext",
-    "MoEConfigError", "MoEHook", "MoELayer", "MoELayerConfig", "ModuleListExperts", "Ordering", "PaddedAllToAll",
+    "Bf16OnTheWire", "MoEConfigError", "MoEHook", "MoELayer", "MoELayerConfig", "ModuleListExperts", "Ordering", "PaddedAllToAll",
     "Routing", "SparseOrdering", "build_gate", "capacity_limit", "collect_moe_metrics", "expert_capacity",
     "moe_layer_config", "moe_layer_spec", "set_moe_aux_loss_scale",
 ]  # fmt: skip

@@ -79,3 +79,28 @@ def run_hooks(hooks: list[MoEHook], point: str, tensor: torch.Tensor, ctx: HookC
     for hook in hooks:
         tensor = getattr(hook, point)(tensor, ctx)
     return tensor
+
+
+class Bf16OnTheWire(MoEHook):
+    """Send bf16 through both all-to-alls (half the bytes), compute in the original dtype.
+
+    Compresses in `before_dispatch`/`before_combine` and restores the original
+    dtype in `after_dispatch`/`after_combine`.
+    """
+
+    def __init__(self):
+        self._dtype = torch.float32
+
+    def before_dispatch(self, rows, ctx):
+        self._dtype = rows.dtype
+        return rows.to(torch.bfloat16)
+
+    def after_dispatch(self, rows, ctx):
+        return rows.to(self._dtype)
+
+    def before_combine(self, rows, ctx):
+        return rows.to(torch.bfloat16)
+
+    def after_combine(self, rows, ctx):
+        return rows.to(self._dtype)
+

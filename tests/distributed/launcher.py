@@ -56,3 +56,16 @@ def assert_matches(steps: list[dict], reference: list[dict]) -> None:
         ref = by_iteration[step["iteration"]]
         assert step["lm loss"] == pytest.approx(ref["lm loss"], rel=LOSS_RTOL), step
         assert step["grad norm"] == pytest.approx(ref["grad norm"], rel=GRAD_NORM_RTOL), step
+
+
+def train_in_job(flags: list[str]) -> list[dict]:
+    """Inside a worker: one pretraining run with `flags`; every rank gets the logging rank's steps."""
+    import torch.distributed as dist
+
+    from megatron_moe.config import parse_args
+    from megatron_moe.training import pretrain
+
+    history = pretrain(parse_args(flags), keep_process_group=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, history)
+    return gathered[-1]

@@ -28,7 +28,7 @@ from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-from megatron_moe.moe import MoEHook, MoELayer, collect_moe_metrics, moe_layer_config  # noqa: E402
+from megatron_moe.moe import Bf16OnTheWire, MoEHook, MoELayer, collect_moe_metrics, moe_layer_config  # noqa: E402
 from megatron_moe.platform import init_platform  # noqa: E402
 
 H, FFN, E = 32, 48, 8
@@ -55,20 +55,6 @@ CASES = {
     "swiglu_shared_v": (dict(gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24), True),
     "bf16_wire_hook_v": (dict(gate="topk"), True),
 }
-
-
-class Bf16OnTheWire(MoEHook):
-    def before_dispatch(self, rows, ctx):
-        return rows.to(torch.bfloat16)
-
-    def after_dispatch(self, rows, ctx):
-        return rows.float()
-
-    def before_combine(self, rows, ctx):
-        return rows.to(torch.bfloat16)
-
-    def after_combine(self, rows, ctx):
-        return rows.float()
 
 
 def tconfig(ep: int) -> TransformerConfig:

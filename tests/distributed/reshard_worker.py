@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
 from reshard import Target  # noqa: E402 (light: the heavy imports are inside functions)
 
+from tests.distributed.launcher import train_in_job  # noqa: E402 (light too)
+
 SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS, SAVED_AT = 4, 2
 
@@ -54,15 +56,7 @@ def ckpt(name: str) -> str:
 
 def train(*extra: str) -> list[dict]:
     """One run; every rank returns the logging rank's per-step figures."""
-    import torch.distributed as dist
-
-    from megatron_moe.config import parse_args
-    from megatron_moe.training import pretrain
-
-    history = pretrain(parse_args([*MODEL, *extra]), keep_process_group=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, history)
-    return gathered[-1]
+    return train_in_job([*MODEL, *extra])
 
 
 def facts(root: str) -> dict:

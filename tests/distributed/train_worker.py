@@ -15,8 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_moe.config import parse_args
-from megatron_moe.training import pretrain
+from tests.distributed.launcher import train_in_job
 
 SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS = 4
@@ -50,10 +49,7 @@ ARCTIC = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipelin
 
 def train(*extra: str) -> list[dict]:
     """One run; every rank returns the logging rank's per-step figures."""
-    history = pretrain(parse_args([*MODEL, *extra]), keep_process_group=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, history)
-    return gathered[-1]
+    return train_in_job([*MODEL, *extra])
 
 
 def ckpt(name: str) -> str:

@@ -11,6 +11,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_moe.moe import (
     HOOK_POINTS,
+    Bf16OnTheWire,
     MoEConfigError,
     MoEHook,
     MoELayer,
@@ -144,22 +145,6 @@ class Recorder(MoEHook):
         return object.__getattribute__(self, name)
 
 
-class Compress(MoEHook):
-    """bf16 on the wire: compress before dispatch, decompress after (and the same around combine)."""
-
-    def before_dispatch(self, rows, ctx):
-        return rows.to(torch.bfloat16)
-
-    def after_dispatch(self, rows, ctx):
-        return rows.float()
-
-    def before_combine(self, rows, ctx):
-        return rows.to(torch.bfloat16)
-
-    def after_combine(self, rows, ctx):
-        return rows.float()
-
-
 class Double(MoEHook):
     def after_combine(self, rows, ctx):
         return rows * 2
@@ -180,7 +165,7 @@ def test_hooks_fire_in_order_and_can_change_tensors():
     run(layer, x)
     assert log == []
 
-    layer.register_moe_hook(Compress())
+    layer.register_moe_hook(Bf16OnTheWire())
     compressed, x_grad, _ = run(layer, x)
     torch.testing.assert_close(compressed, base, rtol=2e-2, atol=2e-3)
     assert not torch.equal(compressed, base)  # the bf16 round trip really happened
