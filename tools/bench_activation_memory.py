@@ -12,8 +12,10 @@ model) and policy (`none`, `full` = megatron-core whole-layer recompute,
 `activation_bytes` is exact: every tensor autograd keeps for backward passes
 through a saved-tensor hook that counts each storage once (quantized tensors
 at their packed size, recompute recipes at the inputs they hold). `step_ms` is
-the median forward+backward time after warm-up, the policies timed in turn
-(round-robin) so that machine noise affects them alike. `peak_mem_bytes` is the peak
+the median forward+backward time after warm-up (until a round without page
+faults, `tools/benchlib.py`), the policies timed in turn (round-robin) so
+that machine noise affects them alike; `step_ratio_paired_vs_none` is the
+median of the per-round ratios. `peak_mem_bytes` is the peak
 RSS (CPU) or allocated memory (GPU) of the process so far, a coarser view.
 """
 
@@ -21,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import functools
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -34,6 +36,7 @@ from megatron_moe.activations.apply import apply_activation_policy  # noqa: E402
 from megatron_moe.activations.engine import SavedBytes  # noqa: E402
 from megatron_moe.config import parse_args  # noqa: E402
 from megatron_moe.platform import current_platform, peak_memory_bytes, synchronize  # noqa: E402
+from benchlib import measure_rounds, median_ratio  # noqa: E402
 
 CASES = {
     # One MoE transformer layer, GPT2-S-MoE shapes: 1024 tokens (seq 512 x micro-batch 2).
@@ -133,18 +136,18 @@ def measure_case(case_name: str, repeats: int) -> list[dict]:
         forward_backward(model, cfg, case, counter)  # the counted pass (also a warm-up)
         if scope is not None:
             scope.counter = None  # count one pass only
-        runs[policy_name] = (cfg, model, counter.bytes, [])
-    for _ in range(repeats + 1):
-        for cfg, model, _, times in runs.values():
-            model.zero_grad(set_to_none=True)
-            synchronize()
-            start = time.perf_counter()
-            forward_backward(model, cfg, case, None)
-            synchronize()
-            times.append(1000 * (time.perf_counter() - start))
+        runs[policy_name] = (cfg, model, counter.bytes)
+    steps = {name: functools.partial(_step, model, cfg, case) for name, (cfg, model, _) in runs.items()}
+    times, warmup, faults = measure_rounds(steps, warmup=2, max_warmup=10, repeats=repeats, sync=synchronize)
     return [{"case": case_name, "policy": name, "activation_bytes": nbytes,
-             "step_ms": round(statistics.median(times[1:]), 2), "peak_mem_bytes": peak_memory_bytes()}
-            for name, (_, _, nbytes, times) in runs.items()]  # fmt: skip
+             "step_ms": round(statistics.median(times[name]), 2), "peak_mem_bytes": peak_memory_bytes(),
+             "step_ms_all": [round(t, 1) for t in times[name]], "warmup": warmup, "page_faults_timed": faults[name]}
+            for name, (_, _, nbytes) in runs.items()]  # fmt: skip
+
+
+def _step(model, cfg, case):
+    model.zero_grad(set_to_none=True)
+    forward_backward(model, cfg, case, None)
 
 
 def main(argv=None) -> None:
@@ -161,6 +164,7 @@ def main(argv=None) -> None:
         for r in results:
             r["activation_ratio_vs_none"] = round(r["activation_bytes"] / base["activation_bytes"], 4)
             r["step_ratio_vs_none"] = round(r["step_ms"] / base["step_ms"], 4)
+            r["step_ratio_paired_vs_none"] = median_ratio(r["step_ms_all"], base["step_ms_all"])
             print(json.dumps(r), flush=True)
 
 

@@ -5,7 +5,13 @@
 
 Per case, all measured in this process, interleaved round by round (ours,
 megatron-core, ideal) so background load hits all three alike; each figure
-is the median over `--repeats` rounds after `--warmup` rounds:
+is the median over `--repeats` rounds after warm-up. Warm-up lasts at least
+`--warmup` rounds and goes on (up to `--max-warmup`) until a round in which
+no contender page-faulted: on CPU the heap grows for the first few steps
+until every contender's buffers find reused blocks (see
+`megatron_moe.platform.host_memory`), and a first touch of fresh pages costs
+more than the arithmetic on them. `page_faults_timed` reports what faulted
+anyway during the timed rounds.
 
 - `layer_ms`: our MoELayer (default stages: sparse ordering, alltoallv dispatcher);
 - `mcore_ms`: megatron-core's MoELayer, alltoall dispatcher, its own experts
@@ -34,6 +40,7 @@ THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is impor
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from benchlib import measure_rounds, median_ratio  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,8 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--capacity-factors", nargs="+", type=float, default=[0.0, 1.25])
     p.add_argument("--padded-too", action=argparse.BooleanOptionalAction, default=True,
                    help="also time our padded alltoall dispatcher (bmm experts) at capacity factors > 0")
-    p.add_argument("--warmup", type=int, default=None, help="rounds before timing (default 3 small, 1 gpt2s)")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11 small, 3 gpt2s)")
+    p.add_argument("--warmup", type=int, default=2, help="fewest rounds before timing")
+    p.add_argument("--max-warmup", type=int, default=10, help="most rounds before timing, faults or not")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11 small, 5 gpt2s)")
     p.add_argument("--threads", type=int, default=int(THREADS))
     p.add_argument("--swiglu", action="store_true", help="SwiGLU experts instead of GELU")
     p.add_argument("--seed", type=int, default=1234)
@@ -185,12 +193,6 @@ def make_ideal(tokens, hidden, ffn, experts, rows, swiglu):
     return step
 
 
-def timed(step) -> float:
-    t0 = time.perf_counter()
-    step()
-    return (time.perf_counter() - t0) * 1000.0
-
-
 # ----------------------------------------------------------------------------- one case
 
 
@@ -198,6 +200,7 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
     from megatron.core.transformer.moe import moe_utils
 
     from megatron_moe.moe.grouped_gemm import kernel_name
+    from megatron_moe.platform import synchronize
 
     torch.manual_seed(args.seed)
     config = transformer_config(hidden, ffn, experts, topk, capacity_factor, args.swiglu)
@@ -217,16 +220,15 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
     diff = (out_ours - out_mcore).abs().max().item() if not capacity_factor else None
 
     small = hidden * tokens < 10**6
-    warmup = args.warmup if args.warmup is not None else (3 if small else 1)
-    repeats = args.repeats if args.repeats is not None else (11 if small else 3)
-    times = {"ours": [], "mcore": [], "ideal": []}
-    for round_ in range(warmup + repeats):
-        for key, step in (("ours", ours_step), ("mcore", mcore_step), ("ideal", ideal)):
-            ms = timed(step)
-            if round_ >= warmup:
-                times[key].append(ms)
+    repeats = args.repeats if args.repeats is not None else (11 if small else 5)
+
+    def after_round():
         moe_utils.clear_aux_losses_tracker()
         ours.stats.reset()
+
+    times, warmup, faults_timed = measure_rounds({"ours": ours_step, "mcore": mcore_step, "ideal": ideal},
+                                                 warmup=args.warmup, max_warmup=args.max_warmup, repeats=repeats,
+                                                 after_round=after_round, sync=synchronize)  # fmt: skip
     peak_ours, peak_mcore = peak_bytes(ours_step, platform), peak_bytes(mcore_step, platform)
     moe_utils.clear_aux_losses_tracker()
     layer_ms, mcore_ms, ideal_ms = (statistics.median(times[k]) for k in ("ours", "mcore", "ideal"))
@@ -238,13 +240,14 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
         "peak_mem_bytes": peak_ours, "mcore_peak_mem_bytes": peak_mcore,
         "rows_computed": rows, "dropped_fraction": round(dropped_fraction, 4),
         "max_abs_diff_vs_mcore": diff,
-        # Supplementary, for a machine shared with other jobs: the fastest round of each (least disturbed).
-        "efficiency_min": round(min(times["ideal"]) / min(times["ours"]), 3),
-        "speedup_vs_mcore_min": round(min(times["mcore"]) / min(times["ours"]), 3),
+        # Supplementary, for a machine whose speed drifts between rounds: the median of the ratios
+        # within each round (the three contenders ran back to back).
+        "efficiency_paired": median_ratio(times["ideal"], times["ours"]),
+        "speedup_vs_mcore_paired": median_ratio(times["mcore"], times["ours"]),
         "layer_ms_all": [round(t, 1) for t in times["ours"]], "mcore_ms_all": [round(t, 1) for t in times["mcore"]],
         "ideal_ms_all": [round(t, 1) for t in times["ideal"]],
         "kernel": kernel_name(platform.device.type), "threads": torch.get_num_threads(),
-        "warmup": warmup, "repeats": repeats, "device": str(platform.device), "dtype": "fp32",
+        "warmup": warmup, "repeats": repeats, "page_faults_timed": faults_timed, "device": str(platform.device), "dtype": "fp32",
     }  # fmt: skip
 
 

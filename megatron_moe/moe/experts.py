@@ -8,7 +8,8 @@ is an expert module (`Experts` protocol). Built in:
 
 - `FFNExperts`: GPT GELU FFN or Mixtral SwiGLU, all local experts as one bmm
   when every expert has the same row count (capacity-padded) or one grouped
-  GEMM otherwise (dropless / exact rows).
+  GEMM otherwise (dropless / exact rows); fc1, activation and fc2 form one
+  autograd node (`GroupedMLP`) unless an activation policy needs them apart.
 - `ModuleListExperts`: wraps one arbitrary module per local expert (a loop;
   for custom experts whose shapes do not batch).
 
@@ -27,7 +28,14 @@ import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_moe.moe import comm
-from megatron_moe.moe.grouped_gemm import grouped_linear
+from megatron_moe.moe.grouped_gemm import (
+    grouped_input_grad,
+    grouped_linear,
+    grouped_mm,
+    grouped_weight_grad,
+    uses_grouped_gemm_package,
+)
+from megatron_moe.platform import current_platform
 
 
 @runtime_checkable
@@ -56,6 +64,86 @@ def _activation(h, gated: bool):
     return F.gelu(h)
 
 
+def _activation_backward_(grad_a: torch.Tensor, h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """d act(h) / dh times `grad_a`; GELU writes it over `grad_a` (which the caller owns)."""
+    if not gated:
+        return torch.ops.aten.gelu_backward.grad_input(grad_a, h, grad_input=grad_a)
+    gate, up = torch.chunk(h, 2, dim=-1)
+    grad_h = torch.empty_like(h)
+    grad_gate, grad_up = torch.chunk(grad_h, 2, dim=-1)
+    torch.mul(grad_a, F.silu(gate), out=grad_up)
+    torch.ops.aten.silu_backward.grad_input(grad_a.mul_(up), gate, grad_input=grad_gate)
+    return grad_h
+
+
+def expert_chunks(counts: list[int], row_bytes: int, budget: int | None) -> list[tuple[int, int, int, int]]:
+    """(first expert, end expert, first row, end row) of runs of consecutive experts.
+
+    Each run's rows take at most `budget` bytes at `row_bytes` per row, or are
+    a single expert; `budget` None is one run of all experts.
+    """
+    if budget is None:
+        return [(0, len(counts), 0, sum(counts))]
+    runs, e0, r0, rows = [], 0, 0, 0
+    for e, count in enumerate(counts):
+        if e > e0 and (rows + count) * row_bytes > budget:
+            runs.append((e0, e, r0, r0 + rows))
+            e0, r0, rows = e, r0 + rows, 0
+        rows += count
+    runs.append((e0, len(counts), r0, r0 + rows))
+    return runs
+
+
+class GroupedMLP(torch.autograd.Function):
+    """y = act(x W1[e]^T) W2[e]^T for each expert's rows: two grouped GEMMs and the activation in one node.
+
+    The same arithmetic as grouped_linear -> activation -> grouped_linear, with
+    less memory traffic and a lower peak:
+    - backward computes the activation's gradient in the buffer of dA (fc2's
+      input gradient), not a fresh one, and SwiGLU keeps h and act(h) (3F
+      per row) instead of autograd's 4F;
+    - backward runs over runs of whole experts (`chunk_bytes` of dA each,
+      None = all at once): the [rows, F] gradients exist one run at a time,
+      and stay in cache between the GEMMs and the activation that use them.
+    Each GEMM of backward is its own call (dA, dW2, dH, dW1, dX), as in `GroupedLinear`.
+    """
+
+    @staticmethod
+    def forward(ctx, x_RH, w1_EFH, w2_EHF, counts, gated, chunk_bytes):
+        h_RF = grouped_mm(x_RH, w1_EFH.transpose(1, 2), counts)
+        a_RF = _activation(h_RF, gated)
+        ctx.save_for_backward(x_RH, w1_EFH, w2_EHF, h_RF, a_RF)
+        ctx.counts, ctx.gated, ctx.chunk_bytes = counts, gated, chunk_bytes
+        return grouped_mm(a_RF, w2_EHF.transpose(1, 2), counts)
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        x_RH, w1_EFH, w2_EHF, h_RF, a_RF = ctx.saved_tensors
+        counts, needs = ctx.counts, ctx.needs_input_grad[:3]
+        grad_RH = grad_RH.contiguous()
+        runs = expert_chunks(counts, a_RF.shape[1] * a_RF.element_size(), ctx.chunk_bytes)
+        if len(runs) == 1:  # the kernels allocate their outputs (torch._grouped_mm has no out=)
+            return (*_mlp_backward(grad_RH, x_RH, w1_EFH, w2_EHF, h_RF, a_RF, counts, ctx.gated, needs),
+                    None, None, None)  # fmt: skip
+        grads = [torch.empty_like(t) if need else None for t, need in zip((x_RH, w1_EFH, w2_EHF), needs)]
+        for e0, e1, r0, r1 in runs:
+            rows, experts = slice(r0, r1), slice(e0, e1)
+            outs = [None if g is None else g[part] for g, part in zip(grads, (rows, experts, experts))]
+            _mlp_backward(grad_RH[rows], x_RH[rows], w1_EFH[experts], w2_EHF[experts], h_RF[rows], a_RF[rows],
+                          counts[e0:e1], ctx.gated, needs, outs)  # fmt: skip
+        return (*grads, None, None, None)
+
+
+def _mlp_backward(grad_RH, x_RH, w1_EFH, w2_EHF, h_RF, a_RF, counts, gated, needs, outs=(None, None, None)):
+    """(dX, dW1, dW2) of one run of experts, written into `outs` where given."""
+    out_x, out_w1, out_w2 = outs
+    grad_w2 = grouped_weight_grad(grad_RH, a_RF, counts, out_w2) if needs[2] else None
+    grad_h = _activation_backward_(grouped_input_grad(grad_RH, w2_EHF, counts), h_RF, gated)
+    grad_w1 = grouped_weight_grad(grad_h, x_RH, counts, out_w1) if needs[1] else None
+    grad_x = grouped_input_grad(grad_h, w1_EFH, counts, out_x) if needs[0] else None
+    return grad_x, grad_w1, grad_w2
+
+
 class FFNExperts(torch.nn.Module):
     """L experts of one MLP each (GELU or SwiGLU), weights stacked along the expert dim."""
 
@@ -76,6 +164,7 @@ class FFNExperts(torch.nn.Module):
         mark_expert_params(self)
         self.region: Callable | None = None
         """Set by an activation policy: region(name, fn, *args) runs fn as expert_fc1/expert_act/expert_fc2."""
+        self.backward_chunk_bytes = current_platform().expert_backward_chunk_bytes
 
     def _call(self, name: str, fn: Callable, *args):
         return fn(*args) if self.region is None else self.region(name, fn, *args)
@@ -88,6 +177,9 @@ class FFNExperts(torch.nn.Module):
             h_LCF = self._call("expert_act", _activation, h_LCF, self.gated)
             y_LCH = self._call("expert_fc2", torch.bmm, h_LCF, self.weight2.transpose(1, 2))
             return y_LCH.view(rows_RH.shape[0], -1)
+        if self.region is None and rows_RH.shape[0] and not uses_grouped_gemm_package(rows_RH):
+            return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, self.gated, self.backward_chunk_bytes)
+        # Per-GEMM nodes: an activation policy treats fc1 / act / fc2 as separate regions.
         h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts)
         h_RF = self._call("expert_act", _activation, h_RF, self.gated)
         return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts)

@@ -7,7 +7,7 @@ Kernels, best first: the `grouped_gemm` package on an accelerator (it has its
 own backward), `torch._grouped_mm` where it runs (CPU in torch 2.13: forward
 and both backward GEMMs, checked once by a probe), else one `torch.mm` per
 expert into slices of one buffer. The backward is written as two separate
-steps, `_input_grad` (dX, on the critical path) and `_weight_grad` (dW), so a
+steps, `grouped_input_grad` (dX, on the critical path) and `grouped_weight_grad` (dW), so a
 scheduler can later run dW while an all-to-all is in flight.
 """
 
@@ -58,11 +58,11 @@ def _use_torch_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return aligned and _torch_grouped_mm_works(a.device.type, a.dtype)
 
 
-def _mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """y = x @ w[e] per group; w_EIO may be a transposed view."""
-    if _use_torch_grouped_mm(x_NI, w_EIO):
+def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
+    """y = x @ w[e] per group; w_EIO may be a transposed view. With `out`, written into it."""
+    if out is None and _use_torch_grouped_mm(x_NI, w_EIO):
         return torch._grouped_mm(x_NI, w_EIO, offs=_offsets(counts, x_NI.device))
-    out = x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2])
+    out = x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2]) if out is None else out
     start = 0
     for e, count in enumerate(counts):
         if count:
@@ -71,19 +71,21 @@ def _mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Ten
     return out
 
 
-def _input_grad(grad_NO: torch.Tensor, w_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    return _mm(grad_NO, w_EOI, counts)
+def grouped_input_grad(grad_NO: torch.Tensor, w_EOI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
+    return grouped_mm(grad_NO, w_EOI, counts, out)
 
 
-def _weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """dW[e] = grad[rows of e].T @ x[rows of e]  -> [E, O, I]."""
-    if _use_torch_grouped_mm(grad_NO, x_NI):
+def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
+    """dW[e] = grad[rows of e].T @ x[rows of e]  -> [E, O, I] (zero for an expert without rows)."""
+    if out is None and _use_torch_grouped_mm(grad_NO, x_NI):
         return torch._grouped_mm(grad_NO.t(), x_NI, offs=_offsets(counts, x_NI.device))
-    out = x_NI.new_zeros(len(counts), grad_NO.shape[1], x_NI.shape[1])
+    out = x_NI.new_empty(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out
     start = 0
     for e, count in enumerate(counts):
         if count:
             torch.mm(grad_NO[start : start + count].t(), x_NI[start : start + count], out=out[e])
+        else:
+            out[e].zero_()
         start += count
     return out
 
@@ -97,7 +99,7 @@ class GroupedLinear(torch.autograd.Function):
         ctx.counts = counts
         if x_NI.shape[0] == 0:
             return x_NI.new_zeros(0, w_EOI.shape[1])
-        return _mm(x_NI, w_EOI.transpose(1, 2), counts)
+        return grouped_mm(x_NI, w_EOI.transpose(1, 2), counts)
 
     @staticmethod
     def backward(ctx, grad_NO):
@@ -105,17 +107,21 @@ class GroupedLinear(torch.autograd.Function):
         if x_NI.shape[0] == 0:
             return torch.zeros_like(x_NI), torch.zeros_like(w_EOI), None
         grad_NO = grad_NO.contiguous()
-        grad_x = _input_grad(grad_NO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
-        grad_w = _weight_grad(grad_NO, x_NI, ctx.counts) if ctx.needs_input_grad[1] else None
+        grad_x = grouped_input_grad(grad_NO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
+        grad_w = grouped_weight_grad(grad_NO, x_NI, ctx.counts) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
+
+
+def uses_grouped_gemm_package(x_NI: torch.Tensor) -> bool:
+    """Whether `grouped_linear` runs the `grouped_gemm` package (its own autograd) for these rows."""
+    return x_NI.device.type != "cpu" and x_NI.shape[0] > 0 and _grouped_gemm_package() is not None
 
 
 def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Differentiable grouped GEMM; picks the fastest kernel this device has."""
-    ops = _grouped_gemm_package()
-    if ops is not None and x_NI.device.type != "cpu" and x_NI.shape[0] > 0:
+    if uses_grouped_gemm_package(x_NI):
         batch_sizes = torch.tensor(counts, dtype=torch.long)  # the package wants them on the host
-        return ops.gmm(x_NI, w_EOI, batch_sizes, trans_b=True)
+        return _grouped_gemm_package().gmm(x_NI, w_EOI, batch_sizes, trans_b=True)
     return GroupedLinear.apply(x_NI, w_EOI, counts)
 
 

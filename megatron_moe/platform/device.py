@@ -24,6 +24,17 @@ class Platform:
     def is_accelerator(self) -> bool:
         return self.device.type != "cpu"
 
+    @property
+    def expert_backward_chunk_bytes(self) -> int | None:
+        """Largest per-run gradient buffer in the experts' backward (`GroupedMLP`); None = one run.
+
+        On CPU, runs of experts whose gradients fit in half the last-level
+        cache keep them hot between the GEMMs and the activation, and keep
+        the 100 MiB-class transients of big layers from growing the heap. A
+        GPU prefers one grouped GEMM over all experts.
+        """
+        return None if self.is_accelerator else 16 * 2**20
+
 
 def _has_cuda() -> bool:
     return torch.cuda.is_available() and os.environ.get("MEGATRON_MOE_FORCE_CPU", "0") != "1"
@@ -38,7 +49,7 @@ def current_platform() -> Platform:
 
 
 def init_platform() -> Platform:
-    """Select the device; on a CPU-only machine make megatron-core runnable.
+    """Select the device; on a CPU-only machine make megatron-core runnable and keep freed host memory.
 
     Idempotent: the CPU patches are applied once per process.
     """
@@ -50,8 +61,10 @@ def init_platform() -> Platform:
         torch.cuda.set_device(platform.device)
     else:
         from megatron_moe.platform import cpu_compat
+        from megatron_moe.platform.host_memory import keep_freed_host_memory
 
         cpu_compat.apply_all()
+        keep_freed_host_memory()
     return platform
 
 

@@ -55,6 +55,46 @@ def tokens(s=6, b=3, seed=1):
     return torch.randn(s, b, H, generator=torch.Generator().manual_seed(seed))
 
 
+# ---------------------------------------------------------------------------- fused expert MLP
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize("hidden", [32, 30], ids=["grouped_mm", "mm_loop"])  # 30: unaligned rows -> mm loop
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one_run", "run_per_expert"])
+def test_fused_expert_mlp_equals_per_gemm_nodes(gated, hidden, chunk_bytes):
+    """GroupedMLP (one node, activation grad in place, backward in runs of experts) == per-GEMM autograd nodes."""
+    from megatron_moe.moe.experts import GroupedMLP, _activation
+    from megatron_moe.moe.grouped_gemm import grouped_linear
+
+    g = torch.Generator().manual_seed(3)
+    counts, ffn = [5, 0, 9, 2], 24
+    x = torch.randn(sum(counts), hidden, generator=g)
+    w1 = torch.randn(len(counts), 2 * ffn if gated else ffn, hidden, generator=g) * 0.3
+    w2 = torch.randn(len(counts), hidden, ffn, generator=g) * 0.3
+    dy = torch.randn(sum(counts), hidden, generator=g)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        out = fn(*leaves)
+        out.backward(dy)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    fused = grads(lambda a, b, c: GroupedMLP.apply(a, b, c, counts, gated, chunk_bytes))
+    nodes = grads(lambda a, b, c: grouped_linear(_activation(grouped_linear(a, b, counts), gated), c, counts))
+    for name, f, n in zip(["out", "dx", "dw1", "dw2"], fused, nodes):
+        torch.testing.assert_close(f, n, rtol=1e-5, atol=1e-5, msg=name)
+    assert fused[2][1].abs().sum() == 0  # the expert with no rows gets a zero weight gradient
+
+
+def test_expert_chunks_cover_every_expert_once_within_budget():
+    from megatron_moe.moe.experts import expert_chunks
+
+    counts = [3, 0, 5, 2, 9, 1]
+    runs = expert_chunks(counts, row_bytes=10, budget=70)
+    assert runs == [(0, 2, 0, 3), (2, 4, 3, 10), (4, 5, 10, 19), (5, 6, 19, 20)]  # 9 rows alone exceed it
+    assert expert_chunks(counts, row_bytes=10, budget=None) == [(0, 6, 0, 20)]
+
+
 # ---------------------------------------------------------------------------- dense equivalence
 
 
