@@ -23,6 +23,12 @@ log = logging.getLogger("megatron_moe")
 AUX_LOG_NAMES = {"load_balancing_loss": "moe aux loss", "z_loss": "moe z loss"}
 
 
+def computed_losses_only(figures: dict[str, float], *, aux: bool, z: bool) -> dict[str, float]:
+    """Leave a router loss that is not computed out of the log (aggregate and per layer), not shown as 0."""
+    dropped = (() if aux else ("moe aux loss", "/aux_loss")) + (() if z else ("moe z loss", "/z_loss"))
+    return {k: v for k, v in figures.items() if not any(k == d or k.endswith(d) for d in dropped)}
+
+
 def _reduce_lm_loss(losses_reduced: list[dict]) -> float | None:
     """Mean token loss of the step over all DP ranks (None off the last stage)."""
     if not parallel_state.is_pipeline_last_stage():
@@ -71,13 +77,15 @@ class Trainer:
 
     def _aux_figures(self) -> dict[str, float]:
         """MoE figures of the step. Collective: every rank calls it, MoE layers or not."""
+        moe = self.cfg.moe
+        aux, z = moe.moe_router_load_balancing_type != "none", bool(moe.moe_z_loss_coeff)
         if self.own_moe:
-            return collect_moe_metrics(self.model, num_layers=self.cfg.model.num_layers,
-                                       num_experts=self.cfg.moe.num_experts)  # fmt: skip
-        figures = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
-        wanted = {"load_balancing_loss": self.cfg.moe.moe_router_load_balancing_type != "none",
-                  "z_loss": self.cfg.moe.moe_z_loss_coeff is not None}  # fmt: skip
-        return {AUX_LOG_NAMES[k]: v for k, v in figures.items() if wanted[k]}
+            figures = collect_moe_metrics(self.model, num_layers=self.cfg.model.num_layers,
+                                          num_experts=moe.num_experts)  # fmt: skip
+        else:
+            tracked = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
+            figures = {AUX_LOG_NAMES[k]: v for k, v in tracked.items()}
+        return computed_losses_only(figures, aux=aux, z=z)
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch; returns its figures."""

@@ -113,3 +113,15 @@ def test_metric_keys_are_capped_with_a_stable_layer_subset():
 
 def test_a_model_without_moe_layers_reports_nothing():
     assert collect_moe_metrics([torch.nn.Linear(2, 2)], num_layers=4, num_experts=E) == {}
+
+
+def test_router_losses_that_are_not_computed_stay_out_of_the_log():
+    from megatron_moe.training.loop import computed_losses_only
+
+    figures = {"moe aux loss": 1.1, "moe z loss": 0.0, "moe tokens cv": 0.3,
+               "moe/layer_002/aux_loss": 1.1, "moe/layer_002/z_loss": 0.0, "moe/layer_002/tokens_cv": 0.3}  # fmt: skip
+    assert computed_losses_only(figures, aux=True, z=True) == figures
+    assert computed_losses_only(figures, aux=True, z=False) == {
+        "moe aux loss": 1.1, "moe tokens cv": 0.3, "moe/layer_002/aux_loss": 1.1, "moe/layer_002/tokens_cv": 0.3}
+    assert computed_losses_only(figures, aux=False, z=True) == {
+        "moe z loss": 0.0, "moe tokens cv": 0.3, "moe/layer_002/z_loss": 0.0, "moe/layer_002/tokens_cv": 0.3}
