@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is imported
 

@@ -28,10 +28,11 @@ class Platform:
     def expert_backward_chunk_bytes(self) -> int | None:
         """Largest per-run gradient buffer in the experts' backward (`GroupedMLP`); None = one run.
 
-        On CPU, runs of experts whose gradients fit in half the last-level
-        cache keep them hot between the GEMMs and the activation, and keep
-        the 100 MiB-class transients of big layers from growing the heap. A
-        GPU prefers one grouped GEMM over all experts.
+        On CPU, runs of experts with at most 16 MiB of gradients (half the
+        CI machine's 32 MiB last-level cache) keep them hot between the GEMMs
+        and the activation, and keep the 100 MiB-class transients of big
+        layers from growing the heap. A GPU prefers one grouped GEMM over all
+        experts.
         """
         return None if self.is_accelerator else 16 * 2**20
 

@@ -69,3 +69,13 @@ def train_in_job(flags: list[str]) -> list[dict]:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, history)
     return gathered[-1]
+
+
+def finish_job(results: dict) -> None:
+    """Inside a worker, at the end: rank 0 writes `results` to $RESULTS (what `run_torchrun` returns)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(os.environ["RESULTS"], "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()

@@ -12,7 +12,6 @@ metric reduction does not hang when half the ranks have no MoE layer.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from megatron_moe.moe import Bf16OnTheWire, MoEHook, MoELayer, collect_moe_metrics, moe_layer_config  # noqa: E402
 from megatron_moe.platform import init_platform  # noqa: E402
+from tests.distributed.launcher import finish_job  # noqa: E402
 
 H, FFN, E = 32, 48, 8
 S, B = 12, 2
@@ -217,9 +217,7 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-        with open(os.environ["RESULTS"], "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    finish_job(results)
 
 
 if __name__ == "__main__":

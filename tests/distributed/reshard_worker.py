@@ -14,7 +14,6 @@ Scenarios:
   start costs 10-20 s here.
 """
 
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
 from reshard import Target  # noqa: E402 (light: the heavy imports are inside functions)
 
-from tests.distributed.launcher import train_in_job  # noqa: E402 (light too)
+from tests.distributed.launcher import finish_job, train_in_job  # noqa: E402 (light too)
 
 SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS, SAVED_AT = 4, 2
@@ -95,10 +94,4 @@ def chain() -> dict:
 # Heavy imports stay out of module level: the checkpoint writer spawns a helper process that
 # re-imports this script, and importing megatron-core there costs seconds per rank and job.
 if __name__ == "__main__":
-    import torch.distributed as dist
-
-    results = {"source": source, "chain": chain}[SCENARIO]()
-    if dist.get_rank() == 0:
-        with open(os.environ["RESULTS"], "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    finish_job({"source": source, "chain": chain}[SCENARIO]())

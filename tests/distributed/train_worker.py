@@ -9,13 +9,10 @@ Scenarios (each a list of cases run one after another in this job):
   one layout resumed in another; the resume-exactness check.
 """
 
-import json
 import os
 import sys
 
-import torch.distributed as dist
-
-from tests.distributed.launcher import train_in_job
+from tests.distributed.launcher import finish_job, train_in_job
 
 SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS = 4
@@ -84,8 +81,4 @@ def layouts() -> dict:
 
 
 if __name__ == "__main__":
-    results = {"reference": reference, "layouts": layouts}[SCENARIO]()
-    if dist.get_rank() == 0:
-        with open(os.environ["RESULTS"], "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    finish_job({"reference": reference, "layouts": layouts}[SCENARIO]())

@@ -5,6 +5,10 @@ megatron-core's source for the construct it works around, so after an upgrade
 the failing cases name the patches that can be deleted.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -123,10 +127,7 @@ def test_host_allocator_reuses_freed_blocks(mode):
     then (memalign slack keeps a block from fitting its own hole), at most
     twice in five steps when measured.
     """
-    import subprocess
-    import sys
-
-    env = {**__import__("os").environ, "MEGATRON_MOE_HOST_ALLOCATOR": mode}
+    env = {**os.environ, "MEGATRON_MOE_HOST_ALLOCATOR": mode}
     out = subprocess.run([sys.executable, "-c", _FAULTS_PROBE], env=env, capture_output=True, text=True, check=True)
     applied, faults = out.stdout.split()
     pages = 64 * 2**20 // 4096  # of the big buffer alone, once
