@@ -185,7 +185,11 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self._spawn("slurmctld", ["/usr/sbin/slurmctld", "-D", "-c", "-f", self.conf])
         for node in NODES:
             self._spawn(f"slurmd-{node}", ["/usr/sbin/slurmd", "-D", "-N", node, "-f", self.conf])
-        self._wait(self.nodes_idle, timeout, f"nodes {', '.join(NODES)} to become idle")
+        self.wait_idle(timeout, f"nodes {', '.join(NODES)} to become idle")
+
+    def wait_idle(self, timeout: float, what: str) -> None:
+        """Until every node is idle (not allocated, not completing a job)."""
+        self._wait(self.nodes_idle, timeout, what)
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.slurm.cluster import SlurmCluster, Unavailable, free_ports, install
+from tests.slurm.cluster import NODES, SlurmCluster, Unavailable, free_ports, install
 
 SBATCH = os.path.join(ROOT, "examples", "slurm", "pretrain_gpt_moe.sbatch")
 JOB_NAME = "tinymoe"
@@ -118,7 +118,13 @@ def submit(cluster: SlurmCluster, runs_root: str, data_dir: str) -> Job:
 
 
 def requeue_now(cluster: SlurmCluster, job: Job) -> None:
-    """Requeue a finished job and lift the ~2 min hold Slurm puts on a requeued job's start."""
+    """Requeue a finished job and lift the ~2 min hold Slurm puts on a requeued job's start.
+
+    First wait until both nodes are idle: a job reads COMPLETED while its batch
+    step may still be exiting on n1, and a relaunch that reaches n1 then fails
+    (JobState=FAILED, no attempt 1 output; seen once in CI).
+    """
+    cluster.wait_idle(timeout=60, what=f"nodes {', '.join(NODES)} to be idle after job {job.id}")
     for cmd in (["scontrol", "requeue", job.id], ["scontrol", "update", f"JobId={job.id}", "StartTime=now"]):
         result = subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, f"{' '.join(cmd)}: {result.stderr}"
