@@ -7,6 +7,9 @@ registered, so when *anyone* saves such an output (or a view of it) for
 backward the hook stores a recipe instead: the module's function, its inputs
 and its RNG state at the time. Backward replays the recipe once (cached for
 all consumers), restoring the RNG so dropout masks match.
+
+A fused autograd node that spans several modules (the experts' fc1 -> act ->
+fc2, `GroupedMLP`) saves its tensors itself, as `FusedKeeping` tells it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_moe.activations.policy import ActivationPolicy
-from megatron_moe.activations.quantize import Packed, dequantize, quantize, worth_quantizing
+from megatron_moe.activations.quantize import Packed, dequantize, dequantize_rows, quantize, worth_quantizing
 from megatron_moe.platform.rng import get_rng_states, set_rng_states
 
 
@@ -38,6 +41,8 @@ class SavedBytes:
             self.bytes += storage.nbytes()
 
     def add(self, stored: Any) -> None:
+        if isinstance(stored, Use):
+            stored = stored.shared.packed
         if isinstance(stored, Packed):
             if id(stored) not in self._seen:  # one packed copy may serve several savers
                 self._seen.add(id(stored))
@@ -60,6 +65,35 @@ class SavedBytes:
             yield self
 
 
+class Shared:
+    """One packed copy that several savers keep: dequantized once, kept while a saver has yet to read it."""
+
+    def __init__(self, packed: Packed):
+        self.packed, self.users = packed, 0
+        self._value: torch.Tensor | None = None
+
+    def use(self, shape: torch.Size) -> Use:
+        self.users += 1
+        return Use(self, shape)
+
+    def take(self) -> torch.Tensor:
+        value = dequantize(self.packed) if self._value is None else self._value
+        self.users -= 1
+        self._value = value if self.users > 0 else None
+        return value
+
+
+@dataclasses.dataclass
+class Use:
+    """What one saver keeps of a shared packed copy: the copy, and its own view's shape."""
+
+    shared: Shared
+    shape: torch.Size
+
+    def value(self) -> torch.Tensor:
+        return self.shared.take().view(self.shape)
+
+
 @dataclasses.dataclass
 class _Entry:
     """How to recompute one module call's output."""
@@ -71,13 +105,13 @@ class _Entry:
     output: Any = None  # the live output during forward, the recomputed one in backward
 
     def tensor_inputs(self):
-        return [a for a in (*self.args, *self.kwargs.values()) if torch.is_tensor(a) or isinstance(a, Packed)]
+        return [a for a in (*self.args, *self.kwargs.values()) if torch.is_tensor(a) or isinstance(a, Use)]
 
     def recompute(self):
         if self.output is None:
             saved = get_rng_states()
             set_rng_states(self.rng)
-            args = tuple(dequantize(a) if isinstance(a, Packed) else a for a in self.args)
+            args = tuple(a.value() if isinstance(a, Use) else a for a in self.args)
             try:
                 with torch.no_grad():
                     self.output = self.fn(*args, **self.kwargs)
@@ -109,6 +143,36 @@ def _at(obj, path):
     return obj
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedKeeping:
+    """What one fused fc1 -> act -> fc2 node keeps for backward, under a policy.
+
+    Per tensor, `save`, `quantize` or `recompute`: x (fc1's input), h (fc1's
+    output = act's input; recomputed as fc1(x)), a (act's output = fc2's
+    input; recomputed as act(h)). The same numbers as the three modules run as
+    separate regions of the policy (`LayerScope.fused_keeping`).
+    """
+
+    x: str = "save"
+    h: str = "save"
+    a: str = "save"
+    scope: LayerScope | None = None
+
+    def keep(self, t: torch.Tensor, how: str, numel: int | None = None):
+        """`t` (part of a tensor of `numel` elements) as it is to be kept: itself, packed (counted), or None."""
+        if how == "recompute":
+            return None
+        return self.scope.quantized(t, numel) if how == "quantize" else t
+
+
+SAVE_ALL = FusedKeeping()
+
+
+def rows_of(stored, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of a kept tensor or packed copy."""
+    return dequantize_rows(stored, start, end) if isinstance(stored, Packed) else stored[start:end]
+
+
 class LayerScope:
     """The hooks of one policy, active for the forward of one layer at a time."""
 
@@ -117,7 +181,7 @@ class LayerScope:
         self.counter = counter
         self._regions: list[str] = []
         self._outputs: dict[int, tuple[_Entry, tuple, torch.Tensor]] = {}
-        self._packed: dict[tuple, tuple[torch.Tensor, Packed]] = {}
+        self._packed: dict[tuple, tuple[torch.Tensor, Shared]] = {}
 
     @contextlib.contextmanager
     def active(self):
@@ -151,13 +215,37 @@ class LayerScope:
         with self.region(name):
             output = fn(*args, **kwargs)
         if recompute:
-            keep = self._quantized if mode == "recompute+quantize" else torch.Tensor.detach
+            keep = self._quantized_use if mode == "recompute+quantize" else torch.Tensor.detach
             stored = tuple(keep(a) if torch.is_tensor(a) else a for a in args)
             entry = _Entry(fn, stored, kwargs, rng, output)
             for path, t in _tensors_with_paths(output):
                 if t.is_floating_point():
                     self._outputs[t.untyped_storage().data_ptr()] = (entry, path, t)
         return output
+
+    def fused_keeping(self, fc1: str, act: str, fc2: str) -> FusedKeeping | None:
+        """How a fused node spanning modules fc1 -> act -> fc2 keeps x, h, a under this policy.
+
+        None when fc2 is to be recomputed: its output is then registered per
+        region, so the modules must run apart.
+        """
+        m1, ma, m2 = (self.policy.mode(name) for name in (fc1, act, fc2))
+        if m2.startswith("recompute"):
+            return None
+        x = "quantize" if m1.endswith("quantize") else "save"
+        h = "recompute" if m1.startswith("recompute") else "quantize" if ma.endswith("quantize") else "save"
+        a = "recompute" if ma.startswith("recompute") else "quantize" if m2.endswith("quantize") else "save"
+        return FusedKeeping(x, h, a, self)
+
+    def quantized(self, t: torch.Tensor, numel: int | None = None):
+        """`t` (part of a tensor of `numel` elements) packed for a node that keeps it itself (counted),
+        or `t` if not worth it."""
+        shared = self._shared(t, numel)
+        if shared is None:
+            return t
+        if self.counter is not None:
+            self.counter.add(shared.packed)
+        return shared.packed
 
     def _pack(self, t: torch.Tensor):
         stored: Any = t
@@ -167,25 +255,37 @@ class LayerScope:
             delta = t.storage_offset() - output.storage_offset()
             stored = Recipe(entry, path, tuple(t.shape), tuple(t.stride()), delta)
         elif self._regions and self.policy.mode(self._regions[-1]).endswith("quantize"):
-            stored = self._quantized(t)
+            stored = self._quantized_use(t)
         if self.counter is not None:
             self.counter.add(stored)
         return stored
 
-    def _quantized(self, t: torch.Tensor):
-        """`t` packed (one packed copy per tensor view in this scope), or `t` if not worth it."""
-        if not worth_quantizing(t) or isinstance(t, torch.nn.Parameter):
-            return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+    def _quantized_use(self, t: torch.Tensor):
+        """What a saver keeps of `t`: a use of its shared packed copy, or `t` if not worth packing."""
+        shared = self._shared(t)
+        return t if shared is None else shared.use(t.shape)
+
+    def _shared(self, t: torch.Tensor, numel: int | None = None) -> Shared | None:
+        """The packed copy of `t` in this scope (made on first request), None if not worth it.
+
+        Views with the same elements in the same order (contiguous, same start,
+        size and row width: e.g. attention probs as [b, np, s, s] and as
+        [b*np, s, s]) share one copy.
+        """
+        fmt = self.policy.quant_format
+        if not worth_quantizing(t, fmt, numel) or isinstance(t, torch.nn.Parameter):
+            return None
+        where = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (*where, t.numel(), t.shape[-1]) if t.is_contiguous() else (*where, tuple(t.shape), tuple(t.stride()))
         cached = self._packed.get(key)
         if cached is None:
-            cached = self._packed[key] = (t, quantize(t, self.policy.quant_format, self.policy.quant_block))
+            cached = self._packed[key] = (t, Shared(quantize(t, fmt, self.policy.quant_block)))
         return cached[1]
 
     @staticmethod
     def _unpack(stored):
-        if isinstance(stored, Packed):
-            return dequantize(stored)
+        if isinstance(stored, Use):
+            return stored.value()
         if isinstance(stored, Recipe):
             full = _at(stored.entry.recompute(), stored.path)
             return full.as_strided(stored.size, stored.stride, full.storage_offset() + stored.offset_delta)

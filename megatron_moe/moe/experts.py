@@ -9,7 +9,8 @@ is an expert module (`Experts` protocol). Built in:
 - `FFNExperts`: GPT GELU FFN or Mixtral SwiGLU, all local experts as one bmm
   when every expert has the same row count (capacity-padded) or one grouped
   GEMM otherwise (dropless / exact rows); fc1, activation and fc2 form one
-  autograd node (`GroupedMLP`) unless an activation policy needs them apart.
+  autograd node (`GroupedMLP`), which also carries an activation policy's
+  expert_fc1/act/fc2 modes (unless fc2 is to be recomputed).
 - `ModuleListExperts`: wraps one arbitrary module per local expert (a loop;
   for custom experts whose shapes do not batch).
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping, rows_of
 from megatron_moe.moe import comm
 from megatron_moe.moe.grouped_gemm import (
     grouped_input_grad,
@@ -99,39 +101,59 @@ class GroupedMLP(torch.autograd.Function):
 
     The same arithmetic as grouped_linear -> activation -> grouped_linear, with
     less memory traffic and a lower peak:
+    - forward and backward run over the same runs of whole experts (at most
+      `chunk_bytes` of [rows, F] activation each; None = one run): each run's
+      h, a and their gradients are made and used while they are in cache;
     - backward computes the activation's gradient in the buffer of dA (fc2's
       input gradient), not a fresh one, and SwiGLU keeps h and act(h) (3F
       per row) instead of autograd's 4F;
-    - backward runs over runs of whole experts (`chunk_bytes` of dA each,
-      None = all at once): the [rows, F] gradients exist one run at a time,
-      and stay in cache between the GEMMs and the activation that use them.
+    - under an activation policy (`keeping`), x, h and a are kept, kept
+      quantized (h and a run by run, as they are made), or recomputed run by run.
     Each GEMM of backward is its own call (dA, dW2, dH, dW1, dX), as in `GroupedLinear`.
     """
 
     @staticmethod
-    def forward(ctx, x_RH, w1_EFH, w2_EHF, counts, gated, chunk_bytes):
-        h_RF = grouped_mm(x_RH, w1_EFH.transpose(1, 2), counts)
-        a_RF = _activation(h_RF, gated)
-        ctx.save_for_backward(x_RH, w1_EFH, w2_EHF, h_RF, a_RF)
-        ctx.counts, ctx.gated, ctx.chunk_bytes = counts, gated, chunk_bytes
-        return grouped_mm(a_RF, w2_EHF.transpose(1, 2), counts)
+    def forward(ctx, x_RH, w1_EFH, w2_EHF, counts, gated, chunk_bytes, keeping=SAVE_ALL):
+        runs = expert_chunks(counts, w2_EHF.shape[2] * x_RH.element_size(), chunk_bytes)
+        y_RH = None if len(runs) == 1 else x_RH.new_empty(x_RH.shape[0], w2_EHF.shape[1])
+        kept_h, kept_a = [], []
+        for e0, e1, r0, r1 in runs:
+            run_counts = counts[e0:e1]
+            h = grouped_mm(x_RH[r0:r1], w1_EFH[e0:e1].transpose(1, 2), run_counts)
+            a = _activation(h, gated)
+            out = None if y_RH is None else y_RH[r0:r1]
+            y = grouped_mm(a, w2_EHF[e0:e1].transpose(1, 2), run_counts, out)
+            kept_h.append(keeping.keep(h, keeping.h, numel=x_RH.shape[0] * h.shape[1]))  # worth it as a whole
+            kept_a.append(keeping.keep(a, keeping.a, numel=x_RH.shape[0] * a.shape[1]))
+        kept = [keeping.keep(x_RH, keeping.x), *kept_h, *kept_a]
+        # Plain tensors go through save_for_backward (and so through any saved-tensor hooks); packed ones are ours.
+        ctx.save_for_backward(w1_EFH, w2_EHF, *(k for k in kept if torch.is_tensor(k)))
+        ctx.kept = [None if torch.is_tensor(k) else (k,) for k in kept]  # (packed,) or (None,) for recompute
+        ctx.counts, ctx.gated, ctx.runs = counts, gated, runs
+        return y if y_RH is None else y_RH
 
     @staticmethod
     def backward(ctx, grad_RH):
-        x_RH, w1_EFH, w2_EHF, h_RF, a_RF = ctx.saved_tensors
-        counts, needs = ctx.counts, ctx.needs_input_grad[:3]
+        w1_EFH, w2_EHF, *plain = ctx.saved_tensors
+        plain = iter(plain)
+        x_RH, *kept = (next(plain) if k is None else k[0] for k in ctx.kept)
+        kept_h, kept_a = kept[: len(ctx.runs)], kept[len(ctx.runs) :]
+        counts, needs, runs = ctx.counts, ctx.needs_input_grad[:3], ctx.runs
         grad_RH = grad_RH.contiguous()
-        runs = expert_chunks(counts, a_RF.shape[1] * a_RF.element_size(), ctx.chunk_bytes)
-        if len(runs) == 1:  # the kernels allocate their outputs (torch._grouped_mm has no out=)
-            return (*_mlp_backward(grad_RH, x_RH, w1_EFH, w2_EHF, h_RF, a_RF, counts, ctx.gated, needs),
-                    None, None, None)  # fmt: skip
-        grads = [torch.empty_like(t) if need else None for t, need in zip((x_RH, w1_EFH, w2_EHF), needs)]
-        for e0, e1, r0, r1 in runs:
+        grads = [None] * 3
+        if len(runs) > 1:  # the kernels allocate their outputs when there is one run (torch._grouped_mm has no out=)
+            grads = [torch.empty_like(t) if need else None for t, need in zip((grad_RH, w1_EFH, w2_EHF), needs)]
+        for (e0, e1, r0, r1), h, a in zip(runs, kept_h, kept_a):
             rows, experts = slice(r0, r1), slice(e0, e1)
+            w1, run_counts = w1_EFH[experts], counts[e0:e1]
+            x = rows_of(x_RH, r0, r1)
+            h = grouped_mm(x, w1.transpose(1, 2), run_counts) if h is None else rows_of(h, 0, r1 - r0)
+            a = _activation(h, ctx.gated) if a is None else rows_of(a, 0, r1 - r0)
             outs = [None if g is None else g[part] for g, part in zip(grads, (rows, experts, experts))]
-            _mlp_backward(grad_RH[rows], x_RH[rows], w1_EFH[experts], w2_EHF[experts], h_RF[rows], a_RF[rows],
-                          counts[e0:e1], ctx.gated, needs, outs)  # fmt: skip
-        return (*grads, None, None, None)
+            run_grads = _mlp_backward(grad_RH[rows], x, w1, w2_EHF[experts], h, a, run_counts, ctx.gated, needs, outs)
+            if len(runs) == 1:
+                grads = list(run_grads)
+        return (*grads, None, None, None, None)
 
 
 def _mlp_backward(grad_RH, x_RH, w1_EFH, w2_EHF, h_RF, a_RF, counts, gated, needs, outs=(None, None, None)):
@@ -164,7 +186,14 @@ class FFNExperts(torch.nn.Module):
         mark_expert_params(self)
         self.region: Callable | None = None
         """Set by an activation policy: region(name, fn, *args) runs fn as expert_fc1/expert_act/expert_fc2."""
-        self.backward_chunk_bytes = current_platform().expert_backward_chunk_bytes
+        self.keeping: FusedKeeping | None = SAVE_ALL
+        """What the fused node keeps of x, h, a; None: run fc1/act/fc2 as separate regions."""
+        self.chunk_bytes = current_platform().expert_chunk_bytes
+
+    def use_activation_scope(self, scope) -> None:
+        """Run under an activation policy (`megatron_moe.activations.engine.LayerScope`)."""
+        self.region = scope.call
+        self.keeping = scope.fused_keeping("expert_fc1", "expert_act", "expert_fc2")
 
     def _call(self, name: str, fn: Callable, *args):
         return fn(*args) if self.region is None else self.region(name, fn, *args)
@@ -177,9 +206,10 @@ class FFNExperts(torch.nn.Module):
             h_LCF = self._call("expert_act", _activation, h_LCF, self.gated)
             y_LCH = self._call("expert_fc2", torch.bmm, h_LCF, self.weight2.transpose(1, 2))
             return y_LCH.view(rows_RH.shape[0], -1)
-        if self.region is None and rows_RH.shape[0] and not uses_grouped_gemm_package(rows_RH):
-            return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, self.gated, self.backward_chunk_bytes)
-        # Per-GEMM nodes: an activation policy treats fc1 / act / fc2 as separate regions.
+        if self.keeping is not None and rows_RH.shape[0] and not uses_grouped_gemm_package(rows_RH):
+            return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, self.gated, self.chunk_bytes,
+                                    self.keeping)  # fmt: skip
+        # Per-GEMM nodes, each its own region of an activation policy.
         h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts)
         h_RF = self._call("expert_act", _activation, h_RF, self.gated)
         return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts)

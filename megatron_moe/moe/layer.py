@@ -86,8 +86,8 @@ class MoELayer(MegatronModule):
         """Run the stages as named regions of an activation policy (`megatron_moe.activations`):
         router, ordering, dispatch, expert_fc1/act/fc2 (built-in experts), combine, unorder, shared_expert."""
         self._scope = scope
-        if hasattr(self.experts, "region"):
-            self.experts.region = scope.call
+        if hasattr(self.experts, "use_activation_scope"):
+            self.experts.use_activation_scope(scope)
 
     def _region(self, name: str, fn, *args):
         return fn(*args) if self._scope is None else self._scope.call(name, fn, *args)

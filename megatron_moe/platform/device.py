@@ -25,13 +25,15 @@ class Platform:
         return self.device.type != "cpu"
 
     @property
-    def expert_backward_chunk_bytes(self) -> int | None:
-        """Largest per-run gradient buffer in the experts' backward (`GroupedMLP`); None = one run.
+    def expert_chunk_bytes(self) -> int | None:
+        """Largest [rows, F] activation of one run of experts in `GroupedMLP`; None = one run.
 
-        On CPU, runs of experts with at most 16 MiB of gradients (half the
-        CI machine's 32 MiB last-level cache) keep them hot between the GEMMs
-        and the activation, and keep the 100 MiB-class transients of big
-        layers from growing the heap. A GPU prefers one grouped GEMM over all
+        On CPU, forward and backward go over runs of experts with at most
+        16 MiB of activation (half the CI machine's 32 MiB last-level cache):
+        each run's activations and gradients stay hot between the GEMMs and
+        the activation function, and the 100 MiB-class transients of big
+        layers do not grow the heap. Smaller runs measured slower (the GEMMs
+        get too small for the cores). A GPU prefers one grouped GEMM over all
         experts.
         """
         return None if self.is_accelerator else 16 * 2**20

@@ -86,6 +86,50 @@ def test_fused_expert_mlp_equals_per_gemm_nodes(gated, hidden, chunk_bytes):
     assert fused[2][1].abs().sum() == 0  # the expert with no rows gets a zero weight gradient
 
 
+ROWS, HID, FFN = 128, 64, 96  # of the test below; an int8 row takes a 4-byte scale
+
+
+@pytest.mark.parametrize("recompute,quantize,kept_bytes", [
+    (["expert_act"], ["expert_act", "expert_fc1", "expert_fc2"], ROWS * (HID + 4) + ROWS * (FFN + 4)),  # arctic: int8 x, h
+    (["expert_fc1", "expert_act"], [], ROWS * HID * 4),  # x only
+    ([], ["expert_fc2"], ROWS * HID * 4 + ROWS * FFN * 4 + ROWS * (FFN + 4)),  # x, h, int8 a
+], ids=["arctic", "recompute_fc1_act", "quantize_fc2"])  # fmt: skip
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one_run", "run_per_expert"])
+def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_bytes, chunk_bytes):
+    """Under a policy the fused node keeps x/h/a as the policy says, with the numbers of the three separate regions."""
+    from megatron_moe.activations.engine import LayerScope, SavedBytes
+    from megatron_moe.activations.policy import build_policy
+    from megatron_moe.moe.experts import GroupedMLP, _activation
+    from megatron_moe.moe.grouped_gemm import grouped_linear
+
+    g = torch.Generator().manual_seed(5)
+    counts, hidden, ffn = [40, 0, 70, 18], HID, FFN  # rows x ffn above the quantizer's size floor
+    x = torch.randn(sum(counts), hidden, generator=g)
+    w1, w2 = torch.randn(len(counts), ffn, hidden, generator=g) * 0.1, torch.randn(len(counts), hidden, ffn, generator=g) * 0.1
+    dy = torch.randn(sum(counts), hidden, generator=g)
+    policy = build_policy(preset="none", recompute=recompute, quantize=quantize, quant_format="int8_row")
+
+    def run(fused: bool):
+        counter = SavedBytes()
+        scope = LayerScope(policy, counter)
+        leaves = [x.clone().requires_grad_(), torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+        with scope.active():
+            if fused:
+                out = GroupedMLP.apply(*leaves, counts, False, chunk_bytes, scope.fused_keeping("expert_fc1", "expert_act", "expert_fc2"))
+            else:
+                h = scope.call("expert_fc1", grouped_linear, leaves[0], leaves[1], counts)
+                a = scope.call("expert_act", _activation, h, False)
+                out = scope.call("expert_fc2", grouped_linear, a, leaves[2], counts)
+        out.backward(dy)
+        return [out.detach()] + [t.grad for t in leaves], counter.bytes
+
+    (fused, fused_bytes), (apart, apart_bytes) = run(True), run(False)
+    for name, f, n in zip(["out", "dx", "dw1", "dw2"], fused, apart):
+        torch.testing.assert_close(f, n, rtol=1e-5, atol=1e-5, msg=name)
+    assert fused_bytes == kept_bytes
+    assert fused_bytes <= apart_bytes  # the regions' chain of recipes keeps h for act's recompute too
+
+
 def test_expert_chunks_cover_every_expert_once_within_budget():
     from megatron_moe.moe.experts import expert_chunks
 
