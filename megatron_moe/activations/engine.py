@@ -72,9 +72,10 @@ class Shared:
         self.packed, self.users = packed, 0
         self._value: torch.Tensor | None = None
 
-    def use(self, shape: torch.Size) -> Use:
+    def use(self, size: tuple, stride: tuple) -> Use:
+        """A saver's use of this copy: its view, as size and stride from the copy's first element."""
         self.users += 1
-        return Use(self, shape)
+        return Use(self, size, stride)
 
     def take(self) -> torch.Tensor:
         value = dequantize(self.packed) if self._value is None else self._value
@@ -85,13 +86,15 @@ class Shared:
 
 @dataclasses.dataclass
 class Use:
-    """What one saver keeps of a shared packed copy: the copy, and its own view's shape."""
+    """What one saver keeps of a shared packed copy: the copy, and where its own view lies in it."""
 
     shared: Shared
-    shape: torch.Size
+    size: tuple
+    stride: tuple
 
     def value(self) -> torch.Tensor:
-        return self.shared.take().view(self.shape)
+        block = self.shared.take()
+        return block.as_strided(self.size, self.stride, block.storage_offset())
 
 
 @dataclasses.dataclass
@@ -173,6 +176,19 @@ def rows_of(stored, start: int, end: int) -> torch.Tensor:
     return dequantize_rows(stored, start, end) if isinstance(stored, Packed) else stored[start:end]
 
 
+def _dense_block(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """`t`'s storage block as [rows, width] rows along its stride-1 dim, when `t` is a permutation of
+    one dense block (no gaps, no overlaps); else None."""
+    dims = sorted((d for d in range(t.dim()) if t.size(d) != 1), key=t.stride, reverse=True)
+    expected = 1
+    for d in reversed(dims):
+        if t.stride(d) != expected:
+            return None
+        expected *= t.size(d)
+    width = t.size(dims[-1]) if dims else 1
+    return t.as_strided((t.numel() // width, width), (width, 1)), width
+
+
 class LayerScope:
     """The hooks of one policy, active for the forward of one layer at a time."""
 
@@ -238,9 +254,9 @@ class LayerScope:
         return FusedKeeping(x, h, a, self)
 
     def quantized(self, t: torch.Tensor, numel: int | None = None):
-        """`t` (part of a tensor of `numel` elements) packed for a node that keeps it itself (counted),
-        or `t` if not worth it."""
-        shared = self._shared(t, numel)
+        """`t` (contiguous; part of a tensor of `numel` elements) packed for a node that keeps it itself
+        (counted), or `t` if not worth it."""
+        shared = self._shared(t, numel) if t.is_contiguous() else None
         if shared is None:
             return t
         if self.counter is not None:
@@ -263,23 +279,31 @@ class LayerScope:
     def _quantized_use(self, t: torch.Tensor):
         """What a saver keeps of `t`: a use of its shared packed copy, or `t` if not worth packing."""
         shared = self._shared(t)
-        return t if shared is None else shared.use(t.shape)
+        if shared is None:
+            return t
+        if _dense_block(t) is not None:  # packed in storage order
+            return shared.use(tuple(t.shape), tuple(t.stride()))
+        return shared.use(tuple(t.shape), tuple(torch.empty(t.shape, device="meta").stride()))
 
     def _shared(self, t: torch.Tensor, numel: int | None = None) -> Shared | None:
         """The packed copy of `t` in this scope (made on first request), None if not worth it.
 
-        Views with the same elements in the same order (contiguous, same start,
-        size and row width: e.g. attention probs as [b, np, s, s] and as
-        [b*np, s, s]) share one copy.
+        A view that is a permutation of one dense block of its storage (attention's
+        q, k, v as [b*np, s, hn] views of [s, b, np, hn]) is packed in storage
+        order, rows along its stride-1 dim, without a copy; views of the same
+        block with the same row width share that copy (attention probs as
+        [b, np, s, s] and as [b*np, s, s]). Other views are packed as a copy.
         """
         fmt = self.policy.quant_format
         if not worth_quantizing(t, fmt, numel) or isinstance(t, torch.nn.Parameter):
             return None
         where = (t.untyped_storage().data_ptr(), t.storage_offset())
-        key = (*where, t.numel(), t.shape[-1]) if t.is_contiguous() else (*where, tuple(t.shape), tuple(t.stride()))
+        dense = _dense_block(t)
+        key = (*where, t.numel(), dense[1]) if dense is not None else (*where, tuple(t.shape), tuple(t.stride()))
         cached = self._packed.get(key)
         if cached is None:
-            cached = self._packed[key] = (t, Shared(quantize(t, fmt, self.policy.quant_block)))
+            packed_as = t if dense is None else dense[0]
+            cached = self._packed[key] = (t, Shared(quantize(packed_as, fmt, self.policy.quant_block)))
         return cached[1]
 
     @staticmethod
