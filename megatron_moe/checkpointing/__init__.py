@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megatron_moe.config import ConfigError, RunConfig
 from megatron_moe.platform.rng import rng_tracker
@@ -185,6 +186,22 @@ def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
         raise ConfigError(f"--load={path}: the checkpoint's model differs: " + "; ".join(diffs))
 
 
+def check_tensor_names(path: str, model_state: dict) -> None:
+    """Refuse a checkpoint that lacks tensors of this model (another model definition), naming some of each."""
+    wanted = {t.key for t in nested_values(model_state) if isinstance(t, ShardedTensor)}
+    stored = set(dist_checkpointing.load_tensors_metadata(path))
+    missing = sorted(wanted - stored)
+    if missing:
+        extra = sorted(k for k in stored - wanted if "/shard_" not in k and not k.startswith("optimizer."))
+        raise ConfigError(
+            f"--load={path}: the checkpoint lacks {len(missing)} of this model's {len(wanted)} tensors "
+            f"(e.g. {', '.join(missing[:3])}) and holds {len(extra)} this model does not have"
+            f"{' (e.g. ' + ', '.join(extra[:3]) + ')' if extra else ''}. It was written by another model "
+            f"definition (e.g. megatron_moe before the modular MoE layer, or custom experts); load it with the "
+            f"code that wrote it, or start fresh without --load"
+        )
+
+
 def _materialize_optimizer_state(optimizer) -> None:
     """Give a fresh distributed optimizer its Adam state so a checkpoint can load into it.
 
@@ -224,6 +241,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
         _materialize_optimizer_state(optimizer)
     request = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng,
                              is_loading=True)  # fmt: skip
+    check_tensor_names(path, request["model"])
     state = dist_checkpointing.load(request, path)
     model[0].module.load_state_dict(state["model"])
     if with_optimizer:

@@ -62,3 +62,35 @@ def test_model_shape_mismatch_names_each_flag():
     saved = cfg("--num-layers", "4", "--hidden-size", "256").to_dict()
     with pytest.raises(ConfigError, match=r"--num-layers: checkpoint 4, now 6; --hidden-size: checkpoint 256, now 128"):
         check_compatible(saved, cfg("--num-layers", "6", "--hidden-size", "128"), "ckpt")
+
+
+def test_checkpoint_of_another_model_definition_is_refused_by_name(megatron_world1, tmp_path, monkeypatch):
+    """Tensors the model needs but the checkpoint lacks (e.g. a pre-modular-layer checkpoint): a ConfigError
+    naming --load and examples of both sides, before megatron-core's loader fails deep inside."""
+    from megatron_moe.checkpointing import TrainState, load_checkpoint, save_checkpoint
+    from megatron_moe.model import transformer_config
+    from megatron_moe.moe.experts import FFNExperts
+    from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler
+
+    run = cfg("--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",
+              "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2")  # fmt: skip
+    run.validate(world_size=1)
+    model = build_ddp_model(run, transformer_config(run), 128)
+    optimizer = build_optimizer(run, model)
+    scheduler = build_scheduler(run, optimizer)
+    path = save_checkpoint(str(tmp_path), run, model, optimizer, scheduler, TrainState())
+    assert load_checkpoint(path, run, model, optimizer, scheduler).iteration == 0  # the same definition loads
+
+    original = FFNExperts.sharded_state_dict
+
+    def renamed(self, prefix="", *args, **kwargs):  # this code names the expert weights differently
+        state = original(self, prefix, *args, **kwargs)
+        for tensor in state.values():
+            tensor.key = tensor.key.replace("weight1", "w_in")
+        return state
+
+    monkeypatch.setattr(FFNExperts, "sharded_state_dict", renamed)
+    with pytest.raises(ConfigError, match=r"--load=.*iter_0000000: the checkpoint lacks 1 of this model's \d+ "
+                                          r"tensors \(e\.g\. decoder\.layers\.0\.mlp\.experts\.w_in\) and holds 1 "
+                                          r"this model does not have \(e\.g\. decoder\.layers\.0\.mlp\.experts\.weight1\)"):  # fmt: skip
+        load_checkpoint(path, run, model, optimizer, scheduler)
