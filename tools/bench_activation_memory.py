@@ -22,8 +22,8 @@ RSS (CPU) or allocated memory (GPU) of the process so far, a coarser view.
 from __future__ import annotations
 
 import argparse
-import json
 import functools
+import json
 import os
 import statistics
 import sys

@@ -66,16 +66,22 @@ class SavedBytes:
 
 
 class Shared:
-    """One packed copy that several savers keep: dequantized once, kept while a saver has yet to read it."""
+    """One packed copy that several savers keep: dequantized once, kept while a saver has yet to read it.
 
-    def __init__(self, packed: Packed):
-        self.packed, self.users = packed, 0
+    `in_storage_order`: the copy holds a dense block of storage in memory order
+    (a saver's view lies in it with the view's own strides); else it holds one
+    view's elements, copied in that view's logical order.
+    """
+
+    def __init__(self, packed: Packed, in_storage_order: bool):
+        self.packed, self.in_storage_order, self.users = packed, in_storage_order, 0
         self._value: torch.Tensor | None = None
 
-    def use(self, size: tuple, stride: tuple) -> Use:
-        """A saver's use of this copy: its view, as size and stride from the copy's first element."""
+    def use(self, t: torch.Tensor) -> Use:
+        """A saver's use of this copy for its view `t`."""
         self.users += 1
-        return Use(self, size, stride)
+        stride = t.stride() if self.in_storage_order else torch.empty(t.shape, device="meta").stride()
+        return Use(self, tuple(t.shape), tuple(stride))
 
     def take(self) -> torch.Tensor:
         value = dequantize(self.packed) if self._value is None else self._value
@@ -254,8 +260,8 @@ class LayerScope:
         return FusedKeeping(x, h, a, self)
 
     def quantized(self, t: torch.Tensor, numel: int | None = None):
-        """`t` (contiguous; part of a tensor of `numel` elements) packed for a node that keeps it itself
-        (counted), or `t` if not worth it."""
+        """`t` (2-D, contiguous; part of a tensor of `numel` elements) packed for a node that keeps it itself
+        (counted), or `t` if not worth it. The packed copy's rows are `t`'s rows (`rows_of`)."""
         shared = self._shared(t, numel) if t.is_contiguous() else None
         if shared is None:
             return t
@@ -279,11 +285,7 @@ class LayerScope:
     def _quantized_use(self, t: torch.Tensor):
         """What a saver keeps of `t`: a use of its shared packed copy, or `t` if not worth packing."""
         shared = self._shared(t)
-        if shared is None:
-            return t
-        if _dense_block(t) is not None:  # packed in storage order
-            return shared.use(tuple(t.shape), tuple(t.stride()))
-        return shared.use(tuple(t.shape), tuple(torch.empty(t.shape, device="meta").stride()))
+        return t if shared is None else shared.use(t)
 
     def _shared(self, t: torch.Tensor, numel: int | None = None) -> Shared | None:
         """The packed copy of `t` in this scope (made on first request), None if not worth it.
@@ -302,8 +304,8 @@ class LayerScope:
         key = (*where, t.numel(), dense[1]) if dense is not None else (*where, tuple(t.shape), tuple(t.stride()))
         cached = self._packed.get(key)
         if cached is None:
-            packed_as = t if dense is None else dense[0]
-            cached = self._packed[key] = (t, Shared(quantize(packed_as, fmt, self.policy.quant_block)))
+            packed = quantize(t if dense is None else dense[0], fmt, self.policy.quant_block)
+            cached = self._packed[key] = (t, Shared(packed, in_storage_order=dense is not None))
         return cached[1]
 
     @staticmethod

@@ -103,4 +103,3 @@ class Bf16OnTheWire(MoEHook):
 
     def after_combine(self, rows, ctx):
         return rows.to(self._dtype)
-

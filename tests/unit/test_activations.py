@@ -7,7 +7,7 @@ import torch
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.activations.engine import SavedBytes
 from megatron_moe.activations.policy import MODULES, build_policy
-from megatron_moe.activations.quantize import FORMATS, dequantize, quantize
+from megatron_moe.activations.quantize import FORMATS, dequantize, dequantize_rows, quantize
 from megatron_moe.config import ConfigError, parse_args
 
 VOCAB = 512
@@ -69,6 +69,36 @@ def test_quantize_round_trip(fmt):
     assert y.shape == x.shape and y.dtype == x.dtype
     assert p.nbytes < x.nbytes / 3
     assert ((y - x).abs() / x.abs().amax(dim=-1, keepdim=True)).max() < (0.07 if fmt == "fp8_row" else 0.01)
+    for start, end in ((0, 300), (5, 9), (299, 300)):  # int8_block: groups of 64 straddle the rows of 70
+        assert torch.equal(dequantize_rows(p, start, end), y[start:end])
+
+
+def test_views_of_one_block_share_one_packed_copy_and_unpack_exactly_as_the_view():
+    """Attention's q and k as permuted views of one [s, b, np, hn] block: one copy in storage order, no
+    transposing copy; each unpacks to its own view. A gapped view is packed as a copy; narrow rows not at all."""
+    from megatron_moe.activations.engine import LayerScope, Use
+    from megatron_moe.activations.policy import build_policy
+    from megatron_moe.activations.quantize import dequantize
+
+    scope = LayerScope(build_policy(preset="none", recompute=[], quantize=["core_attention"], quant_format="int8_row"))
+    block = torch.randn(256, 2, 4, 64, generator=torch.Generator().manual_seed(0))  # [s, b, np, hn]
+    q = block.reshape(256, 8, 64).transpose(0, 1)  # [b*np, s, hn]
+    k = q.transpose(1, 2)  # [b*np, hn, s]: its last dim is not the stride-1 dim
+    stored_q, stored_k = scope._quantized_use(q), scope._quantized_use(k)
+    assert isinstance(stored_q, Use) and stored_q.shared is stored_k.shared
+    assert stored_q.shared.packed.data.shape == (256 * 2 * 4, 64)  # rows along hn, in storage order
+    exact = dequantize(stored_q.shared.packed).view(block.shape)  # what the int8 copy holds, as the block
+    for stored, view in ((stored_q, q), (stored_k, k)):
+        unpacked = scope._unpack(stored)
+        assert unpacked.shape == view.shape
+        torch.testing.assert_close(unpacked, view, atol=0.03, rtol=0)  # int8 per row of 64
+    torch.testing.assert_close(scope._unpack(scope._quantized_use(k)), exact.reshape(256, 8, 64).permute(1, 2, 0))
+    gapped = block[..., :48]  # every row has a gap: packed as a copy of its elements
+    stored = scope._quantized_use(gapped)
+    assert not stored.shared.in_storage_order
+    torch.testing.assert_close(scope._unpack(stored), gapped, atol=0.03, rtol=0)
+    narrow = block[..., :16].contiguous()  # rows of 16: the scales would cost 1/4 of the int8 bytes
+    assert scope._quantized_use(narrow) is narrow
 
 
 def test_unknown_module_name():
