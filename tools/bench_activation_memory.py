@@ -15,8 +15,10 @@ at their packed size, recompute recipes at the inputs they hold). `step_ms` is
 the median forward+backward time after warm-up (until a round without page
 faults, `tools/benchlib.py`), the policies timed in turn (round-robin) so
 that machine noise affects them alike; `step_ratio_paired_vs_none` is the
-median of the per-round ratios. `peak_mem_bytes` is the peak
-RSS (CPU) or allocated memory (GPU) of the process so far, a coarser view.
+median of the per-round ratios. `peak_mem_bytes` is the most memory in use
+above the level before one more forward+backward (its weight gradients
+included): allocated device memory on GPU, glibc's bytes in use on CPU
+(`tools/benchlib.py`), a coarser view that includes transients.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe.activations.apply import apply_activation_policy  # noqa: E402
 from megatron_moe.activations.engine import SavedBytes  # noqa: E402
 from megatron_moe.config import parse_args  # noqa: E402
-from megatron_moe.platform import current_platform, peak_memory_bytes, synchronize  # noqa: E402
-from benchlib import measure_rounds, median_ratio  # noqa: E402
+from megatron_moe.platform import current_platform, synchronize  # noqa: E402
+from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 CASES = {
     # One MoE transformer layer, GPT2-S-MoE shapes: 1024 tokens (seq 512 x micro-batch 2).
@@ -139,8 +141,9 @@ def measure_case(case_name: str, repeats: int) -> list[dict]:
         runs[policy_name] = (cfg, model, counter.bytes)
     steps = {name: functools.partial(_step, model, cfg, case) for name, (cfg, model, _) in runs.items()}
     times, warmup, faults = measure_rounds(steps, warmup=2, max_warmup=10, repeats=repeats, sync=synchronize)
+    peaks = {name: peak_bytes(step, current_platform()) for name, step in steps.items()}
     return [{"case": case_name, "policy": name, "activation_bytes": nbytes,
-             "step_ms": round(statistics.median(times[name]), 2), "peak_mem_bytes": peak_memory_bytes(),
+             "step_ms": round(statistics.median(times[name]), 2), "peak_mem_bytes": peaks[name],
              "step_ms_all": [round(t, 1) for t in times[name]], "warmup": warmup, "page_faults_timed": faults[name]}
             for name, (_, _, nbytes) in runs.items()]  # fmt: skip
 

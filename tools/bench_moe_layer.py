@@ -3,6 +3,10 @@
     python tools/bench_moe_layer.py                      # every case, one JSON object per line
     python tools/bench_moe_layer.py --cases small --repeats 10
 
+On CPU the cases run in fp32 (cases small and gpt2s); on a GPU in bf16, with
+a Mixtral-sized case `large` added (`--dtype`, `--cases` override both). The
+router and the gate GEMMs stay fp32 either way.
+
 Per case, all measured in this process, interleaved round by round (ours,
 megatron-core, ideal) so background load hits all three alike; each figure
 is the median over `--repeats` rounds after warm-up. Warm-up lasts at least
@@ -29,7 +33,6 @@ op (CPU), or the accelerator's peak-allocated counter.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -39,7 +42,7 @@ THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is impor
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchlib import measure_rounds, median_ratio  # noqa: E402
+from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,12 +50,17 @@ CASES = {
     # name: (hidden, ffn, tokens, [(experts, topk), ...])
     "gpt2s": (768, 3072, 8192, [(8, 1), (8, 2), (16, 1), (16, 2)]),
     "small": (256, 1024, 2048, [(8, 2)]),
+    # GPU only (by default): a Mixtral-like layer, 16k tokens.
+    "large": (4096, 14336, 16384, [(8, 2)]),
 }
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", default=["small", "gpt2s"], choices=sorted(CASES))
+    p.add_argument("--cases", nargs="+", default=None, choices=sorted(CASES),
+                   help="default: small gpt2s on CPU; small gpt2s large on a GPU")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on a GPU")
     p.add_argument("--capacity-factors", nargs="+", type=float, default=[0.0, 1.25])
     p.add_argument("--padded-too", action=argparse.BooleanOptionalAction, default=True,
                    help="also time our padded alltoall dispatcher (bmm experts) at capacity factors > 0")
@@ -65,56 +73,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- memory
-
-
-class _MallocInfo(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
-
-
-def _host_bytes_in_use():
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallocInfo
-
-    def in_use() -> int:
-        info = libc.mallinfo2()
-        return info.uordblks + info.hblkhd
-
-    return in_use
-
-
-def peak_bytes(step, platform) -> int:
-    """Peak bytes in use above the starting level during one call of `step`."""
-    if platform.is_accelerator:
-        torch.accelerator.synchronize()
-        torch.accelerator.memory.reset_peak_memory_stats()
-        base = torch.accelerator.memory.memory_allocated()
-        step()
-        torch.accelerator.synchronize()
-        return torch.accelerator.memory.max_memory_allocated() - base
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    in_use = _host_bytes_in_use()
-    base = in_use()
-    peak = [base]
-
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            peak[0] = max(peak[0], in_use())
-            return out
-
-    with Track():
-        step()
-    return peak[0] - base
-
-
 # ----------------------------------------------------------------------------- the three contenders
 
 
 def transformer_config(hidden, ffn, experts, topk, capacity_factor, swiglu):
-    """megatron-core config as megatron_moe.model.builder maps the run flags (fp32, CPU)."""
+    """megatron-core config as megatron_moe.model.builder maps the run flags (built in fp32 on the host)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -169,14 +132,19 @@ def fwd_bwd(layer, x, grad):
     return step
 
 
-def make_ideal(tokens, hidden, ffn, experts, rows, swiglu):
+def make_ideal(tokens, hidden, ffn, experts, rows, swiglu, device, dtype):
+    """The floor: the gate GEMMs in fp32 (router math), the expert GEMMs in `dtype`, on `device`."""
     g = torch.Generator().manual_seed(0)
     w1_cols = 2 * ffn if swiglu else ffn
-    x_TH, wg_HE = torch.randn(tokens, hidden, generator=g), torch.randn(hidden, experts, generator=g)
-    dl_TE = torch.randn(tokens, experts, generator=g)
-    x_NH, w1_HF = torch.randn(rows, hidden, generator=g), torch.randn(hidden, w1_cols, generator=g)
-    h_NF, w2_FH = torch.randn(rows, ffn, generator=g), torch.randn(ffn, hidden, generator=g)
-    dy_NH, dh_NF = torch.randn(rows, hidden, generator=g), torch.randn(rows, w1_cols, generator=g)
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    x_TH, wg_HE, dl_TE = randn(tokens, hidden, dtype=torch.float32), randn(hidden, experts), randn(tokens, experts)
+    wg_HE, dl_TE = wg_HE.float(), dl_TE.float()
+    x_NH, w1_HF = randn(rows, hidden), randn(hidden, w1_cols)
+    h_NF, w2_FH = randn(rows, ffn), randn(ffn, hidden)
+    dy_NH, dh_NF = randn(rows, hidden), randn(rows, w1_cols)
 
     def step():
         torch.mm(x_TH, wg_HE)  # gate forward
@@ -202,11 +170,12 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
     from megatron_moe.platform import synchronize
 
     torch.manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
     config = transformer_config(hidden, ffn, experts, topk, capacity_factor, args.swiglu)
-    mcore = build_mcore(config).to(platform.device)
-    ours = build_ours(config, mcore, capacity_factor, dispatcher).to(platform.device)
-    x = torch.randn(tokens, 1, hidden, device=platform.device, requires_grad=True)
-    grad = torch.randn(tokens, 1, hidden, device=platform.device)
+    mcore = build_mcore(config).to(platform.device, dtype)
+    ours = build_ours(config, mcore, capacity_factor, dispatcher).to(platform.device, dtype)
+    x = torch.randn(tokens, 1, hidden, device=platform.device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, 1, hidden, device=platform.device, dtype=dtype)
     ours_step, mcore_step = fwd_bwd(ours, x, grad), fwd_bwd(mcore, x, grad)
 
     out_ours, out_mcore = ours_step(), mcore_step()
@@ -214,12 +183,12 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
     sums = ours.stats.sums
     rows = int(sums[experts + 1] - sums[experts])  # routed pairs - dropped = rows the experts computed
     dropped_fraction = float(sums[experts] / sums[experts + 1])
-    ideal = make_ideal(tokens, hidden, ffn, experts, rows, args.swiglu)
+    ideal = make_ideal(tokens, hidden, ffn, experts, rows, args.swiglu, platform.device, dtype)
     # Same weights, same routing: dropless outputs must agree (capacity semantics differ).
     diff = (out_ours - out_mcore).abs().max().item() if not capacity_factor else None
 
     small = hidden * tokens < 10**6
-    repeats = args.repeats if args.repeats is not None else (11 if small else 5)
+    repeats = args.repeats if args.repeats is not None else (11 if small or platform.is_accelerator else 5)
 
     def after_round():
         moe_utils.clear_aux_losses_tracker()
@@ -245,8 +214,9 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
         "speedup_vs_mcore_paired": median_ratio(times["mcore"], times["ours"]),
         "layer_ms_all": [round(t, 1) for t in times["ours"]], "mcore_ms_all": [round(t, 1) for t in times["mcore"]],
         "ideal_ms_all": [round(t, 1) for t in times["ideal"]],
-        "kernel": kernel_name(platform.device.type), "threads": torch.get_num_threads(),
-        "warmup": warmup, "repeats": repeats, "page_faults_timed": faults_timed, "device": str(platform.device), "dtype": "fp32",
+        "kernel": kernel_name(platform.device.type, dtype), "threads": torch.get_num_threads(),
+        "warmup": warmup, "repeats": repeats, "page_faults_timed": faults_timed, "device": str(platform.device),
+        "dtype": args.dtype,
     }  # fmt: skip
 
 
@@ -271,6 +241,8 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     platform = init_single_process()
+    args.dtype = args.dtype or ("bf16" if platform.is_accelerator else "fp32")
+    args.cases = args.cases or ["small", "gpt2s", *(["large"] if platform.is_accelerator else [])]
     try:
         for case in args.cases:
             hidden, ffn, tokens, shapes = CASES[case]

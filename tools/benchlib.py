@@ -9,9 +9,13 @@ without page faults, and the faults left in the timed rounds are reported.
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import statistics
 import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _page_faults() -> int:
@@ -58,3 +62,48 @@ def measure_rounds(steps: dict, *, warmup: int, max_warmup: int, repeats: int, a
         if after_round:
             after_round()
     return times, warm, faults
+
+
+class _MallocInfo(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _host_bytes_in_use():
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallocInfo
+
+    def in_use() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    return in_use
+
+
+def peak_bytes(step, platform) -> int:
+    """Peak bytes in use above the starting level during one call of `step`.
+
+    On an accelerator, its peak-allocated counter. On CPU, glibc's bytes in
+    use (mallinfo2), read after every torch op of the step.
+    """
+    if platform.is_accelerator:
+        torch.accelerator.synchronize()
+        torch.accelerator.memory.reset_peak_memory_stats()
+        base = torch.accelerator.memory.memory_allocated()
+        step()
+        torch.accelerator.synchronize()
+        return torch.accelerator.memory.max_memory_allocated() - base
+
+    in_use = _host_bytes_in_use()
+    base = in_use()
+    peak = [base]
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            peak[0] = max(peak[0], in_use())
+            return out
+
+    with Track():
+        step()
+    return peak[0] - base

@@ -22,14 +22,14 @@ import random
 import shutil
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megatron_moe.config import ConfigError, RunConfig
-from megatron_moe.platform.rng import rng_tracker
+from megatron_moe.platform import current_platform
+from megatron_moe.platform.rng import get_rng_states, set_rng_states
 
 log = logging.getLogger("megatron_moe")
 
@@ -71,19 +71,25 @@ def _layout() -> dict[str, int]:
 
 
 def _rng_state() -> dict:
+    """Python's, numpy's and torch's RNG states, the device's too (its generator and the tracker's streams)."""
     return {
         "random": random.getstate(),
         "np": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": rng_tracker().get_states(),
+        "device_type": current_platform().device.type,
+        **get_rng_states(),
     }
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict) -> bool:
+    """Restore `state`; False (nothing restored) when it was saved on another kind of device."""
+    saved_on = state.get("device_type", "cpu")  # checkpoints from before GPU runs: CPU, "torch" for "cpu"
+    if saved_on != current_platform().device.type:
+        return False
     random.setstate(state["random"])
     np.random.set_state(state["np"])
-    torch.set_rng_state(state["torch"])
-    rng_tracker().set_states(state["tracker"])
+    set_rng_states({"cpu": state.get("cpu", state.get("torch")), "tracker": state["tracker"],
+                    **({"device": state["device"]} if "device" in state else {})})  # fmt: skip
+    return True
 
 
 def _sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is_loading: bool) -> dict:
@@ -247,9 +253,10 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     if with_optimizer:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(common["scheduler"])
-    if with_rng:
-        _set_rng_state(state["rng_state"])
-    elif not cfg.checkpoint.no_load_rng:
+    if with_rng and not _set_rng_state(state["rng_state"]):
+        log.warning("checkpoint RNG states were saved on %s, this run is on %s: not restored",
+                    state["rng_state"].get("device_type", "cpu"), current_platform().device.type)  # fmt: skip
+    elif not with_rng and not cfg.checkpoint.no_load_rng:
         log.warning("checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout())
     train_state = TrainState(**common["train_state"])
     log.info("loaded %s (iteration %d, optimizer %s)", path, train_state.iteration,

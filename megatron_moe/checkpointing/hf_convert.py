@@ -94,7 +94,7 @@ def export_hf(ckpt: str, out: str, *, tokenizer_model: str | None = None, overwr
     ours = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {}
     for layer, group in hf_mixtral.to_hf(ours, cfg, tokenizer.vocab_size):
-        tensors.update({k: v.contiguous().clone() for k, v in group.items()})
+        tensors.update({k: v.contiguous().to("cpu", copy=True) for k, v in group.items()})
         progress(f"export: {'embeddings, final norm, lm head' if layer is None else f'layer {layer}'} "
                  f"({len(group)} tensors)")  # fmt: skip
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -189,6 +189,7 @@ def max_logit_difference(model, hf_dir: str, tokens: torch.Tensor) -> float:
 
     hf_model = MixtralForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     hf_logits = hf_model(tokens).logits
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    tokens = tokens.to(next(model.parameters()).device)  # ours may sit on the GPU
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     ours = model(tokens, positions, None)  # [B, S, V_pad]
-    return (ours[..., : hf_logits.shape[-1]].float() - hf_logits.float()).abs().max().item()
+    return (ours[..., : hf_logits.shape[-1]].float().cpu() - hf_logits.float()).abs().max().item()

@@ -122,7 +122,7 @@ def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:
 
 
 def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> GPTModel:
-    """This rank's pipeline stage of the GPT-MoE."""
+    """This rank's pipeline stage of the GPT-MoE, on this platform's device."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     m = cfg.model
@@ -143,6 +143,7 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> G
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
     )
+    model.to(current_platform().device)  # megatron-core puts its own modules there already, ours follow
     mark_expert_params(model)
     policy = cfg.activation_policy()
     if policy is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_moe.moe import comm
+from megatron_moe.platform import current_platform
 
 # Per-layer statistics row: E routed counts, then these scalars.
 SCALARS = ("dropped", "pairs", "tokens", "entropy_sum", "load_balancing_sum", "z_loss_sum", "calls")
@@ -112,6 +113,7 @@ def collect_moe_metrics(model_chunks, *, num_layers: int, num_experts: int, grou
     every step).
     """
     width = num_experts + len(SCALARS)
+    device = current_platform().device if device is None else device  # where the backend reduces
     table = torch.zeros(num_layers, width, dtype=torch.float64, device=device)
     for layer in _moe_layers(model_chunks):
         if layer.stats.sums is not None and layer.layer_number is not None:

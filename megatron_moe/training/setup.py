@@ -11,13 +11,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron_moe.config import RunConfig
 from megatron_moe.model import build_model
 from megatron_moe.model.builder import params_dtype
-from megatron_moe.platform import current_platform
 
 
 def build_ddp_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[DistributedDataParallel]:
     """This rank's model chunks (one per stage, no virtual pipeline) in megatron-core DDP."""
     module = build_model(cfg, config, vocab_size)
-    module.to(current_platform().device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
         overlap_grad_reduce=False,

@@ -1,4 +1,4 @@
-"""Run a worker script under torchrun (gloo) and hand its JSON results to pytest.
+"""Run a worker script under torchrun (gloo on CPU by default) and hand its JSON results to pytest.
 
 A torchrun job costs 10-20 s to start here, so each worker script runs many
 cases in one job and writes `{case: result}` to `$RESULTS` (rank 0). The
@@ -26,10 +26,16 @@ def free_port() -> int:
 
 
 def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 600, env: dict | None = None) -> dict:
-    """Run `script` on `nproc` gloo ranks; returns the JSON rank 0 wrote to $RESULTS."""
+    """Run `script` on `nproc` ranks; returns the JSON rank 0 wrote to $RESULTS.
+
+    The ranks run on the CPU with gloo, also on a machine with GPUs, unless
+    `env` sets MEGATRON_MOE_FORCE_CPU=0.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.json")
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", RESULTS=results, PYTHONPATH=ROOT, **(env or {}))
+        python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RESULTS": results, "PYTHONPATH": python_path,
+                    "MEGATRON_MOE_FORCE_CPU": "1", **(env or {})}  # fmt: skip
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", script, *args]  # fmt: skip

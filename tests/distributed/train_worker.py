@@ -7,6 +7,8 @@ Scenarios (each a list of cases run one after another in this job):
 - `layouts` (4 ranks): TP=2, EP=2, PP=2, TP=2+EP=2 and the distributed
   optimizer, each from the same initial weights; a checkpoint saved mid-run in
   one layout resumed in another; the resume-exactness check.
+- `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
+  in fp32 and in bf16 with the arctic policy; resume exactness on the GPU.
 """
 
 import os
@@ -22,7 +24,7 @@ MODEL = [
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
     "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
     "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
-    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "98,2,0", "--seed", "7",
+    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "90,10,0", "--seed", "7",
 ]  # fmt: skip
 
 RECOMPUTE_ALL = ["--recompute-modules", "input_norm", "qkv", "core_attention", "attn_proj", "pre_mlp_norm", "router",
@@ -80,5 +82,21 @@ def layouts() -> dict:
     return results
 
 
+def gpu() -> dict:
+    from megatron_moe.platform import current_platform
+
+    init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
+    bf16 = ["--bf16", "--hidden-dropout", "0.1"]
+    results = {
+        "device": str(current_platform().device),
+        "fp32": train(*init),
+        "bf16_arctic": train(*init, "--bf16", "--activation-policy", "arctic"),
+        "straight": train("--train-iters", "6", *bf16),
+    }
+    train("--train-iters", "6", "--exit-interval", "3", "--save", ckpt("gpu_resume"), *bf16)
+    results["resumed"] = train("--train-iters", "6", "--load", ckpt("gpu_resume"), *bf16)
+    return results
+
+
 if __name__ == "__main__":
-    finish_job({"reference": reference, "layouts": layouts}[SCENARIO]())
+    finish_job({"reference": reference, "layouts": layouts, "gpu": gpu}[SCENARIO]())

@@ -30,8 +30,9 @@ def run(policy_flags, counter=None):
         apply_activation_policy(model, cfg.activation_policy() or build_policy(
             preset="none", recompute=[], quantize=[], quant_format="int8_row"), counter)  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (4, 64), generator=g)
-    positions = torch.arange(64).expand(4, 64)
+    device = next(model.parameters()).device  # the GPU where there is one
+    tokens = torch.randint(0, VOCAB, (4, 64), generator=g).to(device)
+    positions = torch.arange(64, device=device).expand(4, 64)
     torch.manual_seed(5)  # dropout masks drawn from here on
     loss = model(tokens, positions, None, labels=tokens).mean()
     loss.backward()

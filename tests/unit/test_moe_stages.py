@@ -1,6 +1,7 @@
 """MoE layer: dense equivalence, orderings, hooks, custom experts, attributes, checkpoint layout, spec.
 
-Single process, CPU. Shapes are tiny; every comparison is against a real
+Single process, on the host (the one test through megatron-core's TransformerLayer
+on the platform's device). Shapes are tiny; every comparison is against a real
 reference (megatron-core's MLP, the other ordering, a hand-written loop).
 """
 
@@ -19,6 +20,7 @@ from megatron_moe.moe import (
     moe_layer_config,
     moe_layer_spec,
 )
+from megatron_moe.platform import current_platform
 
 H, FFN, E = 32, 48, 4
 
@@ -316,9 +318,10 @@ def test_layer_plugs_into_a_megatron_transformer_layer(megatron_world1):
     config = tconfig()
     spec = get_gpt_layer_local_spec(num_experts=E)
     spec.submodules.mlp = moe_layer_spec(moe_layer_config(config, gate="topk", capacity_factor=1.0))
-    layer = build_module(spec, config=config, layer_number=2)
+    device = current_platform().device  # megatron-core builds its modules there, ours on the host
+    layer = build_module(spec, config=config, layer_number=2).to(device)
     assert isinstance(layer.mlp, MoELayer) and layer.mlp.layer_number == 2
-    x = tokens().requires_grad_()
+    x = tokens().to(device).requires_grad_()
     out, _ = layer(x, attention_mask=None)
     out.sum().backward()
     assert out.shape == x.shape and layer.mlp.gate.weight.grad is not None

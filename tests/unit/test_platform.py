@@ -16,11 +16,23 @@ from megatron_moe.platform import cpu_compat, current_platform, init_platform, u
 from megatron_moe.platform.norms import SequenceParallelNorm
 
 ALL_PATCHES = cpu_compat.PATCHES + upstream_fixes.PATCHES
+ON_GPU = current_platform().is_accelerator
+cpu_only = pytest.mark.skipif(ON_GPU, reason="the CPU patches apply only without CUDA (MEGATRON_MOE_FORCE_CPU=1)")
 
 
+@cpu_only
 def test_cpu_platform_picks_gloo():
     platform = current_platform()
     assert platform.device.type == "cpu" and platform.backend == "gloo"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_gpu_platform_picks_nccl_and_leaves_torch_unpatched():
+    platform = init_platform()
+    assert platform.device == torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    assert platform.backend == "nccl" and platform.expert_chunk_bytes is None
+    assert not cpu_compat.is_applied()
+    assert torch.zeros(1, device="cuda").device.type == "cuda"
 
 
 @pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
@@ -34,6 +46,7 @@ def test_patch_names_unique_and_documented():
     assert all(p.why for p in ALL_PATCHES)
 
 
+@cpu_only
 def test_init_platform_is_idempotent():
     init_platform()
     current_device = torch.cuda.current_device
@@ -43,6 +56,7 @@ def test_init_platform_is_idempotent():
     assert torch.cuda.current_device() == torch.device("cpu")
 
 
+@cpu_only
 def test_device_literals_map_to_cpu_only_in_patched_modules():
     init_platform()
     from megatron.core.optimizer import clip_grads
@@ -53,6 +67,7 @@ def test_device_literals_map_to_cpu_only_in_patched_modules():
         torch.zeros(2, device="cuda")  # the rest of the process keeps real torch
 
 
+@cpu_only
 def test_rng_tracker_forks_cpu_generator():
     init_platform()
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
@@ -69,6 +84,7 @@ def test_rng_tracker_forks_cpu_generator():
     assert torch.equal(outside, after)  # the default stream did not advance inside the fork
 
 
+@cpu_only
 def test_type_names_restored_after_optimizer_checks():
     init_platform()
     assert torch.zeros(1).type() == "torch.FloatTensor"
