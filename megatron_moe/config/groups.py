@@ -223,12 +223,20 @@ class TrainingConfig:
     clip_grad: float = arg(1.0, "clip the global grad norm to this (0: off)")
     bf16: bool = arg(False, "bfloat16 parameters and compute with fp32 main weights")
     fp16: bool = arg(False, "float16 with dynamic loss scaling")
+    loss_scale: float | None = arg(None, "fp16: a static loss scale instead of the dynamic one")
+    initial_loss_scale: float = arg(2.0**32, "fp16: the dynamic loss scale to start from")
+    min_loss_scale: float = arg(1.0, "fp16: the dynamic loss scale never drops below this")
+    loss_scale_window: int = arg(1000, "fp16: steps without overflow before the loss scale doubles")
+    hysteresis: int = arg(2, "fp16: overflowing steps tolerated before the loss scale halves")
     seed: int = arg(1234, "random seed")
     eval_interval: int = arg(50, "validation every N steps (0: only at the end)")
     eval_iters: int = arg(4, "validation micro-batch rounds per evaluation")
 
     def validate(self) -> None:
         require(not (self.bf16 and self.fp16), "--bf16/--fp16", "both", "choose one")
+        require(self.loss_scale is None or self.loss_scale > 0, "--loss-scale", self.loss_scale, "must be positive")
+        require(self.initial_loss_scale >= self.min_loss_scale > 0, "--initial-loss-scale", self.initial_loss_scale,
+                f"must be >= --min-loss-scale={self.min_loss_scale} > 0")
         require(self.micro_batch_size > 0, "--micro-batch-size", self.micro_batch_size, "must be positive")
         require(self.train_iters >= 0, "--train-iters", self.train_iters, "must be >= 0")
         require(self.lr >= self.min_lr >= 0, "--min-lr", self.min_lr, f"must be in [0, --lr={self.lr}]")

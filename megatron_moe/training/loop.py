@@ -146,7 +146,7 @@ class Trainer:
             save_checkpoint(self.cfg.checkpoint.save, self.cfg, self.model, self.optimizer, self.scheduler, self.state)
 
     def train(self) -> list[dict]:
-        """Run to `--train-iters`; returns each step's lm loss and grad norm (logging rank)."""
+        """Run to `--train-iters`; returns each step's lm loss, grad norm and skip flag (logging rank)."""
         t, ck = self.cfg.training, self.cfg.checkpoint
         history = []
         start_iteration = self.state.iteration
@@ -157,7 +157,8 @@ class Trainer:
             figures = self.train_step()
             it = self.state.iteration
             if self.logger:
-                history.append({"iteration": it, "lm loss": figures["lm loss"], "grad norm": figures["grad_norm"]})
+                history.append({"iteration": it, "lm loss": figures["lm loss"], "grad norm": figures["grad_norm"],
+                                "skipped": figures["skipped"]})  # fmt: skip
                 aux = figures["aux"]
                 self.logger.step(it, {"lm loss": figures["lm loss"], **{k: v for k, v in aux.items() if "/" not in k}},
                                  lr=self.optimizer.param_groups[0]["lr"], grad_norm=figures["grad_norm"],

@@ -20,7 +20,8 @@ def build_ddp_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) 
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
         overlap_grad_reduce=False,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # fp16's dynamic loss scaling meets inf/NaN grads on purpose (it then skips the step and lowers the scale).
+        check_for_nan_in_grad=not cfg.training.fp16,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     model.broadcast_params()
@@ -40,6 +41,11 @@ def build_optimizer(cfg: RunConfig, model: list[DistributedDataParallel]):
         clip_grad=t.clip_grad,
         bf16=t.bf16,
         fp16=t.fp16,
+        loss_scale=t.loss_scale,
+        initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale,
+        loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis,
         params_dtype=params_dtype(cfg),
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )

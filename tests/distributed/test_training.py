@@ -22,6 +22,7 @@ def runs(train_data, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("ckpts"))
     reference = run_torchrun(WORKER, 1, ["reference", data, tokenizer, workdir])
     layouts = run_torchrun(WORKER, 4, ["layouts", data, tokenizer, workdir])
+    layouts.update(fp16=reference["fp16"], fp16_overflow=reference["fp16_overflow"])
     return reference["reference"], layouts, workdir
 
 
@@ -48,6 +49,23 @@ def test_arctic_activation_policy_under_tp_pp(runs):
     assert arctic[0]["grad norm"] == pytest.approx(reference[0]["grad norm"], rel=0.05)
     for step, ref in zip(arctic[1:], reference[1:]):
         assert step["lm loss"] == pytest.approx(ref["lm loss"], rel=0.01), (step, ref)
+
+
+def test_fp16_stays_close_to_fp32(runs):
+    """fp16 weights and compute with fp32 main weights: within 1% of the fp32 loss, no step skipped."""
+    reference, layouts, _ = runs
+    fp16 = layouts["fp16"]
+    assert [s["skipped"] for s in fp16] == [False] * 4
+    for step, ref in zip(fp16, reference):
+        assert step["lm loss"] == pytest.approx(ref["lm loss"], rel=0.01), (step, ref)
+
+
+def test_fp16_overflow_skips_the_step(runs):
+    """A loss scale of 2^100 overflows fp16's gradients: each step is skipped (not a NaN error) and run on."""
+    reference, layouts, _ = runs
+    steps = layouts["fp16_overflow"]
+    assert [(s["iteration"], s["skipped"]) for s in steps] == [(1, True), (2, True), (3, True), (4, True)]
+    assert steps[0]["lm loss"] == pytest.approx(reference[0]["lm loss"], rel=0.01)  # the forward is fine
 
 
 def test_resume_is_exact(runs):

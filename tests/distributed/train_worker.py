@@ -3,12 +3,13 @@
     torchrun --nproc-per-node N train_worker.py SCENARIO DATA_PREFIX TOKENIZER WORKDIR
 
 Scenarios (each a list of cases run one after another in this job):
-- `reference` (1 rank): save the initial weights, then train from them.
+- `reference` (1 rank): save the initial weights, then train from them
+  (fp32, and fp16 with a loss scale that fits and one that overflows).
 - `layouts` (4 ranks): TP=2, EP=2, PP=2, TP=2+EP=2 and the distributed
   optimizer, each from the same initial weights; a checkpoint saved mid-run in
   one layout resumed in another; the resume-exactness check.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
-  in fp32 and in bf16 with the arctic policy; resume exactness on the GPU.
+  in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
 
 import os
@@ -57,9 +58,12 @@ def ckpt(name: str) -> str:
 
 def reference() -> dict:
     train("--train-iters", "0", "--save", ckpt("init"))
+    init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
     return {
-        "reference": train("--train-iters", str(ITERS), "--load", ckpt("init"), "--save", ckpt("ref"),
-                           "--save-interval", "2"),  # fmt: skip
+        "reference": train(*init, "--save", ckpt("ref"), "--save-interval", "2"),
+        # fp16 with dynamic loss scaling: a scale that fits, and one so large that the first steps overflow.
+        "fp16": train(*init, "--fp16", "--initial-loss-scale", "4096"),
+        "fp16_overflow": train(*init, "--fp16", "--initial-loss-scale", str(2.0**100), "--hysteresis", "1"),
     }
 
 
@@ -91,6 +95,7 @@ def gpu() -> dict:
         "device": str(current_platform().device),
         "fp32": train(*init),
         "bf16_arctic": train(*init, "--bf16", "--activation-policy", "arctic"),
+        "fp16": train(*init, "--fp16", "--initial-loss-scale", "4096"),
         "straight": train("--train-iters", "6", *bf16),
     }
     train("--train-iters", "6", "--exit-interval", "3", "--save", ckpt("gpu_resume"), *bf16)
