@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from megatron_moe.moe import comm
+from megatron_moe.platform import from_host
 
 
 @dataclasses.dataclass
@@ -120,7 +121,7 @@ class AllToAllV(Dispatcher):
             return comm.CommHandle(Dispatched(rows_RH, list(counts)))
         g, l = self.group_size, self.num_local_experts
         # 1. counts: rank r learns how many rows each source sends to each of its experts.
-        send_GL = torch.tensor(counts, dtype=torch.long, device=rows_RH.device).view(g, l)
+        send_GL = from_host(counts, torch.long, rows_RH.device).view(g, l)
         recv_GL = comm.exchange_counts(send_GL, self.group)
         send_splits, recv_splits = send_GL.sum(1).tolist(), recv_GL.sum(1).tolist()
         local_counts = recv_GL.sum(0).tolist()

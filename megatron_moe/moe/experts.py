@@ -6,9 +6,9 @@ when padded, H = hidden, F = expert ffn width (x2 for SwiGLU's gate and up).
 Any `torch.nn.Module` with `num_local_experts` and `forward(rows_RH, counts)`
 is an expert module (`Experts` protocol). Built in:
 
-- `FFNExperts`: GPT GELU FFN or Mixtral SwiGLU, all local experts as one bmm
-  when every expert has the same row count (capacity-padded) or one grouped
-  GEMM otherwise (dropless / exact rows); fc1, activation and fc2 form one
+- `FFNExperts`: GPT GELU FFN or Mixtral SwiGLU, all local experts (of a run)
+  as one bmm when every expert has the same row count (capacity-padded) or one
+  grouped GEMM otherwise (dropless / exact rows); fc1, activation and fc2 form one
   autograd node (`GroupedMLP`), which also carries an activation policy's
   expert_fc1/act/fc2 modes (unless fc2 is to be recomputed).
 - `ModuleListExperts`: wraps one arbitrary module per local expert (a loop;
@@ -199,13 +199,6 @@ class FFNExperts(torch.nn.Module):
         return fn(*args) if self.region is None else self.region(name, fn, *args)
 
     def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if rows_RH.shape[0] and all(c == counts[0] for c in counts):
-            # Capacity-padded (or perfectly even): one batched GEMM per projection.
-            x_LCH = rows_RH.view(self.num_local_experts, counts[0], -1)
-            h_LCF = self._call("expert_fc1", torch.bmm, x_LCH, self.weight1.transpose(1, 2))
-            h_LCF = self._call("expert_act", _activation, h_LCF, self.gated)
-            y_LCH = self._call("expert_fc2", torch.bmm, h_LCF, self.weight2.transpose(1, 2))
-            return y_LCH.view(rows_RH.shape[0], -1)
         if self.keeping is not None and rows_RH.shape[0] and not uses_grouped_gemm_package(rows_RH):
             return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, self.gated, self.chunk_bytes,
                                     self.keeping)  # fmt: skip

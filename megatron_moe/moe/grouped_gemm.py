@@ -3,7 +3,8 @@
 Legend: N = rows (all experts), E = experts, I = input width, O = output width.
 
 `GroupedLinear.apply(x_NI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
-Kernels, best first: the `grouped_gemm` package on an accelerator (it has its
+Kernels, best first: one `torch.bmm` when every group has the same rows
+(capacity-padded), the `grouped_gemm` package on an accelerator (it has its
 own backward), `torch._grouped_mm` where it runs (CPU in torch 2.13: forward
 and both backward GEMMs, checked once by a probe), else one `torch.mm` per
 expert into slices of one buffer. The backward is written as two separate
@@ -17,6 +18,8 @@ import functools
 import importlib.util
 
 import torch
+
+from megatron_moe.platform import from_host
 
 
 @functools.cache
@@ -45,11 +48,12 @@ def _grouped_gemm_package():
 
 
 def _offsets(counts: list[int], device) -> torch.Tensor:
+    """Each group's end row, on `device` (copied without waiting for the device)."""
     ends, total = [], 0
     for c in counts:
         total += c
         ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
+    return from_host(ends, torch.int32, device)
 
 
 def _use_torch_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,8 +62,17 @@ def _use_torch_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return aligned and _torch_grouped_mm_works(a.device.type, a.dtype)
 
 
+def _equal_groups(counts: list[int]) -> bool:
+    """Every expert has the same number of rows, at least one (capacity-padded): one batched GEMM fits."""
+    return bool(counts) and counts[0] > 0 and all(c == counts[0] for c in counts)
+
+
 def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """y = x @ w[e] per group; w_EIO may be a transposed view. With `out`, written into it."""
+    if _equal_groups(counts):
+        groups, rows = len(counts), counts[0]
+        y = torch.bmm(x_NI.reshape(groups, rows, -1), w_EIO, out=None if out is None else out.view(groups, rows, -1))
+        return y.view(groups * rows, -1)
     if out is None and _use_torch_grouped_mm(x_NI, w_EIO):
         return torch._grouped_mm(x_NI, w_EIO, offs=_offsets(counts, x_NI.device))
     out = x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2]) if out is None else out
@@ -77,6 +90,9 @@ def grouped_input_grad(grad_NO: torch.Tensor, w_EOI: torch.Tensor, counts: list[
 
 def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """dW[e] = grad[rows of e].T @ x[rows of e]  -> [E, O, I] (zero for an expert without rows)."""
+    if _equal_groups(counts):
+        groups, rows = len(counts), counts[0]
+        return torch.bmm(grad_NO.reshape(groups, rows, -1).transpose(1, 2), x_NI.reshape(groups, rows, -1), out=out)
     if out is None and _use_torch_grouped_mm(grad_NO, x_NI):
         return torch._grouped_mm(grad_NO.t(), x_NI, offs=_offsets(counts, x_NI.device))
     out = x_NI.new_empty(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out

@@ -30,7 +30,7 @@ from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
 from megatron_moe.moe.metrics import AuxLossAutoScaler, MoEStats
-from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, make_plan
+from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, expert_counts, make_plan
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shared import SharedExpert
 
@@ -135,8 +135,9 @@ class MoELayer(MegatronModule):
         padded = self.dispatcher.needs_padding or isinstance(self.ordering, DenseOrdering)
         if routing.is_soft:
             return make_plan(routing, capacity=None, padded=True)
-        routed_E = torch.bincount(routing.expert_N, minlength=routing.num_experts)
-        largest = int(routed_E.max()) if routed_E.numel() else 0
+        routed_E = expert_counts(routing.expert_N, routing.num_experts)
+        routed = routed_E.tolist()  # the one wait for the device: the host needs the counts (splits, capacity)
+        largest = max(routed, default=0)
         if routing.slots_per_expert is not None:  # expert choice: loads fixed by the gate
             capacity = routing.slots_per_expert
         else:
@@ -145,7 +146,7 @@ class MoELayer(MegatronModule):
                                        num_experts=routing.num_experts, largest_count=largest)  # fmt: skip
         if padded:
             capacity = self.dispatcher.agree_capacity(largest if capacity is None else capacity, routed_E.device)
-        return make_plan(routing, capacity=capacity, padded=padded, routed_E=routed_E)
+        return make_plan(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
 
     def order(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
         return self.ordering.encode(x_TH, plan)

@@ -53,8 +53,8 @@ class MoEStats:
         device = routed_E.device
         zero = torch.zeros((), device=device)
         scalars = torch.stack([
-            torch.tensor(float(dropped), device=device), routed_E.sum().float(),
-            torch.tensor(float(tokens), device=device), entropy_sum.float(),
+            torch.full((), float(dropped), device=device), routed_E.sum().float(),  # fills, not host copies
+            torch.full((), float(tokens), device=device), entropy_sum.float(),
             losses.get("load_balancing", zero).float(), losses.get("z_loss", zero).float(),
             torch.ones((), device=device),
         ])  # fmt: skip

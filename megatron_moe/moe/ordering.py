@@ -58,6 +58,12 @@ class Plan:
         return self.capacity is not None
 
 
+def expert_counts(expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed pairs per expert, computed on the device without waiting for it (bincount would)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=expert_N.device).scatter_add_(
+        0, expert_N, torch.ones_like(expert_N, dtype=torch.long))
+
+
 def sort_pairs(routing: Routing, routed_E: torch.Tensor | None = None):
     """(pair index, expert, slot within the expert) of every pair grouped by expert, and the counts.
 
@@ -70,16 +76,19 @@ def sort_pairs(routing: Routing, routed_E: torch.Tensor | None = None):
     expert_sorted, order = torch.sort(key_N, stable=True)
     pair_sorted = order if claim_N is None else claim_N.index_select(0, order)
     if routed_E is None:
-        routed_E = torch.bincount(expert_N, minlength=routing.num_experts)
+        routed_E = expert_counts(expert_N, routing.num_experts)
     starts_E = torch.cumsum(routed_E, 0) - routed_E
     slot_sorted = torch.arange(expert_sorted.numel(), device=expert_N.device) - starts_E.index_select(0, expert_sorted)
     return pair_sorted, expert_sorted, slot_sorted, routed_E
 
 
-def make_plan(routing: Routing, *, capacity: int | None, padded: bool, routed_E: torch.Tensor | None = None) -> Plan:
+def make_plan(routing: Routing, *, capacity: int | None, padded: bool, routed_E: torch.Tensor | None = None,
+              routed: list[int] | None = None) -> Plan:  # fmt: skip
     """Lay the routed pairs out by expert: exact rows, or C padded rows per expert.
 
     `capacity` None means nothing is dropped; `padded` needs a capacity.
+    `routed_E` / `routed`: the pairs per expert on the device / on the host,
+    if the caller has them (reading them on the host waits for the device).
     """
     num_experts = routing.num_experts
     if routing.is_soft:
@@ -89,7 +98,7 @@ def make_plan(routing: Routing, *, capacity: int | None, padded: bool, routed_E:
                     routed_E=zero + routing.num_tokens, dropped=0, routing=routing)  # fmt: skip
     assert capacity is not None or not padded, "padded rows need a capacity"
     pair_sorted, expert_sorted, slot_sorted, routed_E = sort_pairs(routing, routed_E)
-    routed = routed_E.tolist()
+    routed = routed_E.tolist() if routed is None else routed
     dropped = 0
     if capacity is not None and max(routed, default=0) > capacity:
         keep = slot_sorted < capacity

@@ -75,7 +75,7 @@ def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
 def _masked_mean(values_T: torch.Tensor, valid_T: torch.Tensor | None, group=None) -> torch.Tensor:
     """Mean over the (valid) tokens of every rank of `group` that holds a shard of these sequences."""
     if valid_T is None:
-        total, count = values_T.sum(dim=0), torch.tensor(float(values_T.shape[0]), device=values_T.device)
+        total, count = values_T.sum(dim=0), values_T.new_full((), float(values_T.shape[0]))  # no host copy
     else:
         weights = valid_T.to(values_T.dtype).view(-1, *([1] * (values_T.dim() - 1)))
         total, count = (values_T * weights).sum(dim=0), weights.sum()

@@ -10,6 +10,7 @@ device, the RNG, memory figures and optional kernels instead of naming one.
 from megatron_moe.platform.device import (
     Platform,
     current_platform,
+    from_host,
     init_platform,
     kernels_in_use,
     memory_in_use_bytes,
@@ -20,6 +21,7 @@ from megatron_moe.platform.device import (
 __all__ = [
     "Platform",
     "current_platform",
+    "from_host",
     "init_platform",
     "kernels_in_use",
     "memory_in_use_bytes",

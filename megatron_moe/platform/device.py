@@ -71,6 +71,13 @@ def init_platform() -> Platform:
     return platform
 
 
+def from_host(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`. On an accelerator the copy leaves from pinned memory and does not
+    wait for the device (a copy from pageable memory would wait for all queued work first)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def synchronize() -> None:
     """Wait for queued device work (timing); CPU work is already synchronous."""
     if current_platform().is_accelerator:

@@ -63,13 +63,15 @@ def tokens(s=6, b=3, seed=1):
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
 @pytest.mark.parametrize("hidden", [32, 30], ids=["grouped_mm", "mm_loop"])  # 30: unaligned rows -> mm loop
 @pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one_run", "run_per_expert"])
-def test_fused_expert_mlp_equals_per_gemm_nodes(gated, hidden, chunk_bytes):
-    """GroupedMLP (one node, activation grad in place, backward in runs of experts) == per-GEMM autograd nodes."""
+@pytest.mark.parametrize("counts", [[5, 0, 9, 2], [4, 4, 4, 4]], ids=["exact_rows", "padded"])  # padded: bmm
+def test_fused_expert_mlp_equals_per_gemm_nodes(gated, hidden, chunk_bytes, counts):
+    """GroupedMLP (one node, activation grad in place, backward in runs of experts) == per-GEMM autograd
+    nodes == a loop over experts of plain matmuls."""
     from megatron_moe.moe.experts import GroupedMLP, _activation
     from megatron_moe.moe.grouped_gemm import grouped_linear
 
     g = torch.Generator().manual_seed(3)
-    counts, ffn = [5, 0, 9, 2], 24
+    ffn = 24
     x = torch.randn(sum(counts), hidden, generator=g)
     w1 = torch.randn(len(counts), 2 * ffn if gated else ffn, hidden, generator=g) * 0.3
     w2 = torch.randn(len(counts), hidden, ffn, generator=g) * 0.3
@@ -81,11 +83,18 @@ def test_fused_expert_mlp_equals_per_gemm_nodes(gated, hidden, chunk_bytes):
         out.backward(dy)
         return [out.detach()] + [t.grad for t in leaves]
 
+    def loop(a, b, c):
+        rows = torch.split(a, counts)
+        return torch.cat([_activation(r @ b[e].t(), gated) @ c[e].t() for e, r in enumerate(rows)])
+
     fused = grads(lambda a, b, c: GroupedMLP.apply(a, b, c, counts, gated, chunk_bytes))
     nodes = grads(lambda a, b, c: grouped_linear(_activation(grouped_linear(a, b, counts), gated), c, counts))
-    for name, f, n in zip(["out", "dx", "dw1", "dw2"], fused, nodes):
-        torch.testing.assert_close(f, n, rtol=1e-5, atol=1e-5, msg=name)
-    assert fused[2][1].abs().sum() == 0  # the expert with no rows gets a zero weight gradient
+    reference = grads(loop)
+    for name, f, n, r in zip(["out", "dx", "dw1", "dw2"], fused, nodes, reference):
+        torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(n, r, rtol=1e-5, atol=1e-5, msg=name)
+    if 0 in counts:
+        assert fused[2][counts.index(0)].abs().sum() == 0  # an expert with no rows gets a zero weight gradient
 
 
 ROWS, HID, FFN = 128, 64, 96  # of the test below; an int8 row takes a 4-byte scale
