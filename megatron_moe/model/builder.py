@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_moe.activations.apply import apply_activation_policy
-from megatron_moe.config import RunConfig
+from megatron_moe.config import ConfigError, RunConfig
 from megatron_moe.model.spec import block_spec
 from megatron_moe.platform import current_platform
 
@@ -31,6 +31,12 @@ def use_transformer_engine() -> bool:
 def transformer_config(cfg: RunConfig) -> TransformerConfig:
     """The megatron-core TransformerConfig for this run (parallel sizes included)."""
     m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.training
+    if p.context_parallel_size > 1 and not use_transformer_engine():
+        raise ConfigError(
+            f"--context-parallel-size={p.context_parallel_size} needs transformer-engine's attention on a GPU "
+            f"(megatron-core's local attention has no context parallelism); install the gpu extra on a GPU "
+            f"machine, or use --context-parallel-size 1"
+        )
     dtype = params_dtype(cfg)
     on_cpu = not current_platform().is_accelerator
     ffn = m.ffn_hidden_size or 4 * m.hidden_size

@@ -53,6 +53,27 @@ def test_bad_layouts_name_flag_value_and_choice(flags, world, message):
         cfg(*flags).validate(world_size=world)
 
 
+def test_loss_scale_flags():
+    c = cfg("--fp16", "--initial-loss-scale", "4096", "--hysteresis", "1")
+    assert (c.training.initial_loss_scale, c.training.hysteresis, c.training.loss_scale) == (4096.0, 1, None)
+    with pytest.raises(ConfigError, match=r"--initial-loss-scale=0.5: must be >= --min-loss-scale=1.0"):
+        cfg("--fp16", "--initial-loss-scale", "0.5").validate(1)
+    with pytest.raises(ConfigError, match=r"--loss-scale=-1.0: must be positive"):
+        cfg("--fp16", "--loss-scale", "-1").validate(1)
+
+
+def test_context_parallel_without_transformer_engine_names_the_flag():
+    import importlib.util
+
+    from megatron_moe.model import transformer_config
+    from megatron_moe.platform import current_platform
+
+    if current_platform().is_accelerator and importlib.util.find_spec("transformer_engine"):
+        pytest.skip("transformer-engine is here: context parallelism is available")
+    with pytest.raises(ConfigError, match=r"--context-parallel-size=2 needs transformer-engine's attention"):
+        transformer_config(cfg("--context-parallel-size", "2"))
+
+
 def test_missing_data_flags():
     with pytest.raises(ConfigError, match="--data-path"):
         parse_args(["--tokenizer-model", "t"]).validate(1)
