@@ -68,20 +68,28 @@ class SavedBytes:
 class Shared:
     """One packed copy that several savers keep: dequantized once, kept while a saver has yet to read it.
 
-    `in_storage_order`: the copy holds a dense block of storage in memory order
-    (a saver's view lies in it with the view's own strides); else it holds one
-    view's elements, copied in that view's logical order.
+    `rows`: (width, row stride) when the copy holds rows of storage in memory
+    order (a saver's view lies in it with its own strides, rescaled from the
+    row stride to the packed width); None when it holds one view's elements,
+    copied in that view's logical order.
     """
 
-    def __init__(self, packed: Packed, in_storage_order: bool):
-        self.packed, self.in_storage_order, self.users = packed, in_storage_order, 0
+    def __init__(self, packed: Packed, rows: tuple[int, int] | None):
+        self.packed, self.rows, self.users = packed, rows, 0
         self._value: torch.Tensor | None = None
+
+    @property
+    def in_storage_order(self) -> bool:
+        return self.rows is not None
 
     def use(self, t: torch.Tensor) -> Use:
         """A saver's use of this copy for its view `t`."""
         self.users += 1
-        stride = t.stride() if self.in_storage_order else torch.empty(t.shape, device="meta").stride()
-        return Use(self, tuple(t.shape), tuple(stride))
+        if self.rows is None:
+            return Use(self, tuple(t.shape), torch.empty(t.shape, device="meta").stride())
+        width, row_stride = self.rows
+        stride = tuple(s if s < row_stride else s // row_stride * width for s in t.stride())
+        return Use(self, tuple(t.shape), stride)
 
     def take(self) -> torch.Tensor:
         value = dequantize(self.packed) if self._value is None else self._value
@@ -182,17 +190,23 @@ def rows_of(stored, start: int, end: int) -> torch.Tensor:
     return dequantize_rows(stored, start, end) if isinstance(stored, Packed) else stored[start:end]
 
 
-def _dense_block(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """`t`'s storage block as [rows, width] rows along its stride-1 dim, when `t` is a permutation of
-    one dense block (no gaps, no overlaps); else None."""
+def _row_block(t: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    """`t`'s storage as [rows, width] rows along its stride-1 dim with one row stride, when `t` is a
+    permutation of such rows (a dense block, or rows with equal gaps between them: attention's v as a
+    view of the fused QKV output); else None. Returns (rows view, width, row stride)."""
     dims = sorted((d for d in range(t.dim()) if t.size(d) != 1), key=t.stride, reverse=True)
-    expected = 1
-    for d in reversed(dims):
+    if not dims or t.stride(dims[-1]) != 1:
+        return None
+    width = t.size(dims[-1])
+    row_stride = t.stride(dims[-2]) if len(dims) > 1 else width
+    if row_stride < width:
+        return None
+    expected = row_stride
+    for d in reversed(dims[:-1]):
         if t.stride(d) != expected:
             return None
         expected *= t.size(d)
-    width = t.size(dims[-1]) if dims else 1
-    return t.as_strided((t.numel() // width, width), (width, 1)), width
+    return t.as_strided((t.numel() // width, width), (row_stride, 1)), width, row_stride
 
 
 class LayerScope:
@@ -290,22 +304,24 @@ class LayerScope:
     def _shared(self, t: torch.Tensor, numel: int | None = None) -> Shared | None:
         """The packed copy of `t` in this scope (made on first request), None if not worth it.
 
-        A view that is a permutation of one dense block of its storage (attention's
-        q, k, v as [b*np, s, hn] views of [s, b, np, hn]) is packed in storage
+        A view that is a permutation of rows of one row stride in its storage
+        (attention's q, k as [b*np, s, hn] views of [s, b, np, hn]; v, a view of
+        the fused QKV output with a gap after every row) is packed in storage
         order, rows along its stride-1 dim, without a copy; views of the same
-        block with the same row width share that copy (attention probs as
-        [b, np, s, s] and as [b*np, s, s]). Other views are packed as a copy.
+        rows share that copy (attention probs as [b, np, s, s] and as
+        [b*np, s, s]). Other views are packed as a copy.
         """
         fmt = self.policy.quant_format
         if not worth_quantizing(t, fmt, numel) or isinstance(t, torch.nn.Parameter):
             return None
         where = (t.untyped_storage().data_ptr(), t.storage_offset())
-        dense = _dense_block(t)
-        key = (*where, t.numel(), dense[1]) if dense is not None else (*where, tuple(t.shape), tuple(t.stride()))
+        block = _row_block(t)
+        key = (*where, t.numel(), *block[1:]) if block is not None else (*where, tuple(t.shape), tuple(t.stride()))
         cached = self._packed.get(key)
         if cached is None:
-            packed = quantize(t if dense is None else dense[0], fmt, self.policy.quant_block)
-            cached = self._packed[key] = (t, Shared(packed, in_storage_order=dense is not None))
+            packed = quantize(t if block is None else block[0], fmt, self.policy.quant_block)
+            rows = None if block is None else block[1:]
+            cached = self._packed[key] = (t, Shared(packed, rows))
         return cached[1]
 
     @staticmethod

@@ -76,7 +76,8 @@ def test_quantize_round_trip(fmt):
 
 def test_views_of_one_block_share_one_packed_copy_and_unpack_exactly_as_the_view():
     """Attention's q and k as permuted views of one [s, b, np, hn] block: one copy in storage order, no
-    transposing copy; each unpacks to its own view. A gapped view is packed as a copy; narrow rows not at all."""
+    transposing copy; each unpacks to its own view. So are rows with equal gaps (v of a fused QKV); an
+    irregular view is packed as a copy; narrow rows not at all."""
     from megatron_moe.activations.engine import LayerScope, Use
     from megatron_moe.activations.policy import build_policy
     from megatron_moe.activations.quantize import dequantize
@@ -94,10 +95,18 @@ def test_views_of_one_block_share_one_packed_copy_and_unpack_exactly_as_the_view
         assert unpacked.shape == view.shape
         torch.testing.assert_close(unpacked, view, atol=0.03, rtol=0)  # int8 per row of 64
     torch.testing.assert_close(scope._unpack(scope._quantized_use(k)), exact.reshape(256, 8, 64).permute(1, 2, 0))
-    gapped = block[..., :48]  # every row has a gap: packed as a copy of its elements
+    gapped = block[..., 16:].transpose(0, 1)  # like v of a fused QKV: a gap before every row, permuted
     stored = scope._quantized_use(gapped)
-    assert not stored.shared.in_storage_order
+    assert stored.shared.in_storage_order and stored.shared.packed.data.shape == (256 * 2 * 4, 48)
     torch.testing.assert_close(scope._unpack(stored), gapped, atol=0.03, rtol=0)
+    from megatron_moe.activations.quantize import quantize
+
+    copied = dequantize(quantize(block[..., 16:].reshape(-1, 48), "int8_row")).view(256, 2, 4, 48)
+    assert torch.equal(scope._unpack(scope._quantized_use(gapped)), copied.transpose(0, 1))  # same rows, same scales
+    irregular = block[::3]  # rows of 64, but the row spacing is not one stride: packed as a copy of its elements
+    stored = scope._quantized_use(irregular)
+    assert not stored.shared.in_storage_order
+    torch.testing.assert_close(scope._unpack(stored), irregular, atol=0.03, rtol=0)
     narrow = block[..., :16].contiguous()  # rows of 16: the scales would cost 1/4 of the int8 bytes
     assert scope._quantized_use(narrow) is narrow
 
