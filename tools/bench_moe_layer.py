@@ -140,8 +140,8 @@ def make_ideal(tokens, hidden, ffn, experts, rows, swiglu, device, dtype):
     def randn(*shape, dtype=dtype):
         return torch.randn(*shape, generator=g).to(device, dtype)
 
-    x_TH, wg_HE, dl_TE = randn(tokens, hidden, dtype=torch.float32), randn(hidden, experts), randn(tokens, experts)
-    wg_HE, dl_TE = wg_HE.float(), dl_TE.float()
+    x_TH, wg_HE, dl_TE = (randn(*shape, dtype=torch.float32) for shape in ((tokens, hidden), (hidden, experts),
+                                                                          (tokens, experts)))  # fmt: skip
     x_NH, w1_HF = randn(rows, hidden), randn(hidden, w1_cols)
     h_NF, w2_FH = randn(rows, ffn), randn(ffn, hidden)
     dy_NH, dh_NF = randn(rows, hidden), randn(rows, w1_cols)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 
 import torch
 
@@ -49,11 +50,7 @@ def _grouped_gemm_package():
 
 def _offsets(counts: list[int], device) -> torch.Tensor:
     """Each group's end row, on `device` (copied without waiting for the device)."""
-    ends, total = [], 0
-    for c in counts:
-        total += c
-        ends.append(total)
-    return from_host(ends, torch.int32, device)
+    return from_host(list(itertools.accumulate(counts)), torch.int32, device)
 
 
 def _use_torch_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
