@@ -82,13 +82,14 @@ def expert_chunks(counts: list[int], row_bytes: int, budget: int | None) -> list
     """(first expert, end expert, first row, end row) of runs of consecutive experts.
 
     Each run's rows take at most `budget` bytes at `row_bytes` per row, or are
-    a single expert; `budget` None is one run of all experts.
+    a single expert; `budget` None is one run of all experts, 0 one run per
+    expert. An expert without rows joins the run before it.
     """
     if budget is None:
         return [(0, len(counts), 0, sum(counts))]
     runs, e0, r0, rows = [], 0, 0, 0
     for e, count in enumerate(counts):
-        if e > e0 and (rows + count) * row_bytes > budget:
+        if e > e0 and count and (rows + count) * row_bytes > budget:
             runs.append((e0, e, r0, r0 + rows))
             e0, r0, rows = e, r0 + rows, 0
         rows += count

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_moe.config import RunConfig
+from megatron_moe.model.builder import params_dtype
+from megatron_moe.moe.grouped_gemm import kernel_name
 from megatron_moe.platform import Platform, init_platform, kernels_in_use
 from megatron_moe.platform.rng import seed_model_parallel
 
@@ -45,7 +47,8 @@ def initialize(cfg: RunConfig) -> Platform:
     set_seed(cfg.training.seed)
     if dist.get_rank() == 0:
         log.info("platform: device=%s backend=%s", platform.device, platform.backend)
-        log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernels_in_use().items()))
+        kernels = kernels_in_use() | {"expert_gemm": kernel_name(platform.device.type, params_dtype(cfg))}
+        log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernels.items()))
         log.info("layout: %s", describe_layout(cfg))
     return platform
 

@@ -61,19 +61,24 @@ def tokens(s=6, b=3, seed=1):
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
-@pytest.mark.parametrize("hidden", [32, 30], ids=["grouped_mm", "mm_loop"])  # 30: unaligned rows -> mm loop
-@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one_run", "run_per_expert"])
-@pytest.mark.parametrize("counts", [[5, 0, 9, 2], [4, 4, 4, 4]], ids=["exact_rows", "padded"])  # padded: bmm
-def test_fused_expert_mlp_equals_per_gemm_nodes(gated, hidden, chunk_bytes, counts):
-    """GroupedMLP (one node, activation grad in place, backward in runs of experts) == per-GEMM autograd
-    nodes == a loop over experts of plain matmuls."""
+@pytest.mark.parametrize("chunk_bytes", [None, 0], ids=["one_run", "run_per_expert"])
+@pytest.mark.parametrize("kernel,counts", [
+    *((kernel, [5, 0, 9, 2]) for kernel in ("onednn", "torch._grouped_mm", "mm-loop")),  # exact rows
+    *((kernel, [4, 4, 4, 4]) for kernel in ("bmm", "onednn", "torch._grouped_mm", "mm-loop")),  # padded
+])  # fmt: skip
+def test_fused_expert_mlp_equals_per_gemm_nodes(gated, kernel, chunk_bytes, counts):
+    """With each grouped GEMM kernel: GroupedMLP (one node, activation grad in place, backward in runs of
+    experts) == per-GEMM autograd nodes == a loop over experts of plain matmuls."""
     from megatron_moe.moe.experts import GroupedMLP, _activation
-    from megatron_moe.moe.grouped_gemm import grouped_linear
+    from megatron_moe.moe.grouped_gemm import _kernel, forced_kernel, grouped_linear
 
     g = torch.Generator().manual_seed(3)
-    ffn = 24
+    hidden, ffn = 32, 24
     x = torch.randn(sum(counts), hidden, generator=g)
     w1 = torch.randn(len(counts), 2 * ffn if gated else ffn, hidden, generator=g) * 0.3
+    with forced_kernel(kernel):
+        if _kernel(x, w1.transpose(1, 2), counts, None) != kernel:
+            pytest.skip(f"{kernel} does not run here")
     w2 = torch.randn(len(counts), hidden, ffn, generator=g) * 0.3
     dy = torch.randn(sum(counts), hidden, generator=g)
 
@@ -87,8 +92,9 @@ def test_fused_expert_mlp_equals_per_gemm_nodes(gated, hidden, chunk_bytes, coun
         rows = torch.split(a, counts)
         return torch.cat([_activation(r @ b[e].t(), gated) @ c[e].t() for e, r in enumerate(rows)])
 
-    fused = grads(lambda a, b, c: GroupedMLP.apply(a, b, c, counts, gated, chunk_bytes))
-    nodes = grads(lambda a, b, c: grouped_linear(_activation(grouped_linear(a, b, counts), gated), c, counts))
+    with forced_kernel(kernel):
+        fused = grads(lambda a, b, c: GroupedMLP.apply(a, b, c, counts, gated, chunk_bytes))
+        nodes = grads(lambda a, b, c: grouped_linear(_activation(grouped_linear(a, b, counts), gated), c, counts))
     reference = grads(loop)
     for name, f, n, r in zip(["out", "dx", "dw1", "dw2"], fused, nodes, reference):
         torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5, msg=name)
@@ -105,7 +111,7 @@ ROWS, HID, FFN = 128, 64, 96  # of the test below; an int8 row takes a 4-byte sc
     (["expert_fc1", "expert_act"], [], ROWS * HID * 4),  # x only
     ([], ["expert_fc2"], ROWS * HID * 4 + ROWS * FFN * 4 + ROWS * (FFN + 4)),  # x, h, int8 a
 ], ids=["arctic", "recompute_fc1_act", "quantize_fc2"])  # fmt: skip
-@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one_run", "run_per_expert"])
+@pytest.mark.parametrize("chunk_bytes", [None, 0], ids=["one_run", "run_per_expert"])
 def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_bytes, chunk_bytes):
     """Under a policy the fused node keeps x/h/a as the policy says, with the numbers of the three separate regions."""
     from megatron_moe.activations.engine import LayerScope, SavedBytes
@@ -148,6 +154,8 @@ def test_expert_chunks_cover_every_expert_once_within_budget():
     runs = expert_chunks(counts, row_bytes=10, budget=70)
     assert runs == [(0, 2, 0, 3), (2, 4, 3, 10), (4, 5, 10, 19), (5, 6, 19, 20)]  # 9 rows alone exceed it
     assert expert_chunks(counts, row_bytes=10, budget=None) == [(0, 6, 0, 20)]
+    per_expert = [(0, 2, 0, 3), (2, 3, 3, 8), (3, 4, 8, 10), (4, 5, 10, 19), (5, 6, 19, 20)]
+    assert expert_chunks(counts, row_bytes=10, budget=0) == per_expert  # the empty expert 1 rides with 0
 
 
 # ---------------------------------------------------------------------------- dense equivalence
