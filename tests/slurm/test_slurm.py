@@ -118,14 +118,17 @@ def submit(cluster: SlurmCluster, runs_root: str, data_dir: str) -> Job:
 
 
 def requeue_now(cluster: SlurmCluster, job: Job) -> None:
-    """Requeue a finished job and lift the ~2 min hold Slurm puts on a requeued job's start.
+    """Requeue a finished job and cut the ~2 min hold Slurm puts on a requeued job's start to 2 s.
 
     First wait until both nodes are idle: a job reads COMPLETED while its batch
-    step may still be exiting on n1, and a relaunch that reaches n1 then fails
-    (JobState=FAILED, no attempt 1 output; seen once in CI).
+    step may still be exiting on n1. Then start no sooner than 2 s later: when
+    the job ended, slurmd revoked its credential, and it refuses a launch whose
+    credential was made in the same second as that revocation (the times are
+    whole seconds). The relaunch then fails ("Job credential revoked",
+    JobState=FAILED, no attempt 1 output; seen twice in CI with StartTime=now).
     """
     cluster.wait_idle(timeout=60, what=f"nodes {', '.join(NODES)} to be idle after job {job.id}")
-    for cmd in (["scontrol", "requeue", job.id], ["scontrol", "update", f"JobId={job.id}", "StartTime=now"]):
+    for cmd in (["scontrol", "requeue", job.id], ["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"]):
         result = subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, f"{' '.join(cmd)}: {result.stderr}"
 
