@@ -171,10 +171,10 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     if kernel == "torch._grouped_mm":
         return torch._grouped_mm(grad_NO.t(), x_NI, offs=_offsets(counts, x_NI.device))
     out = x_NI.new_empty(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out
-    groups = _groups(counts)
-    for e in set(range(len(counts))) - {e for e, _ in groups}:
-        out[e].zero_()
-    for e, rows in groups:
+    for e, count in enumerate(counts):
+        if not count:
+            out[e].zero_()
+    for e, rows in _groups(counts):
         torch.mm(grad_NO[rows].t(), x_NI[rows], out=out[e])
     return out
 
@@ -215,11 +215,8 @@ def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int]) -
 
 
 def kernel_name(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
-    """Which grouped kernel runs here for unequal groups (for logs and the benchmark)."""
-    if _forced is not None:
-        return _forced
+    """Which grouped kernel runs here for experts with unequal rows (for logs and the benchmark)."""
     if device_type != "cpu" and _grouped_gemm_package() is not None:
         return "grouped_gemm"
-    if device_type == "cpu" and onednn_works(dtype):
-        return "onednn"
-    return "torch._grouped_mm" if _torch_grouped_mm_works(device_type, dtype) else "mm-loop"
+    x = torch.empty(3, 16, dtype=dtype, device=device_type)
+    return _kernel(x, torch.empty(2, 16, 16, dtype=dtype, device=device_type), [1, 2], None)
