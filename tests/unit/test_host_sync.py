@@ -7,6 +7,9 @@ The EP=2 count of the layer is in tests/distributed/test_moe_layer.py.
 
 import pytest
 import torch
+from megatron.core.transformer import TransformerConfig
+
+from megatron_moe.moe import MoELayer, moe_layer_config
 from megatron_moe.platform import count_host_syncs, to_host
 
 CPU = torch.device("cpu")
@@ -88,3 +91,64 @@ def test_to_host_reads_several_tensors_in_one_copy():
         nothing = to_host(None)
     assert values == [[1, 2, 3, 4], None, [7]] and nothing == [None]
     assert syncs.count == 1
+
+
+H, E = 16, 4
+
+
+def _layer(**fields) -> MoELayer:
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        ffn_hidden_size=24,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        add_bias_linear=False,
+    )
+    torch.manual_seed(0)
+    return MoELayer(config, moe_layer_config(config, **fields), layer_number=1)
+
+
+def _syncs_of_one_step(layer: MoELayer) -> list[str]:
+    x = torch.randn(12, 2, H)
+    out, _ = layer(x)  # warm-up: kernel probes run once per process
+    out.sum().backward()
+    with count_host_syncs(CPU) as syncs:
+        out, _ = layer(x.requires_grad_())
+        out.sum().backward()
+    return syncs.events
+
+
+LAYOUTS = {
+    "dropless_exact": dict(),
+    "capacity_exact_drops": dict(capacity_factor=0.5),
+    "adaptive_exact": dict(capacity_factor=-0.5),
+    "dropless_padded": dict(dispatcher="alltoall"),
+    "capacity_padded_drops": dict(capacity_factor=0.5, dispatcher="alltoall"),
+    "dense_ordering": dict(ordering="dense", capacity_factor=0.5),
+    "expert_choice": dict(gate="expert_choice"),
+    "bpr_drops": dict(gate="bpr", capacity_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_moe_layer_waits_for_the_device_once_per_forward_and_backward(name):
+    assert _syncs_of_one_step(_layer(**LAYOUTS[name])) == ["tolist"]  # to_host's one copy in planning
+
+
+def test_soft_gate_layer_reads_nothing_on_one_rank():
+    assert _syncs_of_one_step(_layer(gate="soft", soft_slots=2)) == []
+
+
+def test_counter_catches_an_extra_read_in_the_layer():
+    layer = _layer(capacity_factor=0.5)
+    plan = layer.plan
+
+    def plan_and_peek(routing):
+        planned = plan(routing)
+        planned[0].routed_E.tolist()  # a second wait, as a careless change would add
+        return planned
+
+    layer.plan = plan_and_peek
+    assert _syncs_of_one_step(layer) == ["tolist", "tolist"]
