@@ -27,6 +27,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from megatron_moe import comm
 from megatron_moe.config import ConfigError, RunConfig
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.rng import get_rng_states, set_rng_states
@@ -113,7 +114,7 @@ def save_checkpoint(root: str, cfg: RunConfig, model, optimizer, scheduler, trai
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
         os.makedirs(tmp)
-    dist.barrier()
+    comm.barrier("checkpoint_save_begin")
     # Before the first step the optimizer holds no state (Adam's moments are lazy).
     with_optimizer = not cfg.checkpoint.no_save_optim and train_state.iteration > 0
     state = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=True, is_loading=False)
@@ -126,13 +127,13 @@ def save_checkpoint(root: str, cfg: RunConfig, model, optimizer, scheduler, trai
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     dist_checkpointing.save(state, tmp)
-    dist.barrier()
+    comm.barrier("checkpoint_saved")
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _publish(root, train_state.iteration)
         log.info("saved checkpoint at iteration %d to %s", train_state.iteration, final)
-    dist.barrier()
+    comm.barrier("checkpoint_published")
     return final
 
 

@@ -4,7 +4,7 @@
     -> combine (dispatch.py) -> unorder (ordering.py), hooks between (hooks.py)
 
 Capacity semantics (Tutel) in capacity.py; router losses and statistics in
-routing.py / metrics.py; every collective in comm.py.
+routing.py / metrics.py; every collective goes through megatron_moe.comm.
 """
 
 from megatron_moe.moe.capacity import capacity_limit, expert_capacity

@@ -15,12 +15,14 @@ expert may exceed its fair share k * T_group / E of the group's tokens.
 
 Capacity is recomputed every step from T and k, so top-k may change between
 iterations. With the padded all-to-all every rank must use the same C: the
-dispatcher agrees on the group maximum (`Dispatcher.agree_capacity`).
+dispatcher agrees on the group maximum (`Dispatcher.agree_capacity`, on the device).
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 
 def capacity_limit(capacity_factor: float, num_tokens: int, topk: int, num_experts: int) -> int:
@@ -29,15 +31,19 @@ def capacity_limit(capacity_factor: float, num_tokens: int, topk: int, num_exper
 
 
 def expert_capacity(capacity_factor: float | None, *, num_tokens: int, topk: int, num_experts: int,
-                    largest_count: int) -> int | None:  # fmt: skip
+                    largest_count: int | torch.Tensor) -> int | torch.Tensor | None:  # fmt: skip
     """Slots per expert for this step, or None when nothing limits them (dropless).
 
     `largest_count`: the most pairs any expert got from this rank (or from any
-    rank of the EP group when the caller needs one C for the whole group).
+    rank of the EP group when the caller needs one C for the whole group). The
+    layer passes it as a device tensor, so that adaptive capacity is one too
+    and is read on the host with the other counts, in one copy.
     """
     if capacity_factor is None or capacity_factor == 0:
         return None
     limit = capacity_limit(capacity_factor, num_tokens, topk, num_experts)
     if capacity_factor > 0:
         return limit
+    if torch.is_tensor(largest_count):
+        return torch.clamp(largest_count, max=limit)
     return min(limit, largest_count)

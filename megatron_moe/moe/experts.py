@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping, rows_of
-from megatron_moe.moe import comm
 from megatron_moe.moe.grouped_gemm import (
     grouped_input_grad,
     grouped_linear,

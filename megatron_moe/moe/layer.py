@@ -22,10 +22,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_moe.moe import comm
+from megatron_moe import comm
 from megatron_moe.moe.capacity import expert_capacity
 from megatron_moe.moe.config import MoELayerConfig
-from megatron_moe.moe.dispatch import Dispatched, build_dispatcher
+from megatron_moe.moe.dispatch import Dispatched, DispatchPlan, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
@@ -33,6 +33,7 @@ from megatron_moe.moe.metrics import AuxLossAutoScaler, MoEStats
 from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, expert_counts, make_plan
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shared import SharedExpert
+from megatron_moe.platform import to_host
 
 
 def _default_groups():
@@ -55,7 +56,7 @@ class MoELayer(MegatronModule):
         if ep_group is None and expert_dp_group is None:
             ep_group, expert_dp_group = _default_groups()
         self.cfg = (moe_config or moe_layer_config(config)).validate(ep_size=comm.group_size(ep_group))
-        self.dispatcher = build_dispatcher(self.cfg.dispatcher, ep_group, self.cfg.num_experts)
+        self.dispatcher = build_dispatcher(self.cfg.dispatcher, ep_group, self.cfg.num_experts, layer=layer_number)
         self.layer_number = layer_number
         self.num_local_experts = self.dispatcher.num_local_experts
         self.gate = build_gate(self.cfg)
@@ -119,7 +120,7 @@ class MoELayer(MegatronModule):
             )  # fmt: skip
 
     def set_layer_number(self, layer_number: int) -> None:
-        self.layer_number = layer_number
+        self.layer_number = self.dispatcher.layer = layer_number
 
     def register_moe_hook(self, hook: MoEHook) -> HookHandle:
         self.hooks.append(hook)
@@ -130,29 +131,54 @@ class MoELayer(MegatronModule):
     def route(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
         return self.gate(x_TH, valid_T)
 
-    def plan(self, routing: Routing) -> Plan:
-        """Capacity for this step, then every pair's row in the expert-major buffer."""
+    def plan(self, routing: Routing) -> tuple[Plan, DispatchPlan]:
+        """Capacity, the counts exchange, every pair's row in the expert-major buffer, and the dispatch's splits.
+
+        The host waits for the device once here, and nowhere else in forward or backward:
+        1. on the device: pairs per expert and this rank's capacity, agreed over the EP group when the
+           layout needs one C (padded all-to-all);
+        2. on the device: the dispatcher's counts exchange (alltoallv: rows each rank sends each local expert);
+        3. ONE device->host copy of all of it; the host then lays out the rows and the split sizes.
+        """
+        num_experts = routing.num_experts
+        if routing.is_soft:  # every expert gets exactly its slots: nothing to count, cap or drop
+            plan = make_plan(routing, capacity=None, padded=True)
+            received_D = self.dispatcher.exchange_counts(plan.routed_E.new_full((num_experts,), plan.capacity))
+            (received,) = to_host(received_D)
+            return plan, self.dispatcher.plan_dispatch(plan.counts, received_D, received)
         padded = self.dispatcher.needs_padding or isinstance(self.ordering, DenseOrdering)
-        if routing.is_soft:
-            return make_plan(routing, capacity=None, padded=True)
-        routed_E = expert_counts(routing.expert_N, routing.num_experts)
-        routed = routed_E.tolist()  # the one wait for the device: the host needs the counts (splits, capacity)
-        largest = max(routed, default=0)
+        routed_E = expert_counts(routing.expert_N, num_experts)
+        capacity_1 = self._capacity(routing, routed_E, padded)  # 1.
+        if capacity_1 is None:
+            sent_E = routed_E
+        else:
+            sent_E = capacity_1.expand(num_experts) if padded else torch.minimum(routed_E, capacity_1)
+        received_D = self.dispatcher.exchange_counts(sent_E)  # 2.
+        routed, capacity, received = to_host(routed_E, capacity_1, received_D)  # 3.
+        capacity = None if capacity is None else capacity[0]
+        plan = make_plan(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
+        return plan, self.dispatcher.plan_dispatch(plan.counts, received_D, received)
+
+    def _capacity(self, routing: Routing, routed_E: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        """Slots per expert as a long [1] on the device; None: exact rows and nothing limits them (dropless)."""
+        largest_1 = routed_E.max().view(1)
         if routing.slots_per_expert is not None:  # expert choice: loads fixed by the gate
             capacity = routing.slots_per_expert
         else:
             topk = routing.expert_N.numel() // max(routing.num_tokens, 1)
             capacity = expert_capacity(self.cfg.capacity_factor, num_tokens=routing.num_tokens, topk=topk,
-                                       num_experts=routing.num_experts, largest_count=largest)  # fmt: skip
-        if padded:
-            capacity = self.dispatcher.agree_capacity(largest if capacity is None else capacity, routed_E.device)
-        return make_plan(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
+                                       num_experts=routing.num_experts, largest_count=largest_1)  # fmt: skip
+        if isinstance(capacity, int):
+            capacity = routed_E.new_full((1,), capacity)
+        if not padded:
+            return capacity
+        return self.dispatcher.agree_capacity(largest_1 if capacity is None else capacity)
 
     def order(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
         return self.ordering.encode(x_TH, plan)
 
-    def dispatch(self, rows_RH: torch.Tensor, plan: Plan):
-        return self.dispatcher.dispatch(rows_RH, plan.counts)
+    def dispatch(self, rows_RH: torch.Tensor, dispatch_plan: DispatchPlan) -> comm.CommHandle:
+        return self.dispatcher.dispatch(rows_RH, dispatch_plan)
 
     def compute_experts(self, dispatched: Dispatched, rows_RH: torch.Tensor) -> torch.Tensor:
         return self.experts(rows_RH, dispatched.counts)
@@ -173,12 +199,12 @@ class MoELayer(MegatronModule):
         valid_T = None if padding_mask is None else ~padding_mask.transpose(0, 1).reshape(-1).bool()
         routing = self._region("router", self.route, x_TH, valid_T)
         with self._in_region("ordering"):
-            plan = self.plan(routing)
+            plan, dispatch_plan = self.plan(routing)
         rows_RH = self._region("ordering", self.order, x_TH, plan)
         ctx.counts = plan.counts
         rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
         with self._in_region("dispatch"):
-            handle = self.dispatch(rows_RH, plan)
+            handle = self.dispatch(rows_RH, dispatch_plan)
         # Independent of the routed path: runs while the dispatch all-to-all is in flight.
         shared_TH = self._region("shared_expert", self.shared_expert, x_TH) if self.shared_expert is not None else None
         with self._in_region("dispatch"):
@@ -209,7 +235,7 @@ class MoELayer(MegatronModule):
             return out_TH
         if routing.aux_loss is not None and routing.aux_loss.requires_grad:
             out_TH = AuxLossAutoScaler.apply(out_TH, routing.aux_loss, self.aux_loss_scale)
-        tokens = routing.num_tokens if valid_T is None else int(valid_T.sum())
+        tokens = routing.num_tokens if valid_T is None else valid_T.sum()  # a device count: no host read
         self.stats.record(routed_E=plan.routed_E, dropped=plan.dropped, tokens=tokens,
                           entropy_sum=entropy_sum(routing.probs_TE, valid_T), losses=routing.losses)  # fmt: skip
         return out_TH

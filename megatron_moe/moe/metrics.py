@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_moe.moe import comm
+from megatron_moe import comm
 from megatron_moe.platform import current_platform
 
 # Per-layer statistics row: E routed counts, then these scalars.
@@ -48,13 +48,15 @@ class MoEStats:
         self.num_experts = num_experts
         self.sums: torch.Tensor | None = None
 
-    def record(self, *, routed_E: torch.Tensor, dropped: int, tokens: int, entropy_sum: torch.Tensor,
+    def record(self, *, routed_E: torch.Tensor, dropped: int, tokens: int | torch.Tensor, entropy_sum: torch.Tensor,
                losses: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        """`tokens`: a count on the host, or on the device (tokens not padding): never read here."""
         device = routed_E.device
         zero = torch.zeros((), device=device)
+        tokens = tokens.float() if torch.is_tensor(tokens) else torch.full((), float(tokens), device=device)
         scalars = torch.stack([
             torch.full((), float(dropped), device=device), routed_E.sum().float(),  # fills, not host copies
-            torch.full((), float(tokens), device=device), entropy_sum.float(),
+            tokens, entropy_sum.float(),
             losses.get("load_balancing", zero).float(), losses.get("z_loss", zero).float(),
             torch.ones((), device=device),
         ])  # fmt: skip
@@ -123,7 +125,7 @@ def collect_moe_metrics(model_chunks, *, num_layers: int, num_experts: int, grou
             table[layer.layer_number - 1, num_experts:] += sums[e:]
         if reset:
             layer.stats.reset()
-    comm.all_reduce_sum_(table, group)
+    comm.reduce_moe_metrics(table, group)
     calls = table[:, -1]
     present = [i for i in range(num_layers) if calls[i] > 0]
     if not present:

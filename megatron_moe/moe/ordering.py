@@ -101,9 +101,13 @@ def make_plan(routing: Routing, *, capacity: int | None, padded: bool, routed_E:
     routed = routed_E.tolist() if routed is None else routed
     dropped = 0
     if capacity is not None and max(routed, default=0) > capacity:
-        keep = slot_sorted < capacity
-        pair_sorted, expert_sorted, slot_sorted = pair_sorted[keep], expert_sorted[keep], slot_sorted[keep]
-        dropped = sum(routed) - pair_sorted.numel()
+        # The number kept is known on the host: a mask index would wait for the device to count it.
+        num_kept = sum(min(c, capacity) for c in routed)
+        keep = torch.nonzero_static(slot_sorted < capacity, size=num_kept).view(-1)
+        pair_sorted, expert_sorted, slot_sorted = (
+            t.index_select(0, keep) for t in (pair_sorted, expert_sorted, slot_sorted)
+        )
+        dropped = sum(routed) - num_kept
     if padded:
         counts, row_index = [capacity] * num_experts, expert_sorted * capacity + slot_sorted
     else:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from megatron_moe.moe import comm
+from megatron_moe import comm
 
 
 @dataclasses.dataclass

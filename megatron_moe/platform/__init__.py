@@ -4,7 +4,8 @@
 when CUDA is available, else cpu+gloo) and, on a machine without CUDA, applies
 the CPU compatibility patches that let megatron-core 0.16.1 run there
 (`cpu_compat.py`). Everything else in megatron_moe asks this module for the
-device, the RNG, memory figures and optional kernels instead of naming one.
+device, the RNG, memory figures, optional kernels and host syncs (`host_sync.py`)
+instead of naming one.
 """
 
 from megatron_moe.platform.device import (
@@ -17,9 +18,12 @@ from megatron_moe.platform.device import (
     peak_memory_bytes,
     synchronize,
 )
+from megatron_moe.platform.host_sync import HostSyncs, count_host_syncs, to_host
 
 __all__ = [
+    "HostSyncs",
     "Platform",
+    "count_host_syncs",
     "current_platform",
     "from_host",
     "init_platform",
@@ -27,4 +31,5 @@ __all__ = [
     "memory_in_use_bytes",
     "peak_memory_bytes",
     "synchronize",
+    "to_host",
 ]

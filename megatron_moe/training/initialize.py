@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_moe import comm
 from megatron_moe.config import RunConfig
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe.grouped_gemm import kernel_name
@@ -90,7 +91,7 @@ def set_seed(seed: int) -> None:
 def shutdown(destroy_process_group: bool = True) -> None:
     """Tear down groups so no rank leaves a collective or a helper process behind."""
     if dist.is_initialized():
-        dist.barrier()
+        comm.barrier("shutdown")
         parallel_state.destroy_model_parallel()
         if destroy_process_group:
             dist.destroy_process_group()

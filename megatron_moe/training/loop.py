@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.config import RunConfig
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
@@ -34,7 +35,7 @@ def _reduce_lm_loss(losses_reduced: list[dict]) -> float | None:
     if not parallel_state.is_pipeline_last_stage():
         return None
     total = torch.stack([d["lm loss"] for d in losses_reduced]).sum(dim=0).float()
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    comm.reduce_lm_loss(total, parallel_state.get_data_parallel_group(with_context_parallel=True))
     return (total[0] / total[1]).item()
 
 

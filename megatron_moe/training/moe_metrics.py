@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
 
+from megatron_moe import comm
 from megatron_moe.platform import current_platform
 
 TRACKED = ("load_balancing_loss", "z_loss")  # megatron-core tracker names
@@ -29,7 +30,7 @@ def pop_moe_aux_losses(num_layers: int, num_moe_layers: int, num_microbatches: i
     # One fixed-shape reduction over the whole world: a sum over pipeline stages
     # (each holds its own layers' slots) and an average over the ranks of a stage.
     values = torch.stack([tracker[name]["values"] for name in TRACKED])
-    dist.all_reduce(values)
+    comm.reduce_moe_metrics(values)
     ranks_per_stage = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
     totals = values.sum(dim=1) / (ranks_per_stage * num_moe_layers * num_microbatches)
     figures = dict(zip(TRACKED, totals.tolist()))

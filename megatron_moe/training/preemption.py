@@ -11,8 +11,8 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
 
+from megatron_moe import comm
 from megatron_moe.platform import current_platform
 
 
@@ -33,7 +33,7 @@ class ExitRequest:
         """Collective: True on every rank once any rank got SIGTERM or ran out of time."""
         local = [self._signalled, self._deadline is not None and time.monotonic() > self._deadline]
         flags = torch.tensor(local, dtype=torch.int32, device=current_platform().device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        comm.agree_exit(flags)
         if flags[0]:
             self.reason = "SIGTERM received"
         elif flags[1]:

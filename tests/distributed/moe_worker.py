@@ -6,8 +6,10 @@ weights, the EP layer's output and input/router grads on rank r equal the
 reference's on rank r, and its local experts' grads equal the reference's
 grads of those experts summed over the EP group (whose tokens they served).
 Every figure is the max over ranks; rank 0 writes `{case: figures}` to $RESULTS.
-Also: a checkpoint saved at EP=2 (expert-DP replicas) loads at EP=4, and the
-metric reduction does not hang when half the ranks have no MoE layer.
+Also: a checkpoint saved at EP=2 (expert-DP replicas) loads at EP=4, the
+metric reduction does not hang when half the ranks have no MoE layer, the
+host waits for the device once per layer forward+backward, and every
+collective the layer issues goes through megatron_moe.comm's choke point.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
+from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import Bf16OnTheWire, MoEHook, MoELayer, collect_moe_metrics, moe_layer_config  # noqa: E402
-from megatron_moe.platform import init_platform  # noqa: E402
+from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 
 H, FFN, E = 32, 48, 8
@@ -54,6 +57,21 @@ CASES = {
     "noisy_eval_v": (dict(gate="noisy_topk"), False),
     "swiglu_shared_v": (dict(gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24), True),
     "bf16_wire_hook_v": (dict(gate="topk"), True),
+}
+
+
+# name -> layer settings whose host syncs per forward+backward are counted (design: exactly 1, in planning).
+SYNC_CASES = {
+    "topk_dropless_v": dict(gate="topk"),
+    "topk_cap1_v": dict(gate="topk", capacity_factor=1.0),
+    "topk_adaptive_v": dict(gate="topk", capacity_factor=-0.5),
+    "topk_dropless_padded": dict(gate="topk", dispatcher="alltoall"),
+    "topk_cap1_padded": dict(gate="topk", capacity_factor=1.0, dispatcher="alltoall"),
+    "topk_adaptive_padded": dict(gate="topk", capacity_factor=-1.0, dispatcher="alltoall"),
+    "xmoe_cap1_v_dense": dict(gate="xmoe", capacity_factor=1.0, ordering="dense"),
+    "expert_choice_padded": dict(gate="expert_choice", dispatcher="alltoall"),
+    "soft_v": dict(gate="soft", soft_slots=2),
+    "swiglu_shared_v": dict(gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24),
 }
 
 
@@ -186,6 +204,48 @@ def metrics_with_moe_less_ranks(rank: int, solo_group) -> dict:
             "keys": sorted(gathered[0])}  # fmt: skip
 
 
+def _inputs(rank: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(S, B, H, generator=g) + 0.5 * torch.randn(H, generator=g), torch.randn(S, B, H, generator=g)
+
+
+def host_syncs(ep: int, fields: dict, rank: int) -> dict:
+    """Host waits in one training forward+backward of the layer (after a warm-up: kernel probes run once)."""
+    config = tconfig(ep)
+    layer = MoELayer(config, moe_layer_config(config, **fields), layer_number=1)
+    global_weights(layer)
+    x, grad = _inputs(rank)
+    run(layer, x, grad, True)
+    with count_host_syncs(torch.device("cpu")) as syncs:
+        run(layer, x, grad, True)
+    return {"max": _max(syncs.count), "min": -_max(-syncs.count), "events": syncs.events}
+
+
+def collectives_through_issue(ep: int, fields: dict, rank: int) -> dict:
+    """Every torch.distributed call of a layer forward+backward, and what megatron_moe.comm's `issue` saw."""
+    config = tconfig(ep)
+    layer = MoELayer(config, moe_layer_config(config, **fields), layer_number=3)
+    global_weights(layer)
+    x, grad = _inputs(rank)
+    raw, seen = [], []
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "barrier")}
+
+    def counting(name):
+        return lambda *args, **kwargs: (raw.append(name), originals[name](*args, **kwargs))[1]
+
+    issue = comm_moe.issue
+    comm_moe.issue = lambda record, start: (seen.append(record), issue(record, start))[1]
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        run(layer, x, grad, True)
+    finally:
+        comm_moe.issue = issue
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"raw_calls": len(raw), "records": [[r.kind, r.purpose, r.layer, r.backward, r.nbytes > 0] for r in seen]}
+
+
 def _progress(rank: int, ep: int, name: str) -> None:
     if os.environ.get("MOE_WORKER_VERBOSE"):
         print(f"[rank {rank}] ep{ep}/{name} done", file=sys.stderr, flush=True)
@@ -207,6 +267,11 @@ def main() -> None:
             hooks = (Bf16OnTheWire(),) if name.startswith("bf16") else ()
             results[f"ep{ep}/{name}"] = compare(ep, fields, train, solo, rank, hooks)
             _progress(rank, ep, name)
+        for name, fields in SYNC_CASES.items():
+            results[f"ep{ep}/host_syncs/{name}"] = host_syncs(ep, fields, rank)
+        if ep == 2:
+            for name in ("topk_cap1_v", "topk_cap1_padded"):
+                results[f"ep2/collectives/{name}"] = collectives_through_issue(ep, SYNC_CASES[name], rank)
         results[f"ep{ep}/checkpoint"] = checkpoint_across_layouts(ep, ckpt_dir, solo)
         _progress(rank, ep, "checkpoint")
         if ep == 4:

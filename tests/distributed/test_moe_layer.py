@@ -1,5 +1,7 @@
 """Our MoE layer at EP=2 and EP=4 equals the EP=1 layer (4 gloo ranks, one torchrun job).
 
+Also in that job: one host sync per layer forward+backward, and every collective through megatron_moe.comm.
+
 Tolerance: 1e-5 absolute on outputs and gradients of magnitude ~0.1-10 (fp32;
 only the summation order of GEMM blocks may differ); for the case that sends
 bf16 over the wire through hooks, 2e-2 relative to the largest value.
@@ -64,3 +66,24 @@ def test_metric_reduction_with_moe_less_ranks(results):
     figures = results["ep4/metrics_without_moe_on_half_the_ranks"]
     assert figures["same_on_all_ranks"] and figures["pairs_counted"]
     assert "moe aux loss" in figures["keys"] and "moe/layer_002/tokens_cv" in figures["keys"]
+
+
+def test_one_host_sync_per_layer_forward_and_backward(results):
+    """Planning reads routed counts, splits and capacity in one copy; dispatch, experts and combine read nothing."""
+    cases = {k: v for k, v in results.items() if "/host_syncs/" in k}
+    assert len(cases) == 2 * 10
+    bad = {k: v for k, v in cases.items() if not (v["min"] == v["max"] == 1 and v["events"] == ["tolist"])}
+    assert not bad, bad
+
+
+def test_every_collective_of_the_layer_goes_through_issue(results):
+    exact, padded = results["ep2/collectives/topk_cap1_v"], results["ep2/collectives/topk_cap1_padded"]
+    forward_backward = [
+        ["a2a_dispatch", "dispatch_all_to_all", 3, False, True],
+        ["a2a_combine", "combine_all_to_all", 3, False, True],
+        ["a2a_combine", "combine_all_to_all", 3, True, True],
+        ["a2a_dispatch", "dispatch_all_to_all", 3, True, True],
+    ]
+    assert exact["records"] == [["a2a_dispatch", "exchange_counts", 3, False, True], *forward_backward]
+    assert padded["records"] == [["a2a_dispatch", "agree_capacity", 3, False, True], *forward_backward]
+    assert exact["raw_calls"] == len(exact["records"]) and padded["raw_calls"] == len(padded["records"])

@@ -1,0 +1,46 @@
+"""Every collective megatron_moe issues, called by its purpose and started in one place.
+
+    purpose-named call  ->  core.issue(Collective(kind, purpose, group, layer, ...), start)  ->  torch.distributed
+
+- moe.py: `dispatch_all_to_all`, `combine_all_to_all` (async, differentiable:
+  the backward's reverse all-to-all goes through `issue` too, same kind,
+  `backward=True`), their planning `exchange_counts` and `agree_capacity`, and
+  `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
+- training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
+  (preemption), `barrier(purpose)` (checkpoint save and publish, shutdown).
+
+`core.issue` is the choke point the timers (issue 13) and the watchdog (issue
+12) will hook; tests/unit/test_comm_choke_point.py fails on a torch.distributed
+collective anywhere else in megatron_moe. megatron-core's own collectives (TP
+layers, DDP buckets, the distributed optimizer, pipeline p2p, checkpointing)
+cannot pass through here: README.md in this folder lists where they happen and
+how the timers will see them.
+"""
+
+from megatron_moe.comm.core import KINDS, Collective, CommHandle, group_size, is_distributed, issue
+from megatron_moe.comm.moe import (
+    agree_capacity,
+    combine_all_to_all,
+    dispatch_all_to_all,
+    exchange_counts,
+    sum_across_shards,
+)
+from megatron_moe.comm.training import agree_exit, barrier, reduce_lm_loss, reduce_moe_metrics
+
+__all__ = [
+    "KINDS",
+    "Collective",
+    "CommHandle",
+    "agree_capacity",
+    "agree_exit",
+    "barrier",
+    "combine_all_to_all",
+    "dispatch_all_to_all",
+    "exchange_counts",
+    "group_size",
+    "is_distributed",
+    "issue",
+    "reduce_lm_loss",
+    "reduce_moe_metrics",
+    "sum_across_shards",
+]

@@ -1,0 +1,41 @@
+"""The training run's own collectives: the logged loss, MoE metrics, the exit agreement, barriers.
+
+All are kind `other`: small, once per step (or per save), never overlapped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.comm.core import Collective, is_distributed, issue, nbytes
+
+
+def reduce_lm_loss(total: torch.Tensor, group) -> torch.Tensor:
+    """In place: the step's [loss sum, token count] summed over the data-parallel ranks of `group`."""
+    record = Collective("other", "reduce_lm_loss", group, nbytes=nbytes(total))
+    issue(record, lambda: dist.all_reduce(total, group=group))
+    return total
+
+
+def reduce_moe_metrics(table: torch.Tensor, group=None) -> torch.Tensor:
+    """In place: a fixed-shape MoE statistics table summed over `group` (None: the world).
+
+    Without torch.distributed (a single process) the table is already complete.
+    """
+    if is_distributed():
+        record = Collective("other", "reduce_moe_metrics", group, nbytes=nbytes(table))
+        issue(record, lambda: dist.all_reduce(table, group=group))
+    return table
+
+
+def agree_exit(flags: torch.Tensor) -> torch.Tensor:
+    """In place: each exit reason's flag, set on every rank when any rank set it (max over the world)."""
+    record = Collective("other", "agree_exit", nbytes=nbytes(flags))
+    issue(record, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX))
+    return flags
+
+
+def barrier(purpose: str, group=None) -> None:
+    """Every rank of `group` (None: the world) reaches this point; `purpose` names it (`checkpoint_saved`)."""
+    issue(Collective("other", f"barrier/{purpose}", group), lambda: dist.barrier(group=group))
