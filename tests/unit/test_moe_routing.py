@@ -6,7 +6,7 @@ import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_moe.moe import MoELayer, MoELayerConfig, build_gate, capacity_limit, expert_capacity, moe_layer_config
+from megatron_moe.moe import MoELayer, MoELayerConfig, build_gate, capacity_limit, expert_capacity
 from megatron_moe.moe.ordering import make_plan
 from megatron_moe.moe.routing import Routing
 
@@ -44,7 +44,7 @@ def test_capacity_formula_follows_tutel():
 def test_topk_may_change_between_iterations():
     config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=8,
                                num_moe_experts=E, moe_router_topk=2, add_bias_linear=False)  # fmt: skip
-    layer = MoELayer(config, moe_layer_config(config, capacity_factor=1.0, dispatcher="alltoall"))
+    layer = MoELayer(config, cfg(capacity_factor=1.0, pad_expert_input_to_capacity=True, aux_loss_coeff=0.0))
     x = x_TH(40)
     assert layer.plan(layer.route(x)).capacity == 20  # ceil(1.0 * 2 * 40 / 4)
     layer.gate.topk = 1
