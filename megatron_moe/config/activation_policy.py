@@ -93,8 +93,9 @@ def build_policy(*, preset: str, recompute: list[str], quantize: list[str], quan
                  quant_block: int = 128) -> ActivationPolicy:  # fmt: skip
     """The preset, then per-module overrides from --recompute-modules / --quantize-activations."""
     require(preset in PRESETS, "--activation-policy", preset, f"one of {', '.join([*PRESETS, 'full'])}")
-    require(quant_format in QUANT_FORMATS, "--activation-quant-format", quant_format,
-            f"one of {', '.join(QUANT_FORMATS)}")  # fmt: skip
+    require(
+        quant_format in QUANT_FORMATS, "--activation-quant-format", quant_format, f"one of {', '.join(QUANT_FORMATS)}"
+    )
     require(quant_block > 0, "--activation-quant-block", quant_block, "must be positive")
     modes = dict(PRESETS[preset])
     for name in _names("--recompute-modules", recompute):

@@ -33,8 +33,14 @@ class When:
     """E.g. "with --fp16"; completes "applies only ..."."""
 
 
-def arg(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
-        applies: When | None = None):  # fmt: skip
+def arg(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    flag: str | None = None,
+    applies: When | None = None,
+):
     """A dataclass field with CLI metadata. `default` may be a list (copied per instance);
     `applies`: when the flag does anything (given otherwise, it is refused)."""
     metadata = {"help": help, "choices": choices, "flag": flag, "applies": applies}
@@ -97,8 +103,10 @@ def check_given_flags_apply(run_config: Any, groups: Iterable[tuple[str, type]],
             applies = field.metadata.get("applies")
             if field.name in given and applies is not None and not applies.test(run_config):
                 value = getattr(getattr(run_config, name), field.name)
-                raise ConfigError(f"{flag_name(field)}={value}: does nothing in this run; it applies only "
-                                  f"{applies.text} (drop it, or set what it needs)")  # fmt: skip
+                raise ConfigError(
+                    f"{flag_name(field)}={value}: does nothing in this run; it applies only "
+                    f"{applies.text} (drop it, or set what it needs)"
+                )
 
 
 def require(condition: bool, flag: str, value: Any, expected: str) -> None:

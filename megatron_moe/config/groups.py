@@ -30,8 +30,7 @@ class ModelConfig:
     num_query_groups: int | None = arg(None, "key/value head groups for GQA (default: MHA)")
     seq_length: int = arg(256, "tokens per sample")
     max_position_embeddings: int | None = arg(
-        None, "learned-position table size; with RoPE, the context length a HuggingFace export records "
-        "(default seq length)"
+        None, "learned-position table size; with RoPE, the context length HuggingFace exports record (default seq)"
     )
     position_embedding_type: str = arg("rope", "position encoding", choices=("rope", "learned_absolute"))
     rotary_base: int = arg(10000, "RoPE base", applies=only.ROPE)
@@ -309,9 +308,7 @@ class TrainingConfig:
     min_lr: float = arg(3e-5, "final learning rate", applies=only.DECAYING)
     lr_warmup_iters: int = arg(0, "linear warm-up steps")
     lr_decay_style: str = arg("cosine", "decay after warm-up", choices=("constant", "linear", "cosine"))
-    lr_decay_iters: int | None = arg(
-        None, "decay over this many steps (default --train-iters)", applies=only.DECAYING
-    )
+    lr_decay_iters: int | None = arg(None, "decay over this many steps (default --train-iters)", applies=only.DECAYING)
     weight_decay: float = arg(0.01, "AdamW weight decay")
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.95, "Adam beta2")
@@ -322,12 +319,8 @@ class TrainingConfig:
     loss_scale: float | None = arg(
         None, "a static loss scale (fp16: instead of the dynamic one)", applies=only.MIXED_PRECISION
     )
-    initial_loss_scale: float = arg(
-        2.0**32, "fp16: the dynamic loss scale to start from", applies=only.DYNAMIC_SCALE
-    )
-    min_loss_scale: float = arg(
-        1.0, "fp16: the dynamic loss scale never drops below this", applies=only.DYNAMIC_SCALE
-    )
+    initial_loss_scale: float = arg(2.0**32, "fp16: the dynamic loss scale to start from", applies=only.DYNAMIC_SCALE)
+    min_loss_scale: float = arg(1.0, "fp16: the dynamic loss scale never drops below this", applies=only.DYNAMIC_SCALE)
     loss_scale_window: int = arg(
         1000, "fp16: steps without overflow before the loss scale doubles", applies=only.DYNAMIC_SCALE
     )
@@ -431,8 +424,7 @@ class LoggingConfig:
     log_interval: int = arg(10, "log a line every N steps")
     tensorboard_dir: str | None = arg(None, "write TensorBoard event files here")
     log_params_norm: bool = arg(
-        False, "log the L2 norm of all parameters (each counted once) after every step: `params norm` in the log "
-        "line, params-norm in TensorBoard"
+        False, "log the L2 norm of all parameters (each counted once) after each step, as Megatron-LM does"
     )
 
 

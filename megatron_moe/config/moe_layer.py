@@ -115,20 +115,29 @@ class MoELayerConfig:
         r(self.gate in GATES, "gate", f"choose one of {', '.join(GATES)}")
         r(self.ordering in ORDERINGS, "ordering", f"choose one of {', '.join(ORDERINGS)}")
         r(self.expert_type in EXPERT_TYPES, "expert_type", f"choose one of {', '.join(EXPERT_TYPES)}")
-        r(self.load_balancing in LOAD_BALANCING, "load_balancing",
-          f"megatron_moe's layer implements {', '.join(LOAD_BALANCING)} (seq_aux_loss only with "
-          f"--moe-layer-impl mcore)")  # fmt: skip
+        r(
+            self.load_balancing in LOAD_BALANCING,
+            "load_balancing",
+            f"megatron_moe's layer implements {', '.join(LOAD_BALANCING)} (seq_aux_loss only with "
+            f"--moe-layer-impl mcore)",
+        )
         r(1 <= self.topk <= self.num_experts, "topk", f"must be between 1 and --num-experts={self.num_experts}")
         if self.gate == "switch":
             r(self.topk == 1, "topk", "--moe-gate=switch routes each token to 1 expert; use 1")
         if self.gate in BALANCED_GATES:
-            r(self.capacity_factor is None, "capacity_factor",
-              f"--moe-gate={self.gate} fixes each expert's load itself; leave the capacity factor unset")  # fmt: skip
+            r(
+                self.capacity_factor is None,
+                "capacity_factor",
+                f"--moe-gate={self.gate} fixes each expert's load itself; leave the capacity factor unset",
+            )
         r(self.num_experts % ep_size == 0, "num_experts", f"must be a multiple of the expert-parallel size {ep_size}")
         r(self.hidden_size > 0 and self.ffn_hidden_size > 0, "ffn_hidden_size", "hidden and ffn sizes must be positive")
         if self.shared_expert_ffn_hidden_size is not None:
-            r(self.shared_expert_ffn_hidden_size > 0, "shared_expert_ffn_hidden_size",
-              "must be positive (or unset for no shared expert)")  # fmt: skip
+            r(
+                self.shared_expert_ffn_hidden_size > 0,
+                "shared_expert_ffn_hidden_size",
+                "must be positive (or unset for no shared expert)",
+            )
         r(self.aux_loss_coeff >= 0, "aux_loss_coeff", "must be >= 0")
         r(self.z_loss_coeff >= 0, "z_loss_coeff", "must be >= 0")
         r(self.router_dim is None or self.router_dim > 0, "router_dim", "must be positive")

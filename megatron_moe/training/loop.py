@@ -22,7 +22,6 @@ from megatron_moe.training.step import forward_step
 log = logging.getLogger("megatron_moe")
 
 
-
 def computed_losses_only(figures: dict[str, float], *, aux: bool, z: bool) -> dict[str, float]:
     """Leave a router loss that is not computed out of the log (aggregate and per layer), not shown as 0."""
     dropped = (() if aux else ("moe aux loss", "/aux_loss")) + (() if z else ("moe z loss", "/z_loss"))

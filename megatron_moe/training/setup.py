@@ -90,10 +90,9 @@ def params_norm(optimizer) -> float:
     squares = 0.0
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         tp_group = getattr(sub, "tp_group", None)
-        params = [
-            p for p in sub.get_parameters() if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_group)
-        ]
-        squares += get_grad_norm_fp32(params, grad_stats_parallel_group=sub.get_grad_stats_parallel_group()) ** 2
+        once = [p for p in sub.get_parameters() if param_is_not_shared(p)]
+        once = [p for p in once if param_is_not_tensor_parallel_duplicate(p, tp_group)]
+        squares += get_grad_norm_fp32(once, grad_stats_parallel_group=sub.get_grad_stats_parallel_group()) ** 2
     return math.sqrt(squares)
 
 

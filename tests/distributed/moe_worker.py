@@ -159,8 +159,7 @@ def checkpoint_across_layouts(ep: int, ckpt_dir: str, solo_group) -> dict:
         return {}
     loaded = dist_checkpointing.load(layer.sharded_state_dict(prefix=prefix), ckpt_dir)
     layer.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
-    ref = MoELayer(tconfig(1), layer_config(gate="xmoe"), ep_group=solo_group,
-                   expert_dp_group=solo_group)
+    ref = MoELayer(tconfig(1), layer_config(gate="xmoe"), ep_group=solo_group, expert_dp_group=solo_group)
     global_weights(ref)
     first = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
     err = max((dict(layer.named_parameters())[n] - (p[first : first + layer.num_local_experts]

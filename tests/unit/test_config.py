@@ -107,15 +107,28 @@ def test_round_trip_through_dict():
     assert RunConfig.from_dict(c.to_dict()) == c
 
 
-@pytest.mark.parametrize("old, new", [
-    (dict(moe_capacity_factor=1.25, moe_dispatcher="alltoall", moe_load_balancing=None),
-     dict(moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True, moe_router_load_balancing_type="aux_loss")),
-    (dict(moe_capacity_factor=None, moe_dispatcher="alltoallv", moe_load_balancing="gshard"),
-     dict(moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False, moe_router_load_balancing_type="top1_aux_loss")),
-    (dict(moe_load_balancing=None, moe_router_load_balancing_type="seq_aux_loss"),  # ran as switch in our layer
-     dict(moe_router_load_balancing_type="aux_loss")),
-    (dict(moe_load_balancing="none", moe_router_load_balancing_type="aux_loss"), dict(moe_router_load_balancing_type="none")),
-])  # fmt: skip
+OLD_SAVED_MOE_FLAGS = [
+    # (as saved before the MoE flags were merged, what they mean now)
+    (
+        dict(moe_capacity_factor=1.25, moe_dispatcher="alltoall", moe_load_balancing=None),
+        dict(moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True),
+    ),
+    (
+        dict(moe_capacity_factor=None, moe_dispatcher="alltoallv", moe_load_balancing="gshard"),
+        dict(moe_pad_expert_input_to_capacity=False, moe_router_load_balancing_type="top1_aux_loss"),
+    ),
+    (  # seq_aux_loss ran as switch in our layer
+        dict(moe_load_balancing=None, moe_router_load_balancing_type="seq_aux_loss"),
+        dict(moe_router_load_balancing_type="aux_loss"),
+    ),
+    (
+        dict(moe_load_balancing="none", moe_router_load_balancing_type="aux_loss"),
+        dict(moe_router_load_balancing_type="none"),
+    ),
+]
+
+
+@pytest.mark.parametrize("old, new", OLD_SAVED_MOE_FLAGS)
 def test_config_saved_under_the_old_moe_flags_loads_as_what_it_ran(old, new):
     """Checkpoints keep their run config; one saved before the MoE flags were merged still loads."""
     saved = cfg().to_dict()
@@ -133,16 +146,29 @@ def test_config_saved_under_the_old_moe_flags_loads_as_what_it_ran(old, new):
 def test_flags_become_the_layer_config_in_one_place():
     from megatron_moe.model.builder import moe_layer
 
-    c = cfg("--moe-expert-capacity-factor", "-1.5", "--moe-pad-expert-input-to-capacity", "--swiglu",
-            "--moe-router-load-balancing-type", "top1_aux_loss", "--moe-ffn-hidden-size", "96", "--moe-gate", "xmoe",
-            "--moe-router-dim", "8", "--moe-z-loss-coeff", "0.001", "--moe-router-topk", "1", "--init-method-std", "0.01")  # fmt: skip
+    flags = (
+        "--moe-expert-capacity-factor -1.5 --moe-pad-expert-input-to-capacity --swiglu --moe-ffn-hidden-size 96 "
+        "--moe-router-load-balancing-type top1_aux_loss --moe-gate xmoe --moe-router-dim 8 --moe-z-loss-coeff 0.001 "
+        "--moe-router-topk 1 --init-method-std 0.01"
+    )
+    c = cfg(*flags.split())
     layer = c.moe.layer_config(c.model)
     assert moe_layer(c) == layer  # the model builder takes exactly this config
     assert layer == MoELayerConfig(
-        num_experts=8, hidden_size=256, ffn_hidden_size=96, topk=1, gate="xmoe", capacity_factor=-1.5,
-        pad_expert_input_to_capacity=True, expert_type="swiglu", load_balancing="top1_aux_loss",
-        aux_loss_coeff=0.01, z_loss_coeff=0.001, router_dim=8, init_method_std=0.01,
-    )  # fmt: skip
+        num_experts=8,
+        hidden_size=256,
+        ffn_hidden_size=96,
+        topk=1,
+        gate="xmoe",
+        capacity_factor=-1.5,
+        pad_expert_input_to_capacity=True,
+        expert_type="swiglu",
+        load_balancing="top1_aux_loss",
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.001,
+        router_dim=8,
+        init_method_std=0.01,
+    )
     assert layer.dispatcher == "alltoall" and cfg().moe.layer_config(cfg().model).dispatcher == "alltoallv"
     assert moe_layer(cfg("--moe-layer-impl", "mcore")) is None
     assert moe_layer(parse_args(BASE[:4])) is None  # dense
@@ -155,48 +181,55 @@ def test_layer_config_errors_name_real_flags():
         assert flag_name(field) in flags, field.name
 
 
-@pytest.mark.parametrize("flags, aux, z", [
-    ([], True, False),
-    (["--moe-z-loss-coeff", "0.001"], True, True),
-    (["--moe-router-load-balancing-type", "none"], False, False),
-    (["--moe-router-load-balancing-type", "top1_aux_loss", "--moe-aux-loss-coeff", "0"], True, False),  # logged, weight 0
-    (["--moe-gate", "expert_choice"], False, False),  # balanced by construction: no loss to log
-    (["--moe-gate", "expert_choice", "--moe-z-loss-coeff", "0.001"], False, True),
-    (["--moe-gate", "soft"], False, False),
-    (["--moe-layer-impl", "mcore"], True, False),
-    (["--moe-layer-impl", "mcore", "--moe-aux-loss-coeff", "0"], False, False),  # megatron-core skips it
-    (["--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-z-loss-coeff", "0.1"], True, True),
-])  # fmt: skip
+LOGGED_ROUTER_LOSSES = [
+    # (flags, balancing loss logged, z-loss logged)
+    ("", True, False),
+    ("--moe-z-loss-coeff 0.001", True, True),
+    ("--moe-router-load-balancing-type none", False, False),
+    ("--moe-router-load-balancing-type top1_aux_loss --moe-aux-loss-coeff 0", True, False),  # computed, weight 0
+    ("--moe-gate expert_choice", False, False),  # balanced by construction: no loss to log
+    ("--moe-gate expert_choice --moe-z-loss-coeff 0.001", False, True),
+    ("--moe-gate soft", False, False),
+    ("--moe-layer-impl mcore", True, False),
+    ("--moe-layer-impl mcore --moe-aux-loss-coeff 0", False, False),  # megatron-core then skips it
+    ("--moe-layer-impl mcore --moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 0.1", True, True),
+]
+
+
+@pytest.mark.parametrize("flags, aux, z", LOGGED_ROUTER_LOSSES)
 def test_the_log_shows_the_router_losses_the_layers_compute(flags, aux, z):
-    c = cfg(*flags)
+    c = cfg(*flags.split())
     assert c.moe.logged_router_losses(c.model) == (aux, z)
 
 
 # ---------------------------------------------------------------------------- flags that would do nothing
 
+NO_OPS = [
+    # (flags, the error: the flag, its value, and when it applies)
+    ("--moe-router-dim 32", r"--moe-router-dim=32: does nothing in this run; it applies only with --moe-gate xmoe"),
+    ("--moe-soft-slots 2", r"--moe-soft-slots=2: .* only with --moe-gate soft"),
+    ("--hysteresis 1", r"--hysteresis=1: .* only with --fp16 and no --loss-scale"),
+    ("--fp16 --loss-scale 128 --loss-scale-window 10", r"--loss-scale-window=10: .* with --fp16 and no --loss-scale"),
+    ("--loss-scale 128", r"--loss-scale=128.0: .* only with --fp16 or --bf16"),
+    ("--moe-grouped-gemm", r"--moe-grouped-gemm=True: .* only with --num-experts and --moe-layer-impl mcore"),
+    ("--moe-layer-impl mcore --moe-gate xmoe", r"--moe-gate=xmoe: .* only with --num-experts and our layer"),
+    ("--moe-layer-impl mcore --moe-pad-expert-input-to-capacity", r"=True: .* a positive --moe-expert-capacity-factor"),
+    ("--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.1", r"--moe-aux-loss-coeff=0.1: .* other than none"),
+    ("--moe-gate expert_choice --moe-router-load-balancing-type aux_loss", r"type=aux_loss: .* not with --moe-gate"),
+    ("--moe-gate switch --moe-router-topk 1 --no-moe-normalize-topk", r"--moe-normalize-topk=False: .* topk > 1"),
+    ("--sequence-parallel", r"--sequence-parallel=True: .* only with --tensor-model-parallel-size > 1"),
+    ("--lr-decay-style constant --min-lr 0", r"--min-lr=0.0: .* only with --lr-decay-style linear or cosine"),
+    ("--activation-quant-format fp8_row", r"--activation-quant-format=fp8_row: .* only with --quantize-activations"),
+    ("--save-interval 10", r"--save-interval=10: .* only with --save"),
+    ("--no-load-optim", r"--no-load-optim=True: .* only with --load"),
+    ("--position-embedding-type learned_absolute --rotary-base 500", r"--rotary-base=500: .* with --position-emb"),
+]
 
-@pytest.mark.parametrize("flags, message", [
-    (["--moe-router-dim", "32"], r"--moe-router-dim=32: does nothing in this run; it applies only with --moe-gate xmoe or cosine"),
-    (["--moe-soft-slots", "2"], r"--moe-soft-slots=2: .* only with --moe-gate soft"),
-    (["--hysteresis", "1"], r"--hysteresis=1: .* only with --fp16 and no --loss-scale"),
-    (["--fp16", "--loss-scale", "128", "--loss-scale-window", "10"], r"--loss-scale-window=10: .* only with --fp16 and no --loss-scale"),
-    (["--loss-scale", "128"], r"--loss-scale=128.0: .* only with --fp16 or --bf16"),
-    (["--moe-grouped-gemm"], r"--moe-grouped-gemm=True: .* only with --num-experts and --moe-layer-impl mcore"),
-    (["--moe-layer-impl", "mcore", "--moe-gate", "xmoe"], r"--moe-gate=xmoe: .* only with --num-experts and our layer"),
-    (["--moe-layer-impl", "mcore", "--moe-pad-expert-input-to-capacity"], r"--moe-pad-expert-input-to-capacity=True: .* a positive --moe-expert-capacity-factor"),
-    (["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.1"], r"--moe-aux-loss-coeff=0.1: .* other than none"),
-    (["--moe-gate", "expert_choice", "--moe-router-load-balancing-type", "aux_loss"], r"--moe-router-load-balancing-type=aux_loss: .* not with --moe-gate expert_choice/soft"),
-    (["--moe-gate", "switch", "--moe-router-topk", "1", "--no-moe-normalize-topk"], r"--moe-normalize-topk=False: .* --moe-router-topk > 1 and a top-k gate"),
-    (["--sequence-parallel"], r"--sequence-parallel=True: .* only with --tensor-model-parallel-size > 1"),
-    (["--lr-decay-style", "constant", "--min-lr", "0"], r"--min-lr=0.0: .* only with --lr-decay-style linear or cosine"),
-    (["--activation-quant-format", "fp8_row"], r"--activation-quant-format=fp8_row: .* only with --quantize-activations or --activation-policy arctic"),
-    (["--save-interval", "10"], r"--save-interval=10: .* only with --save"),
-    (["--no-load-optim"], r"--no-load-optim=True: .* only with --load"),
-    (["--rotary-base", "500", "--position-embedding-type", "learned_absolute"], r"--rotary-base=500: .* only with --position-embedding-type rope"),
-])  # fmt: skip
+
+@pytest.mark.parametrize("flags, message", NO_OPS)
 def test_a_given_flag_that_would_do_nothing_is_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
-        cfg(*flags)
+        cfg(*flags.split())
 
 
 def test_no_x_flags_switch_their_setting_on():
@@ -222,12 +255,15 @@ def test_moe_flags_need_an_moe_model_and_defaults_never_count():
 
 
 def test_flags_that_apply_are_accepted():
-    c = cfg("--moe-gate", "xmoe", "--moe-router-dim", "8", "--fp16", "--hysteresis", "1", "--bf16", "--no-bf16",
-            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-layer-freq", "2",
-            "--quantize-activations", "expert_fc1", "--activation-quant-format", "int8_block",
-            "--save", "s", "--save-interval", "5", "--load", "s", "--no-load-rng")  # fmt: skip
+    flags = (
+        "--moe-gate xmoe --moe-router-dim 8 --fp16 --hysteresis 1 --bf16 --no-bf16 --tensor-model-parallel-size 2 "
+        "--sequence-parallel --moe-layer-freq 2 --quantize-activations expert_fc1 --activation-quant-format int8_block "
+        "--save s --save-interval 5 --load s --no-load-rng"
+    )
+    c = cfg(*flags.split())
     assert (c.moe.moe_router_dim, c.training.hysteresis, c.checkpoint.save_interval) == (8, 1, 5)
-    m = cfg("--moe-layer-impl", "mcore", "--moe-grouped-gemm", "--moe-expert-capacity-factor", "1.5",
-            "--moe-pad-expert-input-to-capacity", "--moe-router-load-balancing-type", "seq_aux_loss")  # fmt: skip
+    mcore = "--moe-layer-impl mcore --moe-grouped-gemm --moe-expert-capacity-factor 1.5 "
+    mcore += "--moe-pad-expert-input-to-capacity --moe-router-load-balancing-type seq_aux_loss"
+    m = cfg(*mcore.split())
     m.validate(1)
     assert m.moe.moe_grouped_gemm and m.moe.moe_pad_expert_input_to_capacity

@@ -29,11 +29,25 @@ def makefile_examples() -> dict[str, tuple[int, int]]:
 
 def dry_run(name: str, nodes: int, gpus: int) -> list[str]:
     """The trainer flags the example passes, from its printed torchrun command."""
-    env = {**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_PATH": "/data/corpus_text_document",
-           "TOKENIZER_MODEL": "/data/tokenizer.model", "MASTER_ADDR": "node0", "NNODES": str(nodes),
-           "GPUS_PER_NODE": str(gpus), "PYTHONPATH": ROOT}  # fmt: skip
-    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", f"{name}.sh")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "DRY_RUN": "1",
+        "DATA_PATH": "/data/corpus_text_document",
+        "TOKENIZER_MODEL": "/data/tokenizer.model",
+        "MASTER_ADDR": "node0",
+        "NNODES": str(nodes),
+        "GPUS_PER_NODE": str(gpus),
+        "PYTHONPATH": ROOT,
+    }
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "examples", f"{name}.sh")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     command = shlex.split(proc.stdout.splitlines()[0])
     assert proc.stdout.splitlines()[-1].startswith("flags OK"), proc.stdout
