@@ -108,7 +108,7 @@ class MoELayerConfig:
             spec = next(f for f in dataclasses.fields(self) if f.name == field)
             raise MoEConfigError(f"{flag_name(spec)}={getattr(self, field)}: {expected}")
 
-    def validate(self, ep_size: int = 1) -> "MoELayerConfig":
+    def validate(self, ep_size: int = 1) -> MoELayerConfig:
         """Check every field; returns self so a spec can validate inline."""
         r = self._require
         r(self.num_experts > 0, "num_experts", "must be positive")

@@ -6,6 +6,7 @@ cycle until run time.
 """
 
 import ast
+import itertools
 import os
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def test_no_import_cycle_between_subpackages():
     edges = subpackage_edges()
     assert "config" in edges["moe"] and "moe" in edges["training"]  # the walk sees what is there
     cycle = find_cycle(edges)
-    where = [f"{a} -> {b} ({edges[a][b]})" for a, b in zip(cycle, cycle[1:])] if cycle else []
+    where = [f"{a} -> {b} ({edges[a][b]})" for a, b in itertools.pairwise(cycle)] if cycle else []
     assert cycle is None, "import cycle: " + "; ".join(where)
 
 
