@@ -28,7 +28,12 @@ def setup_logging() -> None:
 
 def main(argv=None) -> int:
     setup_logging()
-    cfg = parse_args(argv)
+    log = logging.getLogger("megatron_moe")
+    try:
+        cfg = parse_args(argv)  # before the heavy imports: --help and flag errors come at once
+    except ConfigError as error:
+        log.error("error: %s", error)
+        return 2
     from megatron_moe.data import DataError
     from megatron_moe.data.tokenizer import TokenizerError
     from megatron_moe.training import pretrain
@@ -36,7 +41,7 @@ def main(argv=None) -> int:
     try:
         pretrain(cfg)
     except (ConfigError, DataError, TokenizerError) as error:
-        logging.getLogger("megatron_moe").error("error: %s", error)
+        log.error("error: %s", error)
         return 2
     return 0
 

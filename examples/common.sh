@@ -141,8 +141,8 @@ import sys
 from megatron_moe.config import ConfigError, parse_args
 
 world = int(sys.argv[1])
-cfg = parse_args(sys.argv[2:])
 try:
+    cfg = parse_args(sys.argv[2:])
     cfg.validate(world)
 except ConfigError as error:
     sys.exit(f"error: {error}")

@@ -36,7 +36,6 @@ MOE_ARGS=(
     --moe-router-topk 2
     --moe-layer-freq 2
     --moe-aux-loss-coeff 0.01
-    --moe-token-dispatcher-type alltoall
 )
 DATA_ARGS=(
     --data-path "${DATA_PATHS[@]}"

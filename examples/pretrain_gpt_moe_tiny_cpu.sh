@@ -56,7 +56,6 @@ MOE_ARGS=(
     --moe-router-topk 2
     --moe-layer-freq 2              # layers 0 and 2 are MoE, 1 and 3 dense
     --moe-aux-loss-coeff 0.01
-    --moe-token-dispatcher-type alltoall
 )
 DATA_ARGS=(
     --data-path "$DATA_PREFIX"

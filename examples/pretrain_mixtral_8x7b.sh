@@ -52,7 +52,6 @@ MOE_ARGS=(
     --moe-layer-freq 1               # every layer is an MoE layer
     --moe-aux-loss-coeff 0.01
     --moe-router-load-balancing-type aux_loss
-    --moe-token-dispatcher-type alltoall
 )
 DATA_ARGS=(
     --data-path "${DATA_PATHS[@]}"

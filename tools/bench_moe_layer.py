@@ -126,10 +126,19 @@ def build_mcore(config):
 
 def build_ours(config, mcore, capacity_factor, dispatcher):
     """Our layer with megatron-core's router and expert weights (so both route the same tokens)."""
-    from megatron_moe.moe import MoELayer, moe_layer_config
+    from megatron_moe.moe import MoELayer, MoELayerConfig
 
-    ours = MoELayer(config, moe_layer_config(config, capacity_factor=capacity_factor, dispatcher=dispatcher),
-                    layer_number=1)  # fmt: skip
+    moe_config = MoELayerConfig(
+        num_experts=config.num_moe_experts,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.moe_ffn_hidden_size,
+        topk=config.moe_router_topk,
+        capacity_factor=capacity_factor,
+        pad_expert_input_to_capacity=dispatcher == "alltoall",  # this tool's name for the padded all-to-all
+        expert_type="swiglu" if config.gated_linear_unit else "gelu",
+        aux_loss_coeff=config.moe_aux_loss_coeff,
+    )
+    ours = MoELayer(config, moe_config, layer_number=1)
     with torch.no_grad():
         ours.gate.weight.copy_(mcore.router.weight)
         for e, expert in enumerate(mcore.experts.local_experts):

@@ -14,7 +14,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_moe.activations.engine import LayerScope, SavedBytes
-from megatron_moe.activations.policy import ActivationPolicy
+from megatron_moe.config.activation_policy import ActivationPolicy
 
 # (attribute path inside a TransformerLayer, policy name)
 LAYER_MODULES = (

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_moe.activations.policy import ActivationPolicy
+from megatron_moe.config.activation_policy import ActivationPolicy
 from megatron_moe.activations.quantize import Packed, dequantize, dequantize_rows, quantize, worth_quantizing
 from megatron_moe.platform.rng import get_rng_states, set_rng_states
 

@@ -34,11 +34,11 @@ def single_process() -> None:
     """torch.distributed with one gloo rank and megatron-core's groups (idempotent)."""
     from megatron_moe.platform import init_platform
     from megatron_moe.platform.rng import seed_model_parallel
-    from megatron_moe.training.initialize import _default_to_single_process
+    from megatron_moe.platform.process import default_to_single_process
 
     init_platform()
     if not dist.is_initialized():
-        _default_to_single_process()
+        default_to_single_process()
         dist.init_process_group("gloo")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()

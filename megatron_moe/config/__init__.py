@@ -1,4 +1,11 @@
-"""Run configuration: flag groups, the generated CLI, and cross-group validation."""
+"""Run configuration: flag groups, the generated CLI, and cross-group validation.
+
+The bottom layer of megatron_moe: pure Python, importing neither torch nor
+megatron-core nor another megatron_moe package. The types the layers above
+are configured with (the MoE layer's `MoELayerConfig`, the `ActivationPolicy`)
+live here too, so the run config builds and checks them without importing
+the code that uses them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,14 @@ import argparse
 import dataclasses
 from typing import Sequence
 
-from megatron_moe.config.fields import ConfigError, add_arguments, from_namespace, require
+from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
+from megatron_moe.config.fields import (
+    ConfigError,
+    add_arguments,
+    check_given_flags_apply,
+    from_namespace,
+    require,
+)
 from megatron_moe.config.groups import (
     GROUPS,
     ActivationsConfig,
@@ -18,6 +32,7 @@ from megatron_moe.config.groups import (
     ParallelConfig,
     TrainingConfig,
 )
+from megatron_moe.config.moe_layer import MoEConfigError, MoELayerConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -66,10 +81,8 @@ class RunConfig:
             "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
         )  # fmt: skip
 
-    def activation_policy(self):
+    def activation_policy(self) -> ActivationPolicy | None:
         """The per-module ActivationPolicy, or None when no selective policy is asked for."""
-        from megatron_moe.activations.policy import build_policy
-
         a = self.activations
         if not a.selective:
             return None
@@ -82,22 +95,48 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunConfig":
+        """From `to_dict()`, also of a checkpoint saved before the MoE flags were renamed."""
+        values = {**values, "moe": _renamed_moe_flags(values["moe"])}
         return cls(**{name: group(**values[name]) for name, group in GROUPS})
 
 
-def build_parser(description: str = "Pretrain a GPT mixture-of-experts model.") -> argparse.ArgumentParser:
+def _renamed_moe_flags(moe: dict) -> dict:
+    """Saved MoE settings under the flags that replaced --moe-capacity-factor, --moe-dispatcher and
+    --moe-load-balancing, meaning what they ran as."""
+    moe = dict(moe)
+    if "moe_capacity_factor" in moe:
+        moe["moe_expert_capacity_factor"] = moe.pop("moe_capacity_factor")
+    if "moe_dispatcher" in moe:
+        moe["moe_pad_expert_input_to_capacity"] = moe.pop("moe_dispatcher") == "alltoall"
+    if "moe_load_balancing" in moe:
+        old = moe.pop("moe_load_balancing")
+        if moe.get("moe_layer_impl", "megatron_moe") == "megatron_moe":  # seq_aux_loss ran as switch there
+            kind = old or ("none" if moe.get("moe_router_load_balancing_type") == "none" else "switch")
+            moe["moe_router_load_balancing_type"] = {"switch": "aux_loss", "gshard": "top1_aux_loss"}.get(kind, kind)
+    return moe
+
+
+def build_parser(
+    description: str = "Pretrain a GPT mixture-of-experts model.", *, defaults: bool = True
+) -> argparse.ArgumentParser:
+    """The CLI; `defaults=False` leaves flags not given out of the parsed namespace."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     for name, group in GROUPS:
-        add_arguments(parser, group, name)
+        add_arguments(parser, group, name, defaults=defaults)
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    """The run config the flags describe. Raises ConfigError for a given flag that would do nothing."""
     namespace = build_parser().parse_args(argv)
-    return RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
+    cfg = RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
+    given = set(vars(build_parser(defaults=False).parse_args(argv)))
+    check_given_flags_apply(cfg, GROUPS, given)
+    return cfg
 
 
 __all__ = [
+    "ActivationPolicy",
     "ActivationsConfig",
     "CheckpointConfig",
     "ConfigError",
@@ -105,6 +144,8 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "MoEConfig",
+    "MoEConfigError",
+    "MoELayerConfig",
     "ParallelConfig",
     "RunConfig",
     "TrainingConfig",

@@ -4,6 +4,10 @@ Each config group is a keyword-only dataclass whose fields are declared with
 `arg(default, "help")`. `add_arguments` turns a group into an argparse group
 (`field_name` -> `--field-name`), `from_namespace` builds the dataclass back,
 so there is one source of truth for names, defaults and help.
+
+A field may also say when it does anything (`applies=When(test, "with --fp16")`):
+a flag the user gives where it would change nothing is refused at parse time
+(`check_given_flags_apply`) instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -12,16 +16,34 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 
 class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag, value and a valid choice."""
 
 
-def arg(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None):
-    """A dataclass field with CLI metadata. `default` may be a list (copied per instance)."""
-    metadata = {"help": help, "choices": choices, "flag": flag}
+@dataclasses.dataclass(frozen=True)
+class When:
+    """The condition under which a flag changes what runs: a test of the whole run config, and its words."""
+
+    test: Callable[[Any], bool]
+    """Takes the RunConfig; True when the flag is read."""
+    text: str
+    """E.g. "with --fp16"; completes "applies only ..."."""
+
+
+def arg(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    flag: str | None = None,
+    applies: When | None = None,
+):
+    """A dataclass field with CLI metadata. `default` may be a list (copied per instance);
+    `applies`: when the flag does anything (given otherwise, it is refused)."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "applies": applies}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -41,16 +63,22 @@ def _unwrap_optional(annotation):
     return annotation, False
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """Add one `--flag` per field of the dataclass `cls` to a new argument group."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str, *, defaults: bool = True) -> None:
+    """Add one `--flag` per field of the dataclass `cls` to a new argument group.
+
+    `defaults=False`: a flag not given is left out of the namespace (to see what the user typed)."""
     group = parser.add_argument_group(title, (cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         annotation, _ = _unwrap_optional(hints[field.name])
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        kwargs: dict[str, Any] = {"dest": field.name, "default": default}
+        kwargs: dict[str, Any] = {"dest": field.name, "default": default if defaults else argparse.SUPPRESS}
         help_text = field.metadata.get("help", "")
-        if annotation is bool:
+        if annotation is bool and field.name.startswith("no_"):
+            # A plain switch: BooleanOptionalAction reads the leading --no- as the negation, so
+            # --no-load-optim would set no_load_optim=False, a silent no-op.
+            kwargs["action"] = "store_true"
+        elif annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(annotation) is list:
             kwargs["nargs"] = "+"
@@ -59,11 +87,26 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> Non
             kwargs["type"] = annotation
         if field.metadata.get("choices"):
             kwargs["choices"] = field.metadata["choices"]
-        group.add_argument(flag_name(field), help=f"{help_text} (default: {default})", **kwargs)
+        applies = field.metadata.get("applies")
+        only = f"; only {applies.text}" if applies else ""
+        group.add_argument(flag_name(field), help=f"{help_text} (default: {default}{only})", **kwargs)
 
 
 def from_namespace(cls: type, namespace: argparse.Namespace):
     return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_given_flags_apply(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]) -> None:
+    """Refuse a flag the user gave that does nothing in this run (a silent no-op misleads)."""
+    for name, cls in groups:
+        for field in dataclasses.fields(cls):
+            applies = field.metadata.get("applies")
+            if field.name in given and applies is not None and not applies.test(run_config):
+                value = getattr(getattr(run_config, name), field.name)
+                raise ConfigError(
+                    f"{flag_name(field)}={value}: does nothing in this run; it applies only "
+                    f"{applies.text} (drop it, or set what it needs)"
+                )
 
 
 def require(condition: bool, flag: str, value: Any, expected: str) -> None:

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_moe.config import conditions as only
+from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require
+from megatron_moe.config.moe_layer import GATES, ORDERINGS, MoELayerConfig
+
+MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+"""megatron-core's MoE layer's --moe-router-load-balancing-type choices (as this CLI offers them)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -23,9 +29,11 @@ class ModelConfig:
     num_attention_heads: int = arg(4, "attention heads")
     num_query_groups: int | None = arg(None, "key/value head groups for GQA (default: MHA)")
     seq_length: int = arg(256, "tokens per sample")
-    max_position_embeddings: int | None = arg(None, "learned-position table size (default seq length)")
+    max_position_embeddings: int | None = arg(
+        None, "learned-position table size; with RoPE, the context length HuggingFace exports record (default seq)"
+    )
     position_embedding_type: str = arg("rope", "position encoding", choices=("rope", "learned_absolute"))
-    rotary_base: int = arg(10000, "RoPE base")
+    rotary_base: int = arg(10000, "RoPE base", applies=only.ROPE)
     normalization: str = arg("LayerNorm", "norm layer", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = arg(1e-5, "norm epsilon")
     swiglu: bool = arg(False, "SwiGLU MLPs and experts instead of GELU")
@@ -56,43 +64,75 @@ class MoEConfig:
     """Mixture of experts: how many experts, how tokens are routed, where MoE layers sit."""
 
     num_experts: int | None = arg(None, "experts per MoE layer (unset: a dense model)")
-    moe_router_topk: int = arg(2, "experts per token")
+    moe_router_topk: int = arg(2, "experts per token", applies=only.TOKEN_PICKING)
     moe_layer_freq: str = arg(
-        "1", "MoE every N layers (N, e.g. 2 = every other layer) or a 0/1 pattern like '[1,0,1,0]'"
+        "1",
+        "MoE every N layers (N, e.g. 2 = every other layer) or a 0/1 pattern like '[1,0,1,0]'",
+        applies=only.MOE,
     )
-    moe_ffn_hidden_size: int | None = arg(None, "expert MLP width (default --ffn-hidden-size)")
-    moe_aux_loss_coeff: float = arg(0.01, "load-balancing loss weight")
-    moe_z_loss_coeff: float | None = arg(None, "router z-loss weight (unset: off)")
+    moe_ffn_hidden_size: int | None = arg(None, "expert MLP width (default --ffn-hidden-size)", applies=only.MOE)
+    moe_aux_loss_coeff: float = arg(0.01, "load-balancing loss weight", applies=only.BALANCING)
+    moe_z_loss_coeff: float | None = arg(None, "router z-loss weight (unset: off)", applies=only.Z_LOSS)
     moe_router_load_balancing_type: str = arg(
-        "aux_loss", "balancing loss", choices=("aux_loss", "seq_aux_loss", "none")
+        "aux_loss",
+        "balancing loss E x sum_e f_e x P_e (f_e: share of routed choices on expert e, P_e: its mean router "
+        "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), none; "
+        "seq_aux_loss only with --moe-layer-impl mcore",
+        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "none"),
+        applies=only.BALANCING_TYPE,
     )
-    moe_capacity_factor: float | None = arg(
-        None, "Tutel semantics: > 0 fixed (drop overflow), 0 or unset dropless, < 0 dropless capped at |f|; "
-        "C = ceil(|f| x topk x tokens / experts) per expert per EP rank"
+    moe_expert_capacity_factor: float | None = arg(
+        None,
+        "Tutel semantics: > 0 fixed (drop overflow), 0 or unset dropless, < 0 dropless capped at |f|; "
+        "C = ceil(|f| x topk x tokens / experts) per expert per EP rank",
+        applies=only.MOE,
     )
-    moe_gate: str = arg(
-        "topk", "routing function",
-        choices=("topk", "noisy_topk", "switch", "sigmoid", "xmoe", "cosine", "expert_choice", "soft", "bpr", "rts"),
-    )  # fmt: skip
-    moe_ordering: str = arg("sparse", "token layout: sparse (index gather/scatter) or dense (GShard einsum)",
-                            choices=("sparse", "dense"))  # fmt: skip
-    moe_dispatcher: str = arg("alltoallv", "EP all-to-all: alltoallv (exact rows) or alltoall (capacity-padded)",
-                              choices=("alltoallv", "alltoall"))  # fmt: skip
-    moe_shared_expert_ffn_hidden_size: int | None = arg(None, "width of a dense MLP beside the experts (unset: none)")
-    moe_load_balancing: str | None = arg(None, "balancing loss: switch, gshard (first choice) or none "
-                                         "(default from --moe-router-load-balancing-type)",
-                                         choices=(None, "switch", "gshard", "none"))  # fmt: skip
-    moe_normalize_topk: bool = arg(True, "rescale the k chosen gate scores to sum to 1 (k > 1)")
-    moe_router_dim: int | None = arg(None, "projection width of the xmoe/cosine gates (default 16 / 256)")
-    moe_soft_slots: int = arg(1, "slots per expert of --moe-gate soft")
-    moe_layer_impl: str = arg("megatron_moe", "MoE layer: ours or megatron-core's (for comparison)",
-                              choices=("megatron_moe", "mcore"))  # fmt: skip
-    moe_token_dispatcher_type: str = arg("alltoall", "token dispatch", choices=("alltoall", "allgather"))
-    moe_grouped_gemm: bool = arg(False, "grouped-GEMM experts (needs the grouped_gemm package)")
+    moe_pad_expert_input_to_capacity: bool = arg(
+        False,
+        "pad every expert's rows from every EP rank to the capacity C (the experts run one batched GEMM); "
+        "without a capacity factor (dropless) C is the step's largest count over the EP group",
+        applies=only.PADDING,
+    )
+    moe_token_dispatcher_type: str = arg(
+        "alltoall",
+        "token dispatch: alltoall (all-to-all over EP, exact rows unless padded); allgather only with "
+        "--moe-layer-impl mcore",
+        choices=("alltoall", "allgather"),
+        applies=only.MOE,
+    )
+    moe_gate: str = arg("topk", "routing function", choices=GATES, applies=only.OUR_MOE)
+    moe_ordering: str = arg(
+        "sparse",
+        "token layout: sparse (index gather/scatter) or dense (GShard einsum, always padded to capacity)",
+        choices=ORDERINGS,
+        applies=only.OUR_MOE,
+    )
+    moe_shared_expert_ffn_hidden_size: int | None = arg(
+        None, "width of a dense MLP beside the experts (unset: none)", applies=only.OUR_MOE
+    )
+    moe_normalize_topk: bool = arg(True, "rescale the k chosen gate scores to sum to 1", applies=only.NORMALIZING)
+    moe_router_dim: int | None = arg(
+        None, "projection width of the xmoe/cosine gates (default 16 / 256)", applies=only.PROJECTING
+    )
+    moe_soft_slots: int = arg(1, "slots per expert of --moe-gate soft", applies=only.SOFT)
+    moe_layer_impl: str = arg(
+        "megatron_moe",
+        "MoE layer: ours or megatron-core's (the layer benchmark's reference)",
+        choices=("megatron_moe", "mcore"),
+        applies=only.MOE,
+    )
+    moe_grouped_gemm: bool = arg(
+        False, "megatron-core's grouped-GEMM experts (needs the grouped_gemm package)", applies=only.MCORE_MOE
+    )
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def own_layer(self) -> bool:
+        """True when the MoE layers are megatron_moe's (not megatron-core's)."""
+        return self.is_moe and self.moe_layer_impl == "megatron_moe"
 
     def layer_pattern(self, num_layers: int) -> list[int]:
         """1 for an MoE layer, 0 for a dense one, per layer."""
@@ -110,6 +150,39 @@ class MoEConfig:
         require(text.isdigit() and int(text) > 0, "--moe-layer-freq", text, "a positive integer or a 0/1 list")
         return [1 if i % int(text) == 0 else 0 for i in range(num_layers)]
 
+    def layer_config(self, model: ModelConfig) -> MoELayerConfig:
+        """Our MoE layer's config from the run's flags: the one place flags become a MoELayerConfig."""
+        return MoELayerConfig(
+            num_experts=self.num_experts,
+            hidden_size=model.hidden_size,
+            ffn_hidden_size=self.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+            topk=self.moe_router_topk,
+            gate=self.moe_gate,
+            capacity_factor=self.moe_expert_capacity_factor,
+            ordering=self.moe_ordering,
+            pad_expert_input_to_capacity=self.moe_pad_expert_input_to_capacity,
+            expert_type="swiglu" if model.swiglu else "gelu",
+            shared_expert_ffn_hidden_size=self.moe_shared_expert_ffn_hidden_size,
+            load_balancing=self.moe_router_load_balancing_type,
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            z_loss_coeff=self.moe_z_loss_coeff or 0.0,
+            normalize_topk=self.moe_normalize_topk,
+            router_dim=self.moe_router_dim,
+            soft_slots=self.moe_soft_slots,
+            init_method_std=model.init_method_std,
+        )
+
+    def logged_router_losses(self, model: ModelConfig) -> tuple[bool, bool]:
+        """(balancing loss, z-loss): whether the MoE layers compute each, so the log shows it (not a 0)."""
+        if not self.is_moe:
+            return False, False
+        if self.own_layer:
+            layer = self.layer_config(model)
+            return layer.has_balancing_loss, layer.has_z_loss
+        # megatron-core computes (and tracks) a balancing loss only with a positive coefficient.
+        balancing = self.moe_router_load_balancing_type != "none" and self.moe_aux_loss_coeff > 0
+        return balancing, bool(self.moe_z_loss_coeff)
+
     def validate(self, model: ModelConfig) -> None:
         if not self.is_moe:
             return
@@ -120,18 +193,27 @@ class MoEConfig:
             f"must be between 1 and --num-experts={self.num_experts}",
         )  # fmt: skip
         self.layer_pattern(model.num_layers)
-        if self.moe_layer_impl == "megatron_moe":
-            from megatron_moe.moe import MoELayerConfig  # its validate() names the flag, value and a choice
-
-            MoELayerConfig(
-                num_experts=self.num_experts, hidden_size=model.hidden_size,
-                ffn_hidden_size=self.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
-                topk=self.moe_router_topk, gate=self.moe_gate, capacity_factor=self.moe_capacity_factor,
-                ordering=self.moe_ordering, dispatcher=self.moe_dispatcher,
-                shared_expert_ffn_hidden_size=self.moe_shared_expert_ffn_hidden_size,
-                load_balancing=self.moe_load_balancing or "switch", router_dim=self.moe_router_dim,
-                soft_slots=self.moe_soft_slots,
-            ).validate()  # fmt: skip
+        if self.own_layer:
+            require(
+                self.moe_token_dispatcher_type == "alltoall",
+                "--moe-token-dispatcher-type",
+                self.moe_token_dispatcher_type,
+                "megatron_moe's layer dispatches with alltoall (allgather only with --moe-layer-impl mcore)",
+            )
+            self.layer_config(model).validate()  # names the flag, value and a valid choice
+            return
+        require(
+            self.moe_router_load_balancing_type in MCORE_LOAD_BALANCING,
+            "--moe-router-load-balancing-type",
+            self.moe_router_load_balancing_type,
+            f"megatron-core's layer (--moe-layer-impl mcore) implements {', '.join(MCORE_LOAD_BALANCING)}",
+        )
+        require(
+            not self.moe_pad_expert_input_to_capacity or (self.moe_expert_capacity_factor or 0) > 0,
+            "--moe-pad-expert-input-to-capacity",
+            True,
+            "megatron-core's layer pads only to a positive --moe-expert-capacity-factor",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -140,10 +222,14 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = arg(1, "TP: ranks that split each weight matrix")
     pipeline_model_parallel_size: int = arg(1, "PP: pipeline stages")
-    expert_model_parallel_size: int = arg(1, "EP: ranks that split the experts")
-    expert_tensor_parallel_size: int | None = arg(None, "TP inside experts (default 1)")
+    expert_model_parallel_size: int = arg(1, "EP: ranks that split the experts", applies=only.MOE)
+    expert_tensor_parallel_size: int | None = arg(
+        None, "TP inside experts: only 1 until expert-sharded parallelism (default 1)", applies=only.MOE
+    )
     context_parallel_size: int = arg(1, "CP: ranks that split the sequence in attention")
-    sequence_parallel: bool = arg(False, "shard norms/dropout activations over TP (needed for MoE with TP>1)")
+    sequence_parallel: bool = arg(
+        False, "shard norms/dropout activations over TP (needed for MoE with TP>1)", applies=only.TENSOR_PARALLEL
+    )
     use_distributed_optimizer: bool = arg(False, "shard optimizer state over data-parallel ranks")
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -184,6 +270,13 @@ class ParallelConfig:
         if moe.is_moe:
             etp = self.expert_tensor_parallel_size or 1
             require(
+                etp == 1,
+                "--expert-tensor-parallel-size",
+                etp,
+                "use 1: experts are not sharded over tensor-parallel ranks yet (nor are their gradients summed "
+                "over them); expert tensor parallelism arrives with expert-sharded parallelism",
+            )
+            require(
                 moe.num_experts % ep == 0,
                 "--num-experts", moe.num_experts,
                 f"must be a multiple of --expert-model-parallel-size={ep} "
@@ -212,10 +305,10 @@ class TrainingConfig:
     global_batch_size: int | None = arg(None, "samples per step over all DP ranks (default micro x DP)")
     train_iters: int = arg(100, "optimizer steps")
     lr: float = arg(3e-4, "peak learning rate")
-    min_lr: float = arg(3e-5, "final learning rate")
+    min_lr: float = arg(3e-5, "final learning rate", applies=only.DECAYING)
     lr_warmup_iters: int = arg(0, "linear warm-up steps")
     lr_decay_style: str = arg("cosine", "decay after warm-up", choices=("constant", "linear", "cosine"))
-    lr_decay_iters: int | None = arg(None, "decay over this many steps (default --train-iters)")
+    lr_decay_iters: int | None = arg(None, "decay over this many steps (default --train-iters)", applies=only.DECAYING)
     weight_decay: float = arg(0.01, "AdamW weight decay")
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.95, "Adam beta2")
@@ -223,11 +316,17 @@ class TrainingConfig:
     clip_grad: float = arg(1.0, "clip the global grad norm to this (0: off)")
     bf16: bool = arg(False, "bfloat16 parameters and compute with fp32 main weights")
     fp16: bool = arg(False, "float16 with dynamic loss scaling")
-    loss_scale: float | None = arg(None, "fp16: a static loss scale instead of the dynamic one")
-    initial_loss_scale: float = arg(2.0**32, "fp16: the dynamic loss scale to start from")
-    min_loss_scale: float = arg(1.0, "fp16: the dynamic loss scale never drops below this")
-    loss_scale_window: int = arg(1000, "fp16: steps without overflow before the loss scale doubles")
-    hysteresis: int = arg(2, "fp16: overflowing steps tolerated before the loss scale halves")
+    loss_scale: float | None = arg(
+        None, "a static loss scale (fp16: instead of the dynamic one)", applies=only.MIXED_PRECISION
+    )
+    initial_loss_scale: float = arg(2.0**32, "fp16: the dynamic loss scale to start from", applies=only.DYNAMIC_SCALE)
+    min_loss_scale: float = arg(1.0, "fp16: the dynamic loss scale never drops below this", applies=only.DYNAMIC_SCALE)
+    loss_scale_window: int = arg(
+        1000, "fp16: steps without overflow before the loss scale doubles", applies=only.DYNAMIC_SCALE
+    )
+    hysteresis: int = arg(
+        2, "fp16: overflowing steps tolerated before the loss scale halves", applies=only.DYNAMIC_SCALE
+    )
     seed: int = arg(1234, "random seed")
     eval_interval: int = arg(50, "validation every N steps (0: only at the end)")
     eval_iters: int = arg(4, "validation micro-batch rounds per evaluation")
@@ -255,10 +354,11 @@ class ActivationsConfig:
                                  "(recompute norms/activations, quantize GEMM inputs, keep all-to-all outputs)",
                                  choices=("none", "full", "arctic"))  # fmt: skip
     recompute_modules: list[str] = arg([], "modules whose outputs are recomputed in backward "
-                                       "(megatron_moe/activations/policy.py lists the names)")  # fmt: skip
+                                       "(megatron_moe/config/activation_policy.py lists the names)")  # fmt: skip
     quantize_activations: list[str] = arg([], "modules whose saved activations are kept quantized")
-    activation_quant_format: str = arg("int8_row", "int8_row, int8_block or fp8_row (fp8 e4m3)",
-                                       choices=("int8_row", "int8_block", "fp8_row"))  # fmt: skip
+    activation_quant_format: str = arg(
+        "int8_row", "int8_row, int8_block or fp8_row (fp8 e4m3)", choices=QUANT_FORMATS, applies=only.QUANTIZING
+    )
 
     @property
     def full_recompute(self) -> bool:
@@ -308,10 +408,10 @@ class CheckpointConfig:
 
     save: str | None = arg(None, "checkpoint directory to save to")
     load: str | None = arg(None, "checkpoint directory to resume from")
-    save_interval: int = arg(0, "save every N steps (0: only at the end)")
-    no_load_optim: bool = arg(False, "load weights only, not optimizer state")
-    no_load_rng: bool = arg(False, "do not restore RNG states")
-    no_save_optim: bool = arg(False, "save weights only")
+    save_interval: int = arg(0, "save every N steps (0: only at the end)", applies=only.SAVING)
+    no_load_optim: bool = arg(False, "load weights only, not optimizer state", applies=only.LOADING)
+    no_load_rng: bool = arg(False, "do not restore RNG states", applies=only.LOADING)
+    no_save_optim: bool = arg(False, "save weights only", applies=only.SAVING)
     exit_interval: int | None = arg(None, "save and exit after this many steps of this run")
     exit_duration_in_mins: float | None = arg(None, "save and exit once this run has trained this long")
     exit_signal_handler: bool = arg(True, "on SIGTERM (e.g. slurm's pre-timeout signal) save and exit")
@@ -323,7 +423,9 @@ class LoggingConfig:
 
     log_interval: int = arg(10, "log a line every N steps")
     tensorboard_dir: str | None = arg(None, "write TensorBoard event files here")
-    log_params_norm: bool = arg(False, "also log the parameter norm")
+    log_params_norm: bool = arg(
+        False, "log the L2 norm of all parameters (each counted once) after each step, as Megatron-LM does"
+    )
 
 
 GROUPS: tuple[tuple[str, type], ...] = (

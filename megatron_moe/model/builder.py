@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_moe.activations.apply import apply_activation_policy
-from megatron_moe.config import ConfigError, RunConfig
+from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
 from megatron_moe.model.spec import block_spec
 from megatron_moe.platform import current_platform
 
@@ -42,21 +42,16 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     moe_kwargs = {}
     if moe.is_moe:
+        # Where the MoE layers sit and their sizes; how they route only for megatron-core's own layer
+        # (our layer is configured by moe_layer(cfg) alone).
         moe_kwargs = dict(
             num_moe_experts=moe.num_experts,
             moe_router_topk=moe.moe_router_topk,
             moe_ffn_hidden_size=moe.moe_ffn_hidden_size or ffn,
-            moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
-            moe_z_loss_coeff=moe.moe_z_loss_coeff,
-            moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
-            moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
-            # megatron-core's own layer (--moe-layer-impl mcore) knows only f > 0; 0 and < 0 are dropless there.
-            moe_expert_capacity_factor=_mcore_capacity(moe.moe_capacity_factor),
-            moe_pad_expert_input_to_capacity=_mcore_capacity(moe.moe_capacity_factor) is not None,
             moe_layer_freq=moe.layer_pattern(m.num_layers),
-            moe_grouped_gemm=moe.moe_grouped_gemm,
-            moe_router_dtype="fp32",
         )
+        if not moe.own_layer:
+            moe_kwargs.update(_mcore_moe_settings(cfg))
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -96,24 +91,25 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
     )
 
 
-def _mcore_capacity(factor: float | None) -> float | None:
-    return factor if factor is not None and factor > 0 else None
+def _mcore_moe_settings(cfg: RunConfig) -> dict:
+    """How megatron-core's own MoE layer (--moe-layer-impl mcore) routes, dispatches and computes."""
+    moe = cfg.moe
+    factor = moe.moe_expert_capacity_factor
+    return dict(
+        moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+        moe_z_loss_coeff=moe.moe_z_loss_coeff,
+        moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=factor if factor is not None and factor > 0 else None,  # 0, < 0: dropless
+        moe_pad_expert_input_to_capacity=moe.moe_pad_expert_input_to_capacity,
+        moe_grouped_gemm=moe.moe_grouped_gemm,
+        moe_router_dtype="fp32",
+    )
 
 
-def moe_layer(cfg: RunConfig, config: TransformerConfig):
-    """Our MoE layer's settings, or None to use megatron-core's MoELayer."""
-    m = cfg.moe
-    if not m.is_moe or m.moe_layer_impl != "megatron_moe":
-        return None
-    from megatron_moe.moe import moe_layer_config
-
-    overrides = {"load_balancing": m.moe_load_balancing} if m.moe_load_balancing else {}
-    return moe_layer_config(
-        config, gate=m.moe_gate, capacity_factor=m.moe_capacity_factor, ordering=m.moe_ordering,
-        dispatcher=m.moe_dispatcher, shared_expert_ffn_hidden_size=m.moe_shared_expert_ffn_hidden_size,
-        normalize_topk=m.moe_normalize_topk, router_dim=m.moe_router_dim, soft_slots=m.moe_soft_slots,
-        **overrides,
-    )  # fmt: skip
+def moe_layer(cfg: RunConfig) -> MoELayerConfig | None:
+    """Our MoE layer's settings, or None to use megatron-core's MoELayer (or for a dense model)."""
+    return cfg.moe.layer_config(cfg.model) if cfg.moe.own_layer else None
 
 
 def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:
@@ -139,7 +135,7 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> G
             cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers,
             use_transformer_engine=use_transformer_engine(),
             pp_rank=pp_rank,
-            moe_layer=moe_layer(cfg, config),
+            moe_layer=moe_layer(cfg),
         ),
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=m.max_position_embeddings or m.seq_length,

@@ -21,7 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_moe.moe.config import MoELayerConfig
+from megatron_moe.config.moe_layer import MoELayerConfig
+from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
 from megatron_moe.moe.routing import Gate, Routing, router_linear, router_losses
 
 PRIORITIES = ("token", "importance", "random")
@@ -135,8 +136,6 @@ class CosineGate(_TopKGateBase):
 
 def build_gate(cfg: MoELayerConfig) -> Gate:
     """The gate `--moe-gate` names."""
-    from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
-
     builders = {
         "topk": lambda: SoftmaxTopKGate(cfg),
         "noisy_topk": lambda: SoftmaxTopKGate(cfg, noisy=True),

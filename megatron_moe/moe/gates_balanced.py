@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_moe.moe.config import MoELayerConfig
+from megatron_moe.config.moe_layer import MoELayerConfig
 from megatron_moe.moe.routing import Gate, Routing, expert_choice_slots, router_linear, router_losses
 
 

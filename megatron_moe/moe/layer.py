@@ -23,8 +23,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe import comm
+from megatron_moe.config.moe_layer import MoELayerConfig
 from megatron_moe.moe.capacity import expert_capacity
-from megatron_moe.moe.config import MoELayerConfig
 from megatron_moe.moe.dispatch import Dispatched, DispatchPlan, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
@@ -34,6 +34,7 @@ from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, exper
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shared import SharedExpert
 from megatron_moe.platform import to_host
+from megatron_moe.platform.rng import expert_parallel_stream, rng_tracker
 
 
 def _default_groups():
@@ -47,15 +48,13 @@ def _default_groups():
 class MoELayer(MegatronModule):
     """A mixture-of-experts MLP whose stages are named methods and pluggable objects."""
 
-    def __init__(self, config: TransformerConfig, moe_config: MoELayerConfig | None = None, *,
+    def __init__(self, config: TransformerConfig, moe_config: MoELayerConfig, *,
                  ep_group=None, expert_dp_group=None, experts: ModuleSpec | Callable | None = None,
                  hooks: Sequence[MoEHook] = (), layer_number: int | None = None):  # fmt: skip
         super().__init__(config=config)
-        from megatron_moe.moe.spec import moe_layer_config
-
         if ep_group is None and expert_dp_group is None:
             ep_group, expert_dp_group = _default_groups()
-        self.cfg = (moe_config or moe_layer_config(config)).validate(ep_size=comm.group_size(ep_group))
+        self.cfg = moe_config.validate(ep_size=comm.group_size(ep_group))
         self.dispatcher = build_dispatcher(self.cfg.dispatcher, ep_group, self.cfg.num_experts, layer=layer_number)
         self.layer_number = layer_number
         self.num_local_experts = self.dispatcher.num_local_experts
@@ -105,8 +104,6 @@ class MoELayer(MegatronModule):
                 raise TypeError(f"custom experts {type(module).__name__} must be an nn.Module with "
                                 f"num_local_experts={self.num_local_experts} and forward(rows, counts)")  # fmt: skip
             return module
-        from megatron_moe.platform.rng import expert_parallel_stream, rng_tracker
-
         tracker = rng_tracker()
         name = expert_parallel_stream()
         # Expert weights differ per EP rank: draw them from megatron's expert-parallel RNG stream.

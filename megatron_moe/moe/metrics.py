@@ -68,11 +68,10 @@ class MoEStats:
 
 
 def _moe_layers(model_chunks):
-    from megatron_moe.moe.layer import MoELayer
-
+    """Our MoE layers: the modules that record MoEStats (layer.py imports this module, not back)."""
     for chunk in model_chunks:
         for module in chunk.modules():
-            if isinstance(module, MoELayer):
+            if isinstance(getattr(module, "stats", None), MoEStats):
                 yield module
 
 

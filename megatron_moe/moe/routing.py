@@ -89,11 +89,12 @@ def load_balancing_loss(probs_TE: torch.Tensor, expert_TK: torch.Tensor, kind: s
                         valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:  # fmt: skip
     """Switch/GShard balancing loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
 
-    f_e: fraction of routed choices on expert e (switch: all k choices, gshard:
-    the first choice); P_e: mean router probability of e. Only P carries grad.
+    f_e: fraction of routed choices on expert e (`kind` aux_loss: all k choices,
+    as Switch and Megatron; top1_aux_loss: the first choice, as GShard); P_e:
+    mean router probability of e. Only P carries grad.
     """
     num_experts = probs_TE.shape[1]
-    chosen = expert_TK[:, :1] if kind == "gshard" else expert_TK
+    chosen = expert_TK[:, :1] if kind == "top1_aux_loss" else expert_TK
     one_hot_TE = torch.zeros_like(probs_TE).scatter_add_(
         1, chosen, torch.ones(chosen.shape, dtype=probs_TE.dtype, device=chosen.device)
     )

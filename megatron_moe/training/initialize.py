@@ -6,7 +6,6 @@ import datetime
 import logging
 import os
 import random
-import socket
 
 import numpy as np
 import torch
@@ -18,6 +17,7 @@ from megatron_moe.config import RunConfig
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe.grouped_gemm import kernel_name
 from megatron_moe.platform import Platform, init_platform, kernels_in_use
+from megatron_moe.platform.process import default_to_single_process
 from megatron_moe.platform.rng import seed_model_parallel
 
 log = logging.getLogger("megatron_moe")
@@ -30,7 +30,7 @@ def initialize(cfg: RunConfig) -> Platform:
     so a bad flag fails on every rank with the same message.
     """
     platform = init_platform()
-    _default_to_single_process()
+    default_to_single_process()
     if not dist.is_initialized():
         dist.init_process_group(
             backend=platform.backend,
@@ -52,20 +52,6 @@ def initialize(cfg: RunConfig) -> Platform:
         log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernels.items()))
         log.info("layout: %s", describe_layout(cfg))
     return platform
-
-
-def _default_to_single_process() -> None:
-    """Let `python pretrain_gpt_moe.py ...` run as one rank without torchrun."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def describe_layout(cfg: RunConfig) -> str:

@@ -29,13 +29,17 @@ class TrainingLogger:
         self._steps = 0
         self._sums: dict[str, float] = {}
         self._skipped = 0
+        self._params_norm: float | None = None
         self._t0 = time.perf_counter()
 
     def step(self, iteration: int, figures: dict[str, float], *, lr: float, grad_norm: float | None,
-             skipped: bool, tensorboard_only: dict[str, float] | None = None) -> None:  # fmt: skip
+             skipped: bool, tensorboard_only: dict[str, float] | None = None,
+             params_norm: float | None = None) -> None:  # fmt: skip
         """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
-        per-layer MoE figures) to TensorBoard alone."""
+        per-layer MoE figures) to TensorBoard alone. `params_norm` (--log-params-norm): this step's, as
+        Megatron-LM shows it."""
         self._steps += 1
+        self._params_norm = params_norm
         self._skipped += int(skipped)
         for name, value in figures.items():
             self._sums[name] = self._sums.get(name, 0.0) + value
@@ -45,6 +49,8 @@ class TrainingLogger:
             self.writer.add_scalar("learning_rate", lr, iteration)
             if grad_norm is not None:
                 self.writer.add_scalar("grad_norm", grad_norm, iteration)
+            if params_norm is not None:
+                self.writer.add_scalar("params-norm", params_norm, iteration)  # Megatron-LM's tag
         if iteration % self.log_interval == 0 or iteration == self.train_iters:
             self._emit(iteration, lr, grad_norm)
 
@@ -64,6 +70,8 @@ class TrainingLogger:
         parts += [f"{name}: {total / self._steps:.6E}" for name, total in self._sums.items()]
         if grad_norm is not None:
             parts.append(f"grad norm: {grad_norm:.4f}")
+        if self._params_norm is not None:
+            parts.append(f"params norm: {self._params_norm:.3f}")
         parts += [f"skipped iterations: {self._skipped}", f"memory: {memory / 2**20:.0f} MiB"]
         log.info(" | ".join(parts))
         if self.writer:

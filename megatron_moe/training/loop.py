@@ -17,11 +17,10 @@ from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.preemption import ExitRequest
+from megatron_moe.training.setup import params_norm
 from megatron_moe.training.step import forward_step
 
 log = logging.getLogger("megatron_moe")
-
-AUX_LOG_NAMES = {"load_balancing_loss": "moe aux loss", "z_loss": "moe z loss"}
 
 
 def computed_losses_only(figures: dict[str, float], *, aux: bool, z: bool) -> dict[str, float]:
@@ -51,7 +50,9 @@ class Trainer:
         self.num_microbatches = cfg.num_microbatches(self.world)
         self.forward_backward = get_forward_backward_func()
         self.num_moe_layers = sum(cfg.moe.layer_pattern(cfg.model.num_layers)) if cfg.moe.is_moe else 0
-        self.own_moe = cfg.moe.is_moe and cfg.moe.moe_layer_impl == "megatron_moe"
+        self.own_moe = cfg.moe.own_layer
+        # Router losses the MoE layers compute: only those are logged (a loss not computed is not a 0).
+        self.logged_losses = cfg.moe.logged_router_losses(cfg.model)
         self.is_logging_rank = dist.get_rank() == self.world - 1  # a last-stage rank
         self._validated_at = None
         self.logger = None
@@ -79,13 +80,15 @@ class Trainer:
     def _aux_figures(self) -> dict[str, float]:
         """MoE figures of the step. Collective: every rank calls it, MoE layers or not."""
         moe = self.cfg.moe
-        aux, z = moe.moe_router_load_balancing_type != "none", bool(moe.moe_z_loss_coeff)
+        aux, z = self.logged_losses
         if self.own_moe:
             figures = collect_moe_metrics(self.model, num_layers=self.cfg.model.num_layers,
                                           num_experts=moe.num_experts)  # fmt: skip
         else:
             tracked = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
-            figures = {AUX_LOG_NAMES[k]: v for k, v in tracked.items()}
+            seq = moe.moe_router_load_balancing_type == "seq_aux_loss"  # megatron-core tracks it under its own name
+            balancing = tracked.get("seq_load_balancing_loss" if seq else "load_balancing_loss")
+            figures = {"moe aux loss": balancing, "moe z loss": tracked.get("z_loss")} if tracked else {}
         return computed_losses_only(figures, aux=aux, z=z)
 
     def train_step(self) -> dict:
@@ -101,6 +104,8 @@ class Trainer:
             set_moe_aux_loss_scale(self.model, scale)
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
+        # Megatron-LM's --log-params-norm: after the update, on every rank (a collective).
+        norm = params_norm(self.optimizer) if self.cfg.logging.log_params_norm else None
         gbs = self.cfg.training.global_batch_size
         if update_successful:
             self.scheduler.step(increment=gbs)
@@ -110,6 +115,7 @@ class Trainer:
             "lm loss": _reduce_lm_loss(losses),
             "aux": self._aux_figures(),
             "grad_norm": grad_norm,
+            "params_norm": norm,
             "skipped": not update_successful,
         }
 
@@ -146,8 +152,27 @@ class Trainer:
         if self.cfg.checkpoint.save:
             save_checkpoint(self.cfg.checkpoint.save, self.cfg, self.model, self.optimizer, self.scheduler, self.state)
 
+    def _log_step(self, iteration: int, figures: dict) -> dict:
+        """Log one step's figures (logging rank); returns its history entry: what the log line shows."""
+        aux = figures["aux"]
+        shown = {"lm loss": figures["lm loss"], **{k: v for k, v in aux.items() if "/" not in k}}
+        self.logger.step(
+            iteration,
+            shown,
+            lr=self.optimizer.param_groups[0]["lr"],
+            grad_norm=figures["grad_norm"],
+            params_norm=figures["params_norm"],
+            skipped=figures["skipped"],
+            tensorboard_only={k: v for k, v in aux.items() if "/" in k},
+        )
+        entry = {"iteration": iteration, **shown, "grad norm": figures["grad_norm"], "skipped": figures["skipped"]}
+        if figures["params_norm"] is not None:
+            entry["params norm"] = figures["params_norm"]
+        return entry
+
     def train(self) -> list[dict]:
-        """Run to `--train-iters`; returns each step's lm loss, grad norm and skip flag (logging rank)."""
+        """Run to `--train-iters`; returns each step's logged figures (lm loss, MoE losses and figures,
+        grad norm, params norm with --log-params-norm, skip flag) on the logging rank."""
         t, ck = self.cfg.training, self.cfg.checkpoint
         history = []
         start_iteration = self.state.iteration
@@ -158,13 +183,7 @@ class Trainer:
             figures = self.train_step()
             it = self.state.iteration
             if self.logger:
-                history.append({"iteration": it, "lm loss": figures["lm loss"], "grad norm": figures["grad_norm"],
-                                "skipped": figures["skipped"]})  # fmt: skip
-                aux = figures["aux"]
-                self.logger.step(it, {"lm loss": figures["lm loss"], **{k: v for k, v in aux.items() if "/" not in k}},
-                                 lr=self.optimizer.param_groups[0]["lr"], grad_norm=figures["grad_norm"],
-                                 skipped=figures["skipped"],
-                                 tensorboard_only={k: v for k, v in aux.items() if "/" in k})  # fmt: skip
+                history.append(self._log_step(it, figures))
             if t.eval_interval and it % t.eval_interval == 0 and it < t.train_iters:
                 self._validate_and_log()
             if ck.save_interval and it % ck.save_interval == 0 and it < t.train_iters:

@@ -16,7 +16,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron_moe import comm
 from megatron_moe.platform import current_platform
 
-TRACKED = ("load_balancing_loss", "z_loss")  # megatron-core tracker names
+TRACKED = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")  # megatron-core tracker names
 
 
 def pop_moe_aux_losses(num_layers: int, num_moe_layers: int, num_microbatches: int) -> dict[str, float]:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe.config import RunConfig
 from megatron_moe.model import build_model
@@ -69,6 +75,25 @@ def _set_tensor_parallel_groups(optimizer) -> None:
             if is_expert
             else parallel_state.get_tensor_model_parallel_group()
         )
+
+
+@torch.no_grad()
+def params_norm(optimizer) -> float:
+    """L2 norm of every parameter of the model, each counted once (Megatron-LM's --log-params-norm).
+
+    Collective: every rank calls it. The norm is taken as the optimizer takes the
+    grad norm, over the parameters it steps (fp32 main copies under bf16/fp16,
+    this rank's shards under the distributed optimizer), leaving out shared and
+    TP-duplicated ones, each sub-optimizer (dense, expert) reduced over its own
+    group: the same figure in every layout as in a single process.
+    """
+    squares = 0.0
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        tp_group = getattr(sub, "tp_group", None)
+        once = [p for p in sub.get_parameters() if param_is_not_shared(p)]
+        once = [p for p in once if param_is_not_tensor_parallel_duplicate(p, tp_group)]
+        squares += get_grad_norm_fp32(once, grad_stats_parallel_group=sub.get_grad_stats_parallel_group()) ** 2
+    return math.sqrt(squares)
 
 
 def build_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:

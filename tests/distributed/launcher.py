@@ -49,11 +49,12 @@ def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 6
 
 
 # Equivalence tolerances of a layout against the single-process run (reduction order differs; seen ~1e-7).
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
+LOSS_RTOL, GRAD_NORM_RTOL, PARAMS_NORM_RTOL = 1e-5, 1e-4, 1e-5
 
 
 def assert_matches(steps: list[dict], reference: list[dict]) -> None:
-    """Every step's lm loss and grad norm equal the reference's step of the same iteration."""
+    """Every step's lm loss, grad norm and (when logged) params norm equal the reference's step of the same
+    iteration."""
     import pytest
 
     by_iteration = {step["iteration"]: step for step in reference}
@@ -62,6 +63,9 @@ def assert_matches(steps: list[dict], reference: list[dict]) -> None:
         ref = by_iteration[step["iteration"]]
         assert step["lm loss"] == pytest.approx(ref["lm loss"], rel=LOSS_RTOL), step
         assert step["grad norm"] == pytest.approx(ref["grad norm"], rel=GRAD_NORM_RTOL), step
+        assert ("params norm" in step) == ("params norm" in ref), step
+        if "params norm" in ref:
+            assert step["params norm"] == pytest.approx(ref["params norm"], rel=PARAMS_NORM_RTOL), step
 
 
 def train_in_job(flags: list[str]) -> list[dict]:

@@ -30,30 +30,31 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
-from megatron_moe.moe import Bf16OnTheWire, MoEHook, MoELayer, collect_moe_metrics, moe_layer_config  # noqa: E402
+from megatron_moe.moe import Bf16OnTheWire, MoEHook, MoELayer, MoELayerConfig, collect_moe_metrics  # noqa: E402
 from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 
 H, FFN, E = 32, 48, 8
 S, B = 12, 2
 
+PADDED = {"pad_expert_input_to_capacity": True}  # the capacity-padded all-to-all
 # name -> (layer settings, train mode). rts and noisy_topk are random in training: compared in eval.
 CASES = {
     "topk_dropless_v": (dict(gate="topk"), True),
-    "topk_dropless_padded": (dict(gate="topk", dispatcher="alltoall"), True),
+    "topk_dropless_padded": (dict(gate="topk", **PADDED), True),
     "topk_cap1_v": (dict(gate="topk", capacity_factor=1.0), True),
-    "topk_cap1_padded": (dict(gate="topk", capacity_factor=1.0, dispatcher="alltoall"), True),
-    "topk_adaptive_padded": (dict(gate="topk", capacity_factor=-1.0, dispatcher="alltoall"), True),
+    "topk_cap1_padded": (dict(gate="topk", capacity_factor=1.0, **PADDED), True),
+    "topk_adaptive_padded": (dict(gate="topk", capacity_factor=-1.0, **PADDED), True),
     "switch_cap125_v": (dict(gate="switch", topk=1, capacity_factor=1.25), True),
     "sigmoid_dropless_v": (dict(gate="sigmoid", z_loss_coeff=0.01), True),
-    "xmoe_cap1_padded_dense": (dict(gate="xmoe", capacity_factor=1.0, dispatcher="alltoall", ordering="dense"), True),
+    "xmoe_cap1_padded_dense": (dict(gate="xmoe", capacity_factor=1.0, **PADDED, ordering="dense"), True),
     "cosine_dropless_v_dense": (dict(gate="cosine", ordering="dense"), True),
     "expert_choice_v": (dict(gate="expert_choice"), True),
-    "expert_choice_padded": (dict(gate="expert_choice", dispatcher="alltoall"), True),
+    "expert_choice_padded": (dict(gate="expert_choice", **PADDED), True),
     "soft_v": (dict(gate="soft", soft_slots=2), True),
-    "soft_padded": (dict(gate="soft", soft_slots=2, dispatcher="alltoall"), True),
+    "soft_padded": (dict(gate="soft", soft_slots=2, **PADDED), True),
     "bpr_cap075_v": (dict(gate="bpr", capacity_factor=0.75), True),
-    "rts_eval_cap075_padded": (dict(gate="rts", capacity_factor=0.75, dispatcher="alltoall"), False),
+    "rts_eval_cap075_padded": (dict(gate="rts", capacity_factor=0.75, **PADDED), False),
     "noisy_eval_v": (dict(gate="noisy_topk"), False),
     "swiglu_shared_v": (dict(gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24), True),
     "bf16_wire_hook_v": (dict(gate="topk"), True),
@@ -65,11 +66,11 @@ SYNC_CASES = {
     "topk_dropless_v": dict(gate="topk"),
     "topk_cap1_v": dict(gate="topk", capacity_factor=1.0),
     "topk_adaptive_v": dict(gate="topk", capacity_factor=-0.5),
-    "topk_dropless_padded": dict(gate="topk", dispatcher="alltoall"),
-    "topk_cap1_padded": dict(gate="topk", capacity_factor=1.0, dispatcher="alltoall"),
-    "topk_adaptive_padded": dict(gate="topk", capacity_factor=-1.0, dispatcher="alltoall"),
+    "topk_dropless_padded": dict(gate="topk", **PADDED),
+    "topk_cap1_padded": dict(gate="topk", capacity_factor=1.0, **PADDED),
+    "topk_adaptive_padded": dict(gate="topk", capacity_factor=-1.0, **PADDED),
     "xmoe_cap1_v_dense": dict(gate="xmoe", capacity_factor=1.0, ordering="dense"),
-    "expert_choice_padded": dict(gate="expert_choice", dispatcher="alltoall"),
+    "expert_choice_padded": dict(gate="expert_choice", **PADDED),
     "soft_v": dict(gate="soft", soft_slots=2),
     "swiglu_shared_v": dict(gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24),
 }
@@ -79,6 +80,12 @@ def tconfig(ep: int) -> TransformerConfig:
     return TransformerConfig(num_layers=2, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=4,
                              num_moe_experts=E, moe_router_topk=2, add_bias_linear=False,
                              use_cpu_initialization=True, expert_model_parallel_size=ep)  # fmt: skip
+
+
+def layer_config(**fields) -> MoELayerConfig:
+    """A case's layer: tconfig's sizes and top-k, router losses off unless the case sets them."""
+    sizes = dict(num_experts=E, hidden_size=H, ffn_hidden_size=FFN, topk=2)
+    return MoELayerConfig(**{**sizes, "aux_loss_coeff": 0.0, **fields})
 
 
 def global_weights(layer: MoELayer) -> None:
@@ -109,9 +116,9 @@ def run(layer, x, grad, train):
 
 def compare(ep: int, fields: dict, train: bool, solo_group, rank: int, hooks=()) -> dict:
     config = tconfig(ep)
-    ref = MoELayer(config, moe_layer_config(config, **fields), ep_group=solo_group, expert_dp_group=solo_group)
+    ref = MoELayer(config, layer_config(**fields), ep_group=solo_group, expert_dp_group=solo_group)
     global_weights(ref)
-    layer = MoELayer(config, moe_layer_config(config, **fields), hooks=hooks)
+    layer = MoELayer(config, layer_config(**fields), hooks=hooks)
     ep_group = parallel_state.get_expert_model_parallel_group()
     first = ep_group.rank() * layer.num_local_experts
     load_from_reference(layer, ref, first)
@@ -158,11 +165,11 @@ def _sum(value: float) -> float:
 def checkpoint_across_layouts(ep: int, ckpt_dir: str, solo_group) -> dict:
     """EP=2 saves (with expert-DP replicas), EP=4 loads: the experts must equal the global weights."""
     config = tconfig(ep)
-    layer = MoELayer(config, moe_layer_config(config, gate="xmoe"), layer_number=1)
+    layer = MoELayer(config, layer_config(gate="xmoe"), layer_number=1)
     prefix = "decoder.layers.0.mlp."
     if ep == 2:
         global_weights(layer)  # global weights sliced for this EP rank
-        ref = MoELayer(config, moe_layer_config(config, gate="xmoe"), ep_group=solo_group, expert_dp_group=solo_group)
+        ref = MoELayer(config, layer_config(gate="xmoe"), ep_group=solo_group, expert_dp_group=solo_group)
         global_weights(ref)
         first = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
         load_from_reference(layer, ref, first)
@@ -170,8 +177,7 @@ def checkpoint_across_layouts(ep: int, ckpt_dir: str, solo_group) -> dict:
         return {}
     loaded = dist_checkpointing.load(layer.sharded_state_dict(prefix=prefix), ckpt_dir)
     layer.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
-    ref = MoELayer(tconfig(1), moe_layer_config(tconfig(1), gate="xmoe"), ep_group=solo_group,
-                   expert_dp_group=solo_group)
+    ref = MoELayer(tconfig(1), layer_config(gate="xmoe"), ep_group=solo_group, expert_dp_group=solo_group)
     global_weights(ref)
     first = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
     err = max((dict(layer.named_parameters())[n] - (p[first : first + layer.num_local_experts]
@@ -191,7 +197,7 @@ def metrics_with_moe_less_ranks(rank: int, solo_group) -> dict:
     The layer runs on ranks 0 and 1 alone (a 1-rank EP group each), as a stage's own layers would.
     """
     config = tconfig(1)
-    layer = MoELayer(config, moe_layer_config(config), layer_number=2, ep_group=solo_group, expert_dp_group=solo_group)
+    layer = MoELayer(config, layer_config(), layer_number=2, ep_group=solo_group, expert_dp_group=solo_group)
     chunks = [layer] if rank < 2 else []
     if rank < 2:
         out, _ = layer(torch.randn(S, B, H))
@@ -212,7 +218,7 @@ def _inputs(rank: int):
 def host_syncs(ep: int, fields: dict, rank: int) -> dict:
     """Host waits in one training forward+backward of the layer (after a warm-up: kernel probes run once)."""
     config = tconfig(ep)
-    layer = MoELayer(config, moe_layer_config(config, **fields), layer_number=1)
+    layer = MoELayer(config, layer_config(**fields), layer_number=1)
     global_weights(layer)
     x, grad = _inputs(rank)
     run(layer, x, grad, True)
@@ -224,7 +230,7 @@ def host_syncs(ep: int, fields: dict, rank: int) -> dict:
 def collectives_through_issue(ep: int, fields: dict, rank: int) -> dict:
     """Every torch.distributed call of a layer forward+backward, and what megatron_moe.comm's `issue` saw."""
     config = tconfig(ep)
-    layer = MoELayer(config, moe_layer_config(config, **fields), layer_number=3)
+    layer = MoELayer(config, layer_config(**fields), layer_number=3)
     global_weights(layer)
     x, grad = _inputs(rank)
     raw, seen = [], []

@@ -2,8 +2,10 @@
 
 All layouts start from one saved initial checkpoint (the single-process run's
 weights) and train 4 steps on the same global batches (gloo, fp32, no dropout).
-Tolerances: lm loss within 1e-5 relative and grad norm within 1e-4 relative of
-the single-process run (reduction order differs between layouts; seen: ~1e-7).
+Tolerances: lm loss and params norm (--log-params-norm) within 1e-5 relative
+and grad norm within 1e-4 relative of the single-process run (reduction order
+differs between layouts; seen: ~1e-7). megatron-core's own MoE layer
+(--moe-layer-impl mcore) is held to the same at EP=2.
 Resume in the same layout (with dropout, per-rank RNG) must be bit-identical.
 """
 
@@ -22,7 +24,7 @@ def runs(train_data, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("ckpts"))
     reference = run_torchrun(WORKER, 1, ["reference", data, tokenizer, workdir])
     layouts = run_torchrun(WORKER, 4, ["layouts", data, tokenizer, workdir])
-    layouts.update(fp16=reference["fp16"], fp16_overflow=reference["fp16_overflow"])
+    layouts.update({k: v for k, v in reference.items() if k != "reference"})
     return reference["reference"], layouts, workdir
 
 
@@ -78,6 +80,33 @@ def test_resume_is_exact(runs):
 def test_loss_falls(runs):
     reference, _, _ = runs
     assert reference[-1]["lm loss"] < reference[0]["lm loss"]
+
+
+def test_params_norm_is_the_norm_of_the_weights(runs):
+    """--log-params-norm: each step's norm after the update; the last equals the saved weights' own norm."""
+    reference, layouts, _ = runs
+    norms = [step["params norm"] for step in reference]
+    assert len(set(norms)) == len(norms)  # the weights move every step
+    assert norms[-1] == pytest.approx(layouts["ref_params_norm_from_checkpoint"], rel=1e-6)
+
+
+def test_megatron_core_moe_layer_trains_and_matches_itself_at_ep2(runs):
+    """--moe-layer-impl mcore (the layer benchmark's reference) stays trainable from the CLI."""
+    _, layouts, _ = runs
+    single, ep2 = layouts["mcore"], layouts["mcore_ep2"]
+    assert len(single) == len(ep2) == 4
+    assert single[-1]["lm loss"] < single[0]["lm loss"]
+    assert all(step["moe aux loss"] > 0 for step in single)  # megatron-core's tracker, logged
+    assert_matches(ep2, single)
+
+
+def test_a_balancing_loss_not_computed_is_not_logged(runs):
+    """Balancing off, or a gate balanced by construction: no `moe aux loss` in the log (was logged as 0)."""
+    reference, layouts, _ = runs
+    assert all(step["moe aux loss"] > 0 for step in reference)
+    for case in ("no_balancing", "expert_choice"):
+        (step,) = layouts[case]
+        assert "moe aux loss" not in step and "moe tokens cv" in step, (case, step)
 
 
 def test_saves_leave_no_partial_checkpoint(runs):

@@ -4,10 +4,13 @@
 
 Scenarios (each a list of cases run one after another in this job):
 - `reference` (1 rank): save the initial weights, then train from them
-  (fp32, and fp16 with a loss scale that fits and one that overflows).
+  (fp32, and fp16 with a loss scale that fits and one that overflows);
+  megatron-core's MoE layer (--moe-layer-impl mcore) likewise; one step each
+  of runs that compute no balancing loss (what their log shows).
 - `layouts` (4 ranks): TP=2, EP=2, PP=2, TP=2+EP=2 and the distributed
   optimizer, each from the same initial weights; a checkpoint saved mid-run in
-  one layout resumed in another; the resume-exactness check.
+  one layout resumed in another; the resume-exactness check; megatron-core's
+  MoE layer at EP=2.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -25,8 +28,9 @@ MODEL = [
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
     "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
     "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
-    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "90,10,0", "--seed", "7",
+    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "90,10,0", "--seed", "7", "--log-params-norm",
 ]  # fmt: skip
+MCORE = ["--moe-layer-impl", "mcore"]  # megatron-core's MoE layer, the layer benchmark's reference
 
 RECOMPUTE_ALL = ["--recompute-modules", "input_norm", "qkv", "core_attention", "attn_proj", "pre_mlp_norm", "router",
                  "ordering", "expert_fc1", "expert_act", "expert_fc2", "unorder", "mlp_fc1", "mlp_act", "mlp_fc2"]
@@ -59,12 +63,31 @@ def ckpt(name: str) -> str:
 def reference() -> dict:
     train("--train-iters", "0", "--save", ckpt("init"))
     init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
+    train("--train-iters", "0", "--save", ckpt("mcore_init"), *MCORE)
     return {
         "reference": train(*init, "--save", ckpt("ref"), "--save-interval", "2"),
         # fp16 with dynamic loss scaling: a scale that fits, and one so large that the first steps overflow.
         "fp16": train(*init, "--fp16", "--initial-loss-scale", "4096"),
         "fp16_overflow": train(*init, "--fp16", "--initial-loss-scale", str(2.0**100), "--hysteresis", "1"),
+        "mcore": train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE),
+        # No balancing loss is computed: none is logged (not a 0).
+        "no_balancing": train("--train-iters", "1", "--moe-router-load-balancing-type", "none"),
+        "expert_choice": train("--train-iters", "1", "--moe-gate", "expert_choice"),
+        "ref_params_norm_from_checkpoint": params_norm_of_checkpoint(ckpt("ref")),
     }
+
+
+def params_norm_of_checkpoint(path: str) -> float:
+    """The L2 norm of a checkpoint's weights, loaded into one plain model (each parameter once)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_moe.checkpointing.hf_convert import load_single
+
+    _, model, _ = load_single(path)
+    norm = torch.sqrt(sum(p.detach().double().square().sum() for p in model.parameters())).item()
+    parallel_state.destroy_model_parallel()
+    return norm
 
 
 def layouts() -> dict:
@@ -83,6 +106,7 @@ def layouts() -> dict:
     results["straight"] = train("--train-iters", "6", *ep)
     train("--train-iters", "6", "--exit-interval", "3", "--save", ckpt("resume"), *ep)
     results["resumed"] = train("--train-iters", "6", "--load", ckpt("resume"), "--save", ckpt("resume"), *ep)
+    results["mcore_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE, *LAYOUTS["ep2"])
     return results
 
 

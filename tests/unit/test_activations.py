@@ -6,7 +6,7 @@ import torch
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.activations.engine import SavedBytes
-from megatron_moe.activations.policy import MODULES, build_policy
+from megatron_moe.config.activation_policy import MODULES, build_policy
 from megatron_moe.activations.quantize import FORMATS, dequantize, dequantize_rows, quantize
 from megatron_moe.config import ConfigError, parse_args
 
@@ -79,7 +79,7 @@ def test_views_of_one_block_share_one_packed_copy_and_unpack_exactly_as_the_view
     transposing copy; each unpacks to its own view. So are rows with equal gaps (v of a fused QKV); an
     irregular view is packed as a copy; narrow rows not at all."""
     from megatron_moe.activations.engine import LayerScope, Use
-    from megatron_moe.activations.policy import build_policy
+    from megatron_moe.config.activation_policy import build_policy
     from megatron_moe.activations.quantize import dequantize
 
     scope = LayerScope(build_policy(preset="none", recompute=[], quantize=["core_attention"], quant_format="int8_row"))

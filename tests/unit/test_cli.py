@@ -19,6 +19,8 @@ def run_cli(*flags, cwd):
 @pytest.mark.parametrize("flags, message", [
     (["--expert-model-parallel-size", "3"], "--num-experts=8: must be a multiple of --expert-model-parallel-size=3"),
     (["--data-path", "missing_prefix"], "--data-path missing_prefix: missing missing_prefix.bin"),
+    (["--moe-router-dim", "8"], "--moe-router-dim=8: does nothing in this run; it applies only with --moe-gate xmoe or cosine"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size=2: use 1"),
 ])  # fmt: skip
 def test_bad_input_exits_with_clear_error(train_data, tmp_path, flags, message):
     data, tokenizer = train_data

@@ -1,8 +1,14 @@
-"""Flag parsing and the errors for bad layouts and batch sizes."""
+"""Flag parsing, the one MoE configuration, and the errors for bad flags, layouts and batch sizes."""
+
+import dataclasses
+import os
+import re
 
 import pytest
 
-from megatron_moe.config import ConfigError, build_parser, parse_args
+from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig, build_parser, parse_args
+from megatron_moe.config.fields import flag_name
+from tests.conftest import ROOT
 
 BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "8"]
 
@@ -11,16 +17,26 @@ def cfg(*flags):
     return parse_args([*BASE, *flags])
 
 
-def test_every_issue_flag_exists():
-    flags = set(build_parser()._option_string_actions)
-    for flag in ("--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --seq-length "
-                 "--num-experts --moe-router-topk --moe-aux-loss-coeff --tensor-model-parallel-size "
-                 "--pipeline-model-parallel-size --expert-model-parallel-size --sequence-parallel "
-                 "--micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-warmup-iters "
-                 "--lr-decay-style --weight-decay --clip-grad --bf16 --fp16 --seed --data-path --split "
-                 "--tokenizer-model --save --load --save-interval --eval-interval --eval-iters "
-                 "--log-interval --tensorboard-dir --moe-layer-freq --use-distributed-optimizer").split():
-        assert flag in flags, flag
+def parser_flags_by_group() -> dict[str, set[str]]:
+    """{group title: its flags} as --help lists them (each flag's first spelling, so no --no-X)."""
+    groups = build_parser()._action_groups[2:]  # after argparse's own positionals/options groups
+    return {g.title: {a.option_strings[0] for a in g._group_actions} for g in groups}
+
+
+def readme_flags_by_group() -> dict[str, set[str]]:
+    """{group: flags} from the table of README.md's "## Flags" section."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in section.splitlines() if re.match(r"\| `\w+` \|", line)]
+    return {row[1].strip(" `"): set(re.findall(r"`(--[\w-]+)`", row[3])) for row in rows}
+
+
+def test_readme_flag_table_matches_help_both_ways():
+    readme, parser = readme_flags_by_group(), parser_flags_by_group()
+    assert set(readme) == set(parser)
+    for group in parser:
+        assert readme[group] - parser[group] == set(), f"README lists flags that --help does not have ({group})"
+        assert parser[group] - readme[group] == set(), f"--help has flags the README does not list ({group})"
 
 
 def test_defaults_fill_global_batch():
@@ -47,6 +63,11 @@ def test_moe_layer_freq():
     (["--bf16", "--fp16"], 1, r"--bf16/--fp16=both: choose one"),
     (["--pipeline-model-parallel-size", "3"], 3, r"--pipeline-model-parallel-size=3: must divide --num-layers=4"),
     (["--expert-model-parallel-size", "4"], 2, r"--expert-model-parallel-size=4: EP x expert-TP = 4 must divide"),
+    (["--expert-tensor-parallel-size", "2"], 4, r"--expert-tensor-parallel-size=2: use 1: .* expert-sharded parallel"),
+    (["--moe-router-load-balancing-type", "seq_aux_loss"], 1, r"=seq_aux_loss: megatron_moe's layer implements"),
+    (["--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss"], 1, r"=top1_aux_loss: mega"),
+    (["--moe-token-dispatcher-type", "allgather"], 1, r"--moe-token-dispatcher-type=allgather: megatron_moe's layer"),
+    (["--moe-gate", "soft", "--moe-expert-capacity-factor", "1.0"], 1, r"-capacity-factor=1.0: --moe-gate=soft"),
 ])  # fmt: skip
 def test_bad_layouts_name_flag_value_and_choice(flags, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -82,7 +103,182 @@ def test_missing_data_flags():
 
 
 def test_round_trip_through_dict():
-    from megatron_moe.config import RunConfig
-
-    c = cfg("--num-layers", "6", "--swiglu")
+    c = cfg("--num-layers", "6", "--swiglu", "--moe-pad-expert-input-to-capacity")
     assert RunConfig.from_dict(c.to_dict()) == c
+
+
+OLD_SAVED_MOE_FLAGS = [
+    # (as saved before the MoE flags were merged, what they mean now)
+    (
+        dict(moe_capacity_factor=1.25, moe_dispatcher="alltoall", moe_load_balancing=None),
+        dict(moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True),
+    ),
+    (
+        dict(moe_capacity_factor=None, moe_dispatcher="alltoallv", moe_load_balancing="gshard"),
+        dict(moe_pad_expert_input_to_capacity=False, moe_router_load_balancing_type="top1_aux_loss"),
+    ),
+    (  # seq_aux_loss ran as switch in our layer
+        dict(moe_load_balancing=None, moe_router_load_balancing_type="seq_aux_loss"),
+        dict(moe_router_load_balancing_type="aux_loss"),
+    ),
+    (
+        dict(moe_load_balancing="none", moe_router_load_balancing_type="aux_loss"),
+        dict(moe_router_load_balancing_type="none"),
+    ),
+]
+
+
+@pytest.mark.parametrize("old, new", OLD_SAVED_MOE_FLAGS)
+def test_config_saved_under_the_old_moe_flags_loads_as_what_it_ran(old, new):
+    """Checkpoints keep their run config; one saved before the MoE flags were merged still loads."""
+    saved = cfg().to_dict()
+    for name in new:
+        saved["moe"].pop(name)
+    saved["moe"].update(old)
+    loaded = RunConfig.from_dict(saved)
+    assert {name: getattr(loaded.moe, name) for name in new} == new
+    loaded.validate(1)
+
+
+# ---------------------------------------------------------------------------- one MoE configuration
+
+
+def test_flags_become_the_layer_config_in_one_place():
+    from megatron_moe.model.builder import moe_layer
+
+    flags = (
+        "--moe-expert-capacity-factor -1.5 --moe-pad-expert-input-to-capacity --swiglu --moe-ffn-hidden-size 96 "
+        "--moe-router-load-balancing-type top1_aux_loss --moe-gate xmoe --moe-router-dim 8 --moe-z-loss-coeff 0.001 "
+        "--moe-router-topk 1 --init-method-std 0.01"
+    )
+    c = cfg(*flags.split())
+    layer = c.moe.layer_config(c.model)
+    assert moe_layer(c) == layer  # the model builder takes exactly this config
+    assert layer == MoELayerConfig(
+        num_experts=8,
+        hidden_size=256,
+        ffn_hidden_size=96,
+        topk=1,
+        gate="xmoe",
+        capacity_factor=-1.5,
+        pad_expert_input_to_capacity=True,
+        expert_type="swiglu",
+        load_balancing="top1_aux_loss",
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.001,
+        router_dim=8,
+        init_method_std=0.01,
+    )
+    assert layer.dispatcher == "alltoall" and cfg().moe.layer_config(cfg().model).dispatcher == "alltoallv"
+    assert moe_layer(cfg("--moe-layer-impl", "mcore")) is None
+    assert moe_layer(parse_args(BASE[:4])) is None  # dense
+
+
+def test_layer_config_errors_name_real_flags():
+    """Every MoELayerConfig field names the run flag that sets it, and that flag exists."""
+    flags = set(build_parser()._option_string_actions)
+    for field in dataclasses.fields(MoELayerConfig):
+        assert flag_name(field) in flags, field.name
+
+
+LOGGED_ROUTER_LOSSES = [
+    # (flags, balancing loss logged, z-loss logged)
+    ("", True, False),
+    ("--moe-z-loss-coeff 0.001", True, True),
+    ("--moe-router-load-balancing-type none", False, False),
+    ("--moe-router-load-balancing-type top1_aux_loss --moe-aux-loss-coeff 0", True, False),  # computed, weight 0
+    ("--moe-gate expert_choice", False, False),  # balanced by construction: no loss to log
+    ("--moe-gate expert_choice --moe-z-loss-coeff 0.001", False, True),
+    ("--moe-gate soft", False, False),
+    ("--moe-layer-impl mcore", True, False),
+    ("--moe-layer-impl mcore --moe-aux-loss-coeff 0", False, False),  # megatron-core then skips it
+    ("--moe-layer-impl mcore --moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 0.1", True, True),
+]
+
+
+@pytest.mark.parametrize("flags, aux, z", LOGGED_ROUTER_LOSSES)
+def test_the_log_shows_the_router_losses_the_layers_compute(flags, aux, z):
+    c = cfg(*flags.split())
+    assert c.moe.logged_router_losses(c.model) == (aux, z)
+
+
+# ---------------------------------------------------------------------------- flags that would do nothing
+
+NO_OPS = [
+    # (flags, the error: the flag, its value, and when it applies)
+    ("--moe-router-dim 32", r"--moe-router-dim=32: does nothing in this run; it applies only with --moe-gate xmoe"),
+    ("--moe-soft-slots 2", r"--moe-soft-slots=2: .* only with --moe-gate soft"),
+    ("--hysteresis 1", r"--hysteresis=1: .* only with --fp16 and no --loss-scale"),
+    ("--fp16 --loss-scale 128 --loss-scale-window 10", r"--loss-scale-window=10: .* with --fp16 and no --loss-scale"),
+    ("--loss-scale 128", r"--loss-scale=128.0: .* only with --fp16 or --bf16"),
+    ("--moe-grouped-gemm", r"--moe-grouped-gemm=True: .* only with --num-experts and --moe-layer-impl mcore"),
+    ("--moe-layer-impl mcore --moe-gate xmoe", r"--moe-gate=xmoe: .* only with --num-experts and our layer"),
+    ("--moe-layer-impl mcore --moe-pad-expert-input-to-capacity", r"=True: .* a positive --moe-expert-capacity-factor"),
+    ("--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.1", r"--moe-aux-loss-coeff=0.1: .* other than none"),
+    ("--moe-gate expert_choice --moe-router-load-balancing-type aux_loss", r"type=aux_loss: .* not with --moe-gate"),
+    ("--moe-gate switch --moe-router-topk 1 --no-moe-normalize-topk", r"normalize-topk=False: .*router-topk > 1"),
+    ("--sequence-parallel", r"--sequence-parallel=True: .* only with --tensor-model-parallel-size > 1"),
+    ("--lr-decay-style constant --min-lr 0", r"--min-lr=0.0: .* only with --lr-decay-style linear or cosine"),
+    ("--activation-quant-format fp8_row", r"--activation-quant-format=fp8_row: .* only with --quantize-activations"),
+    ("--save-interval 10", r"--save-interval=10: .* only with --save"),
+    ("--no-load-optim", r"--no-load-optim=True: .* only with --load"),
+    ("--position-embedding-type learned_absolute --rotary-base 500", r"--rotary-base=500: .* with --position-emb"),
+]
+
+
+@pytest.mark.parametrize("flags, message", NO_OPS)
+def test_a_given_flag_that_would_do_nothing_is_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg(*flags.split())
+
+
+def test_no_x_flags_switch_their_setting_on():
+    """--no-load-optim and friends once parsed as their own negation (False): silent no-ops."""
+    c = cfg("--save", "s", "--load", "s", "--no-load-optim", "--no-load-rng", "--no-save-optim")
+    assert (c.checkpoint.no_load_optim, c.checkpoint.no_load_rng, c.checkpoint.no_save_optim) == (True, True, True)
+    assert not cfg().checkpoint.no_load_optim
+
+
+def test_balancing_refusals_name_the_choices_of_each_layer():
+    with pytest.raises(ConfigError) as ours:
+        cfg("--moe-router-load-balancing-type", "seq_aux_loss").validate(1)
+    assert str(ours.value) == (
+        "--moe-router-load-balancing-type=seq_aux_loss: megatron_moe's layer implements aux_loss, top1_aux_loss, "
+        "none (seq_aux_loss only with --moe-layer-impl mcore)"
+    )
+    with pytest.raises(ConfigError) as mcore:
+        cfg("--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss").validate(1)
+    assert str(mcore.value) == (
+        "--moe-router-load-balancing-type=top1_aux_loss: megatron-core's layer (--moe-layer-impl mcore) implements "
+        "aux_loss, seq_aux_loss, none"
+    )
+
+
+def test_mcore_pads_only_to_a_positive_capacity_factor():
+    c = cfg("--moe-layer-impl", "mcore", "--moe-expert-capacity-factor", "-1")
+    c.moe.moe_pad_expert_input_to_capacity = True  # e.g. from a saved config: no flag to refuse
+    with pytest.raises(ConfigError, match=r"--moe-pad-expert-input-to-capacity=True: megatron-core's layer pads only"):
+        c.validate(1)
+
+
+def test_moe_flags_need_an_moe_model_and_defaults_never_count():
+    dense = ["--data-path", "d", "--tokenizer-model", "t.model"]
+    parse_args(dense).validate(2)  # every MoE field keeps its default: nothing given, nothing refused
+    for flags in (["--moe-router-topk", "2"], ["--expert-model-parallel-size", "1"], ["--moe-layer-impl", "mcore"]):
+        with pytest.raises(ConfigError, match=r"does nothing in this run; it applies only with --num-experts"):
+            parse_args([*dense, *flags])
+
+
+def test_flags_that_apply_are_accepted():
+    flags = (
+        "--moe-gate xmoe --moe-router-dim 8 --fp16 --hysteresis 1 --bf16 --no-bf16 --tensor-model-parallel-size 2 "
+        "--sequence-parallel --moe-layer-freq 2 --quantize-activations expert_fc1 --activation-quant-format int8_block "
+        "--save s --save-interval 5 --load s --no-load-rng"
+    )
+    c = cfg(*flags.split())
+    assert (c.moe.moe_router_dim, c.training.hysteresis, c.checkpoint.save_interval) == (8, 1, 5)
+    mcore = "--moe-layer-impl mcore --moe-grouped-gemm --moe-expert-capacity-factor 1.5 "
+    mcore += "--moe-pad-expert-input-to-capacity --moe-router-load-balancing-type seq_aux_loss"
+    m = cfg(*mcore.split())
+    m.validate(1)
+    assert m.moe.moe_grouped_gemm and m.moe.moe_pad_expert_input_to_capacity

@@ -9,7 +9,7 @@ import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_moe.moe import MoELayer, moe_layer_config
+from megatron_moe.moe import MoELayer, MoELayerConfig
 from megatron_moe.platform import count_host_syncs, to_host
 
 CPU = torch.device("cpu")
@@ -107,7 +107,8 @@ def _layer(**fields) -> MoELayer:
         add_bias_linear=False,
     )
     torch.manual_seed(0)
-    return MoELayer(config, moe_layer_config(config, **fields), layer_number=1)
+    sizes = dict(num_experts=E, hidden_size=H, ffn_hidden_size=24, topk=2, aux_loss_coeff=0.0)
+    return MoELayer(config, MoELayerConfig(**{**sizes, **fields}), layer_number=1)
 
 
 def _syncs_of_one_step(layer: MoELayer) -> list[str]:
@@ -124,8 +125,8 @@ LAYOUTS = {
     "dropless_exact": dict(),
     "capacity_exact_drops": dict(capacity_factor=0.5),
     "adaptive_exact": dict(capacity_factor=-0.5),
-    "dropless_padded": dict(dispatcher="alltoall"),
-    "capacity_padded_drops": dict(capacity_factor=0.5, dispatcher="alltoall"),
+    "dropless_padded": dict(pad_expert_input_to_capacity=True),
+    "capacity_padded_drops": dict(capacity_factor=0.5, pad_expert_input_to_capacity=True),
     "dense_ordering": dict(ordering="dense", capacity_factor=0.5),
     "expert_choice": dict(gate="expert_choice"),
     "bpr_drops": dict(gate="bpr", capacity_factor=0.5),

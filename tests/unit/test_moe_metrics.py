@@ -4,7 +4,7 @@ import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_moe.moe import MoELayer, collect_moe_metrics, moe_layer_config, set_moe_aux_loss_scale
+from megatron_moe.moe import MoELayer, MoELayerConfig, collect_moe_metrics, set_moe_aux_loss_scale
 
 H, E = 16, 4
 
@@ -13,9 +13,9 @@ def make_layers(n=1, **fields):
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=max(n, 2), hidden_size=H, num_attention_heads=2, ffn_hidden_size=8,
                                num_moe_experts=E, moe_router_topk=2, add_bias_linear=False)  # fmt: skip
-    fields = {"aux_loss_coeff": 0.1, "z_loss_coeff": 0.01, **fields}
-    layers = torch.nn.ModuleList(MoELayer(config, moe_layer_config(config, **fields), layer_number=i + 1)
-                                 for i in range(n))  # fmt: skip
+    sizes = dict(num_experts=E, hidden_size=H, ffn_hidden_size=8, topk=2)
+    moe_config = MoELayerConfig(**{**sizes, "aux_loss_coeff": 0.1, "z_loss_coeff": 0.01, **fields})
+    layers = torch.nn.ModuleList(MoELayer(config, moe_config, layer_number=i + 1) for i in range(n))
     for layer in layers[1:]:
         layer.load_state_dict(layers[0].state_dict())
     return layers

@@ -6,9 +6,10 @@ import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_moe.moe import MoELayer, MoELayerConfig, build_gate, capacity_limit, expert_capacity, moe_layer_config
+from megatron_moe.config.moe_layer import GATES, LOAD_BALANCING
+from megatron_moe.moe import MoELayer, MoELayerConfig, build_gate, capacity_limit, expert_capacity
 from megatron_moe.moe.ordering import make_plan
-from megatron_moe.moe.routing import Routing
+from megatron_moe.moe.routing import Routing, load_balancing_loss
 
 H, E = 16, 4
 
@@ -44,7 +45,7 @@ def test_capacity_formula_follows_tutel():
 def test_topk_may_change_between_iterations():
     config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=8,
                                num_moe_experts=E, moe_router_topk=2, add_bias_linear=False)  # fmt: skip
-    layer = MoELayer(config, moe_layer_config(config, capacity_factor=1.0, dispatcher="alltoall"))
+    layer = MoELayer(config, cfg(capacity_factor=1.0, pad_expert_input_to_capacity=True, aux_loss_coeff=0.0))
     x = x_TH(40)
     assert layer.plan(layer.route(x))[0].capacity == 20  # ceil(1.0 * 2 * 40 / 4)
     layer.gate.topk = 1
@@ -190,3 +191,25 @@ def test_router_math_is_fp32_for_bf16_inputs():
     gate = build_gate(cfg(gate="topk")).to(torch.bfloat16)
     r = gate(x_TH().to(torch.bfloat16))
     assert r.probs_TE.dtype == torch.float32 and r.weight_N.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------- router losses
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("balancing", LOAD_BALANCING)
+@pytest.mark.parametrize("z_coeff", [0.0, 0.01])
+def test_the_config_knows_which_router_losses_each_gate_computes(gate, balancing, z_coeff):
+    """What the log shows (`has_balancing_loss`, `has_z_loss`) is what the gate really computes."""
+    layer = cfg(gate=gate, topk=1 if gate == "switch" else 2, load_balancing=balancing, z_loss_coeff=z_coeff)
+    losses = build_gate(layer)(x_TH()).losses
+    assert ("load_balancing" in losses, "z_loss" in losses) == (layer.has_balancing_loss, layer.has_z_loss)
+
+
+def test_top1_aux_loss_counts_first_choices_only():
+    # Every token's first choice is expert 0, its second expert 1: all-k counting sees a balanced load,
+    # first-choice counting sees expert 0 take everything.
+    probs_TE = torch.tensor([[0.6, 0.4, 0.0, 0.0]] * 8)
+    expert_TK = torch.tensor([[0, 1]] * 8)
+    assert load_balancing_loss(probs_TE, expert_TK, "aux_loss").item() == pytest.approx(4 * (0.5 * 0.6 + 0.5 * 0.4))
+    assert load_balancing_loss(probs_TE, expert_TK, "top1_aux_loss").item() == pytest.approx(4 * 0.6)

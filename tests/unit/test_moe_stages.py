@@ -16,8 +16,8 @@ from megatron_moe.moe import (
     MoEConfigError,
     MoEHook,
     MoELayer,
+    MoELayerConfig,
     ModuleListExperts,
-    moe_layer_config,
     moe_layer_spec,
 )
 from megatron_moe.platform import current_platform
@@ -33,11 +33,25 @@ def tconfig(**kw):
     return TransformerConfig(**base)
 
 
+def layer_config(config=None, **fields):
+    """The settings of a test layer: `config`'s sizes, top-k and activation, no router losses, then `fields`."""
+    config = config or tconfig()
+    base = dict(
+        num_experts=config.num_moe_experts,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        topk=config.moe_router_topk,
+        expert_type="swiglu" if config.gated_linear_unit else "gelu",
+        aux_loss_coeff=0.0,
+    )
+    return MoELayerConfig(**{**base, **fields})
+
+
 def make_layer(seed=0, config=None, like=None, **fields):
     """A layer; `like`: copy that layer's weights (the expert init draws from megatron's RNG tracker)."""
     torch.manual_seed(seed)
     config = config or tconfig()
-    layer = MoELayer(config, moe_layer_config(config, **fields), layer_number=1)
+    layer = MoELayer(config, layer_config(config, **fields), layer_number=1)
     if like is not None:
         layer.load_state_dict(like.state_dict())
     return layer
@@ -115,7 +129,7 @@ ROWS, HID, FFN = 128, 64, 96  # of the test below; an int8 row takes a 4-byte sc
 def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_bytes, chunk_bytes):
     """Under a policy the fused node keeps x/h/a as the policy says, with the numbers of the three separate regions."""
     from megatron_moe.activations.engine import LayerScope, SavedBytes
-    from megatron_moe.activations.policy import build_policy
+    from megatron_moe.config.activation_policy import build_policy
     from megatron_moe.moe.experts import GroupedMLP, _activation
     from megatron_moe.moe.grouped_gemm import grouped_linear
 
@@ -162,15 +176,15 @@ def test_expert_chunks_cover_every_expert_once_within_budget():
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("dispatcher", ["alltoallv", "alltoall"])
-def test_one_expert_moe_equals_megatron_dense_mlp(swiglu, dispatcher, megatron_world1):
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_expert_moe_equals_megatron_dense_mlp(swiglu, padded, megatron_world1):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.transformer.spec_utils import build_module
 
     config = tconfig(num_moe_experts=1, moe_router_topk=1, moe_router_pre_softmax=True, gated_linear_unit=swiglu,
                      activation_func=F.silu if swiglu else F.gelu)  # fmt: skip
-    layer = make_layer(config=config, dispatcher=dispatcher, aux_loss_coeff=0.0)
+    layer = make_layer(config=config, pad_expert_input_to_capacity=padded)
     from megatron.core import parallel_state
 
     dense = build_module(get_mlp_module_spec_for_backend(LocalSpecProvider()), config=config,
@@ -227,8 +241,8 @@ def test_dense_and_sparse_orderings_agree(gate, capacity):
 @pytest.mark.parametrize("capacity", [None, 0.5, -0.75])
 def test_padded_and_exact_dispatchers_agree(capacity):
     x = tokens(8, 2)
-    exact = make_layer(seed=4, capacity_factor=capacity, dispatcher="alltoallv")
-    padded = make_layer(seed=4, capacity_factor=capacity, dispatcher="alltoall", like=exact)
+    exact = make_layer(seed=4, capacity_factor=capacity)
+    padded = make_layer(seed=4, capacity_factor=capacity, pad_expert_input_to_capacity=True, like=exact)
     a, b = run(exact, x), run(padded, x)
     for u, v in zip(a[:2], b[:2]):
         torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
@@ -289,14 +303,14 @@ def test_custom_experts_module_plugs_in():
 
     torch.manual_seed(0)
     config = tconfig()
-    layer = MoELayer(config, moe_layer_config(config), experts=experts_builder)
+    layer = MoELayer(config, layer_config(config), experts=experts_builder)
     out, x_grad, grads = run(layer, tokens())
     assert out.shape == (6, 3, H) and out.abs().sum() > 0
     assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "local_experts" in n)
     assert all(p.allreduce is False for p in layer.experts.parameters())
 
     with pytest.raises(TypeError, match="num_local_experts"):
-        MoELayer(config, moe_layer_config(config), experts=lambda **kw: torch.nn.Linear(H, H))
+        MoELayer(config, layer_config(config), experts=lambda **kw: torch.nn.Linear(H, H))
 
 
 # ---------------------------------------------------------------------------- attributes, checkpoint, spec
@@ -334,7 +348,7 @@ def test_layer_plugs_into_a_megatron_transformer_layer(megatron_world1):
 
     config = tconfig()
     spec = get_gpt_layer_local_spec(num_experts=E)
-    spec.submodules.mlp = moe_layer_spec(moe_layer_config(config, gate="topk", capacity_factor=1.0))
+    spec.submodules.mlp = moe_layer_spec(layer_config(config, gate="topk", capacity_factor=1.0))
     device = current_platform().device  # megatron-core builds its modules there, ours on the host
     layer = build_module(spec, config=config, layer_number=2).to(device)
     assert isinstance(layer.mlp, MoELayer) and layer.mlp.layer_number == 2
@@ -346,25 +360,25 @@ def test_layer_plugs_into_a_megatron_transformer_layer(megatron_world1):
 
 
 def test_bad_settings_name_the_flag():
-    config = tconfig()
     with pytest.raises(MoEConfigError, match=r"--moe-router-topk=5: must be between 1 and --num-experts=4"):
-        moe_layer_config(config, topk=5).validate()
-    with pytest.raises(MoEConfigError, match=r"--moe-capacity-factor=1.25: --moe-gate=expert_choice"):
-        moe_layer_config(config, gate="expert_choice", capacity_factor=1.25).validate()
+        layer_config(topk=5).validate()
+    with pytest.raises(MoEConfigError, match=r"--moe-expert-capacity-factor=1.25: --moe-gate=expert_choice"):
+        layer_config(gate="expert_choice", capacity_factor=1.25).validate()
     with pytest.raises(MoEConfigError, match=r"--moe-gate=gshard: choose one of topk, noisy_topk"):
-        moe_layer_config(config, gate="gshard").validate()
+        layer_config(gate="gshard").validate()
     with pytest.raises(MoEConfigError, match=r"--moe-router-topk=2: --moe-gate=switch"):
-        moe_layer_config(config, gate="switch").validate()
-    with pytest.raises(MoEConfigError, match="--moe-dispatcher=nccl"):
-        make_layer(dispatcher="nccl")
-    with pytest.raises(TypeError, match="unknown MoE layer settings"):
-        moe_layer_config(config, gates="topk")
+        layer_config(gate="switch").validate()
+    implements = r"--moe-router-load-balancing-type=seq_aux_loss: megatron_moe's layer implements aux_loss, top1"
+    with pytest.raises(MoEConfigError, match=implements):
+        make_layer(load_balancing="seq_aux_loss")
+    with pytest.raises(TypeError, match="dispatcher"):  # now --moe-pad-expert-input-to-capacity
+        layer_config(dispatcher="alltoall")
 
 
 def test_activation_policy_runs_the_stages_as_regions():
     """Recomputing the expert activation changes no number; int8 GEMM inputs stay close."""
     from megatron_moe.activations.engine import LayerScope, SavedBytes
-    from megatron_moe.activations.policy import build_policy
+    from megatron_moe.config.activation_policy import build_policy
 
     base = make_layer(shared_expert_ffn_hidden_size=16, capacity_factor=1.0)
     x = tokens(64, 4)  # big enough that the saved expert inputs pass the quantizer's size floor

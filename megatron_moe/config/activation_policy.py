@@ -17,15 +17,19 @@ Module names (a dense layer's MLP uses the mlp_* names, an MoE layer the rest):
 see `MODULES`. Presets: `none` (everything saved), `full` (megatron-core's
 whole-layer recompute), `arctic` (recompute norms and activation functions,
 quantize GEMM inputs, save all-to-all outputs).
+
+The policy is configuration (pure Python, in the config layer so the run
+config can build and check it); `megatron_moe.activations` carries it out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from megatron_moe.activations.quantize import FORMATS
 from megatron_moe.config.fields import ConfigError, require
 
+QUANT_FORMATS = ("int8_row", "int8_block", "fp8_row")
+"""Storage formats of quantized activations (`megatron_moe.activations.quantize` implements them)."""
 MODES = ("save", "recompute", "quantize", "recompute+quantize")
 
 # name -> (what it is, whether floating-point activations are saved inside it)
@@ -89,7 +93,9 @@ def build_policy(*, preset: str, recompute: list[str], quantize: list[str], quan
                  quant_block: int = 128) -> ActivationPolicy:  # fmt: skip
     """The preset, then per-module overrides from --recompute-modules / --quantize-activations."""
     require(preset in PRESETS, "--activation-policy", preset, f"one of {', '.join([*PRESETS, 'full'])}")
-    require(quant_format in FORMATS, "--activation-quant-format", quant_format, f"one of {', '.join(FORMATS)}")
+    require(
+        quant_format in QUANT_FORMATS, "--activation-quant-format", quant_format, f"one of {', '.join(QUANT_FORMATS)}"
+    )
     require(quant_block > 0, "--activation-quant-block", quant_block, "must be positive")
     modes = dict(PRESETS[preset])
     for name in _names("--recompute-modules", recompute):

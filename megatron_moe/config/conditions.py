@@ -1,0 +1,67 @@
+"""When a flag changes what runs: the `applies=` conditions of the flag groups (see `fields.When`).
+
+Each test takes the whole RunConfig. A flag the user gives while its
+condition is false does nothing, so the parser refuses it, naming the
+condition (`fields.check_given_flags_apply`).
+"""
+
+from __future__ import annotations
+
+from megatron_moe.config.fields import When
+from megatron_moe.config.moe_layer import BALANCED_GATES, GATES
+
+MOE = When(lambda c: c.moe.is_moe, "with --num-experts")
+OUR_MOE = When(lambda c: c.moe.own_layer, "with --num-experts and our layer (--moe-layer-impl megatron_moe)")
+MCORE_MOE = When(lambda c: c.moe.is_moe and not c.moe.own_layer, "with --num-experts and --moe-layer-impl mcore")
+
+
+def _our_gate(c, gates) -> bool:
+    return c.moe.own_layer and c.moe.moe_gate in gates
+
+
+_BALANCED = "/".join(BALANCED_GATES)
+TOKEN_PICKING = When(
+    lambda c: c.moe.is_moe and not _our_gate(c, ("soft",)),
+    "with --num-experts, not with --moe-gate soft",
+)
+BALANCING_TYPE = When(
+    lambda c: c.moe.is_moe and not _our_gate(c, BALANCED_GATES),
+    f"with --num-experts, not with --moe-gate {_BALANCED} (they balance by construction)",
+)
+BALANCING = When(
+    lambda c: BALANCING_TYPE.test(c) and c.moe.moe_router_load_balancing_type != "none",
+    f"with a balancing loss: --moe-router-load-balancing-type other than none, not --moe-gate {_BALANCED}",
+)
+Z_LOSS = When(
+    lambda c: c.moe.is_moe and not _our_gate(c, ("soft",)),
+    "with --num-experts, not with --moe-gate soft (it has no router logits)",
+)
+PADDING = When(
+    lambda c: c.moe.own_layer or (c.moe.is_moe and (c.moe.moe_expert_capacity_factor or 0) > 0),
+    "with --num-experts and our layer, or with --moe-layer-impl mcore and a positive --moe-expert-capacity-factor",
+)
+NORMALIZING = When(
+    lambda c: c.moe.moe_router_topk > 1 and _our_gate(c, set(GATES) - {"switch", *BALANCED_GATES}),
+    "with our layer, --moe-router-topk > 1 and a top-k gate (not switch, expert_choice, soft)",
+)
+PROJECTING = When(lambda c: _our_gate(c, ("xmoe", "cosine")), "with --moe-gate xmoe or cosine")
+SOFT = When(lambda c: _our_gate(c, ("soft",)), "with --moe-gate soft")
+
+TENSOR_PARALLEL = When(lambda c: c.parallel.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1")
+
+DECAYING = When(lambda c: c.training.lr_decay_style != "constant", "with --lr-decay-style linear or cosine")
+MIXED_PRECISION = When(lambda c: c.training.fp16 or c.training.bf16, "with --fp16 or --bf16")
+DYNAMIC_SCALE = When(
+    lambda c: c.training.fp16 and c.training.loss_scale is None,
+    "with --fp16 and no --loss-scale (dynamic loss scaling)",
+)
+
+ROPE = When(lambda c: c.model.position_embedding_type == "rope", "with --position-embedding-type rope")
+
+QUANTIZING = When(
+    lambda c: bool(c.activations.quantize_activations) or c.activations.activation_policy == "arctic",
+    "with --quantize-activations or --activation-policy arctic",
+)
+
+SAVING = When(lambda c: c.checkpoint.save is not None, "with --save")
+LOADING = When(lambda c: c.checkpoint.load is not None, "with --load")

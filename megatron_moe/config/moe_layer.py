@@ -1,0 +1,145 @@
+"""The MoE layer's own configuration: one keyword-only dataclass, checked by `validate()`.
+
+It lives in the config layer (pure Python, no torch) so that the run config
+can build and check it without importing the layer; `megatron_moe.moe`
+imports it from here. Each field names the run flag that sets it (`flag`
+metadata, or `--field-name`), so `validate()` names the flag, the bad value
+and a valid choice, like the run config does. `MoEConfig.layer_config` in
+groups.py is the one place that turns the run's flags into this config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_moe.config.fields import ConfigError, flag_name
+
+GATES = ("topk", "noisy_topk", "switch", "sigmoid", "xmoe", "cosine", "expert_choice", "soft", "bpr", "rts")
+BALANCED_GATES = ("expert_choice", "soft")
+"""Gates that fix every expert's load themselves: no balancing loss, no capacity factor."""
+ORDERINGS = ("sparse", "dense")
+EXPERT_TYPES = ("gelu", "swiglu")
+LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "none")
+"""Our layer's --moe-router-load-balancing-type choices (megatron-core's seq_aux_loss is not implemented)."""
+
+
+class MoEConfigError(ConfigError):
+    """A MoE setting that cannot work; the message names the flag, its value and a valid choice.
+
+    A `ConfigError`, so `pretrain_gpt_moe.py` reports it like any bad flag."""
+
+
+def _flag(flag: str, default: Any = dataclasses.MISSING):
+    """A field set by the run flag `flag` (named in validation errors)."""
+    return dataclasses.field(default=default, metadata={"flag": flag})
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoELayerConfig:
+    """How one MoE layer routes, lays out, moves and computes tokens."""
+
+    num_experts: int
+    """Experts in the layer, over all expert-parallel ranks."""
+    hidden_size: int
+    """Model width H."""
+    ffn_hidden_size: int = _flag("--moe-ffn-hidden-size")
+    """Width F of one routed expert's MLP."""
+    topk: int = _flag("--moe-router-topk", 2)
+    """Experts per token (token-choice gates); for expert-choice, the average experts per token."""
+    gate: str = _flag("--moe-gate", "topk")
+    """Routing function, one of `GATES`: topk (GShard softmax), noisy_topk (trainable noise),
+    switch (top-1), sigmoid, xmoe (low-rank cosine, learnable temperature), cosine (Tutel),
+    expert_choice, soft (SoftMoE slots), bpr (batch-prioritized), rts (random token selection)."""
+    capacity_factor: float | None = _flag("--moe-expert-capacity-factor", None)
+    """Tutel semantics: > 0 fixed factor (drop overflow); 0 or None dropless;
+    < 0 adaptive (dropless, capped at |f|). Must stay None for expert_choice and soft."""
+    ordering: str = _flag("--moe-ordering", "sparse")
+    """Token layout transform: sparse (index gather/scatter, Tutel) or dense (GShard one-hot einsum)."""
+    pad_expert_input_to_capacity: bool = _flag("--moe-pad-expert-input-to-capacity", False)
+    """EP all-to-all: False sends exactly the kept rows (counts exchanged first); True pads every
+    expert's rows from every rank to one capacity C (the factor's, or, dropless, the step's largest
+    count over the EP group), so the experts run one batched GEMM."""
+    expert_type: str = _flag("--swiglu", "gelu")
+    """Built-in experts: gelu (GPT FFN) or swiglu (Mixtral)."""
+    shared_expert_ffn_hidden_size: int | None = _flag("--moe-shared-expert-ffn-hidden-size", None)
+    """Width of a dense MLP beside the routed experts whose output is added (None: none)."""
+    load_balancing: str = _flag("--moe-router-load-balancing-type", "aux_loss")
+    """Balancing loss E * sum_e f_e * P_e, one of `LOAD_BALANCING`: aux_loss (f_e counts all k
+    choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), none."""
+    aux_loss_coeff: float = _flag("--moe-aux-loss-coeff", 0.01)
+    """Weight of the balancing loss in the backward pass."""
+    z_loss_coeff: float = _flag("--moe-z-loss-coeff", 0.0)
+    """Weight of the router z-loss (0: off)."""
+    normalize_topk: bool = _flag("--moe-normalize-topk", True)
+    """Rescale the k chosen gate scores to sum to 1 (GShard) when k > 1."""
+    router_dim: int | None = _flag("--moe-router-dim", None)
+    """Projection width of the xmoe/cosine gates (default 16 for xmoe, 256 for cosine)."""
+    soft_slots: int = _flag("--moe-soft-slots", 1)
+    """Slots per expert of the soft gate."""
+    init_method_std: float = 0.02
+    """Std of the normal init of router and expert weights (output projections scaled by the caller)."""
+
+    @property
+    def is_dropless(self) -> bool:
+        return self.capacity_factor is None or self.capacity_factor <= 0
+
+    @property
+    def gated(self) -> bool:
+        return self.expert_type == "swiglu"
+
+    @property
+    def dispatcher(self) -> str:
+        """The dispatcher `build_dispatcher` builds: alltoall (capacity-padded) or alltoallv (exact rows)."""
+        return "alltoall" if self.pad_expert_input_to_capacity else "alltoallv"
+
+    @property
+    def has_balancing_loss(self) -> bool:
+        """Whether the gate computes a balancing loss (what the log shows as `moe aux loss`)."""
+        return self.load_balancing != "none" and self.gate not in BALANCED_GATES
+
+    @property
+    def has_z_loss(self) -> bool:
+        """Whether the gate computes a z-loss (the soft gate has no router logits to penalise)."""
+        return self.z_loss_coeff > 0 and self.gate != "soft"
+
+    def _require(self, condition: bool, field: str, expected: str) -> None:
+        if not condition:
+            spec = next(f for f in dataclasses.fields(self) if f.name == field)
+            raise MoEConfigError(f"{flag_name(spec)}={getattr(self, field)}: {expected}")
+
+    def validate(self, ep_size: int = 1) -> MoELayerConfig:
+        """Check every field; returns self so a spec can validate inline."""
+        r = self._require
+        r(self.num_experts > 0, "num_experts", "must be positive")
+        r(self.gate in GATES, "gate", f"choose one of {', '.join(GATES)}")
+        r(self.ordering in ORDERINGS, "ordering", f"choose one of {', '.join(ORDERINGS)}")
+        r(self.expert_type in EXPERT_TYPES, "expert_type", f"choose one of {', '.join(EXPERT_TYPES)}")
+        r(
+            self.load_balancing in LOAD_BALANCING,
+            "load_balancing",
+            f"megatron_moe's layer implements {', '.join(LOAD_BALANCING)} (seq_aux_loss only with "
+            f"--moe-layer-impl mcore)",
+        )
+        r(1 <= self.topk <= self.num_experts, "topk", f"must be between 1 and --num-experts={self.num_experts}")
+        if self.gate == "switch":
+            r(self.topk == 1, "topk", "--moe-gate=switch routes each token to 1 expert; use 1")
+        if self.gate in BALANCED_GATES:
+            r(
+                self.capacity_factor is None,
+                "capacity_factor",
+                f"--moe-gate={self.gate} fixes each expert's load itself; leave the capacity factor unset",
+            )
+        r(self.num_experts % ep_size == 0, "num_experts", f"must be a multiple of the expert-parallel size {ep_size}")
+        r(self.hidden_size > 0 and self.ffn_hidden_size > 0, "ffn_hidden_size", "hidden and ffn sizes must be positive")
+        if self.shared_expert_ffn_hidden_size is not None:
+            r(
+                self.shared_expert_ffn_hidden_size > 0,
+                "shared_expert_ffn_hidden_size",
+                "must be positive (or unset for no shared expert)",
+            )
+        r(self.aux_loss_coeff >= 0, "aux_loss_coeff", "must be >= 0")
+        r(self.z_loss_coeff >= 0, "z_loss_coeff", "must be >= 0")
+        r(self.router_dim is None or self.router_dim > 0, "router_dim", "must be positive")
+        r(self.soft_slots > 0, "soft_slots", "must be positive")
+        return self

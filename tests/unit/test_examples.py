@@ -1,0 +1,80 @@
+"""Every flag an example script passes changes what runs: none is a no-op, none is given twice.
+
+Each example runs with DRY_RUN=1 (as `make check-examples` does, at the world
+size the Makefile gives it): it prints its torchrun command and checks its
+flags. The trainer's parser refuses a given flag that would do nothing in that
+run (`fields.When`), so parsing the printed flags is the no-op check.
+"""
+
+import collections
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from megatron_moe.config import ConfigError, parse_args
+from tests.conftest import ROOT
+
+
+def makefile_examples() -> dict[str, tuple[int, int]]:
+    """{example: (nodes, processes per node)} from the Makefile's check-examples target."""
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+        specs = re.search(r"for spec in ([^;]+);", f.read()).group(1).split()
+    return {name: (int(nodes), int(gpus)) for name, nodes, gpus in (spec.split(":") for spec in specs)}
+
+
+def dry_run(name: str, nodes: int, gpus: int) -> list[str]:
+    """The trainer flags the example passes, from its printed torchrun command."""
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "DRY_RUN": "1",
+        "DATA_PATH": "/data/corpus_text_document",
+        "TOKENIZER_MODEL": "/data/tokenizer.model",
+        "MASTER_ADDR": "node0",
+        "NNODES": str(nodes),
+        "GPUS_PER_NODE": str(gpus),
+        "PYTHONPATH": ROOT,
+    }
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "examples", f"{name}.sh")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    command = shlex.split(proc.stdout.splitlines()[0])
+    assert proc.stdout.splitlines()[-1].startswith("flags OK"), proc.stdout
+    return command[command.index(os.path.join(ROOT, "pretrain_gpt_moe.py")) + 1 :]
+
+
+def given_twice(args: list[str]) -> list[str]:
+    counts = collections.Counter(a for a in args if a.startswith("--"))
+    return sorted(flag for flag, n in counts.items() if n > 1)
+
+
+def test_every_example_is_checked():
+    scripts = {os.path.basename(p)[: -len(".sh")] for p in glob.glob(os.path.join(ROOT, "examples", "*.sh"))}
+    assert scripts - {"common"} == set(makefile_examples())
+
+
+@pytest.mark.parametrize("name", sorted(makefile_examples()))
+def test_example_flags_all_change_what_runs(name):
+    nodes, gpus = makefile_examples()[name]
+    args = dry_run(name, nodes, gpus)
+    assert "--num-experts" in args
+    assert given_twice(args) == [], f"{name}: flags given twice"
+    parse_args(args).validate(nodes * gpus)  # raises ConfigError naming a flag that would do nothing
+
+
+def test_the_checks_can_fail():
+    assert given_twice(["--lr", "1", "--seed", "2", "--lr", "3"]) == ["--lr"]
+    flags = ["--data-path", "d", "--tokenizer-model", "t", "--num-experts", "8", "--moe-grouped-gemm"]
+    with pytest.raises(ConfigError, match="--moe-grouped-gemm"):  # read only by megatron-core's MoE layer
+        parse_args(flags)
