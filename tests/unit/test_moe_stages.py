@@ -292,7 +292,8 @@ def test_custom_experts_module_plugs_in():
     layer = MoELayer(config, moe_layer_config(config), experts=experts_builder)
     out, x_grad, grads = run(layer, tokens())
     assert out.shape == (6, 3, H) and out.abs().sum() > 0
-    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "local_experts" in n)
+    expert_grads = [g for n, g in grads.items() if "local_experts" in n]
+    assert len(expert_grads) == 2 * E and all(g is not None and g.abs().sum() > 0 for g in expert_grads)
     assert all(p.allreduce is False for p in layer.experts.parameters())
 
     with pytest.raises(TypeError, match="num_local_experts"):
