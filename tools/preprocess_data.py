@@ -186,8 +186,7 @@ def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer,
     progress.report()
     identity = TokenizerIdentity.of(tokenizer)
     for key, builder in builders.items():
-        bin_path, idx_path = output_paths(args.output_prefix, key)
-        builder.finalize(temporary_path(idx_path))
+        builder.finalize(temporary_path(output_paths(args.output_prefix, key)[1]))
         write_metadata(temporary_path(sidecar_path(args.output_prefix, key)), TokenMetadata(
             dtype=numpy.dtype(dtype).name, num_tokens=tokens[key], num_sequences=documents[key],
             num_documents=documents[key], bin_bytes=tokens[key] * numpy.dtype(dtype).itemsize,
@@ -219,9 +218,12 @@ def publish(args: argparse.Namespace) -> None:
 
 def describe_existing(prefix: str, tokenizer: SentencePieceTokenizer) -> TokenMetadata:
     """``--write-metadata``: scan ``PREFIX.bin`` once and write ``PREFIX.meta.json``."""
-    files = check_prefix_files(prefix)
-    max_id = scan_max_token_id(prefix + ".bin", numpy.dtype(files.dtype), files.num_tokens)
-    check_vocabulary_covers(max_id, tokenizer.vocab_size, prefix + ".bin")
+    try:
+        files = check_prefix_files(prefix)
+        max_id = scan_max_token_id(prefix + ".bin", numpy.dtype(files.dtype), files.num_tokens)
+        check_vocabulary_covers(max_id, tokenizer.vocab_size, prefix + ".bin")
+    except DataError as error:
+        raise DataError(f"--write-metadata {prefix}: {error}") from error
     metadata = TokenMetadata(**asdict(files), max_token_id=max_id, tokenizer=TokenizerIdentity.of(tokenizer),
                              written_by="tools/preprocess_data.py --write-metadata")
     write_metadata(metadata_path(prefix), metadata)
