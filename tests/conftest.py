@@ -13,6 +13,7 @@ VOCAB = 600
 TIERS = ("unit", "distributed", "slurm")  # folders under tests/, each its own pytest marker (pyproject.toml)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier, the folder it lives in: tests/unit/... -> unit, and so on."""
     for item in items:
