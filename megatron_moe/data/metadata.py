@@ -106,6 +106,9 @@ class TokenMetadata:
         if missing:
             raise _unusable(path, f"missing {', '.join(missing)}")
         values = {name: data[name] for name in fields}
+        wrong = [f.name for f in dataclasses.fields(cls) if f.type == "int" and type(values[f.name]) is not int]
+        if wrong:
+            raise _unusable(path, f"{', '.join(wrong)} not an integer")
         try:
             values["tokenizer"] = TokenizerIdentity(**values["tokenizer"])
         except TypeError as error:

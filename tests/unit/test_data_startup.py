@@ -124,6 +124,10 @@ def test_stale_or_corrupt_sidecar_is_refused_with_the_fix(train_data, tmp_path):
     open(metadata_path(prefix), "w").write(json.dumps(meta))
     with pytest.raises(DataError, match=r"--data-path .*: .*\.meta\.json does not describe .*num_tokens: metadata"):
         validate_data_prefix(prefix, VOCAB)
+    meta["num_tokens"] = "12"
+    open(metadata_path(prefix), "w").write(json.dumps(meta))
+    with pytest.raises(DataError, match=r"metadata file .*\.meta\.json is unusable \(num_tokens not an integer\)"):
+        validate_data_prefix(prefix, VOCAB)
     open(metadata_path(prefix), "w").write("{not json")
     with pytest.raises(DataError, match=r"metadata file .*\.meta\.json is unusable .*--write-metadata"):
         validate_data_prefix(prefix, VOCAB)
