@@ -1,9 +1,15 @@
 # megatron_moe: set-up, the demo, the tests.
 #
-#   make demo     set up, then pretrain the tiny GPT-MoE on CPU (examples/pretrain_gpt_moe_tiny_cpu.sh)
-#   make test     set up, then check the example scripts' flags and run the test suite
-#   make install  set up only: .venv with torch first, then this package editable with its test extra
-#   make clean    remove runs/, data/ and caches;  make distclean also removes the venv
+#   make demo       set up, then pretrain the tiny GPT-MoE on CPU (examples/pretrain_gpt_moe_tiny_cpu.sh)
+#   make test       set up, check the example scripts' flags, run every tier (gpu where CUDA is)
+#   make test-fast  set up, run the unit tier without its slow tests (under a minute)
+#   make install    set up only: .venv with torch first, then this package editable with its test extra
+#   make clean      remove runs/, data/ and caches;  make distclean also removes the venv
+#
+# Test tiers are pytest markers (pyproject.toml; tests/conftest.py marks each test by its folder):
+# unit, distributed (torchrun, gloo), slurm (a private cluster; skipped without root/apt-get),
+# gpu (skipped without CUDA), slow (unit tests of several seconds). A tier alone, e.g.:
+#   make test PYTEST_ARGS="-q -m distributed"      make test PYTEST_ARGS="-q -m 'not slurm'"
 #
 # Variables: VENV (.venv), PYTHON_BOOTSTRAP (python3.11, else python3), TORCH_SPEC
 # (torch==2.13.0: the CPU wheel on this machine's disk, the CUDA build from PyPI
@@ -13,14 +19,14 @@
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help install demo test check-examples clean distclean
+.PHONY: help install demo test test-fast check-examples clean distclean
 
 VENV ?= .venv
 PYTHON_BOOTSTRAP ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 VENV_ARGS ?=
-PYTEST_ARGS ?= -q -ra --durations=10 --import-mode=importlib
+PYTEST_ARGS ?= -q -ra --durations=10
 DEMO_ARGS ?=
 
 PY := $(VENV)/bin/python
@@ -60,6 +66,9 @@ check-examples: $(STAMP)
 
 test: check-examples
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "unit and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs data build .pytest_cache

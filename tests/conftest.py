@@ -10,6 +10,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 VOCAB = 600
+TIERS = ("unit", "distributed", "slurm")  # folders under tests/, each its own pytest marker (pyproject.toml)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier, the folder it lives in: tests/unit/... -> unit, and so on."""
+    for item in items:
+        parts = os.path.relpath(str(item.path), ROOT).split(os.sep)
+        if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
+            item.add_marker(parts[1])
 
 
 def load_tool(name):

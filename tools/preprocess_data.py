@@ -2,13 +2,20 @@
 """Tokenize documents into megatron-core IndexedDataset files (Megatron-LM compatible).
 
 Writes ``{output_prefix}_{key}_document.bin/.idx`` for every ``--json-keys`` key, one
-IndexedDataset document per input document, in input order whatever ``--workers`` is.
-Files are written under temporary names and renamed at the end, so an interrupted run
-never leaves a half-written ``.bin``/``.idx`` behind.
+IndexedDataset document per input document, in input order whatever ``--workers`` is, and
+beside them the metadata sidecar ``.meta.json`` that training start-up reads instead of
+scanning the ``.bin`` (largest token id, counts, the tokenizer's identity; see
+``megatron_moe/data/metadata.py``). Files are written under temporary names and renamed at
+the end, so an interrupted run never leaves a half-written file behind.
 
-Example:
+``--write-metadata PREFIX ...`` writes only the sidecar of existing data (e.g. made by
+Megatron-LM's preprocess_data.py): one scan of each ``.bin``, checked against the tokenizer.
+
+Examples:
     python tools/preprocess_data.py --input data/stdlib.jsonl \
         --tokenizer-model data/tokenizer.model --output-prefix data/stdlib --append-eod
+    python tools/preprocess_data.py --write-metadata data/corpus_text_document \
+        --tokenizer-model data/tokenizer.model
 """
 
 import argparse
@@ -16,6 +23,7 @@ import multiprocessing
 import os
 import sys
 import time
+from dataclasses import asdict
 from functools import lru_cache
 from typing import Iterable, Iterator, Optional
 
@@ -26,6 +34,14 @@ import torch  # noqa: E402
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 
 from megatron_moe.data import DataError, expand_input_paths, iter_documents  # noqa: E402
+from megatron_moe.data.datasets import check_prefix_files, check_vocabulary_covers  # noqa: E402
+from megatron_moe.data.metadata import (  # noqa: E402
+    TokenizerIdentity,
+    TokenMetadata,
+    metadata_path,
+    scan_max_token_id,
+    write_metadata,
+)
 from megatron_moe.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 
 CHUNK_SIZE = 16
@@ -34,19 +50,22 @@ CHUNK_SIZE = 16
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
+    parser.add_argument("--input", nargs="+",
                         help="files, directories or globs; .jsonl/.json are JSON lines, "
                              "any other file is one document")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="JSON keys to tokenize, one output dataset each")
     parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
+    parser.add_argument("--output-prefix",
+                        help="writes OUTPUT_PREFIX_{key}_document.bin/.idx/.meta.json")
     parser.add_argument("--append-eod", action="store_true",
                         help="append the end-of-document token to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--log-interval", type=int, default=1000,
                         help="print progress every this many documents")
+    parser.add_argument("--write-metadata", nargs="+", metavar="PREFIX",
+                        help="instead of tokenizing: scan existing PREFIX.bin/.idx once and write "
+                             "PREFIX.meta.json (for data made without this tool)")
     return parser
 
 
@@ -56,6 +75,14 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--workers {args.workers} must be >= 1 (e.g. --workers 2)")
     if args.log_interval < 1:
         raise SystemExit(f"--log-interval {args.log_interval} must be >= 1 (e.g. 1000)")
+    if args.write_metadata:
+        if args.input or args.output_prefix:
+            raise SystemExit("--write-metadata describes existing data; drop --input and --output-prefix "
+                             "(or run without --write-metadata to tokenize)")
+    elif not args.input or not args.output_prefix:
+        missing = "--input" if not args.input else "--output-prefix"
+        raise SystemExit(f"{missing} is required (e.g. --input data/stdlib.jsonl --output-prefix data/stdlib), "
+                         f"unless --write-metadata PREFIX describes existing data")
 
 
 @lru_cache(maxsize=4)
@@ -101,6 +128,11 @@ def output_paths(output_prefix: str, key: str) -> tuple[str, str]:
     return prefix + ".bin", prefix + ".idx"
 
 
+def sidecar_path(output_prefix: str, key: str) -> str:
+    """Final path of one key's metadata sidecar."""
+    return metadata_path(f"{output_prefix}_{key}_document")
+
+
 def temporary_path(path: str) -> str:
     """The name a file is written under before being renamed into place."""
     return f"{path}.tmp{os.getpid()}"
@@ -131,12 +163,14 @@ class ProgressLog:
 
 def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer,
                    paths: list[str]) -> dict[str, int]:
-    """Tokenize all documents into temporary files; return token counts per key."""
+    """Tokenize all documents into temporary files, sidecars included; return token counts per key."""
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders = {key: IndexedDatasetBuilder(temporary_path(output_paths(args.output_prefix, key)[0]),
                                            dtype=dtype)
                 for key in args.json_keys}
     tokens = {key: 0 for key in args.json_keys}
+    documents = {key: 0 for key in args.json_keys}
+    max_ids = {key: -1 for key in args.json_keys}
     tasks = ((args.tokenizer_model, args.append_eod, doc)
              for doc in iter_documents(paths, args.json_keys))
     progress = ProgressLog(args.log_interval)
@@ -146,33 +180,64 @@ def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer,
                 builders[key].add_item(torch.from_numpy(ids))
                 builders[key].end_document()
                 tokens[key] += int(ids.size)
+                documents[key] += 1
+                max_ids[key] = max(max_ids[key], int(ids.max()))
         progress.update(num_bytes)
     progress.report()
+    identity = TokenizerIdentity.of(tokenizer)
     for key, builder in builders.items():
         builder.finalize(temporary_path(output_paths(args.output_prefix, key)[1]))
+        write_metadata(temporary_path(sidecar_path(args.output_prefix, key)), TokenMetadata(
+            dtype=numpy.dtype(dtype).name, num_tokens=tokens[key], num_sequences=documents[key],
+            num_documents=documents[key], bin_bytes=tokens[key] * numpy.dtype(dtype).itemsize,
+            max_token_id=max_ids[key], tokenizer=identity, written_by="tools/preprocess_data.py"))
     return tokens
 
 
 def remove_temporaries(args: argparse.Namespace) -> None:
     """Delete this run's temporary files (after a failure)."""
     for key in args.json_keys:
-        for path in output_paths(args.output_prefix, key):
+        for path in (*output_paths(args.output_prefix, key), sidecar_path(args.output_prefix, key)):
             if os.path.exists(temporary_path(path)):
                 os.remove(temporary_path(path))
 
 
 def publish(args: argparse.Namespace) -> None:
-    """Rename the temporary files into place (.bin first, then the .idx that describes it)."""
+    """Rename the temporary files into place: .bin, then the .idx, then the sidecar describing both.
+
+    An old sidecar goes first, so an interruption leaves new data without one (start-up warns),
+    never new data with a sidecar that describes the old.
+    """
     for key in args.json_keys:
-        for path in output_paths(args.output_prefix, key):
+        sidecar = sidecar_path(args.output_prefix, key)
+        if os.path.exists(sidecar):
+            os.remove(sidecar)
+        for path in (*output_paths(args.output_prefix, key), sidecar):
             os.replace(temporary_path(path), path)
 
 
+def describe_existing(prefix: str, tokenizer: SentencePieceTokenizer) -> TokenMetadata:
+    """``--write-metadata``: scan ``PREFIX.bin`` once and write ``PREFIX.meta.json``."""
+    try:
+        files = check_prefix_files(prefix)
+        max_id = scan_max_token_id(prefix + ".bin", numpy.dtype(files.dtype), files.num_tokens)
+        check_vocabulary_covers(max_id, tokenizer.vocab_size, prefix + ".bin")
+    except DataError as error:
+        raise DataError(f"--write-metadata {prefix}: {error}") from error
+    metadata = TokenMetadata(**asdict(files), max_token_id=max_id, tokenizer=TokenizerIdentity.of(tokenizer),
+                             written_by="tools/preprocess_data.py --write-metadata")
+    write_metadata(metadata_path(prefix), metadata)
+    print(f"Wrote {metadata_path(prefix)} ({files.num_tokens} tokens, max id {max_id})", file=sys.stderr)
+    return metadata
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, int]:
-    """Run preprocessing; return the number of tokens written per key."""
+    """Run preprocessing; return the number of tokens written per key (per prefix with --write-metadata)."""
     args = build_parser().parse_args(argv)
     validate_args(args)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    if args.write_metadata:
+        return {prefix: describe_existing(prefix, tokenizer).num_tokens for prefix in args.write_metadata}
     paths = expand_input_paths(args.input, flag="--input")
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     try:
@@ -182,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
         raise
     publish(args)
     for key, count in tokens.items():
-        print(f"Wrote {count} tokens to {output_paths(args.output_prefix, key)[0]} (and .idx)",
+        print(f"Wrote {count} tokens to {output_paths(args.output_prefix, key)[0]} (and .idx, .meta.json)",
               file=sys.stderr)
     return tokens
 

@@ -2,14 +2,17 @@
 
 Tokenized data is megatron-core's IndexedDataset format: ``PREFIX.bin`` (token ids) and
 ``PREFIX.idx`` (lengths, offsets, document boundaries), written by
-``tools/preprocess_data.py``. ``--data-path`` takes one prefix or a blend
-``W1 PREFIX1 W2 PREFIX2 ...``, as in Megatron-LM.
+``tools/preprocess_data.py`` with a metadata sidecar ``PREFIX.meta.json`` (see
+``megatron_moe.data.metadata``). Start-up reads the ``.idx`` and the sidecar, never the
+``.bin``'s tokens, so it does not grow with the corpus. ``--data-path`` takes one prefix
+or a blend ``W1 PREFIX1 W2 PREFIX2 ...``, as in Megatron-LM.
 """
 
 import copy
+import logging
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import numpy
@@ -20,8 +23,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
+from megatron.core.utils import log_single_rank
 
 from megatron_moe.data import DataError
+from megatron_moe.data.metadata import WRITE_HINT, TokenMetadata, metadata_path, read_metadata
 
 DATA_PATH_FLAG = "--data-path"
 PREPROCESS_HINT = ("create it with: python tools/preprocess_data.py --input CORPUS.jsonl "
@@ -29,7 +34,7 @@ PREPROCESS_HINT = ("create it with: python tools/preprocess_data.py --input CORP
                    "(--data-path then takes PREFIX_text_document)")
 _IDX_HEADER = b"MMIDIDX\x00\x00"
 _IDX_FIXED_BYTES = len(_IDX_HEADER) + 8 + 1 + 8 + 8
-_MAX_SCAN_CHUNK = 1 << 24
+log = logging.getLogger("megatron_moe")
 
 
 # ------------------------------------------------------------------------ --data-path
@@ -77,7 +82,8 @@ class DataSummary:
     num_documents: int
     num_sequences: int
     num_tokens: int
-    max_token_id: int
+    max_token_id: Optional[int]
+    """From the metadata sidecar; None when the prefix has none (the range was not checked)."""
 
 
 def _read_idx_counts(idx_path: str) -> tuple[type, int, int]:
@@ -97,31 +103,31 @@ def _read_idx_counts(idx_path: str) -> tuple[type, int, int]:
     return DType.dtype_from_code(code), seq_count, doc_count
 
 
-def _max_token_id(bin_path: str, dtype: type, count: int) -> int:
-    """Largest token id in the ``.bin`` file, scanned in chunks of the memmap."""
-    if count == 0:
-        return -1
-    tokens = numpy.memmap(bin_path, dtype=dtype, mode="r", shape=(count,))
-    largest = max(int(tokens[i:i + _MAX_SCAN_CHUNK].max())
-                  for i in range(0, count, _MAX_SCAN_CHUNK))
-    del tokens
-    return largest
-
-
-def _sequence_lengths(prefix: str, idx_path: str) -> numpy.ndarray:
-    """Open the prefix with megatron-core's reader and return a copy of its sequence lengths."""
+def _idx_token_count(prefix: str, idx_path: str) -> int:
+    """Tokens the ``.idx`` says the ``.bin`` holds: the sum of its sequence lengths (reads the .idx only)."""
     try:
         dataset = IndexedDataset(prefix, mmap=True)
     except (AssertionError, ValueError) as error:
         raise DataError(f"{DATA_PATH_FLAG}: index file {idx_path} is corrupt ({error}); "
                         f"re-run tools/preprocess_data.py to rebuild it") from error
-    lengths = numpy.array(dataset.index.sequence_lengths)
+    count = int(dataset.index.sequence_lengths.sum(dtype=numpy.int64))
     del dataset
-    return lengths
+    return count
 
 
-def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
-    """Check that ``PREFIX.bin/.idx`` exist, are intact and fit a ``vocab_size`` tokenizer."""
+@dataclass(frozen=True, kw_only=True)
+class PrefixFiles:
+    """What the ``.idx`` (and the ``.bin``'s size) of one prefix say: the sidecar's counts."""
+
+    dtype: str
+    num_tokens: int
+    num_sequences: int
+    num_documents: int
+    bin_bytes: int
+
+
+def check_prefix_files(prefix: str) -> PrefixFiles:
+    """Check that ``PREFIX.bin/.idx`` exist and are intact; reads the ``.idx``, not the ``.bin``."""
     bin_path, idx_path = prefix + ".bin", prefix + ".idx"
     for path in (bin_path, idx_path):
         if not os.path.isfile(path):
@@ -130,19 +136,55 @@ def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
     if seq_count == 0:
         raise DataError(f"{DATA_PATH_FLAG} {prefix}: {idx_path} holds no documents; "
                         f"{PREPROCESS_HINT}")
-    lengths = _sequence_lengths(prefix, idx_path)
-    num_tokens = int(lengths.sum(dtype=numpy.int64))
+    num_tokens = _idx_token_count(prefix, idx_path)
+    bin_bytes = os.path.getsize(bin_path)
     expected = num_tokens * numpy.dtype(dtype).itemsize
-    if os.path.getsize(bin_path) != expected:
+    if bin_bytes != expected:
         raise DataError(f"{DATA_PATH_FLAG}: data file {bin_path} is truncated or corrupt "
-                        f"({os.path.getsize(bin_path)} bytes, its index expects {expected}); "
+                        f"({bin_bytes} bytes, its index expects {expected}); "
                         f"re-run tools/preprocess_data.py to rebuild it")
-    max_id = _max_token_id(bin_path, dtype, num_tokens)
-    if max_id >= vocab_size:
+    return PrefixFiles(dtype=numpy.dtype(dtype).name, num_tokens=num_tokens, num_sequences=seq_count,
+                       num_documents=doc_count - 1, bin_bytes=bin_bytes)
+
+
+def _check_metadata(metadata: TokenMetadata, prefix: str, files: PrefixFiles) -> None:
+    """Refuse a sidecar that does not describe this ``.bin/.idx`` (e.g. left from older data)."""
+    stale = [f"{name}: metadata {getattr(metadata, name)}, data {value}"
+             for name, value in asdict(files).items() if getattr(metadata, name) != value]
+    if stale:
+        raise DataError(f"{DATA_PATH_FLAG} {prefix}: {metadata_path(prefix)} does not describe "
+                        f"{prefix}.bin/.idx ({'; '.join(stale)}); it is stale: rewrite it with: "
+                        f"{WRITE_HINT.format(prefix=prefix)}")
+
+
+def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
+    """Check that ``PREFIX.bin/.idx`` exist, are intact and fit a ``vocab_size`` tokenizer.
+
+    Reads the ``.idx`` and the metadata sidecar (``PREFIX.meta.json``), never the ``.bin``'s
+    tokens: the ``.bin``'s size is checked against the ``.idx``, its largest token id comes from
+    the sidecar. Without a sidecar the token ids are not checked; a warning says how to write it.
+    """
+    files = check_prefix_files(prefix)
+    metadata = read_metadata(prefix)
+    if metadata is None:
+        log_single_rank(log, logging.WARNING,
+                        f"{DATA_PATH_FLAG} {prefix}: no {metadata_path(prefix)}, so its token ids were not "
+                        f"checked against the tokenizer's vocabulary ({vocab_size}); write it once with: "
+                        f"{WRITE_HINT.format(prefix=prefix)}")
+        max_id = None
+    else:
+        _check_metadata(metadata, prefix, files)
+        max_id = metadata.max_token_id
+        check_vocabulary_covers(max_id, vocab_size, prefix + ".bin")
+    return DataSummary(prefix, files.num_documents, files.num_sequences, files.num_tokens, max_id)
+
+
+def check_vocabulary_covers(max_token_id: int, vocab_size: int, bin_path: str) -> None:
+    """Refuse a tokenizer whose vocabulary does not cover the data's largest token id."""
+    if max_token_id >= vocab_size:
         raise DataError(f"tokenizer vocabulary ({vocab_size}) smaller than the data's token ids "
-                        f"(max {max_id}) in {bin_path}; use the tokenizer the data was "
+                        f"(max {max_token_id}) in {bin_path}; use the tokenizer the data was "
                         f"preprocessed with (--tokenizer-model)")
-    return DataSummary(prefix, doc_count - 1, len(lengths), num_tokens, max_id)
 
 
 # ----------------------------------------------------------------------------- building

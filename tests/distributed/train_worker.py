@@ -111,13 +111,19 @@ def layouts() -> dict:
 
 
 def gpu() -> dict:
-    from megatron_moe.platform import current_platform
+    import torch
+    import torch.distributed as dist
 
     init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
     bf16 = ["--bf16", "--hidden-dropout", "0.1"]
+    torch.cuda.reset_peak_memory_stats()
+    fp32 = train(*init)
     results = {
-        "device": str(current_platform().device),
-        "fp32": train(*init),
+        # What the run itself used: the process group's backend, and CUDA memory its model, optimizer and
+        # activations took (a run that fell back to the host would allocate none).
+        "backend": dist.get_backend(),
+        "fp32_peak_cuda_bytes": torch.cuda.max_memory_allocated(),
+        "fp32": fp32,
         "bf16_arctic": train(*init, "--bf16", "--activation-policy", "arctic"),
         "fp16": train(*init, "--fp16", "--initial-loss-scale", "4096"),
         "straight": train("--train-iters", "6", *bf16),

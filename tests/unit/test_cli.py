@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # each case starts the entry point in a fresh interpreter: ~5 s
+
 
 def run_cli(*flags, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1")

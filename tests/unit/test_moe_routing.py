@@ -69,7 +69,10 @@ def test_gshard_order_first_choices_claim_slots_before_second_choices():
     assert kept_pairs(plan) == {(0, 0), (1, 0), (2, 1), (0, 1)}
     assert plan.dropped == 4 and plan.counts == [2, 2]
     padded = make_plan(routing, capacity=3, padded=True)
-    assert padded.counts == [3, 3] and padded.row_index.tolist() == [0, 1, 2, 3, 4, 5][: len(padded.row_index)]
+    assert padded.counts == [3, 3] and padded.row_index.tolist() == [0, 1, 2, 3, 4, 5]
+    # Capacity 3: expert 0 takes the first choices of tokens 0, 1, 3 (token 2's second choice drops),
+    # expert 1 token 2's first choice, then the second choices of tokens 0 and 1 (token 3's drops).
+    assert kept_pairs(padded) == {(0, 0), (1, 0), (3, 0), (2, 1), (0, 1), (1, 1)} and padded.dropped == 2
 
 
 def test_bpr_drops_the_least_important_tokens_first():

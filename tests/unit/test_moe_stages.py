@@ -306,7 +306,8 @@ def test_custom_experts_module_plugs_in():
     layer = MoELayer(config, layer_config(config), experts=experts_builder)
     out, x_grad, grads = run(layer, tokens())
     assert out.shape == (6, 3, H) and out.abs().sum() > 0
-    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "local_experts" in n)
+    expert_grads = [g for n, g in grads.items() if "local_experts" in n]
+    assert len(expert_grads) == 2 * E and all(g is not None and g.abs().sum() > 0 for g in expert_grads)
     assert all(p.allreduce is False for p in layer.experts.parameters())
 
     with pytest.raises(TypeError, match="num_local_experts"):
@@ -383,7 +384,9 @@ def test_activation_policy_runs_the_stages_as_regions():
     base = make_layer(shared_expert_ffn_hidden_size=16, capacity_factor=1.0)
     x = tokens(64, 4)  # big enough that the saved expert inputs pass the quantizer's size floor
     ref = run(base, x)
-    for recompute, quantize, tol in ((["expert_act", "router"], [], 1e-6), ([], ["expert_fc1", "expert_fc2"], 5e-2)):
+    kept = {}
+    cases = (([], [], 0.0), (["expert_act", "router"], [], 1e-6), ([], ["expert_fc1", "expert_fc2"], 5e-2))
+    for recompute, quantize, tol in cases:
         layer = make_layer(shared_expert_ffn_hidden_size=16, capacity_factor=1.0, like=base)
         counter = SavedBytes()
         scope = LayerScope(build_policy(preset="none", recompute=recompute, quantize=quantize,
@@ -391,8 +394,11 @@ def test_activation_policy_runs_the_stages_as_regions():
         layer.use_activation_scope(scope)
         with scope.active():
             got = run(layer, x)
+        kept[bool(recompute), bool(quantize)] = counter.bytes
         for a, b in zip(got[:2], ref[:2]):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
         torch.testing.assert_close(got[2]["experts.weight1"], ref[2]["experts.weight1"], rtol=tol, atol=tol)
         if quantize:  # the expert GEMMs really ran in their regions: their saved inputs were int8
             assert not torch.equal(got[2]["experts.weight1"], ref[2]["experts.weight1"])
+    # The regions really kept less than with no policy: recompute drops the activation's and router's inputs.
+    assert 0 < kept[True, False] < kept[False, False] and 0 < kept[False, True] < kept[False, False], kept

@@ -26,6 +26,7 @@ def test_cpu_platform_picks_gloo():
     assert platform.device.type == "cpu" and platform.backend == "gloo"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_gpu_platform_picks_nccl_and_leaves_torch_unpatched():
     platform = init_platform()

@@ -1,0 +1,174 @@
+"""The metadata sidecar of tokenized data: ``PREFIX.meta.json`` beside ``PREFIX.bin/.idx``.
+
+Start-up must not read the ``.bin`` (a 100 GB corpus takes minutes per rank to scan), yet it
+must refuse a tokenizer smaller than the data's token ids. ``tools/preprocess_data.py`` knows
+every id it writes, so it records the largest one here, with what identifies the tokenizer;
+start-up reads this small file instead of scanning. Data made elsewhere (Megatron-LM's own
+preprocess_data.py, older data) gets its sidecar from one scan:
+``python tools/preprocess_data.py --write-metadata PREFIX --tokenizer-model TOKENIZER.model``.
+
+The file is one JSON object (version 1)::
+
+    {"format": "megatron_moe.tokenized_data", "version": 1,
+     "dtype": "uint16",            # numpy dtype of the .bin's tokens (the .idx says the same)
+     "num_tokens": 1234567,        # tokens in the .bin (= its size / the dtype's size)
+     "num_sequences": 1500,        # sequences in the .idx
+     "num_documents": 1500,        # documents in the .idx
+     "bin_bytes": 2469134,         # size of the .bin
+     "max_token_id": 4095,         # largest token id in the .bin (-1 when it holds none)
+     "tokenizer": {"vocab_size": 4096, "model_sha256": "...", "pieces_sha256": "...",
+                   "model_file": "tokenizer.model"},
+     "written_by": "tools/preprocess_data.py"}
+
+The counts let start-up notice a sidecar that no longer describes its ``.bin/.idx``.
+``tokenizer.vocab_size`` and ``tokenizer.pieces_sha256`` (the pieces in id order) identify the
+vocabulary independently of the model file's bytes, so a later check can also refuse a
+tokenizer whose vocabulary differs from the data's (larger, or equal in size but different).
+The file is written under a temporary name and renamed into place.
+
+This module stays free of torch and megatron-core, like the package it belongs to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Optional
+
+import numpy
+
+from megatron_moe.data import DataError
+
+FORMAT = "megatron_moe.tokenized_data"
+VERSION = 1
+SUFFIX = ".meta.json"
+WRITE_HINT = "python tools/preprocess_data.py --write-metadata {prefix} --tokenizer-model TOKENIZER.model"
+_SCAN_CHUNK = 1 << 24  # tokens per chunk of the one-time scan
+
+
+def metadata_path(prefix: str) -> str:
+    """Where the sidecar of ``prefix`` lives."""
+    return prefix + SUFFIX
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizerIdentity:
+    """What identifies the tokenizer the data was made with."""
+
+    vocab_size: int
+    """Number of pieces; token ids are ``0 .. vocab_size - 1``."""
+    pieces_sha256: str
+    """sha256 of the JSON list of pieces in id order: the vocabulary itself."""
+    model_sha256: str
+    """sha256 of the model file's bytes."""
+    model_file: str
+    """The model file's name (for messages only)."""
+
+    @classmethod
+    def of(cls, tokenizer) -> TokenizerIdentity:
+        """The identity of a ``SentencePieceTokenizer`` (reads its model file once)."""
+        pieces = [tokenizer.inv_vocab[i] for i in range(tokenizer.vocab_size)]
+        pieces_hash = hashlib.sha256(json.dumps(pieces, ensure_ascii=False).encode("utf-8"))
+        return cls(
+            vocab_size=tokenizer.vocab_size,
+            pieces_sha256=pieces_hash.hexdigest(),
+            model_sha256=_file_sha256(tokenizer.model_path),
+            model_file=os.path.basename(tokenizer.model_path),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenMetadata:
+    """The contents of ``PREFIX.meta.json`` (see the module docstring)."""
+
+    dtype: str
+    num_tokens: int
+    num_sequences: int
+    num_documents: int
+    bin_bytes: int
+    max_token_id: int
+    tokenizer: TokenizerIdentity
+    written_by: str
+
+    def to_json(self) -> dict:
+        """The JSON object written to the sidecar."""
+        return {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict, path: str) -> TokenMetadata:
+        """Parse a sidecar's JSON object; a DataError names the file and how to rewrite it."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise _unusable(path, f"not a {FORMAT} version {VERSION} file")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(fields - set(data))
+        if missing:
+            raise _unusable(path, f"missing {', '.join(missing)}")
+        values = {name: data[name] for name in fields}
+        wrong = [f.name for f in dataclasses.fields(cls) if f.type == "int" and type(values[f.name]) is not int]
+        if wrong:
+            raise _unusable(path, f"{', '.join(wrong)} not an integer")
+        try:
+            values["tokenizer"] = TokenizerIdentity(**values["tokenizer"])
+        except TypeError as error:
+            raise _unusable(path, f"bad tokenizer entry ({error})") from error
+        return cls(**values)
+
+
+def _unusable(path: str, why: str) -> DataError:
+    prefix = path[: -len(SUFFIX)] if path.endswith(SUFFIX) else path
+    return DataError(
+        f"--data-path {prefix}: metadata file {path} is unusable ({why}); "
+        f"rewrite it with: {WRITE_HINT.format(prefix=prefix)}"
+    )
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_metadata(prefix: str) -> Optional[TokenMetadata]:
+    """The sidecar of ``prefix``, or None when there is none. O(1): the ``.bin`` is not read."""
+    path = metadata_path(prefix)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            data = json.load(stream)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise _unusable(path, str(error)) from error
+    return TokenMetadata.from_json(data, path)
+
+
+def write_metadata(path: str, metadata: TokenMetadata) -> None:
+    """Write ``metadata`` to ``path`` atomically (a temporary file renamed into place)."""
+    temporary = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as stream:
+            json.dump(metadata.to_json(), stream, indent=1)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def scan_max_token_id(bin_path: str, dtype: type, num_tokens: int) -> int:
+    """Largest token id in a ``.bin`` (-1 when empty): reads all of it, chunk by chunk.
+
+    For ``--write-metadata`` only: this is the scan that start-up must not do.
+    """
+    if num_tokens == 0:
+        return -1
+    tokens = numpy.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,))
+    try:
+        return max(int(tokens[i : i + _SCAN_CHUNK].max()) for i in range(0, num_tokens, _SCAN_CHUNK))
+    finally:
+        del tokens
