@@ -31,6 +31,10 @@ export MEGATRON_MOE_FORCE_CPU="${MEGATRON_MOE_FORCE_CPU:-1}"
 prepare_data() {
     if [[ -f "$DATA_PREFIX.bin" && -f "$DATA_PREFIX.idx" && -f "$TOKENIZER_MODEL" ]]; then
         log "data: using $DATA_PREFIX.{bin,idx} and $TOKENIZER_MODEL"
+        if [[ ! -f "$DATA_PREFIX.meta.json" ]]; then  # data made before the metadata sidecar existed
+            "$PYTHON" "$REPO_ROOT/tools/preprocess_data.py" --write-metadata "$DATA_PREFIX" \
+                --tokenizer-model "$TOKENIZER_MODEL"
+        fi
         return
     fi
     log "data: building the stdlib corpus, tokenizer and token files in $DATA_DIR"
