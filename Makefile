@@ -1,8 +1,10 @@
 # megatron_moe: set-up, the demo, the tests.
 #
 #   make demo       set up, then pretrain the tiny GPT-MoE on CPU (examples/pretrain_gpt_moe_tiny_cpu.sh)
-#   make test       set up, check the example scripts' flags, run every tier (gpu where CUDA is)
+#   make test       set up, lint + format check (ruff), check the example scripts' flags, run every tier
+#                   (gpu where CUDA is)
 #   make test-fast  set up, run the unit tier without its slow tests (under a minute)
+#   make lint       ruff's lint and format check;  make format  applies ruff's fixes and formatting
 #   make install    set up only: .venv with torch first, then this package editable with its test extra
 #   make clean      remove runs/, data/ and caches;  make distclean also removes the venv
 #
@@ -19,7 +21,7 @@
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast check-examples clean distclean
+.PHONY: help install demo test test-fast lint format check-examples clean distclean
 
 VENV ?= .venv
 PYTHON_BOOTSTRAP ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -35,7 +37,7 @@ DEMO_RUN_DIR := runs/gpt_moe_tiny_cpu
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 help:
-	@sed -n '3,7p' Makefile | sed 's/^# *//'
+	@sed -n '3,10p' Makefile | sed 's/^# *//'
 
 $(PY):
 	@test -n "$(PYTHON_BOOTSTRAP)" || { echo "error: no python3.11 or python3 on PATH (set PYTHON_BOOTSTRAP)"; exit 2; }
@@ -64,7 +66,16 @@ check-examples: $(STAMP)
 		NNODES=$$nodes GPUS_PER_NODE=$$gpus bash examples/$$name.sh | tail -n1; \
 	done
 
-test: check-examples
+# Lint and formatting (settings in pyproject.toml): seconds, so it runs before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint check-examples
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

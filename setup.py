@@ -16,6 +16,6 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],
-        "test": ["pytest", "transformers==5.23.*"],
+        "test": ["pytest", "ruff==0.17.*", "transformers==5.23.*"],
     },
 )
