@@ -13,11 +13,12 @@ then returns no weight gradient to autograd and the store owns it.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-WeightGrad = Callable[..., tuple[Optional[torch.Tensor], ...]]
+WeightGrad = Callable[..., tuple[torch.Tensor | None, ...]]
 """weight_grad(*outs) -> one gradient per weight (None where not needed); an out None: a fresh tensor."""
 
 

@@ -37,9 +37,8 @@ class Deferring:
     def __init__(self):
         self.kept = []
 
-    def put(self, weight_grad, outs):
+    def put(self, weight_grad, outs) -> None:  # None: kept, the node returns no weight gradient
         self.kept.append((weight_grad, outs))
-        return None
 
     def run(self, own_outs: bool = False) -> list[tuple]:
         """Run the closures in order; `own_outs`: into fresh buffers of ours (as into main_grad) where the node
@@ -64,7 +63,7 @@ def _inputs(counts, gated, dtype=torch.float32):
 
 
 def _ffn_experts(num, hidden, ffn, gated):
-    sizes = dict(num_local_experts=num, hidden_size=hidden, ffn_hidden_size=ffn, gated=gated)
+    sizes = {"num_local_experts": num, "hidden_size": hidden, "ffn_hidden_size": ffn, "gated": gated}
     return FFNExperts(**sizes, init_method=torch.nn.init.zeros_, output_init_method=torch.nn.init.zeros_)
 
 
