@@ -67,19 +67,14 @@ def train_data(corpus, tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def megatron_world1(tmp_path_factory):
+def megatron_world1():
     """torch.distributed (gloo, one rank) and megatron-core's parallel state, for in-process models."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_moe.platform import init_platform
-    from megatron_moe.platform.rng import seed_model_parallel
+    from megatron_moe.platform.process import init_single_process
 
-    init_platform()
-    store = str(tmp_path_factory.mktemp("store") / "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    seed_model_parallel(0)
+    init_single_process(seed=0, backend="gloo")
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

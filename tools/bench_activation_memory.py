@@ -38,6 +38,7 @@ from megatron_moe.activations.apply import apply_activation_policy  # noqa: E402
 from megatron_moe.activations.engine import SavedBytes  # noqa: E402
 from megatron_moe.config import parse_args  # noqa: E402
 from megatron_moe.platform import current_platform, synchronize  # noqa: E402
+from megatron_moe.platform.process import init_single_process  # noqa: E402
 from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 CASES = {
@@ -56,22 +57,6 @@ POLICIES = {
     "arctic": ["--activation-policy", "arctic"],
 }
 VOCAB = 4096
-
-
-def init_single_process() -> None:
-    from megatron.core import parallel_state
-
-    from megatron_moe.platform import init_platform
-    from megatron_moe.platform.rng import seed_model_parallel
-
-    init_platform()
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        torch.distributed.init_process_group(current_platform().backend, rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    seed_model_parallel(1234)
 
 
 def build(case: dict, policy_flags: list[str]):
@@ -160,7 +145,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    init_single_process()
+    init_single_process(seed=1234)
     for case_name in args.cases.split(","):
         results = measure_case(case_name, args.repeats)
         base = results[0]

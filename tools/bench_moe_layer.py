@@ -59,6 +59,7 @@ from megatron_moe.moe.grouped_gemm import (  # noqa: E402
     onednn_linear,
     onednn_works,
 )
+from megatron_moe.platform.process import init_single_process  # noqa: E402
 
 CASES = {
     # name: (hidden, ffn, tokens, [(experts, topk), ...])
@@ -262,20 +263,6 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
         "warmup": warmup, "repeats": repeats, "page_faults_timed": faults_timed, "device": str(platform.device),
         "dtype": args.dtype,
     }  # fmt: skip
-
-
-def init_single_process():
-    from megatron.core import parallel_state
-
-    from megatron_moe.platform import init_platform
-
-    platform = init_platform()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group(backend=platform.backend, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    return platform
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,9 @@ and its RNG state at the time. Backward replays the recipe once (cached for
 all consumers), restoring the RNG so dropout masks match.
 
 A fused autograd node that spans several modules (the experts' fc1 -> act ->
-fc2, `GroupedMLP`) saves its tensors itself, as `FusedKeeping` tells it.
+fc2, `GroupedMLP`) saves its tensors itself: `FusedKeeping.keep` says what
+it keeps of each at forward, `FusedKeeping.fetch` gives it back in backward
+(rows of a run, dequantized) or None, and the node recomputes it.
 """
 
 from __future__ import annotations
@@ -175,11 +177,18 @@ class FusedKeeping:
     a: str = "save"
     scope: LayerScope | None = None
 
-    def keep(self, t: torch.Tensor, how: str, numel: int | None = None):
-        """`t` (part of a tensor of `numel` elements) as it is to be kept: itself, packed (counted), or None."""
+    def keep(self, name: str, t: torch.Tensor, numel: int | None = None):
+        """Forward: tensor `name` (x, h or a; part of a tensor of `numel` elements) as it is to be kept: `t`
+        itself (the node saves it for backward), a packed copy (counted), or None (to be recomputed)."""
+        how = getattr(self, name)
         if how == "recompute":
             return None
         return self.scope.quantized(t, numel) if how == "quantize" else t
+
+    @staticmethod
+    def fetch(kept, start: int, end: int) -> torch.Tensor | None:
+        """Backward: rows [start, end) of what `keep` returned, dequantized; None: recompute them."""
+        return None if kept is None else rows_of(kept, start, end)
 
 
 SAVE_ALL = FusedKeeping()

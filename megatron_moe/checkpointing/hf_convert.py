@@ -14,12 +14,12 @@ import shutil
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 
 from megatron_moe.checkpointing import TrainState
 from megatron_moe.checkpointing import hf_mixtral
 from megatron_moe.config import ConfigError, RunConfig, parse_args
+from megatron_moe.platform.process import init_single_process
 
 log = logging.getLogger("megatron_moe")
 SINGLE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
@@ -28,21 +28,6 @@ SINGLE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expe
 TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
                     "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": False, "add_eos_token": False,
                     "add_prefix_space": False, "legacy": False}  # fmt: skip
-
-
-def single_process() -> None:
-    """torch.distributed with one gloo rank and megatron-core's groups (idempotent)."""
-    from megatron_moe.platform import init_platform
-    from megatron_moe.platform.rng import seed_model_parallel
-    from megatron_moe.platform.process import default_to_single_process
-
-    init_platform()
-    if not dist.is_initialized():
-        default_to_single_process()
-        dist.init_process_group("gloo")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-        seed_model_parallel(0)
 
 
 def build_single(cfg: RunConfig, vocab_size: int):
@@ -60,7 +45,7 @@ def load_single(ckpt: str, tokenizer_model: str | None = None):
     from megatron_moe.checkpointing import resolve_load_dir
     from megatron_moe.data.tokenizer import SentencePieceTokenizer
 
-    single_process()
+    init_single_process(backend="gloo")
     probe = parse_args(["--data-path", "x", "--tokenizer-model", "x", "--load", ckpt])
     path = resolve_load_dir(probe)
     common = dist_checkpointing.load_common_state_dict(path)
@@ -137,7 +122,7 @@ def import_hf(hf_dir: str, out: str, *, extra_flags: list[str] = (), overwrite: 
     tokenizer_model = os.path.join(hf_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer_model):
         raise ConfigError(f"--load={hf_dir}: no tokenizer.model (sentencepiece) to train with")
-    single_process()
+    init_single_process(backend="gloo")
     cfg = parse_args([*hf_mixtral.run_flags_from_hf(config), "--data-path", "unset", "--tokenizer-model",
                       tokenizer_model, *extra_flags])  # fmt: skip
     vocab = max(config["vocab_size"], SentencePieceTokenizer(tokenizer_model).vocab_size)

@@ -13,6 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
 from megatron_moe.model.spec import block_spec
+from megatron_moe.moe.experts import mark_expert_params
 from megatron_moe.platform import current_platform
 
 
@@ -146,27 +147,9 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> G
         rotary_base=m.rotary_base,
     )
     model.to(current_platform().device)  # megatron-core puts its own modules there already, ours follow
-    mark_expert_params(model)
+    for experts in (module for name, module in model.named_modules() if name.endswith(".experts")):
+        mark_expert_params(experts)  # ours and megatron-core's
     policy = cfg.activation_policy()
     if policy is not None:
         apply_activation_policy(model, policy)
     return model
-
-
-def mark_expert_params(model: torch.nn.Module) -> None:
-    """Expert weights are always reduced over the expert-data-parallel group.
-
-    megatron-core marks them (`allreduce=False`) only when EP>1, which makes the
-    optimizer a single one at EP=1 but a dense+expert chain at EP>1, and
-    optimizer checkpoints could not move between the two. With EP=1 the
-    expert-data-parallel group holds the same ranks the dense gradient reduce
-    uses, so the gradients are the same either way.
-
-    Nor are expert parameters `sequence_parallel` (megatron-core marks the
-    experts' output bias so): the expert-data-parallel reduce already spans
-    the TP ranks, and a second all-reduce over TP doubled that bias's gradient.
-    """
-    for name, param in model.named_parameters():
-        if ".experts." in name:
-            param.allreduce = False
-            param.sequence_parallel = False

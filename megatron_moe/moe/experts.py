@@ -22,21 +22,16 @@ global expert index as the offset, replicated over expert-data-parallel ranks.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_moe import comm
-from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping, rows_of
-from megatron_moe.moe.grouped_gemm import (
-    grouped_input_grad,
-    grouped_linear,
-    grouped_mm,
-    grouped_weight_grad,
-    uses_grouped_gemm_package,
-)
+from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping
+from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
+from megatron_moe.moe.grouped_gemm import grouped_input_grad, grouped_linear, grouped_mm, grouped_weight_grad
+from megatron_moe.moe.weight_grad import RUN_NOW, WeightGrad, WeightGradStore
 from megatron_moe.platform import current_platform
 
 
@@ -49,33 +44,45 @@ class Experts(Protocol):
     def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor: ...
 
 
+class Keeping(Protocol):
+    """How `GroupedMLP` keeps x (fc1's input), h (fc1's output) and a (act's output) for backward.
+
+    `SAVE_ALL` keeps each as it is; an activation policy's `FusedKeeping` may
+    keep one quantized or not at all. The node itself knows how to recompute
+    what `fetch` does not give back: h = fc1(x), a = act(h).
+    """
+
+    def keep(self, name: str, t: torch.Tensor, numel: int | None = None) -> Any:
+        """Forward: what to keep of tensor `name` (part of a tensor of `numel` elements): a tensor (the node
+        saves it for backward), something opaque (the node holds it), or None (recompute it)."""
+        ...
+
+    def fetch(self, kept: Any, start: int, end: int) -> torch.Tensor | None:
+        """Backward: rows [start, end) of what `keep` returned, or None: recompute them."""
+        ...
+
+
 def mark_expert_params(module: torch.nn.Module) -> None:
-    """megatron-core DDP reduces params with `allreduce=False` over the expert-data-parallel group."""
+    """Mark every parameter of `module` an expert parameter: reduced over the expert-data-parallel group only.
+
+    `allreduce=False`: megatron-core DDP reduces it over the expert-data-parallel
+    group. megatron-core marks its experts so only when EP>1, which makes the
+    optimizer a single one at EP=1 but a dense+expert chain at EP>1, and
+    optimizer checkpoints could not move between the two. With EP=1 the
+    expert-data-parallel group holds the same ranks the dense gradient reduce
+    uses, so the gradients are the same either way.
+
+    `sequence_parallel=False` (megatron-core marks the experts' output bias
+    so): the expert-data-parallel reduce already spans the TP ranks, and a
+    second all-reduce over TP doubled that bias's gradient.
+    """
     for param in module.parameters():
         param.allreduce = False
+        param.sequence_parallel = False
 
 
 def _group_rank(group) -> int:
     return 0 if group is None else torch.distributed.get_rank(group)
-
-
-def _activation(h, gated: bool):
-    if gated:
-        gate, up = torch.chunk(h, 2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(h)
-
-
-def _activation_backward_(grad_a: torch.Tensor, h: torch.Tensor, gated: bool) -> torch.Tensor:
-    """d act(h) / dh times `grad_a`; GELU writes it over `grad_a` (which the caller owns)."""
-    if not gated:
-        return torch.ops.aten.gelu_backward.grad_input(grad_a, h, grad_input=grad_a)
-    gate, up = torch.chunk(h, 2, dim=-1)
-    grad_h = torch.empty_like(h)
-    grad_gate, grad_up = torch.chunk(grad_h, 2, dim=-1)
-    torch.mul(grad_a, F.silu(gate), out=grad_up)
-    torch.ops.aten.silu_backward.grad_input(grad_a.mul_(up), gate, grad_input=grad_gate)
-    return grad_h
 
 
 def expert_chunks(counts: list[int], row_bytes: int, budget: int | None) -> list[tuple[int, int, int, int]]:
@@ -97,6 +104,43 @@ def expert_chunks(counts: list[int], row_bytes: int, budget: int | None) -> list
     return runs
 
 
+def _fc1(x_RH: torch.Tensor, w1_EFH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    return grouped_mm(x_RH, w1_EFH.transpose(1, 2), counts)
+
+
+def mlp_input_grads(grad_RH, w1_EFH, w2_EHF, h_RF, counts, gated, need_x: bool, out_x=None):
+    """(dX or None, dH) of one run of experts: dA = dY W2, dH = act'(h) dA (in dA's buffer), dX = dH W1."""
+    grad_h = ffn_activation_backward_(grouped_input_grad(grad_RH, w2_EHF, counts), h_RF, gated)
+    grad_x = grouped_input_grad(grad_h, w1_EFH, counts, out_x) if need_x else None
+    return grad_x, grad_h
+
+
+def mlp_weight_grads(grad_RH, x_RH, a_RF, grad_h_RF, counts, needs: tuple[bool, bool]) -> WeightGrad:
+    """The weight-gradient GEMMs of one run of experts as a closure over the tensors they read:
+    (out_w1, out_w2) -> (dW1 = dH^T x, dW2 = dY^T a), None where not needed."""
+    need_w1, need_w2 = needs
+
+    def weight_grads(out_w1=None, out_w2=None):
+        with torch.no_grad():  # also when a store runs it after backward (x is the node's input: it requires grad)
+            grad_w2 = grouped_weight_grad(grad_RH, a_RF, counts, out_w2) if need_w2 else None
+            grad_w1 = grouped_weight_grad(grad_h_RF, x_RH, counts, out_w1) if need_w1 else None
+        return grad_w1, grad_w2
+
+    return weight_grads
+
+
+def _save(ctx, weights: tuple, kept: list) -> None:
+    """Plain kept tensors go through save_for_backward (and so through any saved-tensor hooks); others are ours."""
+    ctx.save_for_backward(*weights, *(k for k in kept if torch.is_tensor(k)))
+    ctx.kept = [None if torch.is_tensor(k) else (k,) for k in kept]  # (packed,) or (None,) for recompute
+
+
+def _saved(ctx, num_weights: int) -> tuple[list, list]:
+    """(weights, kept) as `_save` stored them."""
+    weights, plain = ctx.saved_tensors[:num_weights], iter(ctx.saved_tensors[num_weights:])
+    return list(weights), [next(plain) if k is None else k[0] for k in ctx.kept]
+
+
 class GroupedMLP(torch.autograd.Function):
     """y = act(x W1[e]^T) W2[e]^T for each expert's rows: two grouped GEMMs and the activation in one node.
 
@@ -108,63 +152,65 @@ class GroupedMLP(torch.autograd.Function):
     - backward computes the activation's gradient in the buffer of dA (fc2's
       input gradient), not a fresh one, and SwiGLU keeps h and act(h) (3F
       per row) instead of autograd's 4F;
-    - under an activation policy (`keeping`), x, h and a are kept, kept
-      quantized (h and a run by run, as they are made), or recomputed run by run.
-    Each GEMM of backward is its own call (dA, dW2, dH, dW1, dX), as in `GroupedLinear`.
+    - what is kept of x, h and a is up to `keeping` (`Keeping`; an activation
+      policy keeps some quantized, h and a run by run as they are made, or
+      recomputes them run by run).
+    Backward, per run: the input gradients (`mlp_input_grads`: dA, dH, dX), then
+    the weight-gradient GEMMs (`mlp_weight_grads`: dW2, dW1) as a closure handed
+    to `store` (`megatron_moe.moe.weight_grad`), which runs it now or later.
     """
 
     @staticmethod
-    def forward(ctx, x_RH, w1_EFH, w2_EHF, counts, gated, chunk_bytes, keeping=SAVE_ALL):
+    def forward(ctx, x_RH, w1_EFH, w2_EHF, counts, gated, chunk_bytes, keeping=SAVE_ALL, store=RUN_NOW):
         runs = expert_chunks(counts, w2_EHF.shape[2] * x_RH.element_size(), chunk_bytes)
         y_RH = None if len(runs) == 1 else x_RH.new_empty(x_RH.shape[0], w2_EHF.shape[1])
         kept_h, kept_a = [], []
         for e0, e1, r0, r1 in runs:
             run_counts = counts[e0:e1]
-            h = grouped_mm(x_RH[r0:r1], w1_EFH[e0:e1].transpose(1, 2), run_counts)
-            a = _activation(h, gated)
+            h = _fc1(x_RH[r0:r1], w1_EFH[e0:e1], run_counts)
+            a = ffn_activation(h, gated)
             out = None if y_RH is None else y_RH[r0:r1]
             y = grouped_mm(a, w2_EHF[e0:e1].transpose(1, 2), run_counts, out)
-            kept_h.append(keeping.keep(h, keeping.h, numel=x_RH.shape[0] * h.shape[1]))  # worth it as a whole
-            kept_a.append(keeping.keep(a, keeping.a, numel=x_RH.shape[0] * a.shape[1]))
-        kept = [keeping.keep(x_RH, keeping.x), *kept_h, *kept_a]
-        # Plain tensors go through save_for_backward (and so through any saved-tensor hooks); packed ones are ours.
-        ctx.save_for_backward(w1_EFH, w2_EHF, *(k for k in kept if torch.is_tensor(k)))
-        ctx.kept = [None if torch.is_tensor(k) else (k,) for k in kept]  # (packed,) or (None,) for recompute
-        ctx.counts, ctx.gated, ctx.runs = counts, gated, runs
+            kept_h.append(keeping.keep("h", h, numel=x_RH.shape[0] * h.shape[1]))  # worth it as a whole
+            kept_a.append(keeping.keep("a", a, numel=x_RH.shape[0] * a.shape[1]))
+        _save(ctx, (w1_EFH, w2_EHF), [keeping.keep("x", x_RH), *kept_h, *kept_a])
+        ctx.counts, ctx.gated, ctx.runs, ctx.keeping, ctx.store = counts, gated, runs, keeping, store
         return y if y_RH is None else y_RH
 
     @staticmethod
     def backward(ctx, grad_RH):
-        w1_EFH, w2_EHF, *plain = ctx.saved_tensors
-        plain = iter(plain)
-        x_RH, *kept = (next(plain) if k is None else k[0] for k in ctx.kept)
-        kept_h, kept_a = kept[: len(ctx.runs)], kept[len(ctx.runs) :]
-        counts, needs, runs = ctx.counts, ctx.needs_input_grad[:3], ctx.runs
+        (w1_EFH, w2_EHF), (x_RH, *kept) = _saved(ctx, 2)
+        runs, needs = ctx.runs, ctx.needs_input_grad[:3]
         grad_RH = grad_RH.contiguous()
         grads = [None] * 3
         if len(runs) > 1:  # the kernels allocate their outputs when there is one run (torch._grouped_mm has no out=)
             grads = [torch.empty_like(t) if need else None for t, need in zip((grad_RH, w1_EFH, w2_EHF), needs)]
-        for (e0, e1, r0, r1), h, a in zip(runs, kept_h, kept_a):
-            rows, experts = slice(r0, r1), slice(e0, e1)
-            w1, run_counts = w1_EFH[experts], counts[e0:e1]
-            x = rows_of(x_RH, r0, r1)
-            h = grouped_mm(x, w1.transpose(1, 2), run_counts) if h is None else rows_of(h, 0, r1 - r0)
-            a = _activation(h, ctx.gated) if a is None else rows_of(a, 0, r1 - r0)
-            outs = [None if g is None else g[part] for g, part in zip(grads, (rows, experts, experts))]
-            run_grads = _mlp_backward(grad_RH[rows], x, w1, w2_EHF[experts], h, a, run_counts, ctx.gated, needs, outs)
+        for run, h, a in zip(runs, kept[: len(runs)], kept[len(runs) :]):
+            grad_x, grad_w = _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, h, a, grads)
             if len(runs) == 1:
-                grads = list(run_grads)
-        return (*grads, None, None, None, None)
+                grads = [grad_x, *(grad_w or (None, None))]
+        if grad_w is None:  # the store keeps the closures (of every run): it owns the weight gradients
+            grads[1] = grads[2] = None
+        return (*grads, None, None, None, None, None)
 
 
-def _mlp_backward(grad_RH, x_RH, w1_EFH, w2_EHF, h_RF, a_RF, counts, gated, needs, outs=(None, None, None)):
-    """(dX, dW1, dW2) of one run of experts, written into `outs` where given."""
-    out_x, out_w1, out_w2 = outs
-    grad_w2 = grouped_weight_grad(grad_RH, a_RF, counts, out_w2) if needs[2] else None
-    grad_h = _activation_backward_(grouped_input_grad(grad_RH, w2_EHF, counts), h_RF, gated)
-    grad_w1 = grouped_weight_grad(grad_h, x_RH, counts, out_w1) if needs[1] else None
-    grad_x = grouped_input_grad(grad_h, w1_EFH, counts, out_x) if needs[0] else None
-    return grad_x, grad_w1, grad_w2
+def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs) -> tuple:
+    """(dX, (dW1, dW2)) of one run of experts, written into slices of `outs` where given; (dX, None) when the
+    store keeps the weight-gradient closure to run later. x is always kept; h and a are recomputed if not."""
+    e0, e1, r0, r1 = run
+    rows, experts, counts, keeping = slice(r0, r1), slice(e0, e1), ctx.counts[e0:e1], ctx.keeping
+    grad, w1, w2 = grad_RH[rows], w1_EFH[experts], w2_EHF[experts]
+    out_x, out_w1, out_w2 = (None if g is None else g[part] for g, part in zip(outs, (rows, experts, experts)))
+    x = keeping.fetch(x_RH, r0, r1)
+    h = keeping.fetch(kept_h, 0, r1 - r0)
+    h = _fc1(x, w1, counts) if h is None else h
+    a = keeping.fetch(kept_a, 0, r1 - r0)
+    a = ffn_activation(h, ctx.gated) if a is None else a
+    need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+    grad_x, grad_h = mlp_input_grads(grad, w1, w2, h, counts, ctx.gated, need_x, out_x)
+    if not (need_w1 or need_w2):
+        return grad_x, (None, None)
+    return grad_x, ctx.store.put(mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2)), (out_w1, out_w2))
 
 
 class FFNExperts(torch.nn.Module):
@@ -190,6 +236,8 @@ class FFNExperts(torch.nn.Module):
         self.keeping: FusedKeeping | None = SAVE_ALL
         """What the fused node keeps of x, h, a; None: run fc1/act/fc2 as separate regions."""
         self.chunk_bytes = current_platform().expert_chunk_bytes
+        self.weight_grad_store: WeightGradStore = RUN_NOW
+        """Where backward hands the weight-gradient GEMMs (`megatron_moe.moe.weight_grad`); the default runs them."""
 
     def use_activation_scope(self, scope) -> None:
         """Run under an activation policy (`megatron_moe.activations.engine.LayerScope`)."""
@@ -200,13 +248,14 @@ class FFNExperts(torch.nn.Module):
         return fn(*args) if self.region is None else self.region(name, fn, *args)
 
     def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if self.keeping is not None and rows_RH.shape[0] and not uses_grouped_gemm_package(rows_RH):
-            return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, self.gated, self.chunk_bytes,
-                                    self.keeping)  # fmt: skip
+        if self.keeping is not None and rows_RH.shape[0]:
+            options = (self.gated, self.chunk_bytes, self.keeping, self.weight_grad_store)
+            return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, *options)
         # Per-GEMM nodes, each its own region of an activation policy.
-        h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts)
-        h_RF = self._call("expert_act", _activation, h_RF, self.gated)
-        return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts)
+        store = self.weight_grad_store
+        h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts, store)
+        h_RF = self._call("expert_act", ffn_activation, h_RF, self.gated)
+        return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts, store)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """weight1/weight2 as ShardedTensors: global expert offset = EP rank x L."""

@@ -3,9 +3,10 @@
 Legend: N = rows (all experts), E = experts, I = input width, O = output width.
 
 `GroupedLinear.apply(x_NI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
-On an accelerator with the `grouped_gemm` package installed, `grouped_linear`
-runs the package (it has its own autograd). Otherwise the first of `KERNELS`
-that fits runs:
+The first of `KERNELS` that fits runs:
+- `grouped_gemm`: on an accelerator with the `grouped_gemm` package installed,
+  its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)` (the
+  GEMMs the package's own autograd runs; here they run in our nodes);
 - `bmm`: one `torch.bmm` when every group has the same rows (capacity-padded);
 - `onednn`: on CPU, oneDNN's matmul per group (`torch.ops.mkldnn._linear_pointwise`,
   the op torch's inductor emits for CPU linears) for y and dX, torch.mm per
@@ -15,24 +16,26 @@ that fits runs:
 - `torch._grouped_mm`: where it runs (checked once by a probe);
 - `mm-loop`: one `torch.mm` per group into slices of one buffer.
 The backward is written as two separate steps, `grouped_input_grad` (dX, on
-the critical path) and `grouped_weight_grad` (dW), so a scheduler can later run
-dW while an all-to-all is in flight. `forced_kernel(name)` pins one (tests, benchmarks).
+the critical path) and `grouped_weight_grad` (dW); a node's backward hands the
+latter as a closure to its `WeightGradStore` (`megatron_moe.moe.weight_grad`),
+which runs it at once or later, while an all-to-all is in flight.
+`forced_kernel(name)` pins one (tests, benchmarks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import itertools
 
 import torch
 
+from megatron_moe.moe.weight_grad import RUN_NOW, WeightGrad, WeightGradStore
 from megatron_moe.platform import from_host
 
-KERNELS = ("bmm", "onednn", "torch._grouped_mm", "mm-loop")
+KERNELS = ("grouped_gemm", "bmm", "onednn", "torch._grouped_mm", "mm-loop")
 """In the order tried on an accelerator; on CPU `onednn` goes first, before bmm too (its per-group GEMMs beat
-MKL's batched one)."""
+MKL's batched one), and the grouped_gemm package (a GPU build) runs only where forced."""
 _CPU_ORDER = ("onednn", "bmm", "torch._grouped_mm", "mm-loop")
 _forced: str | None = None
 
@@ -88,12 +91,23 @@ def onednn_works(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def _grouped_gemm_package():
-    if importlib.util.find_spec("grouped_gemm") is None:
+def _grouped_gemm_backend():
+    """The `grouped_gemm` package's `backend` module (`gmm`), or None where it is not installed."""
+    try:
+        from grouped_gemm import backend
+    except ImportError:
         return None
-    from grouped_gemm import ops
+    return backend
 
-    return ops
+
+def _batch_sizes(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.long)  # the package reads them on the host
+
+
+def _package_fits(a: torch.Tensor, b: torch.Tensor, out) -> bool:
+    """gmm takes contiguous operands only: `b` is 2-D rows (dW) or 3-D weights, either way round."""
+    b_fits = b.is_contiguous() or (b.dim() == 3 and b.transpose(1, 2).is_contiguous())
+    return a.is_contiguous() and b_fits and (out is None or out.is_contiguous())
 
 
 def _offsets(counts: list[int], device) -> torch.Tensor:
@@ -107,6 +121,8 @@ def _equal_groups(counts: list[int]) -> bool:
 
 
 def _fits(kernel: str, a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> bool:
+    if kernel == "grouped_gemm":
+        return _grouped_gemm_backend() is not None and _package_fits(a, b, out)
     if kernel == "bmm":
         return _equal_groups(counts)
     if kernel == "onednn":
@@ -132,6 +148,10 @@ def _groups(counts: list[int]) -> list[tuple[int, slice]]:
 def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """y = x @ w[e] per group; w_EIO may be a transposed view. With `out`, written into it."""
     kernel = _kernel(x_NI, w_EIO, counts, out)
+    if kernel == "grouped_gemm":
+        trans_b = not w_EIO.is_contiguous()  # w_EIO as the transposed view of contiguous [E, O, I] weights
+        w = w_EIO.transpose(1, 2) if trans_b else w_EIO
+        return _grouped_gemm_backend().gmm(x_NI, w, _batch_sizes(counts), trans_a=False, trans_b=trans_b, c=out)
     if kernel == "bmm":
         groups, rows = len(counts), counts[0]
         y = torch.bmm(x_NI.reshape(groups, rows, -1), w_EIO, out=None if out is None else out.view(groups, rows, -1))
@@ -165,6 +185,8 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     1024 / 8 / 4096.
     """
     kernel = _kernel(grad_NO, x_NI, counts, out)
+    if kernel == "grouped_gemm":
+        return _grouped_gemm_backend().gmm(grad_NO, x_NI, _batch_sizes(counts), trans_a=True, trans_b=False, c=out)
     if kernel == "bmm":
         groups, rows = len(counts), counts[0]
         return torch.bmm(grad_NO.reshape(groups, rows, -1).transpose(1, 2), x_NI.reshape(groups, rows, -1), out=out)
@@ -179,13 +201,26 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     return out
 
 
+def linear_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int]) -> WeightGrad:
+    """The weight-gradient GEMM of one `GroupedLinear` as a closure over the tensors it reads: out -> (dW,)."""
+
+    def weight_grad(out_w=None):
+        with torch.no_grad():  # also when a store runs it after backward (x may be an input that requires grad)
+            return (grouped_weight_grad(grad_NO, x_NI, counts, out_w),)
+
+    return weight_grad
+
+
 class GroupedLinear(torch.autograd.Function):
-    """y_NO = grouped x_NI @ w_EOI[e].T, rows of expert e contiguous (`counts[e]` of them)."""
+    """y_NO = grouped x_NI @ w_EOI[e].T, rows of expert e contiguous (`counts[e]` of them).
+
+    Backward: dX here, dW through `store` (`megatron_moe.moe.weight_grad`).
+    """
 
     @staticmethod
-    def forward(ctx, x_NI, w_EOI, counts):
+    def forward(ctx, x_NI, w_EOI, counts, store: WeightGradStore = RUN_NOW):
         ctx.save_for_backward(x_NI, w_EOI)
-        ctx.counts = counts
+        ctx.counts, ctx.store = counts, store
         if x_NI.shape[0] == 0:
             return x_NI.new_zeros(0, w_EOI.shape[1])
         return grouped_mm(x_NI, w_EOI.transpose(1, 2), counts)
@@ -194,29 +229,24 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_NO):
         x_NI, w_EOI = ctx.saved_tensors
         if x_NI.shape[0] == 0:
-            return torch.zeros_like(x_NI), torch.zeros_like(w_EOI), None
+            return torch.zeros_like(x_NI), torch.zeros_like(w_EOI), None, None
         grad_NO = grad_NO.contiguous()
         grad_x = grouped_input_grad(grad_NO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
-        grad_w = grouped_weight_grad(grad_NO, x_NI, ctx.counts) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grads = ctx.store.put(linear_weight_grad(grad_NO, x_NI, ctx.counts), (None,))
+            grad_w = None if grads is None else grads[0]
+        return grad_x, grad_w, None, None
 
 
-def uses_grouped_gemm_package(x_NI: torch.Tensor) -> bool:
-    """Whether `grouped_linear` runs the `grouped_gemm` package (its own autograd) for these rows."""
-    return x_NI.device.type != "cpu" and x_NI.shape[0] > 0 and _grouped_gemm_package() is not None
-
-
-def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_linear(
+    x_NI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int], store: WeightGradStore = RUN_NOW
+) -> torch.Tensor:
     """Differentiable grouped GEMM; picks the fastest kernel this device has."""
-    if uses_grouped_gemm_package(x_NI):
-        batch_sizes = torch.tensor(counts, dtype=torch.long)  # the package wants them on the host
-        return _grouped_gemm_package().gmm(x_NI, w_EOI, batch_sizes, trans_b=True)
-    return GroupedLinear.apply(x_NI, w_EOI, counts)
+    return GroupedLinear.apply(x_NI, w_EOI, counts, store)
 
 
 def kernel_name(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
     """Which grouped kernel runs here for experts with unequal rows (for logs and the benchmark)."""
-    if device_type != "cpu" and _grouped_gemm_package() is not None:
-        return "grouped_gemm"
     x = torch.empty(3, 16, dtype=dtype, device=device_type)
     return _kernel(x, torch.empty(2, 16, 16, dtype=dtype, device=device_type), [1, 2], None)

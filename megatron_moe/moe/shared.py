@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.moe.ffn import ffn_activation
+
 
 class SharedExpert(torch.nn.Module):
     def __init__(self, *, hidden_size: int, ffn_hidden_size: int, gated: bool, init_method: Callable,
@@ -35,10 +37,4 @@ class SharedExpert(torch.nn.Module):
             param.sequence_parallel = sequence_parallel
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        h_TF = F.linear(x_TH, self.weight1)
-        if self.gated:
-            gate, up = torch.chunk(h_TF, 2, dim=-1)
-            h_TF = F.silu(gate) * up
-        else:
-            h_TF = F.gelu(h_TF)
-        return F.linear(h_TF, self.weight2)
+        return F.linear(ffn_activation(F.linear(x_TH, self.weight1), self.gated), self.weight2)

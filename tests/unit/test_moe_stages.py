@@ -83,7 +83,8 @@ def tokens(s=6, b=3, seed=1):
 def test_fused_expert_mlp_equals_per_gemm_nodes(gated, kernel, chunk_bytes, counts):
     """With each grouped GEMM kernel: GroupedMLP (one node, activation grad in place, backward in runs of
     experts) == per-GEMM autograd nodes == a loop over experts of plain matmuls."""
-    from megatron_moe.moe.experts import GroupedMLP, _activation
+    from megatron_moe.moe.experts import GroupedMLP
+    from megatron_moe.moe.ffn import ffn_activation
     from megatron_moe.moe.grouped_gemm import _kernel, forced_kernel, grouped_linear
 
     g = torch.Generator().manual_seed(3)
@@ -104,11 +105,11 @@ def test_fused_expert_mlp_equals_per_gemm_nodes(gated, kernel, chunk_bytes, coun
 
     def loop(a, b, c):
         rows = torch.split(a, counts)
-        return torch.cat([_activation(r @ b[e].t(), gated) @ c[e].t() for e, r in enumerate(rows)])
+        return torch.cat([ffn_activation(r @ b[e].t(), gated) @ c[e].t() for e, r in enumerate(rows)])
 
     with forced_kernel(kernel):
         fused = grads(lambda a, b, c: GroupedMLP.apply(a, b, c, counts, gated, chunk_bytes))
-        nodes = grads(lambda a, b, c: grouped_linear(_activation(grouped_linear(a, b, counts), gated), c, counts))
+        nodes = grads(lambda a, b, c: grouped_linear(ffn_activation(grouped_linear(a, b, counts), gated), c, counts))
     reference = grads(loop)
     for name, f, n, r in zip(["out", "dx", "dw1", "dw2"], fused, nodes, reference):
         torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5, msg=name)
@@ -130,7 +131,8 @@ def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_b
     """Under a policy the fused node keeps x/h/a as the policy says, with the numbers of the three separate regions."""
     from megatron_moe.activations.engine import LayerScope, SavedBytes
     from megatron_moe.config.activation_policy import build_policy
-    from megatron_moe.moe.experts import GroupedMLP, _activation
+    from megatron_moe.moe.experts import GroupedMLP
+    from megatron_moe.moe.ffn import ffn_activation
     from megatron_moe.moe.grouped_gemm import grouped_linear
 
     g = torch.Generator().manual_seed(5)
@@ -149,7 +151,7 @@ def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_b
                 out = GroupedMLP.apply(*leaves, counts, False, chunk_bytes, scope.fused_keeping("expert_fc1", "expert_act", "expert_fc2"))
             else:
                 h = scope.call("expert_fc1", grouped_linear, leaves[0], leaves[1], counts)
-                a = scope.call("expert_act", _activation, h, False)
+                a = scope.call("expert_act", ffn_activation, h, False)
                 out = scope.call("expert_fc2", grouped_linear, a, leaves[2], counts)
         out.backward(dy)
         return [out.detach()] + [t.grad for t in leaves], counter.bytes
