@@ -52,8 +52,9 @@ def tokenizer(corpus, tmp_path_factory):
     from megatron_moe.data.tokenizer import SentencePieceTokenizer
 
     prefix = str(tmp_path_factory.mktemp("tok") / "tok")
-    model = tokenizer_tool.main(["--input", corpus[0], "--model-prefix", prefix,
-                                 "--vocab-size", str(VOCAB), "--num-threads", "2"])  # fmt: skip
+    model = tokenizer_tool.main(
+        ["--input", corpus[0], "--model-prefix", prefix, "--vocab-size", str(VOCAB), "--num-threads", "2"]
+    )
     return SentencePieceTokenizer(model)
 
 
@@ -61,8 +62,9 @@ def tokenizer(corpus, tmp_path_factory):
 def train_data(corpus, tokenizer, tmp_path_factory):
     """(data prefix, tokenizer model path) of the preprocessed corpus, for training runs."""
     prefix = str(tmp_path_factory.mktemp("data") / "stdlib")
-    preprocess_tool.main(["--input", corpus[0], "--tokenizer-model", tokenizer.model_path,
-                          "--output-prefix", prefix, "--append-eod"])  # fmt: skip
+    preprocess_tool.main(
+        ["--input", corpus[0], "--tokenizer-model", tokenizer.model_path, "--output-prefix", prefix, "--append-eod"]
+    )
     return prefix + "_text_document", tokenizer.model_path
 
 

@@ -34,23 +34,58 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
+
 from megatron_moe.activations.apply import apply_activation_policy  # noqa: E402
 from megatron_moe.activations.engine import SavedBytes  # noqa: E402
 from megatron_moe.config import parse_args  # noqa: E402
 from megatron_moe.platform import current_platform, synchronize  # noqa: E402
 from megatron_moe.platform.process import init_single_process  # noqa: E402
-from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 CASES = {
     # One MoE transformer layer, GPT2-S-MoE shapes: 1024 tokens (seq 512 x micro-batch 2).
-    "layer_gpt2s_moe": dict(layers=1, flags=[
-        "--num-layers", "1", "--hidden-size", "768", "--num-attention-heads", "12", "--ffn-hidden-size", "3072",
-        "--num-experts", "8", "--moe-router-topk", "2", "--seq-length", "512"], micro_batch=2),
+    "layer_gpt2s_moe": dict(
+        layers=1,
+        flags=[
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "768",
+            "--num-attention-heads",
+            "12",
+            "--ffn-hidden-size",
+            "3072",
+            "--num-experts",
+            "8",
+            "--moe-router-topk",
+            "2",
+            "--seq-length",
+            "512",
+        ],
+        micro_batch=2,
+    ),
     # The demo model (examples/pretrain_gpt_moe_tiny_cpu.sh), whole model with embeddings and loss.
-    "demo_model": dict(layers=None, flags=[
-        "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--num-experts", "8",
-        "--moe-router-topk", "2", "--moe-layer-freq", "2", "--seq-length", "256"], micro_batch=8),
-}  # fmt: skip
+    "demo_model": dict(
+        layers=None,
+        flags=[
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "256",
+            "--num-attention-heads",
+            "4",
+            "--num-experts",
+            "8",
+            "--moe-router-topk",
+            "2",
+            "--moe-layer-freq",
+            "2",
+            "--seq-length",
+            "256",
+        ],
+        micro_batch=8,
+    ),
+}
 POLICIES = {
     "none": [],
     "full": ["--recompute-granularity", "full"],
@@ -127,10 +162,19 @@ def measure_case(case_name: str, repeats: int) -> list[dict]:
     steps = {name: functools.partial(_step, model, cfg, case) for name, (cfg, model, _) in runs.items()}
     times, warmup, faults = measure_rounds(steps, warmup=2, max_warmup=10, repeats=repeats, sync=synchronize)
     peaks = {name: peak_bytes(step, current_platform()) for name, step in steps.items()}
-    return [{"case": case_name, "policy": name, "activation_bytes": nbytes,
-             "step_ms": round(statistics.median(times[name]), 2), "peak_mem_bytes": peaks[name],
-             "step_ms_all": [round(t, 1) for t in times[name]], "warmup": warmup, "page_faults_timed": faults[name]}
-            for name, (_, _, nbytes) in runs.items()]  # fmt: skip
+    return [
+        {
+            "case": case_name,
+            "policy": name,
+            "activation_bytes": nbytes,
+            "step_ms": round(statistics.median(times[name]), 2),
+            "peak_mem_bytes": peaks[name],
+            "step_ms_all": [round(t, 1) for t in times[name]],
+            "warmup": warmup,
+            "page_faults_timed": faults[name],
+        }
+        for name, (_, _, nbytes) in runs.items()
+    ]
 
 
 def _step(model, cfg, case):

@@ -46,16 +46,42 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 MARKER = ".bench_data_startup"
 FIRST_ITERATION = re.compile(r"iteration\s+1/")
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-         "--num-experts", "4", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
-         "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1", "--split", "98,2,0"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "256",
+    "--num-experts",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "1",
+    "--lr",
+    "1e-3",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "0",
+    "--log-interval",
+    "1",
+    "--split",
+    "98,2,0",
+]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--output-dir", default=None,
-                   help="where the datasets go (default: a new directory under the system temp dir); "
-                        "reused when a previous --keep run of this tool left its data there")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="where the datasets go (default: a new directory under the system temp dir); "
+        "reused when a previous --keep run of this tool left its data there",
+    )
     p.add_argument("--keep", action="store_true", help="keep --output-dir afterwards (default: delete it)")
     p.add_argument("--target-bytes", type=float, default=2e9, help="size of the large .bin (default 2e9)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (medians are reported)")
@@ -78,8 +104,9 @@ def work_dir(args) -> str:
         return tempfile.mkdtemp(prefix="bench_data_startup_")
     path = os.path.abspath(args.output_dir)
     if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, MARKER)):
-        raise SystemExit(f"--output-dir {path} is not empty and was not made by this tool; "
-                         f"give a new or empty directory")
+        raise SystemExit(
+            f"--output-dir {path} is not empty and was not made by this tool; give a new or empty directory"
+        )
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -95,10 +122,31 @@ def make_small(directory: str) -> tuple[str, str]:
         return prefix, model
     corpus = os.path.join(directory, "stdlib.jsonl")
     make_stdlib_corpus.main(["--output", corpus])
-    train_tokenizer.main(["--input", corpus, "--model-prefix", os.path.join(directory, "tokenizer"),
-                          "--vocab-size", "4096", "--num-threads", "2"])
-    preprocess_data.main(["--input", corpus, "--tokenizer-model", model, "--output-prefix",
-                          os.path.join(directory, "small"), "--workers", "2", "--append-eod"])
+    train_tokenizer.main(
+        [
+            "--input",
+            corpus,
+            "--model-prefix",
+            os.path.join(directory, "tokenizer"),
+            "--vocab-size",
+            "4096",
+            "--num-threads",
+            "2",
+        ]
+    )
+    preprocess_data.main(
+        [
+            "--input",
+            corpus,
+            "--tokenizer-model",
+            model,
+            "--output-prefix",
+            os.path.join(directory, "small"),
+            "--workers",
+            "2",
+            "--append-eod",
+        ]
+    )
     return prefix, model
 
 
@@ -115,16 +163,21 @@ def make_large(small: str, directory: str, target_bytes: float) -> str:
     small_meta = read_metadata(small)
     copies = max(2, round(target_bytes / small_meta.bin_bytes))
     meta = dataclasses.replace(
-        small_meta, num_tokens=copies * small_meta.num_tokens, num_sequences=copies * small_meta.num_sequences,
-        num_documents=copies * small_meta.num_documents, bin_bytes=copies * small_meta.bin_bytes,
+        small_meta,
+        num_tokens=copies * small_meta.num_tokens,
+        num_sequences=copies * small_meta.num_sequences,
+        num_documents=copies * small_meta.num_documents,
+        bin_bytes=copies * small_meta.bin_bytes,
         written_by="tools/bench_data_startup.py (tools/preprocess_data.py's sidecar of the copies)",
     )
     if read_metadata(prefix) == meta:
         return prefix
     free = shutil.disk_usage(directory).free
     if free < meta.bin_bytes * 1.1 + 1e9:
-        raise SystemExit(f"--target-bytes {target_bytes:g}: {directory} has {free / 1e9:.1f} GB free; "
-                         f"pick a smaller target or another --output-dir")
+        raise SystemExit(
+            f"--target-bytes {target_bytes:g}: {directory} has {free / 1e9:.1f} GB free; "
+            f"pick a smaller target or another --output-dir"
+        )
     started = time.perf_counter()
     source = IndexedDataset(small)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.dtype(small_meta.dtype).type)
@@ -138,8 +191,11 @@ def make_large(small: str, directory: str, target_bytes: float) -> str:
     builder.document_indices = [0, *(starts + source.document_indices[None, 1:]).ravel().tolist()]
     builder.finalize(prefix + ".idx")
     write_metadata(metadata_path(prefix), meta)
-    print(f"wrote {meta.bin_bytes / 1e9:.2f} GB ({copies} copies of {small}) in "
-          f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    print(
+        f"wrote {meta.bin_bytes / 1e9:.2f} GB ({copies} copies of {small}) in {time.perf_counter() - started:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return prefix
 
 
@@ -147,8 +203,12 @@ def describe(prefix: str) -> dict:
     from megatron_moe.data.metadata import read_metadata
 
     meta = read_metadata(prefix)
-    return {"bin_bytes": meta.bin_bytes, "idx_bytes": os.path.getsize(prefix + ".idx"),
-            "num_tokens": meta.num_tokens, "num_documents": meta.num_documents}
+    return {
+        "bin_bytes": meta.bin_bytes,
+        "idx_bytes": os.path.getsize(prefix + ".idx"),
+        "num_tokens": meta.num_tokens,
+        "num_documents": meta.num_documents,
+    }
 
 
 # ----------------------------------------------------------------------------- the timings
@@ -160,13 +220,23 @@ def time_to_first_iteration(prefix: str, model: str, cache: str, args) -> float:
     launcher = [sys.executable]
     if args.nproc > 1:
         launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", f"--master-port={free_port()}"]
-    flags = [*MODEL, "--global-batch-size", str(2 * args.nproc), "--data-path", prefix, "--tokenizer-model", model,
-             "--data-cache-path", cache]
+    flags = [
+        *MODEL,
+        "--global-batch-size",
+        str(2 * args.nproc),
+        "--data-path",
+        prefix,
+        "--tokenizer-model",
+        model,
+        "--data-cache-path",
+        cache,
+    ]
     python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
     started = time.perf_counter()
-    proc = subprocess.Popen([*launcher, script, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [*launcher, script, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+    )
     first, lines = None, []
     try:
         for line in proc.stdout:
@@ -193,9 +263,18 @@ def time_datasets(prefix: str, tokenizer, cache: str, nproc: int) -> float:
     from megatron_moe.data.datasets import build_gpt_datasets
 
     started = time.perf_counter()
-    build_gpt_datasets(data_path=[prefix], split="98,2,0", tokenizer=tokenizer, seq_length=256, seed=1234,
-                       train_samples=2 * nproc, valid_samples=0, test_samples=0, cache_dir=cache,
-                       is_built_on_rank=lambda: True)
+    build_gpt_datasets(
+        data_path=[prefix],
+        split="98,2,0",
+        tokenizer=tokenizer,
+        seq_length=256,
+        seed=1234,
+        train_samples=2 * nproc,
+        valid_samples=0,
+        test_samples=0,
+        cache_dir=cache,
+        is_built_on_rank=lambda: True,
+    )
     return time.perf_counter() - started
 
 
@@ -229,8 +308,16 @@ def report(times: dict, datasets: dict, args) -> None:
     for (name, state), figures in medians.items():
         rounds = {f"{k}_all": [round(x, 3) for x in v] for k, v in times[(name, state)].items()}
         lowest = {f"{k}_min": v for k, v in fastest[(name, state)].items()}
-        row = {"dataset": name, "cache": state, "nproc": args.nproc, "repeats": args.repeats,
-               **describe(datasets[name]), **figures, **lowest, **rounds}
+        row = {
+            "dataset": name,
+            "cache": state,
+            "nproc": args.nproc,
+            "repeats": args.repeats,
+            **describe(datasets[name]),
+            **figures,
+            **lowest,
+            **rounds,
+        }
         print(json.dumps(row), flush=True)
     summary = {"summary": True, "target_ratio_warm": 1.5}
     for state in ("warm", "cold"):

@@ -39,8 +39,8 @@ op (CPU), or the accelerator's peak-allocated counter.
 from __future__ import annotations
 
 import argparse
-import json
 import functools
+import json
 import os
 import statistics
 import sys
@@ -73,16 +73,34 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", default=None, choices=sorted(CASES),
-                   help="default: small gpt2s on CPU; small gpt2s large on a GPU")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=None,
+        choices=sorted(CASES),
+        help="default: small gpt2s on CPU; small gpt2s large on a GPU",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on a GPU")
-    p.add_argument("--shapes", nargs="+", default=None, metavar="ExK",
-                   help="only these experts x top-k of a case, e.g. 16x1 (default: all)")
-    p.add_argument("--grouped-kernel", choices=KERNELS, default=None,
-                   help="pin our experts' grouped GEMM kernel (default: the fastest that fits)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="ExK",
+        help="only these experts x top-k of a case, e.g. 16x1 (default: all)",
+    )
+    p.add_argument(
+        "--grouped-kernel",
+        choices=KERNELS,
+        default=None,
+        help="pin our experts' grouped GEMM kernel (default: the fastest that fits)",
+    )
     p.add_argument("--capacity-factors", nargs="+", type=float, default=[0.0, 1.25])
-    p.add_argument("--padded-too", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time our padded alltoall dispatcher (bmm experts) at capacity factors > 0")
+    p.add_argument(
+        "--padded-too",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time our padded alltoall dispatcher (bmm experts) at capacity factors > 0",
+    )
     p.add_argument("--warmup", type=int, default=2, help="fewest rounds before timing")
     p.add_argument("--max-warmup", type=int, default=10, help="most rounds before timing, faults or not")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11 small, 5 gpt2s)")
@@ -101,16 +119,30 @@ def transformer_config(hidden, ffn, experts, topk, capacity_factor, swiglu):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=max(1, hidden // 64),
-        num_moe_experts=experts, moe_router_topk=topk, moe_router_pre_softmax=topk == 1,
-        moe_ffn_hidden_size=ffn, moe_aux_loss_coeff=0.01,
-        moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="alltoall",
+        num_layers=1,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=max(1, hidden // 64),
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_router_pre_softmax=topk == 1,
+        moe_ffn_hidden_size=ffn,
+        moe_aux_loss_coeff=0.01,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="alltoall",
         moe_expert_capacity_factor=capacity_factor or None,
-        moe_pad_expert_input_to_capacity=bool(capacity_factor), moe_grouped_gemm=False, moe_router_dtype="fp32",
-        add_bias_linear=False, gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
-        bias_activation_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-        use_cpu_initialization=True, params_dtype=torch.float32,
-    )  # fmt: skip
+        moe_pad_expert_input_to_capacity=bool(capacity_factor),
+        moe_grouped_gemm=False,
+        moe_router_dtype="fp32",
+        add_bias_linear=False,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
 
 
 def build_mcore(config):
@@ -118,8 +150,9 @@ def build_mcore(config):
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.transformer.spec_utils import build_module
 
-    spec = get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts,
-                                           moe_grouped_gemm=False)  # fmt: skip
+    spec = get_mlp_module_spec_for_backend(
+        LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
+    )
     layer = build_module(spec, config=config)
     layer.set_layer_number(1)
     return layer
@@ -169,17 +202,24 @@ def floor_gemms(tokens, hidden, ffn, experts, rows, swiglu, device, dtype, kerne
     def randn(*shape, dtype=dtype):
         return torch.randn(*shape, generator=g).to(device, dtype)
 
-    x_TH, wg_HE, dl_TE = (randn(*shape, dtype=torch.float32) for shape in ((tokens, hidden), (hidden, experts),
-                                                                          (tokens, experts)))  # fmt: skip
+    x_TH, wg_HE, dl_TE = (
+        randn(*shape, dtype=torch.float32) for shape in ((tokens, hidden), (hidden, experts), (tokens, experts))
+    )
     x_NH, w1_HF = randn(rows, hidden), randn(hidden, w1_cols)
     h_NF, w2_FH = randn(rows, ffn), randn(ffn, hidden)
     dy_NH, dh_NF = randn(rows, hidden), randn(rows, w1_cols)
     mm = torch.mm if kernel == "mm" else (lambda a, b: onednn_linear(a, b.t()))
     operands = {
-        "gate": (x_TH, wg_HE), "fc1": (x_NH, w1_HF), "fc2": (h_NF, w2_FH),
-        "fc2_dx": (dy_NH, w2_FH.t()), "fc2_dw": (h_NF.t(), dy_NH), "fc1_dx": (dh_NF, w1_HF.t()),
-        "fc1_dw": (x_NH.t(), dh_NF), "gate_dx": (dl_TE, wg_HE.t()), "gate_dw": (x_TH.t(), dl_TE),
-    }  # fmt: skip
+        "gate": (x_TH, wg_HE),
+        "fc1": (x_NH, w1_HF),
+        "fc2": (h_NF, w2_FH),
+        "fc2_dx": (dy_NH, w2_FH.t()),
+        "fc2_dw": (h_NF.t(), dy_NH),
+        "fc1_dx": (dh_NF, w1_HF.t()),
+        "fc1_dw": (x_NH.t(), dh_NF),
+        "gate_dx": (dl_TE, wg_HE.t()),
+        "gate_dw": (x_TH.t(), dl_TE),
+    }
     return {name: functools.partial(mm, a, b) for name, (a, b) in operands.items()}
 
 
@@ -218,9 +258,13 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
     rows = int(sums[experts + 1] - sums[experts])  # routed pairs - dropped = rows the experts computed
     dropped_fraction = float(sums[experts] / sums[experts + 1])
     kernels = floor_kernels(platform, dtype)
-    floor = {f"floor/{k}/{name}": step for k in kernels
-             for name, step in floor_gemms(tokens, hidden, ffn, experts, rows, args.swiglu, platform.device, dtype,
-                                           k).items()}  # fmt: skip
+    floor = {
+        f"floor/{k}/{name}": step
+        for k in kernels
+        for name, step in floor_gemms(
+            tokens, hidden, ffn, experts, rows, args.swiglu, platform.device, dtype, k
+        ).items()
+    }
     # Same weights, same routing: dropless outputs must agree (capacity semantics differ).
     diff = (out_ours - out_mcore).abs().max().item() if not capacity_factor else None
 
@@ -231,38 +275,62 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
         moe_utils.clear_aux_losses_tracker()
         ours.stats.reset()
 
-    times, warmup, faults_timed = measure_rounds({"ours": ours_step, "mcore": mcore_step, **floor},
-                                                 warmup=args.warmup, max_warmup=args.max_warmup, repeats=repeats,
-                                                 after_round=after_round, sync=synchronize)  # fmt: skip
+    times, warmup, faults_timed = measure_rounds(
+        {"ours": ours_step, "mcore": mcore_step, **floor},
+        warmup=args.warmup,
+        max_warmup=args.max_warmup,
+        repeats=repeats,
+        after_round=after_round,
+        sync=synchronize,
+    )
     peak_ours, peak_mcore = peak_bytes(ours_step, platform), peak_bytes(mcore_step, platform)
     moe_utils.clear_aux_losses_tracker()
     times["ideal"], times["fastest"] = floor_per_round(times, ["mm"]), floor_per_round(times, kernels)
     faults_timed = {k: v for k, v in faults_timed.items() if not k.startswith("floor/")} | {
-        "floor": sum(v for k, v in faults_timed.items() if k.startswith("floor/"))}
-    layer_ms, mcore_ms, ideal_ms, fastest_ms = (statistics.median(times[k])
-                                                for k in ("ours", "mcore", "ideal", "fastest"))  # fmt: skip
+        "floor": sum(v for k, v in faults_timed.items() if k.startswith("floor/"))
+    }
+    layer_ms, mcore_ms, ideal_ms, fastest_ms = (
+        statistics.median(times[k]) for k in ("ours", "mcore", "ideal", "fastest")
+    )
     return {
-        "case": name, "hidden": hidden, "ffn": ffn, "tokens": tokens, "experts": experts, "topk": topk,
-        "capacity_factor": capacity_factor, "dispatcher": dispatcher,
-        "layer_ms": round(layer_ms, 2), "ideal_ms": round(ideal_ms, 2), "efficiency": round(ideal_ms / layer_ms, 3),
-        "mcore_ms": round(mcore_ms, 2), "speedup_vs_mcore": round(mcore_ms / layer_ms, 3),
+        "case": name,
+        "hidden": hidden,
+        "ffn": ffn,
+        "tokens": tokens,
+        "experts": experts,
+        "topk": topk,
+        "capacity_factor": capacity_factor,
+        "dispatcher": dispatcher,
+        "layer_ms": round(layer_ms, 2),
+        "ideal_ms": round(ideal_ms, 2),
+        "efficiency": round(ideal_ms / layer_ms, 3),
+        "mcore_ms": round(mcore_ms, 2),
+        "speedup_vs_mcore": round(mcore_ms / layer_ms, 3),
         # The same floor with each GEMM at the fastest dense kernel here (torch.mm or oneDNN).
-        "floor_kernels": kernels, "ideal_fastest_ms": round(fastest_ms, 2),
+        "floor_kernels": kernels,
+        "ideal_fastest_ms": round(fastest_ms, 2),
         "efficiency_vs_fastest": round(fastest_ms / layer_ms, 3),
-        "peak_mem_bytes": peak_ours, "mcore_peak_mem_bytes": peak_mcore,
-        "rows_computed": rows, "dropped_fraction": round(dropped_fraction, 4),
+        "peak_mem_bytes": peak_ours,
+        "mcore_peak_mem_bytes": peak_mcore,
+        "rows_computed": rows,
+        "dropped_fraction": round(dropped_fraction, 4),
         "max_abs_diff_vs_mcore": diff,
         # Supplementary, for a machine whose speed drifts between rounds: the median of the ratios
         # within each round (the contenders ran back to back).
         "efficiency_paired": median_ratio(times["ideal"], times["ours"]),
         "speedup_vs_mcore_paired": median_ratio(times["mcore"], times["ours"]),
         "efficiency_vs_fastest_paired": median_ratio(times["fastest"], times["ours"]),
-        "layer_ms_all": [round(t, 1) for t in times["ours"]], "mcore_ms_all": [round(t, 1) for t in times["mcore"]],
+        "layer_ms_all": [round(t, 1) for t in times["ours"]],
+        "mcore_ms_all": [round(t, 1) for t in times["mcore"]],
         "ideal_ms_all": [round(t, 1) for t in times["ideal"]],
-        "kernel": kernel_name(platform.device.type, dtype), "threads": torch.get_num_threads(),
-        "warmup": warmup, "repeats": repeats, "page_faults_timed": faults_timed, "device": str(platform.device),
+        "kernel": kernel_name(platform.device.type, dtype),
+        "threads": torch.get_num_threads(),
+        "warmup": warmup,
+        "repeats": repeats,
+        "page_faults_timed": faults_timed,
+        "device": str(platform.device),
         "dtype": args.dtype,
-    }  # fmt: skip
+    }
 
 
 def main(argv=None) -> int:
@@ -286,8 +354,7 @@ def main(argv=None) -> int:
                         suffix = "" if dispatcher == "alltoallv" else "_padded"
                         name = f"{case}_e{experts}_k{topk}_cf{cf:g}{suffix}"
                         with forced_kernel(args.grouped_kernel):
-                            result = run_case(name, hidden, ffn, tokens, experts, topk, cf, dispatcher, args,
-                                              platform)  # fmt: skip
+                            result = run_case(name, hidden, ffn, tokens, experts, topk, cf, dispatcher, args, platform)
                         print(json.dumps(result), flush=True)
     finally:
         from megatron.core import parallel_state

@@ -37,8 +37,9 @@ def median_ratio(num: list[float], den: list[float]) -> float:
     return round(statistics.median(a / b for a, b in zip(num, den)), 3)
 
 
-def measure_rounds(steps: dict, *, warmup: int, max_warmup: int, repeats: int, after_round=None,
-                   sync=None) -> tuple[dict, int, dict]:  # fmt: skip
+def measure_rounds(
+    steps: dict, *, warmup: int, max_warmup: int, repeats: int, after_round=None, sync=None
+) -> tuple[dict, int, dict]:
     """Interleave the steps round by round: warm up until a fault-free round, then time `repeats` rounds.
 
     Returns ({name: [ms per timed round]}, warm-up rounds run, {name: page faults in the timed rounds}).
@@ -65,8 +66,21 @@ def measure_rounds(steps: dict, *, warmup: int, max_warmup: int, repeats: int, a
 
 
 class _MallocInfo(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _host_bytes_in_use():

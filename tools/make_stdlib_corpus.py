@@ -15,13 +15,15 @@ import json
 import os
 import sys
 import sysconfig
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 DEFAULT_MAX_BYTES = 4_000_000
 DEFAULT_EXCLUDES = [
     "site-packages",  # third-party code, differs between machines
     "dist-packages",
-    "test", "tests", "idle_test",  # test suites: huge, full of deliberately odd code
+    "test",
+    "tests",
+    "idle_test",  # test suites: huge, full of deliberately odd code
     "__pycache__",
     "encodings",  # generated codec tables
     "pydoc_data",  # one giant string literal of documentation
@@ -32,13 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="the .jsonl file to write")
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                        help="cap on the total UTF-8 size of the sources (0: no cap)")
-    parser.add_argument("--exclude", nargs="*", default=DEFAULT_EXCLUDES,
-                        help="directory names to skip wherever they occur (replaces the "
-                             "default list: " + " ".join(DEFAULT_EXCLUDES) + ")")
-    parser.add_argument("--stdlib-dir", default=sysconfig.get_paths()["stdlib"],
-                        help="root to read (default: this Python's standard library)")
+    parser.add_argument(
+        "--max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="cap on the total UTF-8 size of the sources (0: no cap)",
+    )
+    parser.add_argument(
+        "--exclude",
+        nargs="*",
+        default=DEFAULT_EXCLUDES,
+        help="directory names to skip wherever they occur (replaces the "
+        "default list: " + " ".join(DEFAULT_EXCLUDES) + ")",
+    )
+    parser.add_argument(
+        "--stdlib-dir",
+        default=sysconfig.get_paths()["stdlib"],
+        help="root to read (default: this Python's standard library)",
+    )
     return parser
 
 
@@ -51,7 +64,7 @@ def iter_sources(root: str, excludes: set[str]) -> Iterator[str]:
     yield from sorted(found, key=lambda p: os.path.relpath(p, root).split(os.sep))
 
 
-def read_utf8(path: str) -> Optional[str]:
+def read_utf8(path: str) -> str | None:
     """The file's text, or None when it is not UTF-8 (a few sources declare other codings)."""
     with open(path, "rb") as stream:
         data = stream.read()
@@ -83,20 +96,20 @@ def write_corpus(output: str, root: str, excludes: set[str], max_bytes: int) -> 
     return count, total
 
 
-def main(argv: Optional[list[str]] = None) -> tuple[int, int]:
+def main(argv: list[str] | None = None) -> tuple[int, int]:
     """Build the corpus; return (files written, bytes of text)."""
     args = build_parser().parse_args(argv)
     if args.max_bytes < 0:
-        raise SystemExit(f"--max-bytes {args.max_bytes} is negative; use 0 (no cap) or e.g. "
-                         f"{DEFAULT_MAX_BYTES}")
+        raise SystemExit(f"--max-bytes {args.max_bytes} is negative; use 0 (no cap) or e.g. {DEFAULT_MAX_BYTES}")
     if not os.path.isdir(args.stdlib_dir):
         raise SystemExit(f"--stdlib-dir {args.stdlib_dir!r} is not a directory")
     count, total = write_corpus(args.output, args.stdlib_dir, set(args.exclude), args.max_bytes)
     if count == 0:
-        raise SystemExit(f"--stdlib-dir {args.stdlib_dir}: no .py files left after --exclude "
-                         f"{' '.join(args.exclude)} and --max-bytes {args.max_bytes}")
-    print(f"Wrote {count} files ({total / 1e6:.2f} MB of source) to {args.output}",
-          file=sys.stderr)
+        raise SystemExit(
+            f"--stdlib-dir {args.stdlib_dir}: no .py files left after --exclude "
+            f"{' '.join(args.exclude)} and --max-bytes {args.max_bytes}"
+        )
+    print(f"Wrote {count} files ({total / 1e6:.2f} MB of source) to {args.output}", file=sys.stderr)
     return count, total
 
 

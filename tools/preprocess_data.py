@@ -23,9 +23,9 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from functools import lru_cache
-from typing import Iterable, Iterator, Optional
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
@@ -50,22 +50,26 @@ CHUNK_SIZE = 16
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+",
-                        help="files, directories or globs; .jsonl/.json are JSON lines, "
-                             "any other file is one document")
-    parser.add_argument("--json-keys", nargs="+", default=["text"],
-                        help="JSON keys to tokenize, one output dataset each")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        help="files, directories or globs; .jsonl/.json are JSON lines, any other file is one document",
+    )
+    parser.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize, one output dataset each"
+    )
     parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
-    parser.add_argument("--output-prefix",
-                        help="writes OUTPUT_PREFIX_{key}_document.bin/.idx/.meta.json")
-    parser.add_argument("--append-eod", action="store_true",
-                        help="append the end-of-document token to every document")
+    parser.add_argument("--output-prefix", help="writes OUTPUT_PREFIX_{key}_document.bin/.idx/.meta.json")
+    parser.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    parser.add_argument("--log-interval", type=int, default=1000,
-                        help="print progress every this many documents")
-    parser.add_argument("--write-metadata", nargs="+", metavar="PREFIX",
-                        help="instead of tokenizing: scan existing PREFIX.bin/.idx once and write "
-                             "PREFIX.meta.json (for data made without this tool)")
+    parser.add_argument("--log-interval", type=int, default=1000, help="print progress every this many documents")
+    parser.add_argument(
+        "--write-metadata",
+        nargs="+",
+        metavar="PREFIX",
+        help="instead of tokenizing: scan existing PREFIX.bin/.idx once and write "
+        "PREFIX.meta.json (for data made without this tool)",
+    )
     return parser
 
 
@@ -77,12 +81,16 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--log-interval {args.log_interval} must be >= 1 (e.g. 1000)")
     if args.write_metadata:
         if args.input or args.output_prefix:
-            raise SystemExit("--write-metadata describes existing data; drop --input and --output-prefix "
-                             "(or run without --write-metadata to tokenize)")
+            raise SystemExit(
+                "--write-metadata describes existing data; drop --input and --output-prefix "
+                "(or run without --write-metadata to tokenize)"
+            )
     elif not args.input or not args.output_prefix:
         missing = "--input" if not args.input else "--output-prefix"
-        raise SystemExit(f"{missing} is required (e.g. --input data/stdlib.jsonl --output-prefix data/stdlib), "
-                         f"unless --write-metadata PREFIX describes existing data")
+        raise SystemExit(
+            f"{missing} is required (e.g. --input data/stdlib.jsonl --output-prefix data/stdlib), "
+            f"unless --write-metadata PREFIX describes existing data"
+        )
 
 
 @lru_cache(maxsize=4)
@@ -157,22 +165,25 @@ class ProgressLog:
     def report(self) -> None:
         """Print ``Processed N documents (X docs/s, Y MB/s).``"""
         elapsed = max(time.time() - self.start, 1e-9)
-        print(f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
-              f"{self.bytes / elapsed / 1024 / 1024:.2f} MB/s).", file=sys.stderr, flush=True)
+        print(
+            f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
+            f"{self.bytes / elapsed / 1024 / 1024:.2f} MB/s).",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer,
-                   paths: list[str]) -> dict[str, int]:
+def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer, paths: list[str]) -> dict[str, int]:
     """Tokenize all documents into temporary files, sidecars included; return token counts per key."""
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {key: IndexedDatasetBuilder(temporary_path(output_paths(args.output_prefix, key)[0]),
-                                           dtype=dtype)
-                for key in args.json_keys}
+    builders = {
+        key: IndexedDatasetBuilder(temporary_path(output_paths(args.output_prefix, key)[0]), dtype=dtype)
+        for key in args.json_keys
+    }
     tokens = {key: 0 for key in args.json_keys}
     documents = {key: 0 for key in args.json_keys}
     max_ids = {key: -1 for key in args.json_keys}
-    tasks = ((args.tokenizer_model, args.append_eod, doc)
-             for doc in iter_documents(paths, args.json_keys))
+    tasks = ((args.tokenizer_model, args.append_eod, doc) for doc in iter_documents(paths, args.json_keys))
     progress = ProgressLog(args.log_interval)
     for encoded, num_bytes in encoded_documents(tasks, args.workers):
         for key, ids in encoded.items():
@@ -187,10 +198,19 @@ def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer,
     identity = TokenizerIdentity.of(tokenizer)
     for key, builder in builders.items():
         builder.finalize(temporary_path(output_paths(args.output_prefix, key)[1]))
-        write_metadata(temporary_path(sidecar_path(args.output_prefix, key)), TokenMetadata(
-            dtype=numpy.dtype(dtype).name, num_tokens=tokens[key], num_sequences=documents[key],
-            num_documents=documents[key], bin_bytes=tokens[key] * numpy.dtype(dtype).itemsize,
-            max_token_id=max_ids[key], tokenizer=identity, written_by="tools/preprocess_data.py"))
+        write_metadata(
+            temporary_path(sidecar_path(args.output_prefix, key)),
+            TokenMetadata(
+                dtype=numpy.dtype(dtype).name,
+                num_tokens=tokens[key],
+                num_sequences=documents[key],
+                num_documents=documents[key],
+                bin_bytes=tokens[key] * numpy.dtype(dtype).itemsize,
+                max_token_id=max_ids[key],
+                tokenizer=identity,
+                written_by="tools/preprocess_data.py",
+            ),
+        )
     return tokens
 
 
@@ -224,14 +244,18 @@ def describe_existing(prefix: str, tokenizer: SentencePieceTokenizer) -> TokenMe
         check_vocabulary_covers(max_id, tokenizer.vocab_size, prefix + ".bin")
     except DataError as error:
         raise DataError(f"--write-metadata {prefix}: {error}") from error
-    metadata = TokenMetadata(**asdict(files), max_token_id=max_id, tokenizer=TokenizerIdentity.of(tokenizer),
-                             written_by="tools/preprocess_data.py --write-metadata")
+    metadata = TokenMetadata(
+        **asdict(files),
+        max_token_id=max_id,
+        tokenizer=TokenizerIdentity.of(tokenizer),
+        written_by="tools/preprocess_data.py --write-metadata",
+    )
     write_metadata(metadata_path(prefix), metadata)
     print(f"Wrote {metadata_path(prefix)} ({files.num_tokens} tokens, max id {max_id})", file=sys.stderr)
     return metadata
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, int]:
+def main(argv: list[str] | None = None) -> dict[str, int]:
     """Run preprocessing; return the number of tokens written per key (per prefix with --write-metadata)."""
     args = build_parser().parse_args(argv)
     validate_args(args)
@@ -247,8 +271,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
         raise
     publish(args)
     for key, count in tokens.items():
-        print(f"Wrote {count} tokens to {output_paths(args.output_prefix, key)[0]} (and .idx, .meta.json)",
-              file=sys.stderr)
+        print(
+            f"Wrote {count} tokens to {output_paths(args.output_prefix, key)[0]} (and .idx, .meta.json)",
+            file=sys.stderr,
+        )
     return tokens
 
 

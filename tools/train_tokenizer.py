@@ -16,7 +16,7 @@ import os
 import random
 import sys
 import time
-from typing import Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
@@ -32,22 +32,32 @@ MODEL_TYPES = ("bpe", "unigram")
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="files, directories or globs; .jsonl/.json are JSON lines, "
-                             "any other file is one document")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, directories or globs; .jsonl/.json are JSON lines, any other file is one document",
+    )
     parser.add_argument("--json-key", default="text", help="JSON key holding the text")
-    parser.add_argument("--model-prefix", required=True,
-                        help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
-    parser.add_argument("--input-sentence-size", type=int, default=1_000_000,
-                        help="train on at most this many lines, sampled with --seed (0: all)")
-    parser.add_argument("--max-sentence-length", type=int, default=16384,
-                        help="longest line in bytes; longer lines are cut into pieces")
+    parser.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=1_000_000,
+        help="train on at most this many lines, sampled with --seed (0: all)",
+    )
+    parser.add_argument(
+        "--max-sentence-length", type=int, default=16384, help="longest line in bytes; longer lines are cut into pieces"
+    )
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--character-coverage", type=float, default=0.9995,
-                        help="share of characters given their own piece; rarer characters "
-                             "fall back to byte pieces")
+    parser.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="share of characters given their own piece; rarer characters fall back to byte pieces",
+    )
     parser.add_argument("--seed", type=int, default=1234, help="seed of the line sampling")
     parser.add_argument("--verbose", action="store_true", help="show SentencePiece's log")
     return parser
@@ -57,18 +67,20 @@ def validate_args(args: argparse.Namespace) -> None:
     """Reject values SentencePiece would fail on late or obscurely."""
     minimum = BYTE_PIECES + len(SPECIAL_IDS) + 1
     if args.vocab_size < minimum:
-        raise SystemExit(f"--vocab-size {args.vocab_size} is too small: byte fallback needs "
-                         f"{BYTE_PIECES} byte pieces + {len(SPECIAL_IDS)} special pieces; "
-                         f"use at least {minimum} (e.g. 4096)")
+        raise SystemExit(
+            f"--vocab-size {args.vocab_size} is too small: byte fallback needs "
+            f"{BYTE_PIECES} byte pieces + {len(SPECIAL_IDS)} special pieces; "
+            f"use at least {minimum} (e.g. 4096)"
+        )
     if args.input_sentence_size < 0:
-        raise SystemExit(f"--input-sentence-size {args.input_sentence_size} is negative; "
-                         f"use 0 (all lines) or a positive cap such as 1000000")
+        raise SystemExit(
+            f"--input-sentence-size {args.input_sentence_size} is negative; "
+            f"use 0 (all lines) or a positive cap such as 1000000"
+        )
     if args.max_sentence_length < 16:
-        raise SystemExit(f"--max-sentence-length {args.max_sentence_length} is too small; "
-                         f"use e.g. 16384")
+        raise SystemExit(f"--max-sentence-length {args.max_sentence_length} is too small; use e.g. 16384")
     if not 0.0 < args.character_coverage <= 1.0:
-        raise SystemExit(f"--character-coverage {args.character_coverage} is outside (0, 1]; "
-                         f"use e.g. 0.9995")
+        raise SystemExit(f"--character-coverage {args.character_coverage} is outside (0, 1]; use e.g. 0.9995")
     if args.num_threads < 1:
         raise SystemExit(f"--num-threads {args.num_threads} must be >= 1")
 
@@ -80,7 +92,7 @@ def split_long_line(line: str, max_bytes: int) -> Iterator[str]:
         return
     step = max(1, max_bytes // 4)
     for start in range(0, len(line), step):
-        yield line[start:start + step]
+        yield line[start : start + step]
 
 
 def iter_training_lines(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
@@ -145,8 +157,7 @@ def train(args: argparse.Namespace, lines: list[str]) -> None:
     os.makedirs(parent, exist_ok=True)
     log = None if args.verbose else open(os.devnull, "w")
     try:
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), logstream=log, **trainer_options(args))
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), logstream=log, **trainer_options(args))
     except RuntimeError as error:
         raise SystemExit(f"tokenizer training failed: {error}{_hint(str(error))}") from error
     finally:
@@ -154,22 +165,25 @@ def train(args: argparse.Namespace, lines: list[str]) -> None:
             log.close()
 
 
-def main(argv: Optional[list[str]] = None) -> str:
+def main(argv: list[str] | None = None) -> str:
     """Train the tokenizer; return the path of the written ``.model`` file."""
     args = build_parser().parse_args(argv)
     validate_args(args)
     start = time.time()
     paths = expand_input_paths(args.input, flag="--input")
     texts = (doc[args.json_key] for doc in iter_documents(paths, [args.json_key]))
-    lines, total = sample_lines(iter_training_lines(texts, args.max_sentence_length),
-                                args.input_sentence_size, args.seed)
+    lines, total = sample_lines(
+        iter_training_lines(texts, args.max_sentence_length), args.input_sentence_size, args.seed
+    )
     if not lines:
         raise SystemExit(f"--input {' '.join(args.input)}: no non-blank text found")
     train(args, lines)
     model_path = args.model_prefix + ".model"
-    print(f"Trained {args.model_type} tokenizer (vocab {args.vocab_size}) on {len(lines)} of "
-          f"{total} lines from {len(paths)} files in {time.time() - start:.1f}s: {model_path}",
-          file=sys.stderr)
+    print(
+        f"Trained {args.model_type} tokenizer (vocab {args.vocab_size}) on {len(lines)} of "
+        f"{total} lines from {len(paths)} files in {time.time() - start:.1f}s: {model_path}",
+        file=sys.stderr,
+    )
     return model_path
 
 

@@ -51,8 +51,9 @@ def _wrap_layer_forward(layer: TransformerLayer, scope: LayerScope) -> None:
     layer.forward = scoped_forward
 
 
-def apply_activation_policy(model: torch.nn.Module, policy: ActivationPolicy,
-                            counter: SavedBytes | None = None) -> LayerScope | None:  # fmt: skip
+def apply_activation_policy(
+    model: torch.nn.Module, policy: ActivationPolicy, counter: SavedBytes | None = None
+) -> LayerScope | None:
     """Install `policy` on every TransformerLayer of `model`; returns the scope (None if trivial)."""
     if policy.is_trivial and counter is None:
         return None

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from megatron_moe.config.activation_policy import ActivationPolicy
 from megatron_moe.activations.quantize import Packed, dequantize, dequantize_rows, quantize, worth_quantizing
+from megatron_moe.config.activation_policy import ActivationPolicy
 from megatron_moe.platform.rng import get_rng_states, set_rng_states
 
 

@@ -13,7 +13,6 @@ import dataclasses
 
 import torch
 
-from megatron_moe.config.activation_policy import QUANT_FORMATS as FORMATS
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_NUMEL = 4096  # below this the scales and bookkeeping cost more than they save
 MIN_ROW = 32  # narrower rows are not kept in a row format (the scale would be 1/8 of the bytes or more)

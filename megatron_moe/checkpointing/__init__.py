@@ -43,11 +43,20 @@ TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 # Flags whose change makes a checkpoint's weights meaningless for this model.
 SHAPE_FIELDS = {
-    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
-              "untie_embeddings_and_output_weights"),
+    "model": (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "position_embedding_type",
+        "normalization",
+        "swiglu",
+        "disable_bias_linear",
+        "untie_embeddings_and_output_weights",
+    ),
     "moe": ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size"),
-}  # fmt: skip
+}
 
 
 @dataclasses.dataclass
@@ -88,8 +97,13 @@ def _set_rng_state(state: dict) -> bool:
         return False
     random.setstate(state["random"])
     np.random.set_state(state["np"])
-    set_rng_states({"cpu": state.get("cpu", state.get("torch")), "tracker": state["tracker"],
-                    **({"device": state["device"]} if "device" in state else {})})  # fmt: skip
+    set_rng_states(
+        {
+            "cpu": state.get("cpu", state.get("torch")),
+            "tracker": state["tracker"],
+            **({"device": state["device"]} if "device" in state else {}),
+        }
+    )
     return True
 
 
@@ -246,8 +260,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     with_rng = same_layout and not cfg.checkpoint.no_load_rng
     if with_optimizer:
         _materialize_optimizer_state(optimizer)
-    request = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng,
-                             is_loading=True)  # fmt: skip
+    request = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng, is_loading=True)
     check_tensor_names(path, request["model"])
     state = dist_checkpointing.load(request, path)
     model[0].module.load_state_dict(state["model"])
@@ -255,11 +268,15 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(common["scheduler"])
     if with_rng and not _set_rng_state(state["rng_state"]):
-        log.warning("checkpoint RNG states were saved on %s, this run is on %s: not restored",
-                    state["rng_state"].get("device_type", "cpu"), current_platform().device.type)  # fmt: skip
+        log.warning(
+            "checkpoint RNG states were saved on %s, this run is on %s: not restored",
+            state["rng_state"].get("device_type", "cpu"),
+            current_platform().device.type,
+        )
     elif not with_rng and not cfg.checkpoint.no_load_rng:
         log.warning("checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout())
     train_state = TrainState(**common["train_state"])
-    log.info("loaded %s (iteration %d, optimizer %s)", path, train_state.iteration,
-             "restored" if with_optimizer else "fresh")  # fmt: skip
+    log.info(
+        "loaded %s (iteration %d, optimizer %s)", path, train_state.iteration, "restored" if with_optimizer else "fresh"
+    )
     return train_state

@@ -11,23 +11,36 @@ import json
 import logging
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from megatron.core import dist_checkpointing
 
-from megatron_moe.checkpointing import TrainState
-from megatron_moe.checkpointing import hf_mixtral
+from megatron_moe.checkpointing import TrainState, hf_mixtral
 from megatron_moe.config import ConfigError, RunConfig, parse_args
 from megatron_moe.platform.process import init_single_process
 
 log = logging.getLogger("megatron_moe")
-SINGLE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-              expert_tensor_parallel_size=None, context_parallel_size=1, sequence_parallel=False,
-              use_distributed_optimizer=False)  # fmt: skip
-TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-                    "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": False, "add_eos_token": False,
-                    "add_prefix_space": False, "legacy": False}  # fmt: skip
+SINGLE = dict(
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    expert_model_parallel_size=1,
+    expert_tensor_parallel_size=None,
+    context_parallel_size=1,
+    sequence_parallel=False,
+    use_distributed_optimizer=False,
+)
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "LlamaTokenizer",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "pad_token": "<pad>",
+    "add_bos_token": False,
+    "add_eos_token": False,
+    "add_prefix_space": False,
+    "legacy": False,
+}
 
 
 def build_single(cfg: RunConfig, vocab_size: int):
@@ -68,8 +81,14 @@ def _fresh_dir(path: str, overwrite: bool, flag: str) -> str:
     return tmp
 
 
-def export_hf(ckpt: str, out: str, *, tokenizer_model: str | None = None, overwrite: bool = False,
-              progress: Callable[[str], None] = log.info) -> str:  # fmt: skip
+def export_hf(
+    ckpt: str,
+    out: str,
+    *,
+    tokenizer_model: str | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] = log.info,
+) -> str:
     """Write `ckpt` as an HF Mixtral directory (config, safetensors, tokenizer); returns `out`."""
     from safetensors.torch import save_file
 
@@ -80,13 +99,15 @@ def export_hf(ckpt: str, out: str, *, tokenizer_model: str | None = None, overwr
     tensors = {}
     for layer, group in hf_mixtral.to_hf(ours, cfg, tokenizer.vocab_size):
         tensors.update({k: v.contiguous().to("cpu", copy=True) for k, v in group.items()})
-        progress(f"export: {'embeddings, final norm, lm head' if layer is None else f'layer {layer}'} "
-                 f"({len(group)} tensors)")  # fmt: skip
+        progress(
+            f"export: {'embeddings, final norm, lm head' if layer is None else f'layer {layer}'} ({len(group)} tensors)"
+        )
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     config = hf_mixtral.hf_config(cfg, tokenizer.vocab_size, tokenizer.bos, tokenizer.eod)
     _write_json(os.path.join(tmp, "config.json"), config)
-    _write_json(os.path.join(tmp, "generation_config.json"),
-                {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eod})  # fmt: skip
+    _write_json(
+        os.path.join(tmp, "generation_config.json"), {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eod}
+    )
     shutil.copyfile(tokenizer.model_path, os.path.join(tmp, "tokenizer.model"))
     _write_json(os.path.join(tmp, "tokenizer_config.json"), TOKENIZER_CONFIG)
     os.replace(tmp, out)
@@ -110,8 +131,14 @@ def read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def import_hf(hf_dir: str, out: str, *, extra_flags: list[str] = (), overwrite: bool = False,
-              progress: Callable[[str], None] = log.info) -> str:  # fmt: skip
+def import_hf(
+    hf_dir: str,
+    out: str,
+    *,
+    extra_flags: list[str] = (),
+    overwrite: bool = False,
+    progress: Callable[[str], None] = log.info,
+) -> str:
     """Write an HF Mixtral directory as a megatron_moe checkpoint (iteration 0, no optimizer)."""
     from megatron_moe.data.tokenizer import SentencePieceTokenizer
 
@@ -123,8 +150,16 @@ def import_hf(hf_dir: str, out: str, *, extra_flags: list[str] = (), overwrite: 
     if not os.path.isfile(tokenizer_model):
         raise ConfigError(f"--load={hf_dir}: no tokenizer.model (sentencepiece) to train with")
     init_single_process(backend="gloo")
-    cfg = parse_args([*hf_mixtral.run_flags_from_hf(config), "--data-path", "unset", "--tokenizer-model",
-                      tokenizer_model, *extra_flags])  # fmt: skip
+    cfg = parse_args(
+        [
+            *hf_mixtral.run_flags_from_hf(config),
+            "--data-path",
+            "unset",
+            "--tokenizer-model",
+            tokenizer_model,
+            *extra_flags,
+        ]
+    )
     vocab = max(config["vocab_size"], SentencePieceTokenizer(tokenizer_model).vocab_size)
     model = build_single(cfg, vocab)
     from megatron_moe.model.builder import padded_vocab_size
@@ -135,7 +170,9 @@ def import_hf(hf_dir: str, out: str, *, extra_flags: list[str] = (), overwrite: 
     missing, unexpected = model.load_state_dict(ours, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ConfigError(f"--load={hf_dir}: weights do not match the model: missing {missing}, unexpected {unexpected}")
+        raise ConfigError(
+            f"--load={hf_dir}: weights do not match the model: missing {missing}, unexpected {unexpected}"
+        )
     tmp = _fresh_dir(out, overwrite, "--save")
     shutil.copyfile(tokenizer_model, os.path.join(tmp, "tokenizer.model"))
     cfg.data.tokenizer_model = os.path.join(out, "tokenizer.model")

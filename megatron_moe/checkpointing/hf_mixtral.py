@@ -32,16 +32,24 @@ def incompatibilities(cfg: RunConfig) -> list[str]:
     m, moe = cfg.model, cfg.moe
     checks = [
         (moe.is_moe, "a dense model (no --num-experts); Mixtral is all-MoE"),
-        (not moe.is_moe or moe.layer_pattern(m.num_layers) == [1] * m.num_layers,
-         f"--moe-layer-freq={moe.moe_layer_freq}: Mixtral has an MoE block in every layer"),
+        (
+            not moe.is_moe or moe.layer_pattern(m.num_layers) == [1] * m.num_layers,
+            f"--moe-layer-freq={moe.moe_layer_freq}: Mixtral has an MoE block in every layer",
+        ),
         (m.swiglu, "GELU experts/MLPs (Mixtral experts are SwiGLU: add --swiglu)"),
         (m.normalization == "RMSNorm", f"--normalization={m.normalization} (Mixtral uses RMSNorm)"),
-        (m.position_embedding_type == "rope", f"--position-embedding-type={m.position_embedding_type} (Mixtral uses RoPE)"),
+        (
+            m.position_embedding_type == "rope",
+            f"--position-embedding-type={m.position_embedding_type} (Mixtral uses RoPE)",
+        ),
         (m.disable_bias_linear, "biases in linear layers (Mixtral has none: --disable-bias-linear)"),
         (m.untie_embeddings_and_output_weights, "tied input/output embeddings (Mixtral unties them)"),
-        (getattr(moe, "moe_gate", "topk") in ("topk", None), f"--moe-gate={getattr(moe, 'moe_gate', None)} (Mixtral routes with softmax top-k)"),
+        (
+            getattr(moe, "moe_gate", "topk") in ("topk", None),
+            f"--moe-gate={getattr(moe, 'moe_gate', None)} (Mixtral routes with softmax top-k)",
+        ),
         (not getattr(moe, "moe_shared_expert_ffn_hidden_size", None), "a shared expert (Mixtral has none)"),
-    ]  # fmt: skip
+    ]
     return [message for ok, message in checks if not ok and message]
 
 
@@ -84,16 +92,38 @@ def run_flags_from_hf(config: dict) -> list[str]:
     if config.get("head_dim") not in (None, config["hidden_size"] // heads):
         raise ConfigError(f"head_dim={config['head_dim']} != hidden_size / num_attention_heads: not supported")
     return [
-        "--num-layers", str(config["num_hidden_layers"]), "--hidden-size", str(config["hidden_size"]),
-        "--num-attention-heads", str(heads), "--num-query-groups", str(config.get("num_key_value_heads", heads)),
-        "--ffn-hidden-size", str(config["intermediate_size"]), "--num-experts", str(config["num_local_experts"]),
-        "--moe-router-topk", str(config["num_experts_per_tok"]), "--moe-layer-freq", "1",
-        "--normalization", "RMSNorm", "--norm-epsilon", str(config.get("rms_norm_eps", 1e-5)), "--swiglu",
-        "--position-embedding-type", "rope", "--rotary-base", str(int(rope)), "--disable-bias-linear",
+        "--num-layers",
+        str(config["num_hidden_layers"]),
+        "--hidden-size",
+        str(config["hidden_size"]),
+        "--num-attention-heads",
+        str(heads),
+        "--num-query-groups",
+        str(config.get("num_key_value_heads", heads)),
+        "--ffn-hidden-size",
+        str(config["intermediate_size"]),
+        "--num-experts",
+        str(config["num_local_experts"]),
+        "--moe-router-topk",
+        str(config["num_experts_per_tok"]),
+        "--moe-layer-freq",
+        "1",
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        str(config.get("rms_norm_eps", 1e-5)),
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        str(int(rope)),
+        "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
-        "--seq-length", str(min(config.get("max_position_embeddings", 4096), 4096)),
-        "--max-position-embeddings", str(config.get("max_position_embeddings", 4096)),
-    ]  # fmt: skip
+        "--seq-length",
+        str(min(config.get("max_position_embeddings", 4096), 4096)),
+        "--max-position-embeddings",
+        str(config.get("max_position_embeddings", 4096)),
+    ]
 
 
 # ----------------------------------------------------------------------------- QKV
@@ -123,11 +153,14 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RunConfig)
 
 def to_hf(ours: dict[str, torch.Tensor], cfg: RunConfig, vocab_size: int):
     """Yield (layer or None, {hf name: tensor}) groups, embedding first, in published names."""
-    yield None, {
-        "model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][:vocab_size],
-        "model.norm.weight": ours["decoder.final_layernorm.weight"],
-        "lm_head.weight": ours["output_layer.weight"][:vocab_size],
-    }
+    yield (
+        None,
+        {
+            "model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][:vocab_size],
+            "model.norm.weight": ours["decoder.final_layernorm.weight"],
+            "lm_head.weight": ours["output_layer.weight"][:vocab_size],
+        },
+    )
     for i in range(cfg.model.num_layers):
         ours_l, hf_l = f"decoder.layers.{i}.", f"model.layers.{i}."
         q, k, v = split_qkv(ours[ours_l + "self_attention.linear_qkv.weight"], cfg)
@@ -171,15 +204,20 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: RunConfig, padded_vocab: int) -> d
     for i in range(cfg.model.num_layers):
         ours_l, hf_l = f"decoder.layers.{i}.", f"model.layers.{i}."
         moe = hf_l + ("block_sparse_moe." if hf_l + "block_sparse_moe.gate.weight" in hf else "mlp.")
-        ours.update({
-            ours_l + "input_layernorm.weight": hf[hf_l + "input_layernorm.weight"],
-            ours_l + "self_attention.linear_qkv.weight": merge_qkv(
-                hf[hf_l + "self_attn.q_proj.weight"], hf[hf_l + "self_attn.k_proj.weight"],
-                hf[hf_l + "self_attn.v_proj.weight"], cfg),
-            ours_l + "self_attention.linear_proj.weight": hf[hf_l + "self_attn.o_proj.weight"],
-            ours_l + "pre_mlp_layernorm.weight": hf[hf_l + "post_attention_layernorm.weight"],
-            ours_l + "mlp.gate.weight": hf[moe + "gate.weight"],
-        })  # fmt: skip
+        ours.update(
+            {
+                ours_l + "input_layernorm.weight": hf[hf_l + "input_layernorm.weight"],
+                ours_l + "self_attention.linear_qkv.weight": merge_qkv(
+                    hf[hf_l + "self_attn.q_proj.weight"],
+                    hf[hf_l + "self_attn.k_proj.weight"],
+                    hf[hf_l + "self_attn.v_proj.weight"],
+                    cfg,
+                ),
+                ours_l + "self_attention.linear_proj.weight": hf[hf_l + "self_attn.o_proj.weight"],
+                ours_l + "pre_mlp_layernorm.weight": hf[hf_l + "post_attention_layernorm.weight"],
+                ours_l + "mlp.gate.weight": hf[moe + "gate.weight"],
+            }
+        )
         ours[ours_l + "mlp.experts.weight1"], ours[ours_l + "mlp.experts.weight2"] = _experts_from_hf(hf, moe, cfg)
     return ours
 
@@ -188,6 +226,8 @@ def _experts_from_hf(hf: dict, moe: str, cfg: RunConfig) -> tuple[torch.Tensor, 
     if moe + "experts.gate_up_proj" in hf:  # transformers 5 fused: [E, 2F, H] gate then up, [E, H, F]
         return hf[moe + "experts.gate_up_proj"], hf[moe + "experts.down_proj"]
     E = cfg.moe.num_experts
-    w1 = torch.stack([torch.cat([hf[f"{moe}experts.{e}.w1.weight"], hf[f"{moe}experts.{e}.w3.weight"]]) for e in range(E)])
+    w1 = torch.stack(
+        [torch.cat([hf[f"{moe}experts.{e}.w1.weight"], hf[f"{moe}experts.{e}.w3.weight"]]) for e in range(E)]
+    )
     w2 = torch.stack([hf[f"{moe}experts.{e}.w2.weight"] for e in range(E)])
     return w1, w2

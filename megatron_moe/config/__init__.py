@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
 from megatron_moe.config.fields import (
@@ -70,16 +70,18 @@ class RunConfig:
             t.global_batch_size = t.micro_batch_size * dp
         require(
             t.global_batch_size % (t.micro_batch_size * dp) == 0,
-            "--global-batch-size", t.global_batch_size,
+            "--global-batch-size",
+            t.global_batch_size,
             f"must be a multiple of --micro-batch-size x data-parallel size = "
             f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}",
-        )  # fmt: skip
+        )
         require(
-            self.model.seq_length % (self.parallel.tensor_model_parallel_size
-                                     if self.parallel.sequence_parallel else 1) == 0,
-            "--seq-length", self.model.seq_length,
+            self.model.seq_length % (self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1)
+            == 0,
+            "--seq-length",
+            self.model.seq_length,
             "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
-        )  # fmt: skip
+        )
 
     def activation_policy(self) -> ActivationPolicy | None:
         """The per-module ActivationPolicy, or None when no selective policy is asked for."""
@@ -87,14 +89,18 @@ class RunConfig:
         if not a.selective:
             return None
         preset = "none" if a.activation_policy == "full" else a.activation_policy
-        return build_policy(preset=preset, recompute=a.recompute_modules, quantize=a.quantize_activations,
-                            quant_format=a.activation_quant_format)  # fmt: skip
+        return build_policy(
+            preset=preset,
+            recompute=a.recompute_modules,
+            quantize=a.quantize_activations,
+            quant_format=a.activation_quant_format,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "RunConfig":
+    def from_dict(cls, values: dict) -> RunConfig:
         """From `to_dict()`, also of a checkpoint saved before the MoE flags were renamed."""
         values = {**values, "moe": _renamed_moe_flags(values["moe"])}
         return cls(**{name: group(**values[name]) for name, group in GROUPS})

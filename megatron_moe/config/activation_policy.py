@@ -60,8 +60,20 @@ PRESETS: dict[str, dict[str, str]] = {
     # all-to-all outputs (recomputing those would repeat communication).
     "arctic": {
         **dict.fromkeys(["input_norm", "pre_mlp_norm", "expert_act", "mlp_act"], "recompute+quantize"),
-        **dict.fromkeys(["qkv", "attn_proj", "expert_fc1", "expert_fc2", "mlp_fc1", "mlp_fc2",
-                         "core_attention", "shared_expert", "unorder"], "quantize"),  # fmt: skip
+        **dict.fromkeys(
+            [
+                "qkv",
+                "attn_proj",
+                "expert_fc1",
+                "expert_fc2",
+                "mlp_fc1",
+                "mlp_fc2",
+                "core_attention",
+                "shared_expert",
+                "unorder",
+            ],
+            "quantize",
+        ),
         **dict.fromkeys(["dispatch", "combine"], "save"),
     },
 }
@@ -89,8 +101,9 @@ def _names(flag: str, names: list[str]) -> list[str]:
     return names
 
 
-def build_policy(*, preset: str, recompute: list[str], quantize: list[str], quant_format: str,
-                 quant_block: int = 128) -> ActivationPolicy:  # fmt: skip
+def build_policy(
+    *, preset: str, recompute: list[str], quantize: list[str], quant_format: str, quant_block: int = 128
+) -> ActivationPolicy:
     """The preset, then per-module overrides from --recompute-modules / --quantize-activations."""
     require(preset in PRESETS, "--activation-policy", preset, f"one of {', '.join([*PRESETS, 'full'])}")
     require(

@@ -16,7 +16,8 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 
 class ConfigError(ValueError):

@@ -48,15 +48,17 @@ class ModelConfig:
         require(self.num_layers > 0, "--num-layers", self.num_layers, "must be positive")
         require(
             self.hidden_size % self.num_attention_heads == 0,
-            "--hidden-size", self.hidden_size,
+            "--hidden-size",
+            self.hidden_size,
             f"must be a multiple of --num-attention-heads={self.num_attention_heads}",
-        )  # fmt: skip
+        )
         if self.num_query_groups is not None:
             require(
                 self.num_attention_heads % self.num_query_groups == 0,
-                "--num-query-groups", self.num_query_groups,
+                "--num-query-groups",
+                self.num_query_groups,
                 f"must divide --num-attention-heads={self.num_attention_heads}",
-            )  # fmt: skip
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -144,8 +146,10 @@ class MoEConfig:
                 pattern = []
             require(
                 len(pattern) == num_layers and set(pattern) <= {0, 1},
-                "--moe-layer-freq", text, f"a list of {num_layers} zeros and ones, e.g. [1,0,1,0]",
-            )  # fmt: skip
+                "--moe-layer-freq",
+                text,
+                f"a list of {num_layers} zeros and ones, e.g. [1,0,1,0]",
+            )
             return pattern
         require(text.isdigit() and int(text) > 0, "--moe-layer-freq", text, "a positive integer or a 0/1 list")
         return [1 if i % int(text) == 0 else 0 for i in range(num_layers)]
@@ -189,9 +193,10 @@ class MoEConfig:
         require(self.num_experts > 0, "--num-experts", self.num_experts, "must be positive")
         require(
             0 < self.moe_router_topk <= self.num_experts,
-            "--moe-router-topk", self.moe_router_topk,
+            "--moe-router-topk",
+            self.moe_router_topk,
             f"must be between 1 and --num-experts={self.num_experts}",
-        )  # fmt: skip
+        )
         self.layer_pattern(model.num_layers)
         if self.own_layer:
             require(
@@ -244,29 +249,38 @@ class ParallelConfig:
             self.context_parallel_size,
             self.expert_model_parallel_size,
         )
-        for flag, value in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                            ("--expert-model-parallel-size", ep), ("--context-parallel-size", cp)]:  # fmt: skip
+        for flag, value in [
+            ("--tensor-model-parallel-size", tp),
+            ("--pipeline-model-parallel-size", pp),
+            ("--expert-model-parallel-size", ep),
+            ("--context-parallel-size", cp),
+        ]:
             require(value >= 1, flag, value, "must be >= 1")
         require(
             world_size % (tp * pp * cp) == 0,
-            "world size", world_size,
+            "world size",
+            world_size,
             f"must be a multiple of TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
             f"valid world sizes are multiples of {tp * pp * cp}, or change the parallel sizes",
-        )  # fmt: skip
+        )
         require(
             model.num_attention_heads % tp == 0,
-            "--tensor-model-parallel-size", tp,
+            "--tensor-model-parallel-size",
+            tp,
             f"must divide --num-attention-heads={model.num_attention_heads}",
-        )  # fmt: skip
+        )
         require(
             model.make_vocab_size_divisible_by % tp == 0,
-            "--make-vocab-size-divisible-by", model.make_vocab_size_divisible_by,
+            "--make-vocab-size-divisible-by",
+            model.make_vocab_size_divisible_by,
             f"must be a multiple of --tensor-model-parallel-size={tp}",
-        )  # fmt: skip
+        )
         require(
             model.num_layers % pp == 0,
-            "--pipeline-model-parallel-size", pp, f"must divide --num-layers={model.num_layers}",
-        )  # fmt: skip
+            "--pipeline-model-parallel-size",
+            pp,
+            f"must divide --num-layers={model.num_layers}",
+        )
         if moe.is_moe:
             etp = self.expert_tensor_parallel_size or 1
             require(
@@ -278,21 +292,24 @@ class ParallelConfig:
             )
             require(
                 moe.num_experts % ep == 0,
-                "--num-experts", moe.num_experts,
+                "--num-experts",
+                moe.num_experts,
                 f"must be a multiple of --expert-model-parallel-size={ep} "
                 f"(e.g. --num-experts {ep * max(1, moe.num_experts // ep)})",
-            )  # fmt: skip
+            )
             require(
                 world_size // pp % (ep * etp) == 0,
-                "--expert-model-parallel-size", ep,
+                "--expert-model-parallel-size",
+                ep,
                 f"EP x expert-TP = {ep * etp} must divide the ranks per pipeline stage "
                 f"({world_size // pp} = world {world_size} / PP {pp})",
-            )  # fmt: skip
+            )
             require(
                 tp == 1 or self.sequence_parallel,
-                "--sequence-parallel", self.sequence_parallel,
+                "--sequence-parallel",
+                self.sequence_parallel,
                 f"MoE with --tensor-model-parallel-size={tp} needs --sequence-parallel",
-            )  # fmt: skip
+            )
         elif ep > 1:
             require(False, "--expert-model-parallel-size", ep, "needs --num-experts; use 1 for a dense model")
 
@@ -334,8 +351,12 @@ class TrainingConfig:
     def validate(self) -> None:
         require(not (self.bf16 and self.fp16), "--bf16/--fp16", "both", "choose one")
         require(self.loss_scale is None or self.loss_scale > 0, "--loss-scale", self.loss_scale, "must be positive")
-        require(self.initial_loss_scale >= self.min_loss_scale > 0, "--initial-loss-scale", self.initial_loss_scale,
-                f"must be >= --min-loss-scale={self.min_loss_scale} > 0")
+        require(
+            self.initial_loss_scale >= self.min_loss_scale > 0,
+            "--initial-loss-scale",
+            self.initial_loss_scale,
+            f"must be >= --min-loss-scale={self.min_loss_scale} > 0",
+        )
         require(self.micro_batch_size > 0, "--micro-batch-size", self.micro_batch_size, "must be positive")
         require(self.train_iters >= 0, "--train-iters", self.train_iters, "must be >= 0")
         require(self.lr >= self.min_lr >= 0, "--min-lr", self.min_lr, f"must be in [0, --lr={self.lr}]")
@@ -347,14 +368,20 @@ class ActivationsConfig:
     """Activation memory: what each module keeps for backward (save, recompute, quantize)."""
 
     recompute_granularity: str | None = arg(
-        None, "full: megatron-core recomputes whole layers; selective: per module (below)",
+        None,
+        "full: megatron-core recomputes whole layers; selective: per module (below)",
         choices=("full", "selective"),
     )
-    activation_policy: str = arg("none", "preset: none, full (= --recompute-granularity full), or arctic "
-                                 "(recompute norms/activations, quantize GEMM inputs, keep all-to-all outputs)",
-                                 choices=("none", "full", "arctic"))  # fmt: skip
-    recompute_modules: list[str] = arg([], "modules whose outputs are recomputed in backward "
-                                       "(megatron_moe/config/activation_policy.py lists the names)")  # fmt: skip
+    activation_policy: str = arg(
+        "none",
+        "preset: none, full (= --recompute-granularity full), or arctic "
+        "(recompute norms/activations, quantize GEMM inputs, keep all-to-all outputs)",
+        choices=("none", "full", "arctic"),
+    )
+    recompute_modules: list[str] = arg(
+        [],
+        "modules whose outputs are recomputed in backward (megatron_moe/config/activation_policy.py lists the names)",
+    )
     quantize_activations: list[str] = arg([], "modules whose saved activations are kept quantized")
     activation_quant_format: str = arg(
         "int8_row", "int8_row, int8_block or fp8_row (fp8 e4m3)", choices=QUANT_FORMATS, applies=only.QUANTIZING
@@ -367,24 +394,27 @@ class ActivationsConfig:
     @property
     def selective(self) -> bool:
         return not self.full_recompute and (
-            self.recompute_granularity == "selective" or self.activation_policy != "none"
+            self.recompute_granularity == "selective"
+            or self.activation_policy != "none"
             or bool(self.recompute_modules or self.quantize_activations)
-        )  # fmt: skip
+        )
 
     def validate(self) -> None:
         per_module = self.recompute_modules or self.quantize_activations
         require(
             not (self.full_recompute and (per_module or self.activation_policy == "arctic")),
-            "--recompute-granularity", self.recompute_granularity,
+            "--recompute-granularity",
+            self.recompute_granularity,
             "full recompute conflicts with --activation-policy arctic / --recompute-modules / "
             "--quantize-activations; use --recompute-granularity selective for per-module control",
-        )  # fmt: skip
+        )
         require(
             not (self.recompute_granularity == "selective" and self.activation_policy == "none" and not per_module),
-            "--recompute-granularity", "selective",
+            "--recompute-granularity",
+            "selective",
             "name what to recompute or quantize: --activation-policy arctic, --recompute-modules or "
             "--quantize-activations",
-        )  # fmt: skip
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -398,8 +428,15 @@ class DataConfig:
     num_workers: int = arg(0, "data loader worker processes")
 
     def validate(self) -> None:
-        require(bool(self.data_path), "--data-path", self.data_path, "give a .bin/.idx prefix from tools/preprocess_data.py")
-        require(self.tokenizer_model is not None, "--tokenizer-model", None, "give the sentencepiece .model the data was made with")
+        require(
+            bool(self.data_path), "--data-path", self.data_path, "give a .bin/.idx prefix from tools/preprocess_data.py"
+        )
+        require(
+            self.tokenizer_model is not None,
+            "--tokenizer-model",
+            None,
+            "give the sentencepiece .model the data was made with",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -8,7 +8,7 @@ for the rest.
 import glob
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 JSON_SUFFIXES = (".jsonl", ".json")
 
@@ -32,8 +32,10 @@ def expand_input_paths(patterns: list[str], flag: str = "--input") -> list[str]:
         else:
             matched = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
         if not matched:
-            raise DataError(f"{flag} {pattern!r}: no such file, or no file under it; "
-                            f"pass .jsonl files, text files, directories or globs")
+            raise DataError(
+                f"{flag} {pattern!r}: no such file, or no file under it; "
+                f"pass .jsonl files, text files, directories or globs"
+            )
         paths.extend(matched)
     return list(dict.fromkeys(paths))
 
@@ -63,8 +65,10 @@ def iter_documents(paths: list[str], json_keys: list[str]) -> Iterator[dict[str,
 def _single_key(json_keys: list[str], path: str) -> str:
     """The key a plain-text document is stored under; plain files hold only one text."""
     if len(json_keys) != 1:
-        raise DataError(f"--json-keys {' '.join(json_keys)}: plain-text input {path!r} holds "
-                        f"one text per file; pass a single key (e.g. --json-keys text)")
+        raise DataError(
+            f"--json-keys {' '.join(json_keys)}: plain-text input {path!r} holds "
+            f"one text per file; pass a single key (e.g. --json-keys text)"
+        )
     return json_keys[0]
 
 
@@ -74,8 +78,9 @@ def _read_text(path: str) -> str:
         with open(path, encoding="utf-8", newline="") as stream:
             return stream.read()
     except UnicodeDecodeError as error:
-        raise DataError(f"--input file {path!r} is not UTF-8 text ({error}); "
-                        f"remove it or convert it to UTF-8") from error
+        raise DataError(
+            f"--input file {path!r} is not UTF-8 text ({error}); remove it or convert it to UTF-8"
+        ) from error
 
 
 def _iter_json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]]:
@@ -90,6 +95,8 @@ def _iter_json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]
                 raise DataError(f"--input {path}:{number} is not valid JSON ({error})") from error
             missing = [k for k in json_keys if not isinstance(record.get(k), str)]
             if missing:
-                raise DataError(f"--json-keys {missing[0]!r}: {path}:{number} has no string "
-                                f"field {missing[0]!r}; keys present: {sorted(record)}")
+                raise DataError(
+                    f"--json-keys {missing[0]!r}: {path}:{number} has no string "
+                    f"field {missing[0]!r}; keys present: {sorted(record)}"
+                )
             yield {k: record[k] for k in json_keys}

@@ -12,8 +12,8 @@ import copy
 import logging
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
 
 import numpy
 import torch
@@ -29,9 +29,11 @@ from megatron_moe.data import DataError
 from megatron_moe.data.metadata import WRITE_HINT, TokenMetadata, metadata_path, read_metadata
 
 DATA_PATH_FLAG = "--data-path"
-PREPROCESS_HINT = ("create it with: python tools/preprocess_data.py --input CORPUS.jsonl "
-                   "--tokenizer-model TOKENIZER.model --output-prefix PREFIX --append-eod "
-                   "(--data-path then takes PREFIX_text_document)")
+PREPROCESS_HINT = (
+    "create it with: python tools/preprocess_data.py --input CORPUS.jsonl "
+    "--tokenizer-model TOKENIZER.model --output-prefix PREFIX --append-eod "
+    "(--data-path then takes PREFIX_text_document)"
+)
 _IDX_HEADER = b"MMIDIDX\x00\x00"
 _IDX_FIXED_BYTES = len(_IDX_HEADER) + 8 + 1 + 8 + 8
 log = logging.getLogger("megatron_moe")
@@ -39,23 +41,29 @@ log = logging.getLogger("megatron_moe")
 
 # ------------------------------------------------------------------------ --data-path
 
-def parse_data_path(data_path: list[str]) -> tuple[list[str], Optional[list[float]]]:
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     """Parse ``--data-path``: ``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
 
     Returns ``(prefixes, weights)``; weights is None for a single unweighted prefix.
     """
     if not data_path:
-        raise DataError(f"{DATA_PATH_FLAG} is empty; pass a prefix such as "
-                        f"data/corpus_text_document or a blend '0.7 PREFIX1 0.3 PREFIX2'")
+        raise DataError(
+            f"{DATA_PATH_FLAG} is empty; pass a prefix such as "
+            f"data/corpus_text_document or a blend '0.7 PREFIX1 0.3 PREFIX2'"
+        )
     if len(data_path) == 1:
         return [data_path[0]], None
     if len(data_path) % 2:
-        raise DataError(f"{DATA_PATH_FLAG} {' '.join(data_path)}: a blend needs weight/prefix "
-                        f"pairs but got {len(data_path)} values; e.g. '0.7 PREFIX1 0.3 PREFIX2'")
+        raise DataError(
+            f"{DATA_PATH_FLAG} {' '.join(data_path)}: a blend needs weight/prefix "
+            f"pairs but got {len(data_path)} values; e.g. '0.7 PREFIX1 0.3 PREFIX2'"
+        )
     weights = [_parse_weight(w, data_path) for w in data_path[0::2]]
     if sum(weights) <= 0:
-        raise DataError(f"{DATA_PATH_FLAG} {' '.join(data_path)}: the weights sum to zero; "
-                        f"give at least one positive weight")
+        raise DataError(
+            f"{DATA_PATH_FLAG} {' '.join(data_path)}: the weights sum to zero; give at least one positive weight"
+        )
     return list(data_path[1::2]), weights
 
 
@@ -66,13 +74,16 @@ def _parse_weight(value: str, data_path: list[str]) -> float:
     except ValueError:
         weight = -1.0
     if not weight >= 0.0:
-        raise DataError(f"{DATA_PATH_FLAG} {' '.join(data_path)}: blend weight {value!r} is not "
-                        f"a non-negative number; use 'W1 PREFIX1 W2 PREFIX2 ...' "
-                        f"e.g. '0.7 PREFIX1 0.3 PREFIX2'")
+        raise DataError(
+            f"{DATA_PATH_FLAG} {' '.join(data_path)}: blend weight {value!r} is not "
+            f"a non-negative number; use 'W1 PREFIX1 W2 PREFIX2 ...' "
+            f"e.g. '0.7 PREFIX1 0.3 PREFIX2'"
+        )
     return weight
 
 
 # --------------------------------------------------------------------------- validation
+
 
 @dataclass(frozen=True)
 class DataSummary:
@@ -82,20 +93,22 @@ class DataSummary:
     num_documents: int
     num_sequences: int
     num_tokens: int
-    max_token_id: Optional[int]
+    max_token_id: int | None
     """From the metadata sidecar; None when the prefix has none (the range was not checked)."""
 
 
 def _read_idx_counts(idx_path: str) -> tuple[type, int, int]:
     """Read and check the ``.idx`` header; return (dtype, sequence count, document count)."""
-    corrupt = (f"{DATA_PATH_FLAG}: index file {idx_path} is truncated or corrupt; "
-               f"re-run tools/preprocess_data.py to rebuild it")
+    corrupt = (
+        f"{DATA_PATH_FLAG}: index file {idx_path} is truncated or corrupt; "
+        f"re-run tools/preprocess_data.py to rebuild it"
+    )
     size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as stream:
         head = stream.read(_IDX_FIXED_BYTES)
     if len(head) < _IDX_FIXED_BYTES or not head.startswith(_IDX_HEADER):
         raise DataError(corrupt)
-    version, code, seq_count, doc_count = struct.unpack("<QBQQ", head[len(_IDX_HEADER):])
+    version, code, seq_count, doc_count = struct.unpack("<QBQQ", head[len(_IDX_HEADER) :])
     if version != 1 or code not in {d.value for d in DType}:
         raise DataError(corrupt)
     if size != _IDX_FIXED_BYTES + seq_count * (4 + 8) + doc_count * 8:
@@ -108,8 +121,10 @@ def _idx_token_count(prefix: str, idx_path: str) -> int:
     try:
         dataset = IndexedDataset(prefix, mmap=True)
     except (AssertionError, ValueError) as error:
-        raise DataError(f"{DATA_PATH_FLAG}: index file {idx_path} is corrupt ({error}); "
-                        f"re-run tools/preprocess_data.py to rebuild it") from error
+        raise DataError(
+            f"{DATA_PATH_FLAG}: index file {idx_path} is corrupt ({error}); "
+            f"re-run tools/preprocess_data.py to rebuild it"
+        ) from error
     count = int(dataset.index.sequence_lengths.sum(dtype=numpy.int64))
     del dataset
     return count
@@ -134,27 +149,38 @@ def check_prefix_files(prefix: str) -> PrefixFiles:
             raise DataError(f"{DATA_PATH_FLAG} {prefix}: missing {path}; {PREPROCESS_HINT}")
     dtype, seq_count, doc_count = _read_idx_counts(idx_path)
     if seq_count == 0:
-        raise DataError(f"{DATA_PATH_FLAG} {prefix}: {idx_path} holds no documents; "
-                        f"{PREPROCESS_HINT}")
+        raise DataError(f"{DATA_PATH_FLAG} {prefix}: {idx_path} holds no documents; {PREPROCESS_HINT}")
     num_tokens = _idx_token_count(prefix, idx_path)
     bin_bytes = os.path.getsize(bin_path)
     expected = num_tokens * numpy.dtype(dtype).itemsize
     if bin_bytes != expected:
-        raise DataError(f"{DATA_PATH_FLAG}: data file {bin_path} is truncated or corrupt "
-                        f"({bin_bytes} bytes, its index expects {expected}); "
-                        f"re-run tools/preprocess_data.py to rebuild it")
-    return PrefixFiles(dtype=numpy.dtype(dtype).name, num_tokens=num_tokens, num_sequences=seq_count,
-                       num_documents=doc_count - 1, bin_bytes=bin_bytes)
+        raise DataError(
+            f"{DATA_PATH_FLAG}: data file {bin_path} is truncated or corrupt "
+            f"({bin_bytes} bytes, its index expects {expected}); "
+            f"re-run tools/preprocess_data.py to rebuild it"
+        )
+    return PrefixFiles(
+        dtype=numpy.dtype(dtype).name,
+        num_tokens=num_tokens,
+        num_sequences=seq_count,
+        num_documents=doc_count - 1,
+        bin_bytes=bin_bytes,
+    )
 
 
 def _check_metadata(metadata: TokenMetadata, prefix: str, files: PrefixFiles) -> None:
     """Refuse a sidecar that does not describe this ``.bin/.idx`` (e.g. left from older data)."""
-    stale = [f"{name}: metadata {getattr(metadata, name)}, data {value}"
-             for name, value in asdict(files).items() if getattr(metadata, name) != value]
+    stale = [
+        f"{name}: metadata {getattr(metadata, name)}, data {value}"
+        for name, value in asdict(files).items()
+        if getattr(metadata, name) != value
+    ]
     if stale:
-        raise DataError(f"{DATA_PATH_FLAG} {prefix}: {metadata_path(prefix)} does not describe "
-                        f"{prefix}.bin/.idx ({'; '.join(stale)}); it is stale: rewrite it with: "
-                        f"{WRITE_HINT.format(prefix=prefix)}")
+        raise DataError(
+            f"{DATA_PATH_FLAG} {prefix}: {metadata_path(prefix)} does not describe "
+            f"{prefix}.bin/.idx ({'; '.join(stale)}); it is stale: rewrite it with: "
+            f"{WRITE_HINT.format(prefix=prefix)}"
+        )
 
 
 def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
@@ -167,10 +193,13 @@ def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
     files = check_prefix_files(prefix)
     metadata = read_metadata(prefix)
     if metadata is None:
-        log_single_rank(log, logging.WARNING,
-                        f"{DATA_PATH_FLAG} {prefix}: no {metadata_path(prefix)}, so its token ids were not "
-                        f"checked against the tokenizer's vocabulary ({vocab_size}); write it once with: "
-                        f"{WRITE_HINT.format(prefix=prefix)}")
+        log_single_rank(
+            log,
+            logging.WARNING,
+            f"{DATA_PATH_FLAG} {prefix}: no {metadata_path(prefix)}, so its token ids were not "
+            f"checked against the tokenizer's vocabulary ({vocab_size}); write it once with: "
+            f"{WRITE_HINT.format(prefix=prefix)}",
+        )
         max_id = None
     else:
         _check_metadata(metadata, prefix, files)
@@ -182,12 +211,15 @@ def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
 def check_vocabulary_covers(max_token_id: int, vocab_size: int, bin_path: str) -> None:
     """Refuse a tokenizer whose vocabulary does not cover the data's largest token id."""
     if max_token_id >= vocab_size:
-        raise DataError(f"tokenizer vocabulary ({vocab_size}) smaller than the data's token ids "
-                        f"(max {max_token_id}) in {bin_path}; use the tokenizer the data was "
-                        f"preprocessed with (--tokenizer-model)")
+        raise DataError(
+            f"tokenizer vocabulary ({vocab_size}) smaller than the data's token ids "
+            f"(max {max_token_id}) in {bin_path}; use the tokenizer the data was "
+            f"preprocessed with (--tokenizer-model)"
+        )
 
 
 # ----------------------------------------------------------------------------- building
+
 
 class _Builder(BlendedMegatronDatasetBuilder):
     """megatron-core's builder, usable for blends without torch.distributed.
@@ -205,8 +237,7 @@ class _Builder(BlendedMegatronDatasetBuilder):
             config = copy.copy(config)
             config.path_to_cache = None
             args = (*rest, config)
-        return BlendedMegatronDatasetBuilder.build_generic_dataset(
-            cls, is_built_on_rank, synchronize_ranks, *args)
+        return BlendedMegatronDatasetBuilder.build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args)
 
 
 def check_split(split: str) -> None:
@@ -217,8 +248,10 @@ def check_split(split: str) -> None:
     except ValueError:
         shares = []
     if not 1 <= len(shares) <= 3 or min(shares) < 0 or not sum(shares) > 0:
-        raise DataError(f"--split {split!r}: expected up to three comma-separated non-negative "
-                        f"train,valid,test shares, e.g. --split 98,2,0")
+        raise DataError(
+            f"--split {split!r}: expected up to three comma-separated non-negative "
+            f"train,valid,test shares, e.g. --split 98,2,0"
+        )
 
 
 def _check_split_coverage(summary: DataSummary, config: GPTDatasetConfig, split: str) -> None:
@@ -230,14 +263,26 @@ def _check_split_coverage(summary: DataSummary, config: GPTDatasetConfig, split:
         begin = int(round(bookends[0] * summary.num_sequences))
         end = int(round(bookends[1] * summary.num_sequences))
         if end <= begin:
-            raise DataError(f"--split {split}: the {name} split of {summary.prefix} gets none of "
-                            f"its {summary.num_sequences} documents; give it a larger share "
-                            f"(e.g. --split 90,10,0), set its share to 0, or add documents")
+            raise DataError(
+                f"--split {split}: the {name} split of {summary.prefix} gets none of "
+                f"its {summary.num_sequences} documents; give it a larger share "
+                f"(e.g. --split 90,10,0), set its share to 0, or add documents"
+            )
 
 
-def build_gpt_datasets(*, data_path: list[str], split: str, tokenizer, seq_length: int,
-                       seed: int, train_samples: int, valid_samples: int, test_samples: int,
-                       cache_dir: Optional[str], is_built_on_rank: Callable[[], bool]):
+def build_gpt_datasets(
+    *,
+    data_path: list[str],
+    split: str,
+    tokenizer,
+    seq_length: int,
+    seed: int,
+    train_samples: int,
+    valid_samples: int,
+    test_samples: int,
+    cache_dir: str | None,
+    is_built_on_rank: Callable[[], bool],
+):
     """Build (train, valid, test) GPT datasets with megatron-core; None for an empty split.
 
     Call on every rank. With torch.distributed initialized, rank 0 builds and caches the
@@ -253,8 +298,9 @@ def build_gpt_datasets(*, data_path: list[str], split: str, tokenizer, seq_lengt
     counts = {"train": train_samples, "valid": valid_samples, "test": test_samples}
     for name, count in counts.items():
         if count < 0:
-            raise DataError(f"{name}_samples={count} must be >= 0 (check --train-iters, "
-                            f"--eval-iters and the batch sizes)")
+            raise DataError(
+                f"{name}_samples={count} must be >= 0 (check --train-iters, --eval-iters and the batch sizes)"
+            )
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

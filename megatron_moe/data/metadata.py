@@ -35,7 +35,6 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Optional
 
 import numpy
 
@@ -132,7 +131,7 @@ def _file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def read_metadata(prefix: str) -> Optional[TokenMetadata]:
+def read_metadata(prefix: str) -> TokenMetadata | None:
     """The sidecar of ``prefix``, or None when there is none. O(1): the ``.bin`` is not read."""
     path = metadata_path(prefix)
     try:

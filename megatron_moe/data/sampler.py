@@ -6,17 +6,17 @@ indices and gives rank ``r`` the ``r``-th slice, so ranks never overlap and trai
 resumes exactly from ``consumed_samples``.
 """
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 
-def _check_common(total_samples: int, consumed_samples: int, micro_batch_size: int,
-                  data_parallel_rank: int, data_parallel_size: int) -> None:
+def _check_common(
+    total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int
+) -> None:
     """Validate the arguments shared by both samplers."""
     if total_samples <= 0:
-        raise ValueError(f"dataset has no samples (total_samples={total_samples}); check "
-                         f"--data-path and --split")
+        raise ValueError(f"dataset has no samples (total_samples={total_samples}); check --data-path and --split")
     if consumed_samples < 0:
         raise ValueError(f"consumed_samples={consumed_samples} must be >= 0")
     if micro_batch_size <= 0:
@@ -24,8 +24,7 @@ def _check_common(total_samples: int, consumed_samples: int, micro_batch_size: i
     if data_parallel_size <= 0:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
     if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data_parallel_rank={data_parallel_rank} must be in "
-                         f"[0, {data_parallel_size})")
+        raise ValueError(f"data_parallel_rank={data_parallel_rank} must be in [0, {data_parallel_size})")
 
 
 class PretrainingSampler:
@@ -39,13 +38,18 @@ class PretrainingSampler:
         drop_last: drop a final incomplete global batch (else yield this rank's part of it).
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
-                      data_parallel_size)
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
+        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         if consumed_samples >= total_samples:
-            raise ValueError(f"no samples left: consumed_samples={consumed_samples} >= "
-                             f"total_samples={total_samples}")
+            raise ValueError(f"no samples left: consumed_samples={consumed_samples} >= total_samples={total_samples}")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -63,7 +67,7 @@ class PretrainingSampler:
     def _rank_slice(self, batch: list[int]) -> list[int]:
         """This rank's part of a global micro-batch."""
         start = self.data_parallel_rank * self.micro_batch_size
-        return batch[start:start + self.micro_batch_size]
+        return batch[start : start + self.micro_batch_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         batch: list[int] = []
@@ -82,10 +86,15 @@ class CyclicPretrainingSampler:
     Used for validation so any number of evaluation iterations works on a small split.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int):
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
-                      data_parallel_size)
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ):
+        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -99,22 +108,28 @@ class CyclicPretrainingSampler:
             position += self.global_micro_batch
 
 
-def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
-                      data_parallel_rank: int, data_parallel_size: int, num_workers: int = 0,
-                      cyclic: bool = False) -> torch.utils.data.DataLoader:
+def build_data_loader(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int = 0,
+    cyclic: bool = False,
+) -> torch.utils.data.DataLoader:
     """A DataLoader over ``dataset`` for this DP rank, resumable from ``consumed_samples``.
 
     Batches are dicts of stacked tensors (for GPTDataset: tokens, labels, loss_mask,
     position_ids, plus dataset_id for blends). ``cyclic=True`` never ends (validation).
     """
     if dataset is None:
-        raise ValueError("dataset is None: this split is empty (check --split) or is not "
-                         "built on this rank")
+        raise ValueError("dataset is None: this split is empty (check --split) or is not built on this rank")
     if num_workers < 0:
         raise ValueError(f"--num-workers {num_workers} must be >= 0")
     sampler_type = CyclicPretrainingSampler if cyclic else PretrainingSampler
-    batch_sampler = sampler_type(len(dataset), consumed_samples, micro_batch_size,
-                                 data_parallel_rank, data_parallel_size)
+    batch_sampler = sampler_type(
+        len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+    )
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=batch_sampler,

@@ -30,9 +30,7 @@ class TokenizerError(DataError):
 def load_sentencepiece_model(model_path: str) -> sentencepiece.SentencePieceProcessor:
     """Load a SentencePiece model, with errors that name ``--tokenizer-model`` and the path."""
     if not model_path:
-        raise TokenizerError(
-            f"{TOKENIZER_FLAG} is empty; pass the .model file written by tools/train_tokenizer.py"
-        )
+        raise TokenizerError(f"{TOKENIZER_FLAG} is empty; pass the .model file written by tools/train_tokenizer.py")
     if not os.path.isfile(model_path):
         raise TokenizerError(
             f"{TOKENIZER_FLAG} {model_path!r}: no such file; pass the .model file written by "

@@ -9,6 +9,7 @@ local modules. Norms are always `SequenceParallelNorm`.
 
 from __future__ import annotations
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -25,7 +26,6 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
     get_transformer_layer_offset,
 )
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_moe.moe import MoELayerConfig, moe_layer_spec
 from megatron_moe.platform.norms import SequenceParallelNorm
@@ -39,8 +39,9 @@ def backend_provider(use_transformer_engine: bool) -> BackendSpecProvider:
     return LocalSpecProvider()
 
 
-def layer_spec(config: TransformerConfig, *, moe: bool, backend: BackendSpecProvider,
-               moe_layer: MoELayerConfig | None = None) -> ModuleSpec:  # fmt: skip
+def layer_spec(
+    config: TransformerConfig, *, moe: bool, backend: BackendSpecProvider, moe_layer: MoELayerConfig | None = None
+) -> ModuleSpec:
     """One transformer layer: norm -> self-attention -> norm -> MLP or MoE.
 
     MoE layers hold megatron_moe's MoELayer when `moe_layer` is given, else megatron-core's.
@@ -91,6 +92,4 @@ def block_spec(
     specs = [moe if is_moe else dense for is_moe in moe_pattern]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=specs[offset : offset + count], layer_norm=SequenceParallelNorm
-    )
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=SequenceParallelNorm)

@@ -21,8 +21,28 @@ from megatron_moe.moe.routing import Gate, Routing
 from megatron_moe.moe.spec import moe_layer_spec
 
 __all__ = [
-    "AllToAllV", "Bf16OnTheWire", "DenseOrdering", "Dispatcher", "Experts", "FFNExperts", "Gate", "HOOK_POINTS",
-    "HookContext", "MoEConfigError", "MoEHook", "MoELayer", "MoELayerConfig", "ModuleListExperts", "Ordering",
-    "PaddedAllToAll", "Routing", "SparseOrdering", "build_gate", "capacity_limit", "collect_moe_metrics",
-    "expert_capacity", "moe_layer_spec", "set_moe_aux_loss_scale",
-]  # fmt: skip
+    "AllToAllV",
+    "Bf16OnTheWire",
+    "DenseOrdering",
+    "Dispatcher",
+    "Experts",
+    "FFNExperts",
+    "Gate",
+    "HOOK_POINTS",
+    "HookContext",
+    "MoEConfigError",
+    "MoEHook",
+    "MoELayer",
+    "MoELayerConfig",
+    "ModuleListExperts",
+    "Ordering",
+    "PaddedAllToAll",
+    "Routing",
+    "SparseOrdering",
+    "build_gate",
+    "capacity_limit",
+    "collect_moe_metrics",
+    "expert_capacity",
+    "moe_layer_spec",
+    "set_moe_aux_loss_scale",
+]

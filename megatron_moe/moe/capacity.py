@@ -30,8 +30,9 @@ def capacity_limit(capacity_factor: float, num_tokens: int, topk: int, num_exper
     return max(1, math.ceil(abs(capacity_factor) * topk * num_tokens / num_experts))
 
 
-def expert_capacity(capacity_factor: float | None, *, num_tokens: int, topk: int, num_experts: int,
-                    largest_count: int | torch.Tensor) -> int | torch.Tensor | None:  # fmt: skip
+def expert_capacity(
+    capacity_factor: float | None, *, num_tokens: int, topk: int, num_experts: int, largest_count: int | torch.Tensor
+) -> int | torch.Tensor | None:
     """Slots per expert for this step, or None when nothing limits them (dropless).
 
     `largest_count`: the most pairs any expert got from this rank (or from any

@@ -22,7 +22,8 @@ global expert index as the offset, replicated over expert-data-parallel ranks.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -216,16 +217,27 @@ def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs)
 class FFNExperts(torch.nn.Module):
     """L experts of one MLP each (GELU or SwiGLU), weights stacked along the expert dim."""
 
-    def __init__(self, *, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, gated: bool,
-                 init_method: Callable, output_init_method: Callable, ep_group=None, expert_dp_group=None,
-                 params_dtype: torch.dtype = torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        num_local_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        gated: bool,
+        init_method: Callable,
+        output_init_method: Callable,
+        ep_group=None,
+        expert_dp_group=None,
+        params_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.num_local_experts, self.gated = num_local_experts, gated
         self.ep_group, self.expert_dp_group = ep_group, expert_dp_group
         width = 2 * ffn_hidden_size if gated else ffn_hidden_size
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, width, hidden_size, dtype=params_dtype))
-        self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden_size, ffn_hidden_size,
-                                                      dtype=params_dtype))  # fmt: skip
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden_size, ffn_hidden_size, dtype=params_dtype)
+        )
         with torch.no_grad():
             for e in range(num_local_experts):
                 init_method(self.weight1[e])
@@ -265,9 +277,13 @@ class FFNExperts(torch.nn.Module):
         replica_id = (0, 0, _group_rank(self.expert_dp_group))
         return {
             f"{prefix}{name}": ShardedTensor.from_rank_offsets(
-                f"{prefix}{name}", param, *sharded_offsets, (axis, ep_rank, ep_size),
-                replica_id=replica_id, prepend_axis_num=axis,
-            )  # fmt: skip
+                f"{prefix}{name}",
+                param,
+                *sharded_offsets,
+                (axis, ep_rank, ep_size),
+                replica_id=replica_id,
+                prepend_axis_num=axis,
+            )
             for name, param in (("weight1", self.weight1), ("weight2", self.weight2))
         }
 

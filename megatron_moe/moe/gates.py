@@ -45,8 +45,16 @@ class _TopKGateBase(Gate):
         weight_TK, expert_TK = torch.topk(scores_TE, self.topk, dim=-1)
         if self.normalize:
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True).clamp(min=1e-20)
-        aux, parts = router_losses(logits_TE, probs_TE, expert_TK, kind=self.load_balancing,
-                                   aux_coeff=self.aux_coeff, z_coeff=self.z_coeff, valid_T=valid_T, group=self.token_group)  # fmt: skip
+        aux, parts = router_losses(
+            logits_TE,
+            probs_TE,
+            expert_TK,
+            kind=self.load_balancing,
+            aux_coeff=self.aux_coeff,
+            z_coeff=self.z_coeff,
+            valid_T=valid_T,
+            group=self.token_group,
+        )
         return Routing(
             num_tokens=num_tokens,
             num_experts=self.num_experts,

@@ -33,8 +33,16 @@ class ExpertChoiceGate(Gate):
         slots = expert_choice_slots(num_tokens, self.topk, self.num_experts)
         weight_EC, token_EC = torch.topk(probs_TE.t(), slots, dim=-1)
         # Balanced by construction: no balancing loss, only the optional z-loss.
-        aux, parts = router_losses(logits_TE, probs_TE, None, kind="none", aux_coeff=0.0,
-                                   z_coeff=self.z_coeff, valid_T=valid_T, group=self.token_group)  # fmt: skip
+        aux, parts = router_losses(
+            logits_TE,
+            probs_TE,
+            None,
+            kind="none",
+            aux_coeff=0.0,
+            z_coeff=self.z_coeff,
+            valid_T=valid_T,
+            group=self.token_group,
+        )
         experts = torch.arange(self.num_experts, device=x_TH.device)
         return Routing(
             num_tokens=num_tokens,

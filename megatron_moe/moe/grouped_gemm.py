@@ -84,8 +84,10 @@ def onednn_works(dtype: torch.dtype) -> bool:
         a, b = torch.randn(24, 40, generator=g).to(dtype), torch.randn(56, 40, generator=g).to(dtype)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         y, dx = onednn_linear(a, b), onednn_linear(a @ b.t(), b.t())
-        return bool(torch.allclose(y, a @ b.t(), rtol=tol, atol=tol * 40) and
-                    torch.allclose(dx, y @ b, rtol=tol, atol=tol * 2000))  # fmt: skip
+        return bool(
+            torch.allclose(y, a @ b.t(), rtol=tol, atol=tol * 40)
+            and torch.allclose(dx, y @ b, rtol=tol, atol=tol * 2000)
+        )
     except (AttributeError, RuntimeError, NotImplementedError, TypeError):
         return False
 

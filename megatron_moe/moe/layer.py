@@ -14,7 +14,7 @@ from the constructor, else from megatron-core's `parallel_state`.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -41,16 +41,23 @@ def _default_groups():
     """(EP group, expert-DP group) from megatron-core, or (None, None) in a single process."""
     if not parallel_state.model_parallel_is_initialized():
         return None, None
-    return (parallel_state.get_expert_model_parallel_group(),
-            parallel_state.get_expert_data_parallel_group())  # fmt: skip
+    return (parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_data_parallel_group())
 
 
 class MoELayer(MegatronModule):
     """A mixture-of-experts MLP whose stages are named methods and pluggable objects."""
 
-    def __init__(self, config: TransformerConfig, moe_config: MoELayerConfig, *,
-                 ep_group=None, expert_dp_group=None, experts: ModuleSpec | Callable | None = None,
-                 hooks: Sequence[MoEHook] = (), layer_number: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: TransformerConfig,
+        moe_config: MoELayerConfig,
+        *,
+        ep_group=None,
+        expert_dp_group=None,
+        experts: ModuleSpec | Callable | None = None,
+        hooks: Sequence[MoEHook] = (),
+        layer_number: int | None = None,
+    ):
         super().__init__(config=config)
         if ep_group is None and expert_dp_group is None:
             ep_group, expert_dp_group = _default_groups()
@@ -64,11 +71,14 @@ class MoELayer(MegatronModule):
         self.shared_expert = None
         if self.cfg.shared_expert_ffn_hidden_size:
             self.shared_expert = SharedExpert(
-                hidden_size=self.cfg.hidden_size, ffn_hidden_size=self.cfg.shared_expert_ffn_hidden_size,
-                gated=self.cfg.gated, init_method=config.init_method,
+                hidden_size=self.cfg.hidden_size,
+                ffn_hidden_size=self.cfg.shared_expert_ffn_hidden_size,
+                gated=self.cfg.gated,
+                init_method=config.init_method,
                 output_init_method=config.output_layer_init_method,
-                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-            )  # fmt: skip
+                sequence_parallel=config.sequence_parallel,
+                params_dtype=config.params_dtype,
+            )
         # Under sequence parallelism each TP rank routes its own tokens: router grads are partial,
         # and the router losses are over the whole sequences' tokens (all TP ranks).
         for param in self.gate.parameters():
@@ -97,24 +107,39 @@ class MoELayer(MegatronModule):
 
     def _build_experts(self, config, experts, ep_group, expert_dp_group) -> torch.nn.Module:
         if experts is not None:
-            kwargs = dict(num_local_experts=self.num_local_experts, moe_config=self.cfg, ep_group=ep_group,
-                          expert_dp_group=expert_dp_group)  # fmt: skip
+            kwargs = dict(
+                num_local_experts=self.num_local_experts,
+                moe_config=self.cfg,
+                ep_group=ep_group,
+                expert_dp_group=expert_dp_group,
+            )
             module = build_module(experts, **kwargs) if isinstance(experts, ModuleSpec) else experts(**kwargs)
             if not isinstance(module, Experts) or module.num_local_experts != self.num_local_experts:
-                raise TypeError(f"custom experts {type(module).__name__} must be an nn.Module with "
-                                f"num_local_experts={self.num_local_experts} and forward(rows, counts)")  # fmt: skip
+                raise TypeError(
+                    f"custom experts {type(module).__name__} must be an nn.Module with "
+                    f"num_local_experts={self.num_local_experts} and forward(rows, counts)"
+                )
             return module
         tracker = rng_tracker()
         name = expert_parallel_stream()
         # Expert weights differ per EP rank: draw them from megatron's expert-parallel RNG stream.
-        rng = tracker.fork(name) if tracker.is_initialized() and name in tracker.get_states() else contextlib.nullcontext()
+        rng = (
+            tracker.fork(name)
+            if tracker.is_initialized() and name in tracker.get_states()
+            else contextlib.nullcontext()
+        )
         with rng:
             return FFNExperts(
-                num_local_experts=self.num_local_experts, hidden_size=self.cfg.hidden_size,
-                ffn_hidden_size=self.cfg.ffn_hidden_size, gated=self.cfg.gated,
-                init_method=config.init_method, output_init_method=config.output_layer_init_method,
-                ep_group=ep_group, expert_dp_group=expert_dp_group, params_dtype=config.params_dtype,
-            )  # fmt: skip
+                num_local_experts=self.num_local_experts,
+                hidden_size=self.cfg.hidden_size,
+                ffn_hidden_size=self.cfg.ffn_hidden_size,
+                gated=self.cfg.gated,
+                init_method=config.init_method,
+                output_init_method=config.output_layer_init_method,
+                ep_group=ep_group,
+                expert_dp_group=expert_dp_group,
+                params_dtype=config.params_dtype,
+            )
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = self.dispatcher.layer = layer_number
@@ -163,8 +188,13 @@ class MoELayer(MegatronModule):
             capacity = routing.slots_per_expert
         else:
             topk = routing.expert_N.numel() // max(routing.num_tokens, 1)
-            capacity = expert_capacity(self.cfg.capacity_factor, num_tokens=routing.num_tokens, topk=topk,
-                                       num_experts=routing.num_experts, largest_count=largest_1)  # fmt: skip
+            capacity = expert_capacity(
+                self.cfg.capacity_factor,
+                num_tokens=routing.num_tokens,
+                topk=topk,
+                num_experts=routing.num_experts,
+                largest_count=largest_1,
+            )
         if isinstance(capacity, int):
             capacity = routed_E.new_full((1,), capacity)
         if not padded:
@@ -233,6 +263,11 @@ class MoELayer(MegatronModule):
         if routing.aux_loss is not None and routing.aux_loss.requires_grad:
             out_TH = AuxLossAutoScaler.apply(out_TH, routing.aux_loss, self.aux_loss_scale)
         tokens = routing.num_tokens if valid_T is None else valid_T.sum()  # a device count: no host read
-        self.stats.record(routed_E=plan.routed_E, dropped=plan.dropped, tokens=tokens,
-                          entropy_sum=entropy_sum(routing.probs_TE, valid_T), losses=routing.losses)  # fmt: skip
+        self.stats.record(
+            routed_E=plan.routed_E,
+            dropped=plan.dropped,
+            tokens=tokens,
+            entropy_sum=entropy_sum(routing.probs_TE, valid_T),
+            losses=routing.losses,
+        )
         return out_TH

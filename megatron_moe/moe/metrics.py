@@ -16,8 +16,16 @@ from megatron_moe.platform import current_platform
 
 # Per-layer statistics row: E routed counts, then these scalars.
 SCALARS = ("dropped", "pairs", "tokens", "entropy_sum", "load_balancing_sum", "z_loss_sum", "calls")
-PER_LAYER = ("tokens_min", "tokens_max", "tokens_cv", "dropped_fraction", "dead_experts", "router_entropy",
-             "aux_loss", "z_loss")  # fmt: skip
+PER_LAYER = (
+    "tokens_min",
+    "tokens_max",
+    "tokens_cv",
+    "dropped_fraction",
+    "dead_experts",
+    "router_entropy",
+    "aux_loss",
+    "z_loss",
+)
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
@@ -48,18 +56,30 @@ class MoEStats:
         self.num_experts = num_experts
         self.sums: torch.Tensor | None = None
 
-    def record(self, *, routed_E: torch.Tensor, dropped: int, tokens: int | torch.Tensor, entropy_sum: torch.Tensor,
-               losses: dict[str, torch.Tensor]) -> None:  # fmt: skip
+    def record(
+        self,
+        *,
+        routed_E: torch.Tensor,
+        dropped: int,
+        tokens: int | torch.Tensor,
+        entropy_sum: torch.Tensor,
+        losses: dict[str, torch.Tensor],
+    ) -> None:
         """`tokens`: a count on the host, or on the device (tokens not padding): never read here."""
         device = routed_E.device
         zero = torch.zeros((), device=device)
         tokens = tokens.float() if torch.is_tensor(tokens) else torch.full((), float(tokens), device=device)
-        scalars = torch.stack([
-            torch.full((), float(dropped), device=device), routed_E.sum().float(),  # fills, not host copies
-            tokens, entropy_sum.float(),
-            losses.get("load_balancing", zero).float(), losses.get("z_loss", zero).float(),
-            torch.ones((), device=device),
-        ])  # fmt: skip
+        scalars = torch.stack(
+            [
+                torch.full((), float(dropped), device=device),
+                routed_E.sum().float(),  # fills, not host copies
+                tokens,
+                entropy_sum.float(),
+                losses.get("load_balancing", zero).float(),
+                losses.get("z_loss", zero).float(),
+                torch.ones((), device=device),
+            ]
+        )
         row = torch.cat([routed_E.double(), scalars.double()])
         self.sums = row if self.sums is None else self.sums + row
 
@@ -98,8 +118,9 @@ def _layer_figures(row: torch.Tensor, num_experts: int) -> dict[str, float]:
     }
 
 
-def collect_moe_metrics(model_chunks, *, num_layers: int, num_experts: int, group=None, max_keys: int = 64,
-                        device=None, reset: bool = True) -> dict[str, float]:  # fmt: skip
+def collect_moe_metrics(
+    model_chunks, *, num_layers: int, num_experts: int, group=None, max_keys: int = 64, device=None, reset: bool = True
+) -> dict[str, float]:
     """Step figures of every MoE layer of the model; call on EVERY rank, once per step.
 
     One all-reduce of a fixed [num_layers, num_experts + 7] table over `group`
@@ -133,7 +154,9 @@ def collect_moe_metrics(model_chunks, *, num_layers: int, num_experts: int, grou
     figures = {
         "moe aux loss": sum(f["aux_loss"] for f in per_layer.values()) / len(per_layer),
         "moe z loss": sum(f["z_loss"] for f in per_layer.values()) / len(per_layer),
-        "moe dropped fraction": float(table[present, num_experts].sum() / table[present, num_experts + 1].sum().clamp(min=1)),
+        "moe dropped fraction": float(
+            table[present, num_experts].sum() / table[present, num_experts + 1].sum().clamp(min=1)
+        ),
         "moe tokens cv": sum(f["tokens_cv"] for f in per_layer.values()) / len(per_layer),
         "moe tokens cv max": max(f["tokens_cv"] for f in per_layer.values()),
         "moe dead experts": sum(f["dead_experts"] for f in per_layer.values()),

@@ -61,7 +61,8 @@ class Plan:
 def expert_counts(expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Routed pairs per expert, computed on the device without waiting for it (bincount would)."""
     return torch.zeros(num_experts, dtype=torch.long, device=expert_N.device).scatter_add_(
-        0, expert_N, torch.ones_like(expert_N, dtype=torch.long))
+        0, expert_N, torch.ones_like(expert_N, dtype=torch.long)
+    )
 
 
 def sort_pairs(routing: Routing, routed_E: torch.Tensor | None = None):
@@ -82,8 +83,14 @@ def sort_pairs(routing: Routing, routed_E: torch.Tensor | None = None):
     return pair_sorted, expert_sorted, slot_sorted, routed_E
 
 
-def make_plan(routing: Routing, *, capacity: int | None, padded: bool, routed_E: torch.Tensor | None = None,
-              routed: list[int] | None = None) -> Plan:  # fmt: skip
+def make_plan(
+    routing: Routing,
+    *,
+    capacity: int | None,
+    padded: bool,
+    routed_E: torch.Tensor | None = None,
+    routed: list[int] | None = None,
+) -> Plan:
     """Lay the routed pairs out by expert: exact rows, or C padded rows per expert.
 
     `capacity` None means nothing is dropped; `padded` needs a capacity.
@@ -94,8 +101,14 @@ def make_plan(routing: Routing, *, capacity: int | None, padded: bool, routed_E:
     if routing.is_soft:
         slots = routing.slots_per_expert
         zero = torch.zeros(num_experts, dtype=torch.long, device=routing.probs_TE.device)
-        return Plan(num_tokens=routing.num_tokens, counts=[slots] * num_experts, capacity=slots,
-                    routed_E=zero + routing.num_tokens, dropped=0, routing=routing)  # fmt: skip
+        return Plan(
+            num_tokens=routing.num_tokens,
+            counts=[slots] * num_experts,
+            capacity=slots,
+            routed_E=zero + routing.num_tokens,
+            dropped=0,
+            routing=routing,
+        )
     assert capacity is not None or not padded, "padded rows need a capacity"
     pair_sorted, expert_sorted, slot_sorted, routed_E = sort_pairs(routing, routed_E)
     routed = routed_E.tolist() if routed is None else routed
@@ -180,9 +193,7 @@ class DenseOrdering(Ordering):
         flat = (plan.token_of_row * num_experts + plan.expert_of_row) * capacity + plan.slot_of_row
         size = plan.num_tokens * num_experts * capacity
         device = plan.token_of_row.device
-        combine = torch.zeros(size, dtype=dtype, device=device).index_put(
-            (flat,), plan.weight_of_row.to(dtype)
-        )  # fmt: skip
+        combine = torch.zeros(size, dtype=dtype, device=device).index_put((flat,), plan.weight_of_row.to(dtype))
         dispatch = torch.zeros(size, dtype=dtype, device=device).index_fill_(0, flat, 1.0)
         shape = (plan.num_tokens, num_experts, capacity)
         return dispatch.view(shape), combine.view(shape)

@@ -85,8 +85,9 @@ def _masked_mean(values_T: torch.Tensor, valid_T: torch.Tensor | None, group=Non
     return total / count.clamp(min=1)
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, expert_TK: torch.Tensor, kind: str,
-                        valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:  # fmt: skip
+def load_balancing_loss(
+    probs_TE: torch.Tensor, expert_TK: torch.Tensor, kind: str, valid_T: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
     """Switch/GShard balancing loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
 
     f_e: fraction of routed choices on expert e (`kind` aux_loss: all k choices,
@@ -116,8 +117,9 @@ def entropy_sum(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> 
     return ent_T.sum()
 
 
-def router_losses(logits_TE, probs_TE, expert_TK, *, kind: str, aux_coeff: float, z_coeff: float,
-                  valid_T=None, group=None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:  # fmt: skip
+def router_losses(
+    logits_TE, probs_TE, expert_TK, *, kind: str, aux_coeff: float, z_coeff: float, valid_T=None, group=None
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(weighted total with grad or None, unweighted detached parts).
 
     `group`: the ranks whose tokens are shards of the same sequences (TP under

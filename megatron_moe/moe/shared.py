@@ -14,7 +14,7 @@ their gradients over TP.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,17 @@ from megatron_moe.moe.ffn import ffn_activation
 
 
 class SharedExpert(torch.nn.Module):
-    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, gated: bool, init_method: Callable,
-                 output_init_method: Callable, sequence_parallel: bool, params_dtype=torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        gated: bool,
+        init_method: Callable,
+        output_init_method: Callable,
+        sequence_parallel: bool,
+        params_dtype=torch.float32,
+    ):
         super().__init__()
         self.gated = gated
         width = 2 * ffn_hidden_size if gated else ffn_hidden_size

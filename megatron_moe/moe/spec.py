@@ -10,7 +10,7 @@ place flags become a layer config).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -19,8 +19,9 @@ from megatron_moe.moe.hooks import MoEHook
 from megatron_moe.moe.layer import MoELayer
 
 
-def moe_layer_spec(moe_config: MoELayerConfig, *, experts: ModuleSpec | Callable | None = None,
-                   hooks: Sequence[MoEHook] = ()) -> ModuleSpec:  # fmt: skip
+def moe_layer_spec(
+    moe_config: MoELayerConfig, *, experts: ModuleSpec | Callable | None = None, hooks: Sequence[MoEHook] = ()
+) -> ModuleSpec:
     """The MLP-slot spec of an MoE TransformerLayer. `experts`: a custom expert module spec
     (built with num_local_experts, moe_config, ep_group, expert_dp_group)."""
     moe_config.validate()

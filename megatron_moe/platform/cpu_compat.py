@@ -21,7 +21,7 @@ import importlib
 import inspect
 import re
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -223,9 +223,20 @@ def _rng_uses_cuda_generator() -> bool:
 # ---------------------------------------------------------------------------
 
 _FACTORIES = (
-    "tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand",
-    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor",
-)  # fmt: skip
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "randn",
+    "rand",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "as_tensor",
+)
 
 _DEVICE_LITERAL_MODULES = (
     "megatron.core.optimizer.grad_scaler",
@@ -286,10 +297,7 @@ def _apply_device_literals() -> None:
 
 
 def _has_device_literals() -> bool:
-    return all(
-        "'cuda'" in src or '"cuda"' in src
-        for src in (_source(m) for m in _DEVICE_LITERAL_MODULES)
-    )
+    return all("'cuda'" in src or '"cuda"' in src for src in (_source(m) for m in _DEVICE_LITERAL_MODULES))
 
 
 # ---------------------------------------------------------------------------

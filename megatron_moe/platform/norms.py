@@ -30,10 +30,7 @@ class SequenceParallelNorm(torch.nn.Module):
         super().__init__()
         self.normalization = normalization or config.normalization
         if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(
-                f"--normalization={self.normalization!r} is not supported; "
-                "choose LayerNorm or RMSNorm"
-            )
+            raise ValueError(f"--normalization={self.normalization!r} is not supported; choose LayerNorm or RMSNorm")
         self.zero_centered_gamma = zero_centered_gamma or config.layernorm_zero_centered_gamma
         self.eps = eps
         self.hidden_size = hidden_size

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_moe.config import RunConfig

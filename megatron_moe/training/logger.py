@@ -32,9 +32,17 @@ class TrainingLogger:
         self._params_norm: float | None = None
         self._t0 = time.perf_counter()
 
-    def step(self, iteration: int, figures: dict[str, float], *, lr: float, grad_norm: float | None,
-             skipped: bool, tensorboard_only: dict[str, float] | None = None,
-             params_norm: float | None = None) -> None:  # fmt: skip
+    def step(
+        self,
+        iteration: int,
+        figures: dict[str, float],
+        *,
+        lr: float,
+        grad_norm: float | None,
+        skipped: bool,
+        tensorboard_only: dict[str, float] | None = None,
+        params_norm: float | None = None,
+    ) -> None:
         """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
         per-layer MoE figures) to TensorBoard alone. `params_norm` (--log-params-norm): this step's, as
         Megatron-LM shows it."""
@@ -82,8 +90,9 @@ class TrainingLogger:
         self._reset()
 
     def validation(self, iteration: int, figures: dict[str, float]) -> None:
-        text = " | ".join(f"{name}: {value:.6E} | {name} PPL: {math.exp(min(value, 20)):.3f}"
-                          for name, value in figures.items())  # fmt: skip
+        text = " | ".join(
+            f"{name}: {value:.6E} | {name} PPL: {math.exp(min(value, 20)):.3f}" for name, value in figures.items()
+        )
         log.info(f"validation loss at iteration {iteration} | {text}")
         if self.writer:
             for name, value in figures.items():

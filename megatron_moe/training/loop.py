@@ -82,8 +82,7 @@ class Trainer:
         moe = self.cfg.moe
         aux, z = self.logged_losses
         if self.own_moe:
-            figures = collect_moe_metrics(self.model, num_layers=self.cfg.model.num_layers,
-                                          num_experts=moe.num_experts)  # fmt: skip
+            figures = collect_moe_metrics(self.model, num_layers=self.cfg.model.num_layers, num_experts=moe.num_experts)
         else:
             tracked = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
             seq = moe.moe_router_load_balancing_type == "seq_aux_loss"  # megatron-core tracks it under its own name
@@ -99,8 +98,11 @@ class Trainer:
         if self.own_moe:
             # The factor megatron-core's schedule gives the lm loss: router-loss grads become a
             # per-step mean whatever the number of micro-batches.
-            scale = (self.optimizer.get_loss_scale().item() * parallel_state.get_context_parallel_world_size()
-                     / self.num_microbatches)  # fmt: skip
+            scale = (
+                self.optimizer.get_loss_scale().item()
+                * parallel_state.get_context_parallel_world_size()
+                / self.num_microbatches
+            )
             set_moe_aux_loss_scale(self.model, scale)
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
@@ -177,7 +179,9 @@ class Trainer:
         history = []
         start_iteration = self.state.iteration
         started = time.perf_counter()
-        exit_request = ExitRequest(exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler)
+        exit_request = ExitRequest(
+            exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler
+        )
         preempted = False
         while self.state.iteration < t.train_iters:
             figures = self.train_step()
@@ -200,7 +204,8 @@ class Trainer:
         self._save()
         exit_request.restore_default_handler()
         if self.logger:
-            log.info("trained %d iterations in %.1f s", self.state.iteration - start_iteration,
-                     time.perf_counter() - started)  # fmt: skip
+            log.info(
+                "trained %d iterations in %.1f s", self.state.iteration - start_iteration, time.perf_counter() - started
+            )
             self.logger.close()
         return history

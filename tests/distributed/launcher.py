@@ -34,14 +34,29 @@ def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 6
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.json")
         python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RESULTS": results, "PYTHONPATH": python_path,
-                    "MEGATRON_MOE_FORCE_CPU": "1", **(env or {})}  # fmt: skip
+        full_env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RESULTS": results,
+            "PYTHONPATH": python_path,
+            "MEGATRON_MOE_FORCE_CPU": "1",
+            **(env or {}),
+        }
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", script, *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            script,
+            *args,
+        ]
         proc = subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+            raise AssertionError(
+                f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            )
         leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         assert not leftovers, f"processes outlived the job: {[p.cmdline() for p in leftovers]}"
         with open(results) as f:

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
-from megatron_moe.moe import Bf16OnTheWire, MoEHook, MoELayer, MoELayerConfig, collect_moe_metrics  # noqa: E402
+from megatron_moe.moe import Bf16OnTheWire, MoELayer, MoELayerConfig, collect_moe_metrics  # noqa: E402
 from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 
@@ -77,9 +77,17 @@ SYNC_CASES = {
 
 
 def tconfig(ep: int) -> TransformerConfig:
-    return TransformerConfig(num_layers=2, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=4,
-                             num_moe_experts=E, moe_router_topk=2, add_bias_linear=False,
-                             use_cpu_initialization=True, expert_model_parallel_size=ep)  # fmt: skip
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=H,
+        ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        expert_model_parallel_size=ep,
+    )
 
 
 def layer_config(**fields) -> MoELayerConfig:
@@ -128,8 +136,11 @@ def compare(ep: int, fields: dict, train: bool, solo_group, rank: int, hooks=())
     grad = torch.randn(S, B, H, generator=g)
     out_ref, xg_ref, pg_ref = run(ref, x, grad, train)
     out, xg, pg = run(layer, x, grad, train)
-    errors = {"output": (out - out_ref).abs().max(), "input_grad": (xg - xg_ref).abs().max(),
-              "output_rel": (out - out_ref).abs().max() / out_ref.abs().max()}  # fmt: skip
+    errors = {
+        "output": (out - out_ref).abs().max(),
+        "input_grad": (xg - xg_ref).abs().max(),
+        "output_rel": (out - out_ref).abs().max() / out_ref.abs().max(),
+    }
     router = [(pg[n] - pg_ref[n]).abs().max() for n in pg if not n.startswith("experts.") and pg[n] is not None]
     errors["router_and_shared_grads"] = torch.stack(router).max() if router else torch.tensor(0.0)
     expert_err = []
@@ -138,7 +149,9 @@ def compare(ep: int, fields: dict, train: bool, solo_group, rank: int, hooks=())
         dist.all_reduce(summed, group=ep_group)  # an expert's grad collects all its EP group's tokens
         expert_err.append((pg[name] - summed[first : first + layer.num_local_experts]).abs().max())
     errors["expert_grads"] = torch.stack(expert_err).max()
-    errors["expert_grads_rel"] = errors["expert_grads"] / max(pg_ref[n].abs().max() for n in ("experts.weight1", "experts.weight2"))
+    errors["expert_grads_rel"] = errors["expert_grads"] / max(
+        pg_ref[n].abs().max() for n in ("experts.weight1", "experts.weight2")
+    )
     figures = torch.stack([errors[k].double() for k in errors])
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     result = dict(zip(errors, figures.tolist()))
@@ -176,12 +189,20 @@ def checkpoint_across_layouts(ep: int, ckpt_dir: str, solo_group) -> dict:
         dist_checkpointing.save(layer.sharded_state_dict(prefix=prefix), ckpt_dir)
         return {}
     loaded = dist_checkpointing.load(layer.sharded_state_dict(prefix=prefix), ckpt_dir)
-    layer.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
+    layer.load_state_dict({k[len(prefix) :]: v for k, v in loaded.items()})
     ref = MoELayer(tconfig(1), layer_config(gate="xmoe"), ep_group=solo_group, expert_dp_group=solo_group)
     global_weights(ref)
     first = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
-    err = max((dict(layer.named_parameters())[n] - (p[first : first + layer.num_local_experts]
-               if n.startswith("experts.") else p)).abs().max().item() for n, p in ref.named_parameters())  # fmt: skip
+    err = max(
+        (
+            dict(layer.named_parameters())[n]
+            - (p[first : first + layer.num_local_experts] if n.startswith("experts.") else p)
+        )
+        .abs()
+        .max()
+        .item()
+        for n, p in ref.named_parameters()
+    )
     return {"max_abs_error": _max(err)}
 
 
@@ -205,9 +226,11 @@ def metrics_with_moe_less_ranks(rank: int, solo_group) -> dict:
     figures = collect_moe_metrics(chunks, num_layers=4, num_experts=E, max_keys=64)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, figures)
-    return {"same_on_all_ranks": all(g == gathered[0] for g in gathered),
-            "pairs_counted": gathered[0].get("moe/layer_002/tokens_max", 0) > 0,
-            "keys": sorted(gathered[0])}  # fmt: skip
+    return {
+        "same_on_all_ranks": all(g == gathered[0] for g in gathered),
+        "pairs_counted": gathered[0].get("moe/layer_002/tokens_max", 0) > 0,
+        "keys": sorted(gathered[0]),
+    }
 
 
 def _inputs(rank: int):

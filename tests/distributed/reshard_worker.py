@@ -27,25 +27,67 @@ SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS, SAVED_AT = 4, 2
 
 MODEL = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
-    "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
-    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "98,2,0", "--seed", "7",
-    "--train-iters", str(ITERS),
-]  # fmt: skip
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-layer-freq",
+    "2",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "0",
+    "--log-interval",
+    "1",
+    "--data-path",
+    DATA,
+    "--tokenizer-model",
+    TOKENIZER,
+    "--split",
+    "98,2,0",
+    "--seed",
+    "7",
+    "--train-iters",
+    str(ITERS),
+]
 
 # name: (the checkpoint it is made from, the target, the training flags of that layout)
 HOPS = {
-    "tp2_sp": ("ep2", Target(tensor_parallel_size=2, expert_parallel_size=1),
-               ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "pp2": ("tp2_sp", Target(tensor_parallel_size=1, pipeline_parallel_size=2),
-            ["--pipeline-model-parallel-size", "2"]),
+    "tp2_sp": (
+        "ep2",
+        Target(tensor_parallel_size=2, expert_parallel_size=1),
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ),
+    "pp2": (
+        "tp2_sp",
+        Target(tensor_parallel_size=1, pipeline_parallel_size=2),
+        ["--pipeline-model-parallel-size", "2"],
+    ),
     "back_to_1": ("pp2", Target(pipeline_parallel_size=1), []),
-    "ep2_distopt_weights_only": ("src", Target(expert_parallel_size=2, use_distributed_optimizer=True,
-                                               drop_optimizer=True),
-                                 ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
-}  # fmt: skip
+    "ep2_distopt_weights_only": (
+        "src",
+        Target(expert_parallel_size=2, use_distributed_optimizer=True, drop_optimizer=True),
+        ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+    ),
+}
 EP2_FLAGS = ["--expert-model-parallel-size", "2"]
 
 
@@ -81,8 +123,11 @@ def chain() -> dict:
     for name, (origin, target, flags) in HOPS.items():
         plan = make_plan(ckpt(origin), ckpt(name), target)
         reshard_on_this_rank(plan, ckpt(name), keep_process_group=True)
-        results[name] = {"resumed": train("--load", ckpt(name), *flags), "world_size": plan.world_size,
-                         **facts(ckpt(name))}  # fmt: skip
+        results[name] = {
+            "resumed": train("--load", ckpt(name), *flags),
+            "world_size": plan.world_size,
+            **facts(ckpt(name)),
+        }
     # RNG across layouts: with dropout, resuming the resharded TP2 checkpoint must equal resuming
     # its EP2 source directly in TP2 (both start from the TP2 layout's fresh seeds).
     tp2, dropout = HOPS["tp2_sp"][2], ["--hidden-dropout", "0.1"]

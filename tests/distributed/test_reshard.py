@@ -31,8 +31,9 @@ def run_convert(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """The real command line, in a subprocess; no process of it may outlive it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    result = subprocess.run([sys.executable, CONVERT, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=timeout)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, CONVERT, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not leftovers, f"processes outlived convert.py: {[p.cmdline() for p in leftovers]}"
     return result
@@ -45,8 +46,16 @@ def runs(train_data, tmp_path_factory):
     source = run_torchrun(WORKER, 1, ["source", data, tokenizer, workdir])
     os.makedirs(os.path.join(workdir, "ep2"))
     open(os.path.join(workdir, "ep2", "stale.txt"), "w").close()  # --overwrite must replace it
-    cli = run_convert("reshard", "--load", os.path.join(workdir, "src"), "--save", os.path.join(workdir, "ep2"),
-                      "--target-expert-parallel-size", "2", "--overwrite")  # fmt: skip
+    cli = run_convert(
+        "reshard",
+        "--load",
+        os.path.join(workdir, "src"),
+        "--save",
+        os.path.join(workdir, "ep2"),
+        "--target-expert-parallel-size",
+        "2",
+        "--overwrite",
+    )
     assert cli.returncode == 0, f"convert.py failed:\n{cli.stdout[-6000:]}\n{cli.stderr[-6000:]}"
     chain = run_torchrun(WORKER, 2, ["chain", data, tokenizer, workdir])
     return {"workdir": workdir, "cli": cli, **source, **chain}
@@ -74,8 +83,12 @@ def test_resharded_checkpoint_records_the_target_layout(runs, name):
     tp, pp, ep, sp = TARGETS[name]
     assert {k: result["layout"][k] for k in ("tp", "pp", "ep")} == {"tp": tp, "pp": pp, "ep": ep}
     p = result["parallel"]
-    assert (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["expert_model_parallel_size"],
-            p["sequence_parallel"]) == (tp, pp, ep, sp)  # fmt: skip
+    assert (
+        p["tensor_model_parallel_size"],
+        p["pipeline_model_parallel_size"],
+        p["expert_model_parallel_size"],
+        p["sequence_parallel"],
+    ) == (tp, pp, ep, sp)
     assert result["iteration"] == src["iteration"] == 2
     assert result["train_state"] == src["train_state"]
     assert result["scheduler"] == src["scheduler"]
@@ -107,8 +120,13 @@ def test_resharded_rng_is_what_a_direct_resume_in_that_layout_uses(runs):
 
 def test_cli_reports_progress_and_leaves_no_staging_directory(runs):
     out = runs["cli"].stdout
-    for line in ("reshard: reading", "reshard: iteration 2, source layout", "optimizer state moves",
-                 "reshard: wrote", "reshard: done in"):  # fmt: skip
+    for line in (
+        "reshard: reading",
+        "reshard: iteration 2, source layout",
+        "optimizer state moves",
+        "reshard: wrote",
+        "reshard: done in",
+    ):
         assert line in out, out
     assert sorted(os.listdir(runs["workdir"])) == sorted(["src", *TARGETS, "ep2_distopt_weights_only"])
     assert sorted(os.listdir(os.path.join(runs["workdir"], "ep2"))) == ["iter_0000002", TRACKER]
@@ -143,22 +161,39 @@ def test_refuses_an_existing_destination(runs, convert_main, capsys, tmp_path):
     assert (dst / "keep.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--target-expert-parallel-size", "3"], "--num-experts=4: must be a multiple of --target-expert-parallel-size=3"),
-    (["--target-pipeline-parallel-size", "3"], "--target-pipeline-parallel-size=3: must divide --num-layers=4"),
-    (["--target-tensor-parallel-size", "3"], "--target-tensor-parallel-size=3: must divide --num-attention-heads=4"),
-    (["--target-tensor-parallel-size", "2", "--no-target-sequence-parallel"],
-     "--target-sequence-parallel=False: MoE with --target-tensor-parallel-size=2 needs --target-sequence-parallel"),
-    (["--target-expert-parallel-size", "0"], "--target-expert-parallel-size=0: must be >= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--target-expert-parallel-size", "3"],
+            "--num-experts=4: must be a multiple of --target-expert-parallel-size=3",
+        ),
+        (["--target-pipeline-parallel-size", "3"], "--target-pipeline-parallel-size=3: must divide --num-layers=4"),
+        (
+            ["--target-tensor-parallel-size", "3"],
+            "--target-tensor-parallel-size=3: must divide --num-attention-heads=4",
+        ),
+        (
+            ["--target-tensor-parallel-size", "2", "--no-target-sequence-parallel"],
+            "--target-sequence-parallel=False: MoE with --target-tensor-parallel-size=2 "
+            "needs --target-sequence-parallel",
+        ),
+        (["--target-expert-parallel-size", "0"], "--target-expert-parallel-size=0: must be >= 1"),
+    ],
+)
 def test_refuses_an_impossible_layout(runs, convert_main, capsys, tmp_path, flags, message):
     err = refusal(convert_main, capsys, os.path.join(runs["workdir"], "src"), str(tmp_path / "dst"), *flags)
     assert message in err
 
 
 def test_refuses_to_move_optimizer_state_between_formats(runs, convert_main, capsys, tmp_path):
-    err = refusal(convert_main, capsys, os.path.join(runs["workdir"], "src"), str(tmp_path / "dst"),
-                  "--target-use-distributed-optimizer")  # fmt: skip
+    err = refusal(
+        convert_main,
+        capsys,
+        os.path.join(runs["workdir"], "src"),
+        str(tmp_path / "dst"),
+        "--target-use-distributed-optimizer",
+    )
     assert "--target-use-distributed-optimizer: the source's optimizer state was saved without" in err
     assert "add --no-optimizer" in err
 

@@ -28,8 +28,9 @@ def runs(train_data, tmp_path_factory):
     return reference["reference"], layouts, workdir
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2", "tp2_ep2", "ep4_distopt", "tp2_ep2_recompute",
-                                    "pp2_ep2_recompute"])
+@pytest.mark.parametrize(
+    "layout", ["tp2", "ep2", "pp2", "tp2_ep2", "ep4_distopt", "tp2_ep2_recompute", "pp2_ep2_recompute"]
+)
 def test_layout_matches_single_process(runs, layout):
     reference, layouts, _ = runs
     assert len(layouts[layout]) == len(reference) == 4

@@ -24,16 +24,65 @@ SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS = 4
 
 MODEL = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
-    "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
-    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--split", "90,10,0", "--seed", "7", "--log-params-norm",
-]  # fmt: skip
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-layer-freq",
+    "2",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "0",
+    "--log-interval",
+    "1",
+    "--data-path",
+    DATA,
+    "--tokenizer-model",
+    TOKENIZER,
+    "--split",
+    "90,10,0",
+    "--seed",
+    "7",
+    "--log-params-norm",
+]
 MCORE = ["--moe-layer-impl", "mcore"]  # megatron-core's MoE layer, the layer benchmark's reference
 
-RECOMPUTE_ALL = ["--recompute-modules", "input_norm", "qkv", "core_attention", "attn_proj", "pre_mlp_norm", "router",
-                 "ordering", "expert_fc1", "expert_act", "expert_fc2", "unorder", "mlp_fc1", "mlp_act", "mlp_fc2"]
+RECOMPUTE_ALL = [
+    "--recompute-modules",
+    "input_norm",
+    "qkv",
+    "core_attention",
+    "attn_proj",
+    "pre_mlp_norm",
+    "router",
+    "ordering",
+    "expert_fc1",
+    "expert_act",
+    "expert_fc2",
+    "unorder",
+    "mlp_fc1",
+    "mlp_act",
+    "mlp_fc2",
+]
 
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -42,13 +91,26 @@ LAYOUTS = {
     "tp2_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"],
     "ep4_distopt": ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
     # Selective activation recompute changes nothing numerically, under TP+SP, EP and PP.
-    "tp2_ep2_recompute": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
-                          "2", *RECOMPUTE_ALL],
+    "tp2_ep2_recompute": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "2",
+        *RECOMPUTE_ALL,
+    ],
     "pp2_ep2_recompute": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
 }
 # Quantized activations change the backward only: the first loss is exact, the rest close.
-ARCTIC = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-          "--activation-policy", "arctic"]
+ARCTIC = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--activation-policy",
+    "arctic",
+]
 
 
 def train(*extra: str) -> list[dict]:
@@ -95,12 +157,14 @@ def layouts() -> dict:
     results = {name: train(*init, *args) for name, args in LAYOUTS.items()}
     results["tp2_pp2_arctic"] = train(*init, *ARCTIC)
     # Iteration 2 of the single-process run, resumed under other layouts (optimizer resharded).
-    results["resume_ref_as_tp2_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("ref/iter_0000002"),
-                                             *LAYOUTS["tp2_ep2"])  # fmt: skip
+    results["resume_ref_as_tp2_ep2"] = train(
+        "--train-iters", str(ITERS), "--load", ckpt("ref/iter_0000002"), *LAYOUTS["tp2_ep2"]
+    )
     # Distributed-optimizer state saved at iteration 2 under EP=4, resumed under PP=2.
     train(*init, *LAYOUTS["ep4_distopt"], "--exit-interval", "2", "--save", ckpt("distopt"))
-    results["resume_ep4_distopt_as_pp2"] = train("--train-iters", str(ITERS), "--load", ckpt("distopt"),
-                                                 *LAYOUTS["pp2"], "--use-distributed-optimizer")  # fmt: skip
+    results["resume_ep4_distopt_as_pp2"] = train(
+        "--train-iters", str(ITERS), "--load", ckpt("distopt"), *LAYOUTS["pp2"], "--use-distributed-optimizer"
+    )
     # Resume exactness in one layout: 6 straight vs 3 + resume + 3 (EP=2, DP=4: per-rank RNG).
     ep = LAYOUTS["ep2"] + ["--hidden-dropout", "0.1"]
     results["straight"] = train("--train-iters", "6", *ep)

@@ -23,8 +23,15 @@ import time
 import psutil
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch", "/usr/bin/scontrol",
-            "/usr/bin/sinfo", "/usr/bin/srun")  # fmt: skip
+BINARIES = (
+    "/usr/sbin/slurmctld",
+    "/usr/sbin/slurmd",
+    "/usr/sbin/munged",
+    "/usr/bin/sbatch",
+    "/usr/bin/scontrol",
+    "/usr/bin/sinfo",
+    "/usr/bin/srun",
+)
 NODES = ("n1", "n2")
 
 
@@ -45,8 +52,7 @@ def install() -> str:
         return "already installed"
     if shutil.which("apt-get") is None:
         raise Unavailable("apt-get not found: cannot install slurmctld, slurmd, slurm-client, munge")
-    install_cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=120", "install", "-y", "--no-install-recommends",
-                   *PACKAGES]  # fmt: skip
+    install_cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=120", "install", "-y", "--no-install-recommends", *PACKAGES]
     try:
         result = _run(install_cmd, timeout=600)
         if result.returncode != 0:  # e.g. an empty package list on a fresh image: update, then retry
@@ -168,8 +174,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def _spawn(self, name: str, cmd: list[str], **kwargs) -> None:
         log = open(self.path("log", f"{name}.out"), "w")
-        self.daemons[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                              start_new_session=True, **kwargs)  # fmt: skip
+        self.daemons[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True, **kwargs
+        )
         log.close()
 
     def start(self, timeout: float = 60) -> None:
@@ -177,10 +184,21 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self.write_config()
         self._write_munge_key()
         m = self.munge_dir
-        self._spawn("munged", ["/usr/sbin/munged", "--foreground", f"--socket={self.socket}",
-                               f"--key-file={m}/munge.key", f"--pid-file={m}/munged.pid",
-                               f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
-                    user="munge", group="munge", extra_groups=[])  # fmt: skip
+        self._spawn(
+            "munged",
+            [
+                "/usr/sbin/munged",
+                "--foreground",
+                f"--socket={self.socket}",
+                f"--key-file={m}/munge.key",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/munged.seed",
+            ],
+            user="munge",
+            group="munge",
+            extra_groups=[],
+        )
         self._wait(lambda: os.path.exists(self.socket), timeout, "munged to create its socket")
         self._spawn("slurmctld", ["/usr/sbin/slurmctld", "-D", "-c", "-f", self.conf])
         for node in NODES:
@@ -203,8 +221,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         raise RuntimeError(f"timed out after {timeout} s waiting for {what}\n{self.diagnostics()}")
 
     def nodes_idle(self) -> bool:
-        result = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
-                                env=self.env(), timeout=30)  # fmt: skip
+        result = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env(), timeout=30
+        )
         states = dict(line.split() for line in result.stdout.splitlines() if line.strip())
         return all(states.get(node) == "idle" for node in NODES)
 
@@ -212,15 +231,22 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def submit(self, script: str, args: list[str], env: dict[str, str], cwd: str) -> str:
         """sbatch --parsable; returns the job id."""
-        result = subprocess.run(["sbatch", "--parsable", *args, script], capture_output=True, text=True,
-                                env={**self.env(), **env}, cwd=cwd, timeout=60)  # fmt: skip
+        result = subprocess.run(
+            ["sbatch", "--parsable", *args, script],
+            capture_output=True,
+            text=True,
+            env={**self.env(), **env},
+            cwd=cwd,
+            timeout=60,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"sbatch failed ({result.returncode}): {result.stderr}\n{self.diagnostics()}")
         return result.stdout.strip().split(";")[0]
 
     def job_fields(self, job_id: str) -> dict[str, str]:
-        result = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
-                                env=self.env(), timeout=30)  # fmt: skip
+        result = subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, env=self.env(), timeout=30
+        )
         return dict(re.findall(r"(\w+)=(\S*)", result.stdout))
 
     def wait_job(self, job_id: str, timeout: float) -> dict[str, str]:
@@ -280,7 +306,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         for proc in self.daemons.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for name, proc in self.daemons.items():
+        for proc in self.daemons.values():
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -25,9 +25,11 @@ from tests.slurm.cluster import NODES, SlurmCluster, Unavailable, free_ports, in
 SBATCH = os.path.join(ROOT, "examples", "slurm", "pretrain_gpt_moe.sbatch")
 JOB_NAME = "tinymoe"
 JOB_TIMEOUT = 420  # seconds per attempt; ~30 s on an idle 2-core machine
-EXTRA_ARGS = ("--hidden-size 64 --seq-length 32 --num-experts 4 --micro-batch-size 2 --global-batch-size 4 "
-              "--train-iters 6 --exit-interval 3 --lr-warmup-iters 1 --eval-interval 0 --eval-iters 0 "
-              "--log-interval 1")  # fmt: skip
+EXTRA_ARGS = (
+    "--hidden-size 64 --seq-length 32 --num-experts 4 --micro-batch-size 2 --global-batch-size 4 "
+    "--train-iters 6 --exit-interval 3 --lr-warmup-iters 1 --eval-interval 0 --eval-iters 0 "
+    "--log-interval 1"
+)
 STEP = re.compile(r"iteration\s+(\d+)/\s*6 \|.*lm loss: (\S+)")
 
 
@@ -90,11 +92,13 @@ class Job:
 
     def report(self, fields: dict) -> str:
         """Everything needed to see why a job failed: state, its output, node logs, daemon logs."""
-        return (f"job {self.id}: JobState={fields.get('JobState')} ExitCode={fields.get('ExitCode')} "
-                f"Reason={fields.get('Reason')}\n===== job output =====\n{self.output()[-6000:]}\n"
-                f"===== node logs, attempt 0 =====\n{self.node_logs(0)[-8000:]}\n"
-                f"===== node logs, attempt 1 =====\n{self.node_logs(1)[-8000:]}\n"
-                f"===== daemons =====\n{self.cluster.diagnostics()}")  # fmt: skip
+        return (
+            f"job {self.id}: JobState={fields.get('JobState')} ExitCode={fields.get('ExitCode')} "
+            f"Reason={fields.get('Reason')}\n===== job output =====\n{self.output()[-6000:]}\n"
+            f"===== node logs, attempt 0 =====\n{self.node_logs(0)[-8000:]}\n"
+            f"===== node logs, attempt 1 =====\n{self.node_logs(1)[-8000:]}\n"
+            f"===== daemons =====\n{self.cluster.diagnostics()}"
+        )
 
     def latest_checkpoint(self) -> str | None:
         path = os.path.join(self.job_dir, "checkpoints", "latest_checkpointed_iteration.txt")
@@ -112,8 +116,13 @@ def submit(cluster: SlurmCluster, runs_root: str, data_dir: str) -> Job:
         "EXTRA_ARGS": EXTRA_ARGS,
         "OMP_NUM_THREADS": "1",
     }
-    args = [f"--job-name={JOB_NAME}", "--nodes=2", f"--cpus-per-task={cluster.cpus_per_node}", "--time=15",
-            f"--output={runs_root}/slurm-%x-%j.out"]  # fmt: skip
+    args = [
+        f"--job-name={JOB_NAME}",
+        "--nodes=2",
+        f"--cpus-per-task={cluster.cpus_per_node}",
+        "--time=15",
+        f"--output={runs_root}/slurm-%x-%j.out",
+    ]
     return Job(cluster, runs_root, cluster.submit(SBATCH, args, env, cwd=ROOT))
 
 

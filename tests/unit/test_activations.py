@@ -6,14 +6,33 @@ import torch
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.activations.engine import SavedBytes
-from megatron_moe.config.activation_policy import MODULES, build_policy
 from megatron_moe.activations.quantize import FORMATS, dequantize, dequantize_rows, quantize
 from megatron_moe.config import ConfigError, parse_args
+from megatron_moe.config.activation_policy import MODULES, build_policy
 
 VOCAB = 512
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--num-experts", "4", "--moe-layer-freq", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-         "--data-path", "x", "--tokenizer-model", "x"]  # fmt: skip
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--num-experts",
+    "4",
+    "--moe-layer-freq",
+    "2",
+    "--hidden-dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--data-path",
+    "x",
+    "--tokenizer-model",
+    "x",
+]
 
 
 def run(policy_flags, counter=None):
@@ -27,8 +46,11 @@ def run(policy_flags, counter=None):
     seed_model_parallel(0)
     model = build_model(cfg, transformer_config(cfg), VOCAB)
     if counter is not None:
-        apply_activation_policy(model, cfg.activation_policy() or build_policy(
-            preset="none", recompute=[], quantize=[], quant_format="int8_row"), counter)  # fmt: skip
+        apply_activation_policy(
+            model,
+            cfg.activation_policy() or build_policy(preset="none", recompute=[], quantize=[], quant_format="int8_row"),
+            counter,
+        )
     g = torch.Generator().manual_seed(1)
     device = next(model.parameters()).device  # the GPU where there is one
     tokens = torch.randint(0, VOCAB, (4, 64), generator=g).to(device)
@@ -79,8 +101,8 @@ def test_views_of_one_block_share_one_packed_copy_and_unpack_exactly_as_the_view
     transposing copy; each unpacks to its own view. So are rows with equal gaps (v of a fused QKV); an
     irregular view is packed as a copy; narrow rows not at all."""
     from megatron_moe.activations.engine import LayerScope, Use
-    from megatron_moe.config.activation_policy import build_policy
     from megatron_moe.activations.quantize import dequantize
+    from megatron_moe.config.activation_policy import build_policy
 
     scope = LayerScope(build_policy(preset="none", recompute=[], quantize=["core_attention"], quant_format="int8_row"))
     block = torch.randn(256, 2, 4, 64, generator=torch.Generator().manual_seed(0))  # [s, b, np, hn]
@@ -117,7 +139,9 @@ def test_unknown_module_name():
 
 
 def test_recompute_and_quantize_together():
-    policy = parse_args([*MODEL, "--recompute-modules", "mlp_act", "--quantize-activations", "mlp_act"]).activation_policy()
+    policy = parse_args(
+        [*MODEL, "--recompute-modules", "mlp_act", "--quantize-activations", "mlp_act"]
+    ).activation_policy()
     assert policy.mode("mlp_act") == "recompute+quantize"
 
 
@@ -126,10 +150,13 @@ def test_quantizing_a_module_with_nothing_to_quantize():
         parse_args([*MODEL, "--quantize-activations", "dispatch"]).validate(1)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--recompute-granularity", "full", "--activation-policy", "arctic"], "full recompute conflicts with"),
-    (["--recompute-granularity", "selective"], "name what to recompute or quantize"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--recompute-granularity", "full", "--activation-policy", "arctic"], "full recompute conflicts with"),
+        (["--recompute-granularity", "selective"], "name what to recompute or quantize"),
+    ],
+)
 def test_conflicting_policies(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args([*MODEL, *flags]).validate(1)

@@ -14,9 +14,11 @@ import torch  # noqa: E402
 def test_floor_per_round_takes_each_gemm_at_its_fastest_kernel():
     times = {
         "ours": [9.0, 9.0],
-        "floor/mm/gate": [1.0, 1.0], "floor/mm/fc1": [5.0, 6.0],
-        "floor/onednn/gate": [2.0, 0.5], "floor/onednn/fc1": [4.0, 7.0],
-    }  # fmt: skip
+        "floor/mm/gate": [1.0, 1.0],
+        "floor/mm/fc1": [5.0, 6.0],
+        "floor/onednn/gate": [2.0, 0.5],
+        "floor/onednn/fc1": [4.0, 7.0],
+    }
     assert bench.floor_per_round(times, ["mm"]) == [6.0, 7.0]
     assert bench.floor_per_round(times, ["mm", "onednn"]) == [5.0, 6.5]  # per GEMM and per round
 
@@ -25,8 +27,18 @@ def test_one_case_runs_and_matches_megatron_core(megatron_world1):
     from megatron_moe.platform import current_platform
 
     args = bench.parse_args(["--repeats", "2", "--warmup", "1", "--max-warmup", "1", "--dtype", "fp32"])
-    result = bench.run_case("toy", hidden=32, ffn=64, tokens=64, experts=4, topk=2, capacity_factor=0.0,
-                            dispatcher="alltoallv", args=args, platform=current_platform())  # fmt: skip
+    result = bench.run_case(
+        "toy",
+        hidden=32,
+        ffn=64,
+        tokens=64,
+        experts=4,
+        topk=2,
+        capacity_factor=0.0,
+        dispatcher="alltoallv",
+        args=args,
+        platform=current_platform(),
+    )
     assert result["rows_computed"] == 128 and result["dropped_fraction"] == 0.0
     assert result["max_abs_diff_vs_mcore"] < 1e-5  # same router and weights: the same output
     assert result["floor_kernels"][0] == "mm"
@@ -40,10 +52,14 @@ def test_floor_is_the_layer_gemms_of_the_rows_computed(swiglu):
     forward, dX and dW: its FLOPs are the layer's dense math, and oneDNN's floor computes the same products."""
     tokens, hidden, ffn, experts, rows = 64, 32, 48, 4, 96
     kernels = ["mm"] + (["onednn"] if bench.onednn_works(torch.float32) else [])
-    steps = {k: bench.floor_gemms(tokens, hidden, ffn, experts, rows, swiglu, torch.device("cpu"), torch.float32, k)
-             for k in kernels}
-    flops = {name: 2 * a.shape[0] * a.shape[1] * b.shape[1] for name, (a, b) in
-             ((name, step.args) for name, step in steps["mm"].items())}
+    steps = {
+        k: bench.floor_gemms(tokens, hidden, ffn, experts, rows, swiglu, torch.device("cpu"), torch.float32, k)
+        for k in kernels
+    }
+    flops = {
+        name: 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        for name, (a, b) in ((name, step.args) for name, step in steps["mm"].items())
+    }
     fc1_cols = 2 * ffn if swiglu else ffn
     assert sum(flops[g] for g in flops if g.startswith("gate")) == 3 * 2 * tokens * hidden * experts
     assert sum(flops[g] for g in flops if g.startswith("fc1")) == 3 * 2 * rows * hidden * fc1_cols

@@ -72,8 +72,24 @@ def test_checkpoint_of_another_model_definition_is_refused_by_name(megatron_worl
     from megatron_moe.moe.experts import FFNExperts
     from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler
 
-    run = cfg("--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",
-              "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2")  # fmt: skip
+    run = cfg(
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--num-experts",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "2",
+    )
     run.validate(world_size=1)
     model = build_ddp_model(run, transformer_config(run), 128)
     optimizer = build_optimizer(run, model)
@@ -90,7 +106,10 @@ def test_checkpoint_of_another_model_definition_is_refused_by_name(megatron_worl
         return state
 
     monkeypatch.setattr(FFNExperts, "sharded_state_dict", renamed)
-    with pytest.raises(ConfigError, match=r"--load=.*iter_0000000: the checkpoint lacks 1 of this model's \d+ "
-                                          r"tensors \(e\.g\. decoder\.layers\.0\.mlp\.experts\.w_in\) and holds 1 "
-                                          r"this model does not have \(e\.g\. decoder\.layers\.0\.mlp\.experts\.weight1\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"--load=.*iter_0000000: the checkpoint lacks 1 of this model's \d+ "
+        r"tensors \(e\.g\. decoder\.layers\.0\.mlp\.experts\.w_in\) and holds 1 "
+        r"this model does not have \(e\.g\. decoder\.layers\.0\.mlp\.experts\.weight1\)",
+    ):
         load_checkpoint(path, run, model, optimizer, scheduler)

@@ -128,7 +128,10 @@ def test_a_collective_outside_comm_is_caught(source):
 
 
 def test_queries_and_setup_are_not_collectives():
-    source = "import torch.distributed as dist\ndist.get_rank(); dist.get_world_size(g); dist.new_group([0]); dist.ReduceOp.MAX"
+    source = (
+        "import torch.distributed as dist\n"
+        "dist.get_rank(); dist.get_world_size(g); dist.new_group([0]); dist.ReduceOp.MAX"
+    )
     assert violations(source, "x.py", in_comm=False) == []
 
 
@@ -142,6 +145,9 @@ def test_inside_comm_only_the_start_lambda_of_issue_may_call():
     assert violations(ok, "comm/x.py", in_comm=True) == []
     direct = "import torch.distributed as dist\ndef f(t):\n    dist.all_reduce(t)"
     other_lambda = "import torch.distributed as dist\nrun(lambda: dist.all_reduce(t))"
-    nested = "import torch.distributed as dist\nissue(r, lambda: helper(lambda: 0))\ndef helper(t):\n    return dist.barrier()"
+    nested = (
+        "import torch.distributed as dist\n"
+        "issue(r, lambda: helper(lambda: 0))\ndef helper(t):\n    return dist.barrier()"
+    )
     for source in (direct, other_lambda, nested):
         assert violations(source, "comm/x.py", in_comm=True), source

@@ -52,23 +52,53 @@ def test_moe_layer_freq():
         cfg("--moe-layer-freq", "[1,0]").moe.layer_pattern(4)
 
 
-@pytest.mark.parametrize("flags, world, message", [
-    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
-     r"world size=6: must be a multiple of TP x PP x CP = 2 x 2 x 1 = 4"),
-    (["--expert-model-parallel-size", "3"], 3, r"--num-experts=8: must be a multiple of --expert-model-parallel-size=3"),
-    (["--tensor-model-parallel-size", "2"], 2, r"--sequence-parallel=False: MoE with --tensor-model-parallel-size=2 needs --sequence-parallel"),
-    (["--micro-batch-size", "4", "--global-batch-size", "10"], 2, r"--global-batch-size=10: must be a multiple of --micro-batch-size x data-parallel size = 4 x 2 = 8"),
-    (["--moe-router-topk", "9"], 1, r"--moe-router-topk=9: must be between 1 and --num-experts=8"),
-    (["--num-attention-heads", "3"], 1, r"--hidden-size=256: must be a multiple of --num-attention-heads=3"),
-    (["--bf16", "--fp16"], 1, r"--bf16/--fp16=both: choose one"),
-    (["--pipeline-model-parallel-size", "3"], 3, r"--pipeline-model-parallel-size=3: must divide --num-layers=4"),
-    (["--expert-model-parallel-size", "4"], 2, r"--expert-model-parallel-size=4: EP x expert-TP = 4 must divide"),
-    (["--expert-tensor-parallel-size", "2"], 4, r"--expert-tensor-parallel-size=2: use 1: .* expert-sharded parallel"),
-    (["--moe-router-load-balancing-type", "seq_aux_loss"], 1, r"=seq_aux_loss: megatron_moe's layer implements"),
-    (["--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss"], 1, r"=top1_aux_loss: mega"),
-    (["--moe-token-dispatcher-type", "allgather"], 1, r"--moe-token-dispatcher-type=allgather: megatron_moe's layer"),
-    (["--moe-gate", "soft", "--moe-expert-capacity-factor", "1.0"], 1, r"-capacity-factor=1.0: --moe-gate=soft"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (
+            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+            6,
+            r"world size=6: must be a multiple of TP x PP x CP = 2 x 2 x 1 = 4",
+        ),
+        (
+            ["--expert-model-parallel-size", "3"],
+            3,
+            r"--num-experts=8: must be a multiple of --expert-model-parallel-size=3",
+        ),
+        (
+            ["--tensor-model-parallel-size", "2"],
+            2,
+            r"--sequence-parallel=False: MoE with --tensor-model-parallel-size=2 needs --sequence-parallel",
+        ),
+        (
+            ["--micro-batch-size", "4", "--global-batch-size", "10"],
+            2,
+            r"--global-batch-size=10: must be a multiple of --micro-batch-size x data-parallel size = 4 x 2 = 8",
+        ),
+        (["--moe-router-topk", "9"], 1, r"--moe-router-topk=9: must be between 1 and --num-experts=8"),
+        (["--num-attention-heads", "3"], 1, r"--hidden-size=256: must be a multiple of --num-attention-heads=3"),
+        (["--bf16", "--fp16"], 1, r"--bf16/--fp16=both: choose one"),
+        (["--pipeline-model-parallel-size", "3"], 3, r"--pipeline-model-parallel-size=3: must divide --num-layers=4"),
+        (["--expert-model-parallel-size", "4"], 2, r"--expert-model-parallel-size=4: EP x expert-TP = 4 must divide"),
+        (
+            ["--expert-tensor-parallel-size", "2"],
+            4,
+            r"--expert-tensor-parallel-size=2: use 1: .* expert-sharded parallel",
+        ),
+        (["--moe-router-load-balancing-type", "seq_aux_loss"], 1, r"=seq_aux_loss: megatron_moe's layer implements"),
+        (
+            ["--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss"],
+            1,
+            r"=top1_aux_loss: mega",
+        ),
+        (
+            ["--moe-token-dispatcher-type", "allgather"],
+            1,
+            r"--moe-token-dispatcher-type=allgather: megatron_moe's layer",
+        ),
+        (["--moe-gate", "soft", "--moe-expert-capacity-factor", "1.0"], 1, r"-capacity-factor=1.0: --moe-gate=soft"),
+    ],
+)
 def test_bad_layouts_name_flag_value_and_choice(flags, world, message):
     with pytest.raises(ConfigError, match=message):
         cfg(*flags).validate(world_size=world)

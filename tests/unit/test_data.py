@@ -4,7 +4,6 @@ A session fixture builds a small real corpus (this Python's standard library sou
 trains one small tokenizer on it; every other test builds what it needs in tmp_path.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -22,14 +21,23 @@ from megatron_moe.data.sampler import (
     build_data_loader,
 )
 from megatron_moe.data.tokenizer import SentencePieceTokenizer, TokenizerError
-
 from tests.conftest import VOCAB, corpus_tool, preprocess_tool, tokenizer_tool  # noqa: F401
 
 
 def preprocess(input_path, tokenizer, prefix, *extra):
     """Run tools/preprocess_data.py; return the data prefix of the text key."""
-    preprocess_tool.main(["--input", input_path, "--tokenizer-model", tokenizer.model_path,
-                          "--output-prefix", prefix, "--append-eod", *extra])
+    preprocess_tool.main(
+        [
+            "--input",
+            input_path,
+            "--tokenizer-model",
+            tokenizer.model_path,
+            "--output-prefix",
+            prefix,
+            "--append-eod",
+            *extra,
+        ]
+    )
     return prefix + "_text_document"
 
 
@@ -49,6 +57,7 @@ def data_prefix(corpus, tokenizer, tmp_path_factory):
 
 # ---------------------------------------------------------------------------- tokenizer
 
+
 def test_corpus_is_deterministic_and_capped(corpus, tmp_path):
     again = str(tmp_path / "again.jsonl")
     count, total = corpus_tool.main(["--output", again, "--max-bytes", "250000"])
@@ -57,8 +66,12 @@ def test_corpus_is_deterministic_and_capped(corpus, tmp_path):
 
 
 def test_tokenizer_round_trips_python_source_exactly(corpus, tokenizer):
-    tricky = ["", "\n\n\tx = 1  \r\n", "    def f(a,  b):\n\t\treturn a ** 2  # caf\u00e9 \u2603 \U0001f600\n",
-              "\x00\x7f" + " " * 40 + "\u00a0end"]
+    tricky = [
+        "",
+        "\n\n\tx = 1  \r\n",
+        "    def f(a,  b):\n\t\treturn a ** 2  # caf\u00e9 \u2603 \U0001f600\n",
+        "\x00\x7f" + " " * 40 + "\u00a0end",
+    ]
     for text in corpus[1] + tricky:
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
     ids = tokenizer.tokenize(corpus[1][0])
@@ -75,11 +88,17 @@ def test_tokenizer_special_ids(tokenizer):
 
 def test_model_without_pad_uses_megatron_sentinel(corpus, tmp_path):
     import sentencepiece
+
     prefix = str(tmp_path / "nopad")
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus[1][0].splitlines()), model_prefix=prefix,
-        vocab_size=400, model_type="bpe", byte_fallback=True, pad_id=-1,
-        logstream=open(os.devnull, "w"))
+        sentence_iterator=iter(corpus[1][0].splitlines()),
+        model_prefix=prefix,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        pad_id=-1,
+        logstream=open(os.devnull, "w"),
+    )
     assert SentencePieceTokenizer(prefix + ".model").pad == -1
 
 
@@ -97,11 +116,11 @@ def test_missing_or_corrupt_tokenizer_model_names_flag_and_path(tmp_path):
 
 def test_train_tokenizer_rejects_tiny_vocab(corpus, tmp_path):
     with pytest.raises(SystemExit, match="--vocab-size 100"):
-        tokenizer_tool.main(["--input", corpus[0], "--model-prefix", str(tmp_path / "t"),
-                             "--vocab-size", "100"])
+        tokenizer_tool.main(["--input", corpus[0], "--model-prefix", str(tmp_path / "t"), "--vocab-size", "100"])
 
 
 # ------------------------------------------------------------------------ preprocessing
+
 
 def test_preprocess_reads_back_exactly(corpus, tokenizer, data_prefix):
     dataset = IndexedDataset(data_prefix)
@@ -150,6 +169,7 @@ def test_missing_input_names_flag(tmp_path):
 
 # --------------------------------------------------------------------------- validation
 
+
 def copy_prefix(prefix, tmp_path, name="copy"):
     """Copy PREFIX.bin/.idx into tmp_path; return the new prefix."""
     target = str(tmp_path / name)
@@ -183,8 +203,9 @@ def test_vocab_smaller_than_data(data_prefix):
     assert data_prefix + ".bin" in str(error.value)
 
 
-@pytest.mark.parametrize("value", [[], ["0.5", "a", "b"], ["x", "a", "0.5", "b"],
-                                   ["-1", "a", "2", "b"], ["0", "a", "0", "b"]])
+@pytest.mark.parametrize(
+    "value", [[], ["0.5", "a", "b"], ["x", "a", "0.5", "b"], ["-1", "a", "2", "b"], ["0", "a", "0", "b"]]
+)
 def test_malformed_data_path(value):
     with pytest.raises(DataError, match="--data-path"):
         parse_data_path(value)
@@ -197,12 +218,21 @@ def test_parse_data_path():
 
 # ----------------------------------------------------------------------------- datasets
 
+
 def build(data_path, tokenizer, cache_dir, split="90,10,0", train=40, valid=8, seq=32):
     """build_gpt_datasets with small defaults."""
-    return build_gpt_datasets(data_path=data_path, split=split, tokenizer=tokenizer,
-                              seq_length=seq, seed=1234, train_samples=train,
-                              valid_samples=valid, test_samples=0, cache_dir=cache_dir,
-                              is_built_on_rank=lambda: True)
+    return build_gpt_datasets(
+        data_path=data_path,
+        split=split,
+        tokenizer=tokenizer,
+        seq_length=seq,
+        seed=1234,
+        train_samples=train,
+        valid_samples=valid,
+        test_samples=0,
+        cache_dir=cache_dir,
+        is_built_on_rank=lambda: True,
+    )
 
 
 def test_single_prefix_datasets_are_cached_and_reproducible(data_prefix, tokenizer, tmp_path):
@@ -211,8 +241,7 @@ def test_single_prefix_datasets_are_cached_and_reproducible(data_prefix, tokeniz
     assert test is None and len(train) >= 40 and len(valid) >= 8
     sample = train[3]
     assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
-    assert sample["tokens"].shape == (32,) and torch.equal(sample["tokens"][1:],
-                                                           sample["labels"][:-1])
+    assert sample["tokens"].shape == (32,) and torch.equal(sample["tokens"][1:], sample["labels"][:-1])
     assert any(name.endswith("shuffle_index.npy") for name in os.listdir(cache))
     again = build([data_prefix], tokenizer, cache)[0]
     assert torch.equal(again[3]["tokens"], sample["tokens"])
@@ -221,10 +250,8 @@ def test_single_prefix_datasets_are_cached_and_reproducible(data_prefix, tokeniz
 def make_two_sources(tokenizer, tmp_path):
     """Two preprocessed prefixes with different content."""
     first = write_jsonl(tmp_path / "a.jsonl", [f"alpha {i} " * 20 for i in range(30)])
-    second = write_jsonl(tmp_path / "b.jsonl", [f"def beta_{i}():\n    pass\n" * 8
-                                                for i in range(30)])
-    return (preprocess(first, tokenizer, str(tmp_path / "a")),
-            preprocess(second, tokenizer, str(tmp_path / "b")))
+    second = write_jsonl(tmp_path / "b.jsonl", [f"def beta_{i}():\n    pass\n" * 8 for i in range(30)])
+    return (preprocess(first, tokenizer, str(tmp_path / "a")), preprocess(second, tokenizer, str(tmp_path / "b")))
 
 
 def check_blend(train, tokenizer):
@@ -232,8 +259,7 @@ def check_blend(train, tokenizer):
     ids = [int(train[i]["dataset_id"]) for i in range(len(train))]
     assert len(train) == 200 and set(ids) == {0, 1}
     assert 40 < ids.count(0) < 80  # weight 0.3 of 200
-    texts = {int(train[i]["dataset_id"]): tokenizer.detokenize(train[i]["tokens"])
-             for i in range(20)}
+    texts = {int(train[i]["dataset_id"]): tokenizer.detokenize(train[i]["tokens"]) for i in range(20)}
     assert "alpha" in texts[0] and "beta" in texts[1]
 
 
@@ -246,8 +272,7 @@ def test_blend_samples_from_both(tokenizer, tmp_path):
 
 def test_blend_with_torch_distributed(tokenizer, tmp_path):
     a, b = make_two_sources(tokenizer, tmp_path)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg",
-                                         rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         cache = str(tmp_path / "cache")
         train = build(["0.3", a, "0.7", b], tokenizer, cache, train=200)[0]
@@ -258,8 +283,7 @@ def test_blend_with_torch_distributed(tokenizer, tmp_path):
 
 
 def test_split_without_documents_is_refused(tokenizer, tmp_path):
-    prefix = preprocess(write_jsonl(tmp_path / "few.jsonl", ["x = 1\n"] * 5), tokenizer,
-                        str(tmp_path / "few"))
+    prefix = preprocess(write_jsonl(tmp_path / "few.jsonl", ["x = 1\n"] * 5), tokenizer, str(tmp_path / "few"))
     with pytest.raises(DataError, match="--split 98,2,0: the valid split"):
         build([prefix], tokenizer, None, split="98,2,0")
     with pytest.raises(DataError, match="--split"):
@@ -267,6 +291,7 @@ def test_split_without_documents_is_refused(tokenizer, tmp_path):
 
 
 # ----------------------------------------------------------------------------- samplers
+
 
 def run_sampler(consumed, rank, size, total=50, mbs=3, **kw):
     """All micro-batches of one rank."""
@@ -294,8 +319,9 @@ def test_cyclic_sampler_wraps_forever():
 
 def test_data_loader_batches(data_prefix, tokenizer, tmp_path):
     train, valid, _ = build([data_prefix], tokenizer, str(tmp_path / "cache"))
-    loader = build_data_loader(train, consumed_samples=4, micro_batch_size=2,
-                               data_parallel_rank=1, data_parallel_size=2)
+    loader = build_data_loader(
+        train, consumed_samples=4, micro_batch_size=2, data_parallel_rank=1, data_parallel_size=2
+    )
     batch = next(iter(loader))
     assert batch["tokens"].shape == (2, 32) and batch["loss_mask"].dtype == torch.float32
     assert torch.equal(batch["tokens"][0], train[6]["tokens"])

@@ -35,8 +35,16 @@ def copy_prefix(prefix, directory, name="copy", sidecar=False):
 
 def build(prefix, tokenizer, cache_dir):
     return build_gpt_datasets(
-        data_path=[prefix], split="90,10,0", tokenizer=tokenizer, seq_length=32, seed=1, train_samples=40,
-        valid_samples=8, test_samples=0, cache_dir=cache_dir, is_built_on_rank=lambda: True,
+        data_path=[prefix],
+        split="90,10,0",
+        tokenizer=tokenizer,
+        seq_length=32,
+        seed=1,
+        train_samples=40,
+        valid_samples=8,
+        test_samples=0,
+        cache_dir=cache_dir,
+        is_built_on_rank=lambda: True,
     )
 
 
@@ -71,8 +79,17 @@ def test_identity_tells_vocabularies_apart(corpus, tokenizer, tmp_path):
 
     other = str(tmp_path / "other")
     sentencepiece.SentencePieceTrainer.train(
-        input=corpus[0], model_prefix=other, vocab_size=VOCAB, model_type="unigram", byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2, logstream=open(os.devnull, "w"),
+        input=corpus[0],
+        model_prefix=other,
+        vocab_size=VOCAB,
+        model_type="unigram",
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        minloglevel=2,
+        logstream=open(os.devnull, "w"),
     )
     theirs, ours = TokenizerIdentity.of(SentencePieceTokenizer(other + ".model")), TokenizerIdentity.of(tokenizer)
     assert theirs.pieces_sha256 != ours.pieces_sha256 and theirs.model_sha256 != ours.model_sha256

@@ -8,17 +8,47 @@ import torch
 
 from megatron_moe.checkpointing import hf_mixtral
 from megatron_moe.checkpointing.hf_convert import (
-    build_single, export_hf, import_hf, load_single, max_logit_difference, probe_tokens, save_single,
-)  # fmt: skip
+    build_single,
+    export_hf,
+    import_hf,
+    load_single,
+    max_logit_difference,
+    probe_tokens,
+    save_single,
+)
 from megatron_moe.config import ConfigError, parse_args
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-4
-MIXTRAL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-           "--ffn-hidden-size", "96", "--num-experts", "4", "--moe-router-topk", "2", "--swiglu",
-           "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-           "--position-embedding-type", "rope", "--rotary-base", "10000", "--seq-length", "32",
-           "--data-path", "x"]  # fmt: skip
+MIXTRAL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "96",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--position-embedding-type",
+    "rope",
+    "--rotary-base",
+    "10000",
+    "--seq-length",
+    "32",
+    "--data-path",
+    "x",
+]
 
 
 def mixtral_cfg(tokenizer, *extra):
@@ -65,9 +95,18 @@ def test_export_never_overwrites(our_checkpoint, tmp_path):
 
 def _random_hf_mixtral(tokenizer, directory, published_names: bool):
     config = transformers.MixtralConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=False)  # fmt: skip
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(11)
     model = transformers.MixtralForCausalLM(config).eval()
     with torch.no_grad():
@@ -98,13 +137,38 @@ def test_import_matches_transformers(megatron_world1, tokenizer, tmp_path, publi
 
 
 def test_unexpressible_features_are_listed(tokenizer):
-    cfg = parse_args(["--num-layers", "2", "--num-experts", "4", "--moe-layer-freq", "2",
-                      "--moe-shared-expert-ffn-hidden-size", "64", "--position-embedding-type", "learned_absolute",
-                      "--moe-gate", "sigmoid", "--data-path", "x", "--tokenizer-model", "x"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--num-layers",
+            "2",
+            "--num-experts",
+            "4",
+            "--moe-layer-freq",
+            "2",
+            "--moe-shared-expert-ffn-hidden-size",
+            "64",
+            "--position-embedding-type",
+            "learned_absolute",
+            "--moe-gate",
+            "sigmoid",
+            "--data-path",
+            "x",
+            "--tokenizer-model",
+            "x",
+        ]
+    )
     problems = hf_mixtral.incompatibilities(cfg)
     text = "\n".join(problems)
-    for feature in ("--moe-layer-freq=2", "GELU", "LayerNorm", "learned_absolute", "biases", "tied",
-                    "--moe-gate=sigmoid", "shared expert"):  # fmt: skip
+    for feature in (
+        "--moe-layer-freq=2",
+        "GELU",
+        "LayerNorm",
+        "learned_absolute",
+        "biases",
+        "tied",
+        "--moe-gate=sigmoid",
+        "shared expert",
+    ):
         assert feature in text, (feature, text)
     with pytest.raises(ConfigError, match="cannot be written as Mixtral"):
         hf_mixtral.check_exportable(cfg)

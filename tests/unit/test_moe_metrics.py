@@ -11,8 +11,15 @@ H, E = 16, 4
 
 def make_layers(n=1, **fields):
     torch.manual_seed(0)
-    config = TransformerConfig(num_layers=max(n, 2), hidden_size=H, num_attention_heads=2, ffn_hidden_size=8,
-                               num_moe_experts=E, moe_router_topk=2, add_bias_linear=False)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=max(n, 2),
+        hidden_size=H,
+        num_attention_heads=2,
+        ffn_hidden_size=8,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        add_bias_linear=False,
+    )
     sizes = dict(num_experts=E, hidden_size=H, ffn_hidden_size=8, topk=2)
     moe_config = MoELayerConfig(**{**sizes, "aux_loss_coeff": 0.1, "z_loss_coeff": 0.01, **fields})
     layers = torch.nn.ModuleList(MoELayer(config, moe_config, layer_number=i + 1) for i in range(n))
@@ -118,10 +125,24 @@ def test_a_model_without_moe_layers_reports_nothing():
 def test_router_losses_that_are_not_computed_stay_out_of_the_log():
     from megatron_moe.training.loop import computed_losses_only
 
-    figures = {"moe aux loss": 1.1, "moe z loss": 0.0, "moe tokens cv": 0.3,
-               "moe/layer_002/aux_loss": 1.1, "moe/layer_002/z_loss": 0.0, "moe/layer_002/tokens_cv": 0.3}  # fmt: skip
+    figures = {
+        "moe aux loss": 1.1,
+        "moe z loss": 0.0,
+        "moe tokens cv": 0.3,
+        "moe/layer_002/aux_loss": 1.1,
+        "moe/layer_002/z_loss": 0.0,
+        "moe/layer_002/tokens_cv": 0.3,
+    }
     assert computed_losses_only(figures, aux=True, z=True) == figures
     assert computed_losses_only(figures, aux=True, z=False) == {
-        "moe aux loss": 1.1, "moe tokens cv": 0.3, "moe/layer_002/aux_loss": 1.1, "moe/layer_002/tokens_cv": 0.3}
+        "moe aux loss": 1.1,
+        "moe tokens cv": 0.3,
+        "moe/layer_002/aux_loss": 1.1,
+        "moe/layer_002/tokens_cv": 0.3,
+    }
     assert computed_losses_only(figures, aux=False, z=True) == {
-        "moe z loss": 0.0, "moe tokens cv": 0.3, "moe/layer_002/z_loss": 0.0, "moe/layer_002/tokens_cv": 0.3}
+        "moe z loss": 0.0,
+        "moe tokens cv": 0.3,
+        "moe/layer_002/z_loss": 0.0,
+        "moe/layer_002/tokens_cv": 0.3,
+    }

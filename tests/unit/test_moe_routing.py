@@ -43,8 +43,15 @@ def test_capacity_formula_follows_tutel():
 
 
 def test_topk_may_change_between_iterations():
-    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=8,
-                               num_moe_experts=E, moe_router_topk=2, add_bias_linear=False)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        ffn_hidden_size=8,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        add_bias_linear=False,
+    )
     layer = MoELayer(config, cfg(capacity_factor=1.0, pad_expert_input_to_capacity=True, aux_loss_coeff=0.0))
     x = x_TH(40)
     assert layer.plan(layer.route(x))[0].capacity == 20  # ceil(1.0 * 2 * 40 / 4)
@@ -61,8 +68,13 @@ def test_topk_may_change_between_iterations():
 def test_gshard_order_first_choices_claim_slots_before_second_choices():
     # 4 tokens, 2 experts, top-2. Expert 0 is everyone's first choice except token 2.
     expert_TK = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1]])
-    routing = Routing(num_tokens=4, num_experts=2, probs_TE=torch.full((4, 2), 0.5),
-                      expert_N=expert_TK.t().reshape(-1), weight_N=torch.full((8,), 0.5))  # fmt: skip
+    routing = Routing(
+        num_tokens=4,
+        num_experts=2,
+        probs_TE=torch.full((4, 2), 0.5),
+        expert_N=expert_TK.t().reshape(-1),
+        weight_N=torch.full((8,), 0.5),
+    )
     plan = make_plan(routing, capacity=2, padded=False)
     # Expert 0: first choices of tokens 0, 1 fill it; token 3's first and token 2's second choice drop.
     # Expert 1: token 2's first choice, then token 0's second choice; tokens 1 and 3 drop.
@@ -107,7 +119,9 @@ def test_random_token_selection_randomises_claims_in_training_only():
     second = kept_pairs(make_plan(gate(x), capacity=8, padded=False))
     assert first != second and len(first) == len(second)
     gate.eval()
-    assert kept_pairs(make_plan(gate(x), capacity=8, padded=False)) == kept_pairs(make_plan(gate(x), capacity=8, padded=False))
+    assert kept_pairs(make_plan(gate(x), capacity=8, padded=False)) == kept_pairs(
+        make_plan(gate(x), capacity=8, padded=False)
+    )
 
 
 def test_expert_choice_gives_each_expert_its_top_tokens():

@@ -13,11 +13,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron_moe.moe import (
     HOOK_POINTS,
     Bf16OnTheWire,
+    ModuleListExperts,
     MoEConfigError,
     MoEHook,
     MoELayer,
     MoELayerConfig,
-    ModuleListExperts,
     moe_layer_spec,
 )
 from megatron_moe.platform import current_platform
@@ -26,9 +26,18 @@ H, FFN, E = 32, 48, 4
 
 
 def tconfig(**kw):
-    base = dict(num_layers=2, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=4, num_moe_experts=E,
-                moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=True,
-                bias_activation_fusion=False, gradient_accumulation_fusion=False)  # fmt: skip
+    base = dict(
+        num_layers=2,
+        hidden_size=H,
+        ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -76,10 +85,13 @@ def tokens(s=6, b=3, seed=1):
 
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
 @pytest.mark.parametrize("chunk_bytes", [None, 0], ids=["one_run", "run_per_expert"])
-@pytest.mark.parametrize("kernel,counts", [
-    *((kernel, [5, 0, 9, 2]) for kernel in ("onednn", "torch._grouped_mm", "mm-loop")),  # exact rows
-    *((kernel, [4, 4, 4, 4]) for kernel in ("bmm", "onednn", "torch._grouped_mm", "mm-loop")),  # padded
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kernel,counts",
+    [
+        *((kernel, [5, 0, 9, 2]) for kernel in ("onednn", "torch._grouped_mm", "mm-loop")),  # exact rows
+        *((kernel, [4, 4, 4, 4]) for kernel in ("bmm", "onednn", "torch._grouped_mm", "mm-loop")),  # padded
+    ],
+)
 def test_fused_expert_mlp_equals_per_gemm_nodes(gated, kernel, chunk_bytes, counts):
     """With each grouped GEMM kernel: GroupedMLP (one node, activation grad in place, backward in runs of
     experts) == per-GEMM autograd nodes == a loop over experts of plain matmuls."""
@@ -121,11 +133,19 @@ def test_fused_expert_mlp_equals_per_gemm_nodes(gated, kernel, chunk_bytes, coun
 ROWS, HID, FFN = 128, 64, 96  # of the test below; an int8 row takes a 4-byte scale
 
 
-@pytest.mark.parametrize("recompute,quantize,kept_bytes", [
-    (["expert_act"], ["expert_act", "expert_fc1", "expert_fc2"], ROWS * (HID + 4) + ROWS * (FFN + 4)),  # arctic: int8 x, h
-    (["expert_fc1", "expert_act"], [], ROWS * HID * 4),  # x only
-    ([], ["expert_fc2"], ROWS * HID * 4 + ROWS * FFN * 4 + ROWS * (FFN + 4)),  # x, h, int8 a
-], ids=["arctic", "recompute_fc1_act", "quantize_fc2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "recompute,quantize,kept_bytes",
+    [
+        (
+            ["expert_act"],
+            ["expert_act", "expert_fc1", "expert_fc2"],
+            ROWS * (HID + 4) + ROWS * (FFN + 4),
+        ),  # arctic: int8 x, h
+        (["expert_fc1", "expert_act"], [], ROWS * HID * 4),  # x only
+        ([], ["expert_fc2"], ROWS * HID * 4 + ROWS * FFN * 4 + ROWS * (FFN + 4)),  # x, h, int8 a
+    ],
+    ids=["arctic", "recompute_fc1_act", "quantize_fc2"],
+)
 @pytest.mark.parametrize("chunk_bytes", [None, 0], ids=["one_run", "run_per_expert"])
 def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_bytes, chunk_bytes):
     """Under a policy the fused node keeps x/h/a as the policy says, with the numbers of the three separate regions."""
@@ -138,7 +158,10 @@ def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_b
     g = torch.Generator().manual_seed(5)
     counts, hidden, ffn = [40, 0, 70, 18], HID, FFN  # rows x ffn above the quantizer's size floor
     x = torch.randn(sum(counts), hidden, generator=g)
-    w1, w2 = torch.randn(len(counts), ffn, hidden, generator=g) * 0.1, torch.randn(len(counts), hidden, ffn, generator=g) * 0.1
+    w1, w2 = (
+        torch.randn(len(counts), ffn, hidden, generator=g) * 0.1,
+        torch.randn(len(counts), hidden, ffn, generator=g) * 0.1,
+    )
     dy = torch.randn(sum(counts), hidden, generator=g)
     policy = build_policy(preset="none", recompute=recompute, quantize=quantize, quant_format="int8_row")
 
@@ -148,7 +171,9 @@ def test_fused_expert_mlp_keeps_what_the_policy_says(recompute, quantize, kept_b
         leaves = [x.clone().requires_grad_(), torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
         with scope.active():
             if fused:
-                out = GroupedMLP.apply(*leaves, counts, False, chunk_bytes, scope.fused_keeping("expert_fc1", "expert_act", "expert_fc2"))
+                out = GroupedMLP.apply(
+                    *leaves, counts, False, chunk_bytes, scope.fused_keeping("expert_fc1", "expert_act", "expert_fc2")
+                )
             else:
                 h = scope.call("expert_fc1", grouped_linear, leaves[0], leaves[1], counts)
                 a = scope.call("expert_act", ffn_activation, h, False)
@@ -184,13 +209,21 @@ def test_one_expert_moe_equals_megatron_dense_mlp(swiglu, padded, megatron_world
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.transformer.spec_utils import build_module
 
-    config = tconfig(num_moe_experts=1, moe_router_topk=1, moe_router_pre_softmax=True, gated_linear_unit=swiglu,
-                     activation_func=F.silu if swiglu else F.gelu)  # fmt: skip
+    config = tconfig(
+        num_moe_experts=1,
+        moe_router_topk=1,
+        moe_router_pre_softmax=True,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+    )
     layer = make_layer(config=config, pad_expert_input_to_capacity=padded)
     from megatron.core import parallel_state
 
-    dense = build_module(get_mlp_module_spec_for_backend(LocalSpecProvider()), config=config,
-                         tp_group=parallel_state.get_tensor_model_parallel_group())  # fmt: skip
+    dense = build_module(
+        get_mlp_module_spec_for_backend(LocalSpecProvider()),
+        config=config,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+    )
     with torch.no_grad():
         layer.experts.weight1[0].copy_(dense.linear_fc1.weight)
         layer.experts.weight2[0].copy_(dense.linear_fc2.weight)
@@ -225,8 +258,18 @@ def test_moe_output_matches_a_per_token_python_reference():
 # ---------------------------------------------------------------------------- orderings
 
 
-@pytest.mark.parametrize("gate,capacity", [("topk", None), ("topk", 0.5), ("bpr", 0.75), ("sigmoid", -0.5),
-                                           ("expert_choice", None), ("soft", None), ("xmoe", 1.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "gate,capacity",
+    [
+        ("topk", None),
+        ("topk", 0.5),
+        ("bpr", 0.75),
+        ("sigmoid", -0.5),
+        ("expert_choice", None),
+        ("soft", None),
+        ("xmoe", 1.0),
+    ],
+)
 def test_dense_and_sparse_orderings_agree(gate, capacity):
     x = tokens(8, 2)
     sparse = make_layer(seed=3, gate=gate, capacity_factor=capacity, ordering="sparse")
@@ -299,8 +342,10 @@ def test_hooks_fire_in_order_and_can_change_tensors():
 
 def test_custom_experts_module_plugs_in():
     def experts_builder(num_local_experts, moe_config, ep_group, expert_dp_group):
-        mlps = [torch.nn.Sequential(torch.nn.Linear(H, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, H, bias=False))
-                for _ in range(num_local_experts)]  # fmt: skip
+        mlps = [
+            torch.nn.Sequential(torch.nn.Linear(H, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, H, bias=False))
+            for _ in range(num_local_experts)
+        ]
         return ModuleListExperts(mlps, ep_group=ep_group, expert_dp_group=expert_dp_group)
 
     torch.manual_seed(0)
@@ -391,8 +436,9 @@ def test_activation_policy_runs_the_stages_as_regions():
     for recompute, quantize, tol in cases:
         layer = make_layer(shared_expert_ffn_hidden_size=16, capacity_factor=1.0, like=base)
         counter = SavedBytes()
-        scope = LayerScope(build_policy(preset="none", recompute=recompute, quantize=quantize,
-                                        quant_format="int8_row"), counter)  # fmt: skip
+        scope = LayerScope(
+            build_policy(preset="none", recompute=recompute, quantize=quantize, quant_format="int8_row"), counter
+        )
         layer.use_activation_scope(scope)
         with scope.active():
             got = run(layer, x)

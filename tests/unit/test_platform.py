@@ -98,9 +98,14 @@ def test_type_names_restored_after_optimizer_checks():
 def test_sequence_parallel_norm_matches_torch(normalization):
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                               normalization=normalization, sequence_parallel=True,
-                               tensor_model_parallel_size=2)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        normalization=normalization,
+        sequence_parallel=True,
+        tensor_model_parallel_size=2,
+    )
     norm = SequenceParallelNorm(config, 8, eps=1e-5)
     assert all(p.sequence_parallel for p in norm.parameters())
     x = torch.randn(4, 2, 8)

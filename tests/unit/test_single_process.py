@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_moe.platform.rng import rng_tracker
 from megatron_moe.platform.process import init_single_process
+from megatron_moe.platform.rng import rng_tracker
 
 
 def test_single_process_bootstrap_is_idempotent(megatron_world1):

@@ -38,20 +38,39 @@ class ReshardCommand:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--load", required=True, metavar="SRC",
-                            help="a --save directory (its latest checkpoint) or one iter_N directory")  # fmt: skip
-        parser.add_argument("--save", required=True, metavar="DST",
-                            help="new --save directory for the converted checkpoint (must not exist)")  # fmt: skip
+        parser.add_argument(
+            "--load",
+            required=True,
+            metavar="SRC",
+            help="a --save directory (its latest checkpoint) or one iter_N directory",
+        )
+        parser.add_argument(
+            "--save",
+            required=True,
+            metavar="DST",
+            help="new --save directory for the converted checkpoint (must not exist)",
+        )
         for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP")]:
-            parser.add_argument(f"--target-{name}-parallel-size", type=int, metavar=what,
-                                help=f"{what} of the converted checkpoint (default: the source's)")  # fmt: skip
-        parser.add_argument("--target-sequence-parallel", action=argparse.BooleanOptionalAction,
-                            help="record --sequence-parallel in the saved config (default: on when TP>1)")  # fmt: skip
-        parser.add_argument("--target-use-distributed-optimizer", action=argparse.BooleanOptionalAction,
-                            help="optimizer format of the converted checkpoint (default: the source's); "
-                                 "changing it needs --no-optimizer")  # fmt: skip
-        parser.add_argument("--no-optimizer", action="store_true",
-                            help="convert the weights only and drop the optimizer state")  # fmt: skip
+            parser.add_argument(
+                f"--target-{name}-parallel-size",
+                type=int,
+                metavar=what,
+                help=f"{what} of the converted checkpoint (default: the source's)",
+            )
+        parser.add_argument(
+            "--target-sequence-parallel",
+            action=argparse.BooleanOptionalAction,
+            help="record --sequence-parallel in the saved config (default: on when TP>1)",
+        )
+        parser.add_argument(
+            "--target-use-distributed-optimizer",
+            action=argparse.BooleanOptionalAction,
+            help="optimizer format of the converted checkpoint (default: the source's); "
+            "changing it needs --no-optimizer",
+        )
+        parser.add_argument(
+            "--no-optimizer", action="store_true", help="convert the weights only and drop the optimizer state"
+        )
         parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
 
     @staticmethod
@@ -69,8 +88,11 @@ class ReshardCommand:
         print(f"reshard: reading {args.load}", flush=True)
         plan = make_plan(args.load, args.save, target, overwrite=args.overwrite)
         print(f"reshard: iteration {plan.iteration}, source layout {plan.source_layout}", flush=True)
-        print(f"reshard: target {plan.describe_target()}, optimizer state "
-              f"{'moves' if plan.with_optimizer else 'not converted'}", flush=True)  # fmt: skip
+        print(
+            f"reshard: target {plan.describe_target()}, optimizer state "
+            f"{'moves' if plan.with_optimizer else 'not converted'}",
+            flush=True,
+        )
         run_plan(plan)
         print(f"reshard: wrote {plan.destination} (iteration {plan.iteration}, {plan.describe_target()})", flush=True)
 
@@ -87,9 +109,10 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Convert megatron_moe checkpoints.", allow_abbrev=False,
+        description="Convert megatron_moe checkpoints.",
+        allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=command.help, description=command.__doc__, allow_abbrev=False)

@@ -18,8 +18,9 @@ def _verify(ckpt: str, hf_dir: str, tolerance: float) -> float:
     # The HF directory's tokenizer: the one the model was made with, wherever the checkpoint came from.
     _, model, tokenizer = load_single(ckpt, tokenizer_model=f"{hf_dir}/tokenizer.model")
     diff = max_logit_difference(model, hf_dir, probe_tokens(tokenizer.vocab_size))
-    print(f"verify: max |logits(megatron_moe) - logits(transformers)| = {diff:.3e} (tolerance {tolerance:g})",
-          flush=True)  # fmt: skip
+    print(
+        f"verify: max |logits(megatron_moe) - logits(transformers)| = {diff:.3e} (tolerance {tolerance:g})", flush=True
+    )
     if diff > tolerance:
         raise ConfigError(f"--tolerance={tolerance}: logits differ by {diff:.3e}; the conversion is wrong")
     return diff
@@ -44,8 +45,13 @@ class ExportHFCommand:
     def run(args: argparse.Namespace) -> None:
         from megatron_moe.checkpointing.hf_convert import export_hf
 
-        export_hf(args.load, args.save, tokenizer_model=args.tokenizer_model, overwrite=args.overwrite,
-                  progress=lambda line: print(line, flush=True))  # fmt: skip
+        export_hf(
+            args.load,
+            args.save,
+            tokenizer_model=args.tokenizer_model,
+            overwrite=args.overwrite,
+            progress=lambda line: print(line, flush=True),
+        )
         print(f"export-hf: wrote {args.save}", flush=True)
         _verify(args.load, args.save, args.tolerance)
 
@@ -55,11 +61,18 @@ class ImportHFCommand:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        _common(parser, "HF Mixtral directory (config.json, *.safetensors, tokenizer.model)",
-                "the new --save directory (loads into any TP/PP/EP layout)")  # fmt: skip
+        _common(
+            parser,
+            "HF Mixtral directory (config.json, *.safetensors, tokenizer.model)",
+            "the new --save directory (loads into any TP/PP/EP layout)",
+        )
         for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP")]:
-            parser.add_argument(f"--target-{name}-parallel-size", type=int, metavar=what,
-                                help=f"record the checkpoint in this {what} (default 1; any layout loads it)")  # fmt: skip
+            parser.add_argument(
+                f"--target-{name}-parallel-size",
+                type=int,
+                metavar=what,
+                help=f"record the checkpoint in this {what} (default 1; any layout loads it)",
+            )
 
     @staticmethod
     def run(args: argparse.Namespace) -> None:
@@ -68,8 +81,11 @@ class ImportHFCommand:
 
         from megatron_moe.checkpointing.hf_convert import import_hf
 
-        layout = [args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
-                  args.target_expert_parallel_size]  # fmt: skip
+        layout = [
+            args.target_tensor_parallel_size,
+            args.target_pipeline_parallel_size,
+            args.target_expert_parallel_size,
+        ]
         progress = lambda line: print(line, flush=True)  # noqa: E731
         if not any(layout):
             import_hf(args.load, args.save, overwrite=args.overwrite, progress=progress)
@@ -79,9 +95,14 @@ class ImportHFCommand:
             staging = tempfile.mkdtemp(prefix="import-hf-")
             try:
                 imported = import_hf(args.load, f"{staging}/ckpt", progress=progress)
-                target = Target(tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1],
-                                expert_parallel_size=layout[2], sequence_parallel=None,
-                                use_distributed_optimizer=None, drop_optimizer=False)  # fmt: skip
+                target = Target(
+                    tensor_parallel_size=layout[0],
+                    pipeline_parallel_size=layout[1],
+                    expert_parallel_size=layout[2],
+                    sequence_parallel=None,
+                    use_distributed_optimizer=None,
+                    drop_optimizer=False,
+                )
                 plan = make_plan(imported, args.save, target, overwrite=args.overwrite)
                 progress(f"import-hf: resharding to {plan.describe_target()}")
                 run_plan(plan)

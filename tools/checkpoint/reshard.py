@@ -85,16 +85,18 @@ class Plan:
 
     def describe_target(self) -> str:
         p = self.config().parallel
-        return (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
-                f"EP={p.expert_model_parallel_size} SP={p.sequence_parallel} "
-                f"distributed-optimizer={p.use_distributed_optimizer}")  # fmt: skip
+        return (
+            f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+            f"EP={p.expert_model_parallel_size} SP={p.sequence_parallel} "
+            f"distributed-optimizer={p.use_distributed_optimizer}"
+        )
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(dataclasses.asdict(self), f, indent=1)
 
     @classmethod
-    def load(cls, path: str) -> "Plan":
+    def load(cls, path: str) -> Plan:
         with open(path) as f:
             return cls(**json.load(f))
 
@@ -109,8 +111,10 @@ def smallest_world_size(cfg: RunConfig) -> int:
     on the converting machine; data parallelism does not change what is saved.
     """
     p = cfg.parallel
-    per_stage = math.lcm(p.tensor_model_parallel_size * p.context_parallel_size,
-                         p.expert_model_parallel_size * (p.expert_tensor_parallel_size or 1))  # fmt: skip
+    per_stage = math.lcm(
+        p.tensor_model_parallel_size * p.context_parallel_size,
+        p.expert_model_parallel_size * (p.expert_tensor_parallel_size or 1),
+    )
     return p.pipeline_model_parallel_size * per_stage
 
 
@@ -124,8 +128,9 @@ def _read_source(load: str) -> tuple[str, dict]:
     probe.checkpoint.load = load
     path = resolve_load_dir(probe)  # raises ConfigError naming --load for anything unusable
     common = dist_checkpointing.load_common_state_dict(path)
-    missing = [k for k in ("config", "layout", "train_state", "has_optimizer", "distributed_optimizer")
-               if k not in common]  # fmt: skip
+    missing = [
+        k for k in ("config", "layout", "train_state", "has_optimizer", "distributed_optimizer") if k not in common
+    ]
     if missing:
         raise ReshardError(f"--load={load}: {path} is not a megatron_moe checkpoint (no {', '.join(missing)})")
     return path, common
@@ -158,8 +163,9 @@ def _target_config(source: RunConfig, target: Target) -> RunConfig:
     if target.expert_parallel_size is not None:
         p.expert_model_parallel_size = target.expert_parallel_size
     # Sequence parallelism changes no saved tensor; MoE needs it with TP>1, so it follows TP unless told.
-    p.sequence_parallel = (target.sequence_parallel if target.sequence_parallel is not None
-                           else p.tensor_model_parallel_size > 1)  # fmt: skip
+    p.sequence_parallel = (
+        target.sequence_parallel if target.sequence_parallel is not None else p.tensor_model_parallel_size > 1
+    )
     if target.use_distributed_optimizer is not None:
         p.use_distributed_optimizer = target.use_distributed_optimizer
     return cfg
@@ -179,8 +185,9 @@ def _validate_layout(cfg: RunConfig) -> int:
         message = str(error)
         for training_flag, tool_flag in TARGET_FLAGS.items():
             message = message.replace(training_flag, tool_flag)
-        raise ConfigError(f"target layout TP={sizes[0]} PP={sizes[1]} EP={sizes[2]} cannot hold this "
-                          f"checkpoint's model: {message}") from None  # fmt: skip
+        raise ConfigError(
+            f"target layout TP={sizes[0]} PP={sizes[1]} EP={sizes[2]} cannot hold this checkpoint's model: {message}"
+        ) from None
     return world
 
 
@@ -287,8 +294,18 @@ def _launch(plan_path: str, world: int, save_root: str) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # world processes share the cores
     env.setdefault("MEGATRON_MOE_FORCE_CPU", "1")  # offline: the CPU, even where GPUs exist
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.abspath(__file__), "--plan", plan_path, "--save-root", save_root]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        os.path.abspath(__file__),
+        "--plan",
+        plan_path,
+        "--save-root",
+        save_root,
+    ]
     print(f"reshard: launching {world} CPU process{'es' if world > 1 else ''}: {' '.join(cmd)}", flush=True)
     return subprocess.run(cmd, env=env).returncode
 
@@ -345,8 +362,9 @@ def run_plan(plan: Plan) -> str:
 def _setup_worker_logging() -> None:
     """Progress on rank 0 only; megatron-core's notices at WARNING."""
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S"
+    )
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.checkpoint")
