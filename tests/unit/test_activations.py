@@ -6,9 +6,10 @@ import torch
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.activations.engine import SavedBytes
-from megatron_moe.activations.quantize import FORMATS, dequantize, dequantize_rows, quantize
+from megatron_moe.activations.quantize import dequantize, dequantize_rows, quantize
 from megatron_moe.config import ConfigError, parse_args
 from megatron_moe.config.activation_policy import MODULES, build_policy
+from megatron_moe.config.activation_policy import QUANT_FORMATS as FORMATS
 
 VOCAB = 512
 MODEL = [
