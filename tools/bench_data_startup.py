@@ -47,31 +47,10 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 MARKER = ".bench_data_startup"
 FIRST_ITERATION = re.compile(r"iteration\s+1/")
 MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "256",
-    "--num-experts",
-    "4",
-    "--micro-batch-size",
-    "2",
-    "--train-iters",
-    "1",
-    "--lr",
-    "1e-3",
-    "--eval-iters",
-    "0",
-    "--eval-interval",
-    "0",
-    "--log-interval",
-    "1",
-    "--split",
-    "98,2,0",
-]
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+    "--num-experts", "4", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0",
+    "--eval-interval", "0", "--log-interval", "1", "--split", "98,2,0",
+]  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -221,16 +200,9 @@ def time_to_first_iteration(prefix: str, model: str, cache: str, args) -> float:
     if args.nproc > 1:
         launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", f"--master-port={free_port()}"]
     flags = [
-        *MODEL,
-        "--global-batch-size",
-        str(2 * args.nproc),
-        "--data-path",
-        prefix,
-        "--tokenizer-model",
-        model,
-        "--data-cache-path",
-        cache,
-    ]
+        *MODEL, "--global-batch-size", str(2 * args.nproc), "--data-path", prefix, "--tokenizer-model", model,
+        "--data-cache-path", cache,
+    ]  # fmt: skip
     python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
     started = time.perf_counter()

@@ -92,38 +92,16 @@ def run_flags_from_hf(config: dict) -> list[str]:
     if config.get("head_dim") not in (None, config["hidden_size"] // heads):
         raise ConfigError(f"head_dim={config['head_dim']} != hidden_size / num_attention_heads: not supported")
     return [
-        "--num-layers",
-        str(config["num_hidden_layers"]),
-        "--hidden-size",
-        str(config["hidden_size"]),
-        "--num-attention-heads",
-        str(heads),
-        "--num-query-groups",
-        str(config.get("num_key_value_heads", heads)),
-        "--ffn-hidden-size",
-        str(config["intermediate_size"]),
-        "--num-experts",
-        str(config["num_local_experts"]),
-        "--moe-router-topk",
-        str(config["num_experts_per_tok"]),
-        "--moe-layer-freq",
-        "1",
-        "--normalization",
-        "RMSNorm",
-        "--norm-epsilon",
-        str(config.get("rms_norm_eps", 1e-5)),
-        "--swiglu",
-        "--position-embedding-type",
-        "rope",
-        "--rotary-base",
-        str(int(rope)),
-        "--disable-bias-linear",
+        "--num-layers", str(config["num_hidden_layers"]), "--hidden-size", str(config["hidden_size"]),
+        "--num-attention-heads", str(heads), "--num-query-groups", str(config.get("num_key_value_heads", heads)),
+        "--ffn-hidden-size", str(config["intermediate_size"]), "--num-experts", str(config["num_local_experts"]),
+        "--moe-router-topk", str(config["num_experts_per_tok"]), "--moe-layer-freq", "1",
+        "--normalization", "RMSNorm", "--norm-epsilon", str(config.get("rms_norm_eps", 1e-5)), "--swiglu",
+        "--position-embedding-type", "rope", "--rotary-base", str(int(rope)), "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
-        "--seq-length",
-        str(min(config.get("max_position_embeddings", 4096), 4096)),
-        "--max-position-embeddings",
-        str(config.get("max_position_embeddings", 4096)),
-    ]
+        "--seq-length", str(min(config.get("max_position_embeddings", 4096), 4096)),
+        "--max-position-embeddings", str(config.get("max_position_embeddings", 4096)),
+    ]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- QKV

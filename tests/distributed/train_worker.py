@@ -24,46 +24,12 @@ SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS = 4
 
 MODEL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--moe-layer-freq",
-    "2",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "1e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-warmup-iters",
-    "1",
-    "--eval-iters",
-    "0",
-    "--eval-interval",
-    "0",
-    "--log-interval",
-    "1",
-    "--data-path",
-    DATA,
-    "--tokenizer-model",
-    TOKENIZER,
-    "--split",
-    "90,10,0",
-    "--seed",
-    "7",
-    "--log-params-norm",
-]
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
+    "--eval-interval", "0", "--log-interval", "1", "--data-path", DATA, "--tokenizer-model", TOKENIZER,
+    "--split", "90,10,0", "--seed", "7", "--log-params-norm",
+]  # fmt: skip
 MCORE = ["--moe-layer-impl", "mcore"]  # megatron-core's MoE layer, the layer benchmark's reference
 
 RECOMPUTE_ALL = [
@@ -103,14 +69,9 @@ LAYOUTS = {
 }
 # Quantized activations change the backward only: the first loss is exact, the rest close.
 ARCTIC = [
-    "--tensor-model-parallel-size",
-    "2",
-    "--sequence-parallel",
-    "--pipeline-model-parallel-size",
-    "2",
-    "--activation-policy",
-    "arctic",
-]
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+    "--activation-policy", "arctic",
+]  # fmt: skip
 
 
 def train(*extra: str) -> list[dict]:

@@ -13,27 +13,10 @@ from megatron_moe.config.activation_policy import QUANT_FORMATS as FORMATS
 
 VOCAB = 512
 MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--num-experts",
-    "4",
-    "--moe-layer-freq",
-    "2",
-    "--hidden-dropout",
-    "0.1",
-    "--attention-dropout",
-    "0.1",
-    "--data-path",
-    "x",
-    "--tokenizer-model",
-    "x",
-]
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+    "--num-experts", "4", "--moe-layer-freq", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+    "--data-path", "x", "--tokenizer-model", "x",
+]  # fmt: skip
 
 
 def run(policy_flags, counter=None):

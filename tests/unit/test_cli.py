@@ -43,23 +43,9 @@ def test_bad_input_exits_with_clear_error(train_data, tmp_path, flags, message):
     data, tokenizer = train_data
     save = tmp_path / "ckpt"
     base = [
-        "--num-experts",
-        "8",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--seq-length",
-        "32",
-        "--data-path",
-        data,
-        "--tokenizer-model",
-        tokenizer,
-        "--save",
-        str(save),
-        "--train-iters",
-        "2",
-    ]
+        "--num-experts", "8", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32", "--data-path", data,
+        "--tokenizer-model", tokenizer, "--save", str(save), "--train-iters", "2",
+    ]  # fmt: skip
     proc = run_cli(*base, *flags, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr, proc.stderr[-3000:]

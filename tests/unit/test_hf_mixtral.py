@@ -21,34 +21,11 @@ from megatron_moe.config import ConfigError, parse_args
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-4
 MIXTRAL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--ffn-hidden-size",
-    "96",
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--swiglu",
-    "--normalization",
-    "RMSNorm",
-    "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights",
-    "--position-embedding-type",
-    "rope",
-    "--rotary-base",
-    "10000",
-    "--seq-length",
-    "32",
-    "--data-path",
-    "x",
-]
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+    "--ffn-hidden-size", "96", "--num-experts", "4", "--moe-router-topk", "2", "--swiglu",
+    "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--position-embedding-type", "rope", "--rotary-base", "10000", "--seq-length", "32", "--data-path", "x",
+]  # fmt: skip
 
 
 def mixtral_cfg(tokenizer, *extra):

@@ -295,17 +295,10 @@ def _launch(plan_path: str, world: int, save_root: str) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")  # world processes share the cores
     env.setdefault("MEGATRON_MOE_FORCE_CPU", "1")  # offline: the CPU, even where GPUs exist
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        os.path.abspath(__file__),
-        "--plan",
-        plan_path,
-        "--save-root",
-        save_root,
-    ]
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={world}", os.path.abspath(__file__), "--plan", plan_path,
+        "--save-root", save_root,
+    ]  # fmt: skip
     print(f"reshard: launching {world} CPU process{'es' if world > 1 else ''}: {' '.join(cmd)}", flush=True)
     return subprocess.run(cmd, env=env).returncode
 
