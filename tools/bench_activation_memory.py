@@ -46,43 +46,19 @@ CASES = {
     # One MoE transformer layer, GPT2-S-MoE shapes: 1024 tokens (seq 512 x micro-batch 2).
     "layer_gpt2s_moe": dict(
         layers=1,
-        flags=[
-            "--num-layers",
-            "1",
-            "--hidden-size",
-            "768",
-            "--num-attention-heads",
-            "12",
-            "--ffn-hidden-size",
-            "3072",
-            "--num-experts",
-            "8",
-            "--moe-router-topk",
-            "2",
-            "--seq-length",
-            "512",
-        ],
+        flags=(
+            "--num-layers 1 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 3072 --num-experts 8 "
+            "--moe-router-topk 2 --seq-length 512"
+        ).split(),
         micro_batch=2,
     ),
     # The demo model (examples/pretrain_gpt_moe_tiny_cpu.sh), whole model with embeddings and loss.
     "demo_model": dict(
         layers=None,
-        flags=[
-            "--num-layers",
-            "4",
-            "--hidden-size",
-            "256",
-            "--num-attention-heads",
-            "4",
-            "--num-experts",
-            "8",
-            "--moe-router-topk",
-            "2",
-            "--moe-layer-freq",
-            "2",
-            "--seq-length",
-            "256",
-        ],
+        flags=(
+            "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --num-experts 8 --moe-router-topk 2 "
+            "--moe-layer-freq 2 --seq-length 256"
+        ).split(),
         micro_batch=8,
     ),
 }

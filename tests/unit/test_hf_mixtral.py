@@ -20,12 +20,12 @@ from megatron_moe.config import ConfigError, parse_args
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-4
-MIXTRAL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-    "--ffn-hidden-size", "96", "--num-experts", "4", "--moe-router-topk", "2", "--swiglu",
-    "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--position-embedding-type", "rope", "--rotary-base", "10000", "--seq-length", "32", "--data-path", "x",
-]  # fmt: skip
+MIXTRAL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --ffn-hidden-size 96 "
+    "--num-experts 4 --moe-router-topk 2 --swiglu --normalization RMSNorm --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --position-embedding-type rope --rotary-base 10000 --seq-length 32 "
+    "--data-path x"
+).split()
 
 
 def mixtral_cfg(tokenizer, *extra):
@@ -115,24 +115,10 @@ def test_import_matches_transformers(megatron_world1, tokenizer, tmp_path, publi
 
 def test_unexpressible_features_are_listed(tokenizer):
     cfg = parse_args(
-        [
-            "--num-layers",
-            "2",
-            "--num-experts",
-            "4",
-            "--moe-layer-freq",
-            "2",
-            "--moe-shared-expert-ffn-hidden-size",
-            "64",
-            "--position-embedding-type",
-            "learned_absolute",
-            "--moe-gate",
-            "sigmoid",
-            "--data-path",
-            "x",
-            "--tokenizer-model",
-            "x",
-        ]
+        (
+            "--num-layers 2 --num-experts 4 --moe-layer-freq 2 --moe-shared-expert-ffn-hidden-size 64 "
+            "--position-embedding-type learned_absolute --moe-gate sigmoid --data-path x --tokenizer-model x"
+        ).split()
     )
     problems = hf_mixtral.incompatibilities(cfg)
     text = "\n".join(problems)
