@@ -487,6 +487,16 @@ class DataConfig:
             "give the sentencepiece .model the data was made with",
         )
         require_non_negative("--num-workers", self.num_workers, 2)
+        try:
+            shares = [float(part) for part in self.split.split(",")]
+        except ValueError:
+            shares = []
+        require(
+            1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0,
+            "--split",
+            self.split,
+            "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -45,6 +45,10 @@ BAD = [
     (["--num-workers", "-1"], "--num-workers", "-1"),
     (["--fp16", "--min-loss-scale", "0"], "--min-loss-scale", "0.0"),
     (["--fp16", "--hysteresis", "0"], "--hysteresis", "0"),
+    (["--split", "98,-2,0"], "--split", "98,-2,0"),
+    (["--split", "0,0,0"], "--split", "0,0,0"),
+    (["--split", "98,x"], "--split", "98,x"),
+    (["--split", "1,1,1,1"], "--split", "1,1,1,1"),
 ]
 
 
