@@ -408,7 +408,8 @@ class TrainingConfig:
             require_non_negative(flag, value, example)
         require_fraction("--adam-beta1", self.adam_beta1, 0.9, below_one=True)
         require_fraction("--adam-beta2", self.adam_beta2, 0.95, below_one=True)
-        require(0 <= self.seed < 2**32, "--seed", self.seed, "must be in [0, 2**32), e.g. --seed 1234")
+        # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
+        require(0 <= self.seed < 2**31, "--seed", self.seed, "must be in [0, 2**31), e.g. --seed 1234")
         require(self.lr >= self.min_lr >= 0, "--min-lr", self.min_lr, f"must be in [0, --lr={self.lr}]")
 
 

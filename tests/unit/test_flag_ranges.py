@@ -42,6 +42,7 @@ BAD = [
     (["--weight-decay", "-0.1"], "--weight-decay", "-0.1"),
     (["--lr-warmup-iters", "-1"], "--lr-warmup-iters", "-1"),
     (["--seed", "-1"], "--seed", "-1"),
+    (["--seed", str(2**32)], "--seed", str(2**32)),
     (["--num-workers", "-1"], "--num-workers", "-1"),
     (["--fp16", "--min-loss-scale", "0"], "--min-loss-scale", "0.0"),
     (["--fp16", "--hysteresis", "0"], "--hysteresis", "0"),
