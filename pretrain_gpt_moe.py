@@ -31,8 +31,11 @@ def main(argv=None) -> int:
     log = logging.getLogger("megatron_moe")
     try:
         cfg = parse_args(argv)  # before the heavy imports: --help and flag errors come at once
+        # Before any process group: torchrun's WORLD_SIZE is the world size initialize() will see.
+        cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
     except ConfigError as error:
-        log.error("error: %s", error)
+        if int(os.environ.get("RANK", 0)) == 0:  # every rank fails alike; one line says why
+            log.error("error: %s", error)
         return 2
     from megatron_moe.data import DataError
     from megatron_moe.data.tokenizer import TokenizerError

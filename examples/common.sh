@@ -10,7 +10,7 @@
 #   gpus_on_node FALLBACK        GPUs here (Slurm, nvidia-smi), else FALLBACK
 #   data_from_env                DATA_PATHS/TOKENIZER_MODEL from DATA_PATH/TOKENIZER_MODEL
 #   check_args WORLD ARGS...     parse and validate trainer flags for a world size
-#   launch_pretrain ARGS...      torchrun pretrain_gpt_moe.py ARGS on this node
+#   launch_pretrain ARGS...      check_args, then torchrun pretrain_gpt_moe.py ARGS on this node
 #
 # Environment knobs every example honours:
 #   NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE   the launch
@@ -145,7 +145,8 @@ try:
     cfg = parse_args(sys.argv[2:])
     cfg.validate(world)
 except ConfigError as error:
-    sys.exit(f"error: {error}")
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
 p, m = cfg.parallel, cfg.model
 print(f"flags OK for world size {world}: TP={p.tensor_model_parallel_size} "
       f"PP={p.pipeline_model_parallel_size} CP={p.context_parallel_size} "
@@ -181,6 +182,8 @@ launch_pretrain() {
         check_args $((NNODES * GPUS_PER_NODE)) "$@"
         return
     fi
+    # A bad flag ends here in one line (exit 2), not once per rank plus torchrun's ChildFailedError.
+    check_args $((NNODES * GPUS_PER_NODE)) "$@" >&2 || exit
     log "node $NODE_RANK of $NNODES: $GPUS_PER_NODE processes, master $MASTER_ADDR:$MASTER_PORT"
     "${cmd[@]}"
 }

@@ -114,3 +114,19 @@ def require(condition: bool, flag: str, value: Any, expected: str) -> None:
     """Raise ConfigError naming the flag, its value and what would be valid."""
     if not condition:
         raise ConfigError(f"{flag}={value}: {expected}")
+
+
+def require_positive(flag: str, value: Any, example: Any = 1) -> None:
+    """`value` > 0 (None, an unset optional flag, passes)."""
+    require(value is None or value > 0, flag, value, f"must be > 0, e.g. {flag} {example}")
+
+
+def require_non_negative(flag: str, value: Any, example: Any = 0) -> None:
+    """`value` >= 0 (None, an unset optional flag, passes)."""
+    require(value is None or value >= 0, flag, value, f"must be >= 0, e.g. {flag} {example}")
+
+
+def require_fraction(flag: str, value: float, example: float, *, below_one: bool = False) -> None:
+    """`value` in [0, 1], or [0, 1) with `below_one`."""
+    fits = 0 <= value < 1 if below_one else 0 <= value <= 1
+    require(fits, flag, value, f"must be in [0, 1{')' if below_one else ']'}, e.g. {flag} {example}")

@@ -12,7 +12,7 @@ import dataclasses
 
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
-from megatron_moe.config.fields import arg, require
+from megatron_moe.config.fields import arg, require, require_fraction, require_non_negative, require_positive
 from megatron_moe.config.moe_layer import GATES, ORDERINGS, MoELayerConfig
 
 MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
@@ -45,7 +45,29 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this (a multiple of TP)")
 
     def validate(self) -> None:
-        require(self.num_layers > 0, "--num-layers", self.num_layers, "must be positive")
+        for flag, value, example in (
+            ("--num-layers", self.num_layers, 4),
+            ("--hidden-size", self.hidden_size, 256),
+            ("--ffn-hidden-size", self.ffn_hidden_size, 1024),
+            ("--num-attention-heads", self.num_attention_heads, 4),
+            ("--num-query-groups", self.num_query_groups, 1),
+            ("--seq-length", self.seq_length, 256),
+            ("--max-position-embeddings", self.max_position_embeddings, self.seq_length),
+            ("--rotary-base", self.rotary_base, 10000),
+            ("--norm-epsilon", self.norm_epsilon, 1e-5),
+            ("--init-method-std", self.init_method_std, 0.02),
+            ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by, 128),
+        ):
+            require_positive(flag, value, example)
+        require_fraction("--hidden-dropout", self.hidden_dropout, 0.1)
+        require_fraction("--attention-dropout", self.attention_dropout, 0.1)
+        if self.position_embedding_type == "learned_absolute" and self.max_position_embeddings is not None:
+            require(
+                self.seq_length <= self.max_position_embeddings,
+                "--seq-length",
+                self.seq_length,
+                f"must be <= --max-position-embeddings={self.max_position_embeddings} (the learned-position table)",
+            )
         require(
             self.hidden_size % self.num_attention_heads == 0,
             "--hidden-size",
@@ -190,7 +212,13 @@ class MoEConfig:
     def validate(self, model: ModelConfig) -> None:
         if not self.is_moe:
             return
-        require(self.num_experts > 0, "--num-experts", self.num_experts, "must be positive")
+        require_positive("--num-experts", self.num_experts, 8)
+        require_positive("--moe-ffn-hidden-size", self.moe_ffn_hidden_size, 1024)
+        require_positive("--moe-shared-expert-ffn-hidden-size", self.moe_shared_expert_ffn_hidden_size, 1024)
+        require_positive("--moe-router-dim", self.moe_router_dim, 16)
+        require_positive("--moe-soft-slots", self.moe_soft_slots, 1)
+        require_non_negative("--moe-aux-loss-coeff", self.moe_aux_loss_coeff, 0.01)
+        require_non_negative("--moe-z-loss-coeff", self.moe_z_loss_coeff, 0.001)
         require(
             0 < self.moe_router_topk <= self.num_experts,
             "--moe-router-topk",
@@ -254,6 +282,7 @@ class ParallelConfig:
             ("--pipeline-model-parallel-size", pp),
             ("--expert-model-parallel-size", ep),
             ("--context-parallel-size", cp),
+            ("--expert-tensor-parallel-size", self.expert_tensor_parallel_size or 1),
         ]:
             require(value >= 1, flag, value, "must be >= 1")
         require(
@@ -351,16 +380,37 @@ class TrainingConfig:
     def validate(self) -> None:
         require(not (self.bf16 and self.fp16), "--bf16/--fp16", "both", "choose one")
         require(self.loss_scale is None or self.loss_scale > 0, "--loss-scale", self.loss_scale, "must be positive")
+        require_positive("--min-loss-scale", self.min_loss_scale, 1.0)
         require(
             self.initial_loss_scale >= self.min_loss_scale > 0,
             "--initial-loss-scale",
             self.initial_loss_scale,
             f"must be >= --min-loss-scale={self.min_loss_scale} > 0",
         )
-        require(self.micro_batch_size > 0, "--micro-batch-size", self.micro_batch_size, "must be positive")
-        require(self.train_iters >= 0, "--train-iters", self.train_iters, "must be >= 0")
+        for flag, value, example in (
+            ("--micro-batch-size", self.micro_batch_size, 4),
+            ("--global-batch-size", self.global_batch_size, 32),
+            ("--lr-decay-iters", self.lr_decay_iters, 1000),
+            ("--adam-eps", self.adam_eps, 1e-8),
+            ("--loss-scale-window", self.loss_scale_window, 1000),
+            ("--hysteresis", self.hysteresis, 2),
+        ):
+            require_positive(flag, value, example)
+        for flag, value, example in (
+            ("--train-iters", self.train_iters, 100),
+            ("--lr", self.lr, 3e-4),
+            ("--lr-warmup-iters", self.lr_warmup_iters, 0),
+            ("--weight-decay", self.weight_decay, 0.01),
+            ("--clip-grad", self.clip_grad, "1.0 (0: off)"),
+            ("--eval-interval", self.eval_interval, "50 (0: only at the end)"),
+            ("--eval-iters", self.eval_iters, 4),
+        ):
+            require_non_negative(flag, value, example)
+        require_fraction("--adam-beta1", self.adam_beta1, 0.9, below_one=True)
+        require_fraction("--adam-beta2", self.adam_beta2, 0.95, below_one=True)
+        # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
+        require(0 <= self.seed < 2**31, "--seed", self.seed, "must be in [0, 2**31), e.g. --seed 1234")
         require(self.lr >= self.min_lr >= 0, "--min-lr", self.min_lr, f"must be in [0, --lr={self.lr}]")
-        require(self.eval_iters >= 0, "--eval-iters", self.eval_iters, "must be >= 0")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -437,6 +487,17 @@ class DataConfig:
             None,
             "give the sentencepiece .model the data was made with",
         )
+        require_non_negative("--num-workers", self.num_workers, 2)
+        try:
+            shares = [float(part) for part in self.split.split(",")]
+        except ValueError:
+            shares = []
+        require(
+            1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0,
+            "--split",
+            self.split,
+            "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -453,6 +514,11 @@ class CheckpointConfig:
     exit_duration_in_mins: float | None = arg(None, "save and exit once this run has trained this long")
     exit_signal_handler: bool = arg(True, "on SIGTERM (e.g. slurm's pre-timeout signal) save and exit")
 
+    def validate(self) -> None:
+        require_non_negative("--save-interval", self.save_interval, "1000 (0: only at the end)")
+        require_positive("--exit-interval", self.exit_interval, 1000)
+        require_positive("--exit-duration-in-mins", self.exit_duration_in_mins, 230)
+
 
 @dataclasses.dataclass(kw_only=True)
 class LoggingConfig:
@@ -463,6 +529,9 @@ class LoggingConfig:
     log_params_norm: bool = arg(
         False, "log the L2 norm of all parameters (each counted once) after each step, as Megatron-LM does"
     )
+
+    def validate(self) -> None:
+        require_positive("--log-interval", self.log_interval, 10)
 
 
 GROUPS: tuple[tuple[str, type], ...] = (

@@ -26,7 +26,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.utils import log_single_rank
 
 from megatron_moe.data import DataError
-from megatron_moe.data.metadata import WRITE_HINT, TokenMetadata, metadata_path, read_metadata
+from megatron_moe.data.metadata import WRITE_HINT, TokenizerIdentity, TokenMetadata, metadata_path, read_metadata
 
 DATA_PATH_FLAG = "--data-path"
 PREPROCESS_HINT = (
@@ -116,8 +116,13 @@ def _read_idx_counts(idx_path: str) -> tuple[type, int, int]:
     return DType.dtype_from_code(code), seq_count, doc_count
 
 
-def _idx_token_count(prefix: str, idx_path: str) -> int:
-    """Tokens the ``.idx`` says the ``.bin`` holds: the sum of its sequence lengths (reads the .idx only)."""
+def _idx_token_count(prefix: str, idx_path: str, itemsize: int) -> int:
+    """Tokens the ``.idx`` says the ``.bin`` holds: the sum of its sequence lengths (reads the .idx only).
+
+    Also checks the ``.idx``'s own arrays, O(.idx): each sequence starts where the previous one
+    ends (byte offsets = the running sum of lengths x item size), and the document boundaries
+    run from 0 to the sequence count without going back.
+    """
     try:
         dataset = IndexedDataset(prefix, mmap=True)
     except (AssertionError, ValueError) as error:
@@ -125,8 +130,26 @@ def _idx_token_count(prefix: str, idx_path: str) -> int:
             f"{DATA_PATH_FLAG}: index file {idx_path} is corrupt ({error}); "
             f"re-run tools/preprocess_data.py to rebuild it"
         ) from error
-    count = int(dataset.index.sequence_lengths.sum(dtype=numpy.int64))
-    del dataset
+    index = dataset.index
+    lengths = index.sequence_lengths.astype(numpy.int64)
+    starts = numpy.concatenate(([0], numpy.cumsum(lengths * itemsize)[:-1]))
+    offsets = index.sequence_pointers.astype(numpy.int64)
+    documents = index.document_indices.astype(numpy.int64)
+    count = int(lengths.sum())
+    del dataset, index
+    mismatch = numpy.flatnonzero(offsets != starts)
+    if mismatch.size:
+        i = int(mismatch[0])
+        raise DataError(
+            f"{DATA_PATH_FLAG}: index file {idx_path} is corrupt (sequence {i} starts at byte {offsets[i]} "
+            f"of the .bin, but the sequences before it end at byte {starts[i]}); "
+            f"re-run tools/preprocess_data.py to rebuild it"
+        )
+    if documents[0] != 0 or documents[-1] != len(lengths) or (numpy.diff(documents) < 0).any():
+        raise DataError(
+            f"{DATA_PATH_FLAG}: index file {idx_path} is corrupt (its document boundaries do not run "
+            f"from 0 to its {len(lengths)} sequences in order); re-run tools/preprocess_data.py to rebuild it"
+        )
     return count
 
 
@@ -150,9 +173,9 @@ def check_prefix_files(prefix: str) -> PrefixFiles:
     dtype, seq_count, doc_count = _read_idx_counts(idx_path)
     if seq_count == 0:
         raise DataError(f"{DATA_PATH_FLAG} {prefix}: {idx_path} holds no documents; {PREPROCESS_HINT}")
-    num_tokens = _idx_token_count(prefix, idx_path)
+    num_tokens = _idx_token_count(prefix, idx_path, numpy.dtype(dtype).itemsize)
     bin_bytes = os.path.getsize(bin_path)
-    expected = num_tokens * numpy.dtype(dtype).itemsize
+    expected = num_tokens * numpy.dtype(dtype).itemsize  # = the last offset + the last size, checked above
     if bin_bytes != expected:
         raise DataError(
             f"{DATA_PATH_FLAG}: data file {bin_path} is truncated or corrupt "
@@ -183,12 +206,14 @@ def _check_metadata(metadata: TokenMetadata, prefix: str, files: PrefixFiles) ->
         )
 
 
-def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
+def validate_data_prefix(prefix: str, vocab_size: int, tokenizer: TokenizerIdentity | None = None) -> DataSummary:
     """Check that ``PREFIX.bin/.idx`` exist, are intact and fit a ``vocab_size`` tokenizer.
 
     Reads the ``.idx`` and the metadata sidecar (``PREFIX.meta.json``), never the ``.bin``'s
     tokens: the ``.bin``'s size is checked against the ``.idx``, its largest token id comes from
     the sidecar. Without a sidecar the token ids are not checked; a warning says how to write it.
+    With `tokenizer` (the identity of ``--tokenizer-model``), a sidecar recording another
+    vocabulary (larger, smaller, or the same size with other pieces) is refused.
     """
     files = check_prefix_files(prefix)
     metadata = read_metadata(prefix)
@@ -203,6 +228,8 @@ def validate_data_prefix(prefix: str, vocab_size: int) -> DataSummary:
         max_id = None
     else:
         _check_metadata(metadata, prefix, files)
+        if tokenizer is not None:
+            check_same_vocabulary(metadata.tokenizer, tokenizer, prefix)
         max_id = metadata.max_token_id
         check_vocabulary_covers(max_id, vocab_size, prefix + ".bin")
     return DataSummary(prefix, files.num_documents, files.num_sequences, files.num_tokens, max_id)
@@ -215,6 +242,25 @@ def check_vocabulary_covers(max_token_id: int, vocab_size: int, bin_path: str) -
             f"tokenizer vocabulary ({vocab_size}) smaller than the data's token ids "
             f"(max {max_token_id}) in {bin_path}; use the tokenizer the data was "
             f"preprocessed with (--tokenizer-model)"
+        )
+
+
+def check_same_vocabulary(data: TokenizerIdentity, given: TokenizerIdentity, prefix: str) -> None:
+    """Refuse a ``--tokenizer-model`` whose vocabulary is not the one the data was made with.
+
+    The pieces in id order decide (the model file's bytes may differ for the same vocabulary)."""
+    where = f"--tokenizer-model {given.model_file} and {DATA_PATH_FLAG} {prefix}"
+    fix = "use the tokenizer the data was made with, or re-run tools/preprocess_data.py with this one"
+    if data.vocab_size != given.vocab_size:
+        raise DataError(
+            f"{where}: the tokenizer has {given.vocab_size} pieces but the data was made with a "
+            f"{data.vocab_size}-piece vocabulary ({data.model_file}, per {metadata_path(prefix)}); {fix}"
+        )
+    if data.pieces_sha256 != given.pieces_sha256:
+        raise DataError(
+            f"{where}: same size ({given.vocab_size}) but other pieces: the tokenizer's pieces hash "
+            f"{given.pieces_sha256[:12]}, the data's ({data.model_file}, per {metadata_path(prefix)}) "
+            f"{data.pieces_sha256[:12]}; {fix}"
         )
 
 
@@ -313,8 +359,9 @@ def build_gpt_datasets(
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    identity = TokenizerIdentity.of(tokenizer)
     for prefix in prefixes:
-        summary = validate_data_prefix(prefix, tokenizer.vocab_size)
+        summary = validate_data_prefix(prefix, tokenizer.vocab_size, identity)
         _check_split_coverage(summary, config, split)
     sizes = [train_samples, valid_samples, test_samples]
     train, valid, test = _Builder(GPTDataset, sizes, is_built_on_rank, config).build()

@@ -200,3 +200,91 @@ def test_start_up_never_touches_the_bin_tokens(train_data, tokenizer, tmp_path):
         assert resident_pages(prefix + ".bin") == (0, pages), cache
     assert train[0]["tokens"].shape == (32,)
     assert resident_pages(prefix + ".bin")[0] > 0  # the check sees a read
+
+
+# ------------------------------------------------- the .idx against the .bin, the tokenizer against the data
+
+
+def idx_arrays(prefix):
+    """(lengths, offsets, document boundaries) of PREFIX.idx as writable memmaps, for corrupting them."""
+    head = open(prefix + ".idx", "rb").read(34)
+    seqs, docs = int.from_bytes(head[18:26], "little"), int.from_bytes(head[26:34], "little")
+    lengths = numpy.memmap(prefix + ".idx", dtype=numpy.int32, mode="r+", offset=34, shape=(seqs,))
+    offsets = numpy.memmap(prefix + ".idx", dtype=numpy.int64, mode="r+", offset=34 + 4 * seqs, shape=(seqs,))
+    documents = numpy.memmap(prefix + ".idx", dtype=numpy.int64, mode="r+", offset=34 + 12 * seqs, shape=(docs,))
+    return lengths, offsets, documents
+
+
+def corrupt_permuted(lengths, offsets, documents):
+    offsets[[1, 2]] = offsets[[2, 1]]
+
+
+def corrupt_past_the_end(lengths, offsets, documents):
+    offsets[-1] += 1000
+
+
+def corrupt_lengths_moved(lengths, offsets, documents):
+    lengths[0] += 3  # the sum still matches the .bin: another sequence shrinks by as much
+    lengths[1] -= 3
+
+
+def corrupt_documents(lengths, offsets, documents):
+    documents[[1, 2]] = documents[[2, 1]]
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (corrupt_permuted, r"sequence 1 starts at byte \d+ of the \.bin, but the sequences before it end at byte"),
+        (corrupt_past_the_end, r"sequence \d+ starts at byte \d+ of the \.bin, but"),
+        (corrupt_lengths_moved, r"sequence 1 starts at byte \d+ of the \.bin, but"),
+        (corrupt_documents, r"document boundaries do not run from 0 to its \d+ sequences in order"),
+    ],
+)
+def test_idx_offsets_that_do_not_tile_the_bin_are_refused_naming_the_file(train_data, tmp_path, corrupt, message):
+    prefix = copy_prefix(train_data[0], tmp_path, sidecar=True)
+    validate_data_prefix(prefix, VOCAB)  # intact before
+    arrays = idx_arrays(prefix)
+    corrupt(*arrays)
+    for array in arrays:
+        array.flush()
+    del arrays
+    with pytest.raises(DataError, match=message) as error:
+        validate_data_prefix(prefix, VOCAB)
+    assert str(error.value).startswith(f"--data-path: index file {prefix}.idx is corrupt"), str(error.value)
+
+
+def forge_sidecar_tokenizer(prefix, **changes):
+    path = metadata_path(prefix)
+    meta = json.loads(open(path).read())
+    meta["tokenizer"].update(changes)
+    open(path, "w").write(json.dumps(meta))
+
+
+OTHER = "f" * 64
+MADE_WITH = r"has {} pieces but the data was made with a {}-piece vocabulary"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"vocab_size": VOCAB + 128, "pieces_sha256": OTHER}, MADE_WITH.format(VOCAB, VOCAB + 128)),
+        ({"vocab_size": VOCAB - 128, "pieces_sha256": OTHER}, MADE_WITH.format(VOCAB, VOCAB - 128)),
+        ({"pieces_sha256": OTHER}, rf"same size \({VOCAB}\) but other pieces: .* \(other\.model, per .*\) ffffff"),
+    ],
+)
+def test_a_tokenizer_with_another_vocabulary_is_refused_both_ways(train_data, tokenizer, tmp_path, changes, message):
+    prefix = copy_prefix(train_data[0], tmp_path, sidecar=True)
+    forge_sidecar_tokenizer(prefix, model_file="other.model", **changes)
+    with pytest.raises(DataError, match=message) as error:
+        build(prefix, tokenizer, str(tmp_path / "cache"))
+    text = str(error.value)
+    assert text.startswith(f"--tokenizer-model {os.path.basename(tokenizer.model_path)} and --data-path {prefix}:")
+    assert metadata_path(prefix) in text
+
+
+def test_the_same_vocabulary_in_another_model_file_is_accepted(train_data, tokenizer, tmp_path):
+    prefix = copy_prefix(train_data[0], tmp_path, sidecar=True)
+    forge_sidecar_tokenizer(prefix, model_file="renamed.model", model_sha256="0" * 64)  # e.g. re-saved
+    train, valid, _ = build(prefix, tokenizer, str(tmp_path / "cache"))
+    assert len(train) >= 40 and len(valid) >= 8

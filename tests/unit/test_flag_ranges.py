@@ -1,0 +1,94 @@
+"""Every numeric flag's range: a bad value is one ConfigError naming the flag, the value and a valid choice."""
+
+import dataclasses
+import re
+import typing
+
+import pytest
+
+from megatron_moe.config import GROUPS, ConfigError, parse_args
+from megatron_moe.config.fields import _unwrap_optional, flag_name
+
+BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "8"]
+
+# The bad flag sets of issue 12 (tracebacks, silently accepted, blamed on another flag), and a few more.
+BAD = [
+    (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "128"], "--seq-length", "256"),
+    (["--num-attention-heads", "0"], "--num-attention-heads", "0"),
+    (["--num-query-groups", "0"], "--num-query-groups", "0"),
+    (["--global-batch-size", "0"], "--global-batch-size", "0"),
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by", "0"),
+    (["--init-method-std", "-1"], "--init-method-std", "-1.0"),
+    (["--norm-epsilon", "-1"], "--norm-epsilon", "-1.0"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout", "1.5"),
+    (["--attention-dropout", "-0.1"], "--attention-dropout", "-0.1"),
+    (["--adam-beta1", "1.0"], "--adam-beta1", "1.0"),
+    (["--adam-beta2", "-0.5"], "--adam-beta2", "-0.5"),
+    (["--adam-eps", "0"], "--adam-eps", "0.0"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size", "0"),
+    (["--save", "ck", "--save-interval", "-1"], "--save-interval", "-1"),
+    (["--eval-interval", "-1"], "--eval-interval", "-1"),
+    (["--clip-grad", "-1"], "--clip-grad", "-1.0"),
+    (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins", "-1.0"),
+    (["--exit-interval", "0"], "--exit-interval", "0"),
+    (["--lr", "-1"], "--lr", "-1.0"),
+    (["--log-interval", "0"], "--log-interval", "0"),
+    (["--seq-length", "0"], "--seq-length", "0"),
+    (["--hidden-size", "0"], "--hidden-size", "0"),
+    (["--micro-batch-size", "0"], "--micro-batch-size", "0"),
+    (["--train-iters", "-5"], "--train-iters", "-5"),
+    (["--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size", "0"),
+    (["--moe-aux-loss-coeff", "-0.01"], "--moe-aux-loss-coeff", "-0.01"),
+    (["--weight-decay", "-0.1"], "--weight-decay", "-0.1"),
+    (["--lr-warmup-iters", "-1"], "--lr-warmup-iters", "-1"),
+    (["--seed", "-1"], "--seed", "-1"),
+    (["--seed", str(2**32)], "--seed", str(2**32)),
+    (["--num-workers", "-1"], "--num-workers", "-1"),
+    (["--fp16", "--min-loss-scale", "0"], "--min-loss-scale", "0.0"),
+    (["--fp16", "--hysteresis", "0"], "--hysteresis", "0"),
+    (["--split", "98,-2,0"], "--split", "98,-2,0"),
+    (["--split", "0,0,0"], "--split", "0,0,0"),
+    (["--split", "98,x"], "--split", "98,x"),
+    (["--split", "1,1,1,1"], "--split", "1,1,1,1"),
+]
+
+
+@pytest.mark.parametrize(("flags", "flag", "value"), BAD, ids=[case[1] for case in BAD])
+def test_bad_flag_is_one_line_naming_flag_value_and_choice(flags, flag, value):
+    with pytest.raises(ConfigError) as error:
+        parse_args([*BASE, *flags]).validate(world_size=1)
+    message = str(error.value)
+    assert message.startswith(f"{flag}={value}: "), message
+    assert "\n" not in message
+    assert re.search(r"must|e\.g\.|use|choose", message), message
+
+
+SIGNED = {"moe_expert_capacity_factor"}  # < 0 means dropless capped at |f| (Tutel semantics)
+
+
+def numeric_fields():
+    for name, cls in GROUPS:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            kind, _ = _unwrap_optional(hints[field.name])
+            if kind in (int, float) and field.name not in SIGNED:
+                yield name, field
+
+
+def test_every_numeric_flag_refuses_a_negative_value_by_name():
+    checked = []
+    for group, field in numeric_fields():
+        c = parse_args([*BASE, "--fp16"])
+        setattr(getattr(c, group), field.name, -3)
+        with pytest.raises(ConfigError) as error:
+            c.validate(world_size=1)
+        assert str(error.value).startswith(f"{flag_name(field)}=-3: "), (field.name, str(error.value))
+        checked.append(field.name)
+    assert len(checked) > 40, checked  # the walk found the groups' numeric fields
+
+
+def test_good_values_at_the_edges_are_accepted():
+    flags = ["--hidden-dropout", "0", "--attention-dropout", "1", "--adam-beta1", "0", "--clip-grad", "0"]
+    flags += ["--eval-interval", "0", "--save", "ck", "--save-interval", "0", "--lr", "0", "--min-lr", "0"]
+    flags += ["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "256"]
+    parse_args([*BASE, *flags]).validate(world_size=1)
