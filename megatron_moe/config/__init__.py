@@ -64,6 +64,7 @@ class RunConfig:
         self.activations.validate()
         self.activation_policy()  # names and formats checked before any process group exists
         self.data.validate()
+        self.logging.validate()
         dp = self.data_parallel_size(world_size)
         t = self.training
         if t.global_batch_size is None:
