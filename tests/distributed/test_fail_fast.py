@@ -44,15 +44,18 @@ def run_job(train_data, *flags, env=None):
     return job.returncode, lines, None if failed_at is None else ended - failed_at
 
 
-def test_an_exception_on_rank_1_ends_the_job_at_once(train_data):
-    code, lines, seconds = run_job(train_data, "--lr", "1e-3", env={"MEGATRON_MOE_TEST_RAISE_AT": "1:3"})
+@pytest.mark.parametrize("rank, step", [(1, 3), (0, 2)])  # rank 0 also hosts the rendezvous store
+def test_an_exception_on_one_rank_ends_the_job_at_once(train_data, rank, step):
+    code, lines, seconds = run_job(train_data, "--lr", "1e-3", env={"MEGATRON_MOE_TEST_RAISE_AT": f"{rank}:{step}"})
     text = "".join(lines)
-    message = "rank 1: RuntimeError: injected failure at step 3"
+    message = f"rank {rank}: RuntimeError: injected failure at step {step}"
     assert code != 0, text[-3000:]
     assert sum(message in line for line in lines) == 1, text[-3000:]
     assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])
-    assert "iteration        3/" not in text  # the step that raised never completed
+    assert f"iteration {step:8d}/" not in text  # the step that raised never completed
     assert "Traceback" not in text.split(message)[0]  # the rank and message come first
+    other = [line for line in lines if RANK_ERROR.search(line) and f"] rank {1 - rank}: " in line]
+    assert all("another rank ended first" in line for line in other if "raised at" not in line), other
 
 
 @pytest.fixture(scope="module")
