@@ -48,7 +48,7 @@ class LossSpikeDetector:
 
 
 def first_nonfinite_grad(chunks) -> str | None:
-    """The name of the first parameter (model order) whose gradient holds a NaN/inf, or None.
+    """The name of the first parameter (model order) whose gradient holds a NaN/inf and how many do, or None.
 
     One device->host read for the whole model (over the DDP grad buffers); the per-parameter walk runs
     only when something is non-finite.
@@ -60,12 +60,11 @@ def first_nonfinite_grad(chunks) -> str | None:
     ]
     if not flags or all(to_host(torch.stack(flags))[0]):
         return None
-    for chunk in chunks:
-        for name, param in chunk.module.named_parameters():
-            grad = getattr(param, "main_grad", None)
-            if grad is not None and not torch.isfinite(grad).all():
-                return name
-    return "(a gradient buffer outside the named parameters)"
+    named = [(name, getattr(p, "main_grad", None)) for chunk in chunks for name, p in chunk.module.named_parameters()]
+    bad = [name for name, grad in named if grad is not None and not torch.isfinite(grad).all()]
+    if not bad:
+        return "(a gradient buffer outside the named parameters)"
+    return f"{bad[0]} ({len(bad)} of {len(named)} parameters have non-finite gradients)"
 
 
 def check_grads_then(finalize: Callable, *, iteration: Callable[[], int], rank: int) -> Callable:

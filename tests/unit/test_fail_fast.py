@@ -66,7 +66,8 @@ def test_first_nonfinite_grad_names_the_first_parameter_in_model_order():
     finite = {"a": torch.ones(3), "b": torch.ones(2, 2), "c": torch.ones(1)}
     assert first_nonfinite_grad([fake_chunk(finite)]) is None
     bad = {"a": torch.ones(3), "b": torch.tensor([[1.0, math.inf], [0, 0]]), "c": torch.tensor([math.nan])}
-    assert first_nonfinite_grad([fake_chunk(finite), fake_chunk(bad)]) == "b"
+    found = first_nonfinite_grad([fake_chunk(finite), fake_chunk(bad)])
+    assert found == "b (2 of 6 parameters have non-finite gradients)"
 
 
 def test_grad_check_runs_before_finalize_and_names_iteration_rank_parameter():
@@ -75,7 +76,8 @@ def test_grad_check_runs_before_finalize_and_names_iteration_rank_parameter():
     good = [fake_chunk({"w": torch.ones(2)})]
     finalize(good, "tokens", pg_collection=None)
     assert calls == [(good, ("tokens",), {"pg_collection": None})]
-    with pytest.raises(NonFiniteError, match=r"non-finite gradient at iteration 7 on rank 1: first in parameter w"):
+    expected = r"non-finite gradient at iteration 7 on rank 1: first in parameter w \(1 of 2 parameters"
+    with pytest.raises(NonFiniteError, match=expected):
         finalize([fake_chunk({"v": torch.ones(1), "w": torch.tensor([math.nan])})])
     assert len(calls) == 1  # the reduction never ran on bad grads
 
@@ -104,6 +106,24 @@ def test_spike_flags():
         parse_args([*base, "--loss-spike-factor", "0.5"]).validate(1)
     with pytest.raises(ConfigError, match=r"--loss-spike-window=0: must be at least 1"):
         parse_args([*base, "--loss-spike-window", "0"]).validate(1)
+
+
+def test_pretrain_skips_shutdown_when_training_fails(monkeypatch):
+    """shutdown()'s barrier would wait for ranks inside a training collective: the error path has none."""
+    import megatron_moe.training as training
+
+    calls = []
+    monkeypatch.setattr(training, "initialize", lambda cfg: calls.append("initialize"))
+    monkeypatch.setattr(training, "shutdown", lambda **kwargs: calls.append("shutdown"))
+
+    def failing_tokenizer(path):
+        raise RuntimeError(f"cannot read {path}")
+
+    monkeypatch.setattr(training, "SentencePieceTokenizer", failing_tokenizer)
+    cfg = parse_args(["--data-path", "d", "--tokenizer-model", "t.model"])
+    with pytest.raises(RuntimeError, match="cannot read t.model"):
+        training.pretrain(cfg)
+    assert calls == ["initialize"]
 
 
 def raised() -> BaseException:
