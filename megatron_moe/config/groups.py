@@ -529,9 +529,17 @@ class LoggingConfig:
     log_params_norm: bool = arg(
         False, "log the L2 norm of all parameters (each counted once) after each step, as Megatron-LM does"
     )
+    loss_spike_factor: float = arg(
+        3.0, "warn when a step's loss exceeds this factor x the mean of the last --loss-spike-window steps (0: off)"
+    )
+    loss_spike_window: int = arg(20, "steps in the rolling mean --loss-spike-factor compares with")
 
     def validate(self) -> None:
         require_positive("--log-interval", self.log_interval, 10)
+        factor = self.loss_spike_factor
+        require(factor == 0 or factor > 1, "--loss-spike-factor", factor, "must be 0 (off) or above 1, e.g. 3")
+        window = self.loss_spike_window
+        require(window >= 1, "--loss-spike-window", window, "must be at least 1, e.g. 20")
 
 
 GROUPS: tuple[tuple[str, type], ...] = (

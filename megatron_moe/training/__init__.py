@@ -20,18 +20,19 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
     """Train as `cfg` says; returns per-step figures (lm loss, grad norm) on the logging rank.
 
     `keep_process_group` leaves torch.distributed up (tests run several layouts in one job).
+    An exception propagates without `shutdown()`: its barrier would wait for ranks that are inside a
+    training collective (a hang until the timeout); the caller ends the process (pretrain_gpt_moe.main).
     """
     initialize(cfg)
-    try:
-        tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
-        load_dir = resolve_load_dir(cfg)
-        config = transformer_config(cfg)
-        model = build_ddp_model(cfg, config, tokenizer.vocab_size)
-        optimizer = build_optimizer(cfg, model)
-        scheduler = build_scheduler(cfg, optimizer)
-        wire_model_config(config, model, optimizer)
-        state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
-        data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
-        return Trainer(cfg, model, optimizer, scheduler, state, data).train()
-    finally:
-        shutdown(destroy_process_group=not keep_process_group)
+    tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+    load_dir = resolve_load_dir(cfg)
+    config = transformer_config(cfg)
+    model = build_ddp_model(cfg, config, tokenizer.vocab_size)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer)
+    wire_model_config(config, model, optimizer)
+    state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
+    data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
+    history = Trainer(cfg, model, optimizer, scheduler, state, data).train()
+    shutdown(destroy_process_group=not keep_process_group)
+    return history

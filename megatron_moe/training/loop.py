@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.config import RunConfig
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
+from megatron_moe.training.divergence import LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.preemption import ExitRequest
@@ -21,6 +24,18 @@ from megatron_moe.training.setup import params_norm
 from megatron_moe.training.step import forward_step
 
 log = logging.getLogger("megatron_moe")
+
+# Test-only fault injection: "RANK:STEP" makes that rank raise at the start of that step (tests/distributed).
+RAISE_AT_ENV = "MEGATRON_MOE_TEST_RAISE_AT"
+
+
+def injected_failure_step(rank: int) -> int | None:
+    """The step at which this rank raises, from $MEGATRON_MOE_TEST_RAISE_AT (None: no injection)."""
+    spec = os.environ.get(RAISE_AT_ENV)
+    if not spec:
+        return None
+    target_rank, step = (int(part) for part in spec.split(":"))
+    return step if target_rank == rank else None
 
 
 def computed_losses_only(figures: dict[str, float], *, aux: bool, z: bool) -> dict[str, float]:
@@ -53,7 +68,16 @@ class Trainer:
         self.own_moe = cfg.moe.own_layer
         # Router losses the MoE layers compute: only those are logged (a loss not computed is not a 0).
         self.logged_losses = cfg.moe.logged_router_losses(cfg.model)
-        self.is_logging_rank = dist.get_rank() == self.world - 1  # a last-stage rank
+        self.rank = dist.get_rank()
+        self.is_logging_rank = self.rank == self.world - 1  # a last-stage rank
+        self._raise_at = injected_failure_step(self.rank)
+        self.check_finite = not cfg.training.fp16  # fp16: the loss scaler handles inf/NaN (skips the step)
+        if self.check_finite:  # every rank checks its local grads before they are reduced
+            config = get_model_config(model[0])
+            config.finalize_model_grads_func = check_grads_then(
+                config.finalize_model_grads_func, iteration=lambda: self.state.iteration + 1, rank=self.rank
+            )
+        self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
         self._validated_at = None
         self.logger = None
         if self.is_logging_rank:
@@ -92,6 +116,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch; returns its figures."""
+        if self._raise_at == self.state.iteration + 1:
+            raise RuntimeError(f"injected failure at step {self._raise_at} (${RAISE_AT_ENV}, test only)")
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -113,8 +139,11 @@ class Trainer:
             self.scheduler.step(increment=gbs)
         self.state.iteration += 1
         self.state.consumed_train_samples += gbs
+        lm_loss = _reduce_lm_loss(losses)
+        if self.check_finite:
+            check_loss(lm_loss, iteration=self.state.iteration, rank=self.rank)
         return {
-            "lm loss": _reduce_lm_loss(losses),
+            "lm loss": lm_loss,
             "aux": self._aux_figures(),
             "grad_norm": grad_norm,
             "params_norm": norm,
@@ -188,6 +217,9 @@ class Trainer:
             it = self.state.iteration
             if self.logger:
                 history.append(self._log_step(it, figures))
+                spike = self.spikes.observe(it, figures["lm loss"])
+                if spike:
+                    log.warning(spike)
             if t.eval_interval and it % t.eval_interval == 0 and it < t.train_iters:
                 self._validate_and_log()
             if ck.save_interval and it % ck.save_interval == 0 and it < t.train_iters:

@@ -26,8 +26,8 @@ def build_ddp_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) 
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
         overlap_grad_reduce=False,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        # fp16's dynamic loss scaling meets inf/NaN grads on purpose (it then skips the step and lowers the scale).
-        check_for_nan_in_grad=not cfg.training.fp16,
+        # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
+        check_for_nan_in_grad=False,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     model.broadcast_params()

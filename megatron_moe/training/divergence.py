@@ -1,0 +1,88 @@
+"""Divergence and NaN: a loss-spike warning, and a stop at the first non-finite loss or gradient.
+
+The gradient check replaces megatron-core DDP's `check_for_nan_in_grad` (whose error says "iteration -1"):
+it runs on each rank's local gradients before they are reduced, so the rank it names is the one where the
+non-finite value appeared, and it names the real iteration and the first parameter (model order) hit.
+fp16 runs skip it: their dynamic loss scale meets inf/NaN gradients on purpose and skips the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from megatron_moe.platform import to_host
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/inf loss or gradient: the run cannot continue."""
+
+
+class LossSpikeDetector:
+    """Flags a loss above `factor` x the mean of the previous `window` finite losses (factor 0: off).
+
+    No warning until `min(window, 5)` losses are known; a flagged loss still enters the window.
+    """
+
+    def __init__(self, *, factor: float, window: int):
+        self.factor = factor
+        self.window = window
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, iteration: int, loss: float) -> str | None:
+        """The warning text for this step's `loss`, or None."""
+        warning = None
+        if self.factor > 0 and math.isfinite(loss) and len(self._recent) >= min(self.window, 5):
+            mean = sum(self._recent) / len(self._recent)
+            if loss > self.factor * mean:
+                warning = (
+                    f"loss spike at iteration {iteration}: lm loss {loss:.4E} is {loss / mean:.1f}x the mean "
+                    f"{mean:.4E} of the last {len(self._recent)} steps (--loss-spike-factor={self.factor:g})"
+                )
+        if math.isfinite(loss):
+            self._recent.append(loss)
+        return warning
+
+
+def first_nonfinite_grad(chunks) -> str | None:
+    """The name of the first parameter (model order) whose gradient holds a NaN/inf and how many do, or None.
+
+    One device->host read for the whole model (over the DDP grad buffers); the per-parameter walk runs
+    only when something is non-finite.
+    """
+    flags = [
+        torch.isfinite(buffer.grad_data).all()
+        for chunk in chunks
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers
+    ]
+    if not flags or all(to_host(torch.stack(flags))[0]):
+        return None
+    named = [(name, getattr(p, "main_grad", None)) for chunk in chunks for name, p in chunk.module.named_parameters()]
+    bad = [name for name, grad in named if grad is not None and not torch.isfinite(grad).all()]
+    if not bad:
+        return "(a gradient buffer outside the named parameters)"
+    return f"{bad[0]} ({len(bad)} of {len(named)} parameters have non-finite gradients)"
+
+
+def check_grads_then(finalize: Callable, *, iteration: Callable[[], int], rank: int) -> Callable:
+    """`finalize` (megatron-core's finalize_model_grads) preceded by the local gradient check."""
+
+    def checked(model, *args, **kwargs):
+        name = first_nonfinite_grad(model)
+        if name is not None:
+            raise NonFiniteError(
+                f"non-finite gradient at iteration {iteration()} on rank {rank}: first in parameter {name} "
+                "(a lower --lr usually helps)"
+            )
+        return finalize(model, *args, **kwargs)
+
+    return checked
+
+
+def check_loss(loss: float | None, *, iteration: int, rank: int) -> None:
+    """Stop on a NaN/inf step loss (None: not on the last pipeline stage)."""
+    if loss is not None and not math.isfinite(loss):
+        raise NonFiniteError(f"non-finite lm loss ({loss}) at iteration {iteration} on rank {rank}")

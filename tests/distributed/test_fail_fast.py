@@ -1,0 +1,76 @@
+"""Faults on one rank of a 2-rank torchrun job: the job ends in seconds, naming the rank and the error.
+
+Issue 12 items 1 and 7: before, an exception on one rank hung the job (`shutdown()`'s barrier waited for the
+other rank, inside a training collective) and a diverging run died with "found NaN ... iteration -1".
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.distributed.launcher import free_port
+
+FAIL_WITHIN_S = 15
+RANK_ERROR = re.compile(r"\] rank \d+: ")  # our error line: "[time] rank R: message"
+
+
+def run_job(train_data, *flags, env=None):
+    """Launch pretrain_gpt_moe.py on 2 ranks (EP=2); returns (exit code, output lines, seconds from the
+    first line naming a rank's error to the end of the job)."""
+    data, tokenizer = train_data
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node=2", f"--master-port={free_port()}", os.path.join(ROOT, "pretrain_gpt_moe.py"),
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--num-experts", "4", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "200", "--log-interval", "1",
+        "--eval-interval", "0", "--eval-iters", "0", "--data-path", data,
+        "--tokenizer-model", tokenizer, "--split", "98,2,0", *flags,
+    ]  # fmt: skip
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=ROOT)
+    lines, failed_at = [], None
+    for line in job.stdout:
+        lines.append(line)
+        if failed_at is None and RANK_ERROR.search(line):
+            failed_at = time.monotonic()
+    job.wait(timeout=300)
+    ended = time.monotonic()
+    return job.returncode, lines, None if failed_at is None else ended - failed_at
+
+
+@pytest.mark.parametrize("rank, step", [(1, 3), (0, 2)])  # rank 0 also hosts the rendezvous store
+def test_an_exception_on_one_rank_ends_the_job_at_once(train_data, rank, step):
+    code, lines, seconds = run_job(train_data, "--lr", "1e-3", env={"MEGATRON_MOE_TEST_RAISE_AT": f"{rank}:{step}"})
+    text = "".join(lines)
+    message = f"rank {rank}: RuntimeError: injected failure at step {step}"
+    assert code != 0, text[-3000:]
+    assert sum(message in line for line in lines) == 1, text[-3000:]
+    assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])
+    assert f"iteration {step:8d}/" not in text  # the step that raised never completed
+    assert "Traceback" not in text.split(message)[0]  # the rank and message come first
+    other = [line for line in lines if RANK_ERROR.search(line) and f"] rank {1 - rank}: " in line]
+    assert all("another rank ended first" in line for line in other if "raised at" not in line), other
+
+
+@pytest.fixture(scope="module")
+def diverged(train_data):
+    return run_job(train_data, "--lr", "1e3", "--clip-grad", "0")
+
+
+def test_divergence_warns_then_a_non_finite_gradient_stops_the_run_naming_it(diverged):
+    code, lines, seconds = diverged
+    text = "".join(lines)
+    assert code != 0, text[-3000:]
+    stops = [line for line in lines if "NonFiniteError: non-finite" in line]
+    assert stops, text[-3000:]
+    stop = stops[0]
+    assert "iteration -1" not in stop and " at iteration " in stop and " on rank " in stop, stop
+    assert "gradient" not in stop or "first in parameter " in stop, stop
+    assert "loss spike at iteration" in text, text[-3000:]
+    assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])

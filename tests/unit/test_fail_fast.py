@@ -1,0 +1,163 @@
+"""Issue 12 items 1 and 7, single process: the loss-spike detector, the non-finite checks, the error report,
+the test-only fault injection and the spike flags. The 2-rank runs are in tests/distributed/test_fail_fast.py.
+"""
+
+import importlib.util
+import logging
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_moe.config import ConfigError, parse_args
+from megatron_moe.training.divergence import (
+    LossSpikeDetector,
+    NonFiniteError,
+    check_grads_then,
+    check_loss,
+    first_nonfinite_grad,
+)
+from megatron_moe.training.loop import RAISE_AT_ENV, injected_failure_step
+from tests.conftest import ROOT
+
+
+def load_entry_point():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_moe", os.path.join(ROOT, "pretrain_gpt_moe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spike_warns_above_factor_times_the_rolling_mean():
+    spikes = LossSpikeDetector(factor=3.0, window=4)
+    assert [spikes.observe(i, loss) for i, loss in enumerate([10.0, 9.0, 8.0, 7.0], 1)] == [None] * 4
+    assert spikes.observe(5, 25.0) is None  # 25 < 3 x 8.5
+    warning = spikes.observe(6, 100.0)  # window now 9, 8, 7, 25: mean 12.25
+    assert warning is not None
+    assert "iteration 6" in warning and "1.0000E+02" in warning and "1.2250E+01" in warning
+    assert "--loss-spike-factor=3" in warning
+
+
+def test_spike_needs_a_few_steps_skips_non_finite_and_can_be_off():
+    early = LossSpikeDetector(factor=2.0, window=20)
+    assert [early.observe(i, v) for i, v in enumerate([1.0, 1.0, 1.0, 1.0, 50.0], 1)] == [None] * 5  # 4 known
+    assert early.observe(6, math.nan) is None and early.observe(7, math.inf) is None  # the NaN check's job
+    assert early.observe(8, 50.0) is not None  # mean of 1, 1, 1, 1, 50 is 10.8: NaN/inf did not enter it
+    off = LossSpikeDetector(factor=0.0, window=2)
+    assert [off.observe(i, v) for i, v in enumerate([1.0, 1.0, 1.0, 1.0, 1.0, 1e9], 1)] == [None] * 6
+
+
+def fake_chunk(grads: dict[str, torch.Tensor]):
+    """A DDP chunk as the check sees it: grad buffers, and parameters carrying `main_grad` views."""
+    module = torch.nn.Module()
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    at = 0
+    for name, grad in grads.items():
+        param = torch.nn.Parameter(torch.zeros_like(grad))
+        param.main_grad = flat[at : at + grad.numel()].view_as(grad)
+        at += grad.numel()
+        module.register_parameter(name, param)
+    return SimpleNamespace(module=module, buffers=[SimpleNamespace(grad_data=flat)], expert_parallel_buffers=[])
+
+
+def test_first_nonfinite_grad_names_the_first_parameter_in_model_order():
+    finite = {"a": torch.ones(3), "b": torch.ones(2, 2), "c": torch.ones(1)}
+    assert first_nonfinite_grad([fake_chunk(finite)]) is None
+    bad = {"a": torch.ones(3), "b": torch.tensor([[1.0, math.inf], [0, 0]]), "c": torch.tensor([math.nan])}
+    found = first_nonfinite_grad([fake_chunk(finite), fake_chunk(bad)])
+    assert found == "b (2 of 6 parameters have non-finite gradients)"
+
+
+def test_grad_check_runs_before_finalize_and_names_iteration_rank_parameter():
+    calls = []
+    finalize = check_grads_then(lambda model, *a, **k: calls.append((model, a, k)), iteration=lambda: 7, rank=1)
+    good = [fake_chunk({"w": torch.ones(2)})]
+    finalize(good, "tokens", pg_collection=None)
+    assert calls == [(good, ("tokens",), {"pg_collection": None})]
+    expected = r"non-finite gradient at iteration 7 on rank 1: first in parameter w \(1 of 2 parameters"
+    with pytest.raises(NonFiniteError, match=expected):
+        finalize([fake_chunk({"v": torch.ones(1), "w": torch.tensor([math.nan])})])
+    assert len(calls) == 1  # the reduction never ran on bad grads
+
+
+def test_loss_check():
+    check_loss(2.5, iteration=3, rank=0)
+    check_loss(None, iteration=3, rank=0)  # not the last pipeline stage
+    with pytest.raises(NonFiniteError, match=r"non-finite lm loss \(nan\) at iteration 4 on rank 1"):
+        check_loss(math.nan, iteration=4, rank=1)
+
+
+def test_injected_failure_step(monkeypatch):
+    monkeypatch.delenv(RAISE_AT_ENV, raising=False)
+    assert injected_failure_step(1) is None
+    monkeypatch.setenv(RAISE_AT_ENV, "1:3")
+    assert (injected_failure_step(1), injected_failure_step(0)) == (3, None)
+
+
+def test_spike_flags():
+    base = ["--data-path", "d", "--tokenizer-model", "t.model"]
+    cfg = parse_args([*base, "--loss-spike-factor", "5", "--loss-spike-window", "10"])
+    cfg.validate(1)
+    assert (cfg.logging.loss_spike_factor, cfg.logging.loss_spike_window) == (5.0, 10)
+    parse_args([*base, "--loss-spike-factor", "0"]).validate(1)
+    with pytest.raises(ConfigError, match=r"--loss-spike-factor=0.5: must be 0 \(off\) or above 1"):
+        parse_args([*base, "--loss-spike-factor", "0.5"]).validate(1)
+    with pytest.raises(ConfigError, match=r"--loss-spike-window=0: must be at least 1"):
+        parse_args([*base, "--loss-spike-window", "0"]).validate(1)
+
+
+def test_pretrain_skips_shutdown_when_training_fails(monkeypatch):
+    """shutdown()'s barrier would wait for ranks inside a training collective: the error path has none."""
+    import megatron_moe.training as training
+
+    calls = []
+    monkeypatch.setattr(training, "initialize", lambda cfg: calls.append("initialize"))
+    monkeypatch.setattr(training, "shutdown", lambda **kwargs: calls.append("shutdown"))
+
+    def failing_tokenizer(path):
+        raise RuntimeError(f"cannot read {path}")
+
+    monkeypatch.setattr(training, "SentencePieceTokenizer", failing_tokenizer)
+    cfg = parse_args(["--data-path", "d", "--tokenizer-model", "t.model"])
+    with pytest.raises(RuntimeError, match="cannot read t.model"):
+        training.pretrain(cfg)
+    assert calls == ["initialize"]
+
+
+def raised() -> BaseException:
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as error:
+        return error
+
+
+def test_report_names_the_rank_first_then_where(monkeypatch, caplog):
+    entry = load_entry_point()
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("MEGATRON_MOE_VERBOSE", raising=False)
+    with caplog.at_level(logging.ERROR, logger="megatron_moe"):
+        entry.report_failure(raised(), expected=False)
+    first, where = (r.getMessage() for r in caplog.records)
+    assert first == "rank 3: RuntimeError: boom"
+    assert where.startswith("rank 3: raised at ") and "in raised (MEGATRON_MOE_VERBOSE=1" in where
+    caplog.clear()
+    monkeypatch.setenv("MEGATRON_MOE_VERBOSE", "1")
+    with caplog.at_level(logging.ERROR, logger="megatron_moe"):
+        entry.report_failure(raised(), expected=False)
+    first, traceback = (r.getMessage() for r in caplog.records)
+    assert first == "rank 3: RuntimeError: boom"
+    assert "Traceback (most recent call last)" in traceback and 'raise RuntimeError("boom")' in traceback
+
+
+def test_report_of_an_expected_error_and_of_a_broken_collective(monkeypatch, caplog):
+    entry = load_entry_point()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MEGATRON_MOE_VERBOSE", raising=False)
+    with caplog.at_level(logging.ERROR, logger="megatron_moe"):
+        entry.report_failure(ConfigError("--lr=-1.0: must be positive"), expected=True)
+        entry.report_failure(RuntimeError("[pair.cc:537] Read error: Connection reset by peer."), expected=False)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "rank 0: error: --lr=-1.0: must be positive"  # no traceback for a flag error
+    assert lines[1].startswith("rank 0: a collective failed, likely because another rank ended first")
