@@ -5,21 +5,28 @@ Layout of a `--save` directory:
     latest_checkpointed_iteration.txt   "N", written last (tmp file + rename)
     iter_000000N/                       one dist_checkpointing checkpoint
     iter_000000N.tmp/                   a save in progress (never read)
+    iter_000000N.old/                   the previous copy of N while a re-save of N is swapped in
 
-A save writes into `iter_N.tmp`, renames it to `iter_N` once every rank has
-finished, then publishes the pointer: a save killed at any point leaves the
-previous checkpoint and pointer intact. Sharded tensors are resharded by
+A save writes into `iter_N.tmp`, records every file's sha256 in its
+`checksums.json` once every rank has finished, renames it to `iter_N` (an
+existing `iter_N` is moved to `iter_N.old` first and deleted only after the
+pointer moved), then publishes the pointer: a save killed at any point leaves a
+loadable checkpoint that the pointer finds. Without a pointer, `--load` takes the
+newest complete `iter_*` (never starts from scratch over them). Loading verifies
+the checksums and compares the model's shapes and vocabulary before any tensor. Sharded tensors are resharded by
 dist_checkpointing on load, so a checkpoint loads into any TP/PP/EP layout.
 Each rank's RNG states are restored when the layout is the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 
 import numpy as np
 import torch.distributed as dist
@@ -28,6 +35,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megatron_moe import comm
+from megatron_moe.checkpointing import integrity
 from megatron_moe.config import ConfigError, RunConfig
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.rng import get_rng_states, set_rng_states
@@ -120,12 +128,26 @@ def _sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is
     return state
 
 
-def save_checkpoint(root: str, cfg: RunConfig, model, optimizer, scheduler, train_state: TrainState) -> str:
-    """Collective: every rank calls it. Returns the published checkpoint directory."""
+def save_checkpoint(
+    root: str,
+    cfg: RunConfig,
+    model,
+    optimizer,
+    scheduler,
+    train_state: TrainState,
+    *,
+    after_step: Callable[[str], None] | None = None,
+) -> str:
+    """Collective: every rank calls it. Returns the published checkpoint directory.
+
+    `after_step(name)` runs on rank 0 after each step of publishing ("written",
+    "old_moved", "new_in_place", "published"): tests inject a crash there.
+    """
     final = _iter_dir(root, train_state.iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
+        _recover_swap(final)
         shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
         os.makedirs(tmp)
     comm.barrier("checkpoint_save_begin")
@@ -139,16 +161,68 @@ def save_checkpoint(root: str, cfg: RunConfig, model, optimizer, scheduler, trai
         layout=_layout(),
         has_optimizer=with_optimizer,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        vocab_size=getattr(model[0].module, "vocab_size", None),
     )
-    dist_checkpointing.save(state, tmp)
+    with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state)):
+        dist_checkpointing.save(state, tmp)
     comm.barrier("checkpoint_saved")
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _publish(root, train_state.iteration)
+        with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state)):
+            integrity.write_manifest(tmp)
+        _swap_in(root, tmp, final, train_state.iteration, after_step or (lambda step: None))
         log.info("saved checkpoint at iteration %d to %s", train_state.iteration, final)
     comm.barrier("checkpoint_published")
     return final
+
+
+def _swap_in(root: str, tmp: str, final: str, iteration: int, after_step: Callable[[str], None]) -> None:
+    """Publish the complete copy `tmp` as `final`; a previous `final` stays (as `.old`) until the pointer moved.
+
+    A crash between any two steps leaves a loadable checkpoint: the previous one
+    (the pointer's `iter_N`, or `iter_N.old` while `iter_N` is missing) or the new one.
+    """
+    after_step("written")
+    old = final + ".old"
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        after_step("old_moved")
+    os.replace(tmp, final)
+    after_step("new_in_place")
+    _publish(root, iteration)
+    after_step("published")
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover_swap(final: str) -> None:
+    """Undo a re-save killed between moving `final` aside and renaming the new copy into place."""
+    old = final + ".old"
+    if not os.path.isdir(final) and integrity.is_complete(old):
+        os.replace(old, final)
+        log.warning("restored %s from %s (a save of it was interrupted)", final, old)
+
+
+@contextlib.contextmanager
+def _disk_full_reported(root: str, tmp: str, needed: Callable[[], int]):
+    """Turn ENOSPC (however deeply wrapped) into one line naming --save and the bytes needed; drop the partial copy."""
+    try:
+        yield
+    except Exception as error:
+        if not integrity.is_disk_full(error):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise integrity.disk_full_error(root, tmp, needed()) from None
+
+
+def _bytes_needed(root: str, state: dict) -> int:
+    """The previous checkpoint's size, or (first save) this rank's tensors times the world size."""
+    pointer = os.path.join(root, TRACKER)
+    if os.path.isfile(pointer) and (text := open(pointer).read().strip()).isdigit():
+        previous = _iter_dir(root, int(text))
+        if os.path.isdir(previous):
+            return integrity.dir_bytes(previous)
+    tensors = [t.data for t in nested_values(state) if isinstance(t, ShardedTensor) and t.data is not None]
+    return sum(t.numel() * t.element_size() for t in tensors) * dist.get_world_size()
 
 
 def _publish(root: str, iteration: int) -> None:
@@ -169,6 +243,9 @@ def latest_checkpoint(root: str) -> str | None:
     if not text.isdigit():
         raise ConfigError(f"--load={root}: {TRACKER} holds {text!r}, not an iteration number")
     path = _iter_dir(root, int(text))
+    if not os.path.isdir(path) and integrity.is_complete(path + ".old"):  # a re-save killed mid-swap
+        log.warning("--load=%s: %s is missing, loading the previous copy %s.old", root, path, path)
+        return path + ".old"
     if not os.path.isdir(path):
         raise ConfigError(f"--load={root}: {TRACKER} names iteration {text} but {path} is missing")
     return path
@@ -187,11 +264,21 @@ def resolve_load_dir(cfg: RunConfig) -> str | None:
     if os.path.isfile(os.path.join(root, "metadata.json")):  # one checkpoint, e.g. --load SAVE/iter_0000100
         return root
     path = latest_checkpoint(root)
-    if path is None:
-        if resuming_own_saves:  # nothing saved yet
-            return None
-        raise ConfigError(f"--load={root}: no {TRACKER} there; give a directory written by --save")
-    return path
+    if path is not None:
+        return path
+    # No pointer: never start from scratch over iterations saved there (a later save would overwrite them).
+    newest, found = integrity.newest_complete(root)
+    if newest is not None:
+        log.warning("--load=%s: no %s there; loading the newest complete checkpoint %s", root, TRACKER, newest)
+        return newest
+    if found:
+        raise ConfigError(
+            f"--load={root}: no {TRACKER} there and none of its {len(found)} iter_* directories ({found[-1]}, ...) "
+            f"is complete (no metadata.json); remove them or give another --save/--load directory"
+        )
+    if resuming_own_saves:  # nothing saved yet
+        return None
+    raise ConfigError(f"--load={root}: no {TRACKER} there; give a directory written by --save")
 
 
 def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
@@ -207,10 +294,24 @@ def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
         raise ConfigError(f"--load={path}: the checkpoint's model differs: " + "; ".join(diffs))
 
 
+def check_vocab_size(saved: int | None, model, path: str) -> None:
+    """Refuse a checkpoint saved with another (padded) vocabulary size, before any tensor is loaded."""
+    now = getattr(model[0].module, "vocab_size", None)
+    if saved is not None and now is not None and saved != now:
+        raise ConfigError(
+            f"--load={path}: the checkpoint's padded vocabulary size is {saved}, this run's is {now} "
+            f"(--tokenizer-model / --make-vocab-size-divisible-by); use the tokenizer it was saved with"
+        )
+
+
 def check_tensor_names(path: str, model_state: dict) -> None:
-    """Refuse a checkpoint that lacks tensors of this model (another model definition), naming some of each."""
-    wanted = {t.key for t in nested_values(model_state) if isinstance(t, ShardedTensor)}
-    stored = set(dist_checkpointing.load_tensors_metadata(path))
+    """Refuse a checkpoint that lacks tensors of this model (another model definition) or holds them in
+    other shapes (e.g. another vocabulary), naming some of each."""
+    tensors = [t for t in nested_values(model_state) if isinstance(t, ShardedTensor)]
+    metadata = dist_checkpointing.load_tensors_metadata(path)
+    integrity.check_tensor_shapes(path, {t.key: t.global_shape for t in tensors}, metadata)
+    wanted = {t.key for t in tensors}
+    stored = set(metadata)
     missing = sorted(wanted - stored)
     if missing:
         extra = sorted(k for k in stored - wanted if "/shard_" not in k and not k.startswith("optimizer."))
@@ -245,8 +346,11 @@ def _materialize_optimizer_state(optimizer) -> None:
 
 def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> TrainState:
     """Load `path` into this layout; returns the training position to continue from."""
+    if not integrity.verify_manifest(path):
+        log.warning("--load=%s: saved without %s, files not verified", path, integrity.MANIFEST)
     common = dist_checkpointing.load_common_state_dict(path)
     check_compatible(common["config"], cfg, path)
+    check_vocab_size(common.get("vocab_size"), model, path)
     same_layout = common["layout"] == _layout()
     with_optimizer = not cfg.checkpoint.no_load_optim and common["has_optimizer"]
     saved_distributed = common["distributed_optimizer"]

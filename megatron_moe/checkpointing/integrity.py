@@ -1,0 +1,132 @@
+"""What makes a checkpoint directory trustworthy: completeness, per-file checksums, shapes, disk space.
+
+Every check here reads the filesystem only (no collective), so each rank can
+make it alone and an error on one rank cannot leave another waiting.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+
+from megatron_moe.config import ConfigError
+
+MANIFEST = "checksums.json"  # written last into iter_N.tmp, before it is renamed to iter_N
+_ITER_DIR = re.compile(r"iter_(\d+)$")  # published ones only: not iter_N.tmp / iter_N.old
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or trusted: reported in one line, like a bad flag."""
+
+
+def is_complete(path: str) -> bool:
+    """dist_checkpointing's metadata is present: its save finished (the manifest, when any, is checked on load)."""
+    return os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def newest_complete(root: str) -> tuple[str | None, list[str]]:
+    """The newest complete published `iter_*` under `root`, and every published `iter_*` found."""
+    found = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := _ITER_DIR.match(name)) is not None)
+    names = [name for _, name in found]
+    for _, name in reversed(found):
+        if is_complete(os.path.join(root, name)):
+            return os.path.join(root, name), names
+    return None, names
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(path: str) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(parent, name), path)
+        for parent, _, names in os.walk(path)
+        for name in names
+        if name != MANIFEST
+    )
+
+
+def write_manifest(path: str) -> None:
+    """Record size and sha256 of every file of the checkpoint at `path` (all writers have finished)."""
+    files = {}
+    for name in _files(path):
+        file = os.path.join(path, name)
+        files[name] = {"bytes": os.path.getsize(file), "sha256": sha256(file)}
+    with open(os.path.join(path, MANIFEST + ".tmp"), "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(path, MANIFEST + ".tmp"), os.path.join(path, MANIFEST))
+
+
+def verify_manifest(path: str) -> bool:
+    """Check every file the manifest lists; False when the checkpoint has none (saved before checksums)."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):
+        return False
+    with open(manifest) as f:
+        files = json.load(f)["files"]
+    for name, want in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"--load={path}: {name} is missing (the checkpoint lists it in {MANIFEST})")
+        size = os.path.getsize(file)
+        if size != want["bytes"]:
+            raise CheckpointError(f"--load={path}: {name} holds {size} bytes, {want['bytes']} were saved (truncated?)")
+        if sha256(file) != want["sha256"]:
+            raise CheckpointError(f"--load={path}: {name} is corrupt: its sha256 differs from the one saved")
+    return True
+
+
+def check_tensor_shapes(path: str, wanted: dict[str, tuple[int, ...]], stored: dict) -> None:
+    """Refuse tensors whose global shape in the checkpoint differs from this model's (e.g. another vocabulary)."""
+    diffs = [
+        f"{key}: checkpoint {list(stored[key].global_shape)}, now {list(shape)}"
+        for key, shape in sorted(wanted.items())
+        if key in stored and tuple(stored[key].global_shape) != tuple(shape)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"--load={path}: {len(diffs)} tensor shape(s) differ: {'; '.join(diffs[:3])}"
+            f"{' ...' if len(diffs) > 3 else ''}; load it with the model flags and tokenizer it was saved with"
+        )
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(parent, n)) for parent, _, names in os.walk(path) for n in names)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """True when `error`, or an error it wraps (dist_checkpointing re-raises the writers'), is ENOSPC."""
+    seen = set()
+    pending = [error]
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        pending += [err.__cause__, err.__context__]
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            pending += [f for f in failures.values() if isinstance(f, BaseException)]
+    return False
+
+
+def disk_full_error(root: str, tmp: str, needed: int) -> CheckpointError:
+    free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+    return CheckpointError(
+        f"--save={root}: disk full while writing {os.path.basename(tmp)}: about {needed} bytes needed, "
+        f"{free} free; the previous checkpoint is intact. Free space or point --save elsewhere"
+    )
