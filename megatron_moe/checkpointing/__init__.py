@@ -170,6 +170,8 @@ def save_checkpoint(
         with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state)):
             integrity.write_manifest(tmp)
         _swap_in(root, tmp, final, train_state.iteration, after_step or (lambda step: None))
+        if cfg.checkpoint.keep_last_n is not None:
+            _retain(root, cfg.checkpoint.keep_last_n, final)
         log.info("saved checkpoint at iteration %d to %s", train_state.iteration, final)
     comm.barrier("checkpoint_published")
     return final
@@ -192,6 +194,20 @@ def _swap_in(root: str, tmp: str, final: str, iteration: int, after_step: Callab
     _publish(root, iteration)
     after_step("published")
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _retain(root: str, keep: int, published: str) -> None:
+    """--keep-last-n: delete complete `iter_*` older than the newest `keep`, never `published` (the pointer's).
+
+    A deleted directory is renamed away first, so a crash mid-delete leaves no half `iter_*` behind.
+    """
+    _, names = integrity.newest_complete(root)
+    complete = [os.path.join(root, n) for n in names if integrity.is_complete(os.path.join(root, n))]
+    for path in complete[:-keep]:
+        if path != published:
+            os.replace(path, path + ".deleting")
+            shutil.rmtree(path + ".deleting")
+            log.info("--keep-last-n=%d: deleted %s", keep, path)
 
 
 def _recover_swap(final: str) -> None:

@@ -507,6 +507,12 @@ class CheckpointConfig:
     save: str | None = arg(None, "checkpoint directory to save to")
     load: str | None = arg(None, "checkpoint directory to resume from")
     save_interval: int = arg(0, "save every N steps (0: only at the end)", applies=only.SAVING)
+    keep_last_n: int | None = arg(
+        None,
+        "after each save delete all but the newest N complete iter_* checkpoints (never the one the pointer "
+        "names); not a Megatron-LM flag",
+        applies=only.SAVING,
+    )
     no_load_optim: bool = arg(False, "load weights only, not optimizer state", applies=only.LOADING)
     no_load_rng: bool = arg(False, "do not restore RNG states", applies=only.LOADING)
     no_save_optim: bool = arg(False, "save weights only", applies=only.SAVING)
@@ -518,6 +524,7 @@ class CheckpointConfig:
         require_non_negative("--save-interval", self.save_interval, "1000 (0: only at the end)")
         require_positive("--exit-interval", self.exit_interval, 1000)
         require_positive("--exit-duration-in-mins", self.exit_duration_in_mins, 230)
+        require_positive("--keep-last-n", self.keep_last_n, 3)
 
 
 @dataclasses.dataclass(kw_only=True)

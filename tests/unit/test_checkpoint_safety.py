@@ -59,12 +59,12 @@ def test_only_an_unfinished_first_save_starts_fresh(tmp_path):
 class Run:
     """A one-layer MoE model saved and loaded in this process (a world of one)."""
 
-    def __init__(self, root, vocab=128):
+    def __init__(self, root, vocab=128, flags=()):
         from megatron_moe.model import transformer_config
         from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler
 
         self.root = str(root)
-        self.cfg = cfg(*SMALL, *BATCH, "--save", self.root, "--load", self.root)
+        self.cfg = cfg(*SMALL, *BATCH, "--save", self.root, "--load", self.root, *flags)
         self.cfg.validate(world_size=1)
         self.model = build_ddp_model(self.cfg, transformer_config(self.cfg), vocab)
         self.optimizer = build_optimizer(self.cfg, self.model)
@@ -202,3 +202,20 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(megatron_world1
     run.set_weights(0.0)
     assert run.load().iteration == 1
     assert same(run.weights(), kept)
+
+
+def test_keep_last_n_never_deletes_the_published_checkpoint(megatron_world1, tmp_path):
+    run = Run(tmp_path, flags=("--keep-last-n", "2"))
+    for iteration in (1, 2, 3, 4):
+        run.save(iteration)
+    fake_iteration(tmp_path, 0, complete=False)  # not a complete checkpoint: not --keep-last-n's to delete
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000000", "iter_0000003", "iter_0000004", TRACKER]
+    run.set_weights(1.0)
+    run.save(1)  # e.g. re-running an old job: the pointer now names iteration 1, older than the newest two
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000000", "iter_0000001", "iter_0000003", "iter_0000004", TRACKER]
+    assert run.load().iteration == 1
+    run.save(5)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000000", "iter_0000004", "iter_0000005", TRACKER]
+    zero = Run(tmp_path / "zero", flags=("--keep-last-n", "0"))
+    with pytest.raises(ConfigError, match=r"--keep-last-n=0: must keep at least 1 checkpoint"):
+        zero.save(1)
