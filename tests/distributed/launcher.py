@@ -25,6 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_pretrain_command(train_data, *flags: str) -> list[str]:
+    """torchrun of pretrain_gpt_moe.py itself on 2 CPU ranks (EP=2) for a tiny MoE on `train_data`, plus `flags`:
+    for tests of the entry point's own behaviour (signals, failures), where `run_torchrun`'s workers do not fit."""
+    data, tokenizer = train_data
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node=2", f"--master-port={free_port()}", os.path.join(ROOT, "pretrain_gpt_moe.py"),
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--num-experts", "4", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "0",
+        "--data-path", data, "--tokenizer-model", tokenizer, "--split", "98,2,0", *flags,
+    ]  # fmt: skip
+
+
 def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 600, env: dict | None = None) -> dict:
     """Run `script` on `nproc` ranks; returns the JSON rank 0 wrote to $RESULTS.
 

@@ -7,13 +7,12 @@ other rank, inside a training collective) and a diverging run died with "found N
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.distributed.launcher import free_port
+from tests.distributed.launcher import tiny_pretrain_command
 
 FAIL_WITHIN_S = 15
 RANK_ERROR = re.compile(r"\] rank \d+: ")  # our error line: "[time] rank R: message"
@@ -22,16 +21,7 @@ RANK_ERROR = re.compile(r"\] rank \d+: ")  # our error line: "[time] rank R: mes
 def run_job(train_data, *flags, env=None):
     """Launch pretrain_gpt_moe.py on 2 ranks (EP=2); returns (exit code, output lines, seconds from the
     first line naming a rank's error to the end of the job)."""
-    data, tokenizer = train_data
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node=2", f"--master-port={free_port()}", os.path.join(ROOT, "pretrain_gpt_moe.py"),
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--num-experts", "4", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", "200", "--log-interval", "1",
-        "--eval-interval", "0", "--eval-iters", "0", "--data-path", data,
-        "--tokenizer-model", tokenizer, "--split", "98,2,0", *flags,
-    ]  # fmt: skip
+    cmd = tiny_pretrain_command(train_data, "--train-iters", "200", *flags)
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=ROOT)
     lines, failed_at = [], None

@@ -4,26 +4,18 @@ import os
 import re
 import signal
 import subprocess
-import sys
 
 from tests.conftest import ROOT
-from tests.distributed.launcher import free_port
+from tests.distributed.launcher import tiny_pretrain_command
 
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+)")
 ITERS = 30
 
 
 def launch(train_data, *flags):
-    data, tokenizer = train_data
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node=2", f"--master-port={free_port()}", os.path.join(ROOT, "pretrain_gpt_moe.py"),
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--num-experts", "4", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "1e-3", "--log-interval", "1",
-        "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0.1", "--data-path", data,
-        "--tokenizer-model", tokenizer, "--split", "98,2,0", *flags,
-    ]  # fmt: skip
+    cmd = tiny_pretrain_command(
+        train_data, "--train-iters", str(ITERS), "--lr", "1e-3", "--hidden-dropout", "0.1", *flags
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
 
