@@ -9,15 +9,24 @@
 - training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
   (preemption), `barrier(purpose)` (checkpoint save and publish, shutdown).
 
-`core.issue` is the choke point the timers (issue 13) and the watchdog (issue
-12) will hook; tests/unit/test_comm_choke_point.py fails on a torch.distributed
-collective anywhere else in megatron_moe. megatron-core's own collectives (TP
-layers, DDP buckets, the distributed optimizer, pipeline p2p, checkpointing)
-cannot pass through here: README.md in this folder lists where they happen and
-how the timers will see them.
+`core.issue` is the choke point; tests/unit/test_comm_choke_point.py fails on a
+torch.distributed collective anywhere else in megatron_moe. megatron-core's own
+collectives (TP layers, DDP buckets, the distributed optimizer, pipeline p2p,
+checkpointing) are routed to it by the taps in megatron_core.py (README.md in
+this folder lists them). A `Monitor` installed with `monitoring(...)` sees every
+one: watchdog.py (stalls and deadlines, named), the timers (issue 13).
 """
 
-from megatron_moe.comm.core import KINDS, Collective, CommHandle, group_size, is_distributed, issue
+from megatron_moe.comm.core import (
+    KINDS,
+    Collective,
+    CommHandle,
+    Monitor,
+    group_size,
+    is_distributed,
+    issue,
+    monitoring,
+)
 from megatron_moe.comm.moe import (
     agree_capacity,
     combine_all_to_all,
@@ -31,6 +40,7 @@ __all__ = [
     "KINDS",
     "Collective",
     "CommHandle",
+    "Monitor",
     "agree_capacity",
     "agree_exit",
     "barrier",
@@ -40,6 +50,7 @@ __all__ = [
     "group_size",
     "is_distributed",
     "issue",
+    "monitoring",
     "reduce_lm_loss",
     "reduce_moe_metrics",
     "sum_across_shards",

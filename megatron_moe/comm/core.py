@@ -3,16 +3,20 @@
 `issue` is the only function in megatron_moe from which a torch.distributed
 collective starts (tests/unit/test_comm_choke_point.py checks it: anywhere else
 in the package, or outside a `start` passed to `issue`, a collective fails the
-test). Today it just starts the call; the per-kind timers (issue 13) and the
-watchdog (issue 12) wrap `start` and the returned work handle there, so no
-caller changes when they arrive.
+test); megatron-core's own collectives are routed to it by the taps in
+`megatron_core.py`. A `Monitor` installed with `monitoring(...)` (the watchdog,
+later the timers) sees each collective issued, and the calling thread's time
+blocked on it: inside a synchronous call, or inside `wait()` of the returned
+work handle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,11 +45,127 @@ class Collective:
     """Bytes this rank contributes (sends)."""
 
 
+class Monitor(Protocol):
+    """Sees every collective `issue` starts, and each time the calling thread blocks on one.
+
+    Called on the thread that issues or waits (the main thread; autograd's threads on GPU): implementations
+    keep each call short and thread-safe. A synchronous collective is `issued`, `blocked`, then `unblocked`
+    with `completed=True`; an asynchronous one is `issued` and `unblocked(completed=False)` once started, then
+    `blocked`/`unblocked(completed=True)` around its `wait()`.
+    """
+
+    def issued(self, collective: Collective) -> Any:
+        """A collective starts; returns the token the two calls below receive."""
+
+    def blocked(self, token: Any) -> None:
+        """The calling thread starts waiting for it."""
+
+    def unblocked(self, token: Any, *, completed: bool) -> None:
+        """The calling thread stops waiting; `completed`: the collective is finished (or failed)."""
+
+
+class _Tap:
+    """The process state of the choke point: the installed monitors (process-wide, set only by `monitoring`) and,
+    per thread, whether `issue` is running, so that collectives nested in one (megatron-core's bucket
+    all-reduces inside its grad sync, tapped as one) are started directly, not issued twice."""
+
+    def __init__(self):
+        self.monitor: Monitor | None = None
+        self.local = threading.local()
+
+    def nested(self) -> bool:
+        return getattr(self.local, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def issuing(self) -> Iterator[None]:
+        self.local.depth = getattr(self.local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self.local.depth -= 1
+
+
+_TAP = _Tap()
+
+
+@contextlib.contextmanager
+def monitoring(monitor: Monitor) -> Iterator[Monitor]:
+    """Let `monitor` see every collective issued until the block ends, beside those already installed
+    (the watchdog for the run, timers for a step)."""
+    before = _TAP.monitor
+    _TAP.monitor = monitor if before is None else _Both(before, monitor)
+    try:
+        yield monitor
+    finally:
+        _TAP.monitor = before
+
+
+class _Both:
+    """Two monitors as one: each sees every call, with its own token."""
+
+    def __init__(self, first: Monitor, second: Monitor):
+        self.first, self.second = first, second
+
+    def issued(self, collective: Collective):
+        return self.first.issued(collective), self.second.issued(collective)
+
+    def blocked(self, token) -> None:
+        self.first.blocked(token[0])
+        self.second.blocked(token[1])
+
+    def unblocked(self, token, *, completed: bool) -> None:
+        self.first.unblocked(token[0], completed=completed)
+        self.second.unblocked(token[1], completed=completed)
+
+
 def issue(collective: Collective, start: Callable[[], Any]):
     """Start `collective`: `start()` issues the torch.distributed call and returns its work handle
-    (async_op=True) or None (already finished). Returns what `start` returned."""
+    (async_op=True) or None (already finished). Returns what `start` returned (a handle whose `wait()` the
+    monitor sees, when one is installed)."""
     assert collective.kind in KINDS, f"unknown collective kind {collective.kind!r}; one of {KINDS}"
-    return start()
+    monitor = _TAP.monitor
+    if monitor is None or _TAP.nested():
+        return start()
+    token = monitor.issued(collective)
+    monitor.blocked(token)
+    work, completed = None, True
+    try:
+        with _TAP.issuing():
+            work = start()
+        completed = work is None
+    finally:
+        monitor.unblocked(token, completed=completed)
+    return work if completed else MonitoredWork(work, monitor, token)
+
+
+def is_issuing() -> bool:
+    """True inside `issue` on this thread: a collective started now belongs to the one being issued."""
+    return _TAP.nested()
+
+
+class MonitoredWork:
+    """A torch.distributed work handle whose `wait()` the monitor sees; everything else is the handle's.
+
+    Waited once: later `wait()` calls return the first one's result (a gloo send/recv waited twice blocks).
+    """
+
+    def __init__(self, work, monitor: Monitor, token):
+        self._work, self._monitor, self._token = work, monitor, token
+        self._waited, self._result = False, None
+
+    def wait(self, *args, **kwargs):
+        if self._waited:
+            return self._result
+        self._monitor.blocked(self._token)
+        try:
+            self._result = self._work.wait(*args, **kwargs)
+            self._waited = True
+            return self._result
+        finally:
+            self._monitor.unblocked(self._token, completed=True)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def nbytes(t: torch.Tensor) -> int:

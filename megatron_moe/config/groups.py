@@ -264,6 +264,16 @@ class ParallelConfig:
         False, "shard norms/dropout activations over TP (needed for MoE with TP>1)", applies=only.TENSOR_PARALLEL
     )
     use_distributed_optimizer: bool = arg(False, "shard optimizer state over data-parallel ranks")
+    distributed_timeout_minutes: float = arg(
+        10.0,
+        "a collective blocked this long ends the job with the watchdog's report naming it and the peers that "
+        "have not arrived (every process group's own timeout is 1 minute later)",
+    )
+    stall_report_seconds: float = arg(
+        120.0,
+        "log which collective a rank is blocked in, and which peers have not arrived, after this many seconds "
+        "(and again every as many more); not a Megatron-LM flag",
+    )
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (
@@ -285,6 +295,14 @@ class ParallelConfig:
             ("--expert-tensor-parallel-size", self.expert_tensor_parallel_size or 1),
         ]:
             require(value >= 1, flag, value, "must be >= 1")
+        require_positive("--distributed-timeout-minutes", self.distributed_timeout_minutes, 10)
+        require(
+            0 < self.stall_report_seconds < 60 * self.distributed_timeout_minutes,
+            "--stall-report-seconds",
+            self.stall_report_seconds,
+            f"must be > 0 and below --distributed-timeout-minutes={self.distributed_timeout_minutes:g} "
+            f"({60 * self.distributed_timeout_minutes:g} s), e.g. --stall-report-seconds 120",
+        )
         require(
             world_size % (tp * pp * cp) == 0,
             "world size",

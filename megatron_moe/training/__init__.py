@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 
+from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, load_checkpoint, resolve_load_dir
 from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import SentencePieceTokenizer
 from megatron_moe.model import transformer_config
 from megatron_moe.training.data import build_run_data
-from megatron_moe.training.initialize import initialize, shutdown
+from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
 from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler, wire_model_config
 
@@ -24,6 +27,18 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
     training collective (a hang until the timeout); the caller ends the process (pretrain_gpt_moe.main).
     """
     initialize(cfg)
+    watchdog = start_watchdog(cfg, end_job=end_job_with_report)
+    try:
+        with comm.monitoring(watchdog) if watchdog else contextlib.nullcontext():
+            history = _train(cfg, watchdog)
+            shutdown(destroy_process_group=not keep_process_group)
+    finally:
+        if watchdog:
+            watchdog.stop()
+    return history
+
+
+def _train(cfg: RunConfig, watchdog) -> list[dict]:
     tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
     load_dir = resolve_load_dir(cfg)
     config = transformer_config(cfg)
@@ -33,6 +48,11 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
     wire_model_config(config, model, optimizer)
     state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
     data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
-    history = Trainer(cfg, model, optimizer, scheduler, state, data).train()
-    shutdown(destroy_process_group=not keep_process_group)
-    return history
+    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog).train()
+
+
+def end_job_with_report(report: str) -> None:
+    """The watchdog's deadline: the report, then this process ends at once (torchrun stops the others)."""
+    log.error("%s: ending the job", report)
+    logging.shutdown()
+    os._exit(1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import random
 
 import numpy as np
@@ -13,6 +12,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_moe import comm
+from megatron_moe.comm.megatron_core import tap_megatron_core
+from megatron_moe.comm.watchdog import HeartbeatStore, Watchdog, job_prefix
 from megatron_moe.config import RunConfig
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe.grouped_gemm import kernel_name
@@ -30,15 +31,14 @@ def initialize(cfg: RunConfig) -> Platform:
     so a bad flag fails on every rank with the same message.
     """
     platform = init_platform()
+    tap_megatron_core()
     default_to_single_process()
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend=platform.backend,
-            timeout=datetime.timedelta(minutes=int(os.environ.get("MEGATRON_MOE_DIST_TIMEOUT_MIN", "10"))),
-        )
-    cfg.validate(dist.get_world_size())
     p = cfg.parallel
+    if not dist.is_initialized():
+        dist.init_process_group(backend=platform.backend, timeout=process_group_timeout(cfg))
+    cfg.validate(dist.get_world_size())
     parallel_state.initialize_model_parallel(
+        distributed_timeout_minutes=process_group_timeout(cfg) / datetime.timedelta(minutes=1),
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
@@ -52,6 +52,26 @@ def initialize(cfg: RunConfig) -> Platform:
         log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernels.items()))
         log.info("layout: %s", describe_layout(cfg))
     return platform
+
+
+def process_group_timeout(cfg: RunConfig) -> datetime.timedelta:
+    """Every process group's timeout: --distributed-timeout-minutes plus a minute, so the watchdog's report
+    (which names the collective and the missing peers) ends the job before gloo's or NCCL's timeout does."""
+    return datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes + 1)
+
+
+def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
+    """The watchdog of this rank's collectives (None for a single process: nothing to wait for)."""
+    if dist.get_world_size() == 1:
+        return None
+    p = cfg.parallel
+    return Watchdog(
+        stall_s=p.stall_report_seconds,
+        deadline_s=60 * p.distributed_timeout_minutes,
+        end_job=end_job,
+        store=HeartbeatStore(job_prefix()),
+        rank=dist.get_rank(),
+    ).start()
 
 
 def describe_layout(cfg: RunConfig) -> str:

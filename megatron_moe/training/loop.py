@@ -56,8 +56,9 @@ def _reduce_lm_loss(losses_reduced: list[dict]) -> float | None:
 class Trainer:
     """Owns the model, optimizer and data iterators of one run."""
 
-    def __init__(self, cfg: RunConfig, model, optimizer, scheduler, state: TrainState, data):
+    def __init__(self, cfg: RunConfig, model, optimizer, scheduler, state: TrainState, data, *, watchdog=None):
         self.cfg = cfg
+        self.watchdog = watchdog  # comm.watchdog.Watchdog: told the step, which its reports name
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state = state
         self.data = data  # megatron_moe.training.data.RunData
@@ -118,6 +119,8 @@ class Trainer:
         """One optimizer step over the global batch; returns its figures."""
         if self._raise_at == self.state.iteration + 1:
             raise RuntimeError(f"injected failure at step {self._raise_at} (${RAISE_AT_ENV}, test only)")
+        if self.watchdog:
+            self.watchdog.set_step(self.state.iteration + 1)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

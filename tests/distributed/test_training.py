@@ -117,3 +117,11 @@ def test_saves_leave_no_partial_checkpoint(runs):
         assert not [f for f in files if f.endswith(".tmp")], root
     with open(os.path.join(workdir, "ref", "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "4"
+
+
+def test_every_process_group_has_the_flags_timeout(runs):
+    """--distributed-timeout-minutes (10 by default) plus the watchdog's minute reaches every process group,
+    megatron-core's expert and data-parallel groups included (which kept its 30 minutes before)."""
+    _, layouts, _ = runs
+    assert layouts["timeouts_default"] == [660.0]
+    assert layouts["timeouts_after_3_minutes"] == [240.0, 660.0]  # the groups made by the 3-minute run

@@ -131,7 +131,20 @@ def layouts() -> dict:
     train("--train-iters", "6", "--exit-interval", "3", "--save", ckpt("resume"), *ep)
     results["resumed"] = train("--train-iters", "6", "--load", ckpt("resume"), "--save", ckpt("resume"), *ep)
     results["mcore_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE, *LAYOUTS["ep2"])
+    results["timeouts_default"] = process_group_timeouts()
+    train("--train-iters", "1", "--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])
+    results["timeouts_after_3_minutes"] = process_group_timeouts()
     return results
+
+
+def process_group_timeouts() -> list[float]:
+    """The distinct timeouts (s) of every process group this process has: the default one and every group
+    megatron-core's parallel state made (expert, data-parallel, gloo ones)."""
+    import torch
+    import torch.distributed as dist
+
+    groups = dist.distributed_c10d._world.pg_map
+    return sorted({pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in groups})
 
 
 def gpu() -> dict:

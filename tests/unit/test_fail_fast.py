@@ -115,6 +115,7 @@ def test_pretrain_skips_shutdown_when_training_fails(monkeypatch):
     calls = []
     monkeypatch.setattr(training, "initialize", lambda cfg: calls.append("initialize"))
     monkeypatch.setattr(training, "shutdown", lambda **kwargs: calls.append("shutdown"))
+    monkeypatch.setattr(training, "start_watchdog", lambda cfg, end_job: None)  # a world of one: none
 
     def failing_tokenizer(path):
         raise RuntimeError(f"cannot read {path}")

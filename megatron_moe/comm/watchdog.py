@@ -1,0 +1,250 @@
+"""The watchdog: names the collective a rank is stuck in, and the peers that have not arrived.
+
+A `Monitor` (see core.py) plus one daemon thread per rank. The monitor counts the
+collectives issued on each process group and remembers what each thread is
+blocked on. The thread, every `period` seconds:
+
+1. publishes this rank's heartbeat to the rendezvous store (a separate client,
+   short timeout): the time, the step, the collectives issued per group, and what
+   it is blocked on;
+2. when a thread has been blocked past half the stall threshold, reads the
+   heartbeats of that collective's group;
+3. past the stall threshold logs the report (and again every further threshold):
+   collective kind and purpose, MoE layer, step, group, bytes, and for each peer
+   whether it has arrived (its count on that group reached ours) and whether it
+   is alive (its last heartbeat is recent);
+4. past the deadline (--distributed-timeout-minutes) logs the report once more and
+   ends the job (`end_job`): the process groups' own timeouts are set a minute
+   later, so this named report comes before gloo's or NCCL's anonymous one.
+
+A stopped or hung peer stops publishing: "no heartbeat for 20 s". A peer that
+is alive but elsewhere shows where it is (its step and what it is blocked on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from megatron_moe.comm.core import Collective
+
+log = logging.getLogger("megatron_moe")
+
+
+def group_ranks(group) -> list[int]:
+    """Global ranks of `group` (None: the world)."""
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
+
+@dataclasses.dataclass
+class _Blocked:
+    """A collective issued on this rank, and (while a thread waits for it) since when."""
+
+    collective: Collective
+    ranks: tuple[int, ...]
+    seq: int
+    """Its number among the collectives issued on its group (1 = the first)."""
+    step: int
+    since: float | None = None
+    reported: int = 0
+    """How many stall reports it has had."""
+
+
+class HeartbeatStore:
+    """This job's heartbeats in the rendezvous store: our own client, so a stopped store host cannot hang the
+    watchdog's thread for longer than `timeout_s` (the process group's client keeps its own timeout)."""
+
+    def __init__(self, prefix: str, timeout_s: float = 5.0):
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        self._store = dist.PrefixStore(prefix, store)
+
+    def publish(self, rank: int, beat: dict) -> None:
+        self._store.set(f"beat/{rank}", json.dumps(beat))
+
+    def read(self, ranks) -> dict[int, dict]:
+        keys = [f"beat/{r}" for r in ranks]
+        present = [r for r, k in zip(ranks, keys) if self._store.check([k])]
+        return {r: json.loads(self._store.get(f"beat/{r}")) for r in present}
+
+
+def job_prefix() -> str:
+    """Heartbeat keys of this job attempt only (torchrun's run id and restart count)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"megatron_moe/watchdog/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+class Watchdog:
+    """A `Monitor` that reports stalled collectives and ends the job at the deadline.
+
+    `end_job(report)` is called once, from the watchdog's thread, when a collective is blocked past
+    `deadline_s`; it must end the process (the training entry point exits at once, without collectives).
+    `store` holds the heartbeats (None: peers are not reported); `clock` and `ranks_of` (a process group's
+    global ranks) are replaceable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        stall_s: float,
+        deadline_s: float,
+        end_job: Callable[[str], None],
+        store: HeartbeatStore | None,
+        rank: int,
+        clock: Callable[[], float] = time.monotonic,
+        ranks_of: Callable[[object], list[int]] = group_ranks,
+    ):
+        assert 0 < stall_s < deadline_s, (stall_s, deadline_s)
+        self.stall_s, self.deadline_s, self.rank = stall_s, deadline_s, rank
+        self.period = min(max(stall_s / 4, 0.25), 10.0)
+        self._end_job, self._store, self._clock, self._ranks_of = end_job, store, clock, ranks_of
+        self._lock = threading.Lock()
+        self._seq: dict[tuple[int, ...], int] = {}
+        self._waiting: dict[int, _Blocked] = {}  # thread id -> what it waits for
+        self._beats: dict[int, dict] = {}
+        self._step = 0
+        self._counter = 0
+        self._last_check: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megatron_moe-watchdog", daemon=True)
+
+    # -- the Monitor protocol (called on the threads that communicate) --------------------------------------
+
+    def issued(self, collective: Collective) -> _Blocked:
+        ranks = tuple(self._ranks_of(collective.group))
+        with self._lock:
+            seq = self._seq[ranks] = self._seq.get(ranks, 0) + 1
+            return _Blocked(collective, ranks, seq, self._step)
+
+    def blocked(self, token: _Blocked) -> None:
+        token.since = self._clock()
+        with self._lock:
+            self._waiting[threading.get_ident()] = token
+
+    def unblocked(self, token: _Blocked, *, completed: bool) -> None:
+        with self._lock:
+            self._waiting.pop(threading.get_ident(), None)
+        if token.reported:
+            waited = self._clock() - token.since
+            log.warning("rank %d: %s went through after %.0f s", self.rank, self._name(token), waited)
+        token.since, token.reported = None, 0
+
+    # -- the training loop ------------------------------------------------------------------------------------
+
+    def set_step(self, step: int) -> None:
+        """The step now running (named in reports)."""
+        self._step = step
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the thread (not waited for long: it may be inside a store call to a peer that is gone)."""
+        self._stop.set()
+        self._thread.join(timeout=0.5)
+
+    # -- the watchdog's thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.check()
+            except Exception as error:  # a store hiccup must not end the watchdog; say it once per period
+                log.warning("rank %d: watchdog: %s", self.rank, error)
+            if self._stop.wait(self.period):
+                return
+
+    def check(self) -> None:
+        """One round (the thread calls it every `period`; tests call it directly)."""
+        now = self._clock()
+        with self._lock:
+            waiting = list(self._waiting.values())
+        self._publish(waiting)
+        if self._last_check is not None and now - self._last_check > 2 * self.period + 1:
+            # This process itself did not run (SIGSTOP, a suspended VM, CPU starvation): what it was
+            # blocked on waited for it, not for a peer. Restart those clocks rather than blame the others.
+            log.warning("rank %d: this process did not run for %.0f s (stopped?)", self.rank, now - self._last_check)
+            for blocked in waiting:
+                blocked.since = now if blocked.since is not None else None
+        self._last_check = now
+        for blocked in waiting:
+            if blocked.since is None:
+                continue
+            waited = now - blocked.since
+            if waited >= self.stall_s / 2:
+                self._read_peers(blocked.ranks)
+            if waited >= self.deadline_s:
+                report = self.report(blocked, waited)
+                self._end_job(f"{report}; --distributed-timeout-minutes={self.deadline_s / 60:g} passed")
+                return
+            if waited >= self.stall_s * (blocked.reported + 1):
+                blocked.reported += 1
+                log.warning("%s", self.report(blocked, waited))
+
+    def _publish(self, waiting: list[_Blocked]) -> None:
+        if self._store is None:
+            return
+        self._counter += 1
+        with self._lock:
+            seq = {",".join(map(str, ranks)): n for ranks, n in self._seq.items()}
+        blocked = next((self._name(b) for b in waiting if b.since is not None), None)
+        beat = {"n": self._counter, "time": time.time(), "step": self._step, "seq": seq, "blocked": blocked}
+        self._store.publish(self.rank, beat)
+
+    def _read_peers(self, ranks) -> None:
+        if self._store is not None:
+            self._beats.update(self._store.read([r for r in ranks if r != self.rank]))
+
+    # -- the report -------------------------------------------------------------------------------------------
+
+    def _name(self, blocked: _Blocked) -> str:
+        c = blocked.collective
+        where = [f"step {blocked.step}"] + ([f"MoE layer {c.layer}"] if c.layer is not None else [])
+        direction = " (backward)" if c.backward else ""
+        return f"{c.kind} {c.purpose}{direction} #{blocked.seq} on ranks {list(blocked.ranks)} ({', '.join(where)})"
+
+    def report(self, blocked: _Blocked, waited: float) -> str:
+        """One line: the collective, how long, and each peer that has not arrived (when knowable)."""
+        line = f"rank {self.rank}: blocked {waited:.0f} s in collective {self._name(blocked)}"
+        if blocked.collective.nbytes:
+            line += f", {blocked.collective.nbytes} bytes sent"
+        return f"{line}; {self._peer_status(blocked)}"
+
+    def _peer_status(self, blocked: _Blocked) -> str:
+        if self._store is None:
+            return "peers unknown (no heartbeat store)"
+        peers = [r for r in blocked.ranks if r != self.rank]
+        missing, silent = [], []
+        for rank in peers:
+            beat = self._beats.get(rank)
+            if beat is None:
+                missing.append(f"rank {rank} (no heartbeat yet)")
+                continue
+            arrived = beat["seq"].get(",".join(map(str, blocked.ranks)), 0) >= blocked.seq
+            quiet = time.time() - beat["time"]  # wall clocks: hosts of one job agree to well under a period
+            alive = quiet < 2 * self.period + 1
+            state = f"step {beat['step']}, " + (f"blocked in {beat['blocked']}" if beat["blocked"] else "computing")
+            if not alive:
+                silent.append(rank)
+                state = f"no heartbeat for {quiet:.0f} s: stopped or hung; last seen at {state}"
+            if not arrived:
+                missing.append(f"rank {rank} ({state})")
+        if missing:
+            return "not arrived: " + "; ".join(missing)
+        if silent:
+            return f"every peer arrived, but ranks {silent} send no heartbeat (stopped or hung inside it)"
+        return "every peer arrived and is alive: the transfer itself is stalled (network?)"

@@ -1,0 +1,247 @@
+"""The watchdog's reports (a fake clock and store) and the monitor's view of every collective (a world of one).
+
+tests/distributed/test_watchdog.py stops a real rank; these check each branch of the report and that the
+taps route megatron-core's collectives through `comm.issue` without changing them.
+"""
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_moe import comm
+from megatron_moe.comm import Collective
+from megatron_moe.comm.watchdog import Watchdog
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeStore:
+    """The heartbeat store in memory: what `publish` wrote, `read` returns."""
+
+    def __init__(self):
+        self.beats = {}
+
+    def publish(self, rank, beat):
+        self.beats[rank] = dict(beat)
+
+    def read(self, ranks):
+        return {r: self.beats[r] for r in ranks if r in self.beats}
+
+
+def make(store=None, stall=20.0, deadline=60.0):
+    ended, clock = [], Clock()
+    watchdog = Watchdog(
+        stall_s=stall,
+        deadline_s=deadline,
+        end_job=ended.append,
+        store=store,
+        rank=0,
+        clock=clock,
+        ranks_of=lambda group: [0, 1] if group == "pair" else [0],
+    )
+    return watchdog, clock, ended
+
+
+DISPATCH = Collective("a2a_dispatch", "dispatch_all_to_all", "pair", layer=3, nbytes=4096)
+
+
+def advance(watchdog, clock, seconds):
+    """Let time pass in periods, as the watchdog's thread would see it."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now = min(end, clock.now + watchdog.period)
+        watchdog.check()
+
+
+def peer_beat(store, *, seq, age_s, step=7, blocked=None):
+    store.beats[1] = {"n": 1, "time": time.time() - age_s, "step": step, "seq": {"0,1": seq}, "blocked": blocked}
+
+
+def test_a_stall_names_the_collective_and_the_peer_that_has_not_arrived(caplog):
+    store = FakeStore()
+    watchdog, clock, ended = make(store)
+    watchdog.set_step(7)
+    for _ in range(4):  # four earlier collectives on the pair
+        token = watchdog.issued(Collective("a2a_combine", "combine_all_to_all", "pair", layer=2))
+        watchdog.blocked(token)
+        watchdog.unblocked(token, completed=True)
+    token = watchdog.issued(DISPATCH)
+    watchdog.blocked(token)
+    peer_beat(store, seq=4, age_s=25)  # rank 1 stopped before reaching collective #5
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 19)
+        assert "blocked" not in caplog.text
+        advance(watchdog, clock, 1)
+    (line,) = [r.getMessage() for r in caplog.records if "blocked" in r.getMessage()]
+    assert line.startswith("rank 0: blocked 20 s in collective a2a_dispatch dispatch_all_to_all #5 on ranks [0, 1]")
+    assert "(step 7, MoE layer 3)" in line and "4096 bytes" in line
+    assert "not arrived: rank 1 (no heartbeat for 25 s: stopped or hung; last seen at step 7, computing)" in line
+    assert store.beats[0]["seq"] == {"0,1": 5} and "dispatch_all_to_all #5" in store.beats[0]["blocked"]
+    assert ended == []
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        watchdog.unblocked(token, completed=True)
+    assert "dispatch_all_to_all #5 on ranks [0, 1] (step 7, MoE layer 3) went through after 20 s" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "seq, age_s, expected",
+    [
+        (1, 0, "every peer arrived and is alive: the transfer itself is stalled"),
+        (1, 60, "every peer arrived, but ranks [1] send no heartbeat (stopped or hung inside it)"),
+        (0, 0, "not arrived: rank 1 (step 9, blocked in tp sum_across_shards"),
+    ],
+)
+def test_what_the_peers_are_doing_is_reported(caplog, seq, age_s, expected):
+    store = FakeStore()
+    watchdog, clock, _ = make(store)
+    watchdog.blocked(watchdog.issued(DISPATCH))
+    peer_beat(store, seq=seq, age_s=age_s, step=9, blocked="tp sum_across_shards #3 on ranks [0, 1] (step 9)")
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 21)
+    assert expected in caplog.text
+
+
+def test_without_a_store_the_collective_is_still_named(caplog):
+    watchdog, clock, _ = make(store=None)
+    watchdog.blocked(watchdog.issued(DISPATCH))
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 21)
+    assert "dispatch_all_to_all #1 on ranks [0, 1]" in caplog.text and "peers unknown" in caplog.text
+
+
+def test_the_deadline_ends_the_job_with_the_report(caplog):
+    store = FakeStore()
+    watchdog, clock, ended = make(store, stall=20, deadline=60)
+    watchdog.blocked(watchdog.issued(DISPATCH))
+    peer_beat(store, seq=0, age_s=100)
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 59)
+        assert ended == [] and caplog.text.count("rank 0: blocked") == 2  # at 20 s and 40 s
+        advance(watchdog, clock, 1)
+    (report,) = ended
+    assert report.startswith("rank 0: blocked 60 s in collective a2a_dispatch dispatch_all_to_all #1")
+    assert "not arrived: rank 1" in report and report.endswith("--distributed-timeout-minutes=1 passed")
+
+
+def test_a_rank_that_was_stopped_itself_blames_no_one(caplog):
+    store = FakeStore()
+    watchdog, clock, ended = make(store)
+    watchdog.blocked(watchdog.issued(DISPATCH))
+    peer_beat(store, seq=1, age_s=0)
+    watchdog.check()
+    clock.now += 100  # SIGSTOP'd for 100 s: the thread did not run
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        watchdog.check()
+    assert "this process did not run for 100 s" in caplog.text and "blocked" not in caplog.text
+    assert ended == []
+
+
+def test_a_collective_that_does_not_block_is_never_reported(caplog):
+    watchdog, clock, ended = make(FakeStore())
+    token = watchdog.issued(DISPATCH)  # started asynchronously, not waited for yet
+    watchdog.unblocked(token, completed=False)
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 100)
+    assert caplog.text == "" and ended == []
+
+
+def test_the_thread_runs_and_stops():
+    store = FakeStore()
+    watchdog = Watchdog(stall_s=1, deadline_s=2, end_job=print, store=store, rank=0).start()
+    time.sleep(0.1)
+    watchdog.stop()
+    assert store.beats[0]["n"] >= 1 and not any(t.name == "megatron_moe-watchdog" for t in threading.enumerate())
+
+
+class Recorder:
+    """A monitor that keeps every event."""
+
+    def __init__(self):
+        self.events = []
+
+    def issued(self, collective):
+        self.events.append(("issued", collective.kind, collective.purpose))
+        return collective
+
+    def blocked(self, token):
+        self.events.append(("blocked", token.purpose))
+
+    def unblocked(self, token, *, completed):
+        self.events.append(("unblocked", token.purpose, completed))
+
+
+def test_issue_shows_synchronous_and_asynchronous_collectives_to_the_monitor(megatron_world1):
+    import torch.distributed as dist
+
+    x = torch.ones(4)
+    with comm.monitoring(Recorder()) as recorder:
+        comm.issue(Collective("other", "sync"), lambda: dist.all_reduce(x))
+        work = comm.issue(Collective("other", "async"), lambda: dist.all_reduce(x, async_op=True))
+        work.wait()
+        work.wait()  # waited once: a gloo send/recv waited twice would block
+        with comm.monitoring(Recorder()) as second:  # a second monitor beside the first
+            comm.issue(Collective("tp", "both"), lambda: dist.all_reduce(x))
+    assert second.events == [("issued", "tp", "both"), ("blocked", "both"), ("unblocked", "both", True)]
+    assert recorder.events[:8] == [
+        ("issued", "other", "sync"),
+        ("blocked", "sync"),
+        ("unblocked", "sync", True),
+        ("issued", "other", "async"),
+        ("blocked", "async"),
+        ("unblocked", "async", False),
+        ("blocked", "async"),
+        ("unblocked", "async", True),
+    ]
+    assert recorder.events[8:] == second.events
+    comm.issue(Collective("other", "unwatched"), lambda: dist.all_reduce(x))  # no monitor: nothing recorded
+    assert len(recorder.events) == 11
+
+
+def test_megatron_core_collectives_reach_the_monitor_unchanged(megatron_world1):
+    """A training step of megatron-core's DDP and optimizer: its bucket grad reduce and grad-norm all-reduce
+    are issued through `comm.issue` (kinds dp_grad_reduce, other), and the step's result is the same."""
+    from megatron_moe.comm.megatron_core import tap_megatron_core
+
+    def step(tapped: bool):
+        from megatron_moe.training.initialize import set_seed
+        from tests.unit.test_checkpoint_safety import Run
+
+        set_seed(0)
+        run = Run("/nonexistent", flags=("--use-distributed-optimizer",))
+        tokens = torch.randint(0, 128, (2, 32))
+        position_ids = torch.arange(32).expand(2, 32)
+        with comm.monitoring(Recorder()) if tapped else _null() as recorder:
+            loss = run.model[0](tokens, position_ids, None, labels=tokens).float().mean()
+            loss.backward()
+            run.model[0].finish_grad_sync()
+            _, grad_norm, _ = run.optimizer.step()
+        return recorder, grad_norm, run.weights()
+
+    _, plain_norm, plain_weights = step(tapped=False)
+    tap_megatron_core()
+    recorder, norm, weights = step(tapped=True)
+    issued = {(e[1], e[2]) for e in recorder.events if e[0] == "issued"}
+    assert ("dp_grad_reduce", "megatron-core/start_grad_sync") in issued, issued
+    assert ("other", "megatron-core/start_param_sync") in issued, issued
+    assert ("other", "torch.distributed.all_reduce") in issued, issued  # the grad norm
+    blocked = [e for e in recorder.events if e[0] == "blocked"]
+    assert len(blocked) == len([e for e in recorder.events if e[0] == "unblocked"])
+    assert norm == plain_norm and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
