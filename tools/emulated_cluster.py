@@ -131,12 +131,14 @@ class EmulatedCluster:
     which the stale sweep never removes) for inspection; `delete_commands()` says how to remove them.
     """
 
-    def __init__(self, nodes: int, link_gbit: float, *, keep: bool = False, burst: str = "256kb"):
+    def __init__(
+        self, nodes: int, link_gbit: float, *, keep: bool = False, burst: str = "256kb", latency: str = "100ms"
+    ):
         if nodes < 1 or nodes > 250:
             raise ClusterError(f"--nodes: {nodes} is out of range; give 1 to 250")
         if not link_gbit > 0:
             raise ClusterError(f"--link-gbit: {link_gbit} must be a positive rate in Gbit/s, e.g. 1 or 0.5")
-        self.nodes, self.link_gbit, self.keep, self.burst = nodes, link_gbit, keep, burst
+        self.nodes, self.link_gbit, self.keep, self.burst, self.latency = nodes, link_gbit, keep, burst, latency
         pid, k = os.getpid(), next(_instances)
         self.tag = f"{PREFIX}-keep-{pid}-{k}" if keep else f"{PREFIX}-{pid}-{k}"
         self.switch = f"{self.tag}-sw"
@@ -315,25 +317,38 @@ def tail(path: str, lines: int = 20) -> str:
         return "".join(deque(stream, maxlen=lines))
 
 
-def run_command(cluster: EmulatedCluster, argv: list[str], procs_per_node: int, master_port: int) -> int:
-    """Run `argv` once per node; node 0 streams here, the others log to files. When a node fails, stop the
-    others. Returns the worst exit code among the nodes that ended by themselves (those stopped here don't count)."""
-    log_dir = tempfile.mkdtemp(prefix="emulated_cluster-")
-    print(
-        f"emulated cluster: {cluster.nodes} nodes x {procs_per_node} processes, links {cluster.link_gbit} Gbit/s, "
-        f"master {cluster.address(0)}:{master_port}; nodes 1.. log to {log_dir}",
-        file=sys.stderr,
-        flush=True,
-    )
-    procs, logs = {}, {}
+def _pump(stream, log_path: str, prefix: str | None) -> None:
+    """Copy a node's output to its log file, and to our stdout with `prefix` when the node is streamed."""
+    with open(log_path, "wb") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line)
+            log.flush()
+            if prefix is not None:
+                sys.stdout.buffer.write(prefix.encode() + line)
+                sys.stdout.flush()
+    stream.close()
+
+
+def start_nodes(cluster, argv, procs_per_node, master_port, log_dir, streamed) -> tuple[dict, dict, list]:
+    """Start `argv` on every node. Node 0 writes to our stdout; node i > 0 to log_dir/node{i}.log, also to our
+    stdout (each line prefixed "[node i] ") when i is in `streamed`. Returns (procs, log paths, pump threads)."""
+    procs, logs, pumps = {}, {}, []
     for i in range(cluster.nodes):
         env = {**os.environ, **cluster.node_env(i, procs_per_node, master_port)}
         if i == 0:
             procs[i] = cluster.run_on(i, argv, env)
-        else:
-            logs[i] = os.path.join(log_dir, f"node{i}.log")
-            with open(logs[i], "wb") as out:
-                procs[i] = cluster.run_on(i, argv, env, stdout=out, stderr=subprocess.STDOUT)
+            continue
+        logs[i] = os.path.join(log_dir, f"node{i}.log")
+        procs[i] = cluster.run_on(i, argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        prefix = f"[node {i}] " if i in streamed else None
+        pumps.append(threading.Thread(target=_pump, args=(procs[i].stdout, logs[i], prefix), daemon=True))
+        pumps[-1].start()
+    return procs, logs, pumps
+
+
+def wait_nodes(procs: dict) -> dict[int, int]:
+    """Wait for every node; when one fails, stop the others. Returns {node: exit code} of the nodes that ended
+    by themselves (a node stopped here is left out: its code says nothing about the run)."""
     codes: dict[int, int] = {}
     while len(codes) < len(procs):
         for i, proc in procs.items():
@@ -343,34 +358,53 @@ def run_command(cluster: EmulatedCluster, argv: list[str], procs_per_node: int, 
         if failed:
             for i, proc in procs.items():
                 if i not in codes:
-                    print(
-                        f"emulated cluster: node {failed[0]} failed (exit {codes[failed[0]]}); stopping node {i}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    message = f"node {failed[0]} failed (exit {codes[failed[0]]}); stopping node {i}"
+                    print(f"emulated cluster: {message}", file=sys.stderr, flush=True)
                     stop_process_group(proc)
             break
         time.sleep(0.1)
+    return codes
+
+
+def run_command(cluster, argv: list[str], procs_per_node: int, master_port: int, streamed=()) -> int:
+    """Run `argv` once per node (see `start_nodes` for where the output goes). When a node fails, stop the
+    others. Returns the worst exit code among the nodes that ended by themselves."""
+    log_dir = tempfile.mkdtemp(prefix="emulated_cluster-")
+    print(
+        f"emulated cluster: {cluster.nodes} nodes x {procs_per_node} processes, links {cluster.link_gbit} Gbit/s, "
+        f"master {cluster.address(0)}:{master_port}; nodes 1.. log to {log_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    procs, logs, pumps = start_nodes(cluster, argv, procs_per_node, master_port, log_dir, streamed)
+    codes = wait_nodes(procs)
+    for pump in pumps:
+        pump.join(timeout=STOP_GRACE_S)
     for i in sorted(codes):
         if codes[i] != 0 and i in logs:
-            print(
-                f"emulated cluster: node {i} exited {codes[i]}; last lines of {logs[i]}:\n{tail(logs[i])}",
-                file=sys.stderr,
-                flush=True,
-            )
+            message = f"node {i} exited {codes[i]}; last lines of {logs[i]}:\n{tail(logs[i])}"
+            print(f"emulated cluster: {message}", file=sys.stderr, flush=True)
     return max(codes.values(), default=0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Run COMMAND once per emulated node (a network namespace with a shaped link) on this host.",
-        usage="%(prog)s --nodes N --procs-per-node K --link-gbit R [--keep] [--master-port P] -- COMMAND...",
+        usage="%(prog)s --nodes N --procs-per-node K --link-gbit R [--keep] [--master-port P] [--stream-node I] "
+        "-- COMMAND...",
     )
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes (network namespaces)")
     parser.add_argument("--procs-per-node", type=int, required=True, help="GPUS_PER_NODE given to the command")
     parser.add_argument("--link-gbit", type=float, required=True, help="each node's link rate, Gbit/s (egress)")
     parser.add_argument("--keep", action="store_true", help="leave the namespaces up afterwards")
     parser.add_argument("--master-port", type=int, default=29500, help="MASTER_PORT (node 0's namespace)")
+    parser.add_argument(
+        "--stream-node",
+        type=int,
+        action="append",
+        help="also stream this node's output, lines prefixed [node I] (repeatable; default: the last node, "
+        "where the trainer's last rank logs); every node > 0 also logs to a file",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command run on every node")
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -379,6 +413,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("no COMMAND: give it after --, e.g. -- examples/pretrain_gpt_moe_tiny_cpu.sh")
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node: {args.procs_per_node} must be at least 1")
+    streamed = args.stream_node if args.stream_node is not None else [args.nodes - 1]
+    if any(not 0 <= i < args.nodes for i in streamed):
+        parser.error(f"--stream-node: {streamed} names a node outside 0..{args.nodes - 1}")
+    args.stream_node = streamed
     if not 1 <= args.master_port <= 65535:
         parser.error(f"--master-port: {args.master_port} is not a TCP port; give 1 to 65535, e.g. 29500")
     return args
@@ -388,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         with EmulatedCluster(args.nodes, args.link_gbit, keep=args.keep) as cluster:
-            code = run_command(cluster, args.command, args.procs_per_node, args.master_port)
+            code = run_command(cluster, args.command, args.procs_per_node, args.master_port, args.stream_node)
             if args.keep:
                 print(
                     f"emulated cluster: kept namespaces {' '.join(cluster.namespaces())}\n"
