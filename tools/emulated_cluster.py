@@ -413,7 +413,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("no COMMAND: give it after --, e.g. -- examples/pretrain_gpt_moe_tiny_cpu.sh")
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node: {args.procs_per_node} must be at least 1")
-    streamed = args.stream_node if args.stream_node is not None else [args.nodes - 1]
+    streamed = args.stream_node if args.stream_node is not None else [args.nodes - 1] * (args.nodes > 1)
     if any(not 0 <= i < args.nodes for i in streamed):
         parser.error(f"--stream-node: {streamed} names a node outside 0..{args.nodes - 1}")
     args.stream_node = streamed
