@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, load_tool
+from tests.distributed.launcher import tiny_pretrain_command
 
 cluster_tool = load_tool("emulated_cluster")
 link_tool = load_tool("bench_link")  # imports emulated_cluster: the module loaded above
@@ -205,3 +206,30 @@ def test_a_two_node_all_to_all_sees_both_ranks_and_takes_the_time_the_link_needs
         assert 2 * 0.8 < large / small < 2 * 1.2, f"2x bytes took {large / small:.2f}x the time: {run}"
     for fast_ms, slow_ms in zip(full["ms"], half["ms"]):
         assert 2 * 0.8 < slow_ms / fast_ms < 2 * 1.2, f"half the rate took {slow_ms / fast_ms:.2f}x: {full} {half}"
+
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+)")
+
+
+def test_training_across_the_emulated_nodes_gives_the_losses_of_loopback(train_data):
+    """Issue 13 item 4: the same 2-rank EP=2 run, on loopback and across 2 nodes' shaped link: the same losses
+    and grad norms, bit for bit (the wire changes nothing but time)."""
+    loopback = tiny_pretrain_command(train_data, "--train-iters", "10")
+    script = next(i for i, word in enumerate(loopback) if word.endswith("pretrain_gpt_moe.py"))
+    on_node = [
+        "sh",
+        "-c",
+        'exec "$0" -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" '
+        '--master-port="$MASTER_PORT" --nproc-per-node="$GPUS_PER_NODE" "$@"',
+        sys.executable,
+        *loopback[script:],
+    ]
+    cluster = [sys.executable, TOOL, "--nodes", "2", "--procs-per-node", "1", "--link-gbit", "1", "--", *on_node]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MEGATRON_MOE_FORCE_CPU="1")
+    logs = {}
+    for name, cmd in (("loopback", loopback), ("cluster", cluster)):
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert run.returncode == 0, f"{name} run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+        logs[name] = [match.groups() for match in ITERATION.finditer(run.stdout + run.stderr)]
+    assert [step for step, _, _ in logs["loopback"]] == [str(i) for i in range(1, 11)], logs["loopback"]
+    assert logs["cluster"] == logs["loopback"]
