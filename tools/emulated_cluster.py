@@ -129,6 +129,7 @@ class EmulatedCluster:
     Use as a context manager: the namespaces exist inside the `with` block and are deleted at its end, also on an
     exception, SIGTERM or SIGHUP (and at interpreter exit). `keep=True` leaves them up (named mmc-keep-...,
     which the stale sweep never removes) for inspection; `delete_commands()` says how to remove them.
+    `burst` and `latency` are tbf's (the verified recipe's values; a smaller latency is a shorter queue).
     """
 
     def __init__(
@@ -144,6 +145,8 @@ class EmulatedCluster:
         self.switch = f"{self.tag}-sw"
         self.bridge = f"br{pid}k{k}"
         self.subnet = 1 + (pid * 7 + k) % 254  # 169.254.X.0/24 with X in 1..254, varies per run
+        if len(f"p{self.bridge[2:]}n{nodes - 1}") > 15:  # the kernel's limit on interface names
+            raise ClusterError(f"--nodes: {nodes} nodes make interface names over 15 characters; give fewer")
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._old_handlers: dict = {}
@@ -189,7 +192,6 @@ class EmulatedCluster:
         self._netns_add(self.switch)
         _run("creating a bridge", ["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
         _run("bringing the bridge up", ["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
-        rate = f"{max(1, round(self.link_gbit * 1e6))}kbit"
         for i in range(self.nodes):
             ns, iface, port = self.namespace(i), self.iface(i), f"p{self.bridge[2:]}n{i}"
             self._netns_add(ns)
@@ -204,55 +206,19 @@ class EmulatedCluster:
             _run("bringing a bridge port up", ["ip", "-n", self.switch, "link", "set", port, "up"])
             _run("addressing a node", ["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", iface])
             _run("bringing a node's link up", ["ip", "-n", ns, "link", "set", iface, "up"])
-            _run(
-                "shaping a node's link (tc tbf)",
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    iface,
-                    "root",
-                    "tbf",
-                    "rate",
-                    rate,
-                    "burst",
-                    self.burst,
-                    "latency",
-                    "100ms",
-                ],
-            )
+            self._shape("add", i, self.link_gbit)
+
+    def _shape(self, verb: str, i: int, link_gbit: float) -> None:
+        """`tc qdisc VERB ... tbf` on node i's interface: its egress (what the node sends) limited to link_gbit."""
+        rate = f"{max(1, round(link_gbit * 1e6))}kbit"
+        tbf = ["tbf", "rate", rate, "burst", self.burst, "latency", self.latency]
+        tc = ["tc", "qdisc", verb, "dev", self.iface(i), "root", *tbf]
+        _run(f"shaping a node's link (tc tbf, {verb})", ["ip", "netns", "exec", self.namespace(i), *tc])
 
     def set_link_gbit(self, link_gbit: float) -> None:
         """Change every node's link rate in place (no rebuild), e.g. to alternate rates within one test."""
-        rate = f"{max(1, round(link_gbit * 1e6))}kbit"
         for i in range(self.nodes):
-            _run(
-                "changing a node's link rate (tc tbf)",
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    self.namespace(i),
-                    "tc",
-                    "qdisc",
-                    "change",
-                    "dev",
-                    self.iface(i),
-                    "root",
-                    "tbf",
-                    "rate",
-                    rate,
-                    "burst",
-                    self.burst,
-                    "latency",
-                    "100ms",
-                ],
-            )
+            self._shape("change", i, link_gbit)
         self.link_gbit = link_gbit
 
     def close(self) -> None:

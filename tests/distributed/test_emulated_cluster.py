@@ -179,7 +179,7 @@ def test_errors_are_one_line_naming_what_is_missing(tmp_path, monkeypatch, capsy
     tool = start_tool(*argv, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     _, err = tool.communicate(timeout=60)
     line = one_line_error(err)
-    assert tool.returncode == 2 and "shaping a node's link (tc tbf) failed" in line, line
+    assert tool.returncode == 2 and "shaping a node's link (tc tbf, add) failed" in line, line
     assert "tc qdisc add dev" in line and "qdisc kind is unknown" in line, line
     assert namespaces(rf"{cluster_tool.PREFIX}-{tool.pid}-") == []
     # bad values name the flag, the value and a valid choice
