@@ -163,8 +163,9 @@ class Watchdog:
         while True:
             try:
                 self.check()
-            except Exception as error:  # a store hiccup must not end the watchdog; say it once per period
-                log.warning("rank %d: watchdog: %s", self.rank, error)
+            except Exception as error:  # the store is gone (the launcher ended?): go on without heartbeats
+                log.warning("rank %d: watchdog: heartbeats off, peers will not be reported: %s", self.rank, error)
+                self._store = None
             if self._stop.wait(self.period):
                 return
 

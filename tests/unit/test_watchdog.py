@@ -245,3 +245,18 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_store_that_is_gone_turns_heartbeats_off_with_one_warning(caplog):
+    class GoneStore(FakeStore):
+        def publish(self, rank, beat):
+            raise RuntimeError("Broken pipe")
+
+    watchdog = Watchdog(stall_s=0.2, deadline_s=100, end_job=print, store=GoneStore(), rank=0, ranks_of=lambda g: [0])
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        watchdog.blocked(watchdog.issued(Collective("other", "barrier/x")))
+        watchdog.start()
+        time.sleep(0.6)
+        watchdog.stop()
+    assert caplog.text.count("heartbeats off, peers will not be reported: Broken pipe") == 1
+    assert "blocked" in caplog.text and "peers unknown (no heartbeat store)" in caplog.text
