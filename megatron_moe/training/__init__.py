@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from megatron_moe.checkpointing import TrainState, load_checkpoint, resolve_load_dir
+from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
 from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import SentencePieceTokenizer
 from megatron_moe.model import transformer_config
@@ -23,6 +23,7 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
     An exception propagates without `shutdown()`: its barrier would wait for ranks that are inside a
     training collective (a hang until the timeout); the caller ends the process (pretrain_gpt_moe.main).
     """
+    check_save_dir(cfg)  # filesystem only: refused before any process group or model
     initialize(cfg)
     tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
     load_dir = resolve_load_dir(cfg)
