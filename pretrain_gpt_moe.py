@@ -16,10 +16,12 @@ import sys
 
 from megatron_moe.config import ConfigError, parse_args
 from megatron_moe.failure import exit_now, report_failure, setup_logging
+from megatron_moe.lifetime import die_with_parent
 
 
 def main(argv=None) -> int:
-    parent = os.getppid()  # torchrun's agent: recorded before the imports, so a parent that dies meanwhile is seen
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: a killed agent (or launcher) takes this worker along
+        die_with_parent()
     setup_logging()
     log = logging.getLogger("megatron_moe")
     try:
@@ -30,10 +32,6 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank fails alike; one line says why
             log.error("error: %s", error)
         return 2
-    from megatron_moe.platform.process import die_with_parent
-
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: a killed agent (or launcher) takes this worker along
-        die_with_parent(parent)
     from megatron_moe.data import DataError
     from megatron_moe.data.tokenizer import TokenizerError
     from megatron_moe.training import pretrain

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import multiprocessing
 import os
-import signal
 import socket
-import sys
 import tempfile
 
 import torch.distributed as dist
@@ -16,28 +11,6 @@ from megatron.core import parallel_state
 
 from megatron_moe.platform.device import Platform, init_platform
 from megatron_moe.platform.rng import seed_model_parallel
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent_pid: int | None = None) -> bool:
-    """Have the kernel SIGKILL this process when its parent ends (Linux's parent-death signal); False elsewhere.
-
-    `parent_pid` is the parent as recorded earlier (default: a multiprocessing child's parent, else the current
-    one): a parent that ended before this call can no longer send the signal, so the process exits at once.
-    The signal is not inherited: a forked or spawned child calls this itself.
-    """
-    if parent_pid is None:
-        parent = multiprocessing.parent_process()
-        parent_pid = parent.pid if parent is not None else os.getppid()
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return False
-    if os.getppid() != parent_pid:  # the parent died before the prctl: nobody is left to signal us
-        os._exit(128 + signal.SIGKILL)
-    return True
 
 
 def default_to_single_process() -> None:

@@ -209,7 +209,7 @@ class Trainer:
         start_iteration = self.state.iteration
         started = time.perf_counter()
         exit_request = ExitRequest(
-            exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler
+            exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler, rank=self.rank
         )
         preempted = False
         while self.state.iteration < t.train_iters:

@@ -11,8 +11,8 @@ import torch
 from megatron_moe.checkpointing import (
     TRACKER,
     TrainState,
-    load_checkpoint,
     check_save_dir,
+    load_checkpoint,
     resolve_load_dir,
     save_checkpoint,
 )
