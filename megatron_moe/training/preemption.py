@@ -30,6 +30,18 @@ log = logging.getLogger("megatron_moe")
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def _forget_wakeup_fd() -> None:
+    """In a forked child (a data-loader worker, a checkpoint writer): its signals are not this process's, so
+    they must not reach the watcher's pipe, which the child shares."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread of the child: nothing to forget there
+        pass
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
 class _SignalWatcher:
     """Counts SIGTERM/SIGINT as they arrive: the first SIGTERM sets `signalled`; after it, either one exits."""
 

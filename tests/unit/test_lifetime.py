@@ -71,13 +71,12 @@ WATCHER = """
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     from megatron_moe.training.preemption import _SignalWatcher
     watcher = _SignalWatcher(rank=3)
-    print("ready", flush=True)
     {body}
 """
 
 
 def run_watcher(body: str, *signals: int) -> tuple[int, list[str]]:
-    """Run `body` under a _SignalWatcher in a fresh process, sending it `signals` once it is ready."""
+    """Run `body` under a _SignalWatcher in a fresh process, sending it `signals` once it printed "ready"."""
     proc = python(
         WATCHER.format(body=textwrap.indent(textwrap.dedent(body), " " * 4).strip()), stderr=subprocess.STDOUT
     )
@@ -88,7 +87,7 @@ def run_watcher(body: str, *signals: int) -> tuple[int, list[str]]:
     lines = lines[-1:]
     for signum in signals:
         os.kill(proc.pid, signum)
-        time.sleep(0.3)
+        time.sleep(1.0)  # the process acts on each before the next (a loaded machine included)
     out = proc.communicate(timeout=30)[0]
     return proc.returncode, lines + out.splitlines()
 
@@ -96,6 +95,7 @@ def run_watcher(body: str, *signals: int) -> tuple[int, list[str]]:
 @pytest.mark.slow  # each case starts a fresh interpreter that imports megatron-core: ~5 s
 def test_the_first_sigterm_is_a_request_and_the_second_exits_at_once():
     body = """
+        print("ready", flush=True)
         while not watcher.signalled:
             time.sleep(0.01)
         print("first SIGTERM seen", flush=True)
@@ -108,9 +108,32 @@ def test_the_first_sigterm_is_a_request_and_the_second_exits_at_once():
 
 
 @pytest.mark.slow
+def test_a_forked_childs_sigterms_are_not_counted_as_the_parents():
+    body = """
+        print("ready", flush=True)
+        child = os.fork()
+        if child == 0:  # a data-loader worker, say: it shares the watcher's pipe
+            time.sleep(20)
+            os._exit(0)
+        time.sleep(0.5)
+        os.kill(child, signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(child, signal.SIGTERM)
+        time.sleep(0.5)
+        print("parent signalled:", watcher.signalled, flush=True)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    """
+    code, lines = run_watcher(body)
+    assert code == 0, lines
+    assert lines[1:] == ["parent signalled: False"], lines
+
+
+@pytest.mark.slow
 def test_sigint_is_a_keyboard_interrupt_unless_a_sigterm_came_first():
     body = """
         try:
+            print("ready", flush=True)
             time.sleep(20)
         except KeyboardInterrupt:
             print("KeyboardInterrupt", flush=True)
@@ -122,7 +145,7 @@ def test_sigint_is_a_keyboard_interrupt_unless_a_sigterm_came_first():
     code, lines = run_watcher(body, signal.SIGINT)
     assert code == 0, lines
     assert lines[1:] == ["KeyboardInterrupt", "watcher signalled: False", "handlers restored: True"], lines
-    code, lines = run_watcher("time.sleep(20)", signal.SIGTERM, signal.SIGINT)
+    code, lines = run_watcher("print('ready', flush=True); time.sleep(20)", signal.SIGTERM, signal.SIGINT)
     assert code == 128 + signal.SIGINT, lines
     assert lines[1:] == ["rank 3: second SIGINT: exiting without saving"], lines
 
