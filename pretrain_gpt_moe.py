@@ -13,59 +13,15 @@ error); no collective runs on the way out, and torchrun then stops the other ran
 import logging
 import os
 import sys
-import traceback
-import warnings
 
 from megatron_moe.config import ConfigError, parse_args
-
-
-def setup_logging() -> None:
-    """Our INFO lines on rank 0 and the last rank (which holds the loss); megatron-core's at WARNING."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    level = logging.INFO if rank in (0, world - 1) else logging.WARNING
-    logging.basicConfig(level=level, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    # We subclass its legacy tokenizer on purpose (the GPTDataset interface); no need to say so per run.
-    logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module="megatron")  # apex/TE-absent notices, deprecations
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """A collective broken by another rank's exit (a consequence, not the culprit)."""
-    import torch.distributed as dist
-
-    text = str(error)
-    return isinstance(error, dist.DistError) or any(f"Connection {w} by peer" in text for w in ("reset", "closed"))
-
-
-def report_failure(error: BaseException, *, expected: bool) -> None:
-    """Log `error` once for this rank: "rank R: message" first, then where it was raised (all of the
-    traceback with MEGATRON_MOE_VERBOSE=1); `expected` errors (flags, data, tokenizer) need no traceback."""
-    log = logging.getLogger("megatron_moe")
-    rank = int(os.environ.get("RANK", 0))
-    message = f"error: {error}" if expected else f"{type(error).__name__}: {error}"
-    if is_peer_failure(error):
-        message = f"a collective failed, likely because another rank ended first (see its error): {message}"
-    log.error("rank %d: %s", rank, message)
-    if os.environ.get("MEGATRON_MOE_VERBOSE", "0") not in ("", "0"):
-        log.error("rank %d: traceback:\n%s", rank, "".join(traceback.format_exception(error)).rstrip())
-    elif not expected and error.__traceback__ is not None:
-        frame = traceback.extract_tb(error.__traceback__)[-1]
-        hint = "MEGATRON_MOE_VERBOSE=1 shows the traceback"
-        log.error("rank %d: raised at %s:%d in %s (%s)", rank, frame.filename, frame.lineno, frame.name, hint)
-
-
-def exit_now(code: int) -> None:
-    """End the process without interpreter teardown: no process-group destructor, checkpoint-writer join
-    or atexit hook can then wait on a rank that is inside a collective."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+from megatron_moe.failure import exit_now, report_failure, setup_logging
+from megatron_moe.lifetime import die_with_parent
 
 
 def main(argv=None) -> int:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: a killed agent (or launcher) takes this worker along
+        die_with_parent()
     setup_logging()
     log = logging.getLogger("megatron_moe")
     try:

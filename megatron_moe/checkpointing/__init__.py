@@ -297,6 +297,26 @@ def resolve_load_dir(cfg: RunConfig) -> str | None:
     raise ConfigError(f"--load={root}: no {TRACKER} there; give a directory written by --save")
 
 
+def check_save_dir(cfg: RunConfig) -> None:
+    """Refuse a --save directory holding complete checkpoints that this run does not resume from: starting from
+    scratch there would overwrite them (a re-run of a job that forgot --load). Filesystem only: before the model.
+    A --load of one of its own iterations (rolling back, e.g. before a loss spike) is a deliberate choice."""
+    root, load = cfg.checkpoint.save, cfg.checkpoint.load
+    if root is None or not os.path.isdir(root):
+        return
+    if load is not None and os.path.realpath(root) in (os.path.realpath(load), os.path.dirname(os.path.realpath(load))):
+        return
+    newest, _ = integrity.newest_complete(root)
+    if newest is None:
+        return
+    given = f"--load={load}" if load else "no --load"
+    raise ConfigError(
+        f"--save={root}: it holds saved checkpoints (newest complete: {os.path.basename(newest)}) and this run has "
+        f"{given}, so its saves would overwrite them; pass --load {root} to resume from them, or give an empty or "
+        f"new --save directory"
+    )
+
+
 def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
     """Refuse a checkpoint whose model shape differs, naming every differing flag."""
     current = cfg.to_dict()

@@ -8,9 +8,14 @@ upgrade has fixed it upstream.
 from __future__ import annotations
 
 import functools
+import os
+import time
+from multiprocessing import get_context
+from multiprocessing.managers import SyncManager
 
 import torch
 
+from megatron_moe.lifetime import writer_process_start
 from megatron_moe.platform.cpu_compat import Patch, _source
 
 
@@ -105,6 +110,42 @@ def _reshardable_load_copies_every_state_key() -> bool:
     )
 
 
+# 4. The torch_dist save strategy writes through processes that outlive a killed rank (seen: 37 minutes,
+#    274 MB): a spawned multiprocessing Manager holding the results queue (module-global, started at the
+#    first save, shut down only by a normal interpreter exit: never after os._exit or SIGKILL) and, in
+#    every save, forked writer processes. Each now dies with its rank (parent-death signal) and leaves
+#    torchrun's SIGTERM to the rank (megatron_moe.lifetime.writer_process_start).
+WRITER_PAUSE_ENV = "MEGATRON_MOE_TEST_WRITER_PAUSE_S"  # test only: seconds each writer process waits first
+
+
+def _apply_writer_lifetime() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def get_write_results_queue():
+        if filesystem_async._results_queue is None:  # what megatron-core builds, its server started our way
+            manager = SyncManager(ctx=get_context("spawn"))
+            manager.start(initializer=writer_process_start, initargs=(os.getpid(),))
+            filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+        return filesystem_async._results_queue
+
+    write = filesystem_async.FileSystemWriterAsync.write_preloaded_data
+
+    @functools.wraps(write)
+    def write_preloaded_data(*args, **kwargs):  # runs in the forked writer: its parent is the rank
+        writer_process_start()
+        if pause := float(os.environ.get(WRITER_PAUSE_ENV, 0)):
+            time.sleep(pause)
+        return write(*args, **kwargs)
+
+    filesystem_async._get_write_results_queue = get_write_results_queue
+    filesystem_async.FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
+
+
+def _writer_processes_outlive_their_rank() -> bool:
+    src = _source("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    return "ctx.Manager().Queue()" in src and 'mp.get_context("fork")' in src and "PDEATHSIG" not in src
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "te_general_gemm",
@@ -123,6 +164,12 @@ PATCHES: tuple[Patch, ...] = (
         "distributed optimizer fully_reshardable load: KeyError 'step' without apex/TE.",
         _apply_reshardable_step,
         _reshardable_load_copies_every_state_key,
+    ),
+    Patch(
+        "checkpoint_writer_lifetime",
+        "dist_checkpointing's writer processes (Manager, forked writers) outlive a killed rank.",
+        _apply_writer_lifetime,
+        _writer_processes_outlive_their_rank,
     ),
 )
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 from megatron_moe import comm
-from megatron_moe.checkpointing import TrainState, load_checkpoint, resolve_load_dir
+from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
 from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import SentencePieceTokenizer
+from megatron_moe.failure import exit_now
 from megatron_moe.model import transformer_config
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
@@ -26,6 +26,7 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
     An exception propagates without `shutdown()`: its barrier would wait for ranks that are inside a
     training collective (a hang until the timeout); the caller ends the process (pretrain_gpt_moe.main).
     """
+    check_save_dir(cfg)  # filesystem only: refused before any process group or model
     initialize(cfg)
     watchdog = start_watchdog(cfg, end_job=end_job_with_report)
     try:
@@ -54,5 +55,4 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
 def end_job_with_report(report: str) -> None:
     """The watchdog's deadline: the report, then this process ends at once (torchrun stops the others)."""
     log.error("%s: ending the job", report)
-    logging.shutdown()
-    os._exit(1)
+    exit_now(1)

@@ -4,11 +4,16 @@ The gradient check replaces megatron-core DDP's `check_for_nan_in_grad` (whose e
 it runs on each rank's local gradients before they are reduced, so the rank it names is the one where the
 non-finite value appeared, and it names the real iteration and the first parameter (model order) hit.
 fp16 runs skip it: their dynamic loss scale meets inf/NaN gradients on purpose and skips the step.
+
+With a NaN loss every gradient is NaN, and the first parameter in model order is the embedding's: the
+parameter alone rarely says where things went wrong. `ForwardFiniteFlags` records, on the device and without
+a host sync, which module's forward output first held a NaN/inf; the stop message names it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from collections.abc import Callable
 
@@ -67,22 +72,86 @@ def first_nonfinite_grad(chunks) -> str | None:
     return f"{bad[0]} ({len(bad)} of {len(named)} parameters have non-finite gradients)"
 
 
-def check_grads_then(finalize: Callable, *, iteration: Callable[[], int], rank: int) -> Callable:
-    """`finalize` (megatron-core's finalize_model_grads) preceded by the local gradient check."""
+# The modules whose forward outputs are watched, in the order data flows through them.
+_WATCHED = re.compile(r"(^|\.)(embedding|decoder\.layers\.\d+|decoder\.final_layernorm|output_layer)$")
+
+
+class ForwardFiniteFlags:
+    """One device flag per watched module (embedding, each transformer layer, final norm, output layer) of
+    this rank's model chunks, set when that module's forward output holds a NaN/inf since `reset()`.
+
+    The hooks only accumulate on the device (no host sync in the step); `first()` reads the flags once,
+    when a check has already failed.
+    """
+
+    def __init__(self, chunks):
+        self._names: list[str] = []
+        modules = []
+        for chunk in chunks:
+            for name, module in chunk.named_modules():
+                if _WATCHED.search(name):
+                    number = getattr(module, "layer_number", None)  # megatron-core's global 1-based number
+                    short = name[name.index("decoder.") :] if "decoder." in name else name.rsplit(".", 1)[-1]
+                    self._names.append(f"layer {number} ({short})" if number is not None else short)
+                    modules.append(module)
+        device = next(chunks[0].parameters()).device if chunks else None
+        self._bad = torch.zeros(len(modules), dtype=torch.bool, device=device)
+        self._handles = [module.register_forward_hook(self._hook(i)) for i, module in enumerate(modules)]
+
+    def _hook(self, index: int):
+        def record(module, inputs, output):
+            tensor = output[0] if isinstance(output, (tuple, list)) else output
+            if torch.is_tensor(tensor) and tensor.is_floating_point():
+                self._bad[index] |= ~torch.isfinite(tensor.detach()).all()
+
+        return record
+
+    def reset(self) -> None:
+        self._bad.zero_()
+
+    def first(self) -> str | None:
+        """The first watched module (data-flow order) whose output was non-finite, or None. A host read."""
+        if not self._names:
+            return None
+        bad = to_host(self._bad)[0]
+        return next((name for name, flag in zip(self._names, bad, strict=True) if flag), None)
+
+    def describe(self) -> str:
+        """The clause the stop message carries: where the non-finite values first appeared in the forward."""
+        if not self._names:
+            return ""
+        where = self.first()
+        return f"; first non-finite forward output in {where}" if where else "; every forward output was finite"
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _no_origin() -> str:
+    return ""
+
+
+def check_grads_then(
+    finalize: Callable, *, iteration: Callable[[], int], rank: int, origin: Callable[[], str] = _no_origin
+) -> Callable:
+    """`finalize` (megatron-core's finalize_model_grads) preceded by the local gradient check; `origin()` is
+    appended to its message (e.g. `ForwardFiniteFlags.describe`)."""
 
     def checked(model, *args, **kwargs):
         name = first_nonfinite_grad(model)
         if name is not None:
             raise NonFiniteError(
-                f"non-finite gradient at iteration {iteration()} on rank {rank}: first in parameter {name} "
-                "(a lower --lr usually helps)"
+                f"non-finite gradient at iteration {iteration()} on rank {rank}: first in parameter {name}"
+                f"{origin()} (a lower --lr usually helps)"
             )
         return finalize(model, *args, **kwargs)
 
     return checked
 
 
-def check_loss(loss: float | None, *, iteration: int, rank: int) -> None:
-    """Stop on a NaN/inf step loss (None: not on the last pipeline stage)."""
+def check_loss(loss: float | None, *, iteration: int, rank: int, origin: Callable[[], str] = _no_origin) -> None:
+    """Stop on a NaN/inf step loss (None: not on the last pipeline stage); `origin()`, asked only then, is
+    appended to the message."""
     if loss is not None and not math.isfinite(loss):
-        raise NonFiniteError(f"non-finite lm loss ({loss}) at iteration {iteration} on rank {rank}")
+        raise NonFiniteError(f"non-finite lm loss ({loss}) at iteration {iteration} on rank {rank}{origin()}")

@@ -16,7 +16,7 @@ from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.config import RunConfig
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
-from megatron_moe.training.divergence import LossSpikeDetector, check_grads_then, check_loss
+from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.preemption import ExitRequest
@@ -73,10 +73,14 @@ class Trainer:
         self.is_logging_rank = self.rank == self.world - 1  # a last-stage rank
         self._raise_at = injected_failure_step(self.rank)
         self.check_finite = not cfg.training.fp16  # fp16: the loss scaler handles inf/NaN (skips the step)
+        self.forward_flags = ForwardFiniteFlags(model) if self.check_finite else None
         if self.check_finite:  # every rank checks its local grads before they are reduced
             config = get_model_config(model[0])
             config.finalize_model_grads_func = check_grads_then(
-                config.finalize_model_grads_func, iteration=lambda: self.state.iteration + 1, rank=self.rank
+                config.finalize_model_grads_func,
+                iteration=lambda: self.state.iteration + 1,
+                rank=self.rank,
+                origin=self.forward_flags.describe,
             )
         self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
         self._validated_at = None
@@ -124,6 +128,8 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.forward_flags:
+            self.forward_flags.reset()
         if self.own_moe:
             # The factor megatron-core's schedule gives the lm loss: router-loss grads become a
             # per-step mean whatever the number of micro-batches.
@@ -144,7 +150,7 @@ class Trainer:
         self.state.consumed_train_samples += gbs
         lm_loss = _reduce_lm_loss(losses)
         if self.check_finite:
-            check_loss(lm_loss, iteration=self.state.iteration, rank=self.rank)
+            check_loss(lm_loss, iteration=self.state.iteration, rank=self.rank, origin=self.forward_flags.describe)
         return {
             "lm loss": lm_loss,
             "aux": self._aux_figures(),
@@ -212,7 +218,7 @@ class Trainer:
         start_iteration = self.state.iteration
         started = time.perf_counter()
         exit_request = ExitRequest(
-            exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler
+            exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler, rank=self.rank
         )
         preempted = False
         while self.state.iteration < t.train_iters:

@@ -3,35 +3,100 @@
 Every rank joins one small all-reduce per step, so all ranks agree to stop at
 the same step even when the signal reached only some of them; the loop then
 saves a checkpoint and exits cleanly, and the next start resumes from it.
+
+A second SIGTERM (or a SIGINT after a SIGTERM) ends the process at once, without
+saving and without a collective: whoever sends it wants the process gone (torchrun
+stopping its workers, an impatient user). It is seen even while the main thread is
+blocked in a collective, where Python runs no signal handler: CPython's C-level
+handler writes each signal's number to the wakeup fd, and a thread reads it there.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import threading
 import time
 
 import torch
 
 from megatron_moe import comm
+from megatron_moe.failure import exit_now
 from megatron_moe.platform import current_platform
+
+log = logging.getLogger("megatron_moe")
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _forget_wakeup_fd() -> None:
+    """In a forked child (a data-loader worker, a checkpoint writer): its signals are not this process's, so
+    they must not reach the watcher's pipe, which the child shares."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread of the child: nothing to forget there
+        pass
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
+class _SignalWatcher:
+    """Counts SIGTERM/SIGINT as they arrive: the first SIGTERM sets `signalled`; after it, either one exits."""
+
+    def __init__(self, rank: int | None):
+        self.signalled = False
+        self._rank = rank
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        # A Python handler is what makes the C handler write the fd. SIGTERM's does nothing more (the thread acts);
+        # SIGINT's raises KeyboardInterrupt as by default, unless a SIGTERM came first (then the thread exits).
+        self._previous = {
+            signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: None),
+            signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
+        }
+        threading.Thread(target=self._watch, args=(read_fd,), name="megatron_moe-sigterm", daemon=True).start()
+
+    def _on_sigint(self, signum, frame) -> None:
+        if not self.signalled:
+            raise KeyboardInterrupt
+
+    def _watch(self, read_fd: int) -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while data := pipe.read(64):  # b"": every write end closed (close() below)
+                for signum in data:
+                    if signum not in _STOP_SIGNALS:
+                        continue
+                    if self.signalled:
+                        name = signal.Signals(signum).name
+                        where = f"rank {self._rank}: " if self._rank is not None else ""
+                        log.error("%ssecond %s: exiting without saving", where, name)
+                        exit_now(128 + signum)
+                    if signum == signal.SIGTERM:
+                        self.signalled = True
+
+    def close(self) -> None:
+        """Restore the previous handlers and wakeup fd; the thread ends once no process holds the pipe."""
+        signal.set_wakeup_fd(self._previous_fd)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        os.close(self._write_fd)
 
 
 class ExitRequest:
     """Knows whether this run should stop after the current step, and why."""
 
-    def __init__(self, *, exit_duration_in_mins: float | None, handle_sigterm: bool):
+    def __init__(self, *, exit_duration_in_mins: float | None, handle_sigterm: bool, rank: int | None = None):
         self._deadline = time.monotonic() + 60 * exit_duration_in_mins if exit_duration_in_mins else None
-        self._signalled = False
+        self._watcher = _SignalWatcher(rank) if handle_sigterm else None
         self.reason: str | None = None
-        if handle_sigterm:
-            signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self._signalled = True
 
     def requested(self) -> bool:
         """Collective: True on every rank once any rank got SIGTERM or ran out of time."""
-        local = [self._signalled, self._deadline is not None and time.monotonic() > self._deadline]
+        signalled = self._watcher is not None and self._watcher.signalled
+        local = [signalled, self._deadline is not None and time.monotonic() > self._deadline]
         flags = torch.tensor(local, dtype=torch.int32, device=current_platform().device)
         comm.agree_exit(flags)
         if flags[0]:
@@ -41,4 +106,6 @@ class ExitRequest:
         return self.reason is not None
 
     def restore_default_handler(self) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None

@@ -11,6 +11,7 @@ import torch
 from megatron_moe.checkpointing import (
     TRACKER,
     TrainState,
+    check_save_dir,
     load_checkpoint,
     resolve_load_dir,
     save_checkpoint,
@@ -54,6 +55,39 @@ def test_missing_pointer_and_no_complete_iteration_is_refused(tmp_path):
 def test_only_an_unfinished_first_save_starts_fresh(tmp_path):
     fake_iteration(tmp_path, 5, suffix=".tmp")  # nothing was ever published there
     assert resolve_load_dir(cfg("--load", str(tmp_path), "--save", str(tmp_path))) is None
+
+
+def test_save_onto_saved_checkpoints_without_resuming_from_them_is_refused(tmp_path, monkeypatch):
+    fake_iteration(tmp_path, 10)
+    fake_iteration(tmp_path, 20)
+    fake_iteration(tmp_path, 30, complete=False)
+    save = str(tmp_path)
+    other = tmp_path.parent / "elsewhere"
+    for flags, given in ((("--save", save), "no --load"), (("--save", save, "--load", str(other)), f"--load={other}")):
+        with pytest.raises(ConfigError) as refused:
+            check_save_dir(cfg(*flags))
+        assert str(refused.value) == (
+            f"--save={save}: it holds saved checkpoints (newest complete: iter_0000020) and this run has {given}, "
+            f"so its saves would overwrite them; pass --load {save} to resume from them, or give an empty or new "
+            f"--save directory"
+        )
+    # Resuming (also from one of its own iterations), an empty or new directory, or only unfinished saves: allowed.
+    check_save_dir(cfg("--save", save, "--load", save))
+    check_save_dir(cfg("--save", save, "--load", str(tmp_path / "iter_0000010")))
+    check_save_dir(cfg("--save", str(other)))
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    fake_iteration(unfinished, 5, complete=False)
+    fake_iteration(unfinished, 6, suffix=".tmp")
+    check_save_dir(cfg("--save", str(unfinished)))
+    # pretrain() refuses before any process group (or model) is set up.
+    import megatron_moe.training as training
+
+    calls = []
+    monkeypatch.setattr(training, "initialize", lambda cfg: calls.append("initialize"))
+    with pytest.raises(ConfigError, match=rf"--save={save}: it holds saved checkpoints"):
+        training.pretrain(cfg("--save", save))
+    assert calls == []
 
 
 class Run:

@@ -162,3 +162,47 @@ def test_report_of_an_expected_error_and_of_a_broken_collective(monkeypatch, cap
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "rank 0: error: --lr=-1.0: must be positive"  # no traceback for a flag error
     assert lines[1].startswith("rank 0: a collective failed, likely because another rank ended first")
+
+
+def test_forward_flags_name_the_layer_where_non_finite_values_first_appeared(megatron_world1):
+    """An inf in the second layer's expert weights: the NaN stop names that layer, not the embedding."""
+    from megatron_moe.model import transformer_config
+    from megatron_moe.training.divergence import ForwardFiniteFlags
+    from megatron_moe.training.setup import build_ddp_model
+
+    small = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --seq-length 16".split()
+    cfg = parse_args(["--data-path", "d", "--tokenizer-model", "t", *small, "--micro-batch-size", "2"])
+    cfg.validate(1)
+    model = build_ddp_model(cfg, transformer_config(cfg), 128)
+    flags = ForwardFiniteFlags(model)
+    tokens = torch.randint(0, 128, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+
+    def forward():
+        flags.reset()
+        with torch.no_grad():
+            model[0](tokens, positions, None)
+
+    forward()
+    assert flags.first() is None and flags.describe() == "; every forward output was finite"
+    experts = {n: p for n, p in model[0].module.named_parameters() if "layers.1." in n and "experts" in n}
+    assert experts, [n for n, _ in model[0].module.named_parameters()]
+    saved = {n: p.detach().clone() for n, p in experts.items()}
+    with torch.no_grad():
+        for param in experts.values():
+            param.fill_(math.inf)
+    forward()
+    assert flags.first() == "layer 2 (decoder.layers.1)"
+    assert flags.describe() == "; first non-finite forward output in layer 2 (decoder.layers.1)"
+    finalize = check_grads_then(lambda model: None, iteration=lambda: 9, rank=0, origin=flags.describe)
+    bad = {"word_embeddings": torch.tensor([math.nan])}
+    with pytest.raises(NonFiniteError, match=r"first in parameter word_embeddings .* in layer 2 \(decoder.layers.1\)"):
+        finalize([fake_chunk(bad)])
+    with pytest.raises(NonFiniteError, match=r"at iteration 9 on rank 0; first non-finite forward output in layer 2"):
+        check_loss(math.nan, iteration=9, rank=0, origin=flags.describe)
+    with torch.no_grad():
+        for name, param in experts.items():
+            param.copy_(saved[name])
+    forward()  # reset() forgets the earlier step
+    assert flags.first() is None
+    flags.remove()
