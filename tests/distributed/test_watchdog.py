@@ -78,7 +78,7 @@ def test_past_the_deadline_the_job_ends_with_the_report(train_data):
     )  # fmt: skip
     text = "".join(lines)
     (ending,) = [line for line in lines if "ending the job" in line]
-    assert "] rank 0: blocked 15 s in collective " in ending, ending
+    assert re.search(r"\] rank 0: blocked 1[56] s in collective ", ending), ending  # checked every 1.25 s
     assert "rank 1 (no heartbeat" in ending or "ranks [1] send no heartbeat" in ending, ending
     assert "--distributed-timeout-minutes=0.25 passed" in ending, ending
     assert code != 0 and seconds < 30, (code, seconds, text[-3000:])
