@@ -76,6 +76,10 @@ def _sync_group(bucket_group):
 
 
 def _bucket_bytes(bucket_group, attr: str) -> int:
+    """What the sync sends: its buckets' data, none over a group of one rank (expert buckets when every
+    expert lives on one data-parallel rank)."""
+    if dist.get_world_size(_sync_group(bucket_group)) == 1:
+        return 0
     return sum(nbytes(getattr(bucket, attr)) for bucket in bucket_group.buckets)
 
 

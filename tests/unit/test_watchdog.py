@@ -167,10 +167,11 @@ class Recorder:
     """A monitor that keeps every event."""
 
     def __init__(self):
-        self.events = []
+        self.events, self.bytes = [], {}
 
     def issued(self, collective):
         self.events.append(("issued", collective.kind, collective.purpose))
+        self.bytes[collective.purpose] = collective.nbytes
         return collective
 
     def blocked(self, token):
@@ -234,6 +235,7 @@ def test_megatron_core_collectives_reach_the_monitor_unchanged(megatron_world1):
     assert ("dp_grad_reduce", "megatron-core/start_grad_sync") in issued, issued
     assert ("other", "megatron-core/start_param_sync") in issued, issued
     assert ("other", "torch.distributed.all_reduce") in issued, issued  # the grad norm
+    assert recorder.bytes["megatron-core/start_grad_sync"] == 0  # a data-parallel group of one sends nothing
     blocked = [e for e in recorder.events if e[0] == "blocked"]
     assert len(blocked) == len([e for e in recorder.events if e[0] == "unblocked"])
     assert norm == plain_norm and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
