@@ -1,21 +1,26 @@
 """Issue 13 item 3: the communication timers agree with physics, on 2 emulated nodes x 1 process whose link
 tc limits to 0.5 Gbit/s (tools/emulated_cluster.py; needs root, `ip` and `tc`).
 
-(a) A synchronous all-to-all of B bytes per rank through `comm.issue`: the timers' exposed time is within 15% of
-    the wall clock around the same call and of the same call made with no timers; 2B takes ~2x, half the link
-    rate ~2x (within 20%). gloo reaches about half of tc's rate (tools/bench_link.py): nothing here assumes the
-    configured rate, only ratios of times measured in the test.
-(b) An asynchronous all-to-all (C ms alone) with GEMMs between start and wait (timed alone first; ~C/2 and
-    ~2C): exposed ~= max(0, comm - compute) within 15% of the comm time; the timers' issue->completion time
-    (the work's future) is the comm time alone, within 15%.
+(a) A synchronous all-to-all in which B bytes cross the link (rank 0 sends, rank 1 receives: one direction, which
+    gets tc's rate every call; loaded both ways, gloo gets ~0.475 of it and now and then all of it,
+    tools/bench_link.py), through `comm.issue`: the timers' exposed time is within 15% of the wall clock around
+    the same call and of the same call made with no timers; 2B takes ~2x, half the link rate ~2x (within 20%).
+    Nothing here assumes the configured rate, only ratios of times measured in the test.
+(b) An asynchronous all-to-all (C ms alone) with GEMMs between start and wait (timed alone; ~0.4 C and
+    ~2.5 C): exposed ~= max(0, comm - compute) within 15% of the comm time; the timers' issue->completion time
+    is the comm time alone (within 15%) when the wait sees the end, and is stamped by the work's future, long
+    before the wait, under the longer compute.
 (c) A short training run (EP=2 across the nodes, through pretrain()): every step's exposed time, summed over the
     kinds, is no more than the step time, and the MoE all-to-alls (forward and backward) took time.
 
-Each figure is the median of 5 calls, each the slowest rank's, calls between barriers.
+Each call is timed between barriers, on the slowest rank. (a)'s figures are the common time of 9 calls (the median
+of the largest cluster within 10%: a call that waited for a busy core is left out), (b)'s medians of 9 rounds,
+each round the all-to-all alone, the GEMMs alone and the two overlapped.
 """
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -62,10 +67,12 @@ def test_a_synchronous_all_to_all_is_exposed_as_long_as_the_wall_clock_says(meas
     full, half = measured
     for run in (full[0]["sync"], half[0]["sync"]):
         for size in (B, B2):
+            for timed, walled in zip(run["calls"]["timers_ms"][size], run["calls"]["wall_ms"][size]):
+                assert timed == pytest.approx(walled, rel=0.15), run  # call by call
             timers, wall, untimed = run["timers_ms"][size], run["wall_ms"][size], run["untimed_ms"][size]
             assert timers == pytest.approx(wall, rel=0.15), run
             assert timers == pytest.approx(untimed, rel=0.15), run
-            assert wall > 20.0, f"the call did not cross a 0.5 Gbit/s link: {run}"  # 2 MiB take ~70 ms at 0.24
+            assert wall > 20.0, f"the call did not cross a 0.5 Gbit/s link: {run}"  # 4 MiB take ~70 ms
 
 
 def test_exposed_time_scales_with_bytes_and_link_rate(measured):
@@ -77,15 +84,23 @@ def test_exposed_time_scales_with_bytes_and_link_rate(measured):
 
 
 def test_an_asynchronous_all_to_all_exposes_what_compute_does_not_cover(measured):
-    run = measured[0][0]["async"]
-    comm_ms = run["comm_ms"]
-    assert comm_ms > 20.0, run
-    for case in run["cases"]:
+    cases = measured[0][0]["async"]["cases"]
+    for case in cases:
+        comm_ms = case["comm_ms"]
+        assert comm_ms > 20.0, case
         expected = max(0.0, comm_ms - case["compute_ms"])
         assert case["exposed_ms"] == pytest.approx(expected, abs=0.15 * comm_ms), case
-        assert case["timers_comm_ms"] == pytest.approx(comm_ms, rel=0.15), case
-    half, more = run["cases"]
-    assert half["compute_ms"] < comm_ms < more["compute_ms"], run  # one case of each side of max(0, ...)
+        # Round by round too (alone and overlapped ran back to back): the median miss within 15% of the comm time.
+        rounds = zip(case["runs"], case["comm_alone"], case["compute_alone"])
+        misses = [run["exposed_ms"] - max(0.0, c - k) for run, c, k in rounds]
+        assert abs(statistics.median(misses)) <= 0.15 * comm_ms, (misses, case)
+    shorter, longer = cases
+    # One case on each side of max(0, ...): compute shorter than the all-to-all, and longer.
+    assert shorter["compute_ms"] < shorter["comm_ms"] and longer["compute_ms"] > longer["comm_ms"], cases
+    # Issue -> completion: the comm time alone when the wait sees the end; under longer compute, the work's
+    # future stamps the end long before the wait (the GEMMs slow gloo's threads on the shared cores somewhat).
+    assert shorter["timers_comm_ms"] == pytest.approx(shorter["comm_ms"], rel=0.15), shorter
+    assert longer["comm_ms"] * 0.85 <= longer["timers_comm_ms"] < 0.6 * longer["compute_ms"], longer
 
 
 def test_a_training_step_exposes_no_more_than_it_takes(measured):
