@@ -50,12 +50,16 @@ class Monitor(Protocol):
 
     Called on the thread that issues or waits (the main thread; autograd's threads on GPU): implementations
     keep each call short and thread-safe. A synchronous collective is `issued`, `blocked`, then `unblocked`
-    with `completed=True`; an asynchronous one is `issued` and `unblocked(completed=False)` once started, then
-    `blocked`/`unblocked(completed=True)` around its `wait()`.
+    with `completed=True`; an asynchronous one is `issued`, `handle`d (its work handle, once started),
+    `unblocked(completed=False)`, then `blocked`/`unblocked(completed=True)` around its `wait()`.
     """
 
     def issued(self, collective: Collective) -> Any:
         """A collective starts; returns the token the two calls below receive."""
+
+    def handle(self, token: Any, work: Any) -> None:
+        """An asynchronous collective started: `work` is torch.distributed's handle (e.g. its `get_future()`
+        tells when the transfer finished). Called before `unblocked`; the monitor must not wait on it."""
 
     def blocked(self, token: Any) -> None:
         """The calling thread starts waiting for it."""
@@ -109,6 +113,10 @@ class _Both:
     def issued(self, collective: Collective):
         return self.first.issued(collective), self.second.issued(collective)
 
+    def handle(self, token, work) -> None:
+        self.first.handle(token[0], work)
+        self.second.handle(token[1], work)
+
     def blocked(self, token) -> None:
         self.first.blocked(token[0])
         self.second.blocked(token[1])
@@ -133,6 +141,8 @@ def issue(collective: Collective, start: Callable[[], Any]):
         with _TAP.issuing():
             work = start()
         completed = work is None
+        if not completed:
+            monitor.handle(token, work)
     finally:
         monitor.unblocked(token, completed=completed)
     return work if completed else MonitoredWork(work, monitor, token)

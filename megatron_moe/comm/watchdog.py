@@ -129,6 +129,9 @@ class Watchdog:
             seq = self._seq[ranks] = self._seq.get(ranks, 0) + 1
             return _Blocked(collective, ranks, seq, self._step)
 
+    def handle(self, token: _Blocked, work) -> None:
+        pass  # the watchdog watches threads blocked, not transfers
+
     def blocked(self, token: _Blocked) -> None:
         token.since = self._clock()
         with self._lock:

@@ -97,6 +97,12 @@ def assert_matches(steps: list[dict], reference: list[dict]) -> None:
             assert step["params norm"] == pytest.approx(ref["params norm"], rel=PARAMS_NORM_RTOL), step
 
 
+def computed(steps: list[dict]) -> list[dict]:
+    """Each step's computed figures (losses, norms, MoE metrics): its history entry without the timings (`step_ms`,
+    `comm`), which differ from run to run, for comparisons that must be bit-identical."""
+    return [{k: v for k, v in step.items() if k not in ("step_ms", "comm")} for step in steps]
+
+
 def train_in_job(flags: list[str]) -> list[dict]:
     """Inside a worker: one pretraining run with `flags`; every rank gets the logging rank's steps."""
     import torch.distributed as dist

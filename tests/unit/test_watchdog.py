@@ -174,6 +174,9 @@ class Recorder:
         self.bytes[collective.purpose] = collective.nbytes
         return collective
 
+    def handle(self, token, work):
+        self.events.append(("handle", token.purpose))
+
     def blocked(self, token):
         self.events.append(("blocked", token.purpose))
 
@@ -193,19 +196,20 @@ def test_issue_shows_synchronous_and_asynchronous_collectives_to_the_monitor(meg
         with comm.monitoring(Recorder()) as second:  # a second monitor beside the first
             comm.issue(Collective("tp", "both"), lambda: dist.all_reduce(x))
     assert second.events == [("issued", "tp", "both"), ("blocked", "both"), ("unblocked", "both", True)]
-    assert recorder.events[:8] == [
+    assert recorder.events[:9] == [
         ("issued", "other", "sync"),
         ("blocked", "sync"),
         ("unblocked", "sync", True),
         ("issued", "other", "async"),
         ("blocked", "async"),
+        ("handle", "async"),
         ("unblocked", "async", False),
         ("blocked", "async"),
         ("unblocked", "async", True),
     ]
-    assert recorder.events[8:] == second.events
+    assert recorder.events[9:] == second.events
     comm.issue(Collective("other", "unwatched"), lambda: dist.all_reduce(x))  # no monitor: nothing recorded
-    assert len(recorder.events) == 11
+    assert len(recorder.events) == 12
 
 
 def test_megatron_core_collectives_reach_the_monitor_unchanged(megatron_world1):
