@@ -14,7 +14,8 @@ torch.distributed collective anywhere else in megatron_moe. megatron-core's own
 collectives (TP layers, DDP buckets, the distributed optimizer, pipeline p2p,
 checkpointing) are routed to it by the taps in megatron_core.py (README.md in
 this folder lists them). A `Monitor` installed with `monitoring(...)` sees every
-one: watchdog.py (stalls and deadlines, named), the timers (issue 13).
+one: watchdog.py (stalls and deadlines, named), timers.py (`CommTimers`: per kind and MoE layer, time
+from issue to completion, time blocked on it, bytes).
 """
 
 from megatron_moe.comm.core import (
@@ -34,12 +35,15 @@ from megatron_moe.comm.moe import (
     exchange_counts,
     sum_across_shards,
 )
+from megatron_moe.comm.timers import CommSummary, CommTimers
 from megatron_moe.comm.training import agree_exit, barrier, reduce_lm_loss, reduce_moe_metrics
 
 __all__ = [
     "KINDS",
     "Collective",
     "CommHandle",
+    "CommSummary",
+    "CommTimers",
     "Monitor",
     "agree_capacity",
     "agree_exit",

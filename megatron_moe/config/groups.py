@@ -558,6 +558,11 @@ class LoggingConfig:
         3.0, "warn when a step's loss exceeds this factor x the mean of the last --loss-spike-window steps (0: off)"
     )
     loss_spike_window: int = arg(20, "steps in the rolling mean --loss-spike-factor compares with")
+    no_comm_timers: bool = arg(
+        False,
+        "turn off the communication timers (exposed comm per kind and MoE layer in the log line and "
+        "TensorBoard); only to measure their cost, which is under 1%% of a step",
+    )
 
     def validate(self) -> None:
         require_positive("--log-interval", self.log_interval, 10)

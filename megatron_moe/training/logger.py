@@ -30,6 +30,7 @@ class TrainingLogger:
         self._sums: dict[str, float] = {}
         self._skipped = 0
         self._params_norm: float | None = None
+        self._comm = {"steps": 0, "step_ms": 0.0, "exposed_ms": 0.0, "comm_ms": 0.0}
         self._t0 = time.perf_counter()
 
     def step(
@@ -42,11 +43,17 @@ class TrainingLogger:
         skipped: bool,
         tensorboard_only: dict[str, float] | None = None,
         params_norm: float | None = None,
+        comm: tuple[float, float, float] | None = None,
     ) -> None:
         """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
         per-layer MoE figures) to TensorBoard alone. `params_norm` (--log-params-norm): this step's, as
-        Megatron-LM shows it."""
+        Megatron-LM shows it. `comm`: the step's (step ms, exposed comm ms, total comm ms) from the
+        communication timers (None: timers off)."""
         self._steps += 1
+        if comm is not None:
+            self._comm["steps"] += 1
+            for name, value in zip(("step_ms", "exposed_ms", "comm_ms"), comm):
+                self._comm[name] += value
         self._params_norm = params_norm
         self._skipped += int(skipped)
         for name, value in figures.items():
@@ -81,6 +88,7 @@ class TrainingLogger:
         if self._params_norm is not None:
             parts.append(f"params norm: {self._params_norm:.3f}")
         parts += [f"skipped iterations: {self._skipped}", f"memory: {memory / 2**20:.0f} MiB"]
+        parts += _comm_parts(**self._comm)
         log.info(" | ".join(parts))
         if self.writer:
             self.writer.add_scalar("iteration_time_ms", ms_per_iter, iteration)
@@ -102,6 +110,15 @@ class TrainingLogger:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+
+
+def _comm_parts(*, steps: int, step_ms: float, exposed_ms: float, comm_ms: float) -> list[str]:
+    """`exposed comm: X ms (Y% of step)` (per step, over the interval) and `hidden: Z%`."""
+    if steps == 0:
+        return []
+    share = 100.0 * exposed_ms / step_ms if step_ms > 0 else 0.0
+    hidden = 100.0 * max(0.0, 1.0 - exposed_ms / comm_ms) if comm_ms > 0 else 0.0
+    return [f"exposed comm: {exposed_ms / steps:.1f} ms ({share:.1f}% of step)", f"hidden: {hidden:.1f}%"]
 
 
 def _hms(seconds: float) -> str:

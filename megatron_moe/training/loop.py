@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -14,8 +15,10 @@ from megatron.core.utils import get_model_config
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, save_checkpoint
+from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
+from megatron_moe.training.comm_report import HiddenCheck, tensorboard_scalars
 from megatron_moe.training.divergence import LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
@@ -80,6 +83,9 @@ class Trainer:
             )
         self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
         self._validated_at = None
+        # Always on (--no-comm-timers only to measure their cost): reset at each step start, read at its end.
+        self.comm_timers = None if cfg.logging.no_comm_timers else CommTimers()
+        self.hidden_check = HiddenCheck(cfg) if self.comm_timers and self.is_logging_rank else None
         self.logger = None
         if self.is_logging_rank:
             self.logger = TrainingLogger(
@@ -121,6 +127,9 @@ class Trainer:
             raise RuntimeError(f"injected failure at step {self._raise_at} (${RAISE_AT_ENV}, test only)")
         if self.watchdog:
             self.watchdog.set_step(self.state.iteration + 1)
+        started = time.perf_counter()
+        if self.comm_timers:
+            self.comm_timers.reset()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -145,12 +154,17 @@ class Trainer:
         lm_loss = _reduce_lm_loss(losses)
         if self.check_finite:
             check_loss(lm_loss, iteration=self.state.iteration, rank=self.rank)
+        aux = self._aux_figures()
+        step_ms = 1000.0 * (time.perf_counter() - started)
         return {
             "lm loss": lm_loss,
-            "aux": self._aux_figures(),
+            "aux": aux,
             "grad_norm": grad_norm,
             "params_norm": norm,
             "skipped": not update_successful,
+            "step_ms": step_ms,
+            # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for.
+            "comm": self.comm_timers.summary() if self.comm_timers else None,
         }
 
     @torch.no_grad()
@@ -188,8 +202,13 @@ class Trainer:
 
     def _log_step(self, iteration: int, figures: dict) -> dict:
         """Log one step's figures (logging rank); returns its history entry: what the log line shows."""
-        aux = figures["aux"]
+        aux, summary = figures["aux"], figures["comm"]
         shown = {"lm loss": figures["lm loss"], **{k: v for k, v in aux.items() if "/" not in k}}
+        comm_figures = None
+        tensorboard_only = {k: v for k, v in aux.items() if "/" in k}
+        if summary is not None:
+            comm_figures = (figures["step_ms"], summary.total_exposed_ms, summary.total_comm_ms)
+            tensorboard_only.update(tensorboard_scalars(summary))
         self.logger.step(
             iteration,
             shown,
@@ -197,16 +216,26 @@ class Trainer:
             grad_norm=figures["grad_norm"],
             params_norm=figures["params_norm"],
             skipped=figures["skipped"],
-            tensorboard_only={k: v for k, v in aux.items() if "/" in k},
+            tensorboard_only=tensorboard_only,
+            comm=comm_figures,
         )
         entry = {"iteration": iteration, **shown, "grad norm": figures["grad_norm"], "skipped": figures["skipped"]}
+        # This (the logging) rank's own step time and communication.
+        entry["step_ms"] = figures["step_ms"]
+        entry["comm"] = summary.as_dict() if summary is not None else None
         if figures["params_norm"] is not None:
             entry["params norm"] = figures["params_norm"]
         return entry
 
     def train(self) -> list[dict]:
         """Run to `--train-iters`; returns each step's logged figures (lm loss, MoE losses and figures,
-        grad norm, params norm with --log-params-norm, skip flag) on the logging rank."""
+        grad norm, params norm with --log-params-norm, skip flag, `step_ms`, and `comm`: the communication
+        timers' summary as a dict, None with --no-comm-timers) on the logging rank, its own rank's figures."""
+        timing = comm.monitoring(self.comm_timers) if self.comm_timers else contextlib.nullcontext()
+        with timing:
+            return self._train()
+
+    def _train(self) -> list[dict]:
         t, ck = self.cfg.training, self.cfg.checkpoint
         history = []
         start_iteration = self.state.iteration
@@ -220,6 +249,8 @@ class Trainer:
             it = self.state.iteration
             if self.logger:
                 history.append(self._log_step(it, figures))
+                if self.hidden_check and figures["comm"] is not None:
+                    self.hidden_check.observe(figures["comm"])
                 spike = self.spikes.observe(it, figures["lm loss"])
                 if spike:
                     log.warning(spike)

@@ -1,0 +1,92 @@
+"""What training reports from the communication timers: the overlap warning (once per run, naming the
+option), the TensorBoard scalars and the log line's figures."""
+
+import logging
+
+import pytest
+
+from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary
+from megatron_moe.config import parse_args
+from megatron_moe.training.comm_report import OVERLAP_OPTIONS, HiddenCheck, OverlapOption, tensorboard_scalars
+from megatron_moe.training.logger import _comm_parts
+
+BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "4"]
+SHARED = [*BASE, "--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"]
+
+
+def summary(*, dispatch_comm: float, dispatch_exposed: float, other: float = 0.0) -> CommSummary:
+    comm = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_comm, "other": other}
+    exposed = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_exposed, "other": other}
+    total = dispatch_comm + other
+    hidden = 1 - (dispatch_exposed + other) / total if total else 0.0
+    return CommSummary(
+        comm_ms=comm, exposed_ms=exposed, bytes=dict.fromkeys(SUMMARY_KINDS, 0), per_layer={}, hidden_frac=hidden
+    )
+
+
+def test_the_shared_expert_is_an_overlap_option_only_with_ep():
+    (shared,) = OVERLAP_OPTIONS
+    assert shared.enabled(parse_args(SHARED))
+    assert not shared.enabled(parse_args(BASE + ["--expert-model-parallel-size", "2"]))
+    assert not shared.enabled(parse_args(BASE + ["--moe-shared-expert-ffn-hidden-size", "64"]))
+    assert shared.hides == ("a2a_dispatch",)
+
+
+def test_an_overlap_option_that_hides_nothing_is_named_once(caplog):
+    check = HiddenCheck(parse_args(SHARED), window=20)
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        # 2% of the dispatch hidden; the `other` kind (not the option's) is all exposed and does not count.
+        said = [check.observe(summary(dispatch_comm=10.0, dispatch_exposed=9.8, other=50.0)) for _ in range(40)]
+    assert all(s == [] for s in said[:19]) and all(s == [] for s in said[20:])
+    (warning,) = said[19]
+    assert "--moe-shared-expert-ffn-hidden-size" in warning and "hides nothing" in warning
+    assert "2.0% of a2a_dispatch communication hidden over 20 steps" in warning
+    assert [r.getMessage() for r in caplog.records] == [warning]
+
+
+def test_an_overlap_option_that_hides_enough_or_is_off_says_nothing():
+    hiding = HiddenCheck(parse_args(SHARED), window=20)
+    assert all(hiding.observe(summary(dispatch_comm=10.0, dispatch_exposed=9.0)) == [] for _ in range(30))
+    off = HiddenCheck(parse_args(BASE), window=20)
+    assert all(off.observe(summary(dispatch_comm=10.0, dispatch_exposed=10.0)) == [] for _ in range(30))
+    nothing_to_hide = HiddenCheck(parse_args(SHARED), window=3)
+    assert all(nothing_to_hide.observe(summary(dispatch_comm=0.0, dispatch_exposed=0.0)) == [] for _ in range(5))
+
+
+def test_rows_added_to_the_table_are_checked_on_their_own_kinds():
+    options = (
+        OverlapOption(description="--a", enabled=lambda cfg: True, hides=("other",)),
+        OverlapOption(description="--b", enabled=lambda cfg: True, hides=("a2a_dispatch",)),
+    )
+    check = HiddenCheck(parse_args(BASE), window=2, options=options)
+    check.observe(summary(dispatch_comm=10.0, dispatch_exposed=1.0, other=5.0))
+    (warning,) = check.observe(summary(dispatch_comm=10.0, dispatch_exposed=1.0, other=5.0))
+    assert warning.startswith("overlap option --a hides nothing: 0.0% of other")
+
+
+def test_tensorboard_gets_every_kind_and_every_moe_layer():
+    s = summary(dispatch_comm=4.0, dispatch_exposed=1.0)
+    s.per_layer = {2: {"comm_ms": {"a2a_combine_bwd": 3.0}, "exposed_ms": {"a2a_combine_bwd": 2.0}, "bytes": {}}}
+    scalars = tensorboard_scalars(s)
+    assert scalars["comm/hidden_frac"] == pytest.approx(0.75)
+    assert scalars["comm/comm_ms/a2a_dispatch"] == 4.0 and scalars["comm/exposed_ms/a2a_dispatch"] == 1.0
+    assert {f"comm/{f}/{k}" for f in ("comm_ms", "exposed_ms", "bytes") for k in SUMMARY_KINDS} < set(scalars)
+    assert scalars["comm/layer2/comm_ms/a2a_combine_bwd"] == 3.0
+    assert scalars["comm/layer2/exposed_ms/a2a_combine_bwd"] == 2.0
+    assert len(scalars) == 1 + 3 * len(SUMMARY_KINDS) + 2
+
+
+def test_the_log_line_figures():
+    """Two steps of 100 ms, 30 ms exposed out of 120 ms of communication in all."""
+    parts = _comm_parts(steps=2, step_ms=200.0, exposed_ms=30.0, comm_ms=120.0)
+    assert parts == ["exposed comm: 15.0 ms (15.0% of step)", "hidden: 75.0%"]
+    assert _comm_parts(steps=0, step_ms=0.0, exposed_ms=0.0, comm_ms=0.0) == []  # timers off: nothing shown
+    assert _comm_parts(steps=1, step_ms=10.0, exposed_ms=0.0, comm_ms=0.0) == [
+        "exposed comm: 0.0 ms (0.0% of step)",
+        "hidden: 0.0%",
+    ]
+
+
+def test_the_flag_that_turns_them_off():
+    assert parse_args(BASE).logging.no_comm_timers is False
+    assert parse_args([*BASE, "--no-comm-timers"]).logging.no_comm_timers is True
