@@ -4,17 +4,20 @@
     python tools/bench_step.py --cluster 2x1 --link-gbit 1 --steps 4
 
 The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every other one MoE with 8
-experts top-2, hidden 768 as GPT2-S) and sized so that at 1 Gbit/s the all-to-alls take a large share of the step
-(FSMoE and Lancet report 30-60% of MoE training time on real clusters). It trains on the demo data (`make demo`'s
-stdlib corpus, built here when missing) across a 2-node cluster (tools/emulated_cluster.py):
+experts top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step) and sized so
+that at 1 Gbit/s the all-to-alls take 30-40% of the step on 2x1, as on real clusters (FSMoE and Lancet report
+30-60% of MoE training time). At hidden 768 the CPU's compute grows with hidden^2 but the all-to-all bytes only
+with hidden: they took ~14% of the step here. It trains on the demo data (`make demo`'s stdlib corpus, built here
+when missing) across a 2-node cluster (tools/emulated_cluster.py):
 
 - `2x1`: 2 nodes x 1 process, EP=2: every all-to-all crosses the link;
 - `2x2`: 2 nodes x 2 processes, EP=4 (DP=4 for the dense layers): 2 of each rank's 3 peers are on the other node.
   (EP=2 on 2x2 would keep each EP group inside a node: no all-to-all on the link.)
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
-interleaved, rates rotated round by round), so the machine's drift hits them alike. Each case is one torchrun job
-of `--steps` steps, the first `--warmup` dropped. One JSON object per case:
+interleaved, rates rotated round by round), so the machine's drift hits them alike. Each case runs `--rounds` times,
+one torchrun job of `--steps` steps each, the first `--warmup` of each job dropped; the timed steps of its rounds
+are pooled into one JSON object per case, printed once every case has run:
 
 - `case`, `layout` (e.g. "2x2 EP=4 DP=4"), `link_gbit` (tc's rate; gloo's all-to-all gets about half of it,
   tools/bench_link.py), `step_ms` (median), `step_ms_all`;
@@ -45,9 +48,9 @@ LAYOUTS = {"2x1": 2, "2x2": 4}  # cluster -> expert-parallel size (the all-to-al
 RATES_GBIT = (0.5, 1.0, 2.5)
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 MODEL = [
-    "--num-layers", "4", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "256",
+    "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
     "--ffn-hidden-size", "768", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",
-    "--micro-batch-size", "2", "--position-embedding-type", "rope", "--normalization", "LayerNorm",
+    "--micro-batch-size", "4", "--position-embedding-type", "rope", "--normalization", "LayerNorm",
 ]  # fmt: skip
 TRAINING = [
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0",
@@ -62,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--link-gbit", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
     p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
-    p.add_argument("--rounds", type=int, default=1, help="times each case runs (alternated)")
+    p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
     p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
     p.add_argument("--model", nargs=argparse.REMAINDER, default=None, help="trainer flags replacing MODEL (last)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of a case (internal)
@@ -70,7 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.worker:
         return args
     for spec in args.cluster:
-        nodes, procs = parse_cluster(spec)
         if spec not in LAYOUTS:
             p.error(f"--cluster: {spec} has no expert-parallel layout here; give one of {', '.join(LAYOUTS)}")
     if any(not rate > 0 for rate in args.link_gbit):
@@ -133,9 +135,9 @@ def layout_name(layout: str) -> str:
     return f"{layout} EP={ep} DP={nodes * procs}"
 
 
-def summarize(layout: str, rate: float, history: list[dict], warmup: int, flags: list[str]) -> dict:
-    """One case's JSON row from the logging rank's per-step history (each entry: `step_ms`, `comm`)."""
-    timed = history[warmup:]
+def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int, flags: list[str]) -> dict:
+    """One case's JSON row from the logging rank's per-step histories of its rounds (entries: `step_ms`, `comm`)."""
+    timed = [entry for history in histories for entry in history[warmup:]]
     if not timed or any("step_ms" not in h or "comm" not in h for h in timed):
         raise RuntimeError("the Trainer's history has no `step_ms`/`comm`: this tree lacks the comm timers")
     kinds = list(timed[0]["comm"]["comm_ms"])
@@ -159,21 +161,22 @@ def summarize(layout: str, rate: float, history: list[dict], warmup: int, flags:
         "exposed_ms_total": round(total_exposed, 1),
         "exposed_frac_of_step": {k: round(v / mean_step, 4) for k, v in exposed.items()},
         "a2a_exposed_frac_of_step": round(sum(exposed[k] for k in A2A_KINDS if k in exposed) / mean_step, 4),
-        "step_ms_all": [round(h["step_ms"], 1) for h in history],
+        "step_ms_all": [[round(h["step_ms"], 1) for h in history] for history in histories],
         "overlap": dict(OVERLAP),
-        "steps": len(history),
+        "steps": len(histories[0]),
+        "rounds": len(histories),
         "warmup": warmup,
         "figures_of": "the logging rank (last rank)",
         "flags": flags,
     }
 
 
-def run_case(cluster: EmulatedCluster, layout: str, rate: float, args, data) -> dict:
+def run_case(cluster: EmulatedCluster, layout: str, rate: float, args, data) -> list[dict]:
+    """One round of a case: the logging rank's per-step history."""
     _, procs = parse_cluster(layout)
     cluster.set_link_gbit(rate)
     flags = trainer_flags(layout, args.steps, data, args.model)
-    history = run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
-    return summarize(layout, rate, history, args.warmup, flags)
+    return run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
 
 
 def worker(flags: list[str]) -> None:
@@ -194,9 +197,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     data = prepare_data(args.data_dir)
     nodes = {parse_cluster(layout)[0] for layout in args.cluster}
+    histories: dict[tuple[str, float], list] = {}
     with EmulatedCluster(max(nodes), args.link_gbit[0]) as cluster:
         for layout, rate in plan(args.cluster, args.link_gbit, args.rounds):
-            print(json.dumps(run_case(cluster, layout, rate, args, data)), flush=True)
+            history = run_case(cluster, layout, rate, args, data)
+            histories.setdefault((layout, rate), []).append(history)
+            steps = ", ".join(f"{h['step_ms']:.0f}" for h in history)
+            print(f"bench_step: {layout} at {rate:g} Gbit/s: step ms {steps}", file=sys.stderr, flush=True)
+    for (layout, rate), runs in histories.items():
+        flags = trainer_flags(layout, args.steps, data, args.model)
+        print(json.dumps(summarize(layout, rate, runs, args.warmup, flags)), flush=True)
     return 0
 
 
