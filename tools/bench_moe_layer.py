@@ -55,6 +55,7 @@ THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is impor
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from benchcluster import parse_cluster  # noqa: E402
 from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,7 +122,13 @@ def parse_args(argv=None):
         help="run at EP = N x K across an emulated cluster of N nodes x K processes, e.g. 2x1 2x2 (needs root)",
     )
     p.add_argument("--link-gbit", type=float, default=1.0, help="--cluster: each node's link rate, Gbit/s")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for spec in args.cluster or []:
+        try:
+            parse_cluster(spec)
+        except ValueError as error:
+            p.error(str(error))
+    return args
 
 
 def cluster_cases(args) -> list[tuple]:

@@ -4,11 +4,13 @@
     python tools/bench_step.py --cluster 2x1 --link-gbit 1 --steps 4
 
 The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every other one MoE with 8
-experts top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step) and sized so
-that at 1 Gbit/s the all-to-alls take 30-40% of the step on 2x1, as on real clusters (FSMoE and Lancet report
-30-60% of MoE training time). At hidden 768 the CPU's compute grows with hidden^2 but the all-to-all bytes only
-with hidden: they took ~14% of the step here. It trains on the demo data (`make demo`'s stdlib corpus, built here
-when missing) across a 2-node cluster (tools/emulated_cluster.py):
+experts top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so
+that at 1 Gbit/s the all-to-alls take a share of the step near real clusters' (FSMoE and Lancet report 30-60% of
+MoE training time). Measured here at 1 Gbit/s: ~20% on 2x1, 30-36% on 2x2 (gloo's all-to-all rate varies from
+~0.4 to ~0.9 of tc's between runs). The CPU's compute per token grows with hidden^2, the all-to-all bytes with
+hidden: at hidden 768 they took ~14% of the step on 2x1; hidden 256 took no larger share (per-op overheads).
+It trains on the demo data (`make demo`'s stdlib corpus, built here when missing) across a 2-node cluster
+(tools/emulated_cluster.py):
 
 - `2x1`: 2 nodes x 1 process, EP=2: every all-to-all crosses the link;
 - `2x2`: 2 nodes x 2 processes, EP=4 (DP=4 for the dense layers): 2 of each rank's 3 peers are on the other node.
@@ -67,11 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
     p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
     p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
-    p.add_argument("--model", nargs=argparse.REMAINDER, default=None, help="trainer flags replacing MODEL (last)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of a case (internal)
+    p.add_argument(
+        "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
+    )
     args = p.parse_args(argv)
-    if args.worker:
-        return args
     for spec in args.cluster:
         if spec not in LAYOUTS:
             p.error(f"--cluster: {spec} has no expert-parallel layout here; give one of {', '.join(LAYOUTS)}")
