@@ -70,8 +70,11 @@ class CommSummary:
     """Kind -> ms the calling thread (CPU) / compute stream (GPU) was blocked on it."""
     bytes: dict[str, int]
     """Kind -> bytes this rank sent."""
+    calls: dict[str, int]
+    """Kind -> collectives issued."""
     per_layer: dict[int, dict]
-    """MoE layer -> {"comm_ms": {kind: ms}, "exposed_ms": {...}, "bytes": {...}}, kinds seen on that layer."""
+    """MoE layer -> {"comm_ms": {kind: ms}, "exposed_ms": {...}, "bytes": {...}, "calls": {...}}, kinds seen
+    on that layer."""
     hidden_frac: float
     """1 - sum(exposed_ms) / sum(comm_ms), at least 0; 0.0 when there was no communication."""
 
@@ -141,7 +144,8 @@ class CommTimers:
         """The window's figures; collectives not yet complete count their blocked time only."""
         timed = list(self._timed)
         zeros = dict.fromkeys(SUMMARY_KINDS, 0.0)
-        totals = {"comm_ms": dict(zeros), "exposed_ms": dict(zeros), "bytes": dict.fromkeys(SUMMARY_KINDS, 0)}
+        counts = dict.fromkeys(SUMMARY_KINDS, 0)
+        totals = {"comm_ms": dict(zeros), "exposed_ms": dict(zeros), "bytes": dict(counts), "calls": dict(counts)}
         per_layer: dict[int, dict] = {}
         if self._last is not None:
             self.stamps.settle(self._last)
@@ -149,7 +153,8 @@ class CommTimers:
             figures = self._figures(t)
             tables = [totals]
             if t.layer is not None:
-                tables.append(per_layer.setdefault(t.layer, {"comm_ms": {}, "exposed_ms": {}, "bytes": {}}))
+                empty = {"comm_ms": {}, "exposed_ms": {}, "bytes": {}, "calls": {}}
+                tables.append(per_layer.setdefault(t.layer, empty))
             for table in tables:
                 for name, value in figures.items():
                     table[name][t.kind] = table[name].get(t.kind, 0) + value
@@ -161,4 +166,4 @@ class CommTimers:
         elapsed = self.stamps.elapsed_ms
         exposed = sum(elapsed(start, end) for start, end in t.spans if start is not None)
         comm = elapsed(t.issued, t.done) if t.done is not None else exposed
-        return {"comm_ms": comm, "exposed_ms": exposed, "bytes": t.nbytes}
+        return {"comm_ms": comm, "exposed_ms": exposed, "bytes": t.nbytes, "calls": 1}

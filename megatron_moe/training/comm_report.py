@@ -83,9 +83,10 @@ class HiddenCheck:
 
 
 def tensorboard_scalars(summary: CommSummary) -> dict[str, float]:
-    """`comm/<figure>/<kind>`, `comm/layer<N>/<figure>/<kind>` and `comm/hidden_frac`."""
+    """`comm/<figure>/<kind>`, `comm/layer<N>/<figure>/<kind>` (figures: comm_ms, exposed_ms, bytes, calls) and
+    `comm/hidden_frac`."""
     scalars: dict[str, float] = {"comm/hidden_frac": summary.hidden_frac}
-    for figure in ("comm_ms", "exposed_ms", "bytes"):
+    for figure in ("comm_ms", "exposed_ms", "bytes", "calls"):
         for kind, value in getattr(summary, figure).items():
             scalars[f"comm/{figure}/{kind}"] = value
     for layer, figures in sorted(summary.per_layer.items()):

@@ -19,9 +19,8 @@ def summary(*, dispatch_comm: float, dispatch_exposed: float, other: float = 0.0
     exposed = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_exposed, "other": other}
     total = dispatch_comm + other
     hidden = 1 - (dispatch_exposed + other) / total if total else 0.0
-    return CommSummary(
-        comm_ms=comm, exposed_ms=exposed, bytes=dict.fromkeys(SUMMARY_KINDS, 0), per_layer={}, hidden_frac=hidden
-    )
+    zeros = dict.fromkeys(SUMMARY_KINDS, 0)
+    return CommSummary(comm_ms=comm, exposed_ms=exposed, bytes=zeros, calls=zeros, per_layer={}, hidden_frac=hidden)
 
 
 def test_the_shared_expert_is_an_overlap_option_only_with_ep():
@@ -66,14 +65,15 @@ def test_rows_added_to_the_table_are_checked_on_their_own_kinds():
 
 def test_tensorboard_gets_every_kind_and_every_moe_layer():
     s = summary(dispatch_comm=4.0, dispatch_exposed=1.0)
-    s.per_layer = {2: {"comm_ms": {"a2a_combine_bwd": 3.0}, "exposed_ms": {"a2a_combine_bwd": 2.0}, "bytes": {}}}
+    s.per_layer = {2: {"comm_ms": {"a2a_combine_bwd": 3.0}, "exposed_ms": {"a2a_combine_bwd": 2.0}, "calls": {}}}
     scalars = tensorboard_scalars(s)
     assert scalars["comm/hidden_frac"] == pytest.approx(0.75)
     assert scalars["comm/comm_ms/a2a_dispatch"] == 4.0 and scalars["comm/exposed_ms/a2a_dispatch"] == 1.0
-    assert {f"comm/{f}/{k}" for f in ("comm_ms", "exposed_ms", "bytes") for k in SUMMARY_KINDS} < set(scalars)
+    figures = ("comm_ms", "exposed_ms", "bytes", "calls")
+    assert {f"comm/{f}/{k}" for f in figures for k in SUMMARY_KINDS} < set(scalars)
     assert scalars["comm/layer2/comm_ms/a2a_combine_bwd"] == 3.0
     assert scalars["comm/layer2/exposed_ms/a2a_combine_bwd"] == 2.0
-    assert len(scalars) == 1 + 3 * len(SUMMARY_KINDS) + 2
+    assert len(scalars) == 1 + 4 * len(SUMMARY_KINDS) + 2
 
 
 def test_the_log_line_figures():

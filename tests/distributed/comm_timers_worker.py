@@ -1,0 +1,165 @@
+"""One node's process of tests/distributed/test_comm_timers_physics.py (2 emulated nodes x 1 process).
+
+    ip netns exec NODE python comm_timers_worker.py OUT_JSON CASES [DATA_PREFIX TOKENIZER]
+
+CASES: `sync` (a), `async` (b), `train` (c), comma-separated. The node's launch variables (NNODES, NODE_RANK,
+MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME) come from tools/emulated_cluster.py. Every timed figure is the
+slowest rank's (all-reduced MAX), each call between barriers, as tools/bench_link.py times its calls.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe import comm
+from megatron_moe.comm import Collective, CommTimers
+
+MIB = 1 << 20
+SIZE_BYTES = 4 * MIB  # B: per rank; half of it crosses the link
+REPEATS = 5
+ASYNC_REPEATS = 7  # the overlapped calls vary more: gloo's threads and the GEMMs share the cores
+
+
+def slowest(value: float) -> float:
+    """The largest `value` over the ranks."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def buffers(size: int):
+    return torch.ones(size // 4), torch.empty(size // 4)
+
+
+def timed_sync(size: int) -> tuple[float, float]:
+    """One synchronous all-to-all through `comm.issue` with the timers on: (timers' exposed ms, wall ms of the
+    same call measured around it)."""
+    send, recv = buffers(size)
+    dist.barrier()
+    with comm.monitoring(CommTimers()) as timers:
+        t0 = time.perf_counter()
+        comm.issue(
+            Collective("a2a_dispatch", "physics", layer=0, nbytes=size), lambda: dist.all_to_all_single(recv, send)
+        )
+        wall = time.perf_counter() - t0
+    return slowest(timers.summary().exposed_ms["a2a_dispatch"]), slowest(wall) * 1000
+
+
+def untimed_sync(size: int) -> float:
+    """The same call with no monitor, timed by the wall clock (ms)."""
+    send, recv = buffers(size)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_to_all_single(recv, send)
+    return slowest(time.perf_counter() - t0) * 1000
+
+
+def case_sync() -> dict:
+    """(a) sizes B and 2B, calls alternated round by round (round 0 warms up); medians."""
+    runs = {"timers_ms": {}, "wall_ms": {}, "untimed_ms": {}}
+    for name in runs:
+        runs[name] = {str(s): [] for s in (SIZE_BYTES, 2 * SIZE_BYTES)}
+    for round_ in range(REPEATS + 1):
+        for size in (SIZE_BYTES, 2 * SIZE_BYTES):
+            exposed, wall = timed_sync(size)
+            untimed = untimed_sync(size)
+            if round_ > 0:
+                runs["timers_ms"][str(size)].append(exposed)
+                runs["wall_ms"][str(size)].append(wall)
+                runs["untimed_ms"][str(size)].append(untimed)
+    return {name: {s: statistics.median(v) for s, v in by_size.items()} for name, by_size in runs.items()} | {
+        "calls": runs
+    }
+
+
+def compute(steps: int) -> None:
+    a = torch.ones(256, 256)
+    for _ in range(steps):
+        a = torch.mm(a, a) * (1.0 / 256)
+
+
+def compute_ms(steps: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    compute(steps)
+    return slowest(time.perf_counter() - t0) * 1000
+
+
+def overlapped(size: int, steps: int) -> dict:
+    """Start the all-to-all, compute `steps` GEMMs, wait: the timers' exposed and comm ms."""
+    send, recv = buffers(size)
+    dist.barrier()
+    with comm.monitoring(CommTimers()) as timers:
+        work = comm.issue(
+            Collective("a2a_dispatch", "physics", layer=0, nbytes=size),
+            lambda: dist.all_to_all_single(recv, send, async_op=True),
+        )
+        compute(steps)
+        work.wait()
+    s = timers.summary()
+    return {"exposed_ms": slowest(s.exposed_ms["a2a_dispatch"]), "comm_ms": slowest(s.comm_ms["a2a_dispatch"])}
+
+
+def case_async() -> dict:
+    """(b) comm alone (C), GEMMs alone (K per GEMM, calibrated), then overlapped with ~C/2 and ~2 C of compute."""
+    compute(20)  # warm up
+    per_gemm_ms = statistics.median(compute_ms(50) for _ in range(3)) / 50
+    comm_ms = statistics.median(untimed_sync(SIZE_BYTES) for _ in range(REPEATS))
+    cases = []
+    for fraction in (0.5, 2.0):
+        steps = max(1, round(fraction * comm_ms / per_gemm_ms))
+        runs, alone = [], []
+        for _ in range(ASYNC_REPEATS):
+            alone.append(compute_ms(steps))
+            runs.append(overlapped(SIZE_BYTES, steps))
+        cases.append(
+            {
+                "fraction": fraction,
+                "compute_ms": statistics.median(alone),
+                "exposed_ms": statistics.median(r["exposed_ms"] for r in runs),
+                "timers_comm_ms": statistics.median(r["comm_ms"] for r in runs),
+                "runs": runs,
+            }
+        )
+    return {"comm_ms": comm_ms, "per_gemm_ms": per_gemm_ms, "cases": cases}
+
+
+def case_train(data: str, tokenizer: str) -> list[dict]:
+    """(c) a short training run through pretrain(): EP=2 across the two nodes."""
+    from megatron_moe.config import parse_args
+    from megatron_moe.training import pretrain
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    flags = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --num-experts 4 "
+        "--expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 4 --log-interval 1 "
+        "--eval-interval 0 --eval-iters 0 --split 98,2,0 --train-iters 5"
+    ).split() + ["--data-path", data, "--tokenizer-model", tokenizer]
+    return pretrain(parse_args(flags), keep_process_group=True)
+
+
+def main() -> None:
+    out, cases = sys.argv[1], sys.argv[2].split(",")
+    rank, world = int(os.environ["NODE_RANK"]), int(os.environ["NNODES"])
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+    dist.init_process_group("gloo")
+    results: dict = {"rank": rank}
+    if "sync" in cases:
+        results["sync"] = case_sync()
+    if "async" in cases:
+        results["async"] = case_async()
+    if "train" in cases:
+        results["train"] = case_train(*sys.argv[3:5])
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
