@@ -24,7 +24,8 @@ are pooled into one JSON object per case, printed once every case has run:
 - `case`, `layout` (e.g. "2x2 EP=4 DP=4"), `link_gbit` (tc's rate; gloo's all-to-all gets about half of it,
   tools/bench_link.py), `step_ms` (median), `step_ms_all`;
 - `comm_ms`, `exposed_ms` (kind -> ms per step, mean over the timed steps: issued -> completed, and the time the
-  compute thread was blocked on it), `bytes` (kind -> bytes sent per step), `hidden_frac` (1 - exposed / comm over
+  compute thread was blocked on it), `bytes` (kind -> bytes sent per step), `calls` (kind -> collectives issued
+  per step), `hidden_frac` (1 - exposed / comm over
   all kinds), `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
 - the options in force: `overlap` (none yet; later issues add theirs, e.g. `overlap_wgrad`, `pipeline_degree`,
   `grad_reduce_schedule`), the model flags, steps.
@@ -159,6 +160,7 @@ def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int
         "exposed_ms": exposed,
         "hidden_frac": round(max(0.0, 1 - total_exposed / total_comm), 4) if total_comm > 0 else 0.0,
         "bytes": {k: round(statistics.fmean(h["comm"]["bytes"][k] for h in timed)) for k in kinds},
+        "calls": {k: round(statistics.fmean(h["comm"].get("calls", {}).get(k, 0) for h in timed), 1) for k in kinds},
         "exposed_ms_total": round(total_exposed, 1),
         "exposed_frac_of_step": {k: round(v / mean_step, 4) for k, v in exposed.items()},
         "a2a_exposed_frac_of_step": round(sum(exposed[k] for k in A2A_KINDS if k in exposed) / mean_step, 4),

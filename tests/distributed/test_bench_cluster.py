@@ -41,11 +41,11 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert row["overlap"] == {} and row["steps"] == 3 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 3
     # Pooled rounds: the mean over [history, history] is the mean over the one history's timed steps.
     assert row["bytes"] == bench_step.summarize("2x1", 0.5, [history], args.warmup, flags)["bytes"]
-    for field in ("comm_ms", "exposed_ms", "bytes", "exposed_frac_of_step"):
+    for field in ("comm_ms", "exposed_ms", "bytes", "calls", "exposed_frac_of_step"):
         assert set(row[field]) == set(KINDS), (field, row[field])
     assert row["step_ms"] > 0 and 0.0 <= row["hidden_frac"] <= 1.0
     for kind in A2A:  # EP=2 across the link: every MoE all-to-all sends bytes and blocks the step
-        assert row["bytes"][kind] > 0 and row["exposed_ms"][kind] > 0, (kind, row)
+        assert row["bytes"][kind] > 0 and row["exposed_ms"][kind] > 0 and row["calls"][kind] >= 1, (kind, row)
     assert row["bytes"]["dp_grad_reduce"] > 0  # DP=2: the dense gradients are all-reduced
     # The figures are within the step: what the timers saw blocked cannot exceed the step's time.
     assert row["exposed_ms_total"] <= max(h["step_ms"] for h in history[1:]), row
