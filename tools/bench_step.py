@@ -160,7 +160,7 @@ def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int
         "exposed_ms": exposed,
         "hidden_frac": round(max(0.0, 1 - total_exposed / total_comm), 4) if total_comm > 0 else 0.0,
         "bytes": {k: round(statistics.fmean(h["comm"]["bytes"][k] for h in timed)) for k in kinds},
-        "calls": {k: round(statistics.fmean(h["comm"].get("calls", {}).get(k, 0) for h in timed), 1) for k in kinds},
+        "calls": {k: round(statistics.fmean(h["comm"]["calls"][k] for h in timed), 1) for k in kinds},
         "exposed_ms_total": round(total_exposed, 1),
         "exposed_frac_of_step": {k: round(v / mean_step, 4) for k, v in exposed.items()},
         "a2a_exposed_frac_of_step": round(sum(exposed[k] for k in A2A_KINDS if k in exposed) / mean_step, 4),
