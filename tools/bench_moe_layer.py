@@ -2,6 +2,7 @@
 
     python tools/bench_moe_layer.py                      # every case, one JSON object per line
     python tools/bench_moe_layer.py --cases small --repeats 10
+    python tools/bench_moe_layer.py --cluster 2x1 --link-gbit 1   # EP=2 across 2 emulated nodes (see below)
 
 On CPU the cases run in fp32 (cases small and gpt2s); on a GPU in bf16, with
 a Mixtral-sized case `large` added (`--dtype`, `--cases` override both). The
@@ -31,6 +32,11 @@ anyway during the timed rounds.
   `megatron_moe.moe.grouped_gemm`), so `efficiency` can pass 1 and this is
   the stricter figure.
 
+`--cluster 2x1` (EP=2) or `2x2` (EP=4), with `--link-gbit R`: the layer at EP = every rank of an emulated
+2-node cluster whose links run at R Gbit/s (tools/emulated_cluster.py; needs root), ours and megatron-core's,
+with the time each exposed per communication kind and the bytes it sent (tools/bench_moe_layer_ep.py; default
+case `small`, its tokens per rank).
+
 `peak_mem_bytes` (and `mcore_peak_mem_bytes`): most bytes in use above the
 level before one extra fwd+bwd, read from glibc's allocator after every torch
 op (CPU), or the accelerator's peak-allocated counter.
@@ -49,6 +55,7 @@ THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is impor
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from benchcluster import parse_cluster  # noqa: E402
 from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,7 +114,32 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=int(THREADS))
     p.add_argument("--swiglu", action="store_true", help="SwiGLU experts instead of GELU")
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--cluster",
+        nargs="+",
+        default=None,
+        metavar="NxK",
+        help="run at EP = N x K across an emulated cluster of N nodes x K processes, e.g. 2x1 2x2 (needs root)",
+    )
+    p.add_argument("--link-gbit", type=float, default=1.0, help="--cluster: each node's link rate, Gbit/s")
+    args = p.parse_args(argv)
+    for spec in args.cluster or []:
+        try:
+            parse_cluster(spec)
+        except ValueError as error:
+            p.error(str(error))
+    return args
+
+
+def cluster_cases(args) -> list[tuple]:
+    """(name, hidden, ffn, tokens per rank, experts, top-k) of the dropless cases `--cluster` runs."""
+    cases = []
+    for case in args.cases or ["small"]:
+        hidden, ffn, tokens, shapes = CASES[case]
+        for experts, topk in shapes:
+            if not args.shapes or f"{experts}x{topk}" in args.shapes:
+                cases.append((f"{case}_e{experts}_k{topk}_cf0", hidden, ffn, tokens, experts, topk))
+    return cases
 
 
 # ----------------------------------------------------------------------------- the three contenders
@@ -335,6 +367,11 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.cluster:
+        from bench_moe_layer_ep import run_cluster
+
+        run_cluster(args, cluster_cases(args))
+        return 0
     torch.set_num_threads(args.threads)
     import warnings
 

@@ -1,0 +1,69 @@
+"""The benchmarks at EP >= 2 on an emulated cluster (issue 13 item 5): tools/bench_step.py and
+tools/bench_moe_layer.py --cluster, each one tiny case on 2 nodes x 1 process (EP=2, every all-to-all crosses the
+link): their JSON rows have the fields later issues extend, and the all-to-alls show up as exposed time and bytes.
+Needs root, `ip` and `tc` (tests/distributed/test_emulated_cluster.py says what is missing)."""
+
+import json
+
+from tests.conftest import load_tool
+
+cluster_tool = load_tool("emulated_cluster")
+bench_step = load_tool("bench_step")
+bench_layer = load_tool("bench_moe_layer")
+bench_layer_ep = load_tool("bench_moe_layer_ep")
+
+A2A = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
+KINDS = (*A2A, "dp_grad_reduce", "tp", "pp_p2p", "other")
+TINY_MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--ffn-hidden-size", "128", "--num-experts", "4", "--micro-batch-size", "2",
+]  # fmt: skip
+
+
+def test_the_baseline_plan_alternates_layouts_and_rates():
+    cases = bench_step.plan(["2x1", "2x2"], [0.5, 1.0, 2.5], rounds=2)
+    assert sorted(cases) == sorted([(layout, rate) for layout in ("2x1", "2x2") for rate in (0.5, 1.0, 2.5)] * 2)
+    assert all(a[0] != b[0] for a, b in zip(cases, cases[1:]) if a[1] == b[1])  # layouts interleaved per rate
+    assert [rate for _, rate in cases[:6:2]] != [rate for _, rate in cases[6::2]]  # the rates' order rotates
+    flags = bench_step.trainer_flags("2x2", 3, ("DATA", "TOK"), None)
+    assert bench_step._flag(flags, "--expert-model-parallel-size") == "4"
+    assert bench_step._flag(flags, "--global-batch-size") == str(4 * int(bench_step._flag(flags, "--micro-batch-size")))
+
+
+def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(train_data):
+    args = bench_step.parse_args(["--steps", "3", "--warmup", "1", "--model", *TINY_MODEL])
+    with cluster_tool.EmulatedCluster(2, 2.0) as cluster:
+        history = bench_step.run_case(cluster, "2x1", 0.5, args, train_data)
+    flags = bench_step.trainer_flags("2x1", 3, train_data, args.model)
+    row = bench_step.summarize("2x1", 0.5, [history, history], args.warmup, flags)
+    json.dumps(row)  # a JSON line
+    assert row["case"] == "step_2x1_0.5gbit" and row["layout"] == "2x1 EP=2 DP=2" and row["link_gbit"] == 0.5
+    assert row["overlap"] == {} and row["steps"] == 3 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 3
+    # Pooled rounds: the mean over [history, history] is the mean over the one history's timed steps.
+    assert row["bytes"] == bench_step.summarize("2x1", 0.5, [history], args.warmup, flags)["bytes"]
+    for field in ("comm_ms", "exposed_ms", "bytes", "calls", "exposed_frac_of_step"):
+        assert set(row[field]) == set(KINDS), (field, row[field])
+    assert row["step_ms"] > 0 and 0.0 <= row["hidden_frac"] <= 1.0
+    for kind in A2A:  # EP=2 across the link: every MoE all-to-all sends bytes and blocks the step
+        assert row["bytes"][kind] > 0 and row["exposed_ms"][kind] > 0 and row["calls"][kind] >= 1, (kind, row)
+    assert row["bytes"]["dp_grad_reduce"] > 0  # DP=2: the dense gradients are all-reduced
+    # The figures are within the step: what the timers saw blocked cannot exceed the step's time.
+    assert row["exposed_ms_total"] <= max(h["step_ms"] for h in history[1:]), row
+
+
+def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):
+    args = bench_layer.parse_args(["--cluster", "2x1", "--link-gbit", "1", "--repeats", "2", "--warmup", "1"])
+    tokens, hidden, topk = 64, 32, 2
+    bench_layer_ep.run_cluster(args, [("tiny", hidden, 64, tokens, 4, topk)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1, lines
+    row = json.loads(lines[0])
+    assert row["case"] == "tiny" and row["layout"] == "2x1 EP=2" and row["ep"] == 2 and row["link_gbit"] == 1.0
+    assert row["layer_ms"] > 0 and row["mcore_ms"] > 0 and len(row["layer_ms_all"]) == 2
+    assert set(row["exposed_ms"]) == set(A2A), row  # ours: the four MoE all-to-alls, nothing else
+    assert all(row["exposed_ms"][k] > 0 and row["comm_ms"][k] > 0 for k in A2A), row
+    # Dropless: every rank sends each of its tokens' top-k rows forward, and gets their grads back in the backward.
+    rows_bytes = tokens * topk * hidden * 4
+    assert row["bytes"]["a2a_dispatch"] >= rows_bytes and row["bytes"]["a2a_combine_bwd"] == rows_bytes, row
+    # megatron-core's dispatcher all-to-alls reach the timers through the torch.distributed taps.
+    assert sum(row["mcore_bytes"].values()) >= 2 * rows_bytes and sum(row["mcore_exposed_ms"].values()) > 0

@@ -1,0 +1,217 @@
+"""Benchmark a training step on an emulated cluster: step time, communication per kind, how much of it is exposed.
+
+    python tools/bench_step.py                                # the baseline: 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s
+    python tools/bench_step.py --cluster 2x1 --link-gbit 1 --steps 4
+
+The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every other one MoE with 8
+experts top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so
+that at 1 Gbit/s the all-to-alls take a share of the step near real clusters' (FSMoE and Lancet report 30-60% of
+MoE training time). Measured here at 1 Gbit/s: ~20% on 2x1, 30-36% on 2x2 (gloo's all-to-all rate varies from
+~0.4 to ~0.9 of tc's between runs). The CPU's compute per token grows with hidden^2, the all-to-all bytes with
+hidden: at hidden 768 they took ~14% of the step on 2x1; hidden 256 took no larger share (per-op overheads).
+It trains on the demo data (`make demo`'s stdlib corpus, built here when missing) across a 2-node cluster
+(tools/emulated_cluster.py):
+
+- `2x1`: 2 nodes x 1 process, EP=2: every all-to-all crosses the link;
+- `2x2`: 2 nodes x 2 processes, EP=4 (DP=4 for the dense layers): 2 of each rank's 3 peers are on the other node.
+  (EP=2 on 2x2 would keep each EP group inside a node: no all-to-all on the link.)
+
+One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
+interleaved, rates rotated round by round), so the machine's drift hits them alike. Each case runs `--rounds` times,
+one torchrun job of `--steps` steps each, the first `--warmup` of each job dropped; the timed steps of its rounds
+are pooled into one JSON object per case, printed once every case has run:
+
+- `case`, `layout` (e.g. "2x2 EP=4 DP=4"), `link_gbit` (tc's rate; gloo's all-to-all gets about half of it,
+  tools/bench_link.py), `step_ms` (median), `step_ms_all`;
+- `comm_ms`, `exposed_ms` (kind -> ms per step, mean over the timed steps: issued -> completed, and the time the
+  compute thread was blocked on it), `bytes` (kind -> bytes sent per step), `calls` (kind -> collectives issued
+  per step), `hidden_frac` (1 - exposed / comm over
+  all kinds), `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
+- the options in force: `overlap` (none yet; later issues add theirs, e.g. `overlap_wgrad`, `pipeline_degree`,
+  `grad_reduce_schedule`), the model flags, steps.
+
+The figures are the logging rank's (the last rank, on the last node): its own collectives, as the Trainer's
+communication timers (megatron_moe/comm/timers.py) saw them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchcluster import ROOT, parse_cluster, run_job, write_result  # noqa: E402
+from emulated_cluster import EmulatedCluster  # noqa: E402
+
+LAYOUTS = {"2x1": 2, "2x2": 4}  # cluster -> expert-parallel size (the all-to-all crosses the link)
+RATES_GBIT = (0.5, 1.0, 2.5)
+A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
+    "--ffn-hidden-size", "768", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+    "--micro-batch-size", "4", "--position-embedding-type", "rope", "--normalization", "LayerNorm",
+]  # fmt: skip
+TRAINING = [
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0",
+    "--log-interval", "1", "--split", "98,2,0", "--seed", "1234",
+]  # fmt: skip
+OVERLAP: dict = {}  # the overlap options in force (none yet): later issues add theirs, with their values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cluster", nargs="+", default=list(LAYOUTS), help="layouts NODESxPROCS (default: 2x1 2x2)")
+    p.add_argument("--link-gbit", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
+    p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
+    p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
+    p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
+    p.add_argument(
+        "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
+    )
+    args = p.parse_args(argv)
+    for spec in args.cluster:
+        if spec not in LAYOUTS:
+            p.error(f"--cluster: {spec} has no expert-parallel layout here; give one of {', '.join(LAYOUTS)}")
+    if any(not rate > 0 for rate in args.link_gbit):
+        p.error(f"--link-gbit: {args.link_gbit} must be positive rates in Gbit/s, e.g. 0.5 1 2.5")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup: {args.warmup} must leave timed steps of --steps {args.steps}; give 0..{args.steps - 1}")
+    return args
+
+
+def plan(layouts: list[str], rates: list[float], rounds: int) -> list[tuple[str, float]]:
+    """Every (layout, rate) `rounds` times, alternated: layouts interleaved, the rates' order rotated per round."""
+    cases = []
+    for r in range(rounds):
+        order = rates[r % len(rates) :] + rates[: r % len(rates)]
+        for i, rate in enumerate(order):
+            cases += [(layout, rate) for layout in (layouts if (i + r) % 2 == 0 else layouts[::-1])]
+    return cases
+
+
+def prepare_data(data_dir: str) -> tuple[str, str]:
+    """(data prefix, tokenizer model) of the demo data in `data_dir`, built as examples/pretrain_gpt_moe_tiny_cpu.sh
+    builds it when missing."""
+    prefix, tokenizer = os.path.join(data_dir, "stdlib_text_document"), os.path.join(data_dir, "tokenizer.model")
+    if all(os.path.exists(p) for p in (prefix + ".bin", prefix + ".idx", tokenizer)):
+        return prefix, tokenizer
+    os.makedirs(data_dir, exist_ok=True)
+    corpus = os.path.join(data_dir, "stdlib.jsonl")
+    tool = os.path.join(ROOT, "tools")
+    for argv in (
+        ["make_stdlib_corpus.py", "--output", corpus],
+        ["train_tokenizer.py", "--input", corpus, "--model-prefix", os.path.join(data_dir, "tokenizer")]
+        + ["--vocab-size", "4096", "--num-threads", "2"],
+        ["preprocess_data.py", "--input", corpus, "--tokenizer-model", tokenizer]
+        + ["--output-prefix", os.path.join(data_dir, "stdlib"), "--workers", "2", "--append-eod"],
+    ):
+        subprocess.run([sys.executable, os.path.join(tool, argv[0]), *argv[1:]], check=True)
+    return prefix, tokenizer
+
+
+def trainer_flags(layout: str, steps: int, data: tuple[str, str], model: list[str] | None) -> list[str]:
+    nodes, procs = parse_cluster(layout)
+    ep, world = LAYOUTS[layout], nodes * procs
+    micro = int(_flag([*MODEL, *(model or [])], "--micro-batch-size"))
+    return [
+        *MODEL,
+        *TRAINING,
+        "--expert-model-parallel-size", str(ep), "--global-batch-size", str(micro * world),
+        "--train-iters", str(steps), "--data-path", data[0], "--tokenizer-model", data[1],
+        *(model or []),
+    ]  # fmt: skip
+
+
+def _flag(flags: list[str], name: str) -> str:
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]  # the last occurrence wins, as in the parser
+
+
+def layout_name(layout: str) -> str:
+    nodes, procs = parse_cluster(layout)
+    ep = LAYOUTS[layout]
+    return f"{layout} EP={ep} DP={nodes * procs}"
+
+
+def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int, flags: list[str]) -> dict:
+    """One case's JSON row from the logging rank's per-step histories of its rounds (entries: `step_ms`, `comm`)."""
+    timed = [entry for history in histories for entry in history[warmup:]]
+    if not timed or any("step_ms" not in h or "comm" not in h for h in timed):
+        raise RuntimeError("the Trainer's history has no `step_ms`/`comm`: this tree lacks the comm timers")
+    kinds = list(timed[0]["comm"]["comm_ms"])
+
+    def mean(field: str) -> dict:
+        return {k: round(statistics.fmean(h["comm"][field][k] for h in timed), 3) for k in kinds}
+
+    step_ms = statistics.median(h["step_ms"] for h in timed)
+    mean_step = statistics.fmean(h["step_ms"] for h in timed)
+    comm, exposed = mean("comm_ms"), mean("exposed_ms")
+    total_comm, total_exposed = sum(comm.values()), sum(exposed.values())
+    return {
+        "case": f"step_{layout}_{rate:g}gbit",
+        "layout": layout_name(layout),
+        "link_gbit": rate,
+        "step_ms": round(step_ms, 1),
+        "comm_ms": comm,
+        "exposed_ms": exposed,
+        "hidden_frac": round(max(0.0, 1 - total_exposed / total_comm), 4) if total_comm > 0 else 0.0,
+        "bytes": {k: round(statistics.fmean(h["comm"]["bytes"][k] for h in timed)) for k in kinds},
+        "calls": {k: round(statistics.fmean(h["comm"]["calls"][k] for h in timed), 1) for k in kinds},
+        "exposed_ms_total": round(total_exposed, 1),
+        "exposed_frac_of_step": {k: round(v / mean_step, 4) for k, v in exposed.items()},
+        "a2a_exposed_frac_of_step": round(sum(exposed[k] for k in A2A_KINDS if k in exposed) / mean_step, 4),
+        "step_ms_all": [[round(h["step_ms"], 1) for h in history] for history in histories],
+        "overlap": dict(OVERLAP),
+        "steps": len(histories[0]),
+        "rounds": len(histories),
+        "warmup": warmup,
+        "figures_of": "the logging rank (last rank)",
+        "flags": flags,
+    }
+
+
+def run_case(cluster: EmulatedCluster, layout: str, rate: float, args, data) -> list[dict]:
+    """One round of a case: the logging rank's per-step history."""
+    _, procs = parse_cluster(layout)
+    cluster.set_link_gbit(rate)
+    flags = trainer_flags(layout, args.steps, data, args.model)
+    return run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
+
+
+def worker(flags: list[str]) -> None:
+    """One rank of a case: train; the logging rank (the one with a history) writes it."""
+    from megatron_moe.config import parse_args as parse_run_args
+    from megatron_moe.training import pretrain
+
+    history = pretrain(parse_run_args(flags))
+    if history:
+        write_result(history)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker(argv[1:])
+        return 0
+    args = parse_args(argv)
+    data = prepare_data(args.data_dir)
+    nodes = {parse_cluster(layout)[0] for layout in args.cluster}
+    histories: dict[tuple[str, float], list] = {}
+    with EmulatedCluster(max(nodes), args.link_gbit[0]) as cluster:
+        for layout, rate in plan(args.cluster, args.link_gbit, args.rounds):
+            history = run_case(cluster, layout, rate, args, data)
+            histories.setdefault((layout, rate), []).append(history)
+            steps = ", ".join(f"{h['step_ms']:.0f}" for h in history)
+            print(f"bench_step: {layout} at {rate:g} Gbit/s: step ms {steps}", file=sys.stderr, flush=True)
+    for (layout, rate), runs in histories.items():
+        flags = trainer_flags(layout, args.steps, data, args.model)
+        print(json.dumps(summarize(layout, rate, runs, args.warmup, flags)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
