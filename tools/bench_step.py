@@ -3,12 +3,13 @@
     python tools/bench_step.py                                # the baseline: 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s
     python tools/bench_step.py --cluster 2x1 --link-gbit 1 --steps 4
 
-The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every other one MoE with 8
-experts top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so
-that at 1 Gbit/s the all-to-alls take a share of the step near real clusters' (FSMoE and Lancet report 30-60% of
-MoE training time). Measured here at 1 Gbit/s: ~20% on 2x1, 30-36% on 2x2 (gloo's all-to-all rate varies from
-~0.4 to ~0.9 of tc's between runs). The CPU's compute per token grows with hidden^2, the all-to-all bytes with
-hidden: at hidden 768 they took ~14% of the step on 2x1; hidden 256 took no larger share (per-op overheads).
+The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every one MoE with 8 experts
+top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so that at
+1 Gbit/s the all-to-alls take a share of the step near real clusters' (FSMoE and Lancet report 30-60% of MoE
+training time). The CPU's compute per token grows with hidden^2, the all-to-all bytes with hidden: with every other
+layer MoE the all-to-alls took ~20% of the 2x1 step at hidden 384 and ~14% at hidden 768 (hidden 256 no more:
+per-op overheads); every layer MoE brings 2x1 to ~30% (gloo's all-to-all rate varies from ~0.4 to ~0.9 of tc's
+between runs).
 It trains on the demo data (`make demo`'s stdlib corpus, built here when missing) across a 2-node cluster
 (tools/emulated_cluster.py):
 
@@ -52,7 +53,7 @@ RATES_GBIT = (0.5, 1.0, 2.5)
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
-    "--ffn-hidden-size", "768", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+    "--ffn-hidden-size", "768", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "1",
     "--micro-batch-size", "4", "--position-embedding-type", "rope", "--normalization", "LayerNorm",
 ]  # fmt: skip
 TRAINING = [
