@@ -128,13 +128,19 @@ def test_workers_die_with_their_launcher(example_data, tmp_path, kill):
         assert not wait_gone(job_processes(run_dir), 5), [p.cmdline() for p in alive(job_processes(run_dir))]
 
 
-def test_sigterm_to_one_worker_saves_at_the_next_step_and_the_job_exits_0(train_data, tmp_path):
-    save = str(tmp_path / "ckpt")
-    with running(
-        tiny_pretrain_command(train_data, "--train-iters", "100000", "--save", save, "--load", save), save
-    ) as job:
+@contextlib.contextmanager
+def saving_job_at_step_3(train_data, save: str):
+    """A long tiny 2-rank job saving to (and resuming from) `save`, once it has logged step 3: (job, lines)."""
+    cmd = tiny_pretrain_command(train_data, "--train-iters", "100000", "--save", save, "--load", save)
+    with running(cmd, save) as job:
         lines = []
         read_until_step(job, 3, lines)
+        yield job, lines
+
+
+def test_sigterm_to_one_worker_saves_at_the_next_step_and_the_job_exits_0(train_data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    with saving_job_at_step_3(train_data, save) as (job, lines):
         workers(save)[1].send_signal(signal.SIGTERM)  # one rank only: the per-step all-reduce tells the other
         lines += job.communicate(timeout=120)[0].splitlines(keepends=True)
     text = "".join(lines)
@@ -145,11 +151,7 @@ def test_sigterm_to_one_worker_saves_at_the_next_step_and_the_job_exits_0(train_
 
 def test_a_second_sigterm_ends_a_blocked_worker_at_once_without_saving(train_data, tmp_path):
     save = str(tmp_path / "ckpt")
-    with running(
-        tiny_pretrain_command(train_data, "--train-iters", "100000", "--save", save, "--load", save), save
-    ) as job:
-        lines = []
-        read_until_step(job, 3, lines)
+    with saving_job_at_step_3(train_data, save) as (job, lines):
         ranks = workers(save)
         ranks[0].suspend()  # rank 1's step now waits inside a collective (C code: no Python signal handler runs)
         time.sleep(1.0)
