@@ -5,7 +5,7 @@ collective starts (tests/unit/test_comm_choke_point.py checks it: anywhere else
 in the package, or outside a `start` passed to `issue`, a collective fails the
 test); megatron-core's own collectives are routed to it by the taps in
 `megatron_core.py`. A `Monitor` installed with `monitoring(...)` (the watchdog,
-later the timers) sees each collective issued, and the calling thread's time
+the communication timers) sees each collective issued, and the calling thread's time
 blocked on it: inside a synchronous call, or inside `wait()` of the returned
 work handle.
 """

@@ -88,8 +88,11 @@ class Trainer:
         self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
         self._validated_at = None
         # Always on (--no-comm-timers only to measure their cost): reset at each step start, read at its end.
-        self.comm_timers = None if cfg.logging.no_comm_timers else CommTimers()
-        self.hidden_check = HiddenCheck(cfg) if self.comm_timers and self.is_logging_rank else None
+        # On the logging rank only: its history and log line are the only readers, so elsewhere they would
+        # be per-collective work (and on GPU an event wait per step) that nothing uses.
+        timed = self.is_logging_rank and not cfg.logging.no_comm_timers
+        self.comm_timers = CommTimers() if timed else None
+        self.hidden_check = HiddenCheck(cfg) if timed else None
         self.logger = None
         if self.is_logging_rank:
             self.logger = TrainingLogger(
@@ -236,7 +239,8 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run to `--train-iters`; returns each step's logged figures (lm loss, MoE losses and figures,
         grad norm, params norm with --log-params-norm, skip flag, `step_ms`, and `comm`: the communication
-        timers' summary as a dict, None with --no-comm-timers) on the logging rank, its own rank's figures."""
+        timers' summary as a dict, None with --no-comm-timers) on the logging rank, its own rank's figures (the
+        only rank that times its collectives)."""
         timing = comm.monitoring(self.comm_timers) if self.comm_timers else contextlib.nullcontext()
         with timing:
             return self._train()
