@@ -29,6 +29,7 @@ from megatron_moe.comm.core import (
     monitoring,
 )
 from megatron_moe.comm.moe import (
+    BackwardOverlap,
     agree_capacity,
     combine_all_to_all,
     dispatch_all_to_all,
@@ -40,6 +41,7 @@ from megatron_moe.comm.training import agree_exit, barrier, reduce_lm_loss, redu
 
 __all__ = [
     "KINDS",
+    "BackwardOverlap",
     "Collective",
     "CommHandle",
     "CommSummary",

@@ -6,7 +6,10 @@ The all-to-alls are autograd functions whose backward is the reverse
 all-to-all, recorded under the same kind with `backward=True`. They can start
 asynchronously: the returned `CommHandle`'s `wait()` yields the received rows,
 so work placed between start and wait (the shared expert today, chunked
-experts later) overlaps with the transfer. Split sizes are Python lists (gloo
+experts later) overlaps with the transfer. The backward always starts the
+reverse asynchronously; with a `BackwardOverlap` (Lancet's weight-gradient
+queue, `megatron_moe.overlap`) the work it assigns to this all-to-all runs
+before the wait. Split sizes are Python lists (gloo
 rejects tensors) and are known on the host before the call: nothing here waits
 for the device.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,12 +26,19 @@ import torch.distributed as dist
 from megatron_moe.comm.core import Collective, CommHandle, group_size, issue, nbytes
 
 
+class BackwardOverlap(Protocol):
+    def run_under(self, record: Collective, handle: CommHandle) -> torch.Tensor:
+        """A backward all-to-all (`record`) has started: run the work that overlaps it, then `handle.wait()`."""
+        ...
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows [sum(in_splits), ...] -> rows [sum(out_splits), ...] over `group`."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, record: Collective, works):
+    def forward(ctx, x, out_splits, in_splits, group, record: Collective, works, overlap: BackwardOverlap | None):
         ctx.group, ctx.out_splits, ctx.in_splits, ctx.record = group, out_splits, in_splits, record
+        ctx.overlap = overlap
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         async_op = works is not None
         work = issue(
@@ -43,14 +54,20 @@ class _AllToAll(torch.autograd.Function):
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
         reverse = dataclasses.replace(ctx.record, backward=True, nbytes=nbytes(grad))
-        issue(reverse, lambda: dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group))
-        return out, None, None, None, None, None
+        # 1. start the reverse all-to-all; 2. the work assigned to it (Lancet); 3. wait.
+        work = issue(
+            reverse,
+            lambda: dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group, async_op=True),
+        )
+        handle = CommHandle(out, work, keepalive=(grad,))
+        out = handle.wait() if ctx.overlap is None else ctx.overlap.run_under(reverse, handle)
+        return out, None, None, None, None, None, None
 
 
-def _all_to_all(x, out_splits, in_splits, group, record: Collective, async_op: bool, then) -> CommHandle:
+def _all_to_all(x, out_splits, in_splits, group, record: Collective, async_op: bool, then, overlap) -> CommHandle:
     x = x.contiguous()
     works = [] if async_op else None
-    out = _AllToAll.apply(x, list(out_splits), list(in_splits), group, record, works)
+    out = _AllToAll.apply(x, list(out_splits), list(in_splits), group, record, works, overlap)
     # The input must outlive an asynchronous send: the handle holds it until wait().
     return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then)
 
@@ -64,11 +81,13 @@ def dispatch_all_to_all(
     layer: int | None = None,
     async_op: bool = True,
     then: Callable | None = None,
+    overlap: BackwardOverlap | None = None,
 ) -> CommHandle:
     """Send rows to the EP ranks that own their experts (`in_splits[g]` rows to rank g, `out_splits[g]`
-    from it); differentiable; `then` post-processes the received rows on wait()."""
+    from it); differentiable; `then` post-processes the received rows on wait(); `overlap` runs work under
+    the backward's reverse all-to-all."""
     record = Collective("a2a_dispatch", "dispatch_all_to_all", group, layer)
-    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then)
+    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap)
 
 
 def combine_all_to_all(
@@ -80,10 +99,11 @@ def combine_all_to_all(
     layer: int | None = None,
     async_op: bool = False,
     then: Callable | None = None,
+    overlap: BackwardOverlap | None = None,
 ) -> CommHandle:
     """Send expert outputs back to the ranks their tokens came from; differentiable."""
     record = Collective("a2a_combine", "combine_all_to_all", group, layer)
-    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then)
+    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap)
 
 
 def exchange_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:

@@ -12,6 +12,10 @@ from megatron_moe.config.moe_layer import BALANCED_GATES, GATES
 
 MOE = When(lambda c: c.moe.is_moe, "with --num-experts")
 OUR_MOE = When(lambda c: c.moe.own_layer, "with --num-experts and our layer (--moe-layer-impl megatron_moe)")
+EXPERT_PARALLEL = When(
+    lambda c: c.moe.own_layer and c.parallel.expert_model_parallel_size > 1,
+    "with our MoE layer and --expert-model-parallel-size > 1 (no all-to-all otherwise)",
+)
 MCORE_MOE = When(lambda c: c.moe.is_moe and not c.moe.own_layer, "with --num-experts and --moe-layer-impl mcore")
 
 

@@ -139,6 +139,25 @@ class MoEConfig:
         None, "projection width of the xmoe/cosine gates (default 16 / 256)", applies=only.PROJECTING
     )
     moe_soft_slots: int = arg(1, "slots per expert of --moe-gate soft", applies=only.SOFT)
+    overlap_wgrad: str = arg(
+        "greedy",
+        "Lancet: weight-gradient GEMMs run under the backward all-to-alls. greedy: iteration 2 is timed and "
+        "Lancet's best-fit plan (Algorithm 1) runs from iteration 3 (nothing deferred where nothing hides); "
+        "all-under-next-a2a: every dW under the next all-to-all; off. Bit-identical gradients either way",
+        choices=("off", "greedy", "all-under-next-a2a"),
+        applies=only.EXPERT_PARALLEL,
+    )
+    overlap_wgrad_max_mb: float = arg(
+        1024.0,
+        "--overlap-wgrad: at most this many MiB held by queued weight-gradient inputs at once (0: no cap); "
+        "a dW that would exceed it runs at its natural place",
+        applies=only.EXPERT_PARALLEL,
+    )
+    overlap_wgrad_report: bool = arg(
+        False,
+        "--overlap-wgrad greedy: log the plan (which dW under which all-to-all, predicted hidden time)",
+        applies=only.EXPERT_PARALLEL,
+    )
     moe_layer_impl: str = arg(
         "megatron_moe",
         "MoE layer: ours or megatron-core's (the layer benchmark's reference)",
@@ -157,6 +176,10 @@ class MoEConfig:
     def own_layer(self) -> bool:
         """True when the MoE layers are megatron_moe's (not megatron-core's)."""
         return self.is_moe and self.moe_layer_impl == "megatron_moe"
+
+    def wgrad_policy(self, expert_parallel_size: int) -> str:
+        """--overlap-wgrad in force: off without an all-to-all to hide under (EP=1, megatron-core's layer)."""
+        return self.overlap_wgrad if self.own_layer and expert_parallel_size > 1 else "off"
 
     def layer_pattern(self, num_layers: int) -> list[int]:
         """1 for an MoE layer, 0 for a dense one, per layer."""
@@ -219,6 +242,7 @@ class MoEConfig:
         require_positive("--moe-soft-slots", self.moe_soft_slots, 1)
         require_non_negative("--moe-aux-loss-coeff", self.moe_aux_loss_coeff, 0.01)
         require_non_negative("--moe-z-loss-coeff", self.moe_z_loss_coeff, 0.001)
+        require_non_negative("--overlap-wgrad-max-mb", self.overlap_wgrad_max_mb, 1024)
         require(
             0 < self.moe_router_topk <= self.num_experts,
             "--moe-router-topk",

@@ -73,6 +73,8 @@ class Dispatcher(abc.ABC):
         self.num_local_experts = num_experts // self.group_size
         self.layer = layer
         """The MoE layer's number, named in its collectives' records (timers, watchdog)."""
+        self.backward_overlap: comm.BackwardOverlap | None = None
+        """Work to run under the backward all-to-alls (Lancet's weight-gradient queue, `megatron_moe.overlap`)."""
 
     def agree_capacity(self, capacity_1: torch.Tensor) -> torch.Tensor:
         """One capacity for the whole EP group when the layout needs it (the group maximum); long [1], on the
@@ -125,7 +127,13 @@ class PaddedAllToAll(Dispatcher):
             return Dispatched(rows, plan.local_counts, plan)
 
         return comm.dispatch_all_to_all(
-            rows_RH, plan.recv_splits, plan.send_splits, self.group, layer=self.layer, then=regroup
+            rows_RH,
+            plan.recv_splits,
+            plan.send_splits,
+            self.group,
+            layer=self.layer,
+            then=regroup,
+            overlap=self.backward_overlap,
         )
 
     def combine(self, rows_RH, dispatched):
@@ -135,7 +143,9 @@ class PaddedAllToAll(Dispatcher):
         g, l, h = self.group_size, self.num_local_experts, rows_RH.shape[1]
         # 1. [L, G, C, H] -> [G(destination), L, C, H]; 2. all-to-all back to the sources.
         rows = rows_RH.view(l, g, plan.capacity, h).transpose(0, 1).reshape(-1, h)
-        return comm.combine_all_to_all(rows, plan.send_splits, plan.recv_splits, self.group, layer=self.layer)
+        return comm.combine_all_to_all(
+            rows, plan.send_splits, plan.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
+        )
 
 
 def _chunk_permutation(sizes_GL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +196,13 @@ class AllToAllV(Dispatcher):
             return Dispatched(rows, plan.local_counts, plan)
 
         return comm.dispatch_all_to_all(
-            rows_RH, plan.recv_splits, plan.send_splits, self.group, layer=self.layer, then=regroup
+            rows_RH,
+            plan.recv_splits,
+            plan.send_splits,
+            self.group,
+            layer=self.layer,
+            then=regroup,
+            overlap=self.backward_overlap,
         )
 
     def combine(self, rows_RH, dispatched):
@@ -194,7 +210,9 @@ class AllToAllV(Dispatcher):
             return comm.CommHandle(rows_RH)
         plan: DispatchPlan = dispatched.state
         rows = rows_RH if plan.to_source is None else rows_RH.index_select(0, plan.to_source)
-        return comm.combine_all_to_all(rows, plan.send_splits, plan.recv_splits, self.group, layer=self.layer)
+        return comm.combine_all_to_all(
+            rows, plan.send_splits, plan.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
+        )
 
 
 def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None) -> Dispatcher:

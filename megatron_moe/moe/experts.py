@@ -32,7 +32,7 @@ from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping
 from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
 from megatron_moe.moe.grouped_gemm import grouped_input_grad, grouped_linear, grouped_mm, grouped_weight_grad
-from megatron_moe.moe.weight_grad import RUN_NOW, WeightGrad, WeightGradStore
+from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights, WeightGrad, WeightGradStore, at_position
 from megatron_moe.platform import current_platform
 
 
@@ -158,7 +158,9 @@ class GroupedMLP(torch.autograd.Function):
       recomputes them run by run).
     Backward, per run: the input gradients (`mlp_input_grads`: dA, dH, dX), then
     the weight-gradient GEMMs (`mlp_weight_grads`: dW2, dW1) as a closure handed
-    to `store` (`megatron_moe.moe.weight_grad`), which runs it now or later.
+    to `store` (`megatron_moe.moe.weight_grad`), which runs it now. A store that
+    defers (Lancet) gets one closure for all runs after the last dX, which
+    fills whole dW1/dW2 run by run when it runs.
     """
 
     @staticmethod
@@ -186,13 +188,45 @@ class GroupedMLP(torch.autograd.Function):
         grads = [None] * 3
         if len(runs) > 1:  # the kernels allocate their outputs when there is one run (torch._grouped_mm has no out=)
             grads = [torch.empty_like(t) if need else None for t, need in zip((grad_RH, w1_EFH, w2_EHF), needs)]
+        store = ctx.store
+        if store.defers:  # the closures of every run, collected here and handed over as one
+            grads[1:] = None, None
+            ctx.store = _Collect()
         for run, h, a in zip(runs, kept[: len(runs)], kept[len(runs) :]):
             grad_x, grad_w = _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, h, a, grads)
             if len(runs) == 1:
                 grads = [grad_x, *(grad_w or (None, None))]
-        if grad_w is None:  # the store keeps the closures (of every run): it owns the weight gradients
+        if store.defers:  # the store owns the weight gradients
+            store.put(_all_runs(ctx.store.closures, runs, w1_EFH, w2_EHF, needs[1:]), (None, None))
             grads[1] = grads[2] = None
         return (*grads, None, None, None, None, None)
+
+
+class _Collect:
+    """A store that keeps a node's per-run closures for `_all_runs`."""
+
+    defers = True
+
+    def __init__(self):
+        self.closures: list[WeightGrad] = []
+
+    def put(self, weight_grad: WeightGrad, outs: tuple) -> None:
+        self.closures.append(weight_grad)
+
+
+def _all_runs(closures: list[WeightGrad], runs, w1_EFH, w2_EHF, needs) -> WeightGrad:
+    """One closure for the weight-gradient GEMMs of every run: each writes its experts' slice of dW1/dW2 (fresh
+    tensors of the weights' shapes; one run: as the run's closure makes them)."""
+    if len(runs) == 1:
+        return closures[0]
+
+    def weight_grads():
+        outs = [torch.empty_like(w) if need else None for w, need in zip((w1_EFH, w2_EHF), needs)]
+        for (e0, e1, _, _), weight_grad in zip(runs, closures):
+            weight_grad(*(None if out is None else out[e0:e1] for out in outs))
+        return tuple(outs)
+
+    return weight_grads
 
 
 def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs) -> tuple:
@@ -214,7 +248,7 @@ def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs)
     return grad_x, ctx.store.put(mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2)), (out_w1, out_w2))
 
 
-class FFNExperts(torch.nn.Module):
+class FFNExperts(torch.nn.Module, DeferrableWeights):
     """L experts of one MLP each (GELU or SwiGLU), weights stacked along the expert dim."""
 
     def __init__(
@@ -251,6 +285,9 @@ class FFNExperts(torch.nn.Module):
         self.weight_grad_store: WeightGradStore = RUN_NOW
         """Where backward hands the weight-gradient GEMMs (`megatron_moe.moe.weight_grad`); the default runs them."""
 
+    def deferred_params(self) -> list[torch.nn.Parameter]:
+        return [self.weight1, self.weight2]
+
     def use_activation_scope(self, scope) -> None:
         """Run under an activation policy (`megatron_moe.activations.engine.LayerScope`)."""
         self.region = scope.call
@@ -265,9 +302,9 @@ class FFNExperts(torch.nn.Module):
             return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, *options)
         # Per-GEMM nodes, each its own region of an activation policy.
         store = self.weight_grad_store
-        h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts, store)
+        h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts, at_position(store, 0, 2))
         h_RF = self._call("expert_act", ffn_activation, h_RF, self.gated)
-        return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts, store)
+        return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts, at_position(store, 1, 2))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """weight1/weight2 as ShardedTensors: global expert offset = EP rank x L."""

@@ -43,6 +43,29 @@ class RunNow:
 RUN_NOW = RunNow()
 
 
+class _AtPosition:
+    """A store for one of a module's several weights: the closure's single gradient goes at `position` of
+    `size` (the module's closures return one entry per deferred weight)."""
+
+    defers = True
+
+    def __init__(self, store: WeightGradStore, position: int, size: int):
+        self.store, self.position, self.size = store, position, size
+
+    def put(self, weight_grad: WeightGrad, outs: tuple) -> None:
+        def placed():
+            grads: list = [None] * self.size
+            grads[self.position] = weight_grad()[0]
+            return tuple(grads)
+
+        return self.store.put(placed, (None,) * self.size)
+
+
+def at_position(store: WeightGradStore, position: int, size: int) -> WeightGradStore:
+    """`store` itself when it runs closures now; else a view of it for a module's weight number `position`."""
+    return store if not store.defers else _AtPosition(store, position, size)
+
+
 class DeferrableWeights:
     """Mixin of a module whose backward hands its weight-gradient GEMMs to `self.weight_grad_store`.
 

@@ -14,7 +14,13 @@ from megatron_moe.model import transformer_config
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
-from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler, wire_model_config
+from megatron_moe.training.setup import (
+    build_ddp_model,
+    build_optimizer,
+    build_scheduler,
+    build_wgrad_queue,
+    wire_model_config,
+)
 
 log = logging.getLogger("megatron_moe")
 
@@ -43,13 +49,14 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
     load_dir = resolve_load_dir(cfg)
     config = transformer_config(cfg)
-    model = build_ddp_model(cfg, config, tokenizer.vocab_size)
+    wgrad_queue = build_wgrad_queue(cfg)
+    model = build_ddp_model(cfg, config, tokenizer.vocab_size, wgrad_queue)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     wire_model_config(config, model, optimizer)
     state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
     data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
-    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog).train()
+    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, wgrad_queue=wgrad_queue).train()
 
 
 def end_job_with_report(report: str) -> None:

@@ -59,8 +59,12 @@ def _reduce_lm_loss(losses_reduced: list[dict]) -> float | None:
 class Trainer:
     """Owns the model, optimizer and data iterators of one run."""
 
-    def __init__(self, cfg: RunConfig, model, optimizer, scheduler, state: TrainState, data, *, watchdog=None):
+    def __init__(
+        self, cfg: RunConfig, model, optimizer, scheduler, state: TrainState, data, *, watchdog=None, wgrad_queue=None
+    ):
         self.cfg = cfg
+        self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
+        self._job_steps = 0
         self.watchdog = watchdog  # comm.watchdog.Watchdog: told the step, which its reports name
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state = state
@@ -151,7 +155,12 @@ class Trainer:
                 / self.num_microbatches
             )
             set_moe_aux_loss_scale(self.model, scale)
+        if self.wgrad_queue:
+            self._job_steps += 1  # counted from this job's start: a resumed job profiles its own cluster
+            self.wgrad_queue.start_iteration(self._job_steps)
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
+        if self.wgrad_queue:
+            self.wgrad_queue.end_iteration()
         update_successful, grad_norm, _ = self.optimizer.step()
         # Megatron-LM's --log-params-norm: after the update, on every rank (a collective).
         norm = params_norm(self.optimizer) if self.cfg.logging.log_params_norm else None
@@ -174,6 +183,7 @@ class Trainer:
             "step_ms": step_ms,
             # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for.
             "comm": self.comm_timers.summary() if self.comm_timers else None,
+            "wgrad": self.wgrad_queue.stats() if self.wgrad_queue else None,
         }
 
     @torch.no_grad()
@@ -232,6 +242,7 @@ class Trainer:
         # This (the logging) rank's own step time and communication.
         entry["step_ms"] = figures["step_ms"]
         entry["comm"] = summary.as_dict() if summary is not None else None
+        entry["wgrad"] = figures["wgrad"]  # Lancet's queue on this rank: where its dW ran, held memory
         if figures["params_norm"] is not None:
             entry["params norm"] = figures["params_norm"]
         return entry

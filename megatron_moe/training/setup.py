@@ -17,12 +17,28 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_moe.config import RunConfig
 from megatron_moe.model import build_model
 from megatron_moe.model.builder import params_dtype
+from megatron_moe.overlap import WgradQueue, install_wgrad_overlap
 
 
-def build_ddp_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[DistributedDataParallel]:
-    """This rank's model chunks (one per stage, no virtual pipeline) in megatron-core DDP."""
+def build_wgrad_queue(cfg: RunConfig) -> WgradQueue | None:
+    """Lancet's weight-gradient queue as --overlap-wgrad says (None: off, or nothing to hide under)."""
+    policy = cfg.moe.wgrad_policy(cfg.parallel.expert_model_parallel_size)
+    if policy == "off":
+        return None
+    max_mb = cfg.moe.overlap_wgrad_max_mb or None
+    return WgradQueue(policy, max_mb=max_mb, num_layers=cfg.model.num_layers, report=cfg.moe.overlap_wgrad_report)
+
+
+def build_ddp_model(
+    cfg: RunConfig, config: TransformerConfig, vocab_size: int, wgrad_queue: WgradQueue | None = None
+) -> list[DistributedDataParallel]:
+    """This rank's model chunks (one per stage, no virtual pipeline) in megatron-core DDP; with `wgrad_queue`,
+    its deferrable modules' weight gradients go through it (megatron-core's `delay_wgrad_compute` protocol)."""
     module = build_model(cfg, config, vocab_size)
+    if wgrad_queue is not None:
+        install_wgrad_overlap([module], wgrad_queue)
     ddp_config = DistributedDataParallelConfig(
+        delay_wgrad_compute=wgrad_queue is not None,
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
         overlap_grad_reduce=False,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,

@@ -11,6 +11,10 @@ Scenarios (each a list of cases run one after another in this job):
   optimizer, each from the same initial weights; a checkpoint saved mid-run in
   one layout resumed in another; the resume-exactness check; megatron-core's
   MoE layer at EP=2.
+- `lancet` (4 ranks): --overlap-wgrad off, all-under-next-a2a and greedy in
+  the layouts and settings of issue 14 (EP=2 with 2 micro-batches, TP=2+SP+EP=2,
+  PP=2+EP=2, EP=4 with the distributed optimizer, recompute, the arctic
+  policy, bf16, a memory cap), the runs of a layout from the same seed.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -147,6 +151,33 @@ def process_group_timeouts() -> list[float]:
     return sorted({pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in groups})
 
 
+LANCET = {
+    "ep2": LAYOUTS["ep2"],
+    "tp2_ep2": LAYOUTS["tp2_ep2"],
+    "pp2_ep2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+    "ep4_distopt": LAYOUTS["ep4_distopt"],
+    "tp2_ep2_recompute": LAYOUTS["tp2_ep2_recompute"],
+    "ep2_arctic": ["--expert-model-parallel-size", "2", "--activation-policy", "arctic"],
+    "ep2_bf16": ["--expert-model-parallel-size", "2", "--bf16"],
+    "ep2_shared": ["--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"],
+}
+
+
+def lancet() -> dict:
+    """Each LANCET layout with the weight-gradient queue off and on; greedy (its plan in force from iteration 3)
+    in two; a memory cap so small that some closures run at their natural place."""
+    init = ["--train-iters", str(ITERS)]
+    results = {}
+    for name, args in LANCET.items():
+        for policy in ("off", "all-under-next-a2a"):
+            results[f"{name}/{policy}"] = train(*init, *args, "--overlap-wgrad", policy)
+    for name in ("ep2", "tp2_ep2"):
+        results[f"{name}/greedy"] = train(*init, *LANCET[name], "--overlap-wgrad", "greedy")
+    capped = ("--overlap-wgrad", "all-under-next-a2a", "--overlap-wgrad-max-mb", "0.2")
+    results["ep2/capped"] = train(*init, *LANCET["ep2"], *capped)
+    return results
+
+
 def gpu() -> dict:
     import torch
     import torch.distributed as dist
@@ -171,4 +202,4 @@ def gpu() -> dict:
 
 
 if __name__ == "__main__":
-    finish_job({"reference": reference, "layouts": layouts, "gpu": gpu}[SCENARIO]())
+    finish_job({"reference": reference, "layouts": layouts, "lancet": lancet, "gpu": gpu}[SCENARIO]())

@@ -1,0 +1,60 @@
+"""Wire Lancet's weight-gradient queue into a built model, before megatron-core's DDP wraps it.
+
+Every deferrable module (`DeferrableWeights`) of every transformer layer gets
+the queue as its store and a plan key "L{layer}.{name}"; its weights are
+marked `skip_backward_post_hook` (DDP with `delay_wgrad_compute` then hands
+their hooks to the module); every MoE dispatcher gets the queue as the work
+to run under its backward all-to-alls.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_moe.moe.dispatch import Dispatcher
+from megatron_moe.moe.weight_grad import DeferrableWeights
+from megatron_moe.overlap.runtime import WgradQueue
+
+NAMES = {
+    "self_attention.linear_qkv": "attn_qkv",
+    "self_attention.linear_proj": "attn_proj",
+    "mlp.linear_fc1": "mlp_fc1",
+    "mlp.linear_fc2": "mlp_fc2",
+    "mlp.experts": "experts",
+    "mlp.shared_expert": "shared_expert",
+    "mlp.gate": "router",
+}
+"""A transformer layer's deferrable submodules (their path in the layer) and their names in the plan."""
+
+
+def deferrable_modules(model: torch.nn.Module) -> list[tuple[str, DeferrableWeights]]:
+    """(plan key, module) of every deferrable module of the model's transformer layers, in model order."""
+    found = []
+    for layer in model.modules():
+        if not isinstance(layer, TransformerLayer):
+            continue
+        for path, module in layer.named_modules():
+            if isinstance(module, DeferrableWeights) and path in NAMES:
+                found.append((f"L{layer.layer_number}.{NAMES[path]}", module))
+    return found
+
+
+def install_wgrad_overlap(
+    model_chunks: list[torch.nn.Module], queue: WgradQueue
+) -> list[tuple[str, DeferrableWeights]]:
+    """Make `queue` the store of every deferrable module and the backward overlap of every dispatcher; returns
+    the (key, module) pairs. Call before wrapping the chunks in DDP (with `delay_wgrad_compute=True`)."""
+    installed = []
+    for chunk in model_chunks:
+        for key, module in deferrable_modules(chunk):
+            module.store_key = key
+            module.weight_grad_store = queue.store_for(module)
+            for param in module.deferred_params():
+                param.skip_backward_post_hook = True
+            installed.append((key, module))
+        for module in chunk.modules():
+            dispatcher = getattr(module, "dispatcher", None)
+            if isinstance(dispatcher, Dispatcher):
+                dispatcher.backward_overlap = queue
+    return installed

@@ -1,0 +1,257 @@
+"""Lancet at run time: weight-gradient GEMMs queued in backward and run under the backward all-to-alls.
+
+One `WgradQueue` per process. The installer (`install_wgrad_overlap`) makes it
+the `weight_grad_store` of every deferrable module (`DeferrableWeights`: the
+routed experts, the shared expert, the router, attention's QKV and output
+projections, the dense MLP), marks their weights `skip_backward_post_hook`
+for megatron-core's DDP (`delay_wgrad_compute`: DDP hands the module each
+weight's hook) and gives every MoE dispatcher the queue as its
+`backward_overlap`. Then, in each micro-batch's backward:
+
+1. a module's backward computes dX and `put`s its dW closure: the plan says
+   whether it waits for an all-to-all (queued) or runs at once, its natural
+   place (the profile, no plan yet, an unplanned key, or the memory cap);
+2. a backward all-to-all starts asynchronously (`comm.moe._AllToAll`), the
+   queue runs the closures the plan put under it, then the all-to-all is
+   waited: the GEMMs ran while the bytes were on the wire;
+3. when autograd's backward of the micro-batch ends (an engine callback, so
+   before a pipeline stage sends its input gradient and before
+   `finish_grad_sync`), whatever is still queued runs.
+
+Running a closure sets each weight's `.grad` and calls DDP's hook for it: the
+`main_grad.add_(grad)` and bucket readiness stay megatron-core's, on the same
+values in the same order per parameter as without deferral (bit-identical).
+
+The plan (`megatron_moe.overlap.plan`): `all-under-next-a2a` needs none (every
+closure waits for the next all-to-all); `greedy` profiles iteration
+`PROFILE_ITERATION` (every closure and all-to-all timed, nothing overlapped),
+agrees the times over all ranks and runs Lancet's Algorithm 1 on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+
+from megatron_moe.comm.core import Collective, CommHandle
+from megatron_moe.moe.weight_grad import DeferrableWeights, WeightGrad
+from megatron_moe.overlap import plan as planning
+from megatron_moe.platform.timing import comm_stamps
+
+log = logging.getLogger(__name__)
+MIB = float(1 << 20)
+PROFILE_ITERATION = 2
+"""The iteration `greedy` times (the first warms up allocators and kernels); its plan runs from the next one."""
+
+
+def a2a_key(record: Collective) -> str:
+    """The plan's name for a backward all-to-all: "L{layer}.combine" / "L{layer}.dispatch"."""
+    return f"L{record.layer}.{record.kind.removeprefix('a2a_')}"
+
+
+def held_bytes(fn: Callable) -> int:
+    """Bytes of the distinct tensor storages a closure holds (through nested closures, lists and tuples)."""
+    seen: dict[int, int] = {}
+
+    def visit(obj) -> None:
+        if torch.is_tensor(obj):
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item)
+        elif callable(obj) and getattr(obj, "__closure__", None):
+            for cell in obj.__closure__:
+                visit(cell.cell_contents)
+
+    visit(fn)
+    return sum(seen.values())
+
+
+@dataclasses.dataclass
+class _Item:
+    module: DeferrableWeights
+    weight_grad: WeightGrad
+    nbytes: int
+
+
+class _ModuleStore:
+    """One deferrable module's `WeightGradStore`: hands its closures to the queue, which owns the gradients."""
+
+    defers = True
+
+    def __init__(self, queue: WgradQueue, module: DeferrableWeights):
+        self.queue, self.module = queue, module
+
+    def put(self, weight_grad: WeightGrad, outs: tuple) -> None:
+        assert all(out is None for out in outs), "a deferred closure makes its own gradients"
+        self.queue.put(_Item(self.module, weight_grad, held_bytes(weight_grad)))
+        return None
+
+
+class WgradQueue:
+    """The weight-gradient closures of one process's deferrable modules; see the module docstring."""
+
+    def __init__(self, policy: str, *, max_mb: float | None, num_layers: int, report: bool = False):
+        assert policy in planning.POLICIES and policy != "off", policy
+        self.policy, self.max_mb, self.num_layers, self.report = policy, max_mb, num_layers, report
+        self.plan: planning.WgradPlan | None = None
+        self.iteration = 0
+        self._pending: list[tuple[str, _Item]] = []  # (the all-to-all key it waits for, the item)
+        self._pending_bytes = 0
+        self._flush_queued = False
+        self._stamps = comm_stamps()
+        self._passes: list[list[tuple]] = []  # while profiling: per pass (kind, key, start, end, held MiB)
+        self.counts = {"under_a2a": 0, "natural": 0, "at_backward_end": 0}
+        """Closures run in this iteration: under an all-to-all, at their natural place, at the backward's end."""
+        self.peak_held_bytes = 0
+        """The most bytes queued closures held at once in this iteration."""
+
+    # ------------------------------------------------------------------ the installer's side
+
+    def store_for(self, module: DeferrableWeights) -> _ModuleStore:
+        return _ModuleStore(self, module)
+
+    @property
+    def profiling(self) -> bool:
+        return self.policy == "greedy" and self.iteration == PROFILE_ITERATION
+
+    def start_iteration(self, iteration: int) -> None:
+        """Called before each training iteration (1-based) on every rank."""
+        self.iteration, self.peak_held_bytes = iteration, 0
+        self.counts = dict.fromkeys(self.counts, 0)
+
+    def stats(self) -> dict:
+        """This iteration's figures: closures per place they ran, the held-memory peak (MiB), the plan in force."""
+        held = round(self.peak_held_bytes / MIB, 3)
+        return {
+            **self.counts,
+            "peak_held_mb": held,
+            "policy": self.policy,
+            "planned": len(self.plan.under) if self.plan else None,
+        }
+
+    def end_iteration(self) -> None:
+        """Called after each training iteration on every rank (collective after the profiled one)."""
+        if self.profiling:
+            self.plan = self._plan_from_profile()
+
+    # ------------------------------------------------------------------ 1. put
+
+    def _waits_for(self, key: str, nbytes: int) -> str | None:
+        """The all-to-all a closure of `key` waits for, or None: it runs now."""
+        if self.policy == "all-under-next-a2a":
+            under = "next"
+        else:
+            under = None if self.plan is None else self.plan.under.get(key)
+        if under is None or self.max_mb is None:
+            return under
+        return under if (self._pending_bytes + nbytes) / MIB <= self.max_mb else None
+
+    def put(self, item: _Item) -> None:
+        self._flush_at_backward_end()
+        key = item.module.store_key
+        under = self._waits_for(key, item.nbytes)
+        if under is None:
+            self.counts["natural"] += 1
+            self._run(item, profile_key=key if self.profiling else None)
+            return
+        self._pending.append((under, item))
+        self._pending_bytes += item.nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self._pending_bytes)
+
+    # ------------------------------------------------------------------ 2. under an all-to-all
+
+    def run_under(self, record: Collective, handle: CommHandle):
+        """A backward all-to-all has started: run the closures waiting for it, then wait for it."""
+        key = a2a_key(record)
+        start = self._stamps.stamp() if self.profiling else None
+        if self._pending:
+            mine = [item for under, item in self._pending if under in (key, "next")]
+            self._pending = [(under, item) for under, item in self._pending if under not in (key, "next")]
+            for item in mine:
+                self._pending_bytes -= item.nbytes
+                self.counts["under_a2a"] += 1
+                self._run(item)
+        received = handle.wait()
+        if start is not None:
+            self._record("a2a", key, start, self._stamps.stamp(), 0.0)
+        return received
+
+    # ------------------------------------------------------------------ 3. the end of a backward pass
+
+    def _flush_at_backward_end(self) -> None:
+        """Once per backward pass: run `flush` when autograd's engine finishes it."""
+        if not self._flush_queued and torch._C._current_graph_task_id() != -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self._flush_queued = True
+
+    def flush(self) -> None:
+        """Run everything still queued (in the order it was put)."""
+        self._flush_queued = False
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        for _, item in pending:
+            self.counts["at_backward_end"] += 1
+            self._run(item)
+        if self.profiling:
+            self._passes.append([])
+
+    # ------------------------------------------------------------------ running a closure
+
+    def _run(self, item: _Item, profile_key: str | None = None) -> None:
+        start = self._stamps.stamp() if profile_key else None
+        grads = item.weight_grad()
+        if start is not None:
+            self._record("wgrad", profile_key, start, self._stamps.stamp(), item.nbytes / MIB)
+        deliver(item.module, grads)
+
+    # ------------------------------------------------------------------ profile -> plan
+
+    def _record(self, kind: str, key: str, start, end, held_mb: float) -> None:
+        if not self._passes:
+            self._passes.append([])
+        self._passes[-1].append((kind, key, start, end, held_mb))
+
+    def _plan_from_profile(self) -> planning.WgradPlan:
+        passes = [p for p in self._passes if p]
+        self._passes = []
+        if passes:
+            self._stamps.settle(passes[-1][-1][3])
+        events = [[self._event(*entry) for entry in one] for one in passes]
+        merged = planning.merge_passes([_merge_repeats(one) for one in events]) if events else []
+        agreed = planning.agree(merged, self.num_layers)
+        plan = planning.make_plan(self.policy, agreed, self.max_mb)
+        if self.report:
+            log.info("overlap-wgrad plan (iteration %d on):\n%s", self.iteration + 1, plan.report())
+        return plan
+
+    def _event(self, kind, key, start, end, held_mb) -> planning.Event:
+        return planning.Event(kind, key, self._stamps.elapsed_ms(start, end), held_mb)
+
+
+def _merge_repeats(events: list[planning.Event]) -> list[planning.Event]:
+    """One event per key: a module whose closures came in several puts in one pass is one item (times added)."""
+    merged: dict[str, planning.Event] = {}
+    for event in events:
+        if event.key in merged:
+            first = merged[event.key]
+            merged[event.key] = dataclasses.replace(
+                first, ms=first.ms + event.ms, held_mb=first.held_mb + event.held_mb
+            )
+        else:
+            merged[event.key] = event
+    return list(merged.values())
+
+
+def deliver(module: DeferrableWeights, grads: Iterable[torch.Tensor | None]) -> None:
+    """Hand weight gradients over as autograd would: accumulate into `.grad`, then DDP's hook (main_grad)."""
+    for param, grad in zip(module.deferred_params(), grads):
+        if grad is None:
+            continue
+        param.grad = grad if param.grad is None else param.grad + grad
+        hook = module.wgrad_hook(param)
+        if hook is not None:
+            hook()
