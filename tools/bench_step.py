@@ -1,7 +1,7 @@
 """Benchmark a training step on an emulated cluster: step time, communication per kind, how much of it is exposed.
 
-    python tools/bench_step.py                                # the baseline: 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s
-    python tools/bench_step.py --cluster 2x1 --link-gbit 1 --steps 4
+    python tools/bench_step.py               # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, --overlap-wgrad off and greedy
+    python tools/bench_step.py --cluster 2x1 --link-gbit 1 --steps 4 --overlap-wgrad greedy
 
 The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every one MoE with 8 experts
 top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so that at
@@ -18,7 +18,8 @@ It trains on the demo data (`make demo`'s stdlib corpus, built here when missing
   (EP=2 on 2x2 would keep each EP group inside a node: no all-to-all on the link.)
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
-interleaved, rates rotated round by round), so the machine's drift hits them alike. Each case runs `--rounds` times,
+interleaved, rates rotated round by round, each --overlap-wgrad policy right after the other, in turn first), so
+the machine's drift hits them alike. Each case runs `--rounds` times,
 one torchrun job of `--steps` steps each, the first `--warmup` of each job dropped; the timed steps of its rounds
 are pooled into one JSON object per case, printed once every case has run:
 
@@ -28,8 +29,13 @@ are pooled into one JSON object per case, printed once every case has run:
   compute thread was blocked on it), `bytes` (kind -> bytes sent per step), `calls` (kind -> collectives issued
   per step), `hidden_frac` (1 - exposed / comm over
   all kinds), `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
-- the options in force: `overlap` (none yet; later issues add theirs, e.g. `overlap_wgrad`, `pipeline_degree`,
-  `grad_reduce_schedule`), the model flags, steps.
+- the options in force: `overlap_wgrad` (Lancet, issue 14) and `overlap` (all of them: later issues add
+  `pipeline_degree`, `grad_reduce_schedule`), the model flags, steps; `wgrad`: the queue's figures (closures
+  under an all-to-all / at their natural place, peak MiB held, and the greedy plan's profile: backward
+  all-to-all ms, dW ms available, predicted hidden ms).
+
+After the cases, one `overlap_wgrad` row per layout and rate compares greedy with off: `bwd_a2a_exposed_ms`
+(off, on), `bwd_a2a_exposed_cut` (1 - on / off), `step_ratio` (on / off, median step times), `peak_held_mb`.
 
 The figures are the logging rank's (the last rank, on the last node): its own collectives, as the Trainer's
 communication timers (megatron_moe/comm/timers.py) saw them.
@@ -51,6 +57,8 @@ from emulated_cluster import EmulatedCluster  # noqa: E402
 LAYOUTS = {"2x1": 2, "2x2": 4}  # cluster -> expert-parallel size (the all-to-all crosses the link)
 RATES_GBIT = (0.5, 1.0, 2.5)
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
+BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
+WGRAD_POLICIES = ("off", "greedy")
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
     "--ffn-hidden-size", "768", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "1",
@@ -60,7 +68,6 @@ TRAINING = [
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0", "--eval-interval", "0",
     "--log-interval", "1", "--split", "98,2,0", "--seed", "1234",
 ]  # fmt: skip
-OVERLAP: dict = {}  # the overlap options in force (none yet): later issues add theirs, with their values
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
     p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
+    p.add_argument(
+        "--overlap-wgrad", nargs="+", default=list(WGRAD_POLICIES), choices=("off", "greedy", "all-under-next-a2a")
+    )
     p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
     p.add_argument(
         "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
@@ -85,13 +95,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def plan(layouts: list[str], rates: list[float], rounds: int) -> list[tuple[str, float]]:
-    """Every (layout, rate) `rounds` times, alternated: layouts interleaved, the rates' order rotated per round."""
+def plan(layouts: list[str], rates: list[float], rounds: int, policies=("off",)) -> list[tuple[str, float, str]]:
+    """Every (layout, rate, policy) `rounds` times, alternated: layouts interleaved, the rates' order rotated per
+    round, the policies of a (layout, rate) back to back, which one first rotating."""
     cases = []
     for r in range(rounds):
         order = rates[r % len(rates) :] + rates[: r % len(rates)]
         for i, rate in enumerate(order):
-            cases += [(layout, rate) for layout in (layouts if (i + r) % 2 == 0 else layouts[::-1])]
+            for j, layout in enumerate(layouts if (i + r) % 2 == 0 else layouts[::-1]):
+                k = (r + i + j) % len(policies)
+                cases += [(layout, rate, policy) for policy in policies[k:] + policies[:k]]
     return cases
 
 
@@ -115,7 +128,9 @@ def prepare_data(data_dir: str) -> tuple[str, str]:
     return prefix, tokenizer
 
 
-def trainer_flags(layout: str, steps: int, data: tuple[str, str], model: list[str] | None) -> list[str]:
+def trainer_flags(
+    layout: str, steps: int, data: tuple[str, str], model: list[str] | None, policy: str = "off"
+) -> list[str]:
     nodes, procs = parse_cluster(layout)
     ep, world = LAYOUTS[layout], nodes * procs
     micro = int(_flag([*MODEL, *(model or [])], "--micro-batch-size"))
@@ -124,7 +139,7 @@ def trainer_flags(layout: str, steps: int, data: tuple[str, str], model: list[st
         *TRAINING,
         "--expert-model-parallel-size", str(ep), "--global-batch-size", str(micro * world),
         "--train-iters", str(steps), "--data-path", data[0], "--tokenizer-model", data[1],
-        *(model or []),
+        "--overlap-wgrad", policy, *(model or []),
     ]  # fmt: skip
 
 
@@ -138,7 +153,9 @@ def layout_name(layout: str) -> str:
     return f"{layout} EP={ep} DP={nodes * procs}"
 
 
-def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int, flags: list[str]) -> dict:
+def summarize(
+    layout: str, rate: float, histories: list[list[dict]], warmup: int, flags: list[str], policy: str = "off"
+) -> dict:
     """One case's JSON row from the logging rank's per-step histories of its rounds (entries: `step_ms`, `comm`)."""
     timed = [entry for history in histories for entry in history[warmup:]]
     if not timed or any("step_ms" not in h or "comm" not in h for h in timed):
@@ -152,8 +169,9 @@ def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int
     mean_step = statistics.fmean(h["step_ms"] for h in timed)
     comm, exposed = mean("comm_ms"), mean("exposed_ms")
     total_comm, total_exposed = sum(comm.values()), sum(exposed.values())
+    wgrad = [h.get("wgrad") for h in timed if h.get("wgrad")]
     return {
-        "case": f"step_{layout}_{rate:g}gbit",
+        "case": f"step_{layout}_{rate:g}gbit" + ("" if policy == "off" else f"_wgrad_{policy}"),
         "layout": layout_name(layout),
         "link_gbit": rate,
         "step_ms": round(step_ms, 1),
@@ -166,7 +184,11 @@ def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int
         "exposed_frac_of_step": {k: round(v / mean_step, 4) for k, v in exposed.items()},
         "a2a_exposed_frac_of_step": round(sum(exposed[k] for k in A2A_KINDS if k in exposed) / mean_step, 4),
         "step_ms_all": [[round(h["step_ms"], 1) for h in history] for history in histories],
-        "overlap": dict(OVERLAP),
+        "bwd_a2a_exposed_ms": round(sum(exposed.get(k, 0.0) for k in BWD_A2A_KINDS), 3),
+        "bwd_a2a_comm_ms": round(sum(comm.get(k, 0.0) for k in BWD_A2A_KINDS), 3),
+        "overlap_wgrad": policy,
+        "overlap": {"overlap_wgrad": policy},
+        "wgrad": _wgrad_figures(wgrad),
         "steps": len(histories[0]),
         "rounds": len(histories),
         "warmup": warmup,
@@ -175,11 +197,38 @@ def summarize(layout: str, rate: float, histories: list[list[dict]], warmup: int
     }
 
 
-def run_case(cluster: EmulatedCluster, layout: str, rate: float, args, data) -> list[dict]:
+def _wgrad_figures(steps: list[dict]) -> dict | None:
+    """The queue's figures over the timed steps: mean closures per place, the largest held MiB, the plan's."""
+    if not steps:
+        return None
+    figures = {k: round(statistics.fmean(s[k] for s in steps), 1) for k in ("under_a2a", "natural", "at_backward_end")}
+    figures["peak_held_mb"] = max(s["peak_held_mb"] for s in steps)
+    return {**figures, **{k: v for k, v in steps[-1].items() if k.startswith("plan")}}
+
+
+def compare(off: dict, on: dict) -> dict:
+    """The `overlap_wgrad` row of one layout and rate: greedy against off."""
+    cut = 1 - on["bwd_a2a_exposed_ms"] / off["bwd_a2a_exposed_ms"] if off["bwd_a2a_exposed_ms"] > 0 else 0.0
+    return {
+        "case": f"overlap_wgrad_{off['case'].removeprefix('step_')}",
+        "layout": off["layout"],
+        "link_gbit": off["link_gbit"],
+        "overlap_wgrad": on["overlap_wgrad"],
+        "bwd_a2a_exposed_ms": {"off": off["bwd_a2a_exposed_ms"], "on": on["bwd_a2a_exposed_ms"]},
+        "bwd_a2a_comm_ms": {"off": off["bwd_a2a_comm_ms"], "on": on["bwd_a2a_comm_ms"]},
+        "bwd_a2a_exposed_cut": round(cut, 3),
+        "step_ms": {"off": off["step_ms"], "on": on["step_ms"]},
+        "step_ratio": round(on["step_ms"] / off["step_ms"], 3),
+        "peak_held_mb": (on["wgrad"] or {}).get("peak_held_mb"),
+        "plan": {k: v for k, v in (on["wgrad"] or {}).items() if k.startswith("plan")},
+    }
+
+
+def run_case(cluster: EmulatedCluster, layout: str, rate: float, policy: str, args, data) -> list[dict]:
     """One round of a case: the logging rank's per-step history."""
     _, procs = parse_cluster(layout)
     cluster.set_link_gbit(rate)
-    flags = trainer_flags(layout, args.steps, data, args.model)
+    flags = trainer_flags(layout, args.steps, data, args.model, policy)
     return run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
 
 
@@ -201,16 +250,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     data = prepare_data(args.data_dir)
     nodes = {parse_cluster(layout)[0] for layout in args.cluster}
-    histories: dict[tuple[str, float], list] = {}
+    histories: dict[tuple[str, float, str], list] = {}
     with EmulatedCluster(max(nodes), args.link_gbit[0]) as cluster:
-        for layout, rate in plan(args.cluster, args.link_gbit, args.rounds):
-            history = run_case(cluster, layout, rate, args, data)
-            histories.setdefault((layout, rate), []).append(history)
+        for layout, rate, policy in plan(args.cluster, args.link_gbit, args.rounds, args.overlap_wgrad):
+            history = run_case(cluster, layout, rate, policy, args, data)
+            histories.setdefault((layout, rate, policy), []).append(history)
             steps = ", ".join(f"{h['step_ms']:.0f}" for h in history)
-            print(f"bench_step: {layout} at {rate:g} Gbit/s: step ms {steps}", file=sys.stderr, flush=True)
-    for (layout, rate), runs in histories.items():
-        flags = trainer_flags(layout, args.steps, data, args.model)
-        print(json.dumps(summarize(layout, rate, runs, args.warmup, flags)), flush=True)
+            print(f"bench_step: {layout} at {rate:g} Gbit/s, wgrad {policy}: step ms {steps}", file=sys.stderr)
+    rows = {}
+    for (layout, rate, policy), runs in histories.items():
+        flags = trainer_flags(layout, args.steps, data, args.model, policy)
+        rows[layout, rate, policy] = summarize(layout, rate, runs, args.warmup, flags, policy)
+        print(json.dumps(rows[layout, rate, policy]), flush=True)
+    for (layout, rate, policy), row in rows.items():
+        if policy != "off" and (layout, rate, "off") in rows:
+            print(json.dumps(compare(rows[layout, rate, "off"], row)), flush=True)
     return 0
 
 

@@ -2,8 +2,8 @@
 warning for an overlap option that hides nothing.
 
 `OVERLAP_OPTIONS` is the table of options that promise to hide communication: a description naming the
-flags, when it is in force, and the kinds it should hide. Issues 14-16 add rows (overlap_wgrad,
-pipeline_degree, grad_reduce_schedule).
+flags, when it is in force, and the kinds it should hide. Issue 14 added overlap_wgrad; 15-16 add
+pipeline_degree and grad_reduce_schedule.
 """
 
 from __future__ import annotations
@@ -35,7 +35,17 @@ def _shared_expert_overlaps(cfg: RunConfig) -> bool:
     return cfg.moe.own_layer and shared > 0 and cfg.parallel.expert_model_parallel_size > 1
 
 
+def _wgrad_overlaps(cfg: RunConfig) -> bool:
+    return cfg.moe.is_moe and cfg.moe.wgrad_policy(cfg.parallel.expert_model_parallel_size) != "off"
+
+
 OVERLAP_OPTIONS: tuple[OverlapOption, ...] = (
+    OverlapOption(
+        description="--overlap-wgrad greedy/all-under-next-a2a with --expert-model-parallel-size > 1 (weight-gradient "
+        "GEMMs run under the backward all-to-alls)",
+        enabled=_wgrad_overlaps,
+        hides=("a2a_dispatch_bwd", "a2a_combine_bwd"),
+    ),
     OverlapOption(
         description="--moe-shared-expert-ffn-hidden-size > 0 with --expert-model-parallel-size > 1 "
         "(the shared expert runs under the dispatch all-to-all)",
@@ -93,4 +103,14 @@ def tensorboard_scalars(summary: CommSummary) -> dict[str, float]:
         for figure, values in figures.items():
             for kind, value in values.items():
                 scalars[f"comm/layer{layer}/{figure}/{kind}"] = value
+        exposed, total = layer_exposed_and_comm(summary)[layer]
+        scalars[f"comm/layer{layer}/hidden_frac"] = max(0.0, 1.0 - exposed / total) if total > 0 else 0.0
     return scalars
+
+
+def layer_exposed_and_comm(summary: CommSummary) -> dict[int, tuple[float, float]]:
+    """MoE layer -> (exposed ms, comm ms) over its kinds (its all-to-alls, forward and backward)."""
+    return {
+        layer: (sum(figures["exposed_ms"].values()), sum(figures["comm_ms"].values()))
+        for layer, figures in summary.per_layer.items()
+    }

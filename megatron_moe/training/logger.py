@@ -31,6 +31,7 @@ class TrainingLogger:
         self._skipped = 0
         self._params_norm: float | None = None
         self._comm = {"steps": 0, "step_ms": 0.0, "exposed_ms": 0.0, "comm_ms": 0.0}
+        self._layers: dict[int, list[float]] = {}  # MoE layer -> [exposed ms, comm ms] over the interval
         self._t0 = time.perf_counter()
 
     def step(
@@ -44,12 +45,16 @@ class TrainingLogger:
         tensorboard_only: dict[str, float] | None = None,
         params_norm: float | None = None,
         comm: tuple[float, float, float] | None = None,
+        comm_layers: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
         per-layer MoE figures) to TensorBoard alone. `params_norm` (--log-params-norm): this step's, as
         Megatron-LM shows it. `comm`: the step's (step ms, exposed comm ms, total comm ms) from the
-        communication timers (None: timers off)."""
+        communication timers (None: timers off); `comm_layers`: MoE layer -> its (exposed ms, comm ms)."""
         self._steps += 1
+        for layer, (exposed, total) in (comm_layers or {}).items():
+            sums = self._layers.setdefault(layer, [0.0, 0.0])
+            sums[0], sums[1] = sums[0] + exposed, sums[1] + total
         if comm is not None:
             self._comm["steps"] += 1
             for name, value in zip(("step_ms", "exposed_ms", "comm_ms"), comm):
@@ -89,6 +94,12 @@ class TrainingLogger:
             parts.append(f"params norm: {self._params_norm:.3f}")
         parts += [f"skipped iterations: {self._skipped}", f"memory: {memory / 2**20:.0f} MiB"]
         parts += _comm_parts(**self._comm)
+        if self._layers:
+            hidden = (
+                f"{n}: {100.0 * max(0.0, 1.0 - e / c) if c > 0 else 0.0:.0f}%"
+                for n, (e, c) in sorted(self._layers.items())
+            )
+            parts.append("hidden by MoE layer: " + " ".join(hidden))
         log.info(" | ".join(parts))
         if self.writer:
             self.writer.add_scalar("iteration_time_ms", ms_per_iter, iteration)
@@ -119,6 +130,14 @@ def _comm_parts(*, steps: int, step_ms: float, exposed_ms: float, comm_ms: float
     share = 100.0 * exposed_ms / step_ms if step_ms > 0 else 0.0
     hidden = 100.0 * max(0.0, 1.0 - exposed_ms / comm_ms) if comm_ms > 0 else 0.0
     return [f"exposed comm: {exposed_ms / steps:.1f} ms ({share:.1f}% of step)", f"hidden: {hidden:.1f}%"]
+
+
+def _layer_parts(layers: dict[int, list[float]]) -> list[str]:
+    """`hidden by MoE layer: 2: 41% 4: 57%` (each layer's all-to-alls over the interval), or nothing."""
+    if not layers:
+        return []
+    hidden = (f"{n}: {100.0 * max(0.0, 1.0 - e / c) if c > 0 else 0.0:.0f}%" for n, (e, c) in sorted(layers.items()))
+    return ["hidden by MoE layer: " + " ".join(hidden)]
 
 
 def _hms(seconds: float) -> str:

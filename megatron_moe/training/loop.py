@@ -18,7 +18,7 @@ from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
-from megatron_moe.training.comm_report import HiddenCheck, tensorboard_scalars
+from megatron_moe.training.comm_report import HiddenCheck, layer_exposed_and_comm, tensorboard_scalars
 from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
@@ -223,10 +223,11 @@ class Trainer:
         """Log one step's figures (logging rank); returns its history entry: what the log line shows."""
         aux, summary = figures["aux"], figures["comm"]
         shown = {"lm loss": figures["lm loss"], **{k: v for k, v in aux.items() if "/" not in k}}
-        comm_figures = None
+        comm_figures = comm_layers = None
         tensorboard_only = {k: v for k, v in aux.items() if "/" in k}
         if summary is not None:
             comm_figures = (figures["step_ms"], summary.total_exposed_ms, summary.total_comm_ms)
+            comm_layers = layer_exposed_and_comm(summary)
             tensorboard_only.update(tensorboard_scalars(summary))
         self.logger.step(
             iteration,
@@ -237,6 +238,7 @@ class Trainer:
             skipped=figures["skipped"],
             tensorboard_only=tensorboard_only,
             comm=comm_figures,
+            comm_layers=comm_layers,
         )
         entry = {"iteration": iteration, **shown, "grad norm": figures["grad_norm"], "skipped": figures["skipped"]}
         # This (the logging) rank's own step time and communication.

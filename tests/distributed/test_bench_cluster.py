@@ -20,25 +20,33 @@ TINY_MODEL = [
 ]  # fmt: skip
 
 
-def test_the_baseline_plan_alternates_layouts_and_rates():
-    cases = bench_step.plan(["2x1", "2x2"], [0.5, 1.0, 2.5], rounds=2)
-    assert sorted(cases) == sorted([(layout, rate) for layout in ("2x1", "2x2") for rate in (0.5, 1.0, 2.5)] * 2)
-    assert all(a[0] != b[0] for a, b in zip(cases, cases[1:]) if a[1] == b[1])  # layouts interleaved per rate
-    assert [rate for _, rate in cases[:6:2]] != [rate for _, rate in cases[6::2]]  # the rates' order rotates
+def test_the_baseline_plan_alternates_layouts_rates_and_policies():
+    policies = ("off", "greedy")
+    cases = bench_step.plan(["2x1", "2x2"], [0.5, 1.0, 2.5], rounds=2, policies=policies)
+    every = [(layout, rate, p) for layout in ("2x1", "2x2") for rate in (0.5, 1.0, 2.5) for p in policies]
+    assert sorted(cases) == sorted(every * 2)
+    pairs = [cases[i : i + 2] for i in range(0, len(cases), 2)]  # a (layout, rate)'s policies back to back
+    assert all(a[:2] == b[:2] and a[2] != b[2] for a, b in pairs)
+    assert {a[2] for a, _ in pairs} == set(policies)  # which policy goes first rotates
+    layouts = [a for a, _ in pairs]
+    assert all(a[0] != b[0] for a, b in zip(layouts, layouts[1:]) if a[1] == b[1])  # layouts interleaved per rate
+    assert [r for _, r, _ in layouts[:6:2]] != [r for _, r, _ in layouts[6::2]]  # the rates' order rotates
     flags = bench_step.trainer_flags("2x2", 3, ("DATA", "TOK"), None)
     assert bench_step._flag(flags, "--expert-model-parallel-size") == "4"
     assert bench_step._flag(flags, "--global-batch-size") == str(4 * int(bench_step._flag(flags, "--micro-batch-size")))
 
 
 def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(train_data):
-    args = bench_step.parse_args(["--steps", "3", "--warmup", "1", "--model", *TINY_MODEL])
+    args = bench_step.parse_args(["--steps", "4", "--warmup", "2", "--model", *TINY_MODEL])
     with cluster_tool.EmulatedCluster(2, 2.0) as cluster:
-        history = bench_step.run_case(cluster, "2x1", 0.5, args, train_data)
-    flags = bench_step.trainer_flags("2x1", 3, train_data, args.model)
+        history = bench_step.run_case(cluster, "2x1", 0.5, "off", args, train_data)
+        greedy = bench_step.run_case(cluster, "2x1", 0.5, "greedy", args, train_data)
+    flags = bench_step.trainer_flags("2x1", 4, train_data, args.model)
     row = bench_step.summarize("2x1", 0.5, [history, history], args.warmup, flags)
     json.dumps(row)  # a JSON line
     assert row["case"] == "step_2x1_0.5gbit" and row["layout"] == "2x1 EP=2 DP=2" and row["link_gbit"] == 0.5
-    assert row["overlap"] == {} and row["steps"] == 3 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 3
+    assert row["overlap"] == {"overlap_wgrad": "off"} and row["wgrad"] is None
+    assert row["steps"] == 4 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 4
     # Pooled rounds: the mean over [history, history] is the mean over the one history's timed steps.
     assert row["bytes"] == bench_step.summarize("2x1", 0.5, [history], args.warmup, flags)["bytes"]
     for field in ("comm_ms", "exposed_ms", "bytes", "calls", "exposed_frac_of_step"):
@@ -49,6 +57,15 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert row["bytes"]["dp_grad_reduce"] > 0  # DP=2: the dense gradients are all-reduced
     # The figures are within the step: what the timers saw blocked cannot exceed the step's time.
     assert row["exposed_ms_total"] <= max(h["step_ms"] for h in history[1:]), row
+    # Lancet's row: greedy planned from the profiled step 2, and its dW ran under the backward all-to-alls.
+    on = bench_step.summarize("2x1", 0.5, [greedy], args.warmup, flags, "greedy")
+    assert on["case"] == "step_2x1_0.5gbit_wgrad_greedy" and on["overlap_wgrad"] == "greedy"
+    assert on["wgrad"]["under_a2a"] > 0 and on["wgrad"]["peak_held_mb"] > 0, on["wgrad"]
+    versus = bench_step.compare(row, on)
+    json.dumps(versus)
+    assert versus["case"] == "overlap_wgrad_2x1_0.5gbit" and versus["bwd_a2a_exposed_ms"]["off"] > 0
+    assert versus["bwd_a2a_exposed_cut"] == round(1 - on["bwd_a2a_exposed_ms"] / row["bwd_a2a_exposed_ms"], 3)
+    assert versus["step_ratio"] == round(on["step_ms"] / row["step_ms"], 3)
 
 
 def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):

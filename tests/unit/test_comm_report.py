@@ -7,8 +7,9 @@ import pytest
 
 from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary
 from megatron_moe.config import parse_args
+from megatron_moe.config.fields import ConfigError
 from megatron_moe.training.comm_report import OVERLAP_OPTIONS, HiddenCheck, OverlapOption, tensorboard_scalars
-from megatron_moe.training.logger import _comm_parts
+from megatron_moe.training.logger import _comm_parts, _layer_parts
 
 BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "4"]
 SHARED = [*BASE, "--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"]
@@ -24,11 +25,24 @@ def summary(*, dispatch_comm: float, dispatch_exposed: float, other: float = 0.0
 
 
 def test_the_shared_expert_is_an_overlap_option_only_with_ep():
-    (shared,) = OVERLAP_OPTIONS
+    (shared,) = [option for option in OVERLAP_OPTIONS if "shared-expert" in option.description]
     assert shared.enabled(parse_args(SHARED))
     assert not shared.enabled(parse_args(BASE + ["--expert-model-parallel-size", "2"]))
     assert not shared.enabled(parse_args(BASE + ["--moe-shared-expert-ffn-hidden-size", "64"]))
     assert shared.hides == ("a2a_dispatch",)
+
+
+def test_lancet_is_an_overlap_option_of_the_backward_all_to_alls_with_ep():
+    (wgrad,) = [option for option in OVERLAP_OPTIONS if "--overlap-wgrad" in option.description]
+    assert wgrad.hides == ("a2a_dispatch_bwd", "a2a_combine_bwd")
+    assert wgrad.enabled(parse_args(BASE + ["--expert-model-parallel-size", "2"]))  # greedy by default
+    assert wgrad.enabled(
+        parse_args(BASE + ["--expert-model-parallel-size", "2", "--overlap-wgrad", "all-under-next-a2a"])
+    )
+    assert not wgrad.enabled(parse_args(BASE + ["--expert-model-parallel-size", "2", "--overlap-wgrad", "off"]))
+    assert not wgrad.enabled(parse_args(BASE))  # EP=1: no all-to-all to hide under
+    with pytest.raises(ConfigError, match="--overlap-wgrad=greedy: does nothing.*expert-model-parallel-size > 1"):
+        parse_args(BASE + ["--overlap-wgrad", "greedy"])  # given where it can hide nothing, the flag is refused
 
 
 def test_an_overlap_option_that_hides_nothing_is_named_once(caplog):
@@ -73,7 +87,8 @@ def test_tensorboard_gets_every_kind_and_every_moe_layer():
     assert {f"comm/{f}/{k}" for f in figures for k in SUMMARY_KINDS} < set(scalars)
     assert scalars["comm/layer2/comm_ms/a2a_combine_bwd"] == 3.0
     assert scalars["comm/layer2/exposed_ms/a2a_combine_bwd"] == 2.0
-    assert len(scalars) == 1 + 4 * len(SUMMARY_KINDS) + 2
+    assert scalars["comm/layer2/hidden_frac"] == pytest.approx(1 / 3)
+    assert len(scalars) == 1 + 4 * len(SUMMARY_KINDS) + 3
 
 
 def test_the_log_line_figures():
@@ -85,6 +100,11 @@ def test_the_log_line_figures():
         "exposed comm: 0.0 ms (0.0% of step)",
         "hidden: 0.0%",
     ]
+
+
+def test_the_log_line_names_each_moe_layers_hidden_share():
+    assert _layer_parts({4: [3.0, 10.0], 2: [5.0, 10.0], 6: [0.0, 0.0]}) == ["hidden by MoE layer: 2: 50% 4: 70% 6: 0%"]
+    assert _layer_parts({}) == []
 
 
 def test_the_flag_that_turns_them_off():
