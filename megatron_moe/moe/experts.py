@@ -215,13 +215,16 @@ class _Collect:
 
 
 def _all_runs(closures: list[WeightGrad], runs, w1_EFH, w2_EHF, needs) -> WeightGrad:
-    """One closure for the weight-gradient GEMMs of every run: each writes its experts' slice of dW1/dW2 (fresh
-    tensors of the weights' shapes; one run: as the run's closure makes them)."""
+    """One closure for the weight-gradient GEMMs of every run: each writes its experts' slice of dW1/dW2 (the
+    outputs given, else fresh tensors of the weights' shapes; one run: the run's closure itself)."""
     if len(runs) == 1:
         return closures[0]
 
-    def weight_grads():
-        outs = [torch.empty_like(w) if need else None for w, need in zip((w1_EFH, w2_EHF), needs)]
+    def weight_grads(out_w1=None, out_w2=None):
+        outs = [
+            (torch.empty_like(w) if out is None else out) if need else None
+            for w, out, need in zip((w1_EFH, w2_EHF), (out_w1, out_w2), needs)
+        ]
         for (e0, e1, _, _), weight_grad in zip(runs, closures):
             weight_grad(*(None if out is None else out[e0:e1] for out in outs))
         return tuple(outs)

@@ -53,9 +53,9 @@ class _AtPosition:
         self.store, self.position, self.size = store, position, size
 
     def put(self, weight_grad: WeightGrad, outs: tuple) -> None:
-        def placed():
+        def placed(*outs):
             grads: list = [None] * self.size
-            grads[self.position] = weight_grad()[0]
+            grads[self.position] = weight_grad(*outs[self.position : self.position + 1])[0]
             return tuple(grads)
 
         return self.store.put(placed, (None,) * self.size)
