@@ -1,6 +1,7 @@
-"""The training run's own collectives: the logged loss, MoE metrics, the exit agreement, barriers.
+"""The training run's own collectives: the logged loss, MoE metrics, the exit agreement, barriers, the dW-overlap
+profile.
 
-All are kind `other`: small, once per step (or per save), never overlapped.
+All are kind `other`: small, once per step (or per save, or per profiled plan), never overlapped.
 """
 
 from __future__ import annotations
@@ -39,3 +40,15 @@ def agree_exit(flags: torch.Tensor) -> torch.Tensor:
 def barrier(purpose: str, group=None) -> None:
     """Every rank of `group` (None: the world) reaches this point; `purpose` names it (`checkpoint_saved`)."""
     issue(Collective("other", f"barrier/{purpose}", group), lambda: dist.barrier(group=group))
+
+
+def agree_wgrad_profile(table: torch.Tensor, group=None) -> torch.Tensor:
+    """In place: a fixed-shape table of profiled dW and all-to-all times (`megatron_moe.overlap.plan.agree`), the
+    max over `group` (None: the world), so that every rank makes the same plan.
+
+    Without torch.distributed (a single process) the table is already agreed.
+    """
+    if is_distributed():
+        record = Collective("other", "agree_wgrad_profile", group, nbytes=nbytes(table))
+        issue(record, lambda: dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group))
+    return table
