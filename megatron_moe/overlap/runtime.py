@@ -31,7 +31,6 @@ agrees the times over all ranks and runs Lancet's Algorithm 1 on them.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -41,7 +40,6 @@ from megatron_moe.moe.weight_grad import DeferrableWeights, WeightGrad
 from megatron_moe.overlap import plan as planning
 from megatron_moe.platform.timing import comm_stamps
 
-log = logging.getLogger(__name__)
 MIB = float(1 << 20)
 PROFILE_ITERATION = 2
 """The iteration `greedy` times (the first warms up allocators and kernels); its plan runs from the next one."""
@@ -115,6 +113,10 @@ class WgradQueue:
     def store_for(self, module: DeferrableWeights) -> _ModuleStore:
         return _ModuleStore(self, module)
 
+    def first_planned_iteration(self) -> bool:
+        """True in the first iteration that ran under greedy's plan (the one the report measures)."""
+        return self.plan is not None and self.iteration == PROFILE_ITERATION + 1
+
     @property
     def profiling(self) -> bool:
         return self.policy == "greedy" and self.iteration == PROFILE_ITERATION
@@ -126,13 +128,14 @@ class WgradQueue:
 
     def stats(self) -> dict:
         """This iteration's figures: closures per place they ran, the held-memory peak (MiB), the plan in force."""
-        held = round(self.peak_held_bytes / MIB, 3)
-        return {
-            **self.counts,
-            "peak_held_mb": held,
-            "policy": self.policy,
-            "planned": len(self.plan.under) if self.plan else None,
-        }
+        figures = {**self.counts, "peak_held_mb": round(self.peak_held_bytes / MIB, 3), "policy": self.policy}
+        if self.plan is not None:  # greedy's profile: what there is to hide, what dW is there, what the plan hides
+            events = self.plan.events
+            figures["planned"] = len(self.plan.under)
+            figures["plan_a2a_ms"] = round(sum(e.ms for e in events if e.kind == "a2a"), 3)
+            figures["plan_wgrad_ms"] = round(sum(e.ms for e in events if e.kind == "wgrad"), 3)
+            figures["plan_hidden_ms"] = round(sum(self.plan.predicted_hidden_ms().values()), 3)
+        return figures
 
     def end_iteration(self) -> None:
         """Called after each training iteration on every rank (collective after the profiled one)."""
@@ -223,10 +226,7 @@ class WgradQueue:
         events = [[self._event(*entry) for entry in one] for one in passes]
         merged = planning.merge_passes([_merge_repeats(one) for one in events]) if events else []
         agreed = planning.agree(merged, self.num_layers)
-        plan = planning.make_plan(self.policy, agreed, self.max_mb)
-        if self.report:
-            log.info("overlap-wgrad plan (iteration %d on):\n%s", self.iteration + 1, plan.report())
-        return plan
+        return planning.make_plan(self.policy, agreed, self.max_mb)
 
     def _event(self, kind, key, start, end, held_mb) -> planning.Event:
         return planning.Event(kind, key, self._stamps.elapsed_ms(start, end), held_mb)

@@ -18,7 +18,7 @@ from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
-from megatron_moe.training.comm_report import HiddenCheck, layer_exposed_and_comm, tensorboard_scalars
+from megatron_moe.training.comm_report import HiddenCheck, layer_exposed_and_comm, tensorboard_scalars, wgrad_report
 from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.logger import TrainingLogger
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
@@ -274,6 +274,8 @@ class Trainer:
                 history.append(self._log_step(it, figures))
                 if self.hidden_check and figures["comm"] is not None:
                     self.hidden_check.observe(figures["comm"])
+                if self.wgrad_queue and self.wgrad_queue.report and self.wgrad_queue.first_planned_iteration():
+                    log.info("--overlap-wgrad-report:\n%s", wgrad_report(self.wgrad_queue.plan, figures["comm"]))
                 spike = self.spikes.observe(it, figures["lm loss"])
                 if spike:
                     log.warning(spike)
