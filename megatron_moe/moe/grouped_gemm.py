@@ -230,8 +230,9 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NO):
         x_NI, w_EOI = ctx.saved_tensors
-        if x_NI.shape[0] == 0:
-            return torch.zeros_like(x_NI), torch.zeros_like(w_EOI), None, None
+        if x_NI.shape[0] == 0:  # no rows: a zero weight gradient, through the store like any other
+            grads = ctx.store.put(lambda out_w=None: (torch.zeros_like(w_EOI),), (None,))
+            return torch.zeros_like(x_NI), None if grads is None else grads[0], None, None
         grad_NO = grad_NO.contiguous()
         grad_x = grouped_input_grad(grad_NO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
         grad_w = None

@@ -51,10 +51,13 @@ def a2a_key(record: Collective) -> str:
 
 
 def held_bytes(fn: Callable) -> int:
-    """Bytes of the distinct tensor storages a closure holds (through nested closures, lists and tuples)."""
+    """Bytes of the distinct tensor storages a closure holds (through nested closures, lists and tuples);
+    parameters are not counted (they live on anyway)."""
     seen: dict[int, int] = {}
 
     def visit(obj) -> None:
+        if isinstance(obj, torch.nn.Parameter):
+            return
         if torch.is_tensor(obj):
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
