@@ -1,8 +1,9 @@
 """Issue 14: Lancet's deferred weight-gradient GEMMs change no number.
 
-Every layout of `train_worker.LANCET` (EP=2 with 2 micro-batches, TP=2+SP+EP=2,
-PP=2+EP=2, EP=4 with the distributed optimizer, every module recomputed, the
-arctic policy's quantized activations, bf16, a shared expert) trains 4 steps
+Every layout of `train_worker.LANCET` (EP=2; TP=2+SP+EP=2 and PP=2+EP=2 with 2
+micro-batches; EP=2 with 4; EP=4 with the distributed optimizer; every module
+recomputed; the arctic policy's quantized activations; bf16; fp16 with loss
+scaling; a shared expert) trains 4 steps
 from the same seed with --overlap-wgrad off and all-under-next-a2a
 (greedy too in two: its plan runs from iteration 3): lm loss, grad norm and
 params norm are bit-identical, step by step (the same GEMMs on the same
@@ -19,7 +20,18 @@ import pytest
 from tests.distributed.launcher import run_torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
-LAYOUTS = ["ep2", "tp2_ep2", "pp2_ep2", "ep4_distopt", "tp2_ep2_recompute", "ep2_arctic", "ep2_bf16", "ep2_shared"]
+LAYOUTS = [
+    "ep2",
+    "tp2_ep2",
+    "pp2_ep2",
+    "ep4_distopt",
+    "tp2_ep2_recompute",
+    "ep2_arctic",
+    "ep2_bf16",
+    "ep2_fp16",
+    "ep2_shared",
+    "ep2_accumulate",
+]
 
 
 @pytest.fixture(scope="module")

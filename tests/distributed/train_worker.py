@@ -12,9 +12,10 @@ Scenarios (each a list of cases run one after another in this job):
   one layout resumed in another; the resume-exactness check; megatron-core's
   MoE layer at EP=2.
 - `lancet` (4 ranks): --overlap-wgrad off, all-under-next-a2a and greedy in
-  the layouts and settings of issue 14 (EP=2 with 2 micro-batches, TP=2+SP+EP=2,
-  PP=2+EP=2, EP=4 with the distributed optimizer, recompute, the arctic
-  policy, bf16, a memory cap), the runs of a layout from the same seed.
+  the layouts and settings of issue 14 (EP=2, TP=2+SP+EP=2 and PP=2+EP=2 with
+  2 micro-batches, EP=2 with 4, EP=4 with the distributed optimizer,
+  recompute, the arctic policy, bf16, fp16, a shared expert, a memory cap),
+  the runs of a layout from the same seed.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -160,6 +161,8 @@ LANCET = {
     "ep2_arctic": ["--expert-model-parallel-size", "2", "--activation-policy", "arctic"],
     "ep2_bf16": ["--expert-model-parallel-size", "2", "--bf16"],
     "ep2_shared": ["--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"],
+    "ep2_fp16": ["--expert-model-parallel-size", "2", "--fp16", "--initial-loss-scale", "4096"],
+    "ep2_accumulate": ["--expert-model-parallel-size", "2", "--global-batch-size", "32"],  # 4 micro-batches
 }
 
 
