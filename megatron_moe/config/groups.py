@@ -288,6 +288,11 @@ class ParallelConfig:
         False, "shard norms/dropout activations over TP (needed for MoE with TP>1)", applies=only.TENSOR_PARALLEL
     )
     use_distributed_optimizer: bool = arg(False, "shard optimizer state over data-parallel ranks")
+    overlap_grad_reduce: bool = arg(
+        False,
+        "start each gradient bucket's data-parallel reduce as soon as its last gradient is in (megatron-core DDP), "
+        "under the rest of the last micro-batch's backward",
+    )
     distributed_timeout_minutes: float = arg(
         10.0,
         "a collective blocked this long ends the job with the watchdog's report naming it and the peers that "

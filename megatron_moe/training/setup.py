@@ -40,7 +40,7 @@ def build_ddp_model(
     ddp_config = DistributedDataParallelConfig(
         delay_wgrad_compute=wgrad_queue is not None,
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
         check_for_nan_in_grad=False,

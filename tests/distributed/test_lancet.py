@@ -3,7 +3,8 @@
 Every layout of `train_worker.LANCET` (EP=2; TP=2+SP+EP=2 and PP=2+EP=2 with 2
 micro-batches; EP=2 with 4; EP=4 with the distributed optimizer; every module
 recomputed; the arctic policy's quantized activations; bf16; fp16 with loss
-scaling; a shared expert) trains 4 steps
+scaling; a shared expert; megatron-core DDP's --overlap-grad-reduce, whose
+buckets count a deferred gradient when it runs) trains 4 steps
 from the same seed with --overlap-wgrad off and all-under-next-a2a
 (greedy too in two: its plan runs from iteration 3): lm loss, grad norm and
 params norm are bit-identical, step by step (the same GEMMs on the same
@@ -31,6 +32,7 @@ LAYOUTS = [
     "ep2_fp16",
     "ep2_shared",
     "ep2_accumulate",
+    "pp2_ep2_overlap_grad_reduce",
 ]
 
 
