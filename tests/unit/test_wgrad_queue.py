@@ -393,3 +393,35 @@ def test_megatron_core_ddp_delay_wgrad_compute_gives_bit_identical_main_grads(me
         for (name, a), (_, b) in zip(plain.module.named_parameters(), deferred.module.named_parameters()):
             assert torch.equal(a.main_grad, b.main_grad), name
         assert all(p.main_grad.abs().sum() > 0 for p in params)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom")
+
+
+def test_a_backward_that_raised_does_not_stop_the_next_iterations_flush():
+    """The engine drops the callbacks of a backward that raised: the next iteration starts with nothing pending
+    and its backward queues its own flush (before the fix every later closure stayed pending: no gradient)."""
+    queue = WgradQueue("all-under-next-a2a", max_mb=None, num_layers=1)
+    chain = Chain(queue)
+    experts, shared, router = chain.layers
+    queue.start_iteration(1)
+    with pytest.raises(RuntimeError, match="boom"):
+        router(_Boom.apply(_x())).sum().backward()  # the router's dW is put, then the backward raises
+    assert len(queue._pending) == 1
+    queue.start_iteration(2)
+    assert queue._pending == [] and queue._pending_bytes == 0
+    chain.log.clear()
+    x = _x()
+    shared(x).square().sum().backward()
+    assert chain.log == [("dW", "L1.shared_expert")] and queue.counts["at_backward_end"] == 1
+    plain = Chain(None)
+    y = _x()
+    plain.layers[1](y).square().sum().backward()
+    _assert_same([x.grad, shared.weight.grad], [y.grad, plain.layers[1].weight.grad])
