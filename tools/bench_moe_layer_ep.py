@@ -11,6 +11,13 @@ barriers, under the communication timers (megatron_moe/comm/timers.py). Per case
 `mcore_comm_ms` (kind -> ms per call, mean, rank 0's view), `bytes` / `mcore_bytes` (kind -> bytes rank 0 sent per
 call). megatron-core's dispatcher all-to-alls reach the timers through the torch.distributed taps, classified by
 group: they show as kind `other` (ours carry their MoE kinds: `a2a_dispatch`, `a2a_combine`, ..._bwd).
+
+Lancet (issue 14): our layer runs twice per round, without a weight-gradient queue (`layer_ms`, `exposed_ms`,
+`comm_ms`) and with one (`overlap_wgrad` = "all-under-next-a2a", no DDP: its dW GEMMs run under the next backward
+all-to-all and accumulate into `.grad`; `layer_ms_wgrad`, `exposed_ms_wgrad`, `comm_ms_wgrad`). `bwd_a2a_exposed_ms`
+(off, on) sums the backward all-to-alls' exposed ms, `bwd_a2a_exposed_cut` = 1 - on / off; `wgrad` is the queue's
+figures of the last round (closures run under an all-to-all, ...); `grads_identical`: every parameter's and the
+input's gradient of one extra on and off call are bit-identical (torch.equal) on every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchcluster import parse_cluster, run_job, write_result  # noqa: E402
+
+BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
+WGRAD_POLICY = "all-under-next-a2a"
 
 
 def run_cluster(args, cases: list[tuple]) -> None:
@@ -38,7 +48,8 @@ def run_cluster(args, cases: list[tuple]) -> None:
             script = [os.path.abspath(__file__), json.dumps(cases), str(args.warmup), str(args.repeats or 5)]
             for row in run_job(cluster, procs, script):
                 ep = nodes * procs
-                row |= {"layout": f"{spec} EP={ep}", "link_gbit": args.link_gbit, "overlap": {}}
+                overlap = {"overlap_wgrad": {"off": "layer_ms", WGRAD_POLICY: "layer_ms_wgrad"}}
+                row |= {"layout": f"{spec} EP={ep}", "link_gbit": args.link_gbit, "overlap": overlap}
                 print(json.dumps(row), flush=True)
 
 
@@ -93,6 +104,70 @@ def _mean(summaries: list[dict], field: str) -> dict:
     return {k: round(statistics.fmean(s[field][k] for s in summaries), 3) for k in kinds}
 
 
+class _Lancet:
+    """Our layer's weight-gradient queue, switched on for the calls of `step` (Lancet's on/off contender)."""
+
+    def __init__(self, layer):
+        from megatron_moe.moe.weight_grad import RUN_NOW
+        from megatron_moe.overlap.install import install_on_moe_layer
+        from megatron_moe.overlap.runtime import WgradQueue
+
+        self.layer, self.run_now = layer, RUN_NOW
+        self.queue = WgradQueue(WGRAD_POLICY, max_mb=None, num_layers=1)
+        self.modules = [module for _, module in install_on_moe_layer(layer, self.queue)]
+        self.stores = [module.weight_grad_store for module in self.modules]
+        self.switch(False)
+        self.rounds = 0
+
+    def switch(self, on: bool) -> None:
+        for module, store in zip(self.modules, self.stores):
+            module.weight_grad_store = store if on else self.run_now
+        self.layer.dispatcher.backward_overlap = self.queue if on else None
+
+    def step(self, step):
+        def run():
+            self.rounds += 1
+            self.queue.start_iteration(self.rounds)
+            self.switch(True)
+            try:
+                return step()
+            finally:
+                self.switch(False)
+                self.queue.end_iteration()
+
+        return run
+
+
+def _grads(layer, x, step) -> list:
+    step()
+    return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+
+
+def _grads_identical(off: list, on: list) -> bool:
+    """Every rank's gradients of the on and off calls bit-identical (a MIN over ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    same = len(off) == len(on) and all(torch.equal(a, b) for a, b in zip(off, on))
+    flag = torch.tensor([int(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _bwd_a2a_ms(summaries: list[dict]) -> float:
+    exposed = _mean(summaries, "exposed_ms")
+    return round(sum(exposed.get(k, 0.0) for k in BWD_A2A_KINDS), 3)
+
+
+def _wgrad_figures(lancet, summaries: dict) -> dict:
+    off, on = _bwd_a2a_ms(summaries["ours"]), _bwd_a2a_ms(summaries["ours_wgrad"])
+    return {
+        "bwd_a2a_exposed_ms": {"off": off, "on": on},
+        "bwd_a2a_exposed_cut": round(1 - on / off, 3) if off > 0 else 0.0,
+        "wgrad": lancet.queue.stats(),
+    }
+
+
 def run_worker_case(name, hidden, ffn, tokens, experts, topk, warmup, repeats) -> dict:
     import torch
     import torch.distributed as dist
@@ -105,9 +180,11 @@ def run_worker_case(name, hidden, ffn, tokens, experts, topk, warmup, repeats) -
     ep = dist.get_world_size()
     torch.manual_seed(1234 + dist.get_rank())  # each rank its own tokens
     ours, mcore = _contenders(hidden, ffn, experts, topk, ep)
+    lancet = _Lancet(ours)
     x = torch.randn(tokens, 1, hidden, requires_grad=True)
     grad = torch.randn(tokens, 1, hidden)
     steps = {"ours": fwd_bwd(ours, x, grad), "mcore": fwd_bwd(mcore, x, grad)}
+    steps["ours_wgrad"] = lancet.step(steps["ours"])
     times = {k: [] for k in steps}
     summaries = {k: [] for k in steps}
     with comm.monitoring(CommTimers()) as timers:
@@ -120,12 +197,16 @@ def run_worker_case(name, hidden, ffn, tokens, experts, topk, warmup, repeats) -
             moe_utils.clear_aux_losses_tracker()
             ours.stats.reset()
     row = {"case": name, "hidden": hidden, "ffn": ffn, "tokens": tokens, "experts": experts, "topk": topk}
-    for contender, prefix in (("ours", ""), ("mcore", "mcore_")):
-        row[f"{prefix or 'layer_'}ms"] = round(statistics.median(times[contender]), 2)
-        row[f"{prefix}comm_ms"] = _mean(summaries[contender], "comm_ms")
-        row[f"{prefix}exposed_ms"] = _mean(summaries[contender], "exposed_ms")
-        row[f"{prefix}bytes"] = {k: round(v) for k, v in _mean(summaries[contender], "bytes").items()}
-        row[f"{prefix or 'layer_'}ms_all"] = [round(t, 1) for t in times[contender]]
+    for contender, prefix, suffix in (("ours", "", ""), ("mcore", "mcore_", ""), ("ours_wgrad", "", "_wgrad")):
+        ms_name = f"{prefix or 'layer_'}ms{suffix}"
+        row[ms_name] = round(statistics.median(times[contender]), 2)
+        row[f"{prefix}comm_ms{suffix}"] = _mean(summaries[contender], "comm_ms")
+        row[f"{prefix}exposed_ms{suffix}"] = _mean(summaries[contender], "exposed_ms")
+        row[f"{prefix}bytes{suffix}"] = {k: round(v) for k, v in _mean(summaries[contender], "bytes").items()}
+        row[f"{ms_name}_all"] = [round(t, 1) for t in times[contender]]
+    row |= _wgrad_figures(lancet, summaries)
+    row["overlap_wgrad"] = WGRAD_POLICY
+    row["grads_identical"] = _grads_identical(_grads(ours, x, steps["ours"]), _grads(ours, x, steps["ours_wgrad"]))
     row |= {"ep": ep, "tokens_per_rank": tokens, "warmup": warmup, "repeats": repeats, "figures_of": "rank 0"}
     return row
 

@@ -4,7 +4,8 @@ Every deferrable module (`DeferrableWeights`) of every transformer layer gets
 the queue as its store and a plan key "L{layer}.{name}"; its weights are
 marked `skip_backward_post_hook` (DDP with `delay_wgrad_compute` then hands
 their hooks to the module); every MoE dispatcher gets the queue as the work
-to run under its backward all-to-alls.
+to run under its backward all-to-alls. `install_on_moe_layer` does the same for
+one MoE layer without a transformer layer around it (a benchmark, a test).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from megatron_moe.moe.dispatch import Dispatcher
 from megatron_moe.moe.weight_grad import DeferrableWeights
 from megatron_moe.overlap.runtime import WgradQueue
 
+MOE_NAMES = {"experts": "experts", "shared_expert": "shared_expert", "gate": "router"}
+"""An MoE layer's deferrable submodules (their path in the MoE layer) and their names in the plan."""
 NAMES = {
     "self_attention.linear_qkv": "attn_qkv",
     "self_attention.linear_proj": "attn_proj",
     "mlp.linear_fc1": "mlp_fc1",
     "mlp.linear_fc2": "mlp_fc2",
-    "mlp.experts": "experts",
-    "mlp.shared_expert": "shared_expert",
-    "mlp.gate": "router",
+    **{f"mlp.{path}": name for path, name in MOE_NAMES.items()},
 }
 """A transformer layer's deferrable submodules (their path in the layer) and their names in the plan."""
 
@@ -48,13 +49,34 @@ def install_wgrad_overlap(
     installed = []
     for chunk in model_chunks:
         for key, module in deferrable_modules(chunk):
-            module.store_key = key
-            module.weight_grad_store = queue.store_for(module)
-            for param in module.deferred_params():
-                param.skip_backward_post_hook = True
+            _install(key, module, queue)
             installed.append((key, module))
-        for module in chunk.modules():
-            dispatcher = getattr(module, "dispatcher", None)
-            if isinstance(dispatcher, Dispatcher):
-                dispatcher.backward_overlap = queue
+        _give_dispatchers(chunk, queue)
     return installed
+
+
+def install_on_moe_layer(moe_layer: torch.nn.Module, queue: WgradQueue) -> list[tuple[str, DeferrableWeights]]:
+    """`install_wgrad_overlap` for one MoE layer with no transformer layer around it: its deferrable
+    submodules get keys "L{moe_layer.layer_number}.{name}"; returns the (key, module) pairs."""
+    installed = []
+    for path, module in moe_layer.named_modules():
+        if isinstance(module, DeferrableWeights) and path in MOE_NAMES:
+            key = f"L{moe_layer.layer_number}.{MOE_NAMES[path]}"
+            _install(key, module, queue)
+            installed.append((key, module))
+    _give_dispatchers(moe_layer, queue)
+    return installed
+
+
+def _install(key: str, module: DeferrableWeights, queue: WgradQueue) -> None:
+    module.store_key = key
+    module.weight_grad_store = queue.store_for(module)
+    for param in module.deferred_params():
+        param.skip_backward_post_hook = True
+
+
+def _give_dispatchers(model: torch.nn.Module, queue: WgradQueue) -> None:
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(dispatcher, Dispatcher):
+            dispatcher.backward_overlap = queue

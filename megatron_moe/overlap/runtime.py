@@ -128,6 +128,9 @@ class WgradQueue:
         """Called before each training iteration (1-based) on every rank."""
         self.iteration, self.peak_held_bytes = iteration, 0
         self.counts = dict.fromkeys(self.counts, 0)
+        # A backward that raised never ran its engine callback (`flush`): drop its closures, so that the next
+        # backward queues its own flush instead of leaving every closure pending.
+        self._pending, self._pending_bytes, self._flush_queued = [], 0, False
 
     def stats(self) -> dict:
         """This iteration's figures: closures per place they ran, the held-memory peak (MiB), the plan in force."""
