@@ -317,3 +317,41 @@ def test_ddp_hands_each_module_the_hook_of_each_marked_param(megatron_world1):
     unmarked = [model.column.bias, model.gate.noise_weight]
     assert all(model.column.wgrad_hook(p) is None for p in unmarked if p is not None)
     assert ddp.module is model
+
+
+# ----------------------------------------------------------------------------- layer spec
+
+
+def test_local_spec_uses_the_deferrable_linears_with_unchanged_checkpoint_keys(megatron_world1):
+    import dataclasses
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_moe.model.spec import layer_spec
+
+    config = tconfig(num_layers=1, ffn_hidden_size=OUT, add_bias_linear=True, bias_activation_fusion=False)
+    ours = layer_spec(config, moe=False, backend=LocalSpecProvider())
+    attention, mlp = ours.submodules.self_attention.submodules, ours.submodules.mlp.submodules
+    deferrable = (DeferrableColumnParallelLinear, DeferrableRowParallelLinear)
+    assert (attention.linear_qkv, attention.linear_proj) == deferrable
+    assert (mlp.linear_fc1, mlp.linear_fc2) == deferrable
+    plain_attention = dataclasses.replace(attention, linear_qkv=ColumnParallelLinear, linear_proj=RowParallelLinear)
+    plain = dataclasses.replace(
+        ours,
+        submodules=dataclasses.replace(
+            ours.submodules,
+            self_attention=dataclasses.replace(ours.submodules.self_attention, submodules=plain_attention),
+            mlp=dataclasses.replace(
+                ours.submodules.mlp,
+                submodules=dataclasses.replace(mlp, linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+        ),
+    )
+    layers = [build_module(spec, config=config, layer_number=1) for spec in (ours, plain)]
+    assert isinstance(layers[0].mlp.linear_fc1, DeferrableColumnParallelLinear)
+    assert not isinstance(layers[1].mlp.linear_fc1, DeferrableColumnParallelLinear)
+    assert layers[0].state_dict().keys() == layers[1].state_dict().keys()
+    sharded = [layer.sharded_state_dict(prefix="layer.", metadata={"dp_cp_group": None}) for layer in layers]
+    assert sharded[0].keys() == sharded[1].keys()
+    assert "layer.self_attention.linear_qkv.weight" in sharded[0]
