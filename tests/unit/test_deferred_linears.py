@@ -355,3 +355,60 @@ def test_local_spec_uses_the_deferrable_linears_with_unchanged_checkpoint_keys(m
     sharded = [layer.sharded_state_dict(prefix="layer.", metadata={"dp_cp_group": None}) for layer in layers]
     assert sharded[0].keys() == sharded[1].keys()
     assert "layer.self_attention.linear_qkv.weight" in sharded[0]
+
+
+# ----------------------------------------------------------------------------- inside the MoE layer
+
+
+class _Stores:
+    """One queue per deferrable module of a layer; `run` runs each module's closures after backward."""
+
+    def __init__(self, modules):
+        self.queues = {module: Queue() for module in modules}
+        for module, queue in self.queues.items():
+            module.weight_grad_store = queue
+
+    def run(self):
+        for module, queue in self.queues.items():
+            queue.run(module)
+
+
+@pytest.mark.parametrize("policy", ["none", "arctic", "recompute_router_and_shared"])
+def test_moe_layer_router_and_shared_expert_deferred_are_bit_identical(policy, megatron_world1):
+    """Router (with aux and z losses) and shared expert of our MoE layer, under activation policies."""
+    from megatron_moe.activations.engine import LayerScope
+    from megatron_moe.config.activation_policy import build_policy
+    from megatron_moe.moe import MoELayer
+
+    config = tconfig(num_moe_experts=E, moe_router_topk=2, ffn_hidden_size=OUT, add_bias_linear=False)
+    cfg = MoELayerConfig(
+        num_experts=E, hidden_size=H, ffn_hidden_size=OUT, topk=2, gate="topk", aux_loss_coeff=0.01,
+        z_loss_coeff=0.001, expert_type="swiglu", shared_expert_ffn_hidden_size=OUT,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = MoELayer(config, cfg, layer_number=1)
+    if policy != "none":
+        recompute = ["router", "shared_expert"] if policy == "recompute_router_and_shared" else []
+        preset = "arctic" if policy == "arctic" else "none"
+        layer.use_activation_scope(
+            LayerScope(build_policy(preset=preset, recompute=recompute, quantize=[], quant_format="int8_row"))
+        )
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(S, B, H, generator=torch.Generator().manual_seed(7))
+
+    def run(stores=None):
+        layer.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        out, _ = layer(leaf)
+        out.backward(dy)
+        if stores is not None:
+            assert layer.gate.weight.grad is None and layer.shared_expert.weight1.grad is None
+            stores.run()
+        return out.detach(), leaf.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+    reference = run()
+    deferred = run(_Stores([layer.gate, layer.shared_expert]))
+    assert torch.equal(deferred[0], reference[0]) and torch.equal(deferred[1], reference[1])
+    assert deferred[2].keys() == reference[2].keys()
+    for name, grad in reference[2].items():
+        assert grad is not None and torch.equal(deferred[2][name], grad), name
