@@ -130,9 +130,12 @@ class _DeferrableParallelLinear(DeferrableWeights):
         call = _MCORE_LINEAR.bind(input, weight, *args, **kwargs)
         call.apply_defaults()
         options = call.arguments
-        flag = "--overlap-wgrad"
-        require(not options["gradient_accumulation_fusion"], flag, "on", "needs --gradient-accumulation-fusion off")
-        require(options["grad_output_buffer"] is None, flag, "on", "needs --defer-embedding-wgrad-compute off")
+        for field, on in (
+            ("gradient_accumulation_fusion", options["gradient_accumulation_fusion"]),
+            ("defer_embedding_wgrad_compute", options["grad_output_buffer"] is not None),
+        ):
+            expected = "must be False while --overlap-wgrad defers weight gradients (as megatron_moe builds models)"
+            require(not on, f"TransformerConfig.{field}", True, expected)
         tp_group = get_tensor_model_parallel_group_if_none(options["tp_group"])
         allreduce_dgrad, sequence_parallel = options["allreduce_dgrad"], options["sequence_parallel"]
         return _LinearDeferringWeightGrad.apply(

@@ -412,3 +412,13 @@ def test_moe_layer_router_and_shared_expert_deferred_are_bit_identical(policy, m
     assert deferred[2].keys() == reference[2].keys()
     for name, grad in reference[2].items():
         assert grad is not None and torch.equal(deferred[2][name], grad), name
+
+
+def test_deferring_refuses_megatron_cores_fused_wgrad_accumulation(megatron_world1):
+    from megatron_moe.config.fields import ConfigError
+
+    _, ours = _linear_pair("column", bias=False, skip_bias_add=False)
+    ours.weight_grad_store = Queue()
+    ours.gradient_accumulation_fusion = True  # what TransformerConfig(gradient_accumulation_fusion=True) sets
+    with pytest.raises(ConfigError, match="TransformerConfig.gradient_accumulation_fusion=True: must be False"):
+        ours(torch.randn(S, B, H))
