@@ -4,10 +4,14 @@ Dense and MoE layers share attention; the MLP slot holds a dense MLP or an MoE
 layer as `--moe-layer-freq` says: megatron_moe's own (`megatron_moe.moe`, the
 default) or megatron-core's (`--moe-layer-impl mcore`). On a GPU with transformer-engine installed
 the linear layers and attention come from it; otherwise from megatron-core's
-local modules. Norms are always `SequenceParallelNorm`.
+local modules, where the linear layers are megatron_moe's deferrable subclasses
+(`megatron_moe.overlap.linears`: megatron-core's, untouched until a Lancet store
+defers their weight gradients). Norms are always `SequenceParallelNorm`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -28,6 +32,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_moe.moe import MoELayerConfig, moe_layer_spec
+from megatron_moe.overlap.linears import DeferrableColumnParallelLinear, DeferrableRowParallelLinear
 from megatron_moe.platform.norms import SequenceParallelNorm
 
 
@@ -39,6 +44,23 @@ def backend_provider(use_transformer_engine: bool) -> BackendSpecProvider:
     return LocalSpecProvider()
 
 
+def parallel_linears(backend: BackendSpecProvider) -> tuple[type, type]:
+    """(column, row) parallel linear classes: ours on the local backend (their dW can be deferred),
+    transformer-engine's as they are (they have their own `delay_wgrad_compute`)."""
+    if isinstance(backend, LocalSpecProvider):
+        return DeferrableColumnParallelLinear, DeferrableRowParallelLinear
+    return backend.column_parallel_linear(), backend.row_parallel_linear()
+
+
+def dense_mlp_spec(backend: BackendSpecProvider) -> ModuleSpec:
+    """megatron-core's dense MLP spec with `parallel_linears`' fc1/fc2 on the local backend."""
+    spec = get_mlp_module_spec_for_backend(backend=backend, num_experts=None)
+    if not isinstance(backend, LocalSpecProvider):
+        return spec
+    column, row = parallel_linears(backend)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, linear_fc1=column, linear_fc2=row))
+
+
 def layer_spec(
     config: TransformerConfig, *, moe: bool, backend: BackendSpecProvider, moe_layer: MoELayerConfig | None = None
 ) -> ModuleSpec:
@@ -46,8 +68,11 @@ def layer_spec(
 
     MoE layers hold megatron_moe's MoELayer when `moe_layer` is given, else megatron-core's.
     """
+    column, row = parallel_linears(backend)
     if moe and moe_layer is not None:
         mlp = moe_layer_spec(moe_layer)
+    elif not moe:
+        mlp = dense_mlp_spec(backend)
     else:
         mlp = get_mlp_module_spec_for_backend(
             backend=backend,
@@ -62,9 +87,9 @@ def layer_spec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=backend.column_parallel_linear(),
+                    linear_qkv=column,
                     core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
+                    linear_proj=row,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
                 ),

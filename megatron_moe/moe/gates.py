@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from megatron_moe.config.moe_layer import MoELayerConfig
 from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
-from megatron_moe.moe.routing import Gate, Routing, router_linear, router_losses
+from megatron_moe.moe.routing import DeferrableRouter, Gate, Routing, router_linear, router_losses
 
 PRIORITIES = ("token", "importance", "random")
 
@@ -80,7 +80,7 @@ class _TopKGateBase(Gate):
         return (k_offsets + order_T.unsqueeze(0)).reshape(-1)
 
 
-class SoftmaxTopKGate(_TopKGateBase):
+class SoftmaxTopKGate(_TopKGateBase, DeferrableRouter):
     """softmax(x W) -> top-k (GShard / Switch / BPR / RTS), optionally with trainable noise."""
 
     def __init__(self, cfg: MoELayerConfig, *, noisy: bool = False, priority: str = "token", normalize=None):
@@ -93,7 +93,7 @@ class SoftmaxTopKGate(_TopKGateBase):
             self.noise_weight = torch.nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
-        logits_TE = router_linear(x_TH, self.weight)
+        logits_TE = self.router_logits(x_TH)
         if self.noise_weight is not None and self.training:
             noise_std_TE = F.softplus(router_linear(x_TH, self.noise_weight))
             logits_TE = logits_TE + torch.randn_like(logits_TE) * noise_std_TE
@@ -101,7 +101,7 @@ class SoftmaxTopKGate(_TopKGateBase):
         return self._route(logits_TE, probs_TE, probs_TE, valid_T)
 
 
-class SigmoidGate(_TopKGateBase):
+class SigmoidGate(_TopKGateBase, DeferrableRouter):
     """sigmoid(x W) per expert; top-k by score; balancing on the scores normalised per token."""
 
     def __init__(self, cfg: MoELayerConfig):
@@ -110,7 +110,7 @@ class SigmoidGate(_TopKGateBase):
         torch.nn.init.normal_(self.weight, std=cfg.init_method_std)
 
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
-        logits_TE = router_linear(x_TH, self.weight)
+        logits_TE = self.router_logits(x_TH)
         scores_TE = torch.sigmoid(logits_TE)
         probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
         return self._route(logits_TE, scores_TE, probs_TE, valid_T)

@@ -16,10 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.moe_layer import MoELayerConfig
-from megatron_moe.moe.routing import Gate, Routing, expert_choice_slots, router_linear, router_losses
+from megatron_moe.moe.routing import (
+    DeferrableRouter,
+    Gate,
+    Routing,
+    expert_choice_slots,
+    router_linear,
+    router_losses,
+)
 
 
-class ExpertChoiceGate(Gate):
+class ExpertChoiceGate(Gate, DeferrableRouter):
     def __init__(self, cfg: MoELayerConfig):
         super().__init__()
         self.num_experts, self.topk, self.z_coeff = cfg.num_experts, cfg.topk, cfg.z_loss_coeff
@@ -28,7 +35,7 @@ class ExpertChoiceGate(Gate):
 
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
         num_tokens = x_TH.shape[0]
-        logits_TE = router_linear(x_TH, self.weight)
+        logits_TE = self.router_logits(x_TH)
         probs_TE = torch.softmax(logits_TE, dim=-1)
         slots = expert_choice_slots(num_tokens, self.topk, self.num_experts)
         weight_EC, token_EC = torch.topk(probs_TE.t(), slots, dim=-1)

@@ -13,6 +13,8 @@ import math
 import torch
 
 from megatron_moe import comm
+from megatron_moe.moe.deferred_linear import store_linear
+from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights, WeightGradStore
 
 
 @dataclasses.dataclass
@@ -67,9 +69,26 @@ class Gate(torch.nn.Module, abc.ABC):
         """`valid_T` (bool, optional) marks tokens that count in losses and statistics."""
 
 
-def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
-    """fp32 logits whatever the parameter and activation dtypes."""
-    return torch.nn.functional.linear(x_TH.float(), weight_EH.float())
+def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, store: WeightGradStore = RUN_NOW) -> torch.Tensor:
+    """fp32 logits whatever the parameter and activation dtypes: `F.linear(x.float(), w.float())`.
+
+    A `store` that defers gets the weight-gradient GEMM (same arithmetic, `megatron_moe.moe.deferred_linear`)."""
+    return store_linear(x_TH.float(), weight_EH, store, cast_weight=True)
+
+
+class DeferrableRouter(DeferrableWeights):
+    """A gate whose router projection `self.weight` [E, H] may have its weight gradient deferred.
+
+    Other gate parameters (noise weight, scales) keep autograd's gradient."""
+
+    weight: torch.nn.Parameter
+
+    def deferred_params(self) -> list[torch.nn.Parameter]:
+        return [self.weight]
+
+    def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, E] of `self.weight`."""
+        return router_linear(x_TH, self.weight, self.weight_grad_store)
 
 
 def _masked_mean(values_T: torch.Tensor, valid_T: torch.Tensor | None, group=None) -> torch.Tensor:

@@ -10,6 +10,9 @@ Its weights are replicated over tensor-parallel ranks (not split): under
 sequence parallelism each TP rank applies it to its own tokens, so the
 parameters are marked `sequence_parallel` and `finalize_model_grads` sums
 their gradients over TP.
+
+Both weight-gradient GEMMs can be deferred (`DeferrableWeights`): fc1's closure
+returns (dW1, None), fc2's (None, dW2).
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from megatron_moe.moe.deferred_linear import store_linear
 from megatron_moe.moe.ffn import ffn_activation
+from megatron_moe.moe.weight_grad import DeferrableWeights
 
 
-class SharedExpert(torch.nn.Module):
+class SharedExpert(torch.nn.Module, DeferrableWeights):
     def __init__(
         self,
         *,
@@ -45,5 +49,10 @@ class SharedExpert(torch.nn.Module):
         for param in self.parameters():
             param.sequence_parallel = sequence_parallel
 
+    def deferred_params(self) -> list[torch.nn.Parameter]:
+        return [self.weight1, self.weight2]
+
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return F.linear(ffn_activation(F.linear(x_TH, self.weight1), self.gated), self.weight2)
+        store = self.weight_grad_store
+        h_TF = store_linear(x_TH, self.weight1, store, slot=0, slots=2)
+        return store_linear(ffn_activation(h_TF, self.gated), self.weight2, store, slot=1, slots=2)

@@ -1,4 +1,10 @@
-"""Communication hidden under computation: Lancet's weight-gradient GEMMs under the backward all-to-alls."""
+"""Communication hidden under computation. Lancet (issue 14): weight-gradient GEMMs run under the backward
+all-to-alls.
+
+`plan.py`: Lancet's Algorithm 1 (which dW under which all-to-all); `runtime.py`: the queue that runs it;
+`install.py`: wiring it into a model; `linears.py`: megatron-core's Column/RowParallelLinear whose weight
+gradient goes through a store.
+"""
 
 from megatron_moe.overlap.install import install_on_moe_layer, install_wgrad_overlap
 from megatron_moe.overlap.runtime import WgradQueue
