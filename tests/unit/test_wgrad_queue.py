@@ -380,16 +380,20 @@ def test_megatron_core_ddp_delay_wgrad_compute_gives_bit_identical_main_grads(me
     assert all(p.skip_backward_post_hook for p in params)
     # DDP took the delay_wgrad_compute path: the experts' hooks were handed to the module, not to autograd.
     assert all(callable(experts[0].wgrad_hook(p)) for p in params)
-    assert len(deferred.grad_accs) == len(plain.grad_accs) - len(params)
+    # Every deferrable module of the layers (attention, router, experts, ...) likewise.
+    marked = [p for p in deferred.module.parameters() if getattr(p, "skip_backward_post_hook", False)]
+    assert set(map(id, params)) <= set(map(id, marked))
+    assert len(deferred.grad_accs) == len(plain.grad_accs) - len(marked)
     plain_experts = next(m for m in plain.module.modules() if isinstance(m, FFNExperts))
     assert plain_experts.weight_grad_store is RUN_NOW and plain_experts.wgrad_hook(plain_experts.weight1) is None
 
     for micro_batch in range(2):  # the second accumulates onto the first's main_grad
         queue.start_iteration(1)
         assert torch.equal(_forward_backward(plain, micro_batch), _forward_backward(deferred, micro_batch))
-        # EP=1: no backward all-to-all; the experts' closure ran at the backward's end, then DDP's hook.
-        assert queue.counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 1} and queue._pending == []
-        assert all(p.grad is None for p in params)  # the hook moved it into main_grad
+        # EP=1: no backward all-to-all; every closure (qkv, proj, router, experts) ran at the backward's end,
+        # then DDP's hook.
+        assert queue.counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 4} and queue._pending == []
+        assert all(p.grad is None for p in marked)  # the hooks moved them into main_grad
         for (name, a), (_, b) in zip(plain.module.named_parameters(), deferred.module.named_parameters()):
             assert torch.equal(a.main_grad, b.main_grad), name
         assert all(p.main_grad.abs().sum() > 0 for p in params)
