@@ -2,7 +2,7 @@
 
 Every layout of `train_worker.LANCET` (EP=2; TP=2+SP+EP=2 and PP=2+EP=2 with 2
 micro-batches; EP=2 with 4; EP=4 with the distributed optimizer; every module
-recomputed; the arctic policy's quantized activations; bf16; fp16 with loss
+recomputed; full recompute (nested backward passes); the arctic policy's quantized activations; bf16; fp16 with loss
 scaling; a shared expert; megatron-core DDP's --overlap-grad-reduce, whose
 buckets count a deferred gradient when it runs) trains 4 steps
 from the same seed with --overlap-wgrad off and all-under-next-a2a
@@ -32,6 +32,7 @@ LAYOUTS = [
     "ep2_fp16",
     "ep2_shared",
     "ep2_accumulate",
+    "ep2_full_recompute",
     "pp2_ep2_overlap_grad_reduce",
 ]
 
