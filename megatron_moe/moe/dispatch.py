@@ -88,6 +88,24 @@ class Dispatcher(abc.ABC):
         on the device). Returns a device tensor for the layer to read, or None when there is nothing to learn."""
         return None
 
+    def _send(self, rows_RH: torch.Tensor, plan: DispatchPlan, regroup) -> comm.CommHandle:
+        """The dispatch all-to-all of `plan`; `regroup` lays out the received rows on wait()."""
+        return comm.dispatch_all_to_all(
+            rows_RH,
+            plan.recv_splits,
+            plan.send_splits,
+            self.group,
+            layer=self.layer,
+            then=regroup,
+            overlap=self.backward_overlap,
+        )
+
+    def _send_back(self, rows_RH: torch.Tensor, plan: DispatchPlan) -> comm.CommHandle:
+        """The combine all-to-all of `plan`: rows back to the ranks they came from."""
+        return comm.combine_all_to_all(
+            rows_RH, plan.send_splits, plan.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
+        )
+
     @abc.abstractmethod
     def plan_dispatch(
         self, counts: list[int], received_D: torch.Tensor | None, received: list[int] | None
@@ -126,15 +144,7 @@ class PaddedAllToAll(Dispatcher):
             rows = received.view(g, l, capacity, h).transpose(0, 1).reshape(-1, h)
             return Dispatched(rows, plan.local_counts, plan)
 
-        return comm.dispatch_all_to_all(
-            rows_RH,
-            plan.recv_splits,
-            plan.send_splits,
-            self.group,
-            layer=self.layer,
-            then=regroup,
-            overlap=self.backward_overlap,
-        )
+        return self._send(rows_RH, plan, regroup)
 
     def combine(self, rows_RH, dispatched):
         if self.group_size == 1:
@@ -143,9 +153,7 @@ class PaddedAllToAll(Dispatcher):
         g, l, h = self.group_size, self.num_local_experts, rows_RH.shape[1]
         # 1. [L, G, C, H] -> [G(destination), L, C, H]; 2. all-to-all back to the sources.
         rows = rows_RH.view(l, g, plan.capacity, h).transpose(0, 1).reshape(-1, h)
-        return comm.combine_all_to_all(
-            rows, plan.send_splits, plan.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
-        )
+        return self._send_back(rows, plan)
 
 
 def _chunk_permutation(sizes_GL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,24 +203,14 @@ class AllToAllV(Dispatcher):
             rows = received if plan.to_expert is None else received.index_select(0, plan.to_expert)
             return Dispatched(rows, plan.local_counts, plan)
 
-        return comm.dispatch_all_to_all(
-            rows_RH,
-            plan.recv_splits,
-            plan.send_splits,
-            self.group,
-            layer=self.layer,
-            then=regroup,
-            overlap=self.backward_overlap,
-        )
+        return self._send(rows_RH, plan, regroup)
 
     def combine(self, rows_RH, dispatched):
         if self.group_size == 1:
             return comm.CommHandle(rows_RH)
         plan: DispatchPlan = dispatched.state
         rows = rows_RH if plan.to_source is None else rows_RH.index_select(0, plan.to_source)
-        return comm.combine_all_to_all(
-            rows, plan.send_splits, plan.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
-        )
+        return self._send_back(rows, plan)
 
 
 def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None) -> Dispatcher:

@@ -34,26 +34,9 @@ from megatron_moe.moe.weight_grad import RUN_NOW  # noqa: E402
 from megatron_moe.overlap.linears import DeferrableColumnParallelLinear, DeferrableRowParallelLinear  # noqa: E402
 from megatron_moe.platform import init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
+from tests.unit.test_deferred_linears import Queue  # noqa: E402  (keeps closures; `run` sets .grad)
 
 H, FFN, S, B, BLOCKS, MICRO_BATCHES = 16, 32, 8, 2, 2, 2
-
-
-class Queue:
-    """Keeps one linear's closures; `run` sets `.grad` after backward as autograd would accumulate it."""
-
-    defers = True
-
-    def __init__(self):
-        self.kept = []
-
-    def put(self, weight_grad, outs):
-        self.kept.append((weight_grad, outs))
-        return None
-
-    def run(self, module) -> None:
-        for weight_grad, outs in self.kept:
-            (grad,) = weight_grad(*outs)
-            module.weight.grad = grad if module.weight.grad is None else module.weight.grad + grad
 
 
 class Immediate:
