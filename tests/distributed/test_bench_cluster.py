@@ -89,8 +89,10 @@ def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):
     assert row["overlap"] == {"overlap_wgrad": {"off": "layer_ms", "all-under-next-a2a": "layer_ms_wgrad"}}
     assert row["layer_ms_wgrad"] > 0 and len(row["layer_ms_wgrad_all"]) == 2
     assert set(row["exposed_ms_wgrad"]) == set(A2A) and row["bytes_wgrad"] == row["bytes"], row
-    # The experts' one closure per backward waits for the next backward all-to-all (the dispatch's reverse).
-    assert row["wgrad"]["under_a2a"] >= 1 and row["wgrad"]["at_backward_end"] == 0, row["wgrad"]
+    # The experts' one closure per backward waits for the next backward all-to-all (the dispatch's reverse); the
+    # router's, made after it, waits for the backward's end (a layer alone has no all-to-all after its router).
+    assert row["wgrad"]["under_a2a"] == 1 and row["wgrad"]["at_backward_end"] == 1, row["wgrad"]
+    assert row["wgrad"]["natural"] == 0, row["wgrad"]
     assert row["wgrad"]["peak_held_mb"] > 0 and row["wgrad"]["policy"] == "all-under-next-a2a", row["wgrad"]
     off, on = row["bwd_a2a_exposed_ms"]["off"], row["bwd_a2a_exposed_ms"]["on"]
     assert off > 0 and on >= 0 and row["bwd_a2a_exposed_cut"] == round(1 - on / off, 3), row
