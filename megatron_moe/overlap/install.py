@@ -4,17 +4,21 @@ Every deferrable module (`DeferrableWeights`) of every transformer layer gets
 the queue as its store and a plan key "L{layer}.{name}"; its weights are
 marked `skip_backward_post_hook` (DDP with `delay_wgrad_compute` then hands
 their hooks to the module); every MoE dispatcher gets the queue as the work
-to run under its backward all-to-alls. `install_on_moe_layer` does the same for
-one MoE layer without a transformer layer around it (a benchmark, a test).
+to run under its backward all-to-alls. An untied LM head becomes deferrable too
+("L{num_layers}.output": its dW is the first in backward, ready before any
+all-to-all). `install_on_moe_layer` does the same for one MoE layer without a
+transformer layer around it (a benchmark, a test).
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_moe.moe.dispatch import Dispatcher
 from megatron_moe.moe.weight_grad import DeferrableWeights
+from megatron_moe.overlap.linears import DeferrableColumnParallelLinear
 from megatron_moe.overlap.runtime import WgradQueue
 
 MOE_NAMES = {"experts": "experts", "shared_expert": "shared_expert", "gate": "router"}
@@ -38,7 +42,23 @@ def deferrable_modules(model: torch.nn.Module) -> list[tuple[str, DeferrableWeig
         for path, module in layer.named_modules():
             if isinstance(module, DeferrableWeights) and path in NAMES:
                 found.append((f"L{layer.layer_number}.{NAMES[path]}", module))
+    head = _untied_head(model)
+    if head is not None:
+        found.append((f"L{model.config.num_layers}.output", head))
     return found
+
+
+def _untied_head(model: torch.nn.Module) -> DeferrableWeights | None:
+    """The model's LM head as a deferrable linear, when it has its own weight (untied) and is megatron-core's
+    local ColumnParallelLinear. Its class becomes the deferrable subclass in place (same module, weights and
+    state dict keys): GPTModel builds the head itself, not from our layer spec. A tied head's weight also
+    gets the embedding's gradient through autograd, so it stays as it is."""
+    head = getattr(model, "output_layer", None)
+    tied = getattr(model, "share_embeddings_and_output_weights", True)
+    if tied or type(head) is not ColumnParallelLinear or head.weight is None:
+        return None
+    head.__class__ = DeferrableColumnParallelLinear
+    return head
 
 
 def install_wgrad_overlap(

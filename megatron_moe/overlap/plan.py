@@ -47,7 +47,8 @@ from megatron_moe.config.fields import require
 from megatron_moe.platform import current_platform
 
 EVENT_KINDS = ("wgrad", "a2a")
-WGRAD_NAMES = ("attn_qkv", "attn_proj", "mlp_fc1", "mlp_fc2", "experts", "shared_expert", "router")
+WGRAD_NAMES = ("attn_qkv", "attn_proj", "mlp_fc1", "mlp_fc2", "experts", "shared_expert", "router", "output")
+"""`output`: the untied LM head, keyed by the last layer ("L{num_layers}.output")."""
 A2A_NAMES = ("combine", "dispatch")
 POLICIES = ("off", "greedy", "all-under-next-a2a")
 COVERED_MS = 1e-9

@@ -3,7 +3,7 @@
 Every layout of `train_worker.LANCET` (EP=2; TP=2+SP+EP=2 and PP=2+EP=2 with 2
 micro-batches; EP=2 with 4; EP=4 with the distributed optimizer; every module
 recomputed; full recompute (nested backward passes); the arctic policy's quantized activations; bf16; fp16 with loss
-scaling; a shared expert; megatron-core DDP's --overlap-grad-reduce, whose
+scaling; a shared expert; an untied LM head, deferred too; megatron-core DDP's --overlap-grad-reduce, whose
 buckets count a deferred gradient when it runs) trains 4 steps
 from the same seed with --overlap-wgrad off and all-under-next-a2a
 (greedy too in two: its plan runs from iteration 3): lm loss, grad norm and
@@ -33,6 +33,7 @@ LAYOUTS = [
     "ep2_shared",
     "ep2_accumulate",
     "ep2_full_recompute",
+    "ep2_untied",
     "pp2_ep2_overlap_grad_reduce",
 ]
 
@@ -69,6 +70,12 @@ def test_the_greedy_plan_profiles_then_defers_and_changes_no_number(runs, layout
     assert profiled["planned"] > 0
     for step in planned:
         assert step["under_a2a"] > 0, step
+
+
+def test_an_untied_lm_head_runs_its_weight_gradient_under_the_first_all_to_all(runs):
+    tied, untied = runs["ep2/all-under-next-a2a"], runs["ep2_untied/all-under-next-a2a"]
+    for a, b in zip(tied, untied):  # one micro-batch per step: the head's one closure more, under L4's combine
+        assert b["wgrad"]["under_a2a"] == a["wgrad"]["under_a2a"] + 1, (a["wgrad"], b["wgrad"])
 
 
 def test_a_memory_cap_leaves_closures_at_their_natural_place(runs):

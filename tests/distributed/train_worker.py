@@ -163,6 +163,7 @@ LANCET = {
     "ep2_shared": ["--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"],
     "ep2_fp16": ["--expert-model-parallel-size", "2", "--fp16", "--initial-loss-scale", "4096"],
     "ep2_accumulate": ["--expert-model-parallel-size", "2", "--global-batch-size", "32"],  # 4 micro-batches
+    "ep2_untied": ["--expert-model-parallel-size", "2", "--untie-embeddings-and-output-weights"],  # LM head deferred
     # megatron-core's full recompute: each layer's backward is a nested (reentrant) one.
     "ep2_full_recompute": ["--expert-model-parallel-size", "2", "--recompute-granularity", "full"],
     # DDP's buckets start their reduce when their last gradient is in: deferred ones count when they run.
