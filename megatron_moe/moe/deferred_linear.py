@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_moe.moe.weight_grad import WeightGrad, WeightGradStore
+from megatron_moe.moe.weight_grad import WeightGrad, WeightGradStore, at_position
 
 
 def _is_column_major(t_2d: torch.Tensor) -> bool:
@@ -37,18 +37,13 @@ def _weight_grad_now(grad_TO: torch.Tensor, x_TI: torch.Tensor, w_OI: torch.Tens
     return x_TI.t().mm(grad_TO).t()
 
 
-def linear_weight_grad(
-    grad_TO: torch.Tensor, x_TI: torch.Tensor, w_OI: torch.Tensor, dtype: torch.dtype, slot: int, slots: int
-) -> WeightGrad:
-    """The dW GEMM as a closure over what it reads; returns `slots` entries, dW (in `dtype`) at `slot`."""
+def linear_weight_grad(grad_TO: torch.Tensor, x_TI: torch.Tensor, w_OI: torch.Tensor, dtype: torch.dtype) -> WeightGrad:
+    """The dW GEMM as a closure over what it reads: out -> (dW in `dtype`,)."""
 
-    def weight_grad(*outs):
+    def weight_grad(out=None):
         with torch.no_grad():  # also when a store runs it after backward
             grad_OI = _weight_grad_now(grad_TO, x_TI, w_OI).to(dtype)
-            out = outs[slot] if outs else None
-            if out is not None:
-                grad_OI = out.copy_(grad_OI)
-        return tuple(grad_OI if i == slot else None for i in range(slots))
+            return (grad_OI if out is None else out.copy_(grad_OI),)
 
     return weight_grad
 
@@ -57,10 +52,10 @@ class StoreLinear(torch.autograd.Function):
     """y = F.linear(x, w) (w in fp32 with `cast_weight`); backward: dX here, dW through `store`."""
 
     @staticmethod
-    def forward(ctx, x, weight, store: WeightGradStore, slot: int, slots: int, cast_weight: bool):
+    def forward(ctx, x, weight, store: WeightGradStore, cast_weight: bool):
         w_OI = weight.float() if cast_weight else weight
         ctx.save_for_backward(x, w_OI)
-        ctx.store, ctx.slot, ctx.slots, ctx.weight_dtype = store, slot, slots, weight.dtype
+        ctx.store, ctx.weight_dtype = store, weight.dtype
         return F.linear(x, w_OI)
 
     @staticmethod
@@ -71,10 +66,9 @@ class StoreLinear(torch.autograd.Function):
         grad_x = _input_grad(grad_TO, x_TI, w_OI).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            weight_grad = linear_weight_grad(grad_TO, x_TI, w_OI, ctx.weight_dtype, ctx.slot, ctx.slots)
-            grads = ctx.store.put(weight_grad, (None,) * ctx.slots)
-            grad_w = None if grads is None else grads[ctx.slot]
-        return grad_x, grad_w, None, None, None, None
+            grads = ctx.store.put(linear_weight_grad(grad_TO, x_TI, w_OI, ctx.weight_dtype), (None,))
+            grad_w = None if grads is None else grads[0]
+        return grad_x, grad_w, None, None
 
 
 def store_linear(
@@ -86,10 +80,9 @@ def store_linear(
     slots: int = 1,
     cast_weight: bool = False,
 ) -> torch.Tensor:
-    """F.linear(x, weight) (weight.float() with `cast_weight`); a store that defers gets the dW closure.
-
-    The closure returns `slots` entries, dW at `slot` (the module's `deferred_params()` order).
+    """F.linear(x, weight) (weight.float() with `cast_weight`); a store that defers gets the dW closure, placed
+    at `slot` of the module's `slots` deferred weights (`weight_grad.at_position`).
     With a store that does not defer this is plain autograd, unchanged."""
     if not store.defers:
         return F.linear(x, weight.float() if cast_weight else weight)
-    return StoreLinear.apply(x, weight, store, slot, slots, cast_weight)
+    return StoreLinear.apply(x, weight, at_position(store, slot, slots), cast_weight)

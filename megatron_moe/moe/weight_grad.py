@@ -52,13 +52,14 @@ class _AtPosition:
     def __init__(self, store: WeightGradStore, position: int, size: int):
         self.store, self.position, self.size = store, position, size
 
-    def put(self, weight_grad: WeightGrad, outs: tuple) -> None:
+    def put(self, weight_grad: WeightGrad, outs: tuple) -> tuple | None:
         def placed(*outs):
             grads: list = [None] * self.size
             grads[self.position] = weight_grad(*outs[self.position : self.position + 1])[0]
             return tuple(grads)
 
-        return self.store.put(placed, (None,) * self.size)
+        grads = self.store.put(placed, (None,) * self.size)
+        return None if grads is None else (grads[self.position],)  # the node asked for its one weight's
 
 
 def at_position(store: WeightGradStore, position: int, size: int) -> WeightGradStore:

@@ -34,7 +34,8 @@ NAMES = {
 
 
 def deferrable_modules(model: torch.nn.Module) -> list[tuple[str, DeferrableWeights]]:
-    """(plan key, module) of every deferrable module of the model's transformer layers, in model order."""
+    """(plan key, module) of every deferrable module of the model's transformer layers, in model order, then the
+    untied LM head, made deferrable in place (`_make_head_deferrable`)."""
     found = []
     for layer in model.modules():
         if not isinstance(layer, TransformerLayer):
@@ -42,13 +43,13 @@ def deferrable_modules(model: torch.nn.Module) -> list[tuple[str, DeferrableWeig
         for path, module in layer.named_modules():
             if isinstance(module, DeferrableWeights) and path in NAMES:
                 found.append((f"L{layer.layer_number}.{NAMES[path]}", module))
-    head = _untied_head(model)
+    head = _make_head_deferrable(model)
     if head is not None:
         found.append((f"L{model.config.num_layers}.output", head))
     return found
 
 
-def _untied_head(model: torch.nn.Module) -> DeferrableWeights | None:
+def _make_head_deferrable(model: torch.nn.Module) -> DeferrableWeights | None:
     """The model's LM head as a deferrable linear, when it has its own weight (untied) and is megatron-core's
     local ColumnParallelLinear. Its class becomes the deferrable subclass in place (same module, weights and
     state dict keys): GPTModel builds the head itself, not from our layer spec. A tied head's weight also

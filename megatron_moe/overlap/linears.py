@@ -99,7 +99,7 @@ class _LinearDeferringWeightGrad(torch.autograd.Function):
         grads = ctx.store.put(_linear_weight_grad(grad_output, total_input), (None,))
         grad_weight = None if grads is None else grads[0]
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
-        if (ctx.sequence_parallel or ctx.allreduce_dgrad) and handle is not None:
+        if handle is not None:  # the step-2 collective (the step-1 gather was waited above)
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
