@@ -13,6 +13,7 @@ setup(
         "tensorboard",
         "numpy",
         "psutil",
+        "scipy",  # the pipeline-degree solver (SLSQP) and the gradient partition (differential evolution)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],

@@ -1,7 +1,7 @@
 """Benchmark a training step on an emulated cluster: step time, communication per kind, how much of it is exposed.
 
-    python tools/bench_step.py               # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, --overlap-wgrad off and greedy
-    python tools/bench_step.py --cluster 2x1 --link-gbit 1 --steps 4 --overlap-wgrad greedy
+    python tools/bench_step.py    # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, overlap settings off, greedy and pipeline
+    python tools/bench_step.py --cluster 2x2esp --link-gbit 1 --steps 4 --overlap greedy pipeline
 
 The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every one MoE with 8 experts
 top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so that at
@@ -16,9 +16,16 @@ It trains on the demo data (`make demo`'s stdlib corpus, built here when missing
 - `2x1`: 2 nodes x 1 process, EP=2: every all-to-all crosses the link;
 - `2x2`: 2 nodes x 2 processes, EP=4 (DP=4 for the dense layers): 2 of each rank's 3 peers are on the other node.
   (EP=2 on 2x2 would keep each EP group inside a node: no all-to-all on the link.)
+- `2x2esp` (only when asked for): 2 nodes x 2 processes, ESP=2 inside a node (--expert-tensor-parallel-size 2) x
+  EP=2 across the nodes: the all-gather / reduce-scatter on the node, the all-to-all on the link.
+
+Overlap settings (`--overlap`, all three by default): `off` (--overlap-wgrad off, pipeline degrees 1 / 1),
+`greedy` (Lancet's greedy dW placement, degrees 1 / 1), `pipeline` (Lancet greedy and FSMoE's chunked pipeline,
+--moe-pipeline-degree auto --moe-bp-pipeline-degree auto: each job measures the cost-model profile at start-up and
+solves the degrees).
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
-interleaved, rates rotated round by round, each --overlap-wgrad policy right after the other, in turn first), so
+interleaved, rates rotated round by round, each overlap setting right after the other, in turn first), so
 the machine's drift hits them alike. Each case runs `--rounds` times,
 one torchrun job of `--steps` steps each, the first `--warmup` of each job dropped; the timed steps of its rounds
 are pooled into one JSON object per case, printed once every case has run:
@@ -29,13 +36,16 @@ are pooled into one JSON object per case, printed once every case has run:
   compute thread was blocked on it), `bytes` (kind -> bytes sent per step), `calls` (kind -> collectives issued
   per step), `hidden_frac` (1 - exposed / comm over
   all kinds), `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
-- the options in force: `overlap_wgrad` (Lancet, issue 14) and `overlap` (all of them: later issues add
-  `pipeline_degree`, `grad_reduce_schedule`), the model flags, steps; `wgrad`: the queue's figures (closures
-  under an all-to-all / at their natural place, peak MiB held, and the greedy plan's profile: backward
+- the options in force: `overlap_wgrad` (Lancet, issue 14), `pipeline_degree`, `bp_pipeline_degree` (issue 15:
+  "auto" or the number) and `overlap` (all of them), `pipeline_degrees` (MoE layer -> [forward, backward] in
+  force, auto resolved: the Trainer's first history entry), the model flags, steps; `wgrad`: the queue's figures
+  (closures under an all-to-all / at their natural place, peak MiB held, and the greedy plan's profile: backward
   all-to-all ms, dW ms available, predicted hidden ms).
 
 After the cases, one `overlap_wgrad` row per layout and rate compares greedy with off: `bwd_a2a_exposed_ms`
-(off, on), `bwd_a2a_exposed_cut` (1 - on / off), `step_ratio` (on / off, median step times), `peak_held_mb`.
+(off, on), `bwd_a2a_exposed_cut` (1 - on / off), `step_ratio` (on / off, median step times), `peak_held_mb`; then
+one `pipeline` row per layout and rate compares pipeline (on) with greedy (off): `step_ms`, `step_ratio`,
+`exposed_ms` and `comm_ms` per a2a_* / esp_* kind (off, on), the solver's `pipeline_degrees`.
 
 The figures are the logging rank's (the last rank, on the last node): its own collectives, as the Trainer's
 communication timers (megatron_moe/comm/timers.py) saw them.
@@ -51,14 +61,21 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchcluster import ROOT, parse_cluster, run_job, write_result  # noqa: E402
+from benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result  # noqa: E402
 from emulated_cluster import EmulatedCluster  # noqa: E402
 
-LAYOUTS = {"2x1": 2, "2x2": 4}  # cluster -> expert-parallel size (the all-to-all crosses the link)
+LAYOUTS = {"2x1": (2, 1), "2x2": (4, 1), "2x2esp": (2, 2)}  # layout -> (EP, ESP); the all-to-all crosses the link
+DEFAULT_LAYOUTS = ("2x1", "2x2")
 RATES_GBIT = (0.5, 1.0, 2.5)
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
-WGRAD_POLICIES = ("off", "greedy")
+SETTINGS = {  # overlap setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pipeline-degree)
+    "off": ("off", "1", "1"),
+    "greedy": ("greedy", "1", "1"),  # Lancet (issue 14)
+    "pipeline": ("greedy", "auto", "auto"),  # Lancet + FSMoE's pipeline (issue 15), profile measured at start-up
+}
+PIPELINE_KINDS = ("a2a_", "esp_")
+CASE_SUFFIX = {"off": "", "greedy": "_wgrad_greedy", "pipeline": "_pipeline"}
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
     "--ffn-hidden-size", "768", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "1",
@@ -72,32 +89,26 @@ TRAINING = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cluster", nargs="+", default=list(LAYOUTS), help="layouts NODESxPROCS (default: 2x1 2x2)")
+    p.add_argument("--cluster", nargs="+", default=list(DEFAULT_LAYOUTS), help=f"layouts of {list(LAYOUTS)}")
     p.add_argument("--link-gbit", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
     p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
     p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
-    p.add_argument(
-        "--overlap-wgrad", nargs="+", default=list(WGRAD_POLICIES), choices=("off", "greedy", "all-under-next-a2a")
-    )
+    p.add_argument("--overlap", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="overlap settings")
     p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
     p.add_argument(
         "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
     )
     args = p.parse_args(argv)
-    for spec in args.cluster:
-        if spec not in LAYOUTS:
-            p.error(f"--cluster: {spec} has no expert-parallel layout here; give one of {', '.join(LAYOUTS)}")
-    if any(not rate > 0 for rate in args.link_gbit):
-        p.error(f"--link-gbit: {args.link_gbit} must be positive rates in Gbit/s, e.g. 0.5 1 2.5")
+    check_layouts_and_rates(p, args.cluster, args.link_gbit, LAYOUTS)
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup: {args.warmup} must leave timed steps of --steps {args.steps}; give 0..{args.steps - 1}")
     return args
 
 
 def plan(layouts: list[str], rates: list[float], rounds: int, policies=("off",)) -> list[tuple[str, float, str]]:
-    """Every (layout, rate, policy) `rounds` times, alternated: layouts interleaved, the rates' order rotated per
-    round, the policies of a (layout, rate) back to back, which one first rotating."""
+    """Every (layout, rate, overlap setting) `rounds` times, alternated: layouts interleaved, the rates' order
+    rotated per round, the settings of a (layout, rate) back to back, which one first rotating."""
     cases = []
     for r in range(rounds):
         order = rates[r % len(rates) :] + rates[: r % len(rates)]
@@ -128,18 +139,26 @@ def prepare_data(data_dir: str) -> tuple[str, str]:
     return prefix, tokenizer
 
 
+def cluster_of(layout: str) -> tuple[int, int]:
+    """(nodes, processes per node) of a layout ("2x2esp" runs on 2x2)."""
+    return parse_cluster(layout.removesuffix("esp"))
+
+
 def trainer_flags(
-    layout: str, steps: int, data: tuple[str, str], model: list[str] | None, policy: str = "off"
+    layout: str, steps: int, data: tuple[str, str], model: list[str] | None, setting: str = "off"
 ) -> list[str]:
-    nodes, procs = parse_cluster(layout)
-    ep, world = LAYOUTS[layout], nodes * procs
+    nodes, procs = cluster_of(layout)
+    (ep, esp), world = LAYOUTS[layout], nodes * procs
     micro = int(_flag([*MODEL, *(model or [])], "--micro-batch-size"))
+    wgrad, degree, bp_degree = SETTINGS[setting]
     return [
         *MODEL,
         *TRAINING,
-        "--expert-model-parallel-size", str(ep), "--global-batch-size", str(micro * world),
+        "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(esp),
+        "--global-batch-size", str(micro * world),
         "--train-iters", str(steps), "--data-path", data[0], "--tokenizer-model", data[1],
-        "--overlap-wgrad", policy, *(model or []),
+        "--overlap-wgrad", wgrad, "--moe-pipeline-degree", degree, "--moe-bp-pipeline-degree", bp_degree,
+        *(model or []),
     ]  # fmt: skip
 
 
@@ -148,13 +167,13 @@ def _flag(flags: list[str], name: str) -> str:
 
 
 def layout_name(layout: str) -> str:
-    nodes, procs = parse_cluster(layout)
-    ep = LAYOUTS[layout]
-    return f"{layout} EP={ep} DP={nodes * procs}"
+    nodes, procs = cluster_of(layout)
+    ep, esp = LAYOUTS[layout]
+    return f"{layout} EP={ep} DP={nodes * procs}" + (f" ESP={esp}" if esp > 1 else "")
 
 
 def summarize(
-    layout: str, rate: float, histories: list[list[dict]], warmup: int, flags: list[str], policy: str = "off"
+    layout: str, rate: float, histories: list[list[dict]], warmup: int, flags: list[str], setting: str = "off"
 ) -> dict:
     """One case's JSON row from the logging rank's per-step histories of its rounds (entries: `step_ms`, `comm`)."""
     timed = [entry for history in histories for entry in history[warmup:]]
@@ -170,8 +189,10 @@ def summarize(
     comm, exposed = mean("comm_ms"), mean("exposed_ms")
     total_comm, total_exposed = sum(comm.values()), sum(exposed.values())
     wgrad = [h.get("wgrad") for h in timed if h.get("wgrad")]
+    overlap = dict(zip(("overlap_wgrad", "pipeline_degree", "bp_pipeline_degree"), SETTINGS[setting]))
+    overlap |= {k: int(v) for k, v in overlap.items() if v.isdigit()}
     return {
-        "case": f"step_{layout}_{rate:g}gbit" + ("" if policy == "off" else f"_wgrad_{policy}"),
+        "case": f"step_{layout}_{rate:g}gbit" + CASE_SUFFIX[setting],
         "layout": layout_name(layout),
         "link_gbit": rate,
         "step_ms": round(step_ms, 1),
@@ -186,8 +207,9 @@ def summarize(
         "step_ms_all": [[round(h["step_ms"], 1) for h in history] for history in histories],
         "bwd_a2a_exposed_ms": round(sum(exposed.get(k, 0.0) for k in BWD_A2A_KINDS), 3),
         "bwd_a2a_comm_ms": round(sum(comm.get(k, 0.0) for k in BWD_A2A_KINDS), 3),
-        "overlap_wgrad": policy,
-        "overlap": {"overlap_wgrad": policy},
+        **overlap,
+        "overlap": overlap,
+        "pipeline_degrees": histories[0][0].get("pipeline_degrees"),
         "wgrad": _wgrad_figures(wgrad),
         "steps": len(histories[0]),
         "rounds": len(histories),
@@ -224,11 +246,28 @@ def compare(off: dict, on: dict) -> dict:
     }
 
 
-def run_case(cluster: EmulatedCluster, layout: str, rate: float, policy: str, args, data) -> list[dict]:
+def compare_pipeline(greedy: dict, pipeline: dict) -> dict:
+    """The `pipeline` row of one layout and rate: Lancet + FSMoE's pipeline (degrees auto) against Lancet alone."""
+    kinds = [k for k in pipeline["exposed_ms"] if k.startswith(PIPELINE_KINDS)]
+    return {
+        "case": f"pipeline_{greedy['case'].removeprefix('step_').removesuffix(CASE_SUFFIX['greedy'])}",
+        "layout": greedy["layout"],
+        "link_gbit": greedy["link_gbit"],
+        "pipeline_degree": pipeline["pipeline_degree"],
+        "bp_pipeline_degree": pipeline["bp_pipeline_degree"],
+        "pipeline_degrees": pipeline["pipeline_degrees"],
+        "step_ms": {"off": greedy["step_ms"], "on": pipeline["step_ms"]},
+        "step_ratio": round(pipeline["step_ms"] / greedy["step_ms"], 3),
+        "exposed_ms": {k: {"off": greedy["exposed_ms"].get(k, 0.0), "on": pipeline["exposed_ms"][k]} for k in kinds},
+        "comm_ms": {k: {"off": greedy["comm_ms"].get(k, 0.0), "on": pipeline["comm_ms"][k]} for k in kinds},
+    }
+
+
+def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, args, data) -> list[dict]:
     """One round of a case: the logging rank's per-step history."""
-    _, procs = parse_cluster(layout)
+    _, procs = cluster_of(layout)
     cluster.set_link_gbit(rate)
-    flags = trainer_flags(layout, args.steps, data, args.model, policy)
+    flags = trainer_flags(layout, args.steps, data, args.model, setting)
     return run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
 
 
@@ -249,22 +288,25 @@ def main(argv=None) -> int:
         return 0
     args = parse_args(argv)
     data = prepare_data(args.data_dir)
-    nodes = {parse_cluster(layout)[0] for layout in args.cluster}
+    nodes = {cluster_of(layout)[0] for layout in args.cluster}
     histories: dict[tuple[str, float, str], list] = {}
     with EmulatedCluster(max(nodes), args.link_gbit[0]) as cluster:
-        for layout, rate, policy in plan(args.cluster, args.link_gbit, args.rounds, args.overlap_wgrad):
+        for layout, rate, policy in plan(args.cluster, args.link_gbit, args.rounds, args.overlap):
             history = run_case(cluster, layout, rate, policy, args, data)
             histories.setdefault((layout, rate, policy), []).append(history)
             steps = ", ".join(f"{h['step_ms']:.0f}" for h in history)
-            print(f"bench_step: {layout} at {rate:g} Gbit/s, wgrad {policy}: step ms {steps}", file=sys.stderr)
+            print(f"bench_step: {layout} at {rate:g} Gbit/s, overlap {policy}: step ms {steps}", file=sys.stderr)
     rows = {}
     for (layout, rate, policy), runs in histories.items():
         flags = trainer_flags(layout, args.steps, data, args.model, policy)
         rows[layout, rate, policy] = summarize(layout, rate, runs, args.warmup, flags, policy)
         print(json.dumps(rows[layout, rate, policy]), flush=True)
     for (layout, rate, policy), row in rows.items():
-        if policy != "off" and (layout, rate, "off") in rows:
+        if policy == "greedy" and (layout, rate, "off") in rows:
             print(json.dumps(compare(rows[layout, rate, "off"], row)), flush=True)
+    for (layout, rate, policy), row in rows.items():
+        if policy == "pipeline" and (layout, rate, "greedy") in rows:
+            print(json.dumps(compare_pipeline(rows[layout, rate, "greedy"], row)), flush=True)
     return 0
 
 

@@ -34,6 +34,16 @@ def parse_cluster(spec: str) -> tuple[int, int]:
     return int(nodes), int(procs)
 
 
+def check_layouts_and_rates(parser, clusters: list[str], rates: list[float], layouts) -> None:
+    """The flags every cluster benchmark takes: each `--cluster` one of `layouts`, each `--link-gbit` positive
+    (`parser.error` names the flag, the value and a valid choice)."""
+    for spec in clusters:
+        if spec not in layouts:
+            parser.error(f"--cluster: {spec} is not a layout here; give one of {', '.join(layouts)}")
+    if any(not rate > 0 for rate in rates):
+        parser.error(f"--link-gbit: {rates} must be positive rates in Gbit/s, e.g. 0.5 1 2.5")
+
+
 def torchrun_argv(cluster: EmulatedCluster, node: int, procs_per_node: int, port: int, script: list[str]):
     """torchrun of `script` (a path and its arguments) as node `node` of `cluster`."""
     return [

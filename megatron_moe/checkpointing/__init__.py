@@ -14,7 +14,7 @@ pointer moved), then publishes the pointer: a save killed at any point leaves a
 loadable checkpoint that the pointer finds. Without a pointer, `--load` takes the
 newest complete `iter_*` (never starts from scratch over them). Loading verifies
 the checksums and compares the model's shapes and vocabulary before any tensor. Sharded tensors are resharded by
-dist_checkpointing on load, so a checkpoint loads into any TP/PP/EP layout.
+dist_checkpointing on load, so a checkpoint loads into any TP/PP/EP/ESP layout.
 Each rank's RNG states are restored when the layout is the same.
 """
 
@@ -85,6 +85,7 @@ def _layout() -> dict[str, int]:
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "esp": parallel_state.get_expert_tensor_parallel_world_size(),
     }
 
 
@@ -387,7 +388,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     common = dist_checkpointing.load_common_state_dict(path)
     check_compatible(common["config"], cfg, path)
     check_vocab_size(common.get("vocab_size"), model, path)
-    same_layout = common["layout"] == _layout()
+    same_layout = {"esp": 1, **common["layout"]} == _layout()  # saved before ESP: expert-TP 1
     with_optimizer = not cfg.checkpoint.no_load_optim and common["has_optimizer"]
     saved_distributed = common["distributed_optimizer"]
     if with_optimizer and saved_distributed != cfg.parallel.use_distributed_optimizer:

@@ -4,10 +4,14 @@
 
 - moe.py: `dispatch_all_to_all`, `combine_all_to_all` (async, differentiable:
   the backward's reverse all-to-all goes through `issue` too, same kind,
-  `backward=True`), their planning `exchange_counts` and `agree_capacity`, and
+  `backward=True`), the expert-sharded `esp_all_gather` / `esp_reduce_scatter`
+  (kinds `esp_ag` / `esp_rs`, likewise differentiable), their planning
+  `exchange_counts`, `esp_gather_counts` and `agree_capacity`, and
   `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
 - training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
   (preemption), `barrier(purpose)` (checkpoint save and publish, shutdown).
+- profiling.py: the cost-model profiler's timed traffic (all-to-all, the ESP
+  all-gather / reduce-scatter in their gloo form, all-reduce) and its agreement.
 
 `core.issue` is the choke point; tests/unit/test_comm_choke_point.py fails on a
 torch.distributed collective anywhere else in megatron_moe. megatron-core's own
@@ -33,6 +37,9 @@ from megatron_moe.comm.moe import (
     agree_capacity,
     combine_all_to_all,
     dispatch_all_to_all,
+    esp_all_gather,
+    esp_gather_counts,
+    esp_reduce_scatter,
     exchange_counts,
     sum_across_shards,
 )
@@ -52,6 +59,9 @@ __all__ = [
     "barrier",
     "combine_all_to_all",
     "dispatch_all_to_all",
+    "esp_all_gather",
+    "esp_gather_counts",
+    "esp_reduce_scatter",
     "exchange_counts",
     "group_size",
     "is_distributed",

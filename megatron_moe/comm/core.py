@@ -21,10 +21,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-KINDS = ("a2a_dispatch", "a2a_combine", "dp_grad_reduce", "tp", "pp_p2p", "other")
-"""What a collective is for, as the timers group them. MoE dispatch/combine are counted forward and
-backward separately (`Collective.backward`); `dp_grad_reduce` and `pp_p2p` are issued by megatron-core
-(README.md in this folder)."""
+KINDS = ("a2a_dispatch", "a2a_combine", "esp_ag", "esp_rs", "dp_grad_reduce", "tp", "pp_p2p", "other")
+"""What a collective is for, as the timers group them. MoE dispatch/combine and the expert-sharded all-gather
+(`esp_ag`) / reduce-scatter (`esp_rs`) are counted forward and backward separately (`Collective.backward`);
+`dp_grad_reduce` and `pp_p2p` are issued by megatron-core (README.md in this folder)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +194,10 @@ def is_distributed() -> bool:
 class CommHandle:
     """A started collective; `wait()` finishes it and returns its (post-processed) result."""
 
-    def __init__(self, result, work=None, keepalive=(), then: Callable | None = None):
+    def __init__(self, result, work=None, keepalive=(), then: Callable | None = None, record=None):
         self._result, self._work, self._keepalive, self._then = result, work, keepalive, then
+        self.record: Collective | None = record
+        """The collective it finishes, when its caller says (what `BackwardOverlap.run_under` is given)."""
 
     def wait(self):
         if self._work is not None:

@@ -1,6 +1,7 @@
-"""The MoE layer's collectives: dispatch and combine all-to-alls, their planning, router statistics under SP.
+"""The MoE layer's collectives: dispatch and combine all-to-alls, the expert-sharded (ESP) all-gather and
+reduce-scatter, their planning, router statistics under SP.
 
-Legend: G = EP group size, L = local experts, R = rows, H = hidden.
+Legend: G = EP group size, L = local experts, P = ESP group size, R = rows, H = hidden.
 
 The all-to-alls are autograd functions whose backward is the reverse
 all-to-all, recorded under the same kind with `backward=True`. They can start
@@ -69,7 +70,8 @@ def _all_to_all(x, out_splits, in_splits, group, record: Collective, async_op: b
     works = [] if async_op else None
     out = _AllToAll.apply(x, list(out_splits), list(in_splits), group, record, works, overlap)
     # The input must outlive an asynchronous send: the handle holds it until wait().
-    return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then)
+    record = dataclasses.replace(record, nbytes=nbytes(x))
+    return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then, record=record)
 
 
 def dispatch_all_to_all(
@@ -82,11 +84,13 @@ def dispatch_all_to_all(
     async_op: bool = True,
     then: Callable | None = None,
     overlap: BackwardOverlap | None = None,
+    backward: bool = False,
 ) -> CommHandle:
     """Send rows to the EP ranks that own their experts (`in_splits[g]` rows to rank g, `out_splits[g]`
     from it); differentiable; `then` post-processes the received rows on wait(); `overlap` runs work under
-    the backward's reverse all-to-all."""
-    record = Collective("a2a_dispatch", "dispatch_all_to_all", group, layer)
+    the backward's reverse all-to-all. `backward=True`: the call is a hand-written backward schedule's (inside
+    an autograd Function's backward, no graph made), recorded as the backward pass's."""
+    record = Collective("a2a_dispatch", "dispatch_all_to_all", group, layer, backward=backward)
     return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap)
 
 
@@ -100,10 +104,117 @@ def combine_all_to_all(
     async_op: bool = False,
     then: Callable | None = None,
     overlap: BackwardOverlap | None = None,
+    backward: bool = False,
 ) -> CommHandle:
-    """Send expert outputs back to the ranks their tokens came from; differentiable."""
-    record = Collective("a2a_combine", "combine_all_to_all", group, layer)
+    """Send expert outputs back to the ranks their tokens came from; differentiable. `backward`: as for
+    `dispatch_all_to_all`."""
+    record = Collective("a2a_combine", "combine_all_to_all", group, layer, backward=backward)
     return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap)
+
+
+def _native_esp(group, sizes: list[int]) -> bool:
+    """Use all_gather_into_tensor / reduce_scatter_tensor: equal blocks on a backend that has them (gloo has no
+    reduce_scatter and no uneven all_gather: there both go through all_to_all_single)."""
+    return len(set(sizes)) == 1 and dist.get_backend(group) != "gloo"
+
+
+class _NativeGather(torch.autograd.Function):
+    """Equal blocks: all-gather forward, reduce-scatter backward (`gather`), or the reverse (not `gather`)."""
+
+    @staticmethod
+    def forward(ctx, x, group, record: Collective, works, gather: bool):
+        ctx.group, ctx.record, ctx.gather = group, record, gather
+        return _native(x, group, record, works, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reverse = dataclasses.replace(ctx.record, backward=True)
+        return _native(grad.contiguous(), ctx.group, reverse, None, not ctx.gather), None, None, None, None
+
+
+def _native(x, group, record: Collective, works, gather: bool) -> torch.Tensor:
+    """all_gather_into_tensor (`gather`) or reduce_scatter_tensor; asynchronous when `works` is a list."""
+    p = group_size(group)
+    out = x.new_empty((x.shape[0] * p if gather else x.shape[0] // p, *x.shape[1:]))
+    async_op, record = works is not None, dataclasses.replace(record, nbytes=nbytes(x))
+    if gather:
+        work = issue(record, lambda: dist.all_gather_into_tensor(out, x, group=group, async_op=async_op))
+    else:
+        work = issue(record, lambda: dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op))
+    if async_op:
+        works.append(work)
+    return out
+
+
+def _sum_blocks(parts_RH: torch.Tensor, p: int) -> torch.Tensor:
+    """[P x n, H] -> [n, H]: the P blocks added in rank order 0..P-1 (the same bits on every rank)."""
+    blocks = parts_RH.view(p, -1, *parts_RH.shape[1:]).unbind(0)
+    total = blocks[0]
+    for block in blocks[1:]:
+        total = total + block
+    return total
+
+
+def esp_all_gather(
+    rows_RH: torch.Tensor,
+    sizes: list[int],
+    group,
+    *,
+    layer: int | None = None,
+    async_op: bool = True,
+    backward: bool = False,
+) -> CommHandle:
+    """Expert-sharded parallelism: rank p of `group` contributes its `sizes[p]` rows; `wait()` gives the
+    concatenation over p [sum(sizes), H]. Differentiable: the backward is a reduce-scatter-v (each rank gets
+    its own block of the gradient, summed over the group), recorded as `esp_ag` with `backward=True`.
+    `backward=True` marks a call made inside a hand-written backward schedule."""
+    record = Collective("esp_ag", "esp_all_gather", group, layer, backward=backward)
+    rows_RH = rows_RH.contiguous()
+    works = [] if async_op else None
+    if _native_esp(group, sizes):
+        out = _NativeGather.apply(rows_RH, group, record, works, True)
+        return CommHandle(out, works[0] if works else None, keepalive=(rows_RH,))
+    # all_to_all_single: my rows to every peer (the copies' gradients add up in backward: the reduce part).
+    p, rank = group_size(group), dist.get_rank(group)
+    sent_RH = rows_RH.repeat(p, *([1] * (rows_RH.dim() - 1)))
+    out = _AllToAll.apply(sent_RH, list(sizes), [sizes[rank]] * p, group, record, works, None)
+    return CommHandle(out, works[0] if works else None, keepalive=(sent_RH,))
+
+
+def esp_reduce_scatter(
+    rows_RH: torch.Tensor,
+    sizes: list[int],
+    group,
+    *,
+    layer: int | None = None,
+    async_op: bool = True,
+    backward: bool = False,
+) -> CommHandle:
+    """Expert-sharded parallelism: `rows_RH` [sum(sizes), H] holds partial sums on every rank of `group`;
+    `wait()` gives this rank's block summed over the group [sizes[rank], H] (blocks added in rank order).
+    Differentiable: the backward is an all-gather-v, recorded as `esp_rs` with `backward=True`."""
+    record = Collective("esp_rs", "esp_reduce_scatter", group, layer, backward=backward)
+    rows_RH = rows_RH.contiguous()
+    works = [] if async_op else None
+    if _native_esp(group, sizes):
+        out = _NativeGather.apply(rows_RH, group, record, works, False)
+        return CommHandle(out, works[0] if works else None, keepalive=(rows_RH,))
+    # all_to_all_single: block p to rank p; then this rank's P received parts added up on wait().
+    p, rank = group_size(group), dist.get_rank(group)
+    out = _AllToAll.apply(rows_RH, [sizes[rank]] * p, list(sizes), group, record, works, None)
+    return CommHandle(
+        out, works[0] if works else None, keepalive=(rows_RH,), then=lambda parts_RH: _sum_blocks(parts_RH, p)
+    )
+
+
+def esp_gather_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:
+    """Dispatch planning under ESP: every ESP peer's [G, L] received counts, [P, G, L] (stays on the device)."""
+    counts_GL = counts_GL.contiguous()
+    p = group_size(group)
+    out = counts_GL.new_empty((p, *counts_GL.shape))
+    record = Collective("esp_ag", "esp_gather_counts", group, layer, nbytes=nbytes(counts_GL))
+    issue(record, lambda: dist.all_to_all_single(out, counts_GL.expand(p, *counts_GL.shape).contiguous(), group=group))
+    return out
 
 
 def exchange_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:

@@ -30,18 +30,24 @@ SUMMARY_KINDS = (
     "a2a_dispatch_bwd",
     "a2a_combine",
     "a2a_combine_bwd",
+    "esp_ag",
+    "esp_ag_bwd",
+    "esp_rs",
+    "esp_rs_bwd",
     "dp_grad_reduce",
     "tp",
     "pp_p2p",
     "other",
 )
-"""The kinds a summary reports: `KINDS`, with the MoE all-to-alls' backward (`Collective.backward`) apart."""
+"""The kinds a summary reports: `KINDS`, with the backward (`Collective.backward`) of the MoE all-to-alls and
+of the expert-sharded all-gather / reduce-scatter apart."""
 assert set(KINDS) <= set(SUMMARY_KINDS)
 
 
 def summary_kind(collective: Collective) -> str:
-    """`a2a_dispatch` -> `a2a_dispatch_bwd` for the reverse all-to-all of the backward pass."""
-    backward = collective.backward and collective.kind.startswith("a2a_")
+    """`a2a_dispatch` -> `a2a_dispatch_bwd` for the reverse all-to-all of the backward pass (`esp_ag`,
+    `esp_rs` likewise)."""
+    backward = collective.backward and collective.kind.startswith(("a2a_", "esp_"))
     return f"{collective.kind}_bwd" if backward else collective.kind
 
 

@@ -13,7 +13,7 @@ import dataclasses
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require, require_fraction, require_non_negative, require_positive
-from megatron_moe.config.moe_layer import GATES, ORDERINGS, MoELayerConfig
+from megatron_moe.config.moe_layer import GATES, ORDERINGS, MoELayerConfig, parse_degree
 
 MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 """megatron-core's MoE layer's --moe-router-load-balancing-type choices (as this CLI offers them)."""
@@ -134,6 +134,25 @@ class MoEConfig:
     moe_shared_expert_ffn_hidden_size: int | None = arg(
         None, "width of a dense MLP beside the experts (unset: none)", applies=only.OUR_MOE
     )
+    moe_pipeline_degree: str = arg(
+        "1",
+        "FSMoE's pipeline: the dispatched rows in this many chunks in forward, chunk i's experts running while "
+        "chunk i+1's all-to-all is in flight; an integer >= 1 (1: not pipelined) or auto (the cost model's choice; "
+        "not the default yet: its predictions are short of the measured layer times, README)",
+        applies=only.OUR_MOE,
+    )
+    moe_bp_pipeline_degree: str = arg(
+        "1",
+        "the pipeline's chunks in backward (its own schedule): an integer >= 1 or auto",
+        applies=only.OUR_MOE,
+    )
+    moe_cost_profile: str | None = arg(
+        None,
+        "FSMoE's cost-model fits (JSON; tools/profile_cluster.py writes one) that resolve the pipeline degrees' "
+        "auto: loaded when the cluster it describes is this run's, else measured at start-up and saved there "
+        "(unset: <--save>/cost_profile.json, or measured and not saved without --save)",
+        applies=only.OUR_MOE,
+    )
     moe_normalize_topk: bool = arg(True, "rescale the k chosen gate scores to sum to 1", applies=only.NORMALIZING)
     moe_router_dim: int | None = arg(
         None, "projection width of the xmoe/cosine gates (default 16 / 256)", applies=only.PROJECTING
@@ -218,6 +237,8 @@ class MoEConfig:
             normalize_topk=self.moe_normalize_topk,
             router_dim=self.moe_router_dim,
             soft_slots=self.moe_soft_slots,
+            pipeline_degree=parse_degree(self.moe_pipeline_degree),
+            bp_pipeline_degree=parse_degree(self.moe_bp_pipeline_degree),
             init_method_std=model.init_method_std,
         )
 
@@ -281,7 +302,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = arg(1, "PP: pipeline stages")
     expert_model_parallel_size: int = arg(1, "EP: ranks that split the experts", applies=only.MOE)
     expert_tensor_parallel_size: int | None = arg(
-        None, "TP inside experts: only 1 until expert-sharded parallelism (default 1)", applies=only.MOE
+        None,
+        "ESP (expert-sharded parallelism, megatron-core's expert tensor parallelism): ranks that split each "
+        "expert's FFN width, consecutive ranks (inside a node); tokens are all-gathered over them before the "
+        "experts and reduce-scattered after, the EP all-to-all runs between these groups (default 1)",
+        applies=only.MOE,
     )
     context_parallel_size: int = arg(1, "CP: ranks that split the sequence in attention")
     sequence_parallel: bool = arg(
@@ -359,12 +384,19 @@ class ParallelConfig:
         )
         if moe.is_moe:
             etp = self.expert_tensor_parallel_size or 1
+            ffn = moe.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
             require(
-                etp == 1,
+                ffn % etp == 0,
                 "--expert-tensor-parallel-size",
                 etp,
-                "use 1: experts are not sharded over tensor-parallel ranks yet (nor are their gradients summed "
-                "over them); expert tensor parallelism arrives with expert-sharded parallelism",
+                f"must divide the experts' width --moe-ffn-hidden-size={ffn} (each expert's FFN is split over it), "
+                f"e.g. {next(d for d in range(etp, 0, -1) if ffn % d == 0)}",
+            )
+            require(
+                etp == 1 or moe.own_layer,
+                "--expert-tensor-parallel-size",
+                etp,
+                "use 1 with --moe-layer-impl mcore (expert-sharded parallelism is megatron_moe's layer's)",
             )
             require(
                 moe.num_experts % ep == 0,

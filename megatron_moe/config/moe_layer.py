@@ -22,12 +22,22 @@ ORDERINGS = ("sparse", "dense")
 EXPERT_TYPES = ("gelu", "swiglu")
 LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "none")
 """Our layer's --moe-router-load-balancing-type choices (megatron-core's seq_aux_loss is not implemented)."""
+AUTO = "auto"
+"""A pipeline degree the training set-up chooses (the cost model's solver)."""
 
 
 class MoEConfigError(ConfigError):
     """A MoE setting that cannot work; the message names the flag, its value and a valid choice.
 
     A `ConfigError`, so `pretrain_gpt_moe.py` reports it like any bad flag."""
+
+
+def parse_degree(text: str | int) -> int | str:
+    """A pipeline degree flag's value: "auto", or the integer it spells (left as given when it spells none, for
+    `validate()` to name)."""
+    if isinstance(text, str) and text.strip().lstrip("-").isdigit():
+        return int(text)
+    return text
 
 
 def _flag(flag: str, default: Any = dataclasses.MISSING):
@@ -77,6 +87,11 @@ class MoELayerConfig:
     """Projection width of the xmoe/cosine gates (default 16 for xmoe, 256 for cosine)."""
     soft_slots: int = _flag("--moe-soft-slots", 1)
     """Slots per expert of the soft gate."""
+    pipeline_degree: int | str = _flag("--moe-pipeline-degree", 1)
+    """Forward chunks r_f of the dispatch -> experts -> combine pipeline (`megatron_moe.moe.pipeline`): an int
+    >= 1 (1: not pipelined) or "auto" (the training set-up's choice; 1 until one is made)."""
+    bp_pipeline_degree: int | str = _flag("--moe-bp-pipeline-degree", 1)
+    """Backward chunks r_b of the pipeline, its own schedule: an int >= 1 or "auto"."""
     init_method_std: float = 0.02
     """Std of the normal init of router and expert weights (output projections scaled by the caller)."""
 
@@ -108,7 +123,7 @@ class MoELayerConfig:
             spec = next(f for f in dataclasses.fields(self) if f.name == field)
             raise MoEConfigError(f"{flag_name(spec)}={getattr(self, field)}: {expected}")
 
-    def validate(self, ep_size: int = 1) -> MoELayerConfig:
+    def validate(self, ep_size: int = 1, esp_size: int = 1) -> MoELayerConfig:
         """Check every field; returns self so a spec can validate inline."""
         r = self._require
         r(self.num_experts > 0, "num_experts", "must be positive")
@@ -132,6 +147,12 @@ class MoELayerConfig:
             )
         r(self.num_experts % ep_size == 0, "num_experts", f"must be a multiple of the expert-parallel size {ep_size}")
         r(self.hidden_size > 0 and self.ffn_hidden_size > 0, "ffn_hidden_size", "hidden and ffn sizes must be positive")
+        r(
+            self.ffn_hidden_size % esp_size == 0,
+            "ffn_hidden_size",
+            f"must be a multiple of --expert-tensor-parallel-size={esp_size} (each expert's width is split over "
+            f"it), e.g. {esp_size * max(1, self.ffn_hidden_size // esp_size)}",
+        )
         if self.shared_expert_ffn_hidden_size is not None:
             r(
                 self.shared_expert_ffn_hidden_size > 0,
@@ -142,4 +163,7 @@ class MoELayerConfig:
         r(self.z_loss_coeff >= 0, "z_loss_coeff", "must be >= 0")
         r(self.router_dim is None or self.router_dim > 0, "router_dim", "must be positive")
         r(self.soft_slots > 0, "soft_slots", "must be positive")
+        for field in ("pipeline_degree", "bp_pipeline_degree"):
+            value = getattr(self, field)
+            r(value == AUTO or (type(value) is int and value >= 1), field, f'"{AUTO}" or an integer >= 1, e.g. 2')
         return self

@@ -76,7 +76,10 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
+        # The ESP group comes from parallel_state (training/initialize.py). megatron-core's modules read this
+        # field only to refuse biases in its own MoE layer with ESP > 1; ours has no expert biases, and
+        # --moe-layer-impl mcore with ESP > 1 is refused by the config.
+        expert_tensor_parallel_size=1,
         context_parallel_size=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel,
         use_cpu_initialization=on_cpu,

@@ -1,7 +1,7 @@
 """Dispatch and Combine: move expert-major rows to the EP rank that owns each expert and back.
 
 Legend: G = EP group size, E = experts (global), L = local experts (E / G),
-C = capacity, R = rows, H = hidden.
+P = expert-sharded (ESP) group size, C = capacity, R = rows, H = hidden.
 
 A dispatcher sees rows grouped by global expert with `counts[e]` rows for
 expert e (expert e lives on EP rank e // L). Planning and moving are apart, so
@@ -9,7 +9,8 @@ that the layer waits for the device once per forward (`MoELayer.plan`):
 
 1. in planning, on the device: `agree_capacity` (one C for the EP group when
    the layout needs it) and `exchange_counts` (what the other ranks send this
-   one, when the layout needs it); neither reads anything on the host;
+   one, and under ESP what every ESP peer received, when the layout needs it);
+   neither reads anything on the host;
 2. the layer reads their results with its own counts in ONE device->host copy,
    and `plan_dispatch` turns those host values into a `DispatchPlan` (split
    sizes, row permutations);
@@ -19,8 +20,15 @@ that the layer waits for the device once per forward (`MoELayer.plan`):
    device. Dispatch starts its all-to-all asynchronously; the layer does
    independent work (the shared expert) before waiting.
 
-A later hierarchical (2DH) or expert-sharded dispatcher implements the same
-methods. Every collective goes through `megatron_moe.comm`.
+Expert-sharded parallelism (ESP, megatron-core's expert tensor parallelism): the
+P ranks of an ESP group (inside a node) hold the same experts, each a 1/P slice
+of every expert's FFN width. Dispatch is then
+1. the EP all-to-all between ESP groups: this rank receives (source g, local expert l) blocks;
+2. the ESP all-gather of those blocks unchanged: (p, g, l) blocks, every peer's in turn;
+3. ONE permutation (p, g, l) -> (l, p, g): each local expert's rows together for the grouped GEMM;
+and combine the reverse: the inverse permutation, the ESP reduce-scatter (the
+experts' outputs are partial sums over the F slices), the all-to-all back.
+Every collective goes through `megatron_moe.comm`.
 """
 
 from __future__ import annotations
@@ -46,8 +54,20 @@ class DispatchPlan:
     capacity: int | None = None
     """Rows per (source rank, expert) when padded."""
     to_expert: torch.Tensor | None = None
-    """Received row permutation (source, expert) -> (expert, source); None when not needed."""
+    """Received row permutation ((ESP peer,) source, expert) -> (expert, (ESP peer,) source); None when not
+    needed."""
     to_source: torch.Tensor | None = None
+    send_GL: list[list[int]] = dataclasses.field(default_factory=list)
+    """Rows this rank sends to each (destination g, its local expert l) [G][L]."""
+    received_GL: list[list[int]] = dataclasses.field(default_factory=list)
+    """Rows this rank receives from each (source g, local expert l) [G][L] (padded: all C)."""
+    esp_received_PGL: list[list[list[int]]] | None = None
+    """Every ESP peer's `received_GL` [P][G][L]; None without ESP."""
+
+    @property
+    def esp_splits(self) -> list[int]:
+        """Rows each ESP peer contributes to the all-gather [P] (its received rows)."""
+        return [sum(map(sum, received_GL)) for received_GL in self.esp_received_PGL]
 
 
 @dataclasses.dataclass
@@ -61,27 +81,38 @@ class Dispatched:
 
 
 class Dispatcher(abc.ABC):
-    """Moves rows to expert owners (dispatch) and back (combine) over the EP group."""
+    """Moves rows to expert owners (dispatch) and back (combine) over the EP group, and under ESP over the ESP
+    group."""
 
     needs_padding: bool = False
     """True when every expert must get the same number of rows from every rank (capacity-padded)."""
 
-    def __init__(self, group, num_experts: int, *, layer: int | None = None):
+    def __init__(self, group, num_experts: int, *, layer: int | None = None, esp_group=None):
         self.group = group
         self.group_size = comm.group_size(group)
         assert num_experts % self.group_size == 0, (num_experts, self.group_size)
         self.num_local_experts = num_experts // self.group_size
+        self.esp_group = esp_group
+        self.esp_size = comm.group_size(esp_group)
+        self.esp_rank = 0 if self.esp_size == 1 else torch.distributed.get_rank(esp_group)
         self.layer = layer
         """The MoE layer's number, named in its collectives' records (timers, watchdog)."""
         self.backward_overlap: comm.BackwardOverlap | None = None
         """Work to run under the backward all-to-alls (Lancet's weight-gradient queue, `megatron_moe.overlap`)."""
 
+    @property
+    def moves_rows(self) -> bool:
+        """False in a single process: no EP and no ESP, the rows stay where they are."""
+        return self.group_size > 1 or self.esp_size > 1
+
     def agree_capacity(self, capacity_1: torch.Tensor) -> torch.Tensor:
-        """One capacity for the whole EP group when the layout needs it (the group maximum); long [1], on the
-        device."""
+        """One capacity for the whole EP group, and under ESP for every EP group of the ESP peers too (their
+        received blocks are gathered as one [P, G, L, C] layout), when the layout needs it (the maximum); long
+        [1], on the device."""
         if not self.needs_padding:
             return capacity_1
-        return comm.agree_capacity(capacity_1, self.group, layer=self.layer)
+        capacity_1 = comm.agree_capacity(capacity_1, self.group, layer=self.layer)
+        return comm.agree_capacity(capacity_1, self.esp_group, layer=self.layer)
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor | None:
         """Start what planning needs from the other ranks, given the rows this rank sends each expert (long [E],
@@ -89,19 +120,40 @@ class Dispatcher(abc.ABC):
         return None
 
     def _send(self, rows_RH: torch.Tensor, plan: DispatchPlan, regroup) -> comm.CommHandle:
-        """The dispatch all-to-all of `plan`; `regroup` lays out the received rows on wait()."""
+        """The dispatch of `plan`; `regroup` lays out this rank's received rows in (ESP peer, source, expert)
+        order on wait().
+
+        1. the EP all-to-all (none when G = 1);
+        2. under ESP, the all-gather of the received rows over the ESP group (on wait: it needs them);
+        3. `regroup`.
+        """
+
+        def gathered(received_RH):
+            if self.esp_size == 1:
+                return regroup(received_RH)
+            handle = comm.esp_all_gather(received_RH, plan.esp_splits, self.esp_group, layer=self.layer)
+            return regroup(handle.wait())
+
+        if self.group_size == 1:  # ESP only: the all-gather starts now, under the layer's independent work
+            handle = comm.esp_all_gather(rows_RH, plan.esp_splits, self.esp_group, layer=self.layer)
+            return comm.CommHandle(handle, then=lambda h: regroup(h.wait()))
         return comm.dispatch_all_to_all(
             rows_RH,
             plan.recv_splits,
             plan.send_splits,
             self.group,
             layer=self.layer,
-            then=regroup,
+            then=gathered,
             overlap=self.backward_overlap,
         )
 
     def _send_back(self, rows_RH: torch.Tensor, plan: DispatchPlan) -> comm.CommHandle:
-        """The combine all-to-all of `plan`: rows back to the ranks they came from."""
+        """The combine of `plan`, given rows in (ESP peer, source, expert) order: under ESP the reduce-scatter of
+        the partial sums over the ESP group, then the all-to-all back to the ranks they came from."""
+        if self.esp_size > 1:
+            rows_RH = comm.esp_reduce_scatter(rows_RH, plan.esp_splits, self.esp_group, layer=self.layer).wait()
+        if self.group_size == 1:
+            return comm.CommHandle(rows_RH)
         return comm.combine_all_to_all(
             rows_RH, plan.send_splits, plan.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
         )
@@ -130,39 +182,49 @@ class PaddedAllToAll(Dispatcher):
     def plan_dispatch(self, counts, received_D=None, received=None):
         capacity = counts[0]
         assert all(c == capacity for c in counts), "the padded all-to-all needs equal counts"
-        g, l = self.group_size, self.num_local_experts
+        g, l, p = self.group_size, self.num_local_experts, self.esp_size
         splits = [l * capacity] * g
-        return DispatchPlan(splits, splits, [capacity * g] * l, capacity=capacity)
+        blocks_GL = [[capacity] * l for _ in range(g)]
+        return DispatchPlan(
+            splits,
+            splits,
+            [capacity * g * p] * l,
+            capacity=capacity,
+            send_GL=blocks_GL,
+            received_GL=blocks_GL,
+            esp_received_PGL=[blocks_GL] * p if p > 1 else None,
+        )
 
     def dispatch(self, rows_RH, plan):
-        if self.group_size == 1:
+        if not self.moves_rows:
             return comm.CommHandle(Dispatched(rows_RH, plan.local_counts, plan))
-        g, l, h, capacity = self.group_size, self.num_local_experts, rows_RH.shape[1], plan.capacity
+        x, l, h, capacity = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1], plan.capacity
 
         def regroup(received):
-            # 1. received [G(source), L, C, H]; 2. each local expert's rows from all sources together.
-            rows = received.view(g, l, capacity, h).transpose(0, 1).reshape(-1, h)
+            # 1. received [X = (ESP peer, source), L, C, H]; 2. each local expert's rows from all of X together.
+            rows = received.view(x, l, capacity, h).transpose(0, 1).reshape(-1, h)
             return Dispatched(rows, plan.local_counts, plan)
 
         return self._send(rows_RH, plan, regroup)
 
     def combine(self, rows_RH, dispatched):
-        if self.group_size == 1:
+        if not self.moves_rows:
             return comm.CommHandle(rows_RH)
         plan: DispatchPlan = dispatched.state
-        g, l, h = self.group_size, self.num_local_experts, rows_RH.shape[1]
-        # 1. [L, G, C, H] -> [G(destination), L, C, H]; 2. all-to-all back to the sources.
-        rows = rows_RH.view(l, g, plan.capacity, h).transpose(0, 1).reshape(-1, h)
+        x, l, h = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1]
+        # 1. [L, X, C, H] -> [X = (ESP peer, destination), L, C, H]; 2. reduce-scatter and all-to-all back.
+        rows = rows_RH.view(l, x, plan.capacity, h).transpose(0, 1).reshape(-1, h)
         return self._send_back(rows, plan)
 
 
-def _chunk_permutation(sizes_GL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row permutation taking chunks in (source, expert) order to (expert, source) order, and back.
+def _chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row permutation taking chunks in (x, expert) order to (expert, x) order, and back; x = source, or under
+    ESP (ESP peer, source) (X = P x G).
 
-    `num_rows` (= sizes_GL.sum(), known on the host) sizes the output, so nothing waits for the device.
+    `num_rows` (= sizes_XL.sum(), known on the host) sizes the output, so nothing waits for the device.
     """
-    g, l = sizes_GL.shape
-    sizes = sizes_GL.reshape(-1)
+    g, l = sizes_XL.shape
+    sizes = sizes_XL.reshape(-1)
     starts_in = torch.cumsum(sizes, 0) - sizes
     chunk_ids = torch.arange(g * l, device=sizes.device).view(g, l).t().reshape(-1)
     sizes_out = sizes.index_select(0, chunk_ids)
@@ -177,41 +239,57 @@ class AllToAllV(Dispatcher):
     """Irregular all-to-all: exchange per-expert counts in planning, then send exactly the routed rows."""
 
     def exchange_counts(self, counts_E):
-        if self.group_size == 1:
+        if not self.moves_rows:
             return None
-        # Rank r learns how many rows each source sends to each of its experts.
+        # 1. rank r learns how many rows each source sends to each of its experts [G, L];
+        # 2. under ESP, every ESP peer's [G, L] as well [P, G, L] (the all-gather's and the permutation's sizes).
         counts_GL = counts_E.view(self.group_size, self.num_local_experts)
-        return comm.exchange_counts(counts_GL, self.group, layer=self.layer)
+        if self.group_size > 1:
+            counts_GL = comm.exchange_counts(counts_GL, self.group, layer=self.layer)
+        if self.esp_size == 1:
+            return counts_GL
+        return comm.esp_gather_counts(counts_GL, self.esp_group, layer=self.layer)
 
     def plan_dispatch(self, counts, received_D, received):
-        if self.group_size == 1:
-            return DispatchPlan([sum(counts)], [sum(counts)], list(counts))
-        g, l = self.group_size, self.num_local_experts
-        recv_GL = [received[i * l : (i + 1) * l] for i in range(g)]
-        send_splits = [sum(counts[i * l : (i + 1) * l]) for i in range(g)]
-        recv_splits = [sum(row) for row in recv_GL]
-        to_expert, to_source = (None, None) if l == 1 else _chunk_permutation(received_D, sum(recv_splits))
-        local_counts = [sum(column) for column in zip(*recv_GL)]
-        return DispatchPlan(send_splits, recv_splits, local_counts, to_expert=to_expert, to_source=to_source)
+        g, l, p = self.group_size, self.num_local_experts, self.esp_size
+        send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
+        if not self.moves_rows:
+            return DispatchPlan([sum(counts)], [sum(counts)], list(counts), send_GL=send_GL, received_GL=send_GL)
+        blocks = [received[i * l : (i + 1) * l] for i in range(p * g)]  # [(ESP peer,) source] x [L]
+        esp_received_PGL = [blocks[q * g : (q + 1) * g] for q in range(p)] if p > 1 else None
+        received_GL = blocks if p == 1 else esp_received_PGL[self.esp_rank]
+        local_counts = [sum(column) for column in zip(*blocks)]
+        to_expert, to_source = (None, None) if l == 1 else _chunk_permutation(received_D.view(-1, l), sum(local_counts))
+        return DispatchPlan(
+            [sum(row) for row in send_GL],
+            [sum(row) for row in received_GL],
+            local_counts,
+            to_expert=to_expert,
+            to_source=to_source,
+            send_GL=send_GL,
+            received_GL=received_GL,
+            esp_received_PGL=esp_received_PGL,
+        )
 
     def dispatch(self, rows_RH, plan):
-        if self.group_size == 1:
+        if not self.moves_rows:
             return comm.CommHandle(Dispatched(rows_RH, plan.local_counts, plan))
 
         def regroup(received):
-            # The exact rows arrive in (source, expert) chunks: regroup them into (expert, source).
+            # The exact rows arrive in ((ESP peer,) source, expert) chunks: regroup them into (expert, ...).
             rows = received if plan.to_expert is None else received.index_select(0, plan.to_expert)
             return Dispatched(rows, plan.local_counts, plan)
 
         return self._send(rows_RH, plan, regroup)
 
     def combine(self, rows_RH, dispatched):
-        if self.group_size == 1:
+        if not self.moves_rows:
             return comm.CommHandle(rows_RH)
         plan: DispatchPlan = dispatched.state
         rows = rows_RH if plan.to_source is None else rows_RH.index_select(0, plan.to_source)
         return self._send_back(rows, plan)
 
 
-def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None) -> Dispatcher:
-    return {"alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name](group, num_experts, layer=layer)
+def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None, esp_group=None) -> Dispatcher:
+    dispatcher = {"alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
+    return dispatcher(group, num_experts, layer=layer, esp_group=esp_group)

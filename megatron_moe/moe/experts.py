@@ -1,7 +1,8 @@
 """Expert: the local experts' computation on rows grouped by expert.
 
 Legend: L = local experts, R = rows (all local experts), C = rows per expert
-when padded, H = hidden, F = expert ffn width (x2 for SwiGLU's gate and up).
+when padded, H = hidden, F = expert ffn width (x2 for SwiGLU's gate and up),
+P = expert-sharded (ESP) group size.
 
 Any `torch.nn.Module` with `num_local_experts` and `forward(rows_RH, counts)`
 is an expert module (`Experts` protocol). Built in:
@@ -14,10 +15,14 @@ is an expert module (`Experts` protocol). Built in:
 - `ModuleListExperts`: wraps one arbitrary module per local expert (a loop;
   for custom experts whose shapes do not batch).
 
-On-disk layout of `FFNExperts`, whatever kernel runs and whatever the EP size:
-`weight1` [E, F (2F for SwiGLU: gate rows then up rows), H] and `weight2`
+On-disk layout of `FFNExperts`, whatever kernel runs and whatever the EP and ESP
+sizes: `weight1` [E, F (2F for SwiGLU: gate rows then up rows), H] and `weight2`
 [E, H, F], i.e. torch Linear's [out, in] per expert, sharded along E with the
-global expert index as the offset, replicated over expert-data-parallel ranks.
+global expert index as the offset, along F by the ESP rank, replicated over
+expert-data-parallel ranks. Under ESP a rank holds weight1 [L, F/P (SwiGLU:
+its F/P gate rows then its F/P up rows), H] and weight2 [L, H, F/P]; its output
+is a partial sum over its slice of F, which the dispatcher's reduce-scatter
+completes.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping
@@ -265,21 +271,26 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         output_init_method: Callable,
         ep_group=None,
         expert_dp_group=None,
+        esp_group=None,
         params_dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         self.num_local_experts, self.gated = num_local_experts, gated
-        self.ep_group, self.expert_dp_group = ep_group, expert_dp_group
-        width = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        self.ep_group, self.expert_dp_group, self.esp_group = ep_group, expert_dp_group, esp_group
+        esp_size = comm.group_size(esp_group)
+        assert ffn_hidden_size % esp_size == 0, (ffn_hidden_size, esp_size)
+        ffn_local = ffn_hidden_size // esp_size  # this ESP rank's slice of every expert's width
+        width = 2 * ffn_local if gated else ffn_local
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, width, hidden_size, dtype=params_dtype))
-        self.weight2 = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden_size, ffn_hidden_size, dtype=params_dtype)
-        )
-        with torch.no_grad():
+        self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden_size, ffn_local, dtype=params_dtype))
+        with torch.no_grad():  # ESP peers draw from different expert-parallel RNG streams: different slices
             for e in range(num_local_experts):
                 init_method(self.weight1[e])
                 output_init_method(self.weight2[e])
         mark_expert_params(self)
+        if esp_size > 1:  # sharded over the ESP group: the grad norm counts every rank's slice
+            set_tensor_model_parallel_attributes(self.weight1, True, 1, 1)
+            set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
         self.region: Callable | None = None
         """Set by an activation policy: region(name, fn, *args) runs fn as expert_fc1/expert_act/expert_fc2."""
         self.keeping: FusedKeeping | None = SAVE_ALL
@@ -310,22 +321,52 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts, at_position(store, 1, 2))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        """weight1/weight2 as ShardedTensors: global expert offset = EP rank x L."""
+        """weight1/weight2 as ShardedTensors: global expert offset = EP rank x L, F offset = ESP rank x F/P
+        (SwiGLU's weight1: its gate and up slices, two fragments of the one [E, 2F, H] tensor, as megatron-core's
+        `apply_swiglu_sharded_factory` saves them)."""
         ep_rank, ep_size = _group_rank(self.ep_group), comm.group_size(self.ep_group)
+        esp_rank, esp_size = _group_rank(self.esp_group), comm.group_size(self.esp_group)
         axis = len(sharded_offsets)
-        # (PP, TP, DP): experts are not TP-split here (expert-TP = 1); copies differ by expert-DP rank.
+        # (PP, TP, DP): the ESP slices are distinct shards, not replicas; copies differ by expert-DP rank.
         replica_id = (0, 0, _group_rank(self.expert_dp_group))
-        return {
-            f"{prefix}{name}": ShardedTensor.from_rank_offsets(
-                f"{prefix}{name}",
-                param,
-                *sharded_offsets,
-                (axis, ep_rank, ep_size),
-                replica_id=replica_id,
-                prepend_axis_num=axis,
+        experts = (axis, ep_rank, ep_size)
+
+        def sharded(key: str, param: torch.Tensor, *f_offsets, replica_id=replica_id) -> ShardedTensor:
+            return ShardedTensor.from_rank_offsets(
+                key, param, *sharded_offsets, experts, *f_offsets, replica_id=replica_id, prepend_axis_num=axis
             )
-            for name, param in (("weight1", self.weight1), ("weight2", self.weight2))
-        }
+
+        out = {}
+        for name, param, f_axis in (("weight1", self.weight1, 1), ("weight2", self.weight2, 2)):
+            key = f"{prefix}{name}"
+            if esp_size == 1:
+                out[key] = sharded(key, param)
+            elif name == "weight1" and self.gated:
+                out[key] = _swiglu_factory(key, param, sharded, (axis + 1, esp_rank, esp_size), replica_id)
+            else:
+                out[key] = sharded(key, param, (axis + f_axis, esp_rank, esp_size))
+        return out
+
+
+def _swiglu_factory(key: str, weight1: torch.Tensor, sharded: Callable, f_offset: tuple, replica_id):
+    """SwiGLU's weight1 slice [L, 2F/P, H] = [gate rows F/P; up rows F/P]: on disk the gate slice p is part p of
+    2P along [E, 2F, H]'s F axis, the up slice part P + p (chunked on save, concatenated on load)."""
+    f_axis, rank, size = f_offset
+
+    @torch.no_grad()
+    def build(key: str, t: torch.Tensor, replica_id, flattened_range):
+        assert flattened_range is None, "the expert weights are not saved flattened"
+        gate, up = torch.chunk(t, 2, dim=1)
+        return [
+            sharded(key, gate, (f_axis, rank, 2 * size), replica_id=replica_id),
+            sharded(key, up, (f_axis, size + rank, 2 * size), replica_id=replica_id),
+        ]
+
+    def merge(parts):
+        with torch.no_grad():
+            return torch.cat(parts, dim=1)
+
+    return ShardedTensorFactory(key, weight1, build, merge, replica_id)
 
 
 class ModuleListExperts(torch.nn.Module):

@@ -14,6 +14,7 @@ from the constructor, else from megatron-core's `parallel_state`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,7 +24,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe import comm
-from megatron_moe.config.moe_layer import MoELayerConfig
+from megatron_moe.config.fields import require
+from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
 from megatron_moe.moe.capacity import expert_capacity
 from megatron_moe.moe.dispatch import Dispatched, DispatchPlan, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
@@ -31,17 +33,26 @@ from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
 from megatron_moe.moe.metrics import AuxLossAutoScaler, MoEStats
 from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, expert_counts, make_plan
+from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shared import SharedExpert
 from megatron_moe.platform import to_host
 from megatron_moe.platform.rng import expert_parallel_stream, rng_tracker
 
+log = logging.getLogger("megatron_moe")
+
 
 def _default_groups():
-    """(EP group, expert-DP group) from megatron-core, or (None, None) in a single process."""
+    """(EP group, expert-DP group, ESP group) from megatron-core, or (None, None, None) in a single process.
+
+    The ESP group is megatron-core's expert tensor parallel group (`--expert-tensor-parallel-size`)."""
     if not parallel_state.model_parallel_is_initialized():
-        return None, None
-    return (parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_data_parallel_group())
+        return None, None, None
+    return (
+        parallel_state.get_expert_model_parallel_group(),
+        parallel_state.get_expert_data_parallel_group(),
+        parallel_state.get_expert_tensor_parallel_group(),
+    )
 
 
 class MoELayer(MegatronModule):
@@ -54,20 +65,29 @@ class MoELayer(MegatronModule):
         *,
         ep_group=None,
         expert_dp_group=None,
+        esp_group=None,
         experts: ModuleSpec | Callable | None = None,
         hooks: Sequence[MoEHook] = (),
         layer_number: int | None = None,
     ):
         super().__init__(config=config)
-        if ep_group is None and expert_dp_group is None:
-            ep_group, expert_dp_group = _default_groups()
-        self.cfg = moe_config.validate(ep_size=comm.group_size(ep_group))
-        self.dispatcher = build_dispatcher(self.cfg.dispatcher, ep_group, self.cfg.num_experts, layer=layer_number)
+        if ep_group is None and expert_dp_group is None and esp_group is None:
+            ep_group, expert_dp_group, esp_group = _default_groups()
+        esp_size = comm.group_size(esp_group)
+        self.cfg = moe_config.validate(ep_size=comm.group_size(ep_group), esp_size=esp_size)
+        if experts is not None and esp_size > 1:
+            raise TypeError(
+                f"custom experts cannot be sharded: --expert-tensor-parallel-size={esp_size} needs the built-in "
+                "experts (FFNExperts); use --expert-tensor-parallel-size 1"
+            )
+        self.dispatcher = build_dispatcher(
+            self.cfg.dispatcher, ep_group, self.cfg.num_experts, layer=layer_number, esp_group=esp_group
+        )
         self.layer_number = layer_number
         self.num_local_experts = self.dispatcher.num_local_experts
         self.gate = build_gate(self.cfg)
         self.ordering = build_ordering(self.cfg.ordering)
-        self.experts = self._build_experts(config, experts, ep_group, expert_dp_group)
+        self.experts = self._build_experts(config, experts, ep_group, expert_dp_group, esp_group)
         self.shared_expert = None
         if self.cfg.shared_expert_ffn_hidden_size:
             self.shared_expert = SharedExpert(
@@ -91,6 +111,10 @@ class MoELayer(MegatronModule):
         self.aux_loss_scale = 1.0
         """Gradient scale of the router losses; the loop sets loss_scale / micro-batches."""
         self._scope = None
+        self._pipeline_degrees: tuple[int, int] | None = None
+        """Set by `set_pipeline_degrees` (the resolved "auto"); None: the config's ints, "auto" as 1."""
+        self._pipeline_notes: set[str] = set()
+        """Why "auto" runs r = 1 here, each said once in the log."""
 
     def use_activation_scope(self, scope) -> None:
         """Run the stages as named regions of an activation policy (`megatron_moe.activations`):
@@ -105,7 +129,7 @@ class MoELayer(MegatronModule):
     def _in_region(self, name: str):
         return contextlib.nullcontext() if self._scope is None else self._scope.region(name)
 
-    def _build_experts(self, config, experts, ep_group, expert_dp_group) -> torch.nn.Module:
+    def _build_experts(self, config, experts, ep_group, expert_dp_group, esp_group) -> torch.nn.Module:
         if experts is not None:
             kwargs = dict(
                 num_local_experts=self.num_local_experts,
@@ -138,8 +162,51 @@ class MoELayer(MegatronModule):
                 output_init_method=config.output_layer_init_method,
                 ep_group=ep_group,
                 expert_dp_group=expert_dp_group,
+                esp_group=esp_group,
                 params_dtype=config.params_dtype,
             )
+
+    def set_pipeline_degrees(self, forward: int, backward: int) -> None:
+        """The pipeline's chunks forward and backward from now on (the training set-up resolves "auto" so)."""
+        for flag, value in (("--moe-pipeline-degree", forward), ("--moe-bp-pipeline-degree", backward)):
+            require(type(value) is int and value >= 1, flag, value, "an integer >= 1 (1: not pipelined)")
+        self._pipeline_degrees = (forward, backward)
+
+    def pipeline_degrees(self) -> tuple[int, int]:
+        """(forward, backward) chunks of the dispatch -> experts -> combine pipeline in this forward; (1, 1):
+        the stages run apart. An explicit degree > 1 that cannot run is an error naming its flag; "auto" is 1
+        there (said once in the log), and 1 until the training set-up resolves it."""
+        configured = (self.cfg.pipeline_degree, self.cfg.bp_pipeline_degree)
+        if self._pipeline_degrees is not None:
+            degrees = self._pipeline_degrees
+        else:
+            degrees = tuple(1 if d == AUTO else d for d in configured)
+            if AUTO in configured:
+                self._note("the pipeline degree auto is not resolved (no cost-model plan): r = 1")
+        blocker = None if degrees == (1, 1) else self._pipeline_blocker()
+        if blocker is None:
+            return degrees
+        for flag, value in (("--moe-pipeline-degree", configured[0]), ("--moe-bp-pipeline-degree", configured[1])):
+            require(value == AUTO or value == 1, flag, value, f"1 or auto: {blocker}")
+        self._note(f"the pipeline degree auto runs r = 1: {blocker}")
+        return 1, 1
+
+    def _pipeline_blocker(self) -> str | None:
+        """Why the pipeline cannot run this layer, or None."""
+        if type(self.experts) is not FFNExperts:
+            return f"custom experts ({type(self.experts).__name__}) do not run in the pipeline's chunks"
+        if self.experts.keeping is None:
+            return "the activation policy runs expert_fc1/act/fc2 as separate regions (expert_fc2 recomputed)"
+        for hook in self.hooks:
+            for point in ("after_dispatch", "before_combine"):
+                if getattr(type(hook), point) is not getattr(MoEHook, point):
+                    return f"the hook {type(hook).__name__}.{point} needs the whole dispatched rows"
+        return None
+
+    def _note(self, text: str) -> None:
+        if text not in self._pipeline_notes:
+            self._pipeline_notes.add(text)
+            log.info("MoE layer %s: %s", self.layer_number, text)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = self.dispatcher.layer = layer_number
@@ -213,6 +280,16 @@ class MoELayer(MegatronModule):
     def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         return self.dispatcher.combine(rows_RH, dispatched).wait()
 
+    def start_pipeline(self, rows_RH: torch.Tensor, plan: Plan, dispatch_plan: DispatchPlan, degrees) -> PipelineStart:
+        """dispatch -> experts -> combine in chunks (`megatron_moe.moe.pipeline`): chunk 0's all-to-all starts
+        here, `finish()` runs the rest."""
+        d = self.dispatcher
+        links = Links(d.group, d.esp_group, d.layer, d.backward_overlap)
+        received_XL = dispatch_plan.received_GL  # X = (ESP peer p, source g): every peer's under ESP
+        if dispatch_plan.esp_received_PGL is not None:
+            received_XL = [row for peer_GL in dispatch_plan.esp_received_PGL for row in peer_GL]
+        return start_pipeline(rows_RH, self.experts, plan.counts, received_XL, degrees, links, esp_rank=d.esp_rank)
+
     def unorder(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
         return self.ordering.decode(rows_RH, plan)
 
@@ -230,18 +307,13 @@ class MoELayer(MegatronModule):
         rows_RH = self._region("ordering", self.order, x_TH, plan)
         ctx.counts = plan.counts
         rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
-        with self._in_region("dispatch"):
-            handle = self.dispatch(rows_RH, dispatch_plan)
-        # Independent of the routed path: runs while the dispatch all-to-all is in flight.
-        shared_TH = self._region("shared_expert", self.shared_expert, x_TH) if self.shared_expert is not None else None
-        with self._in_region("dispatch"):
-            dispatched = handle.wait()
-        ctx.counts = dispatched.counts
-        rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
-        rows_RH = self.compute_experts(dispatched, rows_RH)
-        rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
-        with self._in_region("combine"):
-            rows_RH = self.combine(rows_RH, dispatched)
+        degrees = self.pipeline_degrees()
+        if degrees == (1, 1):
+            rows_RH, shared_TH = self._dispatch_experts_combine(rows_RH, dispatch_plan, x_TH, ctx)
+        else:
+            pipeline = self.start_pipeline(rows_RH, plan, dispatch_plan, degrees)
+            shared_TH = self._shared(x_TH)  # runs while chunk 0's all-to-all is in flight (and the last dX's)
+            rows_RH = pipeline.finish()
         ctx.counts = plan.counts
         rows_RH = run_hooks(self.hooks, "after_combine", rows_RH, ctx)
         out_TH = self._region("unorder", self.unorder, rows_RH, plan)
@@ -250,6 +322,25 @@ class MoELayer(MegatronModule):
         out_TH = run_hooks(self.hooks, "before_moe_end", out_TH, ctx)
         out_TH = self._attach_router_losses(out_TH, routing, plan, valid_T)
         return out_TH.view(shape), None
+
+    def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_expert is None else self._region("shared_expert", self.shared_expert, x_TH)
+
+    def _dispatch_experts_combine(self, rows_RH, dispatch_plan: DispatchPlan, x_TH, ctx: HookContext):
+        """dispatch -> experts -> combine as separate stages, the hooks between them; the shared expert runs
+        while the dispatch all-to-all is in flight. Returns (combined rows, shared expert output or None)."""
+        with self._in_region("dispatch"):
+            handle = self.dispatch(rows_RH, dispatch_plan)
+        shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
+        with self._in_region("dispatch"):
+            dispatched = handle.wait()
+        ctx.counts = dispatched.counts
+        rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
+        rows_RH = self.compute_experts(dispatched, rows_RH)
+        rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
+        with self._in_region("combine"):
+            rows_RH = self.combine(rows_RH, dispatched)
+        return rows_RH, shared_TH
 
     def _attach_router_losses(self, out_TH, routing: Routing, plan: Plan, valid_T) -> torch.Tensor:
         """Feed the weighted router losses to backward and record the step's statistics.

@@ -87,8 +87,9 @@ class MoEStats:
         self.sums = None
 
 
-def _moe_layers(model_chunks):
-    """Our MoE layers: the modules that record MoEStats (layer.py imports this module, not back)."""
+def moe_layer_modules(model_chunks):
+    """Our MoE layers in `model_chunks`, in model order: the modules that record MoEStats (layer.py imports this
+    module, not back)."""
     for chunk in model_chunks:
         for module in chunk.modules():
             if isinstance(getattr(module, "stats", None), MoEStats):
@@ -97,7 +98,7 @@ def _moe_layers(model_chunks):
 
 def set_moe_aux_loss_scale(model_chunks, scale: float) -> None:
     """Scale of the router losses' gradient for the coming forward passes (loss_scale / micro-batches)."""
-    for layer in _moe_layers(model_chunks):
+    for layer in moe_layer_modules(model_chunks):
         layer.aux_loss_scale = float(scale)
 
 
@@ -137,7 +138,7 @@ def collect_moe_metrics(
     width = num_experts + len(SCALARS)
     device = current_platform().device if device is None else device  # where the backend reduces
     table = torch.zeros(num_layers, width, dtype=torch.float64, device=device)
-    for layer in _moe_layers(model_chunks):
+    for layer in moe_layer_modules(model_chunks):
         if layer.stats.sums is not None and layer.layer_number is not None:
             sums = layer.stats.sums.to(table.device)
             e = layer.stats.num_experts

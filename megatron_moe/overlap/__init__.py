@@ -4,6 +4,10 @@ all-to-alls.
 `plan.py`: Lancet's Algorithm 1 (which dW under which all-to-all); `runtime.py`: the queue that runs it;
 `install.py`: wiring it into a model; `linears.py`: megatron-core's Column/RowParallelLinear whose weight
 gradient goes through a store.
+
+FSMoE (issue 15): `cost_model.py`, the fitted time model and Algorithm 1 (pipeline degrees per layer);
+`profiler.py`, the micro-benchmarks that fit it on the running cluster; `degrees.py`, a run's flags -> each MoE
+layer's degrees (tools/plan_schedule.py prints them).
 """
 
 from megatron_moe.overlap.install import install_on_moe_layer, install_wgrad_overlap

@@ -19,6 +19,7 @@ from megatron_moe.training.setup import (
     build_optimizer,
     build_scheduler,
     build_wgrad_queue,
+    resolve_pipeline_degrees,
     wire_model_config,
 )
 
@@ -51,6 +52,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     config = transformer_config(cfg)
     wgrad_queue = build_wgrad_queue(cfg)
     model = build_ddp_model(cfg, config, tokenizer.vocab_size, wgrad_queue)
+    resolve_pipeline_degrees(cfg, model)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     wire_model_config(config, model, optimizer)

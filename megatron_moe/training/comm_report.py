@@ -2,8 +2,8 @@
 warning for an overlap option that hides nothing.
 
 `OVERLAP_OPTIONS` is the table of options that promise to hide communication: a description naming the
-flags, when it is in force, and the kinds it should hide. Issue 14 added overlap_wgrad; 15-16 add
-pipeline_degree and grad_reduce_schedule.
+flags, when it is in force, and the kinds it should hide. Issue 14 added overlap_wgrad, 15 the pipeline
+degrees; 16 adds grad_reduce_schedule.
 """
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ def _wgrad_overlaps(cfg: RunConfig) -> bool:
     return cfg.moe.is_moe and cfg.moe.wgrad_policy(cfg.parallel.expert_model_parallel_size) != "off"
 
 
+def _pipelines(flag: str) -> Callable[[RunConfig], bool]:
+    """An explicit pipeline degree > 1 (`flag`: the MoEConfig field) with an all-to-all to pipeline. auto is not
+    judged here: its degrees are the solver's, known after set-up (logged there)."""
+
+    def enabled(cfg: RunConfig) -> bool:
+        degree = getattr(cfg.moe, flag)
+        moves = cfg.parallel.expert_model_parallel_size > 1
+        return cfg.moe.is_moe and cfg.moe.own_layer and moves and degree.isdigit() and int(degree) > 1
+
+    return enabled
+
+
 OVERLAP_OPTIONS: tuple[OverlapOption, ...] = (
     OverlapOption(
         description="--overlap-wgrad greedy/all-under-next-a2a with --expert-model-parallel-size > 1 (weight-gradient "
@@ -51,6 +63,18 @@ OVERLAP_OPTIONS: tuple[OverlapOption, ...] = (
         "(the shared expert runs under the dispatch all-to-all)",
         enabled=_shared_expert_overlaps,
         hides=("a2a_dispatch",),
+    ),
+    OverlapOption(
+        description="--moe-pipeline-degree > 1 with --expert-model-parallel-size > 1 (each chunk's all-to-alls run "
+        "under the experts of the chunk before)",
+        enabled=_pipelines("moe_pipeline_degree"),
+        hides=("a2a_dispatch", "a2a_combine"),
+    ),
+    OverlapOption(
+        description="--moe-bp-pipeline-degree > 1 with --expert-model-parallel-size > 1 (each backward chunk's "
+        "all-to-alls run under the input gradients of the chunk before)",
+        enabled=_pipelines("moe_bp_pipeline_degree"),
+        hides=("a2a_dispatch_bwd", "a2a_combine_bwd"),
     ),
 )
 

@@ -18,6 +18,7 @@ from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
+from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.training.comm_report import HiddenCheck, layer_exposed_and_comm, tensorboard_scalars, wgrad_report
 from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.logger import TrainingLogger
@@ -91,6 +92,7 @@ class Trainer:
             )
         self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
         self._validated_at = None
+        self._degrees_logged = False
         # Always on (--no-comm-timers only to measure their cost): reset at each step start, read at its end.
         # On the logging rank only: its history and log line are the only readers, so elsewhere they would
         # be per-collective work (and on GPU an event wait per step) that nothing uses.
@@ -247,6 +249,9 @@ class Trainer:
         entry["wgrad"] = figures["wgrad"]  # Lancet's queue on this rank: where its dW ran, held memory
         if figures["params_norm"] is not None:
             entry["params norm"] = figures["params_norm"]
+        if not self._degrees_logged:  # the first logged step: the pipeline degrees in force (auto resolved)
+            self._degrees_logged = True
+            entry["pipeline_degrees"] = moe_pipeline_degrees(self.model)
         return entry
 
     def train(self) -> list[dict]:
@@ -300,3 +305,9 @@ class Trainer:
             )
             self.logger.close()
         return history
+
+
+def moe_pipeline_degrees(model) -> dict[str, list[int]]:
+    """Our MoE layers' pipeline degrees in force: layer number -> [forward, backward] (issue 15's FSMoE pipeline;
+    "auto" is resolved at set-up). Empty without our MoE layers."""
+    return {str(layer.layer_number): list(layer.pipeline_degrees()) for layer in moe_layer_modules(model)}

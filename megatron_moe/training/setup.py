@@ -1,8 +1,10 @@
-"""Model chunks wrapped in megatron-core DDP, the megatron optimizer and LR scheduler."""
+"""Model chunks wrapped in megatron-core DDP, the megatron optimizer and LR scheduler; the MoE pipeline's degrees."""
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 from megatron.core import parallel_state
@@ -15,9 +17,19 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe.config import RunConfig
+from megatron_moe.config.moe_layer import AUTO
 from megatron_moe.model import build_model
 from megatron_moe.model.builder import params_dtype
+from megatron_moe.moe.layer import MoELayer
+from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.overlap import WgradQueue, install_wgrad_overlap
+from megatron_moe.overlap.cost_model import LayerSizes, Schedule
+from megatron_moe.overlap.degrees import layer_sizes, plan_degrees
+from megatron_moe.overlap.profiler import ProfileGroups, ProfileSettings, layer_profile_settings, load_or_measure
+
+log = logging.getLogger(__name__)
+PROFILE_FILE = "cost_profile.json"
+"""Where the cost-model fits are kept in --save when --moe-cost-profile is not given."""
 
 
 def build_wgrad_queue(cfg: RunConfig) -> WgradQueue | None:
@@ -137,3 +149,56 @@ def wire_model_config(config: TransformerConfig, model, optimizer) -> None:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
+
+
+# ---------------------------------------------------------------------------------------------- pipeline degrees
+
+
+def resolve_pipeline_degrees(cfg: RunConfig, model) -> dict[int, Schedule] | None:
+    """Resolve --moe-pipeline-degree / --moe-bp-pipeline-degree auto (FSMoE, issue 15) on every MoE layer of
+    `model`: the cluster's fits (`--moe-cost-profile`, loaded when it describes this cluster, else measured on
+    this run's EP / ESP / DP groups and saved), each layer's sizes, FSMoE's Algorithm 1. Every rank calls it (the
+    profile is collective). Returns MoE layer number -> schedule; None when nothing is auto."""
+    moe = cfg.moe
+    if not (moe.is_moe and moe.own_layer) or AUTO not in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree):
+        return None
+    layers = list(moe_layer_modules(model))
+    sizes = layer_sizes(cfg)
+    if sizes.ep * sizes.esp == 1:
+        for layer in layers:
+            layer.set_pipeline_degrees(*_degrees(layer, 1, 1))
+        log.info("pipeline degrees: auto is 1 (EP = ESP = 1: no all-to-all or all-gather to pipeline)")
+        return None
+    path = moe.moe_cost_profile or (os.path.join(cfg.checkpoint.save, PROFILE_FILE) if cfg.checkpoint.save else None)
+    if path is not None and os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fits, measured = load_or_measure(path, ProfileGroups.from_parallel_state(), profile_settings(sizes, cfg))
+    schedules = plan_degrees(cfg, fits)
+    for layer in layers:
+        schedule = schedules.get(layer.layer_number) or next(iter(schedules.values()))
+        layer.set_pipeline_degrees(*_degrees(layer, schedule.forward, schedule.backward))
+    first = next(iter(schedules.values()))
+    log.info(
+        "pipeline degrees (FSMoE cost model, profile %s): forward %d, backward %d on every MoE layer; predicted "
+        "ms forward %.2f (case %d), backward %.2f (case %d)",
+        "measured" if measured else f"loaded from {path}",
+        first.forward,
+        first.backward,
+        first.predicted_ms["forward"],
+        first.case["forward"],
+        first.predicted_ms["backward"],
+        first.case["backward"],
+    )
+    return schedules
+
+
+def _degrees(layer: MoELayer, forward: int, backward: int) -> tuple[int, int]:
+    """The solver's degrees where the layer's flag says auto, the flag's integer elsewhere."""
+    configured = (layer.cfg.pipeline_degree, layer.cfg.bp_pipeline_degree)
+    return tuple(solved if flag == AUTO else flag for flag, solved in zip(configured, (forward, backward)))
+
+
+def profile_settings(sizes: LayerSizes, cfg: RunConfig) -> ProfileSettings:
+    """`megatron_moe.overlap.profiler.layer_profile_settings` at this run's MoE layer widths."""
+    layer = cfg.moe.layer_config(cfg.model)
+    return layer_profile_settings(sizes, hidden_size=layer.hidden_size, ffn_hidden_size=layer.ffn_hidden_size)

@@ -99,9 +99,11 @@ def assert_matches(steps: list[dict], reference: list[dict]) -> None:
 
 def computed(steps: list[dict]) -> list[dict]:
     """Each step's computed figures (losses, norms, MoE metrics): its history entry without the timings (`step_ms`,
-    `comm`) and where Lancet's queue ran each dW (`wgrad`: its plan comes from timings), which differ from run to
-    run, for comparisons that must be bit-identical."""
-    return [{k: v for k, v in step.items() if k not in ("step_ms", "comm", "wgrad")} for step in steps]
+    `comm`), where Lancet's queue ran each dW (`wgrad`: its plan comes from timings), which differ from run to
+    run, and the pipeline degrees a run started with (`pipeline_degrees`, a setting in its first entry only), for
+    comparisons that must be bit-identical."""
+    skip = ("step_ms", "comm", "wgrad", "pipeline_degrees")
+    return [{k: v for k, v in step.items() if k not in skip} for step in steps]
 
 
 def train_in_job(flags: list[str]) -> list[dict]:

@@ -7,7 +7,7 @@ Scenarios:
   it in the same layout for steps 3-4 (the reference).
 - `chain` (2 ranks): starting from WORKDIR/ep2 (written by the convert.py
   CLI from src), reshard with the tool's own converter, one hop after the
-  other: EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1; and src -> EP2 with the
+  other: EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1, EP2 -> ESP2 -> EP2; and src -> EP2 with the
   distributed optimizer, weights only. Each result is resumed in its target
   layout for steps 3-4; and, with dropout, the TP2 result against its source
   resumed directly in TP2. The hops run in this one job because a torchrun
@@ -47,6 +47,17 @@ HOPS = {
         ["--pipeline-model-parallel-size", "2"],
     ),
     "back_to_1": ("pp2", Target(pipeline_parallel_size=1), []),
+    # Issue 15: each expert's FFN width split over 2 ranks (ESP), and back to EP=2.
+    "esp2": (
+        "ep2",
+        Target(expert_parallel_size=1, expert_tensor_parallel_size=2),
+        ["--expert-tensor-parallel-size", "2"],
+    ),
+    "esp2_to_ep2": (
+        "esp2",
+        Target(expert_parallel_size=2, expert_tensor_parallel_size=1),
+        ["--expert-model-parallel-size", "2"],
+    ),
     "ep2_distopt_weights_only": (
         "src",
         Target(expert_parallel_size=2, use_distributed_optimizer=True, drop_optimizer=True),

@@ -11,9 +11,11 @@ cluster_tool = load_tool("emulated_cluster")
 bench_step = load_tool("bench_step")
 bench_layer = load_tool("bench_moe_layer")
 bench_layer_ep = load_tool("bench_moe_layer_ep")
+bench_pipeline = load_tool("bench_pipeline")
 
 A2A = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
-KINDS = (*A2A, "dp_grad_reduce", "tp", "pp_p2p", "other")
+ESP = ("esp_ag", "esp_ag_bwd", "esp_rs", "esp_rs_bwd")
+KINDS = (*A2A, *ESP, "dp_grad_reduce", "tp", "pp_p2p", "other")  # the timers' SUMMARY_KINDS
 TINY_MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
     "--ffn-hidden-size", "128", "--num-experts", "4", "--micro-batch-size", "2",
@@ -32,6 +34,16 @@ def test_the_baseline_plan_alternates_layouts_rates_and_policies():
     assert all(a[0] != b[0] for a, b in zip(layouts, layouts[1:]) if a[1] == b[1])  # layouts interleaved per rate
     assert [r for _, r, _ in layouts[:6:2]] != [r for _, r, _ in layouts[6::2]]  # the rates' order rotates
     flags = bench_step.trainer_flags("2x2", 3, ("DATA", "TOK"), None)
+    assert bench_step._flag(flags, "--moe-pipeline-degree") == "1"
+    assert bench_step._flag(flags, "--overlap-wgrad") == "off"
+    esp = bench_step.trainer_flags("2x2esp", 3, ("DATA", "TOK"), None, "pipeline")
+    assert bench_step._flag(esp, "--expert-tensor-parallel-size") == "2"
+    assert bench_step._flag(esp, "--expert-model-parallel-size") == "2"
+    assert bench_step._flag(esp, "--moe-bp-pipeline-degree") == "auto"
+    assert bench_step._flag(esp, "--overlap-wgrad") == "greedy"
+    assert bench_step.layout_name("2x2esp") == "2x2esp EP=2 DP=4 ESP=2"
+    defaults = bench_step.parse_args([])
+    assert defaults.cluster == ["2x1", "2x2"] and defaults.overlap == ["off", "greedy", "pipeline"]
     assert bench_step._flag(flags, "--expert-model-parallel-size") == "4"
     assert bench_step._flag(flags, "--global-batch-size") == str(4 * int(bench_step._flag(flags, "--micro-batch-size")))
 
@@ -41,11 +53,13 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     with cluster_tool.EmulatedCluster(2, 2.0) as cluster:
         history = bench_step.run_case(cluster, "2x1", 0.5, "off", args, train_data)
         greedy = bench_step.run_case(cluster, "2x1", 0.5, "greedy", args, train_data)
+        pipeline = bench_step.run_case(cluster, "2x1", 0.5, "pipeline", args, train_data)
     flags = bench_step.trainer_flags("2x1", 4, train_data, args.model)
     row = bench_step.summarize("2x1", 0.5, [history, history], args.warmup, flags)
     json.dumps(row)  # a JSON line
     assert row["case"] == "step_2x1_0.5gbit" and row["layout"] == "2x1 EP=2 DP=2" and row["link_gbit"] == 0.5
-    assert row["overlap"] == {"overlap_wgrad": "off"} and row["wgrad"] is None
+    assert row["overlap"] == {"overlap_wgrad": "off", "pipeline_degree": 1, "bp_pipeline_degree": 1}
+    assert row["wgrad"] is None and row["pipeline_degrees"] == {"1": [1, 1], "2": [1, 1]}, row["pipeline_degrees"]
     assert row["steps"] == 4 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 4
     # Pooled rounds: the mean over [history, history] is the mean over the one history's timed steps.
     assert row["bytes"] == bench_step.summarize("2x1", 0.5, [history], args.warmup, flags)["bytes"]
@@ -66,6 +80,17 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert versus["case"] == "overlap_wgrad_2x1_0.5gbit" and versus["bwd_a2a_exposed_ms"]["off"] > 0
     assert versus["bwd_a2a_exposed_cut"] == round(1 - on["bwd_a2a_exposed_ms"] / row["bwd_a2a_exposed_ms"], 3)
     assert versus["step_ratio"] == round(on["step_ms"] / row["step_ms"], 3)
+    # FSMoE's row: degrees auto, resolved at set-up from the profile measured in the job, logged in the history.
+    piped = bench_step.summarize("2x1", 0.5, [pipeline], args.warmup, flags, "pipeline")
+    assert piped["case"] == "step_2x1_0.5gbit_pipeline" and piped["overlap_wgrad"] == "greedy"
+    assert piped["pipeline_degree"] == piped["bp_pipeline_degree"] == "auto"
+    degrees = piped["pipeline_degrees"]
+    assert set(degrees) == {"1", "2"} and all(1 <= d <= 8 for pair in degrees.values() for d in pair), degrees
+    pipe_row = bench_step.compare_pipeline(on, piped)
+    json.dumps(pipe_row)
+    assert pipe_row["case"] == "pipeline_2x1_0.5gbit" and pipe_row["pipeline_degrees"] == degrees
+    assert pipe_row["step_ratio"] == round(piped["step_ms"] / on["step_ms"], 3)
+    assert set(pipe_row["exposed_ms"]) >= set(A2A) and pipe_row["exposed_ms"]["a2a_dispatch"]["off"] > 0, pipe_row
 
 
 def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):
@@ -96,3 +121,30 @@ def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):
     assert row["wgrad"]["peak_held_mb"] > 0 and row["wgrad"]["policy"] == "all-under-next-a2a", row["wgrad"]
     off, on = row["bwd_a2a_exposed_ms"]["off"], row["bwd_a2a_exposed_ms"]["on"]
     assert off > 0 and on >= 0 and row["bwd_a2a_exposed_cut"] == round(1 - on / off, 3), row
+
+
+def test_bench_pipeline_on_2x1_compares_the_solver_with_every_degree_pair():
+    args = bench_pipeline.parse_args(
+        ["--cluster", "2x1", "--link-gbit", "1", "--repeats", "1", "--degrees", "1", "2"]
+        + ["--tokens", "256", "--hidden", "64", "--ffn", "128"]
+    )
+    (row,) = bench_pipeline.run(args)
+    json.dumps(row)
+    assert row["layout"] == "2x1 ESP=1 EP=2" and row["link_gbit"] == 1.0, row
+    assert set(row["grid"]) == {"1,1", "1,2", "2,1", "2,2", "solver"}  # 2 x 2 degree pairs + the solver's
+    assert row["grid"]["solver"]["pipeline_degree"] == "auto" and row["grid"]["2,1"]["pipeline_degree"] == 2
+    assert row["pipeline_degree"] == row["bp_pipeline_degree"] == "auto"
+    assert row["grads_match"] is True, row
+    solver = row["solver"]
+    assert solver["forward"] in range(1, 9) and solver["backward"] in range(1, 9), solver
+    assert solver["predicted_ms"]["forward"] > 0 and solver["measured_ms"]["backward"] > 0, solver
+    assert row["r1_ms"] == row["grid"]["1,1"]["ms"] and row["solver_ms"] == row["grid"]["solver"]["ms"]
+    assert row["best_fixed"]["r"] in (1, 2) and row["best_brute_force"]["ms"] <= row["best_fixed"]["ms"]
+    assert row["speedup_vs_r1"] == round(row["r1_ms"] / row["solver_ms"], 3)
+    assert 0 < row["comm_frac_r1"] < 1, row
+    for contender in ("r1", "best_fixed", "solver"):  # EP=2 across the link: the all-to-alls block the layer
+        assert row["exposed_ms"][contender]["a2a_dispatch"] > 0, row["exposed_ms"]
+    # At these tiny messages gloo's per-call time can swamp the bytes (the fit then holds beta at 0): the line must
+    # still give the all-to-all a positive time.
+    a2a = row["fits"]["a2a"]
+    assert a2a["alpha"] + a2a["beta"] * 4096 > 0 and set(row["fits"]) == {"a2a", "ag", "rs", "ar", "gemm"}

@@ -4,7 +4,7 @@ Every layout of `train_worker.LANCET` (EP=2; TP=2+SP+EP=2 and PP=2+EP=2 with 2
 micro-batches; EP=2 with 4; EP=4 with the distributed optimizer; every module
 recomputed; full recompute (nested backward passes); the arctic policy's quantized activations; bf16; fp16 with loss
 scaling; a shared expert; an untied LM head, deferred too; megatron-core DDP's --overlap-grad-reduce, whose
-buckets count a deferred gradient when it runs) trains 4 steps
+buckets count a deferred gradient when it runs; expert-sharded parallelism ESP=2 x EP=2, issue 15) trains 4 steps
 from the same seed with --overlap-wgrad off and all-under-next-a2a
 (greedy too in two: its plan runs from iteration 3): lm loss, grad norm and
 params norm are bit-identical, step by step (the same GEMMs on the same
@@ -35,6 +35,7 @@ LAYOUTS = [
     "ep2_full_recompute",
     "ep2_untied",
     "pp2_ep2_overlap_grad_reduce",
+    "esp2_ep2",
 ]
 
 

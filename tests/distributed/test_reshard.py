@@ -2,7 +2,7 @@
 
 A tiny GPT-MoE trains steps 1-2 on one process and saves (`src`); resuming
 it for steps 3-4 in its own layout is the reference. The CLI reshards src to
-EP=2; the worker then hops EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1 with the same
+EP=2; the worker then hops EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1 and EP2 -> ESP2 -> EP2 with the same
 converter, and src -> EP2 + distributed optimizer without optimizer state.
 Every result resumed in its target layout must give the reference's lm loss
 (1e-5 relative) and grad norm (1e-4 relative), like test_training.py.
@@ -61,11 +61,13 @@ def runs(train_data, tmp_path_factory):
     return {"workdir": workdir, "cli": cli, **source, **chain}
 
 
-TARGETS = {  # name: (TP, PP, EP, sequence parallel)
-    "ep2": (1, 1, 2, False),
-    "tp2_sp": (2, 1, 1, True),
-    "pp2": (1, 2, 1, False),
-    "back_to_1": (1, 1, 1, False),
+TARGETS = {  # name: (TP, PP, EP, sequence parallel, ESP)
+    "ep2": (1, 1, 2, False, 1),
+    "tp2_sp": (2, 1, 1, True, 1),
+    "pp2": (1, 2, 1, False, 1),
+    "back_to_1": (1, 1, 1, False, 1),
+    "esp2": (1, 1, 1, False, 2),
+    "esp2_to_ep2": (1, 1, 2, False, 1),
 }
 
 
@@ -80,15 +82,17 @@ def test_resharded_checkpoint_resumes_like_the_original(runs, name):
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_resharded_checkpoint_records_the_target_layout(runs, name):
     result, src = runs[name], runs["src"]
-    tp, pp, ep, sp = TARGETS[name]
-    assert {k: result["layout"][k] for k in ("tp", "pp", "ep")} == {"tp": tp, "pp": pp, "ep": ep}
+    tp, pp, ep, sp, esp = TARGETS[name]
+    layout = {k: result["layout"][k] for k in ("tp", "pp", "ep", "esp")}
+    assert layout == {"tp": tp, "pp": pp, "ep": ep, "esp": esp}
     p = result["parallel"]
     assert (
         p["tensor_model_parallel_size"],
         p["pipeline_model_parallel_size"],
         p["expert_model_parallel_size"],
         p["sequence_parallel"],
-    ) == (tp, pp, ep, sp)
+        p["expert_tensor_parallel_size"] or 1,
+    ) == (tp, pp, ep, sp, esp)
     assert result["iteration"] == src["iteration"] == 2
     assert result["train_state"] == src["train_state"]
     assert result["scheduler"] == src["scheduler"]
@@ -98,6 +102,7 @@ def test_resharded_checkpoint_records_the_target_layout(runs, name):
 def test_reshard_uses_the_smallest_world_that_fits(runs):
     assert runs["tp2_sp"]["world_size"] == 2 and runs["pp2"]["world_size"] == 2
     assert runs["back_to_1"]["world_size"] == 1
+    assert runs["esp2"]["world_size"] == 2  # ESP=2 needs two ranks, whatever EP
     assert "launching 2 CPU processes" in runs["cli"].stdout
 
 

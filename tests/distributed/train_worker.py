@@ -16,6 +16,15 @@ Scenarios (each a list of cases run one after another in this job):
   2 micro-batches, EP=2 with 4, EP=4 with the distributed optimizer,
   recompute, the arctic policy, bf16, fp16, a shared expert, a memory cap),
   the runs of a layout from the same seed.
+- `pipeline` (4 ranks): issue 15's chunked dispatch -> experts -> combine at degrees (r_f, r_b) against
+  (1, 1), from the same seed, in EP=2 (several degrees), SwiGLU with the capacity-padded all-to-all,
+  TP=2+SP+EP=2, PP=2+EP=2, the arctic policy's quantized activations, 4 micro-batches, ESP=2 x EP=2 and
+  TP=2+SP with ESP=2 x EP=2; and Lancet's all-under-next-a2a against off at the same degrees.
+- `esp` (4 ranks): expert-sharded parallelism (issue 15) from the reference's
+  initial weights: ESP=2 x EP=2, TP=2+SP with ESP=2 x EP=2, PP=2 x ESP=2,
+  SwiGLU with the padded all-to-all (against the reference's SwiGLU run),
+  the reference's iteration-2 checkpoint resumed at ESP=2 x EP=2, and an
+  ESP=2 x EP=2 checkpoint resumed at EP=4 and at EP=1 x DP=4.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -78,9 +87,23 @@ ARCTIC = (
 ).split()
 
 
+SWIGLU_PADDED = ["--swiglu", "--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor", "1.5"]
+ESP2_EP2 = ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"]
+ESP_LAYOUTS = {
+    "esp2_ep2": ESP2_EP2,
+    "tp2_esp2_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", *ESP2_EP2],
+    "pp2_esp2": ["--pipeline-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+    "esp2_ep2_distopt": [*ESP2_EP2, "--use-distributed-optimizer"],
+}
+
+
 def train(*extra: str) -> list[dict]:
-    """One run; every rank returns the logging rank's per-step figures."""
-    return train_in_job([*MODEL, *extra])
+    """One run; every rank returns the logging rank's per-step figures.
+
+    Our layer's runs pin the pipeline degrees to 1 unless they say otherwise: auto's degrees come from timings
+    measured at start-up, so two runs a test compares could differ in them (`pipeline` tests auto itself)."""
+    ours = not any(a == "--moe-layer-impl" and b == "mcore" for a, b in zip(extra, extra[1:]))
+    return train_in_job([*MODEL, *(degrees(1, 1) if ours else []), *extra])
 
 
 def ckpt(name: str) -> str:
@@ -91,8 +114,10 @@ def reference() -> dict:
     train("--train-iters", "0", "--save", ckpt("init"))
     init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
     train("--train-iters", "0", "--save", ckpt("mcore_init"), *MCORE)
+    train("--train-iters", "0", "--save", ckpt("swiglu_init"), *SWIGLU_PADDED)
     return {
         "reference": train(*init, "--save", ckpt("ref"), "--save-interval", "2"),
+        "swiglu_padded": train("--train-iters", str(ITERS), "--load", ckpt("swiglu_init"), *SWIGLU_PADDED),
         # fp16 with dynamic loss scaling: a scale that fits, and one so large that the first steps overflow.
         "fp16": train(*init, "--fp16", "--initial-loss-scale", "4096"),
         "fp16_overflow": train(*init, "--fp16", "--initial-loss-scale", str(2.0**100), "--hysteresis", "1"),
@@ -152,6 +177,23 @@ def process_group_timeouts() -> list[float]:
     return sorted({pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in groups})
 
 
+def esp() -> dict:
+    """Each ESP layout from the reference's initial weights; checkpoints across ESP and EP sizes."""
+    init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
+    results = {name: train(*init, *args) for name, args in ESP_LAYOUTS.items()}
+    swiglu = ["--train-iters", str(ITERS), "--load", ckpt("swiglu_init"), *SWIGLU_PADDED]
+    results["esp2_ep2_swiglu_padded"] = train(*swiglu, *ESP2_EP2)
+    # The single-process run's iteration 2 (optimizer state included) resumed at ESP=2 x EP=2.
+    from_ref = ["--train-iters", str(ITERS), "--load", ckpt("ref/iter_0000002")]
+    results["resume_ref_as_esp2_ep2"] = train(*from_ref, *ESP2_EP2)
+    # Saved at ESP=2 x EP=2 (distributed optimizer) at iteration 2, resumed at EP=4 and at EP=1 (DP=4).
+    train(*init, *ESP_LAYOUTS["esp2_ep2_distopt"], "--exit-interval", "2", "--save", ckpt("esp_distopt"))
+    for name, args in (("ep4", ["--expert-model-parallel-size", "4"]), ("ep1", [])):
+        resumed = ["--train-iters", str(ITERS), "--load", ckpt("esp_distopt"), "--use-distributed-optimizer"]
+        results[f"resume_esp2_ep2_as_{name}"] = train(*resumed, *args)
+    return results
+
+
 LANCET = {
     "ep2": LAYOUTS["ep2"],
     "tp2_ep2": LAYOUTS["tp2_ep2"],
@@ -169,6 +211,8 @@ LANCET = {
     # DDP's buckets start their reduce when their last gradient is in: deferred ones count when they run.
     "pp2_ep2_overlap_grad_reduce": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
     + ["--overlap-grad-reduce"],
+    # Issue 15: experts sharded over ESP=2 (their dW slices deferred under the all-to-alls between ESP groups).
+    "esp2_ep2": ESP2_EP2,
 }
 
 
@@ -184,6 +228,56 @@ def lancet() -> dict:
         results[f"{name}/greedy"] = train(*init, *LANCET[name], "--overlap-wgrad", "greedy")
     capped = ("--overlap-wgrad", "all-under-next-a2a", "--overlap-wgrad-max-mb", "0.2")
     results["ep2/capped"] = train(*init, *LANCET["ep2"], *capped)
+    return results
+
+
+EP2 = ["--expert-model-parallel-size", "2", "--overlap-wgrad", "off"]
+PIPELINE = {
+    "ep2": EP2,
+    "ep2_swiglu_padded": [*EP2, "--swiglu", "--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor", "1"],
+    "tp2_ep2": [*LAYOUTS["tp2_ep2"], "--overlap-wgrad", "off"],
+    "pp2_ep2": ["--pipeline-model-parallel-size", "2", *EP2],
+    "ep2_arctic": [*EP2, "--activation-policy", "arctic"],
+    "ep2_accumulate": [*EP2, "--global-batch-size", "32"],  # 4 micro-batches
+    "esp2_ep2": [*ESP2_EP2, "--overlap-wgrad", "off"],
+    "tp2_esp2_ep2": [*ESP2_EP2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--overlap-wgrad", "off"],
+}
+
+
+def degrees(forward: int, backward: int) -> list[str]:
+    return ["--moe-pipeline-degree", str(forward), "--moe-bp-pipeline-degree", str(backward)]
+
+
+def pipeline() -> dict:
+    """Each PIPELINE layout unpipelined and at 3 x 2; EP=2 at more degrees; Lancet's queue on and off at 3 x 2."""
+    init = ["--train-iters", str(ITERS)]
+    results = {}
+    for name, args in PIPELINE.items():
+        for forward, backward in ((1, 1), (3, 2)):
+            results[f"{name}/{forward}x{backward}"] = train(*init, *args, *degrees(forward, backward))
+    for forward, backward in ((2, 2), (4, 1), (1, 4)):
+        results[f"ep2/{forward}x{backward}"] = train(*init, *EP2, *degrees(forward, backward))
+    lancet = ["--expert-model-parallel-size", "2", "--overlap-wgrad", "all-under-next-a2a"]
+    results["ep2_lancet/3x2"] = train(*init, *lancet, *degrees(3, 2))
+    results |= pipeline_auto()
+    return results
+
+
+def pipeline_auto() -> dict:
+    """auto: the cost model's degrees. The first run measures the profile and saves it in --save, the second
+    loads it from --moe-cost-profile; both report the degrees the solver gives for the saved fits (what the layers
+    must have run: the test counts their all-to-alls)."""
+    from megatron_moe.config import parse_args
+    from megatron_moe.overlap.cost_model import ClusterFits
+    from megatron_moe.overlap.degrees import plan_degrees
+
+    auto = ["--train-iters", str(ITERS), *EP2, "--moe-pipeline-degree", "auto", "--moe-bp-pipeline-degree", "auto"]
+    profile = os.path.join(ckpt("auto"), "cost_profile.json")
+    results = {"ep2_auto": train(*auto, "--save", ckpt("auto"))}
+    results["ep2_auto_loaded"] = train(*auto, "--moe-cost-profile", profile)
+    cfg = parse_args([*MODEL, *auto])
+    schedule = next(iter(plan_degrees(cfg, ClusterFits.load(profile)).values()))
+    results["ep2_auto_schedule"] = schedule.to_json()
     return results
 
 
@@ -211,4 +305,5 @@ def gpu() -> dict:
 
 
 if __name__ == "__main__":
-    finish_job({"reference": reference, "layouts": layouts, "lancet": lancet, "gpu": gpu}[SCENARIO]())
+    scenarios = {"reference": reference, "layouts": layouts, "lancet": lancet, "esp": esp, "pipeline": pipeline}
+    finish_job({**scenarios, "gpu": gpu}[SCENARIO]())

@@ -37,7 +37,10 @@ def run_cli(*flags, cwd):
             ["--moe-router-dim", "8"],
             "--moe-router-dim=8: does nothing in this run; it applies only with --moe-gate xmoe or cosine",
         ),
-        (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size=2: use 1"),
+        (
+            ["--expert-tensor-parallel-size", "3", "--moe-ffn-hidden-size", "128"],
+            "--expert-tensor-parallel-size=3: must divide the experts' width --moe-ffn-hidden-size=128",
+        ),
     ],
 )
 def test_bad_input_exits_with_clear_error(train_data, tmp_path, flags, message):

@@ -110,3 +110,18 @@ def test_the_log_line_names_each_moe_layers_hidden_share():
 def test_the_flag_that_turns_them_off():
     assert parse_args(BASE).logging.no_comm_timers is False
     assert parse_args([*BASE, "--no-comm-timers"]).logging.no_comm_timers is True
+
+
+def test_explicit_pipeline_degrees_are_overlap_options_with_ep():
+    forward, backward = (
+        next(option for option in OVERLAP_OPTIONS if option.description.startswith(flag))
+        for flag in ("--moe-pipeline-degree", "--moe-bp-pipeline-degree")
+    )
+    assert forward.hides == ("a2a_dispatch", "a2a_combine")
+    assert backward.hides == ("a2a_dispatch_bwd", "a2a_combine_bwd")
+    ep2 = BASE + ["--expert-model-parallel-size", "2"]
+    cfg = parse_args(ep2 + ["--moe-pipeline-degree", "4", "--moe-bp-pipeline-degree", "1"])
+    assert forward.enabled(cfg) and not backward.enabled(cfg)
+    assert backward.enabled(parse_args(ep2 + ["--moe-bp-pipeline-degree", "2"]))
+    assert not forward.enabled(parse_args(ep2))  # auto: the solver's degrees, judged after set-up
+    assert not forward.enabled(parse_args(BASE + ["--moe-pipeline-degree", "4"]))  # EP=1: nothing to pipeline

@@ -126,6 +126,10 @@ def test_backward_all_to_alls_and_layers_are_apart():
         "a2a_dispatch_bwd": pytest.approx(5.0),
         "a2a_combine": pytest.approx(2.0),
         "a2a_combine_bwd": pytest.approx(4.0),
+        "esp_ag": 0.0,
+        "esp_ag_bwd": 0.0,
+        "esp_rs": 0.0,
+        "esp_rs_bwd": 0.0,
         "dp_grad_reduce": 0.0,
         "tp": 0.0,
         "pp_p2p": 0.0,
@@ -147,6 +151,22 @@ def test_backward_all_to_alls_and_layers_are_apart():
     assert set(s.per_layer) == {1, 3}
     d = s.as_dict()
     assert d["per_layer"][3]["comm_ms"]["a2a_combine_bwd"] == pytest.approx(4.0) and d["hidden_frac"] == 0.0
+
+
+def test_esp_all_gather_and_reduce_scatter_have_their_backward_apart():
+    clock = Clock()
+    timers = CommTimers(clock=clock)
+    sync(timers, clock, Collective("esp_ag", "esp_all_gather", layer=2, nbytes=8), 1.0)
+    sync(timers, clock, Collective("esp_rs", "esp_reduce_scatter", layer=2, backward=True, nbytes=16), 3.0)
+    sync(timers, clock, Collective("esp_ag", "esp_all_gather", layer=2, backward=True, nbytes=32), 2.0)
+    s = timers.summary()
+    assert {k: v for k, v in s.comm_ms.items() if k.startswith("esp_")} == {
+        "esp_ag": pytest.approx(1.0),
+        "esp_ag_bwd": pytest.approx(2.0),
+        "esp_rs": 0.0,
+        "esp_rs_bwd": pytest.approx(3.0),
+    }
+    assert s.per_layer[2]["bytes"] == {"esp_ag": 8, "esp_rs_bwd": 16, "esp_ag_bwd": 32}
 
 
 def test_reset_starts_a_new_window():

@@ -81,9 +81,19 @@ def test_moe_layer_freq():
         (["--pipeline-model-parallel-size", "3"], 3, r"--pipeline-model-parallel-size=3: must divide --num-layers=4"),
         (["--expert-model-parallel-size", "4"], 2, r"--expert-model-parallel-size=4: EP x expert-TP = 4 must divide"),
         (
-            ["--expert-tensor-parallel-size", "2"],
-            4,
-            r"--expert-tensor-parallel-size=2: use 1: .* expert-sharded parallel",
+            ["--expert-tensor-parallel-size", "3", "--moe-ffn-hidden-size", "128"],
+            3,
+            r"--expert-tensor-parallel-size=3: must divide the experts' width --moe-ffn-hidden-size=128 .* e.g. 2",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--moe-layer-impl", "mcore"],
+            2,
+            r"--expert-tensor-parallel-size=2: use 1 with --moe-layer-impl mcore",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"],
+            2,
+            r"--expert-model-parallel-size=2: EP x expert-TP = 4 must divide the ranks per pipeline stage",
         ),
         (["--moe-router-load-balancing-type", "seq_aux_loss"], 1, r"=seq_aux_loss: megatron_moe's layer implements"),
         (

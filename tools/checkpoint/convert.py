@@ -6,7 +6,7 @@
         --target-expert-parallel-size 2
 
 Subcommands:
-  reshard    move a checkpoint to another TP/PP/EP layout offline, on CPU,
+  reshard    move a checkpoint to another TP/PP/EP/ESP layout offline, on CPU,
              optimizer state included (see reshard.py)
   export-hf  write a checkpoint as a HuggingFace Mixtral directory, then verify logits
   import-hf  write a HuggingFace Mixtral directory as a checkpoint, then verify logits
@@ -50,7 +50,7 @@ class ReshardCommand:
             metavar="DST",
             help="new --save directory for the converted checkpoint (must not exist)",
         )
-        for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP")]:
+        for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP"), ("expert-tensor", "ESP")]:
             parser.add_argument(
                 f"--target-{name}-parallel-size",
                 type=int,
@@ -81,6 +81,7 @@ class ReshardCommand:
             tensor_parallel_size=args.target_tensor_parallel_size,
             pipeline_parallel_size=args.target_pipeline_parallel_size,
             expert_parallel_size=args.target_expert_parallel_size,
+            expert_tensor_parallel_size=args.target_expert_tensor_parallel_size,
             sequence_parallel=args.target_sequence_parallel,
             use_distributed_optimizer=args.target_use_distributed_optimizer,
             drop_optimizer=args.no_optimizer,

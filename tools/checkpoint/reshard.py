@@ -1,4 +1,4 @@
-"""Reshard a megatron_moe checkpoint offline to another TP/PP/EP layout.
+"""Reshard a megatron_moe checkpoint offline to another TP/PP/EP/ESP layout.
 
 Two halves:
 
@@ -45,6 +45,7 @@ TARGET_FLAGS = {
     "--tensor-model-parallel-size": "--target-tensor-parallel-size",
     "--pipeline-model-parallel-size": "--target-pipeline-parallel-size",
     "--expert-model-parallel-size": "--target-expert-parallel-size",
+    "--expert-tensor-parallel-size": "--target-expert-tensor-parallel-size",
     "--sequence-parallel": "--target-sequence-parallel",
 }
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -61,6 +62,8 @@ class Target:
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
     expert_parallel_size: int | None = None
+    expert_tensor_parallel_size: int | None = None
+    """ESP: ranks that split each expert's FFN width."""
     sequence_parallel: bool | None = None
     use_distributed_optimizer: bool | None = None
     drop_optimizer: bool = False
@@ -87,7 +90,7 @@ class Plan:
         p = self.config().parallel
         return (
             f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
-            f"EP={p.expert_model_parallel_size} SP={p.sequence_parallel} "
+            f"EP={p.expert_model_parallel_size} ESP={p.expert_tensor_parallel_size or 1} SP={p.sequence_parallel} "
             f"distributed-optimizer={p.use_distributed_optimizer}"
         )
 
@@ -162,6 +165,8 @@ def _target_config(source: RunConfig, target: Target) -> RunConfig:
         p.pipeline_model_parallel_size = target.pipeline_parallel_size
     if target.expert_parallel_size is not None:
         p.expert_model_parallel_size = target.expert_parallel_size
+    if target.expert_tensor_parallel_size is not None:
+        p.expert_tensor_parallel_size = target.expert_tensor_parallel_size
     # Sequence parallelism changes no saved tensor; MoE needs it with TP>1, so it follows TP unless told.
     p.sequence_parallel = (
         target.sequence_parallel if target.sequence_parallel is not None else p.tensor_model_parallel_size > 1
@@ -174,8 +179,13 @@ def _target_config(source: RunConfig, target: Target) -> RunConfig:
 def _validate_layout(cfg: RunConfig) -> int:
     """The world size for `cfg`, or a ConfigError that names this tool's flags."""
     p = cfg.parallel
-    sizes = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size)
-    for flag, value in zip(list(TARGET_FLAGS.values())[:3], sizes):
+    sizes = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.expert_model_parallel_size,
+        p.expert_tensor_parallel_size or 1,
+    )
+    for flag, value in zip(list(TARGET_FLAGS.values())[:4], sizes):
         if value < 1:
             raise ConfigError(f"{flag}={value}: must be >= 1")
     world = smallest_world_size(cfg)
@@ -186,7 +196,8 @@ def _validate_layout(cfg: RunConfig) -> int:
         for training_flag, tool_flag in TARGET_FLAGS.items():
             message = message.replace(training_flag, tool_flag)
         raise ConfigError(
-            f"target layout TP={sizes[0]} PP={sizes[1]} EP={sizes[2]} cannot hold this checkpoint's model: {message}"
+            f"target layout TP={sizes[0]} PP={sizes[1]} EP={sizes[2]} ESP={sizes[3]} cannot hold this checkpoint's "
+            f"model: {message}"
         ) from None
     return world
 

@@ -1,0 +1,397 @@
+"""FSMoE's chunked pipeline: dispatch -> experts -> combine of the built-in experts in r chunks, one autograd node.
+
+Legend: G = EP group size, L = local experts, P = ESP group size (expert-sharded parallelism), X = P x G
+(source ranks of a local expert's rows after the ESP all-gather, in (p, g) order), r = pipeline degree,
+R = rows of this rank's send buffer (expert-major: `counts[e]` rows for global expert e, destination g's
+experts in block g), Q = rows this rank's experts compute (each local expert's rows contiguous, from every
+source x in order: the layout the non-pipelined path has), H = hidden, F = this rank's expert width (2F for
+SwiGLU's gate and up rows).
+
+Chunk j of r takes part j of every (destination g, local expert l) block of the send buffer,
+`part(count, r, j)` rows at offset `count * j // r` in the block; every rank computes every chunk's splits
+from the same host counts (`DispatchPlan.received_GL`, the layer's counts), once per forward: nothing here
+reads the device.
+
+Forward, per chunk j (chunk j+1's all-to-all is started before chunk j waits for its own):
+1. all-to-all of the chunk's rows to the expert owners;
+2. [P > 1: all-gather in the ESP group]; one permutation (x, l) -> (l, x);
+3. fc1 -> act -> fc2 on this rank's weight shards; x, h, a written into r = 1 layout buffers (the kept
+   activations are the non-pipelined node's, so memory and the weight gradients equal r = 1);
+4. inverse permutation, [P > 1: reduce-scatter of the partial sums];
+5. all-to-all back, written into the output at the chunk's rows when it is waited (after the next chunk's).
+
+Backward has its own degree r_b and schedule (not autograd replaying the forward chunks), per chunk:
+1. all-to-all of the output gradient to the expert owners (the combine's reverse); [ESP all-gather];
+2. dA, dH, dX of the chunk (`mlp_input_grads`); dY and dH written into r = 1 layout buffers;
+3. [ESP reduce-scatter]; all-to-all of dX back (the dispatch's reverse).
+The backward all-to-alls are waited through the dispatcher's `backward_overlap` (Lancet's queue runs its
+planned dW under them). The weight gradients are one closure over all rows (`mlp_weight_grads`, the r = 1
+arithmetic) handed to the experts' store when the last chunk's dX is on the wire: `RUN_NOW` runs it there,
+under the last all-to-all; a deferring store (Lancet) queues it.
+
+Two autograd nodes: `_StartPipeline` starts chunk 0's all-to-all in forward and, in backward, waits for the
+last chunk's dX; `PipelinedExperts` runs the rest. What the layer runs between them (the shared expert) runs
+while those two all-to-alls are in flight, forward and backward (autograd runs the later-made node first).
+
+On a GPU the all-to-alls run on the communication stream and `wait()` makes the compute stream wait for them:
+chunk j's experts and chunk j+1's transfer overlap with no host wait (every index and split is made here from
+host counts, once per forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from megatron_moe import comm
+from megatron_moe.moe.dispatch import _chunk_permutation
+from megatron_moe.moe.experts import _fc1, _save, _saved, mlp_input_grads, mlp_weight_grads
+from megatron_moe.moe.ffn import ffn_activation
+from megatron_moe.moe.grouped_gemm import grouped_mm
+from megatron_moe.platform import from_host
+
+
+def part(count: int, r: int, j: int) -> int:
+    """Rows of chunk j of r of a block of `count` rows (the parts of a block add up to it, sizes differ by <= 1)."""
+    return count * (j + 1) // r - count * j // r
+
+
+def _ranges(starts: list[int], sizes: list[int], device) -> torch.Tensor:
+    """The concatenated row ranges [start, start + size) as a long tensor on `device` (copied from the host
+    without waiting for the device)."""
+    total = sum(sizes)
+    starts_B, sizes_B = (from_host(values, torch.long, device) for values in (starts, sizes))
+    shift_B = starts_B - (torch.cumsum(sizes_B, 0) - sizes_B)
+    return torch.repeat_interleave(shift_B, sizes_B, output_size=total) + torch.arange(total, device=device)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return list(itertools.accumulate(sizes, initial=0))[:-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One chunk's host splits and device index tensors."""
+
+    send_rows: torch.Tensor
+    """Rows of the send buffer, in (destination g, expert l) order [R_j]."""
+    send_splits: list[int]
+    """Rows to each EP rank [G]."""
+    recv_splits: list[int]
+    """Rows from each EP rank [G]."""
+    esp_sizes: list[int]
+    """Rows each ESP peer received from its all-to-all [P] (this rank's: sum(recv_splits))."""
+    counts: list[int]
+    """Rows per local expert [L]."""
+    to_expert: torch.Tensor | None
+    """(x, l) -> (l, x) row permutation of the received (and gathered) rows; None: the identity."""
+    to_source: torch.Tensor | None
+    expert_rows: torch.Tensor
+    """Where the chunk's rows, in (l, x) order, lie in the r = 1 layout [Q_j]."""
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.counts)
+
+
+def plan_chunks(
+    send_GL: list[list[int]], received_XL: list[list[int]], r: int, *, esp_rank: int = 0, device=None
+) -> list[Chunk]:
+    """The r chunks of one forward (or backward): `send_GL` rows this rank sends to (g, l), `received_XL` rows
+    each source x = (p, g) sends to this rank's ESP group for local expert l (P = 1: this rank's received_GL);
+    the index tensors on `device` (None: the host)."""
+    device = torch.device("cpu") if device is None else device
+    g_size, l_size, x_size = len(send_GL), len(send_GL[0]), len(received_XL)
+    p_size = x_size // g_size
+    send = [c for row in send_GL for c in row]  # (g, l) order
+    send_starts = _starts(send)
+    received_lx = [received_XL[x][l] for l in range(l_size) for x in range(x_size)]  # the r = 1 layout's blocks
+    q_starts = _starts(received_lx)
+    lx = [(l, x) for l in range(l_size) for x in range(x_size)]
+    chunks = []
+    for j in range(r):
+        send_parts = [part(c, r, j) for c in send]
+        parts_XL = [[part(c, r, j) for c in row] for row in received_XL]
+        mine_GL = parts_XL[esp_rank * g_size : (esp_rank + 1) * g_size]
+        num_rows = sum(map(sum, parts_XL))
+        to_expert = to_source = None
+        if x_size > 1 and l_size > 1:
+            to_expert, to_source = _chunk_permutation(from_host(parts_XL, torch.long, device), num_rows)
+        chunks.append(
+            Chunk(
+                send_rows=_ranges([s + c * j // r for s, c in zip(send_starts, send)], send_parts, device),
+                send_splits=[sum(send_parts[g * l_size : (g + 1) * l_size]) for g in range(g_size)],
+                recv_splits=[sum(row) for row in mine_GL],
+                esp_sizes=[sum(map(sum, parts_XL[p * g_size : (p + 1) * g_size])) for p in range(p_size)],
+                counts=[sum(parts_XL[x][l] for x in range(x_size)) for l in range(l_size)],
+                to_expert=to_expert,
+                to_source=to_source,
+                expert_rows=_ranges(
+                    [q_starts[i] + received_XL[x][l] * j // r for i, (l, x) in enumerate(lx)],
+                    [parts_XL[x][l] for l, x in lx],
+                    device,
+                ),
+            )
+        )
+    return chunks
+
+
+class Links:
+    """The pipeline's collectives for one layer: the EP all-to-alls and, with P > 1, the ESP all-gather and
+    reduce-scatter (every one through `megatron_moe.comm`)."""
+
+    def __init__(self, ep_group, esp_group, layer: int | None, overlap: comm.BackwardOverlap | None):
+        self.ep_group, self.esp_group, self.layer, self.overlap = ep_group, esp_group, layer, overlap
+        self.ep_size, self.esp_size = comm.group_size(ep_group), comm.group_size(esp_group)
+
+    def to_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
+        """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners."""
+        if self.ep_size == 1:
+            return comm.CommHandle(rows_RH)
+        send = comm.combine_all_to_all if backward else comm.dispatch_all_to_all  # backward: the combine's reverse
+        splits = (chunk.recv_splits, chunk.send_splits)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward)
+
+    def from_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
+        """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
+        if self.ep_size == 1:
+            return comm.CommHandle(rows_RH)
+        send = comm.dispatch_all_to_all if backward else comm.combine_all_to_all
+        splits = (chunk.send_splits, chunk.recv_splits)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward)
+
+    def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
+        """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
+        if backward and self.overlap is not None and handle.record is not None:
+            return self.overlap.run_under(handle.record, handle)
+        return handle.wait()
+
+    def gather(self, rows: torch.Tensor, chunk: Chunk, *, backward: bool) -> torch.Tensor:
+        """Received rows in (g, l) order -> [ESP all-gather: (p, g, l)] -> each local expert's rows together."""
+        if self.esp_size > 1:
+            gather = comm.esp_all_gather  # the ESP branch's collective; only reached with an ESP group
+            rows = gather(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
+        return rows if chunk.to_expert is None else rows.index_select(0, chunk.to_expert)
+
+    def scatter(self, rows: torch.Tensor, chunk: Chunk, *, backward: bool) -> torch.Tensor:
+        """`gather`'s reverse: (l, x) -> (x, l) order [-> ESP reduce-scatter of the partial sums]."""
+        rows = rows if chunk.to_source is None else rows.index_select(0, chunk.to_source)
+        if self.esp_size > 1:
+            scatter = comm.esp_reduce_scatter
+            rows = scatter(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
+        return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineRun:
+    """Everything one pipelined forward and its backward need besides the tensors."""
+
+    forward: list[Chunk]
+    backward: list[Chunk]
+    counts: list[int]
+    """Rows per local expert in the r = 1 layout [L]."""
+    links: Links
+    gated: bool
+    keeping: object
+    """The experts' `Keeping` (activation policy)."""
+    store: object
+    """The experts' `WeightGradStore`."""
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.counts)
+
+
+def _chunk_forward(x, w1_EFH, w2_EHF, chunk: Chunk, gated: bool, kept_QX: tuple) -> torch.Tensor:
+    """fc1 -> act -> fc2 of one chunk's rows; x, h, a go into the r = 1 layout buffers `kept_QX`."""
+    if chunk.num_rows == 0:
+        return x.new_empty(0, w2_EHF.shape[1])
+    h = _fc1(x, w1_EFH, chunk.counts)
+    a = ffn_activation(h, gated)
+    y = grouped_mm(a, w2_EHF.transpose(1, 2), chunk.counts)
+    for buffer, t in zip(kept_QX, (x, h, a)):
+        buffer.index_copy_(0, chunk.expert_rows, t)
+    return y
+
+
+class _Flight:
+    """What one pipelined call's two nodes hand each other: forward, chunk 0's all-to-all (started by the first
+    node); backward, the last all-to-all of dX and the buffer it completes (waited by the first node)."""
+
+    def __init__(self):
+        self.sending: comm.CommHandle | None = None
+        self.returning: tuple[comm.CommHandle, Chunk] | None = None
+        self.grad_in_RH: torch.Tensor | None = None
+
+
+class _StartPipeline(torch.autograd.Function):
+    """Forward: start chunk 0's all-to-all. Backward: wait for the last chunk's dX and return the input gradient.
+
+    Work autograd places between this node and `PipelinedExperts` (the shared expert, forward and backward)
+    runs while those all-to-alls are in flight. Returns an empty token that orders the two nodes."""
+
+    @staticmethod
+    def forward(ctx, rows_RH, run: PipelineRun, flight: _Flight):
+        chunk = run.forward[0]
+        flight.sending = run.links.to_experts(rows_RH.index_select(0, chunk.send_rows), chunk, backward=False)
+        ctx.run, ctx.flight = run, flight
+        return rows_RH.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        flight = ctx.flight
+        if flight.returning is not None:
+            handle, chunk = flight.returning
+            flight.grad_in_RH.index_copy_(0, chunk.send_rows, ctx.run.links.wait(handle, backward=True))
+        grad_in_RH, flight.grad_in_RH, flight.returning = flight.grad_in_RH, None, None
+        return grad_in_RH, None, None
+
+
+class PipelinedExperts(torch.autograd.Function):
+    """rows [R, H] in the send layout -> the experts' outputs back in the same layout; see the module docstring.
+
+    Its input gradient goes to `_StartPipeline` (the token's node), which finishes it."""
+
+    @staticmethod
+    def forward(ctx, rows_RH, token, w1_EFH, w2_EHF, run: PipelineRun, flight: _Flight):
+        q, links, chunks = run.num_rows, run.links, run.forward
+        kept_QX = tuple(rows_RH.new_empty(q, n) for n in (rows_RH.shape[1], w1_EFH.shape[1], w2_EHF.shape[2]))
+        out_RH = torch.empty_like(rows_RH)
+        sending, flight.sending = flight.sending, None
+        returning = None
+        for j, chunk in enumerate(chunks):
+            received = sending
+            if j + 1 < len(chunks):  # 1. the next chunk's all-to-all is in flight while this one computes
+                after = chunks[j + 1]
+                sending = links.to_experts(rows_RH.index_select(0, after.send_rows), after, backward=False)
+            x = links.gather(received.wait(), chunk, backward=False)  # 2.
+            y = _chunk_forward(x, w1_EFH, w2_EHF, chunk, run.gated, kept_QX)  # 3.
+            handle = links.from_experts(links.scatter(y, chunk, backward=False), chunk, backward=False)  # 4., 5.
+            if returning is not None:
+                out_RH.index_copy_(0, returning[1].send_rows, returning[0].wait())
+            returning = (handle, chunk)
+        out_RH.index_copy_(0, returning[1].send_rows, returning[0].wait())
+        keeping = run.keeping
+        _save(ctx, (w1_EFH, w2_EHF), [keeping.keep(name, t) for name, t in zip("xha", kept_QX)])
+        ctx.run, ctx.flight = run, flight
+        return out_RH
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        run = ctx.run
+        (w1_EFH, w2_EHF), kept = _saved(ctx, 2)
+        x_QH, h_QF, a_QF = (run.keeping.fetch(k, 0, run.num_rows) for k in kept)
+        need_x, need_w1, need_w2 = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
+        grad_RH = grad_RH.contiguous()
+        # The weight gradients' operands in the r = 1 layout, filled chunk by chunk.
+        grad_y_QH = grad_RH.new_empty(run.num_rows, grad_RH.shape[1]) if need_w2 else None
+        grad_h_QF = grad_RH.new_empty(run.num_rows, w1_EFH.shape[1]) if need_w1 else None
+        recompute_a = need_w2 and a_QF is None
+        if recompute_a:
+            a_QF = grad_RH.new_empty(run.num_rows, w2_EHF.shape[2])
+        grad_in_RH = torch.empty_like(grad_RH) if need_x else None
+        schedule = _Backward(run, w1_EFH, w2_EHF, x_QH, h_QF, a_QF if recompute_a else None, grad_y_QH, grad_h_QF)
+        weight_grads = None
+        if need_w1 or need_w2:
+            weight_grads = mlp_weight_grads(grad_y_QH, x_QH, a_QF, grad_h_QF, run.counts, (need_w1, need_w2))
+        ctx.flight.grad_in_RH = grad_in_RH
+        grads = schedule.schedule(grad_RH, ctx.flight, need_x, weight_grads)
+        return None, grad_RH.new_empty(0), *grads, None, None
+
+
+class _Backward:
+    """The backward schedule of r_b chunks (numbered as in the module docstring)."""
+
+    def __init__(self, run: PipelineRun, w1_EFH, w2_EHF, x_QH, h_QF, a_out_QF, grad_y_QH, grad_h_QF):
+        self.run, self.w1_EFH, self.w2_EHF, self.x_QH, self.h_QF = run, w1_EFH, w2_EHF, x_QH, h_QF
+        self.a_out_QF, self.grad_y_QH, self.grad_h_QF = a_out_QF, grad_y_QH, grad_h_QF
+
+    def schedule(self, grad_RH, flight: _Flight, need_x: bool, weight_grads) -> tuple:
+        """Writes dX into `flight.grad_in_RH` but for the last chunk's, left in flight for `_StartPipeline`;
+        returns (dW1, dW2) for autograd (None where the store keeps them)."""
+        grad_in_RH = flight.grad_in_RH
+        links, chunks = self.run.links, self.run.backward
+        grads = (None, None)
+        sending = links.to_experts(grad_RH.index_select(0, chunks[0].send_rows), chunks[0], backward=True)
+        returning = None
+        for j, chunk in enumerate(chunks):
+            received = sending
+            if j + 1 < len(chunks):
+                after = chunks[j + 1]
+                sending = links.to_experts(grad_RH.index_select(0, after.send_rows), after, backward=True)
+            grad_y = links.gather(links.wait(received, backward=True), chunk, backward=True)  # 1.
+            grad_x = self._chunk(grad_y, chunk, need_x)  # 2.
+            handle = None
+            if need_x:  # 3.
+                handle = links.from_experts(links.scatter(grad_x, chunk, backward=True), chunk, backward=True)
+            if j + 1 == len(chunks) and weight_grads is not None:  # every chunk's dY, dH is in: dW under the last
+                grads = self.run.store.put(weight_grads, (None, None)) or (None, None)
+            if returning is not None:
+                grad_in_RH.index_copy_(0, returning[1].send_rows, links.wait(returning[0], backward=True))
+            returning = None if handle is None else (handle, chunk)
+        flight.returning = returning
+        return grads
+
+    def _chunk(self, grad_y, chunk: Chunk, need_x: bool):
+        """dX of one chunk's rows (or None); its dY and dH go into the r = 1 layout buffers."""
+        if chunk.num_rows == 0:
+            return grad_y.new_empty(0, self.x_QH.shape[1])
+        rows, counts, gated = chunk.expert_rows, chunk.counts, self.run.gated
+        x = self.x_QH.index_select(0, rows)
+        h = _fc1(x, self.w1_EFH, counts) if self.h_QF is None else self.h_QF.index_select(0, rows)
+        if self.a_out_QF is not None:
+            self.a_out_QF.index_copy_(0, rows, ffn_activation(h, gated))
+        if self.grad_y_QH is not None:
+            self.grad_y_QH.index_copy_(0, rows, grad_y)
+        grad_x, grad_h = mlp_input_grads(grad_y, self.w1_EFH, self.w2_EHF, h, counts, gated, need_x)
+        if self.grad_h_QF is not None:
+            self.grad_h_QF.index_copy_(0, rows, grad_h)
+        return grad_x
+
+
+class PipelineStart:
+    """A pipelined call whose chunk 0 is in flight: `finish()` runs the rest and returns the combined rows."""
+
+    def __init__(self, rows_RH: torch.Tensor, experts, run: PipelineRun):
+        self.rows_RH, self.experts, self.run, self.flight = rows_RH, experts, run, _Flight()
+        self.token = _StartPipeline.apply(rows_RH, run, self.flight)
+
+    def finish(self) -> torch.Tensor:
+        weights = (self.experts.weight1, self.experts.weight2)
+        return PipelinedExperts.apply(self.rows_RH, self.token, *weights, self.run, self.flight)
+
+
+def start_pipeline(
+    rows_RH: torch.Tensor,
+    experts,
+    counts: list[int],
+    received_XL: list[list[int]],
+    degrees: tuple[int, int],
+    links: Links,
+    *,
+    esp_rank: int = 0,
+) -> PipelineStart:
+    """The built-in `experts` (`FFNExperts`) on the send buffer `rows_RH` (`counts[e]` rows for global expert
+    e), through the EP (and ESP) groups of `links`, in degrees[0] chunks forward and degrees[1] backward;
+    `received_XL`: rows each source x = (p, g) sends this rank's ESP group for each local expert. Every chunk's
+    splits and indices are computed here, and chunk 0's all-to-all starts."""
+    g, l = links.ep_size, experts.num_local_experts
+    send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
+    forward, backward = degrees
+    device = rows_RH.device
+    chunks_f = plan_chunks(send_GL, received_XL, forward, esp_rank=esp_rank, device=device)
+    chunks_b = chunks_f
+    if backward != forward:
+        chunks_b = plan_chunks(send_GL, received_XL, backward, esp_rank=esp_rank, device=device)
+    local_counts = [sum(row[e] for row in received_XL) for e in range(l)]
+    run = PipelineRun(
+        chunks_f, chunks_b, local_counts, links, experts.gated, experts.keeping, experts.weight_grad_store
+    )
+    return PipelineStart(rows_RH, experts, run)
+
+
+def pipelined_experts(rows_RH, experts, counts, received_XL, degrees, links, *, esp_rank: int = 0) -> torch.Tensor:
+    """`start_pipeline(...).finish()`: nothing between the two."""
+    return start_pipeline(rows_RH, experts, counts, received_XL, degrees, links, esp_rank=esp_rank).finish()

@@ -1,0 +1,415 @@
+"""FSMoE's cost model and pipeline-degree solver (Algorithm 1), as pure code: no process group, no tensors.
+
+Legend: G = EP group size, P = ESP group size (expert-tensor-parallel), L = local experts (E / G), r = pipeline
+degree (chunks), T = tokens this rank routes, k = top-k, H = hidden, F = one expert's FFN width.
+
+Times are ms. Each operation x is a line t_x(n) = alpha_x + n * beta_x (`LinearFit`, fitted by
+`megatron_moe.overlap.profiler` or given by hand), with n in bytes for the collectives ("a2a" all-to-all,
+"ag" ESP all-gather, "rs" ESP reduce-scatter, "ar" gradient all-reduce) and in multiply-adds for one GEMM
+("gemm"). On r chunks each step takes t_x,r = alpha_x + n_x / r * beta_x (FSMoE eq. 1). `LayerSizes` holds
+one MoE layer's n_x for this rank; `layer_time_ms` is the four-case model of FSMoE section 4.2 (conditions
+Q1..Q7 as written there); `solve_degrees` is Algorithm 1: per case k, SLSQP minimises f_k(r) over
+1 <= r <= max_degree; the integers around each optimum are evaluated with the model (the case that holds at
+that r) and the best wins. Forward runs with t_gar = 0, backward with the given t_gar.
+
+Where this deviates from the paper:
+- Expert time: t_exp,r = num_gemms * alpha_gemm + n_exp / r * beta_gemm, with n_exp the multiply-adds of all
+  the chunk's GEMMs at r = 1 (the paper's alpha_exp = k * alpha_gemm, beta_exp = k * beta_gemm with n_exp one
+  GEMM's work, which assumes k equal GEMMs; a gated fc1 is twice fc2).
+- Backward expert work: in our pipeline the backward chunks run the input-gradient GEMMs only (dW runs outside
+  the pipeline, whole, or deferred under an all-to-all by the Lancet queue), i.e. the same multiply-adds and
+  GEMM count as forward; the activation's backward is elementwise (O(rows * F / P) against O(rows * F * H / P))
+  and not modelled. So `backward_exp_scale` = 1, not FSMoE's 2 (pass 2.0 for FSMoE's own schedule).
+- An absent collective costs 0, alpha included: P = 1 has no all-gather / reduce-scatter (n_ag = n_rs = 0),
+  G = 1 no all-to-all (and then nothing to pipeline: the solver returns r = 1).
+- Coefficients are >= 0: `fit_linear` holds one at 0 where noise in a short profile would make it negative (a
+  negative alpha would make more chunks look cheaper than fewer), and the model clamps hand-given ones.
+- Region boundaries as candidates: the paper's solve(f_k) ignores case k's conditions, so when f_k's optimum
+  lies where another case holds, the model's best r sits on a boundary between cases, and the integers around
+  the four optima miss it (up to 29% slower than the best integer on random fits). Every t_x,r is
+  alpha + c / r, so r * (Q_i's left side - right side) is a quadratic in r: its roots in [1, max_degree] are
+  rounded and evaluated too. The model is convex in r within each case's region, so the result is the best
+  integer degree by the model (tests/unit/test_cost_model.py checks it against `brute_force`).
+- Ties between integer degrees go to the smaller r (fewer, larger messages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from scipy.optimize import minimize, nnls
+
+from megatron_moe.config.fields import require
+
+FIT_KINDS = ("a2a", "ag", "rs", "ar", "gemm")
+"""a2a: dispatch/combine all-to-all over the EP group (n: bytes this rank sends); ag: ESP all-gather (n: bytes of
+its output on this rank); rs: ESP reduce-scatter (n: bytes of its input on this rank); ar: gradient all-reduce over
+the data-parallel group (n: bytes reduced); gemm: one torch.matmul (n: multiply-adds, M * N * K)."""
+CASES = (1, 2, 3, 4)
+DIRECTIONS = ("forward", "backward")
+FORMAT = "megatron_moe.cluster_fits/1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearFit:
+    """t = alpha + n * beta (ms), with the data it was fitted on."""
+
+    alpha: float
+    """Start-up time, ms."""
+    beta: float
+    """ms per unit of n (byte, or multiply-add for the GEMM)."""
+    r2: float = 1.0
+    """Coefficient of determination of the fit (1: the line passes through every point)."""
+    points: tuple[tuple[float, float], ...] = ()
+    """The measured (n, ms) pairs (empty for coefficients given by hand)."""
+
+    def time_ms(self, n: float) -> float:
+        return self.alpha + n * self.beta
+
+    def to_json(self) -> dict:
+        return {"alpha": self.alpha, "beta": self.beta, "r2": self.r2, "points": [list(p) for p in self.points]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> LinearFit:
+        points = tuple((float(n), float(ms)) for n, ms in data.get("points", ()))
+        return cls(alpha=float(data["alpha"]), beta=float(data["beta"]), r2=float(data.get("r2", 1.0)), points=points)
+
+
+def fit_linear(points: Iterable[tuple[float, float]]) -> LinearFit:
+    """Least squares with an intercept over (n, ms) pairs; R^2 = 1 - SS_res / SS_tot (1 when every ms is equal
+    and the line is exact). A start-up time or a per-unit time cannot be negative: when noise makes one come out
+    below 0, the fit is the least-squares one with both >= 0 (scipy's nnls), i.e. that coefficient held at 0.
+    ValueError for fewer than 2 distinct n."""
+    pairs = tuple((float(n), float(ms)) for n, ms in points)
+    if len({n for n, _ in pairs}) < 2:
+        raise ValueError(f"fit_linear: needs points at 2 or more distinct sizes n, got {pairs}")
+    n_N, ms_N = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+    scale = float(np.max(np.abs(n_N)))  # n spans 1e5..1e8: a unit column keeps the solves well conditioned
+    design_N2 = np.stack([np.ones_like(n_N), n_N / scale], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design_N2, ms_N, rcond=None)
+    if alpha < 0 or beta < 0:
+        (alpha, beta), _ = nnls(design_N2, ms_N)
+    beta /= scale
+    residual = float(np.sum((ms_N - (alpha + beta * n_N)) ** 2))
+    total = float(np.sum((ms_N - ms_N.mean()) ** 2))
+    r2 = 1.0 - residual / total if total > 0 else (1.0 if residual == 0 else 0.0)
+    return LinearFit(alpha=float(alpha), beta=float(beta), r2=r2, points=pairs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterFits:
+    """One fit per `FIT_KINDS`, and the description of the cluster they were measured on."""
+
+    fits: dict[str, LinearFit]
+    cluster: dict = dataclasses.field(default_factory=dict)
+    """What the profile is valid for (world size, group sizes, host names, link, dtype, ...): a saved profile is
+    reused only by a run whose description is equal (`megatron_moe.overlap.profiler`)."""
+
+    def __post_init__(self):
+        missing = [kind for kind in FIT_KINDS if kind not in self.fits]
+        if missing:
+            raise ValueError(f"cluster fits: no fit for {missing}; give one for each of {FIT_KINDS}")
+
+    def __getitem__(self, kind: str) -> LinearFit:
+        return self.fits[kind]
+
+    @classmethod
+    def from_coefficients(cls, alpha: dict[str, float], beta: dict[str, float], cluster: dict | None = None):
+        """Fits given by hand: alpha[kind] ms, beta[kind] ms per unit (R^2 = 1, no points)."""
+        return cls(fits={k: LinearFit(alpha=alpha[k], beta=beta[k]) for k in FIT_KINDS}, cluster=dict(cluster or {}))
+
+    def to_json(self) -> dict:
+        fits = {kind: self.fits[kind].to_json() for kind in FIT_KINDS}
+        return {"format": FORMAT, "cluster": self.cluster, "fits": fits}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ClusterFits:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"cluster fits: format {data.get('format')!r}; expected {FORMAT!r}")
+        return cls(fits={k: LinearFit.from_json(v) for k, v in data["fits"].items()}, cluster=data.get("cluster", {}))
+
+    def save(self, path: str) -> None:
+        """Write the JSON atomically (a reader never sees half a file)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> ClusterFits:
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+def capacity_rows(capacity_factor: float, tokens: int, topk: int, num_experts: int) -> int:
+    """ceil(|f| * k * T / E), at least 1: `megatron_moe.moe.capacity.capacity_limit` (restated here so the model
+    imports no torch; tests/unit/test_cost_model.py checks they agree)."""
+    return max(1, math.ceil(abs(capacity_factor) * topk * tokens / num_experts))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerSizes:
+    """One MoE layer's work on one rank, whole (r = 1): the n_x of the cost model."""
+
+    n_a2a: float
+    """Bytes this rank sends in the dispatch all-to-all (the combine sends the same back)."""
+    n_ag: float
+    """Bytes of the ESP all-gather's output on this rank (0 without ESP)."""
+    n_rs: float
+    """Bytes of the ESP reduce-scatter's input on this rank (0 without ESP)."""
+    n_exp: float
+    """Multiply-adds of this rank's expert GEMMs in forward (all chunks together)."""
+    num_gemms: int
+    """GEMM calls per chunk (each pays alpha_gemm): 2 per local expert (fc1, fc2)."""
+    ep: int = 1
+    """G, the EP group size (1: no all-to-all, nothing to pipeline)."""
+    esp: int = 1
+    """P, the ESP group size."""
+
+    @classmethod
+    def from_layer(
+        cls,
+        *,
+        tokens: int,
+        topk: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        ep: int = 1,
+        esp: int = 1,
+        capacity_factor: float | None = None,
+        padded: bool = False,
+        dtype_bytes: int = 4,
+        gated: bool = False,
+    ) -> LayerSizes:
+        """The sizes of one layer under balanced routing (every expert gets k * T / E of a rank's tokens).
+
+        Rows a rank sends: dropless (f None or 0) T * k, padded E * ceil(k * T / E); f > 0 the kept rows
+        min(T * k, E * C) with C = ceil(f * k * T / E), padded E * C; f < 0 (adaptive) as dropless, capped at C.
+        A rank receives as many rows as it sends; with ESP it gathers its P peers' (P x as many) and computes
+        their F / P slice: multiply-adds P * rows * H * F / P * (2, or 3 gated).
+        """
+        for flag, value in (
+            ("--micro-batch-size x --seq-length", tokens),
+            ("--moe-router-topk", topk),
+            ("--hidden-size", hidden_size),
+            ("--moe-ffn-hidden-size", ffn_hidden_size),
+            ("--num-experts", num_experts),
+            ("--expert-model-parallel-size", ep),
+            ("--expert-tensor-parallel-size", esp),
+            ("dtype bytes", dtype_bytes),
+        ):
+            require(isinstance(value, int) and value >= 1, flag, value, "must be an integer >= 1")
+        require(num_experts % ep == 0, "--num-experts", num_experts, f"must be a multiple of EP={ep}")
+        require(ffn_hidden_size % esp == 0, "--moe-ffn-hidden-size", ffn_hidden_size, f"must split over ESP={esp}")
+        pairs = tokens * topk
+        balanced = math.ceil(pairs / num_experts)
+        if capacity_factor is None or capacity_factor == 0:
+            per_expert = balanced
+        else:
+            limit = capacity_rows(capacity_factor, tokens, topk, num_experts)
+            per_expert = limit if capacity_factor > 0 and padded else min(balanced, limit)
+        rows = num_experts * per_expert if padded else min(pairs, num_experts * per_expert)
+        row_bytes = hidden_size * dtype_bytes
+        gathered = esp * rows * row_bytes if esp > 1 else 0
+        return cls(
+            n_a2a=float(rows * row_bytes) if ep > 1 else 0.0,
+            n_ag=float(gathered),
+            n_rs=float(gathered),
+            n_exp=float(rows * hidden_size * ffn_hidden_size * (3 if gated else 2)),
+            num_gemms=2 * (num_experts // ep),
+            ep=ep,
+            esp=esp,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkTimes:
+    """Per-chunk times at degree r (ms): t_a2a,r, t_ag,r, t_rs,r, t_exp,r."""
+
+    a2a: float
+    ag: float
+    rs: float
+    exp: float
+
+
+def _per_chunk(fit: LinearFit, n: float, r: float) -> float:
+    return 0.0 if n <= 0 else max(fit.alpha, 0.0) + n / r * max(fit.beta, 0.0)
+
+
+def chunk_times(fits: ClusterFits, sizes: LayerSizes, r: float, *, exp_scale: float = 1.0) -> ChunkTimes:
+    """FSMoE eq. 1 at degree r; the expert time per the deviation in the module docstring."""
+    gemm = fits["gemm"]
+    exp = exp_scale * (sizes.num_gemms * max(gemm.alpha, 0.0) + sizes.n_exp / r * max(gemm.beta, 0.0))
+    return ChunkTimes(
+        a2a=_per_chunk(fits["a2a"], sizes.n_a2a, r),
+        ag=_per_chunk(fits["ag"], sizes.n_ag, r),
+        rs=_per_chunk(fits["rs"], sizes.n_rs, r),
+        exp=exp,
+    )
+
+
+def case_time_ms(case: int, t: ChunkTimes, r: float, t_gar_ms: float) -> float:
+    """f_case(r): FSMoE's layer time when case `case` holds (eqs. 2 and the three after it)."""
+    if case == 1:  # inter-node communication (all-to-all and gradient all-reduce) dominates
+        return 2 * r * t.a2a + t_gar_ms
+    if case == 2:  # the experts dominate
+        return 2 * t.a2a + t.ag + t.rs + r * t.exp
+    if case == 3:  # the all-to-all dominates, slower than the intra-node steps
+        return 2 * r * t.a2a + t.ag + t.rs
+    if case == 4:  # intra-node all-gather / reduce-scatter dominates
+        return 2 * t.a2a + r * t.ag + r * t.rs
+    raise ValueError(f"case {case}: one of {CASES}")
+
+
+def condition_margins(t: ChunkTimes, r: float, t_gar_ms: float) -> tuple[float, ...]:
+    """Q1..Q7 of FSMoE section 4.2 as left side minus right side: Q_i holds when its margin is > 0."""
+    return (
+        t.a2a - t.ag,  # Q1: the all-to-all is slower than the all-gather (and, assumed alike, the reduce-scatter)
+        r * t.exp - 2 * (r - 1) * t.a2a,  # Q2: the experts outlast the all-to-alls but the first and the last
+        r * t.exp - ((r - 1) * t.ag + t.rs),  # Q3
+        t_gar_ms - (t.ag + t.rs),  # Q4
+        t_gar_ms - (r * t.exp - 2 * (r - 1) * t.a2a + t.ag + t.rs),  # Q5
+        t_gar_ms - (r * t.ag + r * t.rs - 2 * (r - 1) * t.a2a),  # Q6
+        t_gar_ms - (t.ag + t.rs + r * t.exp - 2 * (r - 1) * t.a2a),  # Q7
+    )
+
+
+def case_at(t: ChunkTimes, r: float, t_gar_ms: float) -> int:
+    """The case whose conditions hold at r, Q1..Q7 as written in the paper (the four cases partition).
+
+    Where a case's conditions hold its time is the larger of the two cases they compare, but for Q3: the paper's
+    right side is (r - 1) t_ag + t_rs where cases 2 and 4 differ by (r - 1) (t_ag + t_rs); kept as written."""
+    q1, q2, q3, q4, q5, q6, q7 = (margin > 0 for margin in condition_margins(t, r, t_gar_ms))
+    if (q1 and not q2 and q4) or (q1 and q2 and q5) or (not q1 and not q3 and q6) or (not q1 and q3 and q7):
+        return 1
+    if (q1 and q2) or (not q1 and q3):  # not Q5 / not Q7: case 1 was refused above
+        return 2
+    return 3 if q1 else 4  # Q1, not Q2, not Q4 / not Q1, not Q3, not Q6
+
+
+def layer_time_ms(
+    fits: ClusterFits, sizes: LayerSizes, r: float, *, t_gar_ms: float = 0.0, exp_scale: float = 1.0
+) -> tuple[float, int]:
+    """The model's time of one direction of the layer at degree r, and the case that holds there."""
+    t = chunk_times(fits, sizes, r, exp_scale=exp_scale)
+    case = case_at(t, r, t_gar_ms)
+    return case_time_ms(case, t, r, t_gar_ms), case
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """Pipeline degrees of one MoE layer and the model's times for them."""
+
+    forward: int
+    backward: int
+    predicted_ms: dict[str, float]
+    """"forward" / "backward": the model's time of that direction at its degree."""
+    case: dict[str, int]
+    """"forward" / "backward": the case (1-4) that holds at that degree."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _solve_case(case: int, fits: ClusterFits, sizes: LayerSizes, t_gar_ms: float, exp_scale: float, top: int):
+    """argmin of f_case over [1, top] by SLSQP (continuous r)."""
+
+    def f(r_1: np.ndarray) -> float:
+        r = float(r_1[0])
+        return case_time_ms(case, chunk_times(fits, sizes, r, exp_scale=exp_scale), r, t_gar_ms)
+
+    x0 = np.array([math.sqrt(top)])  # f_case is a * r + b / r + c, convex on r > 0: any start in range will do
+    result = minimize(f, x0, method="SLSQP", bounds=[(1.0, float(top))])
+    return min(max(float(result.x[0]), 1.0), float(top))
+
+
+def _best_integer(candidates: Iterable[int], fits, sizes, t_gar_ms, exp_scale) -> tuple[int, float, int]:
+    scored = [(*layer_time_ms(fits, sizes, r, t_gar_ms=t_gar_ms, exp_scale=exp_scale), r) for r in candidates]
+    ms, case, r = min(scored, key=lambda s: (s[0], s[2]))
+    return r, ms, case
+
+
+def _boundaries(fits, sizes, t_gar_ms, exp_scale, top: int) -> list[float]:
+    """Where a condition Q_i changes truth in [1, top]: every t_x,r is alpha + c / r, so r * margin_i(r) is a
+    quadratic in r, read off from 3 points and solved."""
+    r_3 = (1.0, 2.0, 3.0)
+    margins = [condition_margins(chunk_times(fits, sizes, r, exp_scale=exp_scale), r, t_gar_ms) for r in r_3]
+    roots = []
+    for i in range(len(margins[0])):
+        coefficients = np.polyfit(r_3, [r * m[i] for r, m in zip(r_3, margins)], 2)
+        if np.any(coefficients):
+            roots += [float(z.real) for z in np.roots(coefficients) if abs(z.imag) < 1e-12 and 1 <= z.real <= top]
+    return roots
+
+
+def _solve_direction(fits, sizes, t_gar_ms, exp_scale, max_degree) -> tuple[int, float, int]:
+    if sizes.ep == 1 or sizes.n_a2a <= 0:
+        return _best_integer([1], fits, sizes, t_gar_ms, exp_scale)
+    optima = [_solve_case(case, fits, sizes, t_gar_ms, exp_scale, max_degree) for case in CASES]
+    candidates = {1, max_degree}
+    for r in optima + _boundaries(fits, sizes, t_gar_ms, exp_scale, max_degree):
+        candidates |= {max(1, math.floor(r)), min(max_degree, math.ceil(r))}
+    return _best_integer(sorted(candidates), fits, sizes, t_gar_ms, exp_scale)
+
+
+def _schedule(forward: tuple[int, float, int], backward: tuple[int, float, int]) -> Schedule:
+    return Schedule(
+        forward=forward[0],
+        backward=backward[0],
+        predicted_ms={"forward": forward[1], "backward": backward[1]},
+        case={"forward": forward[2], "backward": backward[2]},
+    )
+
+
+def solve_degrees(
+    fits: ClusterFits,
+    sizes: LayerSizes,
+    *,
+    t_gar_ms: float = 0.0,
+    max_degree: int = 8,
+    backward_exp_scale: float = 1.0,
+) -> Schedule:
+    """FSMoE Algorithm 1, per direction: SLSQP on f_1..f_4 over 1 <= r <= max_degree, the integers around each
+    optimum (and the bounds 1, max_degree) evaluated with the model (the case that holds at each), the best
+    kept. Forward: t_gar = 0; backward: `t_gar_ms` (the gradient all-reduce placed in this layer's backward; 0
+    until the gradient-partition issue), expert work times `backward_exp_scale` (module docstring). G = 1: 1."""
+    require(isinstance(max_degree, int) and max_degree >= 1, "max_degree", max_degree, "an integer >= 1, e.g. 8")
+    require(t_gar_ms >= 0, "t_gar_ms", t_gar_ms, "must be >= 0 (0: no gradient all-reduce in the layer)")
+    forward = _solve_direction(fits, sizes, 0.0, 1.0, max_degree)
+    backward = _solve_direction(fits, sizes, t_gar_ms, backward_exp_scale, max_degree)
+    return _schedule(forward, backward)
+
+
+def predict(
+    fits: ClusterFits,
+    sizes: LayerSizes,
+    forward: int,
+    backward: int,
+    *,
+    t_gar_ms: float = 0.0,
+    backward_exp_scale: float = 1.0,
+) -> Schedule:
+    """The model's times for given degrees (r = 1, a fixed Tutel-style degree, a measured choice)."""
+    fwd = (forward, *layer_time_ms(fits, sizes, forward))
+    bwd = (backward, *layer_time_ms(fits, sizes, backward, t_gar_ms=t_gar_ms, exp_scale=backward_exp_scale))
+    return _schedule(fwd, bwd)
+
+
+def brute_force(
+    fits: ClusterFits,
+    sizes: LayerSizes,
+    degrees: Sequence[int] = (1, 2, 4, 8),
+    *,
+    t_gar_ms: float = 0.0,
+    backward_exp_scale: float = 1.0,
+) -> Schedule:
+    """The best of `degrees` per direction by the model (the directions are independent: degrees x degrees)."""
+    forward = _best_integer(degrees, fits, sizes, 0.0, 1.0)
+    backward = _best_integer(degrees, fits, sizes, t_gar_ms, backward_exp_scale)
+    return _schedule(forward, backward)

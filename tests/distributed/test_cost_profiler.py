@@ -1,0 +1,77 @@
+"""megatron_moe/overlap/profiler.py on 4 gloo ranks (one torchrun job): every rank fits the same lines, the
+profile is saved, and a second call loads it instead of measuring."""
+
+import os
+
+import pytest
+
+from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits
+from tests.distributed.launcher import run_torchrun
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_profiler_worker.py")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("profile")
+    out = run_torchrun(WORKER, nproc=4, args=[str(directory)], timeout=300)
+    return out | {"path": str(directory / "fits.json")}
+
+
+def test_esp_gloo_form_gathers_and_sums(results):
+    base = [0.0, 1.0, 2.0, 3.0]
+    for rank, got in enumerate(results["esp_traffic"]):
+        peers = [rank // 2 * 2, rank // 2 * 2 + 1]  # ESP groups {0, 1}, {2, 3}
+        assert got["gathered"] == [v + 10 * p for p in peers for v in base]  # each peer's block, in rank order
+        assert got["summed"] == [sum(v + 10 * p for p in peers) for v in base]  # this rank's block, summed
+
+
+def test_every_rank_fits_the_same_lines_and_the_file_is_saved(results):
+    first = results["first"]
+    assert all(r["measured"] for r in first) and all(r["saved"] for r in first)
+    assert all(r["fits"] == first[0]["fits"] for r in first)
+    fits = ClusterFits.from_json(first[0]["fits"])
+    assert ClusterFits.load(results["path"]).cluster != fits.cluster  # the file now holds the "changed" profile
+    cluster = fits.cluster
+    assert (cluster["world"], cluster["ep"], cluster["esp"], cluster["dp"]) == (4, 2, 2, 4)
+    assert len(cluster["hosts"]) == 4 and cluster["link"] == "loopback" and cluster["backend"] == "gloo"
+    for kind in FIT_KINDS:
+        fit = fits[kind]
+        assert len(fit.points) == 3 and all(ms > 0 for _, ms in fit.points), kind
+        assert fit.alpha >= 0 and fit.beta >= 0 and fit.r2 <= 1.0, (kind, fit)
+    assert [n for n, _ in fits["a2a"].points] == [16 << 10, 32 << 10, 64 << 10]
+    assert [n for n, _ in fits["gemm"].points] == [64**3, 128 * 64 * 64, 256 * 64 * 64]
+
+
+def test_collectives_go_through_comm_on_their_groups(results):
+    for rank, got in enumerate(results["first"]):
+        purposes = {purpose: ranks for kind, purpose, ranks in got["collectives"]}
+        assert {kind for kind, _, _ in got["collectives"]} == {"other"}
+        assert purposes["profile/all_to_all"] == [rank % 2, rank % 2 + 2]  # EP across the two nodes
+        assert (
+            purposes["profile/esp_all_gather"]
+            == purposes["profile/esp_reduce_scatter"]
+            == [
+                rank // 2 * 2,
+                rank // 2 * 2 + 1,
+            ]
+        )
+        assert purposes["profile/all_reduce"] == [0, 1, 2, 3]
+
+
+def test_a_second_call_loads_instead_of_measuring(results):
+    for first, second in zip(results["first"], results["second"]):
+        assert not second["measured"] and second["fits"] == first["fits"]
+        timed = [p for _, p, _ in second["collectives"] if p not in ("profile/host_names", "profile/agree")]
+        assert timed == [], timed  # no benchmark ran
+    changed = results["changed"]
+    assert all(r["measured"] for r in changed)  # other settings: the saved profile does not match
+    assert changed[0]["fits"]["cluster"]["settings"]["repeats"] == 2
+
+
+def test_megatron_groups_are_the_tools_groups(results):
+    for rank, got in enumerate(results["parallel_state"]):
+        assert got["sizes"] == {"ep": 2, "esp": 2, "dp": 4}
+        ep, esp, dp = got["megatron"]
+        assert [ep, esp] == got["tool"]
+        assert esp == [rank // 2 * 2, rank // 2 * 2 + 1] and ep == [rank % 2, rank % 2 + 2] and dp == [0, 1, 2, 3]

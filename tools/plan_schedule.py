@@ -1,0 +1,156 @@
+"""Print each MoE layer's pipeline degrees (FSMoE Algorithm 1) for a model and a cluster, without training.
+
+    python tools/plan_schedule.py --profile fits.json --num-layers 4 --hidden-size 1024 --num-experts 8 \\
+        --moe-ffn-hidden-size 4096 --moe-router-topk 2 --micro-batch-size 4 --seq-length 1024 \\
+        --expert-model-parallel-size 2 --expert-tensor-parallel-size 2
+    python tools/plan_schedule.py --alpha-a2a 0.175 --beta-a2a 3.06e-7 --alpha-ag 0.032 --beta-ag 1.68e-7 \\
+        --alpha-rs 0.039 --beta-rs 1.67e-7 --alpha-ar 0.084 --beta-ar 5.99e-7 --alpha-gemm 0.092 \\
+        --beta-gemm 4.42e-11 --num-experts 8 ...             # FSMoE's Testbed-B coefficients
+
+The model takes the trainer's flags (pretrain_gpt_moe.py: any of them is accepted, those below are read):
+--num-layers, --moe-layer-freq, --hidden-size, --moe-ffn-hidden-size (default --ffn-hidden-size, else 4 x
+hidden), --num-experts, --moe-router-topk, --micro-batch-size, --seq-length, --tensor-model-parallel-size with
+--sequence-parallel and --context-parallel-size (tokens per rank = micro-batch x seq / (TP under SP) / CP),
+--expert-model-parallel-size, --expert-tensor-parallel-size, --moe-expert-capacity-factor,
+--moe-pad-expert-input-to-capacity, --swiglu, --bf16 / --fp16 (2-byte rows, else 4).
+
+The cluster: a profile saved by megatron_moe/overlap/profiler.py (`--profile`), or the ten --alpha-KIND /
+--beta-KIND coefficients (ms, and ms per byte or per multiply-add for the GEMM); given with a profile, they
+override its fits. Output, JSON lines: first the fits used (and `warnings`: the profile's EP / ESP sizes where
+they differ from the model's); then per MoE layer (numbered from 1) the solver's
+`forward` / `backward` degrees, `predicted_ms` and `case` per direction, `r1_ms` (the model at r = 1),
+`speedup_vs_r1`, and `fixed` (the best single degree for both directions from --fixed-degrees, Tutel-style).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from megatron_moe.config import GROUPS, RunConfig
+from megatron_moe.config.fields import ConfigError, add_arguments, check_given_flags_apply, from_namespace, require
+from megatron_moe.overlap.cost_model import DIRECTIONS, FIT_KINDS, ClusterFits, LinearFit, predict, solve_degrees
+from megatron_moe.overlap.degrees import layer_sizes, moe_layers
+
+
+def _parser(defaults: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    for name, group in GROUPS:
+        add_arguments(parser, group, name, defaults=defaults)
+    plan = parser.add_argument_group("plan", "the cluster and the solver")
+    default = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    plan.add_argument("--profile", default=default(None), help="a ClusterFits JSON saved by the profiler")
+    for kind in FIT_KINDS:
+        unit = "multiply-add" if kind == "gemm" else "byte"
+        plan.add_argument(f"--alpha-{kind}", type=float, default=default(None), help=f"{kind} start-up, ms")
+        plan.add_argument(f"--beta-{kind}", type=float, default=default(None), help=f"{kind} ms per {unit}")
+    plan.add_argument("--t-gar-ms", type=float, default=default(0.0), help="gradient all-reduce in each backward")
+    plan.add_argument("--max-degree", type=int, default=default(8), help="largest pipeline degree the solver picks")
+    plan.add_argument(
+        "--fixed-degrees", type=int, nargs="+", default=default([1, 2, 4, 8]), help="Tutel-style single degrees"
+    )
+    plan.add_argument(
+        "--backward-exp-scale", type=float, default=default(1.0), help="backward expert work / forward (FSMoE: 2)"
+    )
+    return parser
+
+
+def _fits(args: argparse.Namespace) -> tuple[ClusterFits, str]:
+    """The profile's fits (if any) with the --alpha/--beta flags given on top of them."""
+    fits, source = {}, "flags"
+    cluster: dict = {}
+    if args.profile is not None:
+        try:
+            loaded = ClusterFits.load(args.profile)
+        except (OSError, ValueError, KeyError) as err:
+            raise ConfigError(f"--profile={args.profile}: {err}; give a JSON the profiler saved") from err
+        fits, cluster, source = dict(loaded.fits), dict(loaded.cluster), args.profile
+    for kind in FIT_KINDS:
+        alpha, beta = getattr(args, f"alpha_{kind}"), getattr(args, f"beta_{kind}")
+        if alpha is None and beta is None:
+            require(kind in fits, f"--alpha-{kind}/--beta-{kind}", None, "give both, or a --profile with the fits")
+            continue
+        base = fits.get(kind)
+        require(alpha is not None or base is not None, f"--alpha-{kind}", None, f"give it beside --beta-{kind}")
+        require(beta is not None or base is not None, f"--beta-{kind}", None, f"give it beside --alpha-{kind}")
+        alpha = base.alpha if alpha is None else alpha
+        beta = base.beta if beta is None else beta
+        for flag, value in ((f"--alpha-{kind}", alpha), (f"--beta-{kind}", beta)):
+            require(math.isfinite(value) and value >= 0, flag, value, "a number >= 0, e.g. 0.1")
+        fits[kind] = LinearFit(alpha=alpha, beta=beta)
+        source = "flags" if args.profile is None else f"{args.profile} + flags"
+    return ClusterFits(fits=fits, cluster=cluster), source
+
+
+def _config(argv: Sequence[str]) -> tuple[RunConfig, argparse.Namespace]:
+    args = _parser(True).parse_args(argv)
+    cfg = RunConfig(**{name: from_namespace(group, args) for name, group in GROUPS})
+    given = set(vars(_parser(False).parse_args(argv)))
+    check_given_flags_apply(cfg, GROUPS, given)
+    require(cfg.moe.num_experts is not None, "--num-experts", None, "give the experts per MoE layer, e.g. 8")
+    cfg.model.validate()
+    cfg.moe.validate(cfg.model)
+    require(args.max_degree >= 1, "--max-degree", args.max_degree, "an integer >= 1, e.g. 8")
+    require(args.t_gar_ms >= 0, "--t-gar-ms", args.t_gar_ms, "must be >= 0 (0: no gradient all-reduce)")
+    bad = [r for r in args.fixed_degrees if r < 1]
+    require(not bad, "--fixed-degrees", args.fixed_degrees, "integers >= 1, e.g. 1 2 4 8")
+    return cfg, args
+
+
+def plan_rows(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits) -> list[dict]:
+    """One row per MoE layer: the solver's degrees, its predictions, r = 1 and the best fixed degree."""
+    sizes = layer_sizes(cfg)
+    kw = {"t_gar_ms": args.t_gar_ms, "backward_exp_scale": args.backward_exp_scale}
+    schedule = solve_degrees(fits, sizes, max_degree=args.max_degree, **kw)
+    r1 = predict(fits, sizes, 1, 1, **kw)
+    fixed = min(
+        (predict(fits, sizes, r, r, **kw) for r in args.fixed_degrees),
+        key=lambda s: (sum(s.predicted_ms.values()), s.forward),
+    )
+    row = {
+        "forward": schedule.forward,
+        "backward": schedule.backward,
+        "predicted_ms": schedule.predicted_ms,
+        "case": schedule.case,
+        "r1_ms": r1.predicted_ms,
+        "speedup_vs_r1": {d: r1.predicted_ms[d] / schedule.predicted_ms[d] for d in DIRECTIONS},
+        "fixed": {"degree": fixed.forward, "predicted_ms": fixed.predicted_ms},
+        "sizes": dataclasses.asdict(sizes),
+        "t_gar_ms": args.t_gar_ms,
+    }
+    return [{"layer": layer, **row} for layer in moe_layers(cfg)]
+
+
+def _mismatches(cfg: RunConfig, fits: ClusterFits) -> list[str]:
+    """Where the profile's groups differ from the model's: its lines were measured on other traffic."""
+    model = {"ep": cfg.parallel.expert_model_parallel_size, "esp": cfg.parallel.expert_tensor_parallel_size or 1}
+    return [
+        f"the profile was measured at {name.upper()}={fits.cluster[name]}, the model runs {name.upper()}={size}"
+        for name, size in model.items()
+        if name in fits.cluster and fits.cluster[name] not in (size, 0)
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg, args = _config(argv)
+        fits, source = _fits(args)
+        rows = plan_rows(cfg, args, fits)
+    except ConfigError as err:
+        print(f"plan_schedule: {err}", file=sys.stderr)
+        return 2
+    summary = {kind: {"alpha": f.alpha, "beta": f.beta, "r2": f.r2} for kind, f in fits.fits.items()}
+    header = {"fits": summary, "source": source, "cluster": fits.cluster, "warnings": _mismatches(cfg, fits)}
+    print(json.dumps(header), flush=True)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
