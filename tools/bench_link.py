@@ -1,26 +1,24 @@
-"""Calibrate an emulated cluster's link: the all-to-all throughput gloo achieves between 2 nodes.
+"""Calibrate an emulated cluster's link: the all-to-all throughput megatron_moe's collectives get between 2 nodes.
 
-tc's configured rate is not what a gloo all-to-all gets across it (measured here: about half), so the physics
-tests calibrate inside the test with these functions instead of assuming the rate.
+The physics tests calibrate inside the test with these functions instead of assuming tc's configured rate.
 
     python tools/bench_link.py                               # 0.5, 1 and 2 Gbit/s, a JSON line per rate
     python tools/bench_link.py --link-gbit 1 --sizes-mib 4 8 16 --repeats 5
 
 Per rate: a 2-node x 1-process cluster (tools/emulated_cluster.py) runs this file in `--probe` mode on each node:
-gloo all_to_all_single of S bytes per rank, sizes alternated round by round, each call timed between barriers;
-the slowest rank's time counts. Half of each rank's S bytes cross its node's link (the other half stays on the
-rank), so a call moves S/2 bytes over every link at once. JSON fields: `world` and `ranks` (as the probe's ranks
-saw them), `link_gbit` (tc's rate), `sizes_bytes`, `ms` (per size: gloo's usual mode, see below),
-`full_rate_calls` (per size: calls that ran at about twice that), `crossing_bytes` (per link per call),
-`bytes_per_s` (achieved, from a least-squares line ms = fixed + bytes / rate over the sizes), `gbit_per_s`
-(the same in Gbit/s), `fixed_ms` (the line's intercept), `fraction_of_tc` (achieved / configured).
+the all-to-all of S bytes per rank that the MoE layer uses (`megatron_moe.comm.transport.all_to_all_single`: on
+gloo, every receive posted before any send), sizes alternated round by round, each call timed between barriers;
+the slowest rank's time counts, the median of the calls per size. Half of each rank's S bytes cross its node's
+link (the other half stays on the rank), so a call moves S/2 bytes over every link at once. JSON fields: `world`
+and `ranks` (as the probe's ranks saw them), `link_gbit` (tc's rate), `sizes_bytes`, `ms` (per size),
+`crossing_bytes` (per link per call), `bytes_per_s` (achieved, from a least-squares line ms = fixed + bytes /
+rate over the sizes), `gbit_per_s` (the same in Gbit/s), `fixed_ms` (the line's intercept), `fraction_of_tc`
+(achieved / configured).
 
 Measured here (2 cores, shared): raw TCP between two nodes gets ~0.95 of tc's rate in both directions at once,
-but a gloo all-to-all (and a batch_isend_irecv exchange) mostly gets ~0.475 of it, as if the two directions took
-turns; now and then a call (15-20% of them, sometimes most of a few) runs at the full rate, twice as fast. A
-median of 5 calls can land on either mode, so `ms` counts the half-rate mode explicitly: the median of the
-slowest cluster of at least 2 calls within 10% of each other (a lone call that waited for a busy core is not a
-cluster).
+and so does the transport's all-to-all (~0.93-0.97). gloo's own all_to_all_single (and a batch_isend_irecv
+exchange) does in only about every other call once a peer's message passes ~1 MiB, and half of it in the
+others, as if the two directions took turns: the reason the transport exists (megatron_moe/comm/transport.py).
 """
 
 from __future__ import annotations
@@ -41,10 +39,12 @@ PROBE_TIMEOUT_S = 300
 
 
 def probe(sizes: list[int], repeats: int) -> dict:
-    """One rank of the probe (NODE_RANK of NNODES, one process per node): times all_to_all_single per size."""
+    """One rank of the probe (NODE_RANK of NNODES, one process per node): times the all-to-all per size."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
+
+    from megatron_moe.comm.transport import all_to_all_single
 
     rank, world = int(os.environ["NODE_RANK"]), int(os.environ["NNODES"])
     init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -58,7 +58,7 @@ def probe(sizes: list[int], repeats: int) -> dict:
             for size, (send, recv) in buffers.items():
                 dist.barrier()
                 t0 = time.perf_counter()
-                dist.all_to_all_single(recv, send)
+                all_to_all_single(recv, send)
                 elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the call ends when the slowest rank's does
                 if round_ > 0:
@@ -83,19 +83,11 @@ def run_probe(cluster: EmulatedCluster, sizes: list[int], repeats: int, master_p
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
-def usual_mode(times: list[float]) -> tuple[float, int]:
-    """gloo's usual (half-rate) time of a set of calls, and how many calls ran about twice as fast: the median of
-    the slowest cluster of at least 2 calls within 10% of each other (all calls if none is)."""
-    clusters = [[y for y in times if abs(y - x) <= 0.1 * x] for x in sorted(times, reverse=True)]
-    usual = statistics.median(next((c for c in clusters if len(c) >= 2), times))
-    return usual, sum(t < 0.7 * usual for t in times)
-
-
 def summarize(link_gbit: float, sizes: list[int], result: dict) -> dict:
-    """gloo's usual time per size and the achieved link rate (least-squares slope of time over crossing bytes)."""
+    """The median time per size and the achieved link rate (least-squares slope of time over crossing bytes)."""
     world = result["world"]
     crossing = [size * (world - 1) // world for size in sizes]  # per rank = per link, per call
-    seconds, full_rate_calls = zip(*(usual_mode(result["seconds"][str(size)]) for size in sizes))
+    seconds = [statistics.median(result["seconds"][str(size)]) for size in sizes]
     mean_b, mean_t = statistics.fmean(crossing), statistics.fmean(seconds)
     if len(sizes) > 1:
         slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(crossing, seconds))
@@ -112,7 +104,6 @@ def summarize(link_gbit: float, sizes: list[int], result: dict) -> dict:
         "sizes_bytes": sizes,
         "crossing_bytes": crossing,
         "ms": [round(t * 1000, 2) for t in seconds],
-        "full_rate_calls": list(full_rate_calls),
         "bytes_per_s": round(rate),
         "gbit_per_s": round(rate * 8 / 1e9, 3),
         "fixed_ms": round((mean_t - slope * mean_b) * 1000, 2),

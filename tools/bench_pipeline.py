@@ -13,14 +13,18 @@ solves the layer's degrees (FSMoE Algorithm 1, `solve_degrees`). The contenders,
 call between barriers and under the communication timers: every (r_f, r_b) in --degrees x --degrees (the brute
 force; r = 1 and the Tutel-style fixed r = r among them) and the solver's (r_f, r_b). A call is a forward, a
 barrier, a backward: its forward and backward are timed apart (ms of the slowest rank each), the layer's time is
-their sum; the figures are medians over `--repeats` rounds after `--warmup`.
+their sum; so is the dispatch -> experts -> combine region inside it (`megatron_moe.moe.hooks.RegionClock`), the
+part the cost model predicts and the degrees change (routing, ordering and their backward are outside it); the
+figures are medians over `--repeats` rounds after `--warmup`.
 
-One JSON row per layout and rate: `layout`, `link_gbit`, `solver` {forward, backward, predicted_ms, measured_ms,
-predicted_over_measured}, `r1_ms`, `best_fixed` {r, ms}, `best_brute_force` {forward, backward, ms}, `solver_ms`,
-`speedup_vs_r1` (r1 / solver), `speedup_vs_best_fixed`, `solver_within_best` (best brute force ms / solver ms),
-`comm_frac_r1` (communication ms / layer ms at r = 1: the issue's target point is where it is about 0.5),
-`exposed_ms` {r1, best_fixed, solver} (the a2a_* and esp_* kinds, forward and backward, rank 0's view), `grid`
-("r_f,r_b" or "solver" -> ms, forward_ms, backward_ms, pipeline_degree, bp_pipeline_degree), `pipeline_degree` /
+One JSON row per layout and rate: `layout`, `link_gbit`, `solver` {forward, backward, case, predicted_ms,
+measured_ms (the region's), predicted_over_measured}, `model_error` {median, worst} (|predicted / measured - 1| of
+the region over every contender), `r1_ms`, `best_fixed` {r, ms}, `best_brute_force` {forward, backward, ms},
+`solver_ms`, `speedup_vs_r1` (r1 / solver), `speedup_vs_best_fixed`, `solver_within_best` (best brute force ms /
+solver ms), `comm_frac_r1` (communication ms / layer ms at r = 1: the issue's target point is where it is about
+0.5), `exposed_ms` {r1, best_fixed, solver} (the a2a_* and esp_* kinds, forward and backward, rank 0's view),
+`grid` ("r_f,r_b" or "solver" -> ms, forward_ms, backward_ms, region_ms, region_forward_ms, region_backward_ms,
+predicted_ms, predicted_over_measured, pipeline_degree, bp_pipeline_degree), `pipeline_degree` /
 `bp_pipeline_degree` ("auto": the row is the solver's), `fits` (kind -> alpha, beta, r2), `grads_match` (the
 solver's input and parameter gradients equal r = 1's within 1e-6 relative on every rank).
 """
@@ -154,7 +158,8 @@ def _layer(job: dict):
 
 
 def _schedule(job: dict):
-    """(fits, the solver's schedule) for this layer on the running cluster (every rank measures together)."""
+    """(fits, the layer's sizes, the solver's schedule) for this layer on the running cluster (every rank measures
+    together)."""
     from megatron_moe.overlap.cost_model import LayerSizes, solve_degrees
     from megatron_moe.overlap.profiler import ProfileGroups, layer_profile_settings, load_or_measure
 
@@ -167,13 +172,16 @@ def _schedule(job: dict):
         ep=job["ep"],
         esp=job["esp"],
     )
-    settings = layer_profile_settings(sizes, hidden_size=job["hidden"], ffn_hidden_size=job["ffn"])
+    settings = layer_profile_settings(
+        sizes, hidden_size=job["hidden"], ffn_hidden_size=job["ffn"], num_experts=job["experts"]
+    )
     fits, _ = load_or_measure(None, ProfileGroups.from_parallel_state(), settings, link=f"tc {job['link_gbit']:g}")
-    return fits, solve_degrees(fits, sizes)
+    return fits, sizes, solve_degrees(fits, sizes)
 
 
-def _timed_call(layer, x, grad, timers) -> tuple[float, float, dict]:
-    """(forward ms, backward ms) of the slowest rank each, and this rank's comm summary, of one call."""
+def _timed_call(layer, clock, x, grad, timers) -> tuple[list[float], dict]:
+    """[forward, backward, region forward, region backward] ms of the slowest rank each, and this rank's comm
+    summary, of one call."""
     import torch
     import torch.distributed as dist
 
@@ -188,10 +196,11 @@ def _timed_call(layer, x, grad, timers) -> tuple[float, float, dict]:
     dist.barrier()
     t2 = time.perf_counter()
     out.backward(grad)
-    elapsed = torch.tensor([(t1 - t0) * 1000.0, (time.perf_counter() - t2) * 1000.0], dtype=torch.float64)
+    whole = [(t1 - t0) * 1000.0, (time.perf_counter() - t2) * 1000.0]
+    elapsed = torch.tensor([*whole, *clock.region_ms()], dtype=torch.float64)
     summary = timers.summary().as_dict()
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed[0].item(), elapsed[1].item(), summary
+    return elapsed.tolist(), summary
 
 
 def _grads(layer, x, grad, degrees: tuple[int, int]) -> list:
@@ -222,6 +231,21 @@ def _exposed(summaries: list[dict]) -> dict:
     return {k: round(statistics.fmean(s["exposed_ms"][k] for s in summaries), 3) for k in kinds}
 
 
+def _load(layer, x, job) -> dict:
+    """Rows each EP rank's experts compute in one forward (every rank routes its own tokens)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    layer.stats.reset()
+    layer.set_pipeline_degrees(1, 1)
+    layer(x)
+    routed_E = layer.stats.sums[: job["experts"]].clone()
+    layer.stats.reset()
+    dist.all_reduce(routed_E, group=parallel_state.get_expert_model_parallel_group())
+    rows = routed_E.view(job["ep"], -1).sum(1).tolist()
+    return {"rows_per_ep_rank": rows, "imbalance": round(max(rows) / (sum(rows) / len(rows)), 3)}
+
+
 def measure(job: dict) -> dict:
     """Every rank: the contenders alternated; rank 0's row."""
     import torch
@@ -230,9 +254,13 @@ def measure(job: dict) -> dict:
 
     from megatron_moe import comm
     from megatron_moe.comm.timers import CommTimers
+    from megatron_moe.moe.hooks import RegionClock
+    from megatron_moe.overlap.cost_model import predict
 
     layer = _layer(job)
-    fits, schedule = _schedule(job)
+    clock = RegionClock()
+    layer.hooks.append(clock)
+    fits, sizes, schedule = _schedule(job)
     torch.manual_seed(1234 + dist.get_rank())  # each rank its own tokens
     x = torch.randn(job["tokens"], 1, job["hidden"], requires_grad=True)
     grad = torch.randn(job["tokens"], 1, job["hidden"])
@@ -244,31 +272,42 @@ def measure(job: dict) -> dict:
         for round_ in range(job["warmup"] + job["repeats"]):
             for name, pair in degrees.items():
                 layer.set_pipeline_degrees(*pair)
-                fwd, bwd, summary = _timed_call(layer, x, grad, timers)
+                elapsed, summary = _timed_call(layer, clock, x, grad, timers)
                 if round_ >= job["warmup"]:
-                    times[name].append((fwd, bwd))
+                    times[name].append(elapsed)
                     summaries[name].append(summary)
                 moe_utils.clear_aux_losses_tracker()
                 layer.stats.reset()
     grid = {}
     for name, pair in degrees.items():
-        fwd, bwd = (statistics.median(t[i] for t in times[name]) for i in (0, 1))
-        ms = statistics.median(f + b for f, b in times[name])
+        fwd, bwd, region_f, region_b = (statistics.median(t[i] for t in times[name]) for i in range(4))
+        ms = statistics.median(t[0] + t[1] for t in times[name])
+        region = statistics.median(t[2] + t[3] for t in times[name])
+        predicted = predict(fits, sizes, *pair).predicted_ms
         names = ("auto", "auto") if name == SOLVER else pair
         grid[name] = {"ms": round(ms, 2), "forward_ms": round(fwd, 2), "backward_ms": round(bwd, 2)}
+        grid[name] |= {"region_ms": round(region, 2), "region_forward_ms": round(region_f, 2)}
+        grid[name] |= {"region_backward_ms": round(region_b, 2)}
+        grid[name] |= {"predicted_ms": round(sum(predicted.values()), 2)}
+        grid[name] |= {"predicted_over_measured": round(sum(predicted.values()) / region, 3)}
         grid[name] |= {"pipeline_degree": names[0], "bp_pipeline_degree": names[1]}
     row = summarize(grid, job["degrees"])
     fixed = row["best_fixed"]["r"]
     comm_r1 = statistics.fmean(sum(s["comm_ms"].values()) for s in summaries["1,1"])
     predicted = schedule.predicted_ms
-    measured = {"forward": grid[SOLVER]["forward_ms"], "backward": grid[SOLVER]["backward_ms"]}
+    measured = {"forward": grid[SOLVER]["region_forward_ms"], "backward": grid[SOLVER]["region_backward_ms"]}
     row["solver"] = {
         "forward": schedule.forward,
         "backward": schedule.backward,
         "case": schedule.case,
         "predicted_ms": {k: round(v, 2) for k, v in predicted.items()},
         "measured_ms": measured,
-        "predicted_over_measured": round(sum(predicted.values()) / grid[SOLVER]["ms"], 3),
+        "predicted_over_measured": grid[SOLVER]["predicted_over_measured"],
+    }
+    ratios = [entry["predicted_over_measured"] for entry in grid.values()]
+    row["model_error"] = {  # |predicted / measured - 1| of the dispatch -> combine region over every contender
+        "median": round(statistics.median(abs(q - 1) for q in ratios), 3),
+        "worst": round(max(abs(q - 1) for q in ratios), 3),
     }
     row["comm_frac_r1"] = round(comm_r1 / grid["1,1"]["ms"], 3)
     row["exposed_ms"] = {
@@ -277,6 +316,7 @@ def measure(job: dict) -> dict:
         "solver": _exposed(summaries[SOLVER]),
     }
     row["grid"] = grid
+    row["load"] = _load(layer, x, job)
     row["pipeline_degree"] = row["bp_pipeline_degree"] = "auto"
     row["fits"] = {kind: {"alpha": fit.alpha, "beta": fit.beta, "r2": fit.r2} for kind, fit in fits.fits.items()}
     want = _grads(layer, x, grad, (1, 1))

@@ -15,11 +15,15 @@ hidden), --num-experts, --moe-router-topk, --micro-batch-size, --seq-length, --t
 --moe-pad-expert-input-to-capacity, --swiglu, --bf16 / --fp16 (2-byte rows, else 4).
 
 The cluster: a profile saved by megatron_moe/overlap/profiler.py (`--profile`), or the ten --alpha-KIND /
---beta-KIND coefficients (ms, and ms per byte or per multiply-add for the GEMM); given with a profile, they
-override its fits. Output, JSON lines: first the fits used (and `warnings`: the profile's EP / ESP sizes where
-they differ from the model's); then per MoE layer (numbered from 1) the solver's
-`forward` / `backward` degrees, `predicted_ms` and `case` per direction, `r1_ms` (the model at r = 1),
-`speedup_vs_r1`, and `fixed` (the best single degree for both directions from --fixed-degrees, Tutel-style).
+--beta-KIND coefficients of a2a, ag, rs, ar and gemm (ms, and ms per byte or per multiply-add; gemm's alpha is one
+chunk's fixed cost: FSMoE's per-GEMM alpha x 2 GEMMs per local expert), and optionally gemm_bwd (a chunk's input
+gradients; default gemm's) and gemm_dw (the weight gradients; default gemm's); given with a profile, they override
+its fits. The experts' weight gradients count in the layer's backward unless --overlap-wgrad defers them (greedy,
+the default with EP > 1: Lancet's queue runs them under other all-to-alls). Output, JSON lines: first the fits used
+(and `warnings`: the profile's EP / ESP sizes where they differ from the model's); then per MoE layer (numbered from
+1) the solver's `forward` / `backward` degrees, `predicted_ms` and `case` per direction, `r1_ms` (the model at r =
+1), `speedup_vs_r1`, `dw_in_backward`, and `fixed` (the best single degree for both directions from --fixed-degrees,
+Tutel-style).
 """
 
 from __future__ import annotations
@@ -33,8 +37,16 @@ from collections.abc import Sequence
 
 from megatron_moe.config import GROUPS, RunConfig
 from megatron_moe.config.fields import ConfigError, add_arguments, check_given_flags_apply, from_namespace, require
-from megatron_moe.overlap.cost_model import DIRECTIONS, FIT_KINDS, ClusterFits, LinearFit, predict, solve_degrees
-from megatron_moe.overlap.degrees import layer_sizes, moe_layers
+from megatron_moe.overlap.cost_model import (
+    BACKWARD_KINDS,
+    DIRECTIONS,
+    FIT_KINDS,
+    ClusterFits,
+    LinearFit,
+    predict,
+    solve_degrees,
+)
+from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, moe_layers
 
 
 def _parser(defaults: bool) -> argparse.ArgumentParser:
@@ -44,17 +56,14 @@ def _parser(defaults: bool) -> argparse.ArgumentParser:
     plan = parser.add_argument_group("plan", "the cluster and the solver")
     default = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     plan.add_argument("--profile", default=default(None), help="a ClusterFits JSON saved by the profiler")
-    for kind in FIT_KINDS:
-        unit = "multiply-add" if kind == "gemm" else "byte"
+    for kind in (*FIT_KINDS, *BACKWARD_KINDS):
+        unit = "multiply-add" if kind.startswith("gemm") else "byte"
         plan.add_argument(f"--alpha-{kind}", type=float, default=default(None), help=f"{kind} start-up, ms")
         plan.add_argument(f"--beta-{kind}", type=float, default=default(None), help=f"{kind} ms per {unit}")
     plan.add_argument("--t-gar-ms", type=float, default=default(0.0), help="gradient all-reduce in each backward")
     plan.add_argument("--max-degree", type=int, default=default(8), help="largest pipeline degree the solver picks")
     plan.add_argument(
         "--fixed-degrees", type=int, nargs="+", default=default([1, 2, 4, 8]), help="Tutel-style single degrees"
-    )
-    plan.add_argument(
-        "--backward-exp-scale", type=float, default=default(1.0), help="backward expert work / forward (FSMoE: 2)"
     )
     return parser
 
@@ -69,10 +78,11 @@ def _fits(args: argparse.Namespace) -> tuple[ClusterFits, str]:
         except (OSError, ValueError, KeyError) as err:
             raise ConfigError(f"--profile={args.profile}: {err}; give a JSON the profiler saved") from err
         fits, cluster, source = dict(loaded.fits), dict(loaded.cluster), args.profile
-    for kind in FIT_KINDS:
+    for kind in (*FIT_KINDS, *BACKWARD_KINDS):
         alpha, beta = getattr(args, f"alpha_{kind}"), getattr(args, f"beta_{kind}")
         if alpha is None and beta is None:
-            require(kind in fits, f"--alpha-{kind}/--beta-{kind}", None, "give both, or a --profile with the fits")
+            wanted = kind in fits or kind in BACKWARD_KINDS
+            require(wanted, f"--alpha-{kind}/--beta-{kind}", None, "give both, or a --profile with the fits")
             continue
         base = fits.get(kind)
         require(alpha is not None or base is not None, f"--alpha-{kind}", None, f"give it beside --beta-{kind}")
@@ -104,7 +114,7 @@ def _config(argv: Sequence[str]) -> tuple[RunConfig, argparse.Namespace]:
 def plan_rows(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits) -> list[dict]:
     """One row per MoE layer: the solver's degrees, its predictions, r = 1 and the best fixed degree."""
     sizes = layer_sizes(cfg)
-    kw = {"t_gar_ms": args.t_gar_ms, "backward_exp_scale": args.backward_exp_scale}
+    kw = {"t_gar_ms": args.t_gar_ms, "dw_in_backward": not experts_defer_wgrad(cfg)}
     schedule = solve_degrees(fits, sizes, max_degree=args.max_degree, **kw)
     r1 = predict(fits, sizes, 1, 1, **kw)
     fixed = min(
@@ -121,6 +131,7 @@ def plan_rows(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits) -> li
         "fixed": {"degree": fixed.forward, "predicted_ms": fixed.predicted_ms},
         "sizes": dataclasses.asdict(sizes),
         "t_gar_ms": args.t_gar_ms,
+        "dw_in_backward": kw["dw_in_backward"],
     }
     return [{"layer": layer, **row} for layer in moe_layers(cfg)]
 

@@ -33,10 +33,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--expert-tensor-parallel-size", type=int, default=1, help="P, the ESP group size")
     parser.add_argument("--expert-model-parallel-size", type=int, help="G, the EP group size (default world / P)")
     parser.add_argument("--comm-kib", type=int, nargs="+", default=[256, 512, 768, 1024], help="message sizes")
-    parser.add_argument("--gemm-rows", type=int, nargs="+", default=[128, 256, 384, 512], help="GEMM M values")
-    parser.add_argument("--gemm-width", type=int, nargs=2, default=[256, 256], help="GEMM N and K")
+    experts = parser.add_argument_group("experts", "the expert work the gemm, gemm_bwd and gemm_dw lines are fitted on")
+    experts.add_argument("--num-local-experts", type=int, default=4, help="L, the layer's experts on one rank")
+    experts.add_argument("--hidden-size", type=int, default=256, help="H")
+    experts.add_argument("--ffn-hidden-size", type=int, default=256, help="this rank's slice of an expert's width")
+    experts.add_argument("--swiglu", action="store_true", help="gated experts (fc1 of twice the width)")
+    experts.add_argument("--rows", type=int, default=1024, help="rows this rank's experts compute at r = 1")
+    experts.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4, 8], help="pipeline degrees measured")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per size")
-    parser.add_argument("--statistic", default="median", choices=("median", "usual_mode"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -65,7 +69,7 @@ def _groups(world: int, rank: int, esp: int, ep: int | None):
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from megatron_moe.overlap.profiler import ProfileGroups, ProfileSettings, load_or_measure
+    from megatron_moe.overlap.profiler import ExpertWork, ProfileGroups, ProfileSettings, load_or_measure
     from megatron_moe.platform import current_platform, init_platform
 
     init_platform()
@@ -73,12 +77,19 @@ def worker(args: argparse.Namespace) -> None:
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         ep, esp = _groups(world, rank, args.expert_tensor_parallel_size, args.expert_model_parallel_size)
-        width_n, width_k = args.gemm_width
+        experts = ExpertWork(
+            num_local_experts=args.num_local_experts,
+            hidden_size=args.hidden_size,
+            ffn_hidden_size=args.ffn_hidden_size,
+            gated=args.swiglu,
+            sources=dist.get_world_size(ep) * dist.get_world_size(esp),  # X: the blocks each expert's rows come in
+            rows=(args.rows,),
+            degrees=tuple(args.degrees),
+        )
         settings = ProfileSettings(
             comm_bytes=tuple(kib * KIB for kib in args.comm_kib),
-            gemm_shapes=tuple((m, width_n, width_k) for m in args.gemm_rows),
+            experts=experts,
             repeats=args.repeats,
-            statistic=args.statistic,
         )
         groups = ProfileGroups(ep=ep, esp=esp, dp=dist.group.WORLD)
         fits, measured = load_or_measure(args.out, groups, settings, link=args.link)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.comm.core import Collective, CommHandle, group_size, issue, nbytes
+from megatron_moe.comm.transport import all_to_all_single
 
 
 class BackwardOverlap(Protocol):
@@ -44,7 +45,7 @@ class _AllToAll(torch.autograd.Function):
         async_op = works is not None
         work = issue(
             dataclasses.replace(record, nbytes=nbytes(x)),
-            lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op),
+            lambda: all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op),
         )
         if async_op:
             works.append(work)
@@ -58,7 +59,7 @@ class _AllToAll(torch.autograd.Function):
         # 1. start the reverse all-to-all; 2. the work assigned to it (Lancet); 3. wait.
         work = issue(
             reverse,
-            lambda: dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group, async_op=True),
+            lambda: all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group, async_op=True),
         )
         handle = CommHandle(out, work, keepalive=(grad,))
         out = handle.wait() if ctx.overlap is None else ctx.overlap.run_under(reverse, handle)
@@ -213,7 +214,7 @@ def esp_gather_counts(counts_GL: torch.Tensor, group, *, layer: int | None = Non
     p = group_size(group)
     out = counts_GL.new_empty((p, *counts_GL.shape))
     record = Collective("esp_ag", "esp_gather_counts", group, layer, nbytes=nbytes(counts_GL))
-    issue(record, lambda: dist.all_to_all_single(out, counts_GL.expand(p, *counts_GL.shape).contiguous(), group=group))
+    issue(record, lambda: all_to_all_single(out, counts_GL.expand(p, *counts_GL.shape).contiguous(), group=group))
     return out
 
 
@@ -226,7 +227,7 @@ def exchange_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None)
     out = torch.empty_like(counts_GL)
     issue(
         Collective("a2a_dispatch", "exchange_counts", group, layer, nbytes=nbytes(counts_GL)),
-        lambda: dist.all_to_all_single(out, counts_GL, group=group),
+        lambda: all_to_all_single(out, counts_GL, group=group),
     )
     return out
 

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.comm.core import Collective, group_size, issue, nbytes
+from megatron_moe.comm.transport import all_to_all_single
 
 
 def profile_all_to_all(send: torch.Tensor, recv: torch.Tensor, group) -> None:
     """All-to-all of equal splits over `group` (the EP group): `send.numel()` elements, this rank's share."""
     record = Collective("other", "profile/all_to_all", group, nbytes=nbytes(send))
-    issue(record, lambda: dist.all_to_all_single(recv, send, group=group))
+    issue(record, lambda: all_to_all_single(recv, send, group=group))
 
 
 def esp_traffic(kind: str, buffer: torch.Tensor, scratch: torch.Tensor, group) -> torch.Tensor:
@@ -37,10 +38,10 @@ def esp_traffic(kind: str, buffer: torch.Tensor, scratch: torch.Tensor, group) -
         own = blocks[dist.get_rank(group)]
         send = own.expand(p, -1).contiguous()  # the gloo form sends this rank's block to every peer
         record = Collective("other", "profile/esp_all_gather", group, nbytes=nbytes(own))
-        issue(record, lambda: dist.all_to_all_single(scratch, send.view(-1), group=group))
+        issue(record, lambda: all_to_all_single(scratch, send.view(-1), group=group))
         return scratch
     record = Collective("other", "profile/esp_reduce_scatter", group, nbytes=nbytes(buffer))
-    issue(record, lambda: dist.all_to_all_single(scratch, buffer, group=group))
+    issue(record, lambda: all_to_all_single(scratch, buffer, group=group))
     return scratch.view(p, -1).sum(dim=0)
 
 

@@ -135,14 +135,14 @@ class MoEConfig:
         None, "width of a dense MLP beside the experts (unset: none)", applies=only.OUR_MOE
     )
     moe_pipeline_degree: str = arg(
-        "1",
+        "auto",
         "FSMoE's pipeline: the dispatched rows in this many chunks in forward, chunk i's experts running while "
-        "chunk i+1's all-to-all is in flight; an integer >= 1 (1: not pipelined) or auto (the cost model's choice; "
-        "not the default yet: its predictions are short of the measured layer times, README)",
+        "chunk i+1's all-to-all is in flight; an integer >= 1 (1: not pipelined) or auto (the cost model's choice "
+        "from the cluster's profile, --moe-cost-profile; 1 where EP = ESP = 1)",
         applies=only.OUR_MOE,
     )
     moe_bp_pipeline_degree: str = arg(
-        "1",
+        "auto",
         "the pipeline's chunks in backward (its own schedule): an integer >= 1 or auto",
         applies=only.OUR_MOE,
     )

@@ -20,6 +20,7 @@ Register with `MoELayer.register_moe_hook(hook)`.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -103,3 +104,35 @@ class Bf16OnTheWire(MoEHook):
 
     def after_combine(self, rows, ctx):
         return rows.to(self._dtype)
+
+
+class RegionClock(MoEHook):
+    """Reads the host clock where dispatch -> experts -> combine starts and ends, forward and backward (tensor
+    hooks on the rows at its two edges): the part of the layer FSMoE's cost model predicts and the pipeline
+    degrees change (tools/bench_pipeline.py). Host times: on a GPU, synchronize before reading them."""
+
+    def __init__(self):
+        self.marks: dict[str, float] = {}
+
+    def _mark(self, name: str):
+        def hook(grad):
+            self.marks[name] = time.perf_counter()
+            return grad
+
+        return hook
+
+    def region_ms(self) -> tuple[float, float]:
+        m = self.marks
+        return 1000.0 * (m["forward_end"] - m["forward_start"]), 1000.0 * (m["backward_end"] - m["backward_start"])
+
+    def before_dispatch(self, rows_RH, ctx):
+        self.marks["forward_start"] = time.perf_counter()
+        rows_RH = rows_RH.view_as(rows_RH)
+        rows_RH.register_hook(self._mark("backward_end"))  # its gradient is complete: the dispatch's reverse is done
+        return rows_RH
+
+    def after_combine(self, rows_RH, ctx):
+        self.marks["forward_end"] = time.perf_counter()
+        rows_RH = rows_RH.view_as(rows_RH)
+        rows_RH.register_hook(self._mark("backward_start"))
+        return rows_RH

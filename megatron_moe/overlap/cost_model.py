@@ -4,22 +4,33 @@ Legend: G = EP group size, P = ESP group size (expert-tensor-parallel), L = loca
 degree (chunks), T = tokens this rank routes, k = top-k, H = hidden, F = one expert's FFN width.
 
 Times are ms. Each operation x is a line t_x(n) = alpha_x + n * beta_x (`LinearFit`, fitted by
-`megatron_moe.overlap.profiler` or given by hand), with n in bytes for the collectives ("a2a" all-to-all,
-"ag" ESP all-gather, "rs" ESP reduce-scatter, "ar" gradient all-reduce) and in multiply-adds for one GEMM
-("gemm"). On r chunks each step takes t_x,r = alpha_x + n_x / r * beta_x (FSMoE eq. 1). `LayerSizes` holds
-one MoE layer's n_x for this rank; `layer_time_ms` is the four-case model of FSMoE section 4.2 (conditions
-Q1..Q7 as written there); `solve_degrees` is Algorithm 1: per case k, SLSQP minimises f_k(r) over
-1 <= r <= max_degree; the integers around each optimum are evaluated with the model (the case that holds at
-that r) and the best wins. Forward runs with t_gar = 0, backward with the given t_gar.
+`megatron_moe.overlap.profiler` or given by hand), with n in bytes for the collectives ("a2a" all-to-all, "ag" ESP
+all-gather, "rs" ESP reduce-scatter, "ar" gradient all-reduce) and in multiply-adds for the experts ("gemm",
+"gemm_bwd", "gemm_dw"). On r chunks each step takes t_x,r = alpha_x + n_x / r * beta_x (FSMoE eq. 1). `LayerSizes`
+holds one MoE layer's n_x for this rank; `layer_time_ms` is the four-case model of FSMoE section 4.2 (conditions
+Q1..Q7 as written there); `solve_degrees` is Algorithm 1: per case k, SLSQP minimises f_k(r) over 1 <= r <=
+max_degree; the integers around each optimum are evaluated with the model (the case that holds at that r) and the
+best wins. Forward runs with t_gar = 0, backward with the given t_gar.
 
 Where this deviates from the paper:
-- Expert time: t_exp,r = num_gemms * alpha_gemm + n_exp / r * beta_gemm, with n_exp the multiply-adds of all
-  the chunk's GEMMs at r = 1 (the paper's alpha_exp = k * alpha_gemm, beta_exp = k * beta_gemm with n_exp one
-  GEMM's work, which assumes k equal GEMMs; a gated fc1 is twice fc2).
-- Backward expert work: in our pipeline the backward chunks run the input-gradient GEMMs only (dW runs outside
-  the pipeline, whole, or deferred under an all-to-all by the Lancet queue), i.e. the same multiply-adds and
-  GEMM count as forward; the activation's backward is elementwise (O(rows * F / P) against O(rows * F * H / P))
-  and not modelled. So `backward_exp_scale` = 1, not FSMoE's 2 (pass 2.0 for FSMoE's own schedule).
+- Expert time: FSMoE fits one GEMM (alpha_exp = k * alpha_gemm, beta_exp = k * beta_gemm for k equal GEMMs).
+  Here the "gemm" line is fitted on the pipeline's own chunk of expert work (`megatron_moe.overlap.profiler`:
+  every local expert's fc1, activation and fc2 on the chunk's rows, the chunk's permutation and its copies into
+  the kept activations), n = the chunk's multiply-adds, so alpha_gemm is one chunk's fixed cost (GEMM calls,
+  index work), not one GEMM's. Fitting bare matmuls left that fixed cost out and predicted 0.15-0.55 of the
+  measured layer on CPU.
+- Backward: the chunks run the input-gradient GEMMs, on their own line "gemm_bwd" (the activation's backward
+  and the r = 1 layout copies included), and the weight gradients run once over all rows when the last chunk's
+  dX is on the wire ("gemm_dw", n = the layer's multiply-adds): they hide that last all-to-all, so the backward
+  adds max(0, t_dw - t_a2a,r) to f_case(r). With Lancet deferring the experts' dW out of the layer
+  (`dw_in_backward=False`) nothing is added. FSMoE instead doubles the expert work of every backward chunk;
+  a profile without the two lines (coefficients given by hand) uses "gemm" for both.
+- Overlap is not free (the paper's model runs each step at its isolated speed when it overlaps another): every
+  chunk beyond the first costs `beta` of the "chunk" line ("chunk_bwd" backward), and the layer `alpha` more,
+  t_case(r) + alpha + (r - 1) beta. The profiler fits the line on the pipeline itself, run with the real links at
+  each profiled degree, as its time beyond the model's: the cost of overlapping a chunk's transfer with another
+  chunk's experts on this machine (on CPU the transfer takes cores from the GEMMs; a chunk's wait is woken late;
+  on a GPU, NCCL takes SMs). Without the line (coefficients given by hand) it is 0, the paper's model.
 - An absent collective costs 0, alpha included: P = 1 has no all-gather / reduce-scatter (n_ag = n_rs = 0),
   G = 1 no all-to-all (and then nothing to pipeline: the solver returns r = 1).
 - Coefficients are >= 0: `fit_linear` holds one at 0 where noise in a short profile would make it negative (a
@@ -28,9 +39,12 @@ Where this deviates from the paper:
   lies where another case holds, the model's best r sits on a boundary between cases, and the integers around
   the four optima miss it (up to 29% slower than the best integer on random fits). Every t_x,r is
   alpha + c / r, so r * (Q_i's left side - right side) is a quadratic in r: its roots in [1, max_degree] are
-  rounded and evaluated too. The model is convex in r within each case's region, so the result is the best
-  integer degree by the model (tests/unit/test_cost_model.py checks it against `brute_force`).
-- Ties between integer degrees go to the smaller r (fewer, larger messages).
+  rounded and evaluated too, and so is the degree where t_dw = t_a2a,r. The model is convex in r within each
+  region, so the result is the best integer degree by the model (tests/unit/test_cost_model.py checks it
+  against `brute_force`).
+- Ties between integer degrees go to the smaller r (fewer, larger messages), and a degree > 1 must be predicted
+  to save `MIN_GAIN` (5%) of r = 1's time in its direction: a smaller predicted gain is within the model's error,
+  and running it was measured slower than r = 1 as often as faster.
 """
 
 from __future__ import annotations
@@ -49,7 +63,16 @@ from megatron_moe.config.fields import require
 FIT_KINDS = ("a2a", "ag", "rs", "ar", "gemm")
 """a2a: dispatch/combine all-to-all over the EP group (n: bytes this rank sends); ag: ESP all-gather (n: bytes of
 its output on this rank); rs: ESP reduce-scatter (n: bytes of its input on this rank); ar: gradient all-reduce over
-the data-parallel group (n: bytes reduced); gemm: one torch.matmul (n: multiply-adds, M * N * K)."""
+the data-parallel group (n: bytes reduced); gemm: one chunk of the experts' forward (n: its multiply-adds)."""
+BACKWARD_KINDS = {"gemm_bwd": "gemm", "gemm_dw": "gemm"}
+"""Lines a profile may add, and the line used where it has none: gemm_bwd, one chunk of the experts' input
+gradients (n: the chunk's forward multiply-adds); gemm_dw, the experts' weight gradients over n multiply-adds."""
+MIN_GAIN = 0.05
+"""A degree > 1 must be predicted to save this share of r = 1's time, else r = 1 runs: below it the gain is inside
+the model's error (median 5-12% of the measured layer in tools/bench_pipeline.py), and r = 1 is the safe side."""
+OVERHEAD_KINDS = ("chunk", "chunk_bwd")
+"""Lines a profile may add: the pipeline's time beyond the model, forward and backward, t = alpha + n * beta with
+n = chunks beyond the first (r - 1); 0 where a profile has none."""
 CASES = (1, 2, 3, 4)
 DIRECTIONS = ("forward", "backward")
 FORMAT = "megatron_moe.cluster_fits/1"
@@ -116,7 +139,9 @@ class ClusterFits:
             raise ValueError(f"cluster fits: no fit for {missing}; give one for each of {FIT_KINDS}")
 
     def __getitem__(self, kind: str) -> LinearFit:
-        return self.fits[kind]
+        if kind in self.fits:
+            return self.fits[kind]
+        return LinearFit(alpha=0.0, beta=0.0) if kind in OVERHEAD_KINDS else self.fits[BACKWARD_KINDS[kind]]
 
     @classmethod
     def from_coefficients(cls, alpha: dict[str, float], beta: dict[str, float], cluster: dict | None = None):
@@ -124,7 +149,7 @@ class ClusterFits:
         return cls(fits={k: LinearFit(alpha=alpha[k], beta=beta[k]) for k in FIT_KINDS}, cluster=dict(cluster or {}))
 
     def to_json(self) -> dict:
-        fits = {kind: self.fits[kind].to_json() for kind in FIT_KINDS}
+        fits = {kind: fit.to_json() for kind, fit in self.fits.items()}
         return {"format": FORMAT, "cluster": self.cluster, "fits": fits}
 
     @classmethod
@@ -164,8 +189,6 @@ class LayerSizes:
     """Bytes of the ESP reduce-scatter's input on this rank (0 without ESP)."""
     n_exp: float
     """Multiply-adds of this rank's expert GEMMs in forward (all chunks together)."""
-    num_gemms: int
-    """GEMM calls per chunk (each pays alpha_gemm): 2 per local expert (fc1, fc2)."""
     ep: int = 1
     """G, the EP group size (1: no all-to-all, nothing to pipeline)."""
     esp: int = 1
@@ -222,7 +245,6 @@ class LayerSizes:
             n_ag=float(gathered),
             n_rs=float(gathered),
             n_exp=float(rows * hidden_size * ffn_hidden_size * (3 if gated else 2)),
-            num_gemms=2 * (num_experts // ep),
             ep=ep,
             esp=esp,
         )
@@ -242,15 +264,14 @@ def _per_chunk(fit: LinearFit, n: float, r: float) -> float:
     return 0.0 if n <= 0 else max(fit.alpha, 0.0) + n / r * max(fit.beta, 0.0)
 
 
-def chunk_times(fits: ClusterFits, sizes: LayerSizes, r: float, *, exp_scale: float = 1.0) -> ChunkTimes:
-    """FSMoE eq. 1 at degree r; the expert time per the deviation in the module docstring."""
-    gemm = fits["gemm"]
-    exp = exp_scale * (sizes.num_gemms * max(gemm.alpha, 0.0) + sizes.n_exp / r * max(gemm.beta, 0.0))
+def chunk_times(fits: ClusterFits, sizes: LayerSizes, r: float, direction: str = "forward") -> ChunkTimes:
+    """FSMoE eq. 1 at degree r; the expert time on the direction's line (module docstring)."""
+    require(direction in DIRECTIONS, "direction", direction, f"one of {DIRECTIONS}")
     return ChunkTimes(
         a2a=_per_chunk(fits["a2a"], sizes.n_a2a, r),
         ag=_per_chunk(fits["ag"], sizes.n_ag, r),
         rs=_per_chunk(fits["rs"], sizes.n_rs, r),
-        exp=exp,
+        exp=_per_chunk(fits["gemm" if direction == "forward" else "gemm_bwd"], sizes.n_exp, r),
     )
 
 
@@ -293,13 +314,39 @@ def case_at(t: ChunkTimes, r: float, t_gar_ms: float) -> int:
     return 3 if q1 else 4  # Q1, not Q2, not Q4 / not Q1, not Q3, not Q6
 
 
+def weight_grad_ms(fits: ClusterFits, sizes: LayerSizes) -> float:
+    """The experts' weight gradients over all rows (one run, the r = 1 arithmetic)."""
+    return _per_chunk(fits["gemm_dw"], sizes.n_exp, 1)
+
+
+def overhead_ms(fits: ClusterFits, sizes: LayerSizes, r: float, direction: str) -> float:
+    """The pipeline's time beyond the four-case model at degree r (module docstring); 0 with nothing to
+    pipeline (G = 1)."""
+    if sizes.ep == 1 or sizes.n_a2a <= 0:
+        return 0.0
+    fit = fits["chunk" if direction == "forward" else "chunk_bwd"]
+    return max(fit.alpha, 0.0) + (r - 1) * max(fit.beta, 0.0)
+
+
 def layer_time_ms(
-    fits: ClusterFits, sizes: LayerSizes, r: float, *, t_gar_ms: float = 0.0, exp_scale: float = 1.0
+    fits: ClusterFits,
+    sizes: LayerSizes,
+    r: float,
+    direction: str = "forward",
+    *,
+    t_gar_ms: float = 0.0,
+    dw_in_backward: bool = True,
 ) -> tuple[float, int]:
-    """The model's time of one direction of the layer at degree r, and the case that holds there."""
-    t = chunk_times(fits, sizes, r, exp_scale=exp_scale)
-    case = case_at(t, r, t_gar_ms)
-    return case_time_ms(case, t, r, t_gar_ms), case
+    """The model's time of one direction of the layer at degree r, and the case that holds there: f_case(r) plus
+    the pipeline's overhead, and backward with `dw_in_backward` the weight gradients' time beyond the last
+    all-to-all they run under."""
+    t = chunk_times(fits, sizes, r, direction)
+    gar = t_gar_ms if direction == "backward" else 0.0
+    case = case_at(t, r, gar)
+    ms = case_time_ms(case, t, r, gar) + overhead_ms(fits, sizes, r, direction)
+    if direction == "backward" and dw_in_backward:
+        ms += max(0.0, weight_grad_ms(fits, sizes) - t.a2a)
+    return ms, case
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -317,45 +364,79 @@ class Schedule:
         return dataclasses.asdict(self)
 
 
-def _solve_case(case: int, fits: ClusterFits, sizes: LayerSizes, t_gar_ms: float, exp_scale: float, top: int):
-    """argmin of f_case over [1, top] by SLSQP (continuous r)."""
+@dataclasses.dataclass(frozen=True)
+class _Direction:
+    """What one direction's time depends on besides r."""
 
-    def f(r_1: np.ndarray) -> float:
-        r = float(r_1[0])
-        return case_time_ms(case, chunk_times(fits, sizes, r, exp_scale=exp_scale), r, t_gar_ms)
+    fits: ClusterFits
+    sizes: LayerSizes
+    direction: str
+    t_gar_ms: float
+    dw_in_backward: bool
 
-    x0 = np.array([math.sqrt(top)])  # f_case is a * r + b / r + c, convex on r > 0: any start in range will do
-    result = minimize(f, x0, method="SLSQP", bounds=[(1.0, float(top))])
-    return min(max(float(result.x[0]), 1.0), float(top))
+    def time(self, r: float) -> tuple[float, int]:
+        kw = {"t_gar_ms": self.t_gar_ms, "dw_in_backward": self.dw_in_backward}
+        return layer_time_ms(self.fits, self.sizes, r, self.direction, **kw)
+
+    def chunk(self, r: float) -> ChunkTimes:
+        return chunk_times(self.fits, self.sizes, r, self.direction)
+
+    @property
+    def gar(self) -> float:
+        return self.t_gar_ms if self.direction == "backward" else 0.0
+
+    def best_integer(self, candidates: Iterable[int]) -> tuple[int, float, int]:
+        scored = [(*self.time(r), r) for r in candidates]
+        ms, case, r = min(scored, key=lambda s: (s[0], s[2]))
+        return r, ms, case
+
+    def solve_case(self, case: int, top: int, tail: bool) -> float:
+        """argmin over [1, top] by SLSQP (continuous r) of f_case, plus with `tail` the weight gradients' time
+        beyond the last all-to-all (t_dw - t_a2a,r: the backward's piece where they outlast it)."""
+        t_dw = weight_grad_ms(self.fits, self.sizes) if tail else 0.0
+
+        def f(r_1: np.ndarray) -> float:
+            r = float(r_1[0])
+            t = self.chunk(r)
+            overhead = overhead_ms(self.fits, self.sizes, r, self.direction)
+            return case_time_ms(case, t, r, self.gar) + overhead + (t_dw - t.a2a if tail else 0.0)
+
+        x0 = np.array([math.sqrt(top)])  # a * r + b / r + c: convex when b >= 0, else its minimum is at a bound
+        result = minimize(f, x0, method="SLSQP", bounds=[(1.0, float(top))])
+        return min(max(float(result.x[0]), 1.0), float(top))
+
+    def boundaries(self, top: int) -> list[float]:
+        """Where a condition Q_i changes truth in [1, top] (every t_x,r is alpha + c / r, so r * margin_i(r) is a
+        quadratic in r, read off from 3 points and solved), and where the weight gradients stop hiding under
+        the last all-to-all (t_dw = t_a2a,r)."""
+        r_3 = (1.0, 2.0, 3.0)
+        margins = [condition_margins(self.chunk(r), r, self.gar) for r in r_3]
+        roots = []
+        for i in range(len(margins[0])):
+            coefficients = np.polyfit(r_3, [r * m[i] for r, m in zip(r_3, margins)], 2)
+            if np.any(coefficients):
+                roots += [float(z.real) for z in np.roots(coefficients) if abs(z.imag) < 1e-12 and 1 <= z.real <= top]
+        if self.direction == "backward" and self.dw_in_backward and self.sizes.n_a2a > 0:
+            a2a, spare = self.fits["a2a"], weight_grad_ms(self.fits, self.sizes) - max(self.fits["a2a"].alpha, 0.0)
+            if spare > 0 and a2a.beta > 0:
+                roots.append(min(max(self.sizes.n_a2a * a2a.beta / spare, 1.0), float(top)))
+        return roots
+
+    def solve(self, max_degree: int, min_gain: float) -> tuple[int, float, int]:
+        unpipelined = self.best_integer([1])
+        if self.sizes.ep == 1 or self.sizes.n_a2a <= 0:
+            return unpipelined
+        tails = (False, True) if self.direction == "backward" and self.dw_in_backward else (False,)
+        optima = [self.solve_case(case, max_degree, tail) for case in CASES for tail in tails]
+        candidates = {1, max_degree}
+        for r in optima + self.boundaries(max_degree):
+            candidates |= {max(1, math.floor(r)), min(max_degree, math.ceil(r))}
+        best = self.best_integer(sorted(candidates))
+        return best if best[1] <= (1.0 - min_gain) * unpipelined[1] else unpipelined
 
 
-def _best_integer(candidates: Iterable[int], fits, sizes, t_gar_ms, exp_scale) -> tuple[int, float, int]:
-    scored = [(*layer_time_ms(fits, sizes, r, t_gar_ms=t_gar_ms, exp_scale=exp_scale), r) for r in candidates]
-    ms, case, r = min(scored, key=lambda s: (s[0], s[2]))
-    return r, ms, case
-
-
-def _boundaries(fits, sizes, t_gar_ms, exp_scale, top: int) -> list[float]:
-    """Where a condition Q_i changes truth in [1, top]: every t_x,r is alpha + c / r, so r * margin_i(r) is a
-    quadratic in r, read off from 3 points and solved."""
-    r_3 = (1.0, 2.0, 3.0)
-    margins = [condition_margins(chunk_times(fits, sizes, r, exp_scale=exp_scale), r, t_gar_ms) for r in r_3]
-    roots = []
-    for i in range(len(margins[0])):
-        coefficients = np.polyfit(r_3, [r * m[i] for r, m in zip(r_3, margins)], 2)
-        if np.any(coefficients):
-            roots += [float(z.real) for z in np.roots(coefficients) if abs(z.imag) < 1e-12 and 1 <= z.real <= top]
-    return roots
-
-
-def _solve_direction(fits, sizes, t_gar_ms, exp_scale, max_degree) -> tuple[int, float, int]:
-    if sizes.ep == 1 or sizes.n_a2a <= 0:
-        return _best_integer([1], fits, sizes, t_gar_ms, exp_scale)
-    optima = [_solve_case(case, fits, sizes, t_gar_ms, exp_scale, max_degree) for case in CASES]
-    candidates = {1, max_degree}
-    for r in optima + _boundaries(fits, sizes, t_gar_ms, exp_scale, max_degree):
-        candidates |= {max(1, math.floor(r)), min(max_degree, math.ceil(r))}
-    return _best_integer(sorted(candidates), fits, sizes, t_gar_ms, exp_scale)
+def _directions(fits, sizes, t_gar_ms: float, dw_in_backward: bool) -> tuple[_Direction, _Direction]:
+    return tuple(_Direction(fits, sizes, d, t_gar_ms, dw_in_backward) for d in DIRECTIONS)
 
 
 def _schedule(forward: tuple[int, float, int], backward: tuple[int, float, int]) -> Schedule:
@@ -373,17 +454,20 @@ def solve_degrees(
     *,
     t_gar_ms: float = 0.0,
     max_degree: int = 8,
-    backward_exp_scale: float = 1.0,
+    dw_in_backward: bool = True,
+    min_gain: float = MIN_GAIN,
 ) -> Schedule:
     """FSMoE Algorithm 1, per direction: SLSQP on f_1..f_4 over 1 <= r <= max_degree, the integers around each
-    optimum (and the bounds 1, max_degree) evaluated with the model (the case that holds at each), the best
-    kept. Forward: t_gar = 0; backward: `t_gar_ms` (the gradient all-reduce placed in this layer's backward; 0
-    until the gradient-partition issue), expert work times `backward_exp_scale` (module docstring). G = 1: 1."""
+    optimum (and the bounds 1, max_degree, and the boundaries between cases) evaluated with the model (the case
+    that holds at each), the best kept, unless it saves less than `min_gain` of r = 1's time (then r = 1).
+    Forward: t_gar = 0; backward: `t_gar_ms` (the gradient all-reduce placed in this layer's backward), and the
+    experts' weight gradients when they run in the layer's backward (`dw_in_backward`; False when Lancet defers
+    them). G = 1: 1."""
     require(isinstance(max_degree, int) and max_degree >= 1, "max_degree", max_degree, "an integer >= 1, e.g. 8")
     require(t_gar_ms >= 0, "t_gar_ms", t_gar_ms, "must be >= 0 (0: no gradient all-reduce in the layer)")
-    forward = _solve_direction(fits, sizes, 0.0, 1.0, max_degree)
-    backward = _solve_direction(fits, sizes, t_gar_ms, backward_exp_scale, max_degree)
-    return _schedule(forward, backward)
+    require(0 <= min_gain < 1, "min_gain", min_gain, "a fraction in [0, 1), e.g. 0.05")
+    forward, backward = _directions(fits, sizes, t_gar_ms, dw_in_backward)
+    return _schedule(forward.solve(max_degree, min_gain), backward.solve(max_degree, min_gain))
 
 
 def predict(
@@ -393,12 +477,11 @@ def predict(
     backward: int,
     *,
     t_gar_ms: float = 0.0,
-    backward_exp_scale: float = 1.0,
+    dw_in_backward: bool = True,
 ) -> Schedule:
     """The model's times for given degrees (r = 1, a fixed Tutel-style degree, a measured choice)."""
-    fwd = (forward, *layer_time_ms(fits, sizes, forward))
-    bwd = (backward, *layer_time_ms(fits, sizes, backward, t_gar_ms=t_gar_ms, exp_scale=backward_exp_scale))
-    return _schedule(fwd, bwd)
+    fwd, bwd = _directions(fits, sizes, t_gar_ms, dw_in_backward)
+    return _schedule((forward, *fwd.time(forward)), (backward, *bwd.time(backward)))
 
 
 def brute_force(
@@ -407,9 +490,8 @@ def brute_force(
     degrees: Sequence[int] = (1, 2, 4, 8),
     *,
     t_gar_ms: float = 0.0,
-    backward_exp_scale: float = 1.0,
+    dw_in_backward: bool = True,
 ) -> Schedule:
     """The best of `degrees` per direction by the model (the directions are independent: degrees x degrees)."""
-    forward = _best_integer(degrees, fits, sizes, 0.0, 1.0)
-    backward = _best_integer(degrees, fits, sizes, t_gar_ms, backward_exp_scale)
-    return _schedule(forward, backward)
+    fwd, bwd = _directions(fits, sizes, t_gar_ms, dw_in_backward)
+    return _schedule(fwd.best_integer(degrees), bwd.best_integer(degrees))

@@ -43,6 +43,12 @@ def layer_sizes(cfg: RunConfig) -> LayerSizes:
     )
 
 
+def experts_defer_wgrad(cfg: RunConfig) -> bool:
+    """Whether Lancet's queue (--overlap-wgrad, issue 14) takes the experts' weight gradients out of the layer's
+    backward (the cost model then leaves them out of it)."""
+    return cfg.moe.wgrad_policy(cfg.parallel.expert_model_parallel_size) != "off"
+
+
 def moe_layers(cfg: RunConfig) -> list[int]:
     """The MoE layers' numbers (from 1, as `megatron_moe.overlap.plan` keys them)."""
     return [i + 1 for i, is_moe in enumerate(cfg.moe.layer_pattern(cfg.model.num_layers)) if is_moe]
@@ -54,12 +60,12 @@ def plan_degrees(
     *,
     t_gar_ms: float = 0.0,
     max_degree: int = 8,
-    backward_exp_scale: float = 1.0,
 ) -> dict[int, Schedule]:
     """MoE layer number -> its schedule. Every MoE layer of a run has the same sizes, so the same degrees, until
-    t_gar differs per layer (the gradient-partition issue)."""
+    t_gar differs per layer (the gradient-partition issue). The experts' weight gradients count in the backward
+    unless Lancet's queue defers them (`experts_defer_wgrad`)."""
     sizes = layer_sizes(cfg)
     schedule = solve_degrees(
-        fits, sizes, t_gar_ms=t_gar_ms, max_degree=max_degree, backward_exp_scale=backward_exp_scale
+        fits, sizes, t_gar_ms=t_gar_ms, max_degree=max_degree, dw_in_backward=not experts_defer_wgrad(cfg)
     )
     return {layer: schedule for layer in moe_layers(cfg)}

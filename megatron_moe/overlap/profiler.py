@@ -7,12 +7,17 @@ shapes, t = alpha + n * beta fitted by least squares. Here, per kind:
   timed in their gloo form (`comm.profiling.esp_traffic`: one all_to_all_single of those bytes, plus the local
   sum of the reduce-scatter; on NCCL not yet the native collectives the layer uses for equal blocks);
 - "ar": all_reduce over the data-parallel group (the gradient all-reduce), n = bytes reduced;
-- "gemm": torch.matmul of [M, K] x [K, N], n = M * N * K multiply-adds.
+- "gemm", "gemm_bwd", "gemm_dw": the experts' own work (`ExpertWork`): the chunked pipeline of
+  `megatron_moe.moe.pipeline` on this rank alone (no collective: every chunk's all-to-all is the identity) over
+  the layer's local experts and rows at each degree r, forward ("gemm") and the input gradients ("gemm_bwd"),
+  one point per degree (n = a chunk's multiply-adds, the time / r), so the line's alpha is a chunk's fixed cost
+  (its GEMM calls, permutation and copies); and the weight gradients (`mlp_weight_grads`, "gemm_dw") over the
+  rows of one chunk at each degree. Bare matmuls left those costs out (predictions 0.15-0.55 of the measured
+  layer on CPU).
 A kind whose group has one rank (no EP, no ESP, no DP) is not measured: its fit is 0 (the model never uses it).
 
 Each call runs between world barriers with the device synchronized before and after, timed on the host clock;
-one warm-up call per size, then `repeats` timed calls, reduced per size by the median (or `usual_mode`:
-tools/bench_link.py's estimator of gloo's usual, half-rate mode, restated here); every rank's figure goes into
+one warm-up call per size, then `repeats` timed calls, reduced per size by the median; every rank's figure goes into
 one fixed-shape table whose MAX over the world (`comm.profiling.agree_profile`) every rank fits, so all ranks
 hold the same lines. `load_or_measure` reuses a saved profile (JSON, `ClusterFits.save`) whose cluster
 description (world size, group sizes, host names, backend, device, link, the settings) equals this run's, on
@@ -22,12 +27,14 @@ every rank or on none (agreed), else measures and rank 0 saves it; fits, R^2 and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import math
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,13 +50,59 @@ from megatron_moe.comm.profiling import (
     profile_barrier,
 )
 from megatron_moe.config.fields import require
-from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits, LayerSizes, LinearFit, fit_linear
+from megatron_moe.overlap.cost_model import (
+    BACKWARD_KINDS,
+    FIT_KINDS,
+    OVERHEAD_KINDS,
+    ClusterFits,
+    LayerSizes,
+    LinearFit,
+    fit_linear,
+    layer_time_ms,
+)
 from megatron_moe.platform import current_platform, synchronize
 
 log = logging.getLogger(__name__)
 
-STATISTICS = ("median", "usual_mode")
 KIB = 1 << 10
+PIPELINE_KINDS = ("pipeline", "pipeline_bwd")
+MEASURED_KINDS = (*FIT_KINDS, *BACKWARD_KINDS, *PIPELINE_KINDS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertWork:
+    """The experts whose chunk work the "gemm" lines measure: one rank's local experts and rows of one layer."""
+
+    num_local_experts: int = 4
+    """L."""
+    hidden_size: int = 256
+    """H."""
+    ffn_hidden_size: int = 256
+    """This rank's slice of one expert's width (F / P)."""
+    gated: bool = False
+    """SwiGLU (fc1 of width 2F)."""
+    sources: int = 2
+    """X = P x G: the blocks (source rank, ESP peer) whose rows each expert gets (the permutation's work)."""
+    rows: tuple[int, ...] = (1024,)
+    """Rows the experts compute at r = 1 (rounded down so that every (source, expert) block splits evenly)."""
+    degrees: tuple[int, ...] = (1, 2, 4, 8)
+    """Pipeline degrees measured on each row count: one point per degree."""
+
+    def block_rows(self, rows: int) -> int:
+        """Rows of one (source, expert) block: a multiple of every degree."""
+        step = math.lcm(*self.degrees)
+        return max(step, rows // (self.num_local_experts * self.sources) // step * step)
+
+    def macs_per_row(self) -> int:
+        return self.hidden_size * self.ffn_hidden_size * (3 if self.gated else 2)
+
+    def validate(self) -> None:
+        for name in ("num_local_experts", "hidden_size", "ffn_hidden_size", "sources"):
+            require(getattr(self, name) >= 1, f"experts.{name}", getattr(self, name), "an integer >= 1")
+        require(self.rows and min(self.rows) >= 1, "experts.rows", self.rows, "row counts >= 1, e.g. (1024,)")
+        require(min(self.degrees) >= 1, "experts.degrees", self.degrees, "degrees >= 1, e.g. (1, 2, 4, 8)")
+        chunks = {self.block_rows(q) // r for q in self.rows for r in self.degrees}
+        require(len(chunks) >= 2, "experts", (self.rows, self.degrees), "2 or more distinct chunk sizes to fit")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,35 +112,41 @@ class ProfileSettings:
 
     comm_bytes: tuple[int, ...] = (256 * KIB, 512 * KIB, 768 * KIB, 1024 * KIB)
     """Message sizes per rank (rounded down to whole float32 elements split evenly over the group)."""
-    gemm_shapes: tuple[tuple[int, int, int], ...] = ((128, 256, 256), (256, 256, 256), (384, 256, 256), (512, 256, 256))
-    """(M, N, K) of each GEMM: [M, K] x [K, N]."""
+    experts: ExpertWork = ExpertWork()
+    """The expert work the "gemm" lines are fitted on."""
     repeats: int = 5
     """Timed calls per size, after one warm-up call."""
-    statistic: str = "median"
-    """How the calls of one size are reduced: one of `STATISTICS`."""
 
     def validate(self) -> None:
         require(len(set(self.comm_bytes)) >= 2, "comm_bytes", self.comm_bytes, "2 or more distinct sizes")
         require(min(self.comm_bytes) >= 64, "comm_bytes", self.comm_bytes, "sizes >= 64 bytes")
-        works = {m * n * k for m, n, k in self.gemm_shapes}
-        require(len(works) >= 2, "gemm_shapes", self.gemm_shapes, "2 or more shapes of distinct M * N * K")
+        self.experts.validate()
         require(self.repeats >= 1, "repeats", self.repeats, "an integer >= 1, e.g. 5")
-        require(self.statistic in STATISTICS, "statistic", self.statistic, f"one of {STATISTICS}")
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "gemm_shapes": [list(s) for s in self.gemm_shapes]}
+        return _as_json(dataclasses.asdict(self))
 
 
-def layer_profile_settings(sizes: LayerSizes, *, hidden_size: int, ffn_hidden_size: int) -> ProfileSettings:
+def layer_profile_settings(
+    sizes: LayerSizes, *, hidden_size: int, ffn_hidden_size: int, num_experts: int, gated: bool = False
+) -> ProfileSettings:
     """Micro-benchmarks at the sizes the solver asks about for one MoE layer: messages of one chunk at degrees 1,
-    2, 4, 8 of the layer's all-to-all (or all-gather under ESP alone), and the experts' fc1 GEMM on as many rows
-    (width `ffn_hidden_size` / ESP). Used by the training set-up and tools/bench_pipeline.py."""
+    2, 4, 8 of the layer's all-to-all (or all-gather under ESP alone), and the pipeline's expert work on this
+    rank's local experts and rows (width `ffn_hidden_size` / ESP). Used by the training set-up and
+    tools/bench_pipeline.py."""
     whole = max(sizes.n_a2a, sizes.n_ag, 64 * KIB)
     comm_bytes = tuple(sorted({max(int(whole) // r, 4 * KIB) for r in (1, 2, 4, 8)}))
-    rows = max(int(whole) // (hidden_size * 4), 64)
     width = ffn_hidden_size // sizes.esp
-    gemm_shapes = tuple((max(rows // r, 16), width, hidden_size) for r in (1, 2, 4, 8))
-    return ProfileSettings(comm_bytes=comm_bytes, gemm_shapes=gemm_shapes)
+    rows = int(sizes.n_exp) // (hidden_size * width * (3 if gated else 2))
+    experts = ExpertWork(
+        num_local_experts=num_experts // sizes.ep,
+        hidden_size=hidden_size,
+        ffn_hidden_size=width,
+        gated=gated,
+        sources=sizes.ep * sizes.esp,
+        rows=(max(rows, 64),),
+    )
+    return ProfileSettings(comm_bytes=comm_bytes, experts=experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +179,6 @@ def _size(group) -> int:
     return 0 if group is None else group_size(group)
 
 
-def usual_mode(times: list[float]) -> float:
-    """tools/bench_link.py's `usual_mode` (restated: the library does not import tools): the median of the
-    slowest cluster of at least 2 calls within 10% of each other (all calls if none is)."""
-    clusters = [[y for y in times if abs(y - x) <= 0.1 * x] for x in sorted(times, reverse=True)]
-    return statistics.median(next((c for c in clusters if len(c) >= 2), times))
-
-
 def describe_cluster(groups: ProfileGroups, settings: ProfileSettings, link: str | None = None) -> dict:
     """What a saved profile must match to be reused: world size, group sizes, every rank's host name, backend,
     device type, the link (e.g. "tc 1 Gbit/s", given by the caller), the settings. As JSON reads it back (lists,
@@ -148,18 +200,20 @@ def _as_json(value):
     return json.loads(json.dumps(value))
 
 
-def _timed_ms(call: Callable[[], Any], repeats: int, statistic: str) -> float:
-    """One warm-up call, then `repeats` calls each between world barriers, device synchronized: the statistic."""
-    times = []
+def _timed_ms(calls: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
+    """One warm-up round, then `repeats` rounds of the calls in order, each call between world barriers with the
+    device synchronized: the median of each call's times."""
+    times: list[list[float]] = [[] for _ in calls]
     for i in range(repeats + 1):
-        profile_barrier()
-        synchronize()
-        start = time.perf_counter()
-        call()
-        synchronize()
-        if i > 0:
-            times.append(1000.0 * (time.perf_counter() - start))
-    return statistics.median(times) if statistic == "median" else usual_mode(times)
+        for call, kept in zip(calls, times):
+            profile_barrier()
+            synchronize()
+            start = time.perf_counter()
+            call()
+            synchronize()
+            if i > 0:
+                kept.append(1000.0 * (time.perf_counter() - start))
+    return [statistics.median(kept) for kept in times]
 
 
 def _comm_calls(kind: str, group, nbytes: int, device) -> tuple[int, Callable[[], Any]]:
@@ -175,10 +229,107 @@ def _comm_calls(kind: str, group, nbytes: int, device) -> tuple[int, Callable[[]
     return numel * 4, lambda: esp_traffic(kind, buffer, scratch, group)
 
 
-def _gemm_call(shape: tuple[int, int, int], device) -> tuple[int, Callable[[], Any]]:
-    m, n, k = shape
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    return m * n * k, lambda: torch.matmul(a, b)
+def _expert_points(
+    work: ExpertWork, groups: ProfileGroups, repeats: int, device
+) -> dict[str, list[tuple[float, float]]]:
+    """(n, ms) points of "gemm", "gemm_bwd" (per chunk: a chunk's multiply-adds, the pipeline's time / r) and
+    "gemm_dw" (the weight gradients over one chunk's rows at each degree), measured on this rank alone; with an
+    EP group, also "pipeline" / "pipeline_bwd" (r, ms): the same pipeline with the real all-to-alls (and ESP
+    collectives), forward and input gradients at each degree, on the first row count."""
+    from megatron_moe.moe.experts import FFNExperts, mlp_weight_grads
+    from megatron_moe.moe.pipeline import Links, pipelined_experts
+
+    def init(weight):
+        return torch.nn.init.normal_(weight, std=0.02)
+
+    l_size, x_size, h_size = work.num_local_experts, work.sources, work.hidden_size
+    experts = FFNExperts(
+        num_local_experts=l_size,
+        hidden_size=h_size,
+        ffn_hidden_size=work.ffn_hidden_size,
+        gated=work.gated,
+        init_method=init,
+        output_init_method=init,
+    ).to(device)
+    experts.requires_grad_(False)  # the pipeline's backward then runs the input gradients alone
+    alone = Links(None, None, None, None)  # no group: every all-to-all is the identity
+    macs = work.macs_per_row()
+    points: dict[str, list[tuple[float, float]]] = {kind: [] for kind in ("gemm", "gemm_bwd", "gemm_dw")}
+    out: list[torch.Tensor] = []  # the forward's output, until the backward call takes it
+
+    def forward_backward(rows_RH, counts, received_XL, r, links, esp_rank=0):
+        grad_RH = torch.randn_like(rows_RH)
+        run = functools.partial(pipelined_experts, rows_RH, experts, counts, received_XL, (r, r), links)
+        return [lambda: out.append(run(esp_rank=esp_rank)), lambda: out.pop().backward(grad_RH)]
+
+    for rows in work.rows:
+        block = work.block_rows(rows)
+        q = block * l_size * x_size
+        counts, received_XL = [block * x_size] * l_size, [[block] * l_size for _ in range(x_size)]
+        x_QH = torch.randn(q, h_size, device=device, requires_grad=True)
+        width = experts.weight1.shape[1]
+        operands = [torch.randn(q, n, device=device) for n in (h_size, h_size, work.ffn_hidden_size, width)]
+        for r in work.degrees:
+            chunk_counts = [c // r for c in counts]
+            dy, x, a, dh = (t[: sum(chunk_counts)] for t in operands)
+            weight_grads = mlp_weight_grads(dy, x, a, dh, chunk_counts, (True, True))
+            calls = [*forward_backward(x_QH, counts, received_XL, r, alone), weight_grads]
+            forward_ms, backward_ms, dw_ms = _timed_ms(calls, repeats)
+            chunk_macs = q // r * macs
+            points["gemm"].append((chunk_macs, forward_ms / r))
+            points["gemm_bwd"].append((chunk_macs, backward_ms / r))
+            points["gemm_dw"].append((chunk_macs, dw_ms))
+    if _size(groups.ep) > 1:
+        points |= _pipeline_points(work, groups, forward_backward, repeats, device)
+    return points
+
+
+def _pipeline_points(work: ExpertWork, groups: ProfileGroups, forward_backward, repeats, device):
+    """ "pipeline" / "pipeline_bwd" (r, ms): every rank sends `block` rows to each expert of the EP group (so each
+    expert gets `block` from every source, as in `_expert_points`), through the real links."""
+    from megatron_moe.moe.pipeline import Links
+
+    g_size, p_size = _size(groups.ep), max(_size(groups.esp), 1)
+    esp = groups.esp if p_size > 1 else None
+    links = Links(groups.ep, esp, None, None)
+    block = work.block_rows(work.rows[0])
+    counts = [block] * (g_size * work.num_local_experts)
+    received_XL = [[block] * work.num_local_experts for _ in range(g_size * p_size)]
+    rows_RH = torch.randn(sum(counts), work.hidden_size, device=device, requires_grad=True)
+    esp_rank = dist.get_rank(esp) if esp is not None else 0
+    points = {"pipeline": [], "pipeline_bwd": []}
+    for r in work.degrees:
+        forward_ms, backward_ms = _timed_ms(forward_backward(rows_RH, counts, received_XL, r, links, esp_rank), repeats)
+        points["pipeline"].append((r, forward_ms))
+        points["pipeline_bwd"].append((r, backward_ms))
+    return points
+
+
+def profile_layer_sizes(work: ExpertWork, groups: ProfileGroups) -> LayerSizes:
+    """The `LayerSizes` of the work `_pipeline_points` runs (float32 rows), for the model's part of its time."""
+    g_size, p_size = _size(groups.ep), max(_size(groups.esp), 1)
+    sent = work.block_rows(work.rows[0]) * g_size * work.num_local_experts
+    row_bytes = work.hidden_size * 4
+    return LayerSizes(
+        n_a2a=float(sent * row_bytes),
+        n_ag=float(p_size * sent * row_bytes) if p_size > 1 else 0.0,
+        n_rs=float(p_size * sent * row_bytes) if p_size > 1 else 0.0,
+        n_exp=float(p_size * sent * work.macs_per_row()),
+        ep=g_size,
+        esp=p_size,
+    )
+
+
+def overhead_fits(fits: ClusterFits, sizes: LayerSizes, measured: dict[str, list[tuple[float, float]]]) -> dict:
+    """The "chunk" / "chunk_bwd" lines: the pipeline's measured time beyond the model's (without them) at each
+    degree, t = alpha + (r - 1) beta (the module docstring of `megatron_moe.overlap.cost_model`)."""
+    lines = {}
+    for kind, raw, direction in (("chunk", "pipeline", "forward"), ("chunk_bwd", "pipeline_bwd", "backward")):
+        residual = [
+            (r - 1, ms - layer_time_ms(fits, sizes, r, direction, dw_in_backward=False)[0]) for r, ms in measured[raw]
+        ]
+        lines[kind] = fit_linear(residual)
+    return lines
 
 
 def _kind_group(kind: str, groups: ProfileGroups):
@@ -189,27 +340,32 @@ def measure_fits(groups: ProfileGroups, settings: ProfileSettings, *, cluster: d
     """Run the micro-benchmarks on every rank (all must call it) and fit one line per kind, the same on all."""
     settings.validate()
     device = current_platform().device
-    width = max(len(settings.comm_bytes), len(settings.gemm_shapes))
-    table = torch.zeros(len(FIT_KINDS), width, dtype=torch.float64)  # ms per (kind, size), this rank's
-    sizes: dict[str, list[int]] = {}
-    for row, kind in enumerate(FIT_KINDS):
-        if kind == "gemm":
-            calls = [_gemm_call(shape, device) for shape in settings.gemm_shapes]
-        elif _size(_kind_group(kind, groups)) > 1:
-            calls = [_comm_calls(kind, _kind_group(kind, groups), n, device) for n in settings.comm_bytes]
-        else:
-            continue  # no such collective on this cluster: a zero fit (every rank has the same group sizes)
-        sizes[kind] = [n for n, _ in calls]
-        for col, (_, call) in enumerate(calls):
-            table[row, col] = _timed_ms(call, settings.repeats, settings.statistic)
-    agreed = agree_profile(table.to(device)).cpu().tolist()
-    fits = {}
-    for row, kind in enumerate(FIT_KINDS):
-        if kind not in sizes:
-            fits[kind] = LinearFit(alpha=0.0, beta=0.0)
-            continue
-        fits[kind] = fit_linear(zip(sizes[kind], agreed[row][: len(sizes[kind])]))
-    return ClusterFits(fits=fits, cluster=dict(cluster or {}))
+    points = _expert_points(settings.experts, groups, settings.repeats, device)
+    for kind in ("a2a", "ag", "rs", "ar"):
+        group = _kind_group(kind, groups)
+        if _size(group) > 1:  # else no such collective on this cluster: a zero fit (every rank has the same sizes)
+            calls = [_comm_calls(kind, group, n, device) for n in settings.comm_bytes]
+            times = _timed_ms([call for _, call in calls], settings.repeats)
+            points[kind] = [(n, ms) for (n, _), ms in zip(calls, times)]
+    width = max(len(p) for p in points.values())
+    table = torch.zeros(len(MEASURED_KINDS), width, dtype=torch.float64)  # ms per (kind, size), this rank's
+    for row, kind in enumerate(MEASURED_KINDS):
+        for col, (_, ms) in enumerate(points.get(kind, ())):
+            table[row, col] = ms
+    agreed_rows = agree_profile(table.to(device)).cpu().tolist()
+    agreed = {
+        kind: [(n, ms) for (n, _), ms in zip(points.get(kind, ()), row)]
+        for kind, row in zip(MEASURED_KINDS, agreed_rows)
+    }
+    fits = {
+        kind: fit_linear(agreed[kind]) if agreed[kind] else LinearFit(alpha=0.0, beta=0.0)
+        for kind in (*FIT_KINDS, *BACKWARD_KINDS)
+    }
+    fits = ClusterFits(fits=fits, cluster=dict(cluster or {}))
+    if not agreed["pipeline"]:  # no EP group: nothing is pipelined
+        return fits
+    lines = overhead_fits(fits, profile_layer_sizes(settings.experts, groups), agreed)
+    return dataclasses.replace(fits, fits={**fits.fits, **lines})
 
 
 def log_fits(fits: ClusterFits, source: str) -> None:
@@ -217,7 +373,7 @@ def log_fits(fits: ClusterFits, source: str) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     log.info("cost-model profile (%s), t = alpha + n * beta in ms:", source)
-    for kind in FIT_KINDS:
+    for kind in (*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS):
         fit = fits[kind]
         points = ", ".join(f"({n:.0f}, {ms:.4g})" for n, ms in fit.points) or "not measured"
         log.info("  %-4s alpha %.4g beta %.4g R^2 %.6f points %s", kind, fit.alpha, fit.beta, fit.r2, points)

@@ -7,6 +7,7 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -167,7 +168,8 @@ def resolve_pipeline_degrees(cfg: RunConfig, model) -> dict[int, Schedule] | Non
     if sizes.ep * sizes.esp == 1:
         for layer in layers:
             layer.set_pipeline_degrees(*_degrees(layer, 1, 1))
-        log.info("pipeline degrees: auto is 1 (EP = ESP = 1: no all-to-all or all-gather to pipeline)")
+        if dist.get_rank() == 0:
+            log.info("pipeline degrees: auto is 1 (EP = ESP = 1: no all-to-all or all-gather to pipeline)")
         return None
     path = moe.moe_cost_profile or (os.path.join(cfg.checkpoint.save, PROFILE_FILE) if cfg.checkpoint.save else None)
     if path is not None and os.path.dirname(path):
@@ -178,6 +180,8 @@ def resolve_pipeline_degrees(cfg: RunConfig, model) -> dict[int, Schedule] | Non
         schedule = schedules.get(layer.layer_number) or next(iter(schedules.values()))
         layer.set_pipeline_degrees(*_degrees(layer, schedule.forward, schedule.backward))
     first = next(iter(schedules.values()))
+    if dist.get_rank() != 0:  # every rank resolved the same degrees (the profile is agreed)
+        return schedules
     log.info(
         "pipeline degrees (FSMoE cost model, profile %s): forward %d, backward %d on every MoE layer; predicted "
         "ms forward %.2f (case %d), backward %.2f (case %d)",
@@ -201,4 +205,10 @@ def _degrees(layer: MoELayer, forward: int, backward: int) -> tuple[int, int]:
 def profile_settings(sizes: LayerSizes, cfg: RunConfig) -> ProfileSettings:
     """`megatron_moe.overlap.profiler.layer_profile_settings` at this run's MoE layer widths."""
     layer = cfg.moe.layer_config(cfg.model)
-    return layer_profile_settings(sizes, hidden_size=layer.hidden_size, ffn_hidden_size=layer.ffn_hidden_size)
+    return layer_profile_settings(
+        sizes,
+        hidden_size=layer.hidden_size,
+        ffn_hidden_size=layer.ffn_hidden_size,
+        num_experts=layer.num_experts,
+        gated=layer.expert_type == "swiglu",
+    )

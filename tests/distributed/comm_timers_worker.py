@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_moe import comm
 from megatron_moe.comm import Collective, CommTimers
+from megatron_moe.comm.transport import all_to_all_single
 
 MIB = 1 << 20
 SIZE_BYTES = 4 * MIB  # B: crosses the link
@@ -32,15 +33,14 @@ def slowest(value: float) -> float:
 
 
 def exchange(size: int, *, async_op: bool = False):
-    """An all-to-all in which rank 0 sends `size` bytes to rank 1 and rank 1 sends nothing: one direction of the
-    link only. (With both directions loaded gloo gets ~0.475 of tc's rate and now and then the full rate,
-    tools/bench_link.py; one direction gets the full rate every time.) Returns a function that starts it."""
+    """An all-to-all (the transport's, as the MoE layer's) in which rank 0 sends `size` bytes to rank 1 and rank 1
+    sends nothing: one direction of the link only. Returns a function that starts it."""
     n = size // 4  # float32
     sender = dist.get_rank() == 0
     send = torch.ones(n if sender else 0)
     recv = torch.empty(0 if sender else n)
     in_splits, out_splits = ([0, n], [0, 0]) if sender else ([0, 0], [n, 0])
-    return lambda: dist.all_to_all_single(recv, send, out_splits, in_splits, async_op=async_op)
+    return lambda: all_to_all_single(recv, send, out_splits, in_splits, async_op=async_op)
 
 
 def timed_sync(size: int) -> tuple[float, float]:

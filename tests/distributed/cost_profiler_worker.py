@@ -25,14 +25,16 @@ warnings.filterwarnings("ignore")
 
 from megatron_moe import comm  # noqa: E402
 from megatron_moe.comm.profiling import esp_traffic  # noqa: E402
-from megatron_moe.overlap.profiler import ProfileGroups, ProfileSettings, load_or_measure  # noqa: E402
+from megatron_moe.overlap.profiler import ExpertWork, ProfileGroups, ProfileSettings, load_or_measure  # noqa: E402
 from megatron_moe.platform import init_platform  # noqa: E402
 from tests.conftest import load_tool  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 
 SETTINGS = ProfileSettings(
     comm_bytes=(16 << 10, 32 << 10, 64 << 10),
-    gemm_shapes=((64, 64, 64), (128, 64, 64), (256, 64, 64)),
+    experts=ExpertWork(
+        num_local_experts=2, hidden_size=64, ffn_hidden_size=64, sources=4, rows=(256,), degrees=(1, 2, 4)
+    ),
     repeats=3,
 )
 

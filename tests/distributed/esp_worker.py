@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_moe import comm  # noqa: E402
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
+from megatron_moe.comm.transport import all_to_all_single  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
 from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
@@ -86,6 +87,28 @@ def collectives(group, ranks: list[int], sizes: list[int], async_op: bool) -> di
     errors.update(rs_value=_err(out, expected), rs_grad=_err(y.grad, expected_grad))
     errors["rs_bits_equal"] = 0.0 if torch.equal(out, expected) else 1.0
     return {k: _max(v) for k, v in errors.items()}
+
+
+def transport_all_to_all() -> dict:
+    """`comm.transport.all_to_all_single` (gloo: receives posted, then sends) against torch.distributed's own, on
+    uneven splits with zero blocks, synchronous and asynchronous (its future completes, `wait()` after it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mismatches, cases = 0.0, 0
+    for shift in (0, 2):
+        table = [[(i + j + shift) % 3 for j in range(world)] for i in range(world)]  # table[i][j]: rows i sends j
+        in_splits, out_splits = table[rank], [table[r][rank] for r in range(world)]
+        x = _rows(rank, sum(in_splits), 5 + shift)
+        want, got = x.new_empty(sum(out_splits), WIDTH), x.new_empty(sum(out_splits), WIDTH)
+        dist.all_to_all_single(want, x, out_splits, in_splits)
+        for async_op in (False, True):
+            got.zero_()
+            work = all_to_all_single(got, x, out_splits, in_splits, group=dist.group.WORLD, async_op=async_op)
+            if async_op:
+                work.get_future().wait()
+                assert work.is_completed() and work.wait()
+            mismatches += 0.0 if torch.equal(got, want) else 1.0
+            cases += 1
+    return {"mismatches": _max(mismatches), "cases": cases}
 
 
 def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -150,7 +173,11 @@ def compare(fields: dict, esp: int, solo_group, rank: int) -> dict:
     out_ref, xg_ref, pg_ref = run(ref, x, grad, True)
     out, xg, pg = run(layer, x, grad, True)
     errors = {"output": (out - out_ref).abs().max(), "input_grad": (xg - xg_ref).abs().max()}
-    router = [(pg[n] - pg_ref[n]).abs().max() for n in pg if not n.startswith("experts.") and pg[n] is not None]
+    router = [  # relative to the gradient's largest entry: the router's grads sum over every token's choices
+        (pg[n] - pg_ref[n]).abs().max() / pg_ref[n].abs().max().clamp_min(1e-30)
+        for n in pg
+        if not n.startswith("experts.") and pg[n] is not None
+    ]
     errors["router_and_shared_grads"] = torch.stack(router).max()
     served = parallel_state.get_expert_tensor_and_model_parallel_group()
     expert_err = []
@@ -272,6 +299,7 @@ def main() -> None:
     for sizes in ([2, 0, 3, 1], [4, 4, 4, 4], [0, 0, 0, 0]):
         results[f"collectives/world/{sizes}"] = collectives(dist.group.WORLD, list(range(world)), sizes, True)
     results["collectives/records"] = collective_records(pair)
+    results["transport"] = transport_all_to_all()
     for layout, (esp, ep) in LAYOUTS.items():
         _init(esp, ep)
         for name, fields in CASES.items():

@@ -27,7 +27,9 @@ def free_port() -> int:
 
 def tiny_pretrain_command(train_data, *flags: str) -> list[str]:
     """torchrun of pretrain_gpt_moe.py itself on 2 CPU ranks (EP=2) for a tiny MoE on `train_data`, plus `flags`:
-    for tests of the entry point's own behaviour (signals, failures), where `run_torchrun`'s workers do not fit."""
+    for tests of the entry point's own behaviour (signals, failures), where `run_torchrun`'s workers do not fit.
+    The pipeline degrees are pinned to 1 (auto's come from start-up timings, and runs these tests compare must not
+    differ in them; `flags` may override)."""
     data, tokenizer = train_data
     return [
         sys.executable, "-m", "torch.distributed.run",
@@ -35,7 +37,8 @@ def tiny_pretrain_command(train_data, *flags: str) -> list[str]:
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--num-experts", "4", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "0",
-        "--data-path", data, "--tokenizer-model", tokenizer, "--split", "98,2,0", *flags,
+        "--data-path", data, "--tokenizer-model", tokenizer, "--split", "98,2,0",
+        "--moe-pipeline-degree", "1", "--moe-bp-pipeline-degree", "1", *flags,
     ]  # fmt: skip
 
 

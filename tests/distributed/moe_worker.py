@@ -251,19 +251,28 @@ def host_syncs(ep: int, fields: dict, rank: int) -> dict:
 
 
 def collectives_through_issue(ep: int, fields: dict, rank: int) -> dict:
-    """Every torch.distributed call of a layer forward+backward, and what megatron_moe.comm's `issue` saw."""
+    """Every torch.distributed call of a layer forward+backward (all-to-alls, on gloo their sends and receives),
+    how many ran outside the `start` of megatron_moe.comm's `issue`, and what `issue` saw."""
     config = tconfig(ep)
     layer = MoELayer(config, layer_config(**fields), layer_number=3)
     global_weights(layer)
     x, grad = _inputs(rank)
-    raw, seen = [], []
-    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "barrier")}
+    raw, seen, starting = [], [], []
+    names = ("all_to_all_single", "all_reduce", "barrier", "isend", "irecv")
+    originals = {name: getattr(dist, name) for name in names}
 
     def counting(name):
-        return lambda *args, **kwargs: (raw.append(name), originals[name](*args, **kwargs))[1]
+        return lambda *args, **kwargs: (raw.append(bool(starting)), originals[name](*args, **kwargs))[1]
+
+    def started(start):
+        starting.append(1)
+        try:
+            return start()
+        finally:
+            starting.pop()
 
     issue = comm_moe.issue
-    comm_moe.issue = lambda record, start: (seen.append(record), issue(record, start))[1]
+    comm_moe.issue = lambda record, start: (seen.append(record), issue(record, lambda: started(start)))[1]
     for name in originals:
         setattr(dist, name, counting(name))
     try:
@@ -272,7 +281,11 @@ def collectives_through_issue(ep: int, fields: dict, rank: int) -> dict:
         comm_moe.issue = issue
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    return {"raw_calls": len(raw), "records": [[r.kind, r.purpose, r.layer, r.backward, r.nbytes > 0] for r in seen]}
+    return {
+        "raw_calls": len(raw),
+        "raw_outside_issue": raw.count(False),
+        "records": [[r.kind, r.purpose, r.layer, r.backward, r.nbytes > 0] for r in seen],
+    }
 
 
 def _progress(rank: int, ep: int, name: str) -> None:

@@ -5,6 +5,7 @@ Needs root, `ip` and `tc` (tests/distributed/test_emulated_cluster.py says what 
 
 import json
 
+from megatron_moe.overlap.cost_model import BACKWARD_KINDS, FIT_KINDS, OVERHEAD_KINDS
 from tests.conftest import load_tool
 
 cluster_tool = load_tool("emulated_cluster")
@@ -147,4 +148,4 @@ def test_bench_pipeline_on_2x1_compares_the_solver_with_every_degree_pair():
     # At these tiny messages gloo's per-call time can swamp the bytes (the fit then holds beta at 0): the line must
     # still give the all-to-all a positive time.
     a2a = row["fits"]["a2a"]
-    assert a2a["alpha"] + a2a["beta"] * 4096 > 0 and set(row["fits"]) == {"a2a", "ag", "rs", "ar", "gemm"}
+    assert a2a["alpha"] + a2a["beta"] * 4096 > 0 and set(row["fits"]) == {*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS}

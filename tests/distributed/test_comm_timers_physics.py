@@ -1,10 +1,10 @@
 """Issue 13 item 3: the communication timers agree with physics, on 2 emulated nodes x 1 process whose link
 tc limits to 0.5 Gbit/s (tools/emulated_cluster.py; needs root, `ip` and `tc`).
 
-(a) A synchronous all-to-all in which B bytes cross the link (rank 0 sends, rank 1 receives: one direction, which
-    gets tc's rate every call; loaded both ways, gloo gets ~0.475 of it and now and then all of it,
-    tools/bench_link.py), through `comm.issue`: the timers' exposed time is within 15% of the wall clock around
-    the same call and of the same call made with no timers; 2B takes ~2x, half the link rate ~2x (within 20%).
+(a) A synchronous all-to-all (megatron_moe/comm/transport.py's) in which B bytes cross the link (rank 0 sends,
+    rank 1 receives: one direction), through `comm.issue`: the timers' exposed time is within 15% of the wall
+    clock around the same call and of the same call made with no timers; 2B takes ~2x, half the link rate ~2x
+    (within 20%).
     Nothing here assumes the configured rate, only ratios of times measured in the test.
 (b) An asynchronous all-to-all (C ms alone) with GEMMs between start and wait (timed alone; ~0.4 C and
     ~2.5 C): exposed ~= max(0, comm - compute) within 15% of the comm time; the timers' issue->completion time

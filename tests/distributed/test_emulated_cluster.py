@@ -193,16 +193,16 @@ def test_errors_are_one_line_naming_what_is_missing(tmp_path, monkeypatch, capsy
 
 
 def test_a_two_node_all_to_all_sees_both_ranks_and_takes_the_time_the_link_needs():
-    """2x bytes take 2x the time, half the link rate 2x the time (within 20%), at a rate calibrated here: gloo's
-    usual (half-rate) mode of 9 calls per size, as tools/bench_link.py counts it."""
+    """2x bytes take 2x the time, half the link rate 2x the time (within 20%), at a rate calibrated here: the median
+    of 9 calls per size of the transport's all-to-all (tools/bench_link.py)."""
     sizes_mib, rate_gbit = (8, 16), 0.5
     with cluster_tool.EmulatedCluster(2, rate_gbit) as cluster:
         full = link_tool.calibrate(rate_gbit, sizes_mib, 9, cluster)
         half = link_tool.calibrate(rate_gbit / 2, sizes_mib, 9, cluster)
     for run in (full, half):
         assert run["world"] == 2 and run["ranks"] == [0, 1], run
-        # The link is what limits the call: never above tc's rate, and not far below it (gloo gets ~0.5 here).
-        assert 0.3 < run["fraction_of_tc"] < 1.05, run
+        # The link is what limits the call: never above tc's rate, and not far below it (~0.95 here).
+        assert 0.7 < run["fraction_of_tc"] < 1.05, run
         small, large = run["ms"]
         assert 2 * 0.8 < large / small < 2 * 1.2, f"2x bytes took {large / small:.2f}x the time: {run}"
     for fast_ms, slow_ms in zip(full["ms"], half["ms"]):

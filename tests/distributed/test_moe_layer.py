@@ -87,4 +87,5 @@ def test_every_collective_of_the_layer_goes_through_issue(results):
     ]
     assert exact["records"] == [["a2a_dispatch", "exchange_counts", 3, False, True], *forward_backward]
     assert padded["records"] == [["a2a_dispatch", "agree_capacity", 3, False, True], *forward_backward]
-    assert exact["raw_calls"] == len(exact["records"]) and padded["raw_calls"] == len(padded["records"])
+    for case in (exact, padded):  # on gloo an all-to-all is a receive and a send per peer (comm/transport.py)
+        assert case["raw_outside_issue"] == 0 and case["raw_calls"] >= len(case["records"]), case

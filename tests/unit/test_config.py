@@ -208,6 +208,8 @@ def test_flags_become_the_layer_config_in_one_place():
         z_loss_coeff=0.001,
         router_dim=8,
         init_method_std=0.01,
+        pipeline_degree="auto",  # the run's default (the training set-up resolves it); a bare layer's is 1
+        bp_pipeline_degree="auto",
     )
     assert layer.dispatcher == "alltoall" and cfg().moe.layer_config(cfg().model).dispatcher == "alltoallv"
     assert moe_layer(cfg("--moe-layer-impl", "mcore")) is None

@@ -9,8 +9,11 @@ import pytest
 
 from megatron_moe.config.fields import ConfigError
 from megatron_moe.overlap.cost_model import (
+    BACKWARD_KINDS,
     DIRECTIONS,
     FIT_KINDS,
+    MIN_GAIN,
+    OVERHEAD_KINDS,
     ClusterFits,
     LayerSizes,
     LinearFit,
@@ -20,6 +23,7 @@ from megatron_moe.overlap.cost_model import (
     chunk_times,
     fit_linear,
     layer_time_ms,
+    overhead_ms,
     predict,
     solve_degrees,
 )
@@ -31,7 +35,7 @@ def _fits(alpha: dict[str, float], beta: dict[str, float]) -> ClusterFits:
     return ClusterFits.from_coefficients(base_alpha | alpha, base_beta | beta, {"world": 4})
 
 
-SIZES = LayerSizes(n_a2a=8e6, n_ag=16e6, n_rs=16e6, n_exp=4e9, num_gemms=4, ep=2, esp=2)
+SIZES = LayerSizes(n_a2a=8e6, n_ag=16e6, n_rs=16e6, n_exp=4e9, ep=2, esp=2)
 
 
 def _t(fit: LinearFit, n: float, r: int) -> float:
@@ -75,14 +79,14 @@ def test_each_case_dominates_and_uses_its_formula():
     ]
     for fits, t_gar, expected in scenarios:
         a2a, ag, rs = (_t(fits[k], n, r) for k, n in (("a2a", 8e6), ("ag", 16e6), ("rs", 16e6)))
-        exp = 4 * fits["gemm"].alpha + 4e9 / r * fits["gemm"].beta
+        exp = fits["gemm"].alpha + 4e9 / r * fits["gemm"].beta  # alpha: one chunk's fixed cost
         formula = {
             1: 2 * r * a2a + t_gar,
             2: 2 * a2a + ag + rs + r * exp,
             3: 2 * r * a2a + ag + rs,
             4: 2 * a2a + r * ag + r * rs,
         }
-        ms, case = layer_time_ms(fits, SIZES, r, t_gar_ms=t_gar)
+        ms, case = layer_time_ms(fits, SIZES, r, "backward", t_gar_ms=t_gar, dw_in_backward=False)
         assert case == expected, (expected, case)
         assert ms == pytest.approx(formula[expected], rel=1e-12)
         # the case that holds is the slowest of the candidates its conditions compare
@@ -96,9 +100,14 @@ def test_case_conditions_as_written():
 
 
 def _random_fits(rng: random.Random) -> ClusterFits:
-    alpha = {k: 10 ** rng.uniform(-2, 0.5) for k in FIT_KINDS}
-    beta = {k: 10 ** rng.uniform(-7.5, -5) for k in FIT_KINDS} | {"gemm": 10 ** rng.uniform(-10.5, -8)}
-    return ClusterFits.from_coefficients(alpha, beta)
+    kinds = (*FIT_KINDS, *BACKWARD_KINDS)
+    alpha = {k: 10 ** rng.uniform(-2, 0.5) for k in kinds}
+    beta = {k: 10 ** rng.uniform(-10.5, -8) if k.startswith("gemm") else 10 ** rng.uniform(-7.5, -5) for k in kinds}
+    fits = {k: LinearFit(alpha=alpha[k], beta=beta[k]) for k in kinds}
+    fits = fits if rng.random() < 0.75 else {k: fits[k] for k in FIT_KINDS}
+    if rng.random() < 0.5:
+        fits |= {k: LinearFit(alpha=rng.uniform(0, 2), beta=rng.uniform(0, 3)) for k in OVERHEAD_KINDS}
+    return ClusterFits(fits=fits)
 
 
 def test_solver_equals_brute_force_on_random_fits():
@@ -116,30 +125,88 @@ def test_solver_equals_brute_force_on_random_fits():
             esp=rng.choice([1, 2, 4]),
             gated=rng.random() < 0.5,
         )
-        t_gar = rng.choice([0.0, rng.uniform(0, 50)])
+        kw = {"t_gar_ms": rng.choice([0.0, rng.uniform(0, 50)]), "dw_in_backward": rng.random() < 0.5}
         top = rng.choice([4, 8, 16])
-        solved = solve_degrees(fits, sizes, t_gar_ms=t_gar, max_degree=top)
-        best = brute_force(fits, sizes, range(1, top + 1), t_gar_ms=t_gar)
+        solved = solve_degrees(fits, sizes, max_degree=top, min_gain=0.0, **kw)
+        best = brute_force(fits, sizes, range(1, top + 1), **kw)
         for direction in DIRECTIONS:
             assert solved.predicted_ms[direction] <= best.predicted_ms[direction] * (1 + 1e-9), (direction, top)
             assert 1 <= getattr(solved, direction) <= top
             chosen.add(getattr(solved, direction))
-        again = predict(fits, sizes, solved.forward, solved.backward, t_gar_ms=t_gar)
+        again = predict(fits, sizes, solved.forward, solved.backward, **kw)
         assert again == solved
     assert len(chosen) >= 4, chosen  # the grid exercises the solver, not one corner of it
 
 
 def test_backward_degree_differs_under_a_gradient_all_reduce():
     fits = _fits({"a2a": 0.01}, {"gemm": 2e-9})
-    free = solve_degrees(fits, SIZES)
-    assert free.forward == free.backward > 1
+    free = solve_degrees(fits, SIZES, dw_in_backward=False)
+    assert free.forward == free.backward > 1  # no gemm_bwd line: the backward chunks cost the forward's
     assert free.predicted_ms["forward"] == free.predicted_ms["backward"]
-    loaded = solve_degrees(fits, SIZES, t_gar_ms=500.0)
+    loaded = solve_degrees(fits, SIZES, t_gar_ms=500.0, dw_in_backward=False)
     assert loaded.forward == free.forward
     assert (loaded.backward, loaded.case["backward"]) == (1, 1)  # f1 = 2 r t_a2a + t_gar grows with r
     assert loaded.predicted_ms["backward"] == pytest.approx(2 * _t(fits["a2a"], 8e6, 1) + 500.0)
-    fsmoe = solve_degrees(fits, SIZES, backward_exp_scale=2.0)  # FSMoE's own backward: dW in the pipeline
-    assert fsmoe.predicted_ms["backward"] > free.predicted_ms["backward"]
+
+
+def test_weight_gradients_hide_the_last_all_to_all():
+    """Backward with dW in the layer: f_case(r) + max(0, t_dw - t_a2a,r); a large dW favours fewer chunks (each
+    chunk's all-to-all is longer, so more of dW hides under the last one)."""
+    fits = ClusterFits(
+        fits=dict(_fits({"a2a": 0.01}, {"gemm": 2e-9}).fits)
+        | {"gemm_bwd": LinearFit(alpha=0.02, beta=3e-9), "gemm_dw": LinearFit(alpha=0.5, beta=1e-9)}
+    )
+    t_dw = 0.5 + 4e9 * 1e-9
+    for r in (1, 2, 3, 8):
+        without, case = layer_time_ms(fits, SIZES, r, "backward", dw_in_backward=False)
+        with_dw, same_case = layer_time_ms(fits, SIZES, r, "backward")
+        assert same_case == case
+        t = chunk_times(fits, SIZES, r, "backward")
+        assert t.exp == pytest.approx(0.02 + 4e9 / r * 3e-9)
+        assert with_dw == pytest.approx(without + max(0.0, t_dw - t.a2a))
+    forward = layer_time_ms(fits, SIZES, 2)[0]
+    assert forward == pytest.approx(layer_time_ms(_fits({"a2a": 0.01}, {"gemm": 2e-9}), SIZES, 2)[0])
+    solved = solve_degrees(fits, SIZES, min_gain=0.0)
+    assert solved.predicted_ms["backward"] == pytest.approx(
+        brute_force(fits, SIZES, range(1, 9)).predicted_ms["backward"]
+    )
+    assert solved.backward <= solve_degrees(fits, SIZES, dw_in_backward=False, min_gain=0.0).backward
+
+
+def test_overhead_line_adds_alpha_and_beta_per_extra_chunk():
+    plain = _fits({"a2a": 0.01}, {"gemm": 2e-9})
+    loaded = ClusterFits(
+        fits=dict(plain.fits) | {"chunk": LinearFit(alpha=0.3, beta=0.7), "chunk_bwd": LinearFit(alpha=0.1, beta=2.0)}
+    )
+    for r in (1, 2, 5):
+        for direction, (alpha, beta) in (("forward", (0.3, 0.7)), ("backward", (0.1, 2.0))):
+            assert overhead_ms(loaded, SIZES, r, direction) == pytest.approx(alpha + (r - 1) * beta)
+            assert overhead_ms(plain, SIZES, r, direction) == 0.0  # no line: the paper's model
+            base, case = layer_time_ms(plain, SIZES, r, direction)
+            assert layer_time_ms(loaded, SIZES, r, direction) == (pytest.approx(base + alpha + (r - 1) * beta), case)
+    single = LayerSizes(n_a2a=0.0, n_ag=0.0, n_rs=0.0, n_exp=4e9, ep=1, esp=1)
+    assert overhead_ms(loaded, single, 4, "forward") == 0.0  # nothing pipelined, nothing overlapped
+    # a steep enough per-chunk cost moves the optimum down, never up
+    free, costly = solve_degrees(plain, SIZES, min_gain=0.0), solve_degrees(loaded, SIZES, min_gain=0.0)
+    assert costly.forward <= free.forward and costly.backward <= free.backward
+    assert (costly.forward, costly.backward) != (free.forward, free.backward)
+
+
+def test_min_gain_keeps_r1_unless_the_predicted_saving_clears_it():
+    """A degree > 1 runs only when the model says it saves at least `min_gain` of r = 1's time."""
+    fits = _fits({"a2a": 0.01}, {"gemm": 2e-9})
+    best = solve_degrees(fits, SIZES, min_gain=0.0, dw_in_backward=False)
+    r1 = predict(fits, SIZES, 1, 1, dw_in_backward=False)
+    assert best.forward > 1
+    gain = 1 - best.predicted_ms["forward"] / r1.predicted_ms["forward"]
+    assert 0 < gain < 0.9
+    below = solve_degrees(fits, SIZES, min_gain=gain * 1.01, dw_in_backward=False)
+    above = solve_degrees(fits, SIZES, min_gain=gain * 0.99, dw_in_backward=False)
+    assert (below.forward, below.predicted_ms["forward"]) == (1, r1.predicted_ms["forward"])
+    assert (above.forward, above.predicted_ms["forward"]) == (best.forward, best.predicted_ms["forward"])
+    assert solve_degrees(fits, SIZES, dw_in_backward=False) == (best if gain >= MIN_GAIN else r1)
+    with pytest.raises(ConfigError, match="min_gain"):
+        solve_degrees(fits, SIZES, min_gain=1.0)
 
 
 def test_no_esp_drops_all_gather_and_reduce_scatter():
@@ -170,7 +237,6 @@ def test_layer_sizes_from_layer():
     assert sizes.n_a2a == rows * 512 * 4
     assert sizes.n_ag == sizes.n_rs == 2 * rows * 512 * 4
     assert sizes.n_exp == rows * 512 * 2048 * 2
-    assert sizes.num_gemms == 2 * 4
     gated = LayerSizes.from_layer(
         tokens=1024, topk=2, hidden_size=512, ffn_hidden_size=2048, num_experts=8, ep=2, gated=True, dtype_bytes=2
     )
@@ -203,11 +269,17 @@ def test_bad_sizes_name_the_flag():
 
 def test_json_round_trip(tmp_path):
     fits = ClusterFits(
-        fits={k: fit_linear([(1, 1.0 + i), (2, 2.5 + i), (4, 4.0 + i)]) for i, k in enumerate(FIT_KINDS)},
+        fits={
+            k: fit_linear([(1, 1.0 + i), (2, 2.5 + i), (4, 4.0 + i)])
+            for i, k in enumerate((*FIT_KINDS, *BACKWARD_KINDS))
+        },
         cluster={"world": 4, "ep": 2, "esp": 2, "hosts": ["a", "b"]},
     )
     path = tmp_path / "fits.json"
     fits.save(str(path))
     assert ClusterFits.load(str(path)) == fits
+    assert ClusterFits.load(str(path))["gemm_dw"] == fits["gemm_dw"]
+    hand = ClusterFits.from_coefficients({k: 1.0 for k in FIT_KINDS}, {k: 2.0 for k in FIT_KINDS})
+    assert hand["gemm_bwd"] == hand["gemm_dw"] == hand["gemm"]  # no backward lines: the forward's
     with pytest.raises(ValueError, match="no fit for"):
         ClusterFits(fits={"a2a": fits["a2a"]})

@@ -260,3 +260,27 @@ def test_the_shared_expert_runs_while_chunk_0_and_the_last_dx_are_in_flight(monk
         "shared.backward",
         "start.backward",
     ]
+
+
+@pytest.mark.parametrize("degrees", [(1, 1), (2, 3)])
+def test_the_region_clock_brackets_dispatch_to_combine_and_changes_nothing(degrees):
+    import time
+
+    from megatron_moe.moe.hooks import RegionClock
+
+    layer = _layer()
+    layer.set_pipeline_degrees(*degrees)
+    x, grad = torch.randn(6, 2, H * 4), torch.randn(6, 2, H * 4)
+    want = _run(lambda t: layer(t)[0], x, grad)
+    clock = RegionClock()
+    layer.hooks.append(clock)
+    layer.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    got = _run(lambda t: layer(t)[0], x, grad)
+    end = time.perf_counter()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert layer.pipeline_degrees() == degrees  # an outer hook does not stop the pipeline
+    m = clock.marks
+    assert start < m["forward_start"] < m["forward_end"] < m["backward_start"] < m["backward_end"] < end
+    forward_ms, backward_ms = clock.region_ms()
+    assert 0 < forward_ms + backward_ms < 1000.0 * (end - start)

@@ -46,13 +46,14 @@ def test_flags_give_the_solver_schedule_per_moe_layer(capsys):
     code, lines, _ = _run(MODEL + FLAGS, capsys)
     assert code == 0
     fits = _testbed_b()
-    expected = solve_degrees(fits, SIZES)
+    expected = solve_degrees(fits, SIZES, dw_in_backward=False)  # --overlap-wgrad greedy (EP > 1) defers dW
     assert lines[0]["source"] == "flags" and lines[0]["fits"]["a2a"]["beta"] == 3.06e-7
     assert [row["layer"] for row in lines[1:]] == [1, 3]  # --moe-layer-freq 2 over 4 layers
     for row in lines[1:]:
         assert (row["forward"], row["backward"]) == (expected.forward, expected.backward)
         assert row["predicted_ms"] == pytest.approx(expected.predicted_ms)
-        assert row["r1_ms"] == pytest.approx(predict(fits, SIZES, 1, 1).predicted_ms)
+        assert row["r1_ms"] == pytest.approx(predict(fits, SIZES, 1, 1, dw_in_backward=False).predicted_ms)
+        assert row["dw_in_backward"] is False
         assert row["speedup_vs_r1"]["forward"] >= 1.0
         assert row["sizes"]["n_a2a"] == SIZES.n_a2a
 
@@ -81,7 +82,7 @@ def test_saved_profile_end_to_end(tmp_path):
     assert lines[0]["source"] == str(path) and lines[0]["cluster"] == {"world": 4, "ep": 2, "esp": 2}
     assert lines[0]["warnings"] == []
     assert lines[0]["fits"]["gemm"]["r2"] == pytest.approx(1.0, abs=1e-9)
-    expected = solve_degrees(fits, SIZES)
+    expected = solve_degrees(fits, SIZES, dw_in_backward=False)
     assert [(r["forward"], r["backward"]) for r in lines[1:]] == [(expected.forward, expected.backward)] * 2
 
 
@@ -147,4 +148,7 @@ def test_run_flags_to_layer_sizes_and_degrees():
     assert sizes == expected
     fits = _testbed_b()
     plan = plan_degrees(cfg, fits, t_gar_ms=3.0)
-    assert list(plan) == [1, 3] and plan[1] == solve_degrees(fits, expected, t_gar_ms=3.0)
+    assert list(plan) == [1, 3] and plan[1] == solve_degrees(fits, expected, t_gar_ms=3.0, dw_in_backward=False)
+    kept = plan_degrees(parse_args([*argv, "--overlap-wgrad", "off"]), fits, t_gar_ms=3.0)  # dW in the backward
+    assert kept[1] == solve_degrees(fits, expected, t_gar_ms=3.0)
+    assert kept[1].predicted_ms["backward"] > plan[1].predicted_ms["backward"]
