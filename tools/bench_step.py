@@ -19,10 +19,14 @@ It trains on the demo data (`make demo`'s stdlib corpus, built here when missing
 - `2x2esp` (only when asked for): 2 nodes x 2 processes, ESP=2 inside a node (--expert-tensor-parallel-size 2) x
   EP=2 across the nodes: the all-gather / reduce-scatter on the node, the all-to-all on the link.
 
-Overlap settings (`--overlap`, all three by default): `off` (--overlap-wgrad off, pipeline degrees 1 / 1),
+Overlap settings (`--overlap`, all six by default): `off` (--overlap-wgrad off, pipeline degrees 1 / 1),
 `greedy` (Lancet's greedy dW placement, degrees 1 / 1), `pipeline` (Lancet greedy and FSMoE's chunked pipeline,
 --moe-pipeline-degree auto --moe-bp-pipeline-degree auto: each job measures the cost-model profile at start-up and
-solves the degrees).
+solves the degrees); these three with megatron-core's gradient reduction after backward. Then, as `pipeline`:
+`grad_overlap` (megatron-core's --overlap-grad-reduce, default buckets), `grad_small` (the same with
+--ddp-bucket-size `SMALL_BUCKET`, small buckets by hand) and `adaptive` (FSMoE's adaptive gradient partition,
+--grad-reduce-schedule adaptive, issue 16). The `2x2dp` layout (asked for by name) keeps EP=2 inside each node and
+puts the data-parallel reduction on the link.
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
 interleaved, rates rotated round by round, each overlap setting right after the other, in turn first), so
@@ -45,7 +49,10 @@ are pooled into one JSON object per case, printed once every case has run:
 After the cases, one `overlap_wgrad` row per layout and rate compares greedy with off: `bwd_a2a_exposed_ms`
 (off, on), `bwd_a2a_exposed_cut` (1 - on / off), `step_ratio` (on / off, median step times), `peak_held_mb`; then
 one `pipeline` row per layout and rate compares pipeline (on) with greedy (off): `step_ms`, `step_ratio`,
-`exposed_ms` and `comm_ms` per a2a_* / esp_* kind (off, on), the solver's `pipeline_degrees`.
+`exposed_ms` and `comm_ms` per a2a_* / esp_* kind (off, on), the solver's `pipeline_degrees`; then one
+`grad_reduce` row per layout and rate compares adaptive with megatron-core's three (`pipeline`, `grad_overlap`,
+`grad_small`): exposed and issued-to-completed dp_grad_reduce ms, the best of the three, the cut against it, step
+ms and the ratio against the fastest, exposed all-to-all ms. Each row names `grad_reduce_schedule`.
 
 The figures are the logging rank's (the last rank, on the last node): its own collectives, as the Trainer's
 communication timers (megatron_moe/comm/timers.py) saw them.
@@ -64,18 +71,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result  # noqa: E402
 from emulated_cluster import EmulatedCluster  # noqa: E402
 
-LAYOUTS = {"2x1": (2, 1), "2x2": (4, 1), "2x2esp": (2, 2)}  # layout -> (EP, ESP); the all-to-all crosses the link
+# layout -> (EP, ESP); the all-to-all crosses the link, but in 2x2dp (EP inside a node, DP across)
+LAYOUTS = {"2x1": (2, 1), "2x2": (4, 1), "2x2esp": (2, 2), "2x2dp": (2, 1)}
 DEFAULT_LAYOUTS = ("2x1", "2x2")
 RATES_GBIT = (0.5, 1.0, 2.5)
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
-SETTINGS = {  # overlap setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pipeline-degree)
-    "off": ("off", "1", "1"),
-    "greedy": ("greedy", "1", "1"),  # Lancet (issue 14)
-    "pipeline": ("greedy", "auto", "auto"),  # Lancet + FSMoE's pipeline (issue 15), profile measured at start-up
+SMALL_BUCKET = 250_000
+"""--ddp-bucket-size of `grad_small`: megatron-core's buckets made small by hand (~1 MB of fp32 gradients, 10-20
+buckets in MODEL; its default is 40M parameters, one bucket here)."""
+SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pipeline-degree, gradient flags)
+    "off": ("off", "1", "1", ("--grad-reduce-schedule", "megatron")),
+    "greedy": ("greedy", "1", "1", ("--grad-reduce-schedule", "megatron")),  # Lancet (issue 14)
+    # Lancet + FSMoE's pipeline (issue 15), profile measured at start-up
+    "pipeline": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "megatron")),
+    # ... + megatron-core's bucketed overlap of the gradient reduction, default buckets, then small ones
+    "grad_overlap": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "megatron", "--overlap-grad-reduce")),
+    "grad_small": (
+        "greedy",
+        "auto",
+        "auto",
+        ("--grad-reduce-schedule", "megatron", "--overlap-grad-reduce", "--ddp-bucket-size", str(SMALL_BUCKET)),
+    ),  # fmt: skip
+    # ... + FSMoE's adaptive gradient partition (issue 16)
+    "adaptive": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive")),
 }
+GRAD_BASELINES = ("pipeline", "grad_overlap", "grad_small")
+"""megatron-core's reduction in the `grad_reduce` rows: after backward, overlapped in default and small buckets."""
 PIPELINE_KINDS = ("a2a_", "esp_")
-CASE_SUFFIX = {"off": "", "greedy": "_wgrad_greedy", "pipeline": "_pipeline"}
+CASE_SUFFIX = {
+    "off": "",
+    "greedy": "_wgrad_greedy",
+    "pipeline": "_pipeline",
+    "grad_overlap": "_grad_overlap",
+    "grad_small": "_grad_small",
+    "adaptive": "_grad_adaptive",
+}
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
     "--ffn-hidden-size", "768", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "1",
@@ -140,8 +171,8 @@ def prepare_data(data_dir: str) -> tuple[str, str]:
 
 
 def cluster_of(layout: str) -> tuple[int, int]:
-    """(nodes, processes per node) of a layout ("2x2esp" runs on 2x2)."""
-    return parse_cluster(layout.removesuffix("esp"))
+    """(nodes, processes per node) of a layout ("2x2esp" and "2x2dp" run on 2x2)."""
+    return parse_cluster(layout.removesuffix("esp").removesuffix("dp"))
 
 
 def trainer_flags(
@@ -150,14 +181,14 @@ def trainer_flags(
     nodes, procs = cluster_of(layout)
     (ep, esp), world = LAYOUTS[layout], nodes * procs
     micro = int(_flag([*MODEL, *(model or [])], "--micro-batch-size"))
-    wgrad, degree, bp_degree = SETTINGS[setting]
+    wgrad, degree, bp_degree, grad = SETTINGS[setting]
     return [
         *MODEL,
         *TRAINING,
         "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(esp),
         "--global-batch-size", str(micro * world),
         "--train-iters", str(steps), "--data-path", data[0], "--tokenizer-model", data[1],
-        "--overlap-wgrad", wgrad, "--moe-pipeline-degree", degree, "--moe-bp-pipeline-degree", bp_degree,
+        "--overlap-wgrad", wgrad, "--moe-pipeline-degree", degree, "--moe-bp-pipeline-degree", bp_degree, *grad,
         *(model or []),
     ]  # fmt: skip
 
@@ -189,8 +220,12 @@ def summarize(
     comm, exposed = mean("comm_ms"), mean("exposed_ms")
     total_comm, total_exposed = sum(comm.values()), sum(exposed.values())
     wgrad = [h.get("wgrad") for h in timed if h.get("wgrad")]
-    overlap = dict(zip(("overlap_wgrad", "pipeline_degree", "bp_pipeline_degree"), SETTINGS[setting]))
+    policy, degree, bp_degree, grad = SETTINGS[setting]
+    overlap = {"overlap_wgrad": policy, "pipeline_degree": degree, "bp_pipeline_degree": bp_degree}
     overlap |= {k: int(v) for k, v in overlap.items() if v.isdigit()}
+    overlap["grad_reduce_schedule"] = _flag(list(grad), "--grad-reduce-schedule")
+    overlap["overlap_grad_reduce"] = "--overlap-grad-reduce" in grad
+    overlap["ddp_bucket_size"] = int(_flag(list(grad), "--ddp-bucket-size")) if "--ddp-bucket-size" in grad else None
     return {
         "case": f"step_{layout}_{rate:g}gbit" + CASE_SUFFIX[setting],
         "layout": layout_name(layout),
@@ -263,6 +298,33 @@ def compare_pipeline(greedy: dict, pipeline: dict) -> dict:
     }
 
 
+def compare_grad_reduce(baselines: dict[str, dict], adaptive: dict) -> dict:
+    """The `grad_reduce` row of one layout and rate: FSMoE's adaptive partition against megatron-core's reduction
+    after backward, overlapped in default buckets and in small ones (everything else as `pipeline`)."""
+    kind = "dp_grad_reduce"
+    best = min(baselines, key=lambda name: baselines[name]["exposed_ms"].get(kind, 0.0))
+    base = baselines[best]["exposed_ms"].get(kind, 0.0)
+    cut = 1 - adaptive["exposed_ms"].get(kind, 0.0) / base if base > 0 else 0.0
+    return {
+        "case": f"grad_reduce_{adaptive['case'].removeprefix('step_').removesuffix(CASE_SUFFIX['adaptive'])}",
+        "layout": adaptive["layout"],
+        "link_gbit": adaptive["link_gbit"],
+        "grad_reduce_schedule": "adaptive",
+        "dp_grad_reduce_exposed_ms": {name: row["exposed_ms"].get(kind, 0.0) for name, row in baselines.items()}
+        | {"adaptive": adaptive["exposed_ms"].get(kind, 0.0)},
+        "dp_grad_reduce_comm_ms": {name: row["comm_ms"].get(kind, 0.0) for name, row in baselines.items()}
+        | {"adaptive": adaptive["comm_ms"].get(kind, 0.0)},
+        "best_megatron": best,
+        "exposed_cut_vs_best_megatron": round(cut, 3),
+        "step_ms": {name: row["step_ms"] for name, row in baselines.items()} | {"adaptive": adaptive["step_ms"]},
+        "step_ratio_vs_best_megatron": round(adaptive["step_ms"] / min(r["step_ms"] for r in baselines.values()), 3),
+        "a2a_exposed_ms": {
+            name: round(sum(row["exposed_ms"].get(k, 0.0) for k in A2A_KINDS), 3)
+            for name, row in {**baselines, "adaptive": adaptive}.items()
+        },
+    }
+
+
 def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, args, data) -> list[dict]:
     """One round of a case: the logging rank's per-step history."""
     _, procs = cluster_of(layout)
@@ -307,6 +369,10 @@ def main(argv=None) -> int:
     for (layout, rate, policy), row in rows.items():
         if policy == "pipeline" and (layout, rate, "greedy") in rows:
             print(json.dumps(compare_pipeline(rows[layout, rate, "greedy"], row)), flush=True)
+    for (layout, rate, policy), row in rows.items():
+        baselines = {name: rows[layout, rate, name] for name in GRAD_BASELINES if (layout, rate, name) in rows}
+        if policy == "adaptive" and baselines:
+            print(json.dumps(compare_grad_reduce(baselines, row)), flush=True)
     return 0
 
 

@@ -23,7 +23,11 @@ the default with EP > 1: Lancet's queue runs them under other all-to-alls). Outp
 (and `warnings`: the profile's EP / ESP sizes where they differ from the model's); then per MoE layer (numbered from
 1) the solver's `forward` / `backward` degrees, `predicted_ms` and `case` per direction, `r1_ms` (the model at r =
 1), `speedup_vs_r1`, `dw_in_backward`, and `fixed` (the best single degree for both directions from --fixed-degrees,
-Tutel-style).
+Tutel-style); with --data-parallel-size > 1, the gradient bytes each rank reduces are estimated from the flags
+(`layer_grad_bytes`), FSMoE's adaptive gradient partition is planned on them, every layer's backward degree is
+solved with its share of the all-reduce (`t_gar_ms`), and a last line gives the partition (`grad_reduce_schedule`,
+bytes per MoE layer from step 1 and in all, the bytes left after backward, predicted ms against megatron-core's
+reduction after backward).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from megatron_moe.overlap.cost_model import (
     predict,
     solve_degrees,
 )
-from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, moe_layers
+from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, moe_layers, olp_dense_ms
+from megatron_moe.overlap.grad_partition import GeneralizedLayer, GradPartition, partition, t_ar_ms
 
 
 def _parser(defaults: bool) -> argparse.ArgumentParser:
@@ -60,7 +65,17 @@ def _parser(defaults: bool) -> argparse.ArgumentParser:
         unit = "multiply-add" if kind.startswith("gemm") else "byte"
         plan.add_argument(f"--alpha-{kind}", type=float, default=default(None), help=f"{kind} start-up, ms")
         plan.add_argument(f"--beta-{kind}", type=float, default=default(None), help=f"{kind} ms per {unit}")
-    plan.add_argument("--t-gar-ms", type=float, default=default(0.0), help="gradient all-reduce in each backward")
+    plan.add_argument(
+        "--t-gar-ms", type=float, default=default(0.0), help="gradient all-reduce in each backward (no partition)"
+    )
+    plan.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=default(1),
+        help="DP of the dense layers (> 1: FSMoE's adaptive gradient partition is planned and each layer's "
+        "backward degree solved with its share)",
+    )
+    plan.add_argument("--vocab-size", type=int, default=default(32000), help="the tokenizer's, for the embedding")
     plan.add_argument("--max-degree", type=int, default=default(8), help="largest pipeline degree the solver picks")
     plan.add_argument(
         "--fixed-degrees", type=int, nargs="+", default=default([1, 2, 4, 8]), help="Tutel-style single degrees"
@@ -106,22 +121,79 @@ def _config(argv: Sequence[str]) -> tuple[RunConfig, argparse.Namespace]:
     cfg.moe.validate(cfg.model)
     require(args.max_degree >= 1, "--max-degree", args.max_degree, "an integer >= 1, e.g. 8")
     require(args.t_gar_ms >= 0, "--t-gar-ms", args.t_gar_ms, "must be >= 0 (0: no gradient all-reduce)")
+    require(args.data_parallel_size >= 1, "--data-parallel-size", args.data_parallel_size, "an integer >= 1, e.g. 2")
+    require(args.vocab_size >= 1, "--vocab-size", args.vocab_size, "an integer >= 1, e.g. 32000")
     bad = [r for r in args.fixed_degrees if r < 1]
     require(not bad, "--fixed-degrees", args.fixed_degrees, "integers >= 1, e.g. 1 2 4 8")
     return cfg, args
 
 
-def plan_rows(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits) -> list[dict]:
-    """One row per MoE layer: the solver's degrees, its predictions, r = 1 and the best fixed degree."""
+def layer_grad_bytes(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict[int, float], float, float]:
+    """Estimated gradient bytes one rank reduces across data-parallel ranks: per transformer layer (attention's
+    QKV and projection, norms, and the MoE layer's router and local experts or the dense MLP; biases left out),
+    the output layer and final norm (before every layer), the embedding (after all). fp32 gradients (bf16 / fp16
+    runs reduce in fp32). Dense weights count when DP > 1, expert weights when the expert-DP group
+    (DP x TP x CP / (EP x ESP)) has > 1 rank."""
+    model, par = cfg.model, cfg.parallel
+    h, t, dp = model.hidden_size, par.tensor_model_parallel_size, args.data_parallel_size
+    layer = cfg.moe.layer_config(model)
+    ep, esp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or 1
+    expert_dp = dp * t * par.context_parallel_size // (ep * esp)
+    dense, expert = (4.0 if dp > 1 else 0.0), (4.0 if expert_dp > 1 else 0.0)
+    mats = 3 if layer.expert_type == "swiglu" else 2
+    ffn = model.ffn_hidden_size or 4 * h
+    per_layer = {}
+    for number, is_moe in enumerate(cfg.moe.layer_pattern(model.num_layers), start=1):
+        attention = 4 * h * h / t + 4 * h
+        if is_moe:
+            mlp = (
+                dense * layer.num_experts * h
+                + expert * (layer.num_experts / ep) * mats * h * layer.ffn_hidden_size / esp
+            )
+        else:
+            mlp = dense * mats * h * ffn / t
+        per_layer[number] = dense * attention + mlp
+    embedding = args.vocab_size * h / t
+    head = dense * (2 * h + (embedding if model.untie_embeddings_and_output_weights else 0))
+    return per_layer, head, dense * embedding
+
+
+def grad_partition_plan(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits) -> GradPartition | None:
+    """FSMoE's adaptive gradient partition for the estimated bytes (None with DP = 1: nothing crosses ranks)."""
+    per_layer, head, embedding = layer_grad_bytes(cfg, args)
+    if args.data_parallel_size <= 1 or sum(per_layer.values()) + head + embedding <= 0:
+        return None
+    sizes, layers, above, dense = layer_sizes(cfg), [], cfg.model.num_layers, olp_dense_ms(cfg, fits)
+    for layer in sorted(moe_layers(cfg), reverse=True):
+        made = sum(n for number, n in per_layer.items() if layer < number <= above) + (head if not layers else 0)
+        layers.append(GeneralizedLayer(layer=layer, sizes=sizes, grad_bytes=made, t_olp_dense_ms=dense[layer]))
+        above = layer
+    tail = sum(n for number, n in per_layer.items() if number <= above) + embedding
+    return partition(fits, layers, tail, dw_in_backward=not experts_defer_wgrad(cfg), max_degree=args.max_degree)
+
+
+def plan_rows(
+    cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits, grads: GradPartition | None = None
+) -> list[dict]:
+    """One row per MoE layer: the solver's degrees, its predictions, r = 1 and the best fixed degree; with the
+    gradient partition `grads`, each layer's backward carries its share (t_gar) instead of --t-gar-ms."""
+    rows = []
+    for layer in moe_layers(cfg):
+        t_gar = args.t_gar_ms if grads is None else t_ar_ms(fits, grads.assigned.get(layer, 0.0))
+        rows.append({"layer": layer, **_plan_row(cfg, args, fits, t_gar)})
+    return rows
+
+
+def _plan_row(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits, t_gar_ms: float) -> dict:
     sizes = layer_sizes(cfg)
-    kw = {"t_gar_ms": args.t_gar_ms, "dw_in_backward": not experts_defer_wgrad(cfg)}
+    kw = {"t_gar_ms": t_gar_ms, "dw_in_backward": not experts_defer_wgrad(cfg)}
     schedule = solve_degrees(fits, sizes, max_degree=args.max_degree, **kw)
     r1 = predict(fits, sizes, 1, 1, **kw)
     fixed = min(
         (predict(fits, sizes, r, r, **kw) for r in args.fixed_degrees),
         key=lambda s: (sum(s.predicted_ms.values()), s.forward),
     )
-    row = {
+    return {
         "forward": schedule.forward,
         "backward": schedule.backward,
         "predicted_ms": schedule.predicted_ms,
@@ -130,10 +202,9 @@ def plan_rows(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits) -> li
         "speedup_vs_r1": {d: r1.predicted_ms[d] / schedule.predicted_ms[d] for d in DIRECTIONS},
         "fixed": {"degree": fixed.forward, "predicted_ms": fixed.predicted_ms},
         "sizes": dataclasses.asdict(sizes),
-        "t_gar_ms": args.t_gar_ms,
+        "t_gar_ms": t_gar_ms,
         "dw_in_backward": kw["dw_in_backward"],
     }
-    return [{"layer": layer, **row} for layer in moe_layers(cfg)]
 
 
 def _mismatches(cfg: RunConfig, fits: ClusterFits) -> list[str]:
@@ -151,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, args = _config(argv)
         fits, source = _fits(args)
-        rows = plan_rows(cfg, args, fits)
+        grads = grad_partition_plan(cfg, args, fits)
+        rows = plan_rows(cfg, args, fits, grads)
     except ConfigError as err:
         print(f"plan_schedule: {err}", file=sys.stderr)
         return 2
@@ -160,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(header), flush=True)
     for row in rows:
         print(json.dumps(row), flush=True)
+    if grads is not None:
+        print(json.dumps({"grad_reduce_schedule": "adaptive", **grads.to_json()}), flush=True)
     return 0
 
 

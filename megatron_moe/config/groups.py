@@ -318,6 +318,19 @@ class ParallelConfig:
         "start each gradient bucket's data-parallel reduce as soon as its last gradient is in (megatron-core DDP), "
         "under the rest of the last micro-batch's backward",
     )
+    ddp_bucket_size: int | None = arg(
+        None,
+        "parameters per megatron-core DDP gradient bucket with --overlap-grad-reduce (unset: megatron-core's "
+        "default, max(40M, 1M x DP)); the adaptive --grad-reduce-schedule sets its own",
+    )
+    grad_reduce_schedule: str = arg(
+        "adaptive",
+        "where the data-parallel gradient reduction runs: megatron (megatron-core DDP's buckets, reduced after "
+        "backward or, with --overlap-grad-reduce, when each is ready) or adaptive (FSMoE's gradient partition: "
+        "each MoE layer's backward launches the share the cost model gives it; in force with our MoE layer, "
+        "EP > 1 and a reduction across data-parallel ranks, else megatron)",
+        choices=("megatron", "adaptive"),
+    )
     distributed_timeout_minutes: float = arg(
         10.0,
         "a collective blocked this long ends the job with the watchdog's report naming it and the peers that "
@@ -350,6 +363,7 @@ class ParallelConfig:
         ]:
             require(value >= 1, flag, value, "must be >= 1")
         require_positive("--distributed-timeout-minutes", self.distributed_timeout_minutes, 10)
+        require_positive("--ddp-bucket-size", self.ddp_bucket_size, 1_000_000)
         require(
             0 < self.stall_report_seconds < 60 * self.distributed_timeout_minutes,
             "--stall-report-seconds",

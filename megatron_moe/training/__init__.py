@@ -19,6 +19,8 @@ from megatron_moe.training.setup import (
     build_optimizer,
     build_scheduler,
     build_wgrad_queue,
+    cluster_fits,
+    install_grad_reduce_plan,
     resolve_pipeline_degrees,
     wire_model_config,
 )
@@ -52,13 +54,16 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     config = transformer_config(cfg)
     wgrad_queue = build_wgrad_queue(cfg)
     model = build_ddp_model(cfg, config, tokenizer.vocab_size, wgrad_queue)
-    resolve_pipeline_degrees(cfg, model)
+    fits, source = cluster_fits(cfg, model)
+    grad_reduce = install_grad_reduce_plan(cfg, model, fits, wgrad_queue)
+    resolve_pipeline_degrees(cfg, model, fits, source, grad_reduce.partition if grad_reduce else None)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     wire_model_config(config, model, optimizer)
     state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
     data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
-    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, wgrad_queue=wgrad_queue).train()
+    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce}
+    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, **overlap).train()
 
 
 def end_job_with_report(report: str) -> None:

@@ -32,6 +32,7 @@ class TrainingLogger:
         self._params_norm: float | None = None
         self._comm = {"steps": 0, "step_ms": 0.0, "exposed_ms": 0.0, "comm_ms": 0.0}
         self._layers: dict[int, list[float]] = {}  # MoE layer -> [exposed ms, comm ms] over the interval
+        self._kinds: dict[str, float] = {}  # "a2a" / "esp" / "dp_grad_reduce" -> exposed ms over the interval
         self._t0 = time.perf_counter()
 
     def step(
@@ -46,12 +47,16 @@ class TrainingLogger:
         params_norm: float | None = None,
         comm: tuple[float, float, float] | None = None,
         comm_layers: dict[int, tuple[float, float]] | None = None,
+        comm_kinds: dict[str, float] | None = None,
     ) -> None:
         """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
         per-layer MoE figures) to TensorBoard alone. `params_norm` (--log-params-norm): this step's, as
         Megatron-LM shows it. `comm`: the step's (step ms, exposed comm ms, total comm ms) from the
-        communication timers (None: timers off); `comm_layers`: MoE layer -> its (exposed ms, comm ms)."""
+        communication timers (None: timers off); `comm_layers`: MoE layer -> its (exposed ms, comm ms);
+        `comm_kinds`: the step's exposed ms of the all-to-alls, the ESP collectives and the gradient reduction."""
         self._steps += 1
+        for kind, exposed in (comm_kinds or {}).items():
+            self._kinds[kind] = self._kinds.get(kind, 0.0) + exposed
         for layer, (exposed, total) in (comm_layers or {}).items():
             sums = self._layers.setdefault(layer, [0.0, 0.0])
             sums[0], sums[1] = sums[0] + exposed, sums[1] + total
@@ -94,6 +99,7 @@ class TrainingLogger:
             parts.append(f"params norm: {self._params_norm:.3f}")
         parts += [f"skipped iterations: {self._skipped}", f"memory: {memory / 2**20:.0f} MiB"]
         parts += _comm_parts(**self._comm)
+        parts += _kind_parts(self._kinds, self._comm["steps"])
         if self._layers:
             hidden = (
                 f"{n}: {100.0 * max(0.0, 1.0 - e / c) if c > 0 else 0.0:.0f}%"
@@ -130,6 +136,27 @@ def _comm_parts(*, steps: int, step_ms: float, exposed_ms: float, comm_ms: float
     share = 100.0 * exposed_ms / step_ms if step_ms > 0 else 0.0
     hidden = 100.0 * max(0.0, 1.0 - exposed_ms / comm_ms) if comm_ms > 0 else 0.0
     return [f"exposed comm: {exposed_ms / steps:.1f} ms ({share:.1f}% of step)", f"hidden: {hidden:.1f}%"]
+
+
+EXPOSED_GROUPS = {"a2a": ("a2a_",), "esp": ("esp_",), "dp_grad_reduce": ("dp_grad_reduce",)}
+"""The log line's exposed figures per group of timer kinds (name -> kind prefixes)."""
+
+
+def exposed_by_group(exposed_ms: dict[str, float]) -> dict[str, float]:
+    """A step's exposed ms per `EXPOSED_GROUPS` entry from the timers' exposed ms per kind."""
+    return {
+        name: sum(ms for kind, ms in exposed_ms.items() if kind.startswith(prefixes))
+        for name, prefixes in EXPOSED_GROUPS.items()
+    }
+
+
+def _kind_parts(kinds: dict[str, float], steps: int) -> list[str]:
+    """`exposed a2a / esp / dp_grad_reduce: X / Y / Z ms` (per step, over the interval), or nothing."""
+    if steps == 0 or not kinds:
+        return []
+    names = [name for name in EXPOSED_GROUPS if name in kinds]
+    values = " / ".join(f"{kinds[name] / steps:.1f}" for name in names)
+    return [f"exposed {' / '.join(names)}: {values} ms"]
 
 
 def _layer_parts(layers: dict[int, list[float]]) -> list[str]:

@@ -21,7 +21,7 @@ from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.training.comm_report import HiddenCheck, layer_exposed_and_comm, tensorboard_scalars, wgrad_report
 from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
-from megatron_moe.training.logger import TrainingLogger
+from megatron_moe.training.logger import TrainingLogger, exposed_by_group
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.preemption import ExitRequest
 from megatron_moe.training.setup import params_norm
@@ -61,10 +61,21 @@ class Trainer:
     """Owns the model, optimizer and data iterators of one run."""
 
     def __init__(
-        self, cfg: RunConfig, model, optimizer, scheduler, state: TrainState, data, *, watchdog=None, wgrad_queue=None
+        self,
+        cfg: RunConfig,
+        model,
+        optimizer,
+        scheduler,
+        state: TrainState,
+        data,
+        *,
+        watchdog=None,
+        wgrad_queue=None,
+        grad_reduce=None,
     ):
         self.cfg = cfg
         self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
+        self.grad_reduce = grad_reduce  # megatron_moe.overlap.grad_reduce.GradReduceLauncher, None: megatron-core's
         self._job_steps = 0
         self.watchdog = watchdog  # comm.watchdog.Watchdog: told the step, which its reports name
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -186,6 +197,7 @@ class Trainer:
             # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for.
             "comm": self.comm_timers.summary() if self.comm_timers else None,
             "wgrad": self.wgrad_queue.stats() if self.wgrad_queue else None,
+            "grad_reduce": self.grad_reduce.stats() if self.grad_reduce else None,
         }
 
     @torch.no_grad()
@@ -225,11 +237,12 @@ class Trainer:
         """Log one step's figures (logging rank); returns its history entry: what the log line shows."""
         aux, summary = figures["aux"], figures["comm"]
         shown = {"lm loss": figures["lm loss"], **{k: v for k, v in aux.items() if "/" not in k}}
-        comm_figures = comm_layers = None
+        comm_figures = comm_layers = comm_kinds = None
         tensorboard_only = {k: v for k, v in aux.items() if "/" in k}
         if summary is not None:
             comm_figures = (figures["step_ms"], summary.total_exposed_ms, summary.total_comm_ms)
             comm_layers = layer_exposed_and_comm(summary)
+            comm_kinds = exposed_by_group(summary.exposed_ms)
             tensorboard_only.update(tensorboard_scalars(summary))
         self.logger.step(
             iteration,
@@ -241,12 +254,14 @@ class Trainer:
             tensorboard_only=tensorboard_only,
             comm=comm_figures,
             comm_layers=comm_layers,
+            comm_kinds=comm_kinds,
         )
         entry = {"iteration": iteration, **shown, "grad norm": figures["grad_norm"], "skipped": figures["skipped"]}
         # This (the logging) rank's own step time and communication.
         entry["step_ms"] = figures["step_ms"]
         entry["comm"] = summary.as_dict() if summary is not None else None
         entry["wgrad"] = figures["wgrad"]  # Lancet's queue on this rank: where its dW ran, held memory
+        entry["grad_reduce"] = figures["grad_reduce"]  # the adaptive partition's bucket groups MoE layers released
         if figures["params_norm"] is not None:
             entry["params norm"] = figures["params_norm"]
         if not self._degrees_logged:  # the first logged step: the pipeline degrees in force (auto resolved)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -21,11 +22,21 @@ from megatron_moe.config import RunConfig
 from megatron_moe.config.moe_layer import AUTO
 from megatron_moe.model import build_model
 from megatron_moe.model.builder import params_dtype
+from megatron_moe.moe.dispatch import Dispatcher
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.overlap import WgradQueue, install_wgrad_overlap
-from megatron_moe.overlap.cost_model import LayerSizes, Schedule
-from megatron_moe.overlap.degrees import layer_sizes, plan_degrees
+from megatron_moe.overlap.cost_model import ClusterFits, LayerSizes, Schedule
+from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, olp_dense_ms, plan_degrees
+from megatron_moe.overlap.grad_partition import GradPartition, t_ar_ms
+from megatron_moe.overlap.grad_partition import partition as grad_partition
+from megatron_moe.overlap.grad_reduce import (
+    GradReduceLauncher,
+    assign_layers,
+    generalized_layers,
+    reduced_params,
+    regroup,
+)
 from megatron_moe.overlap.profiler import ProfileGroups, ProfileSettings, layer_profile_settings, load_or_measure
 
 log = logging.getLogger(__name__)
@@ -50,10 +61,12 @@ def build_ddp_model(
     module = build_model(cfg, config, vocab_size)
     if wgrad_queue is not None:
         install_wgrad_overlap([module], wgrad_queue)
+    adaptive = adaptive_grad_reduce(cfg)
     ddp_config = DistributedDataParallelConfig(
         delay_wgrad_compute=wgrad_queue is not None,
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce or adaptive,
+        bucket_size=1 if adaptive else cfg.parallel.ddp_bucket_size,  # adaptive: one per parameter, regrouped
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
         check_for_nan_in_grad=False,
@@ -155,45 +168,110 @@ def wire_model_config(config: TransformerConfig, model, optimizer) -> None:
 # ---------------------------------------------------------------------------------------------- pipeline degrees
 
 
-def resolve_pipeline_degrees(cfg: RunConfig, model) -> dict[int, Schedule] | None:
-    """Resolve --moe-pipeline-degree / --moe-bp-pipeline-degree auto (FSMoE, issue 15) on every MoE layer of
-    `model`: the cluster's fits (`--moe-cost-profile`, loaded when it describes this cluster, else measured on
-    this run's EP / ESP / DP groups and saved), each layer's sizes, FSMoE's Algorithm 1. Every rank calls it (the
-    profile is collective). Returns MoE layer number -> schedule; None when nothing is auto."""
+def adaptive_grad_reduce(cfg: RunConfig) -> bool:
+    """--grad-reduce-schedule adaptive in force: our MoE layer with all-to-alls to launch from (EP > 1) and a
+    gradient reduction across data-parallel ranks (dense over DP, experts over expert-DP)."""
+    moe, par = cfg.moe, cfg.parallel
+    if par.grad_reduce_schedule != "adaptive" or not (moe.is_moe and moe.own_layer):
+        return False
+    dp = parallel_state.get_data_parallel_world_size()
+    expert_dp = parallel_state.get_expert_data_parallel_world_size()
+    return par.expert_model_parallel_size > 1 and max(dp, expert_dp) > 1
+
+
+def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str]:
+    """The cost model's fits when a choice needs them (pipeline degrees auto, the adaptive gradient partition):
+    `--moe-cost-profile` (or <--save>/cost_profile.json), loaded when it describes this cluster, else measured on
+    this run's EP / ESP / DP groups and saved. Every rank calls it (the profile is collective). (None, why) when
+    nothing needs them."""
     moe = cfg.moe
-    if not (moe.is_moe and moe.own_layer) or AUTO not in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree):
-        return None
-    layers = list(moe_layer_modules(model))
+    auto = AUTO in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree)
+    if not (moe.is_moe and moe.own_layer) or not (auto or adaptive_grad_reduce(cfg)):
+        return None, "no choice needs the cost model"
     sizes = layer_sizes(cfg)
     if sizes.ep * sizes.esp == 1:
-        for layer in layers:
-            layer.set_pipeline_degrees(*_degrees(layer, 1, 1))
-        if dist.get_rank() == 0:
-            log.info("pipeline degrees: auto is 1 (EP = ESP = 1: no all-to-all or all-gather to pipeline)")
-        return None
+        return None, "EP = ESP = 1: no all-to-all or all-gather to pipeline"
     path = moe.moe_cost_profile or (os.path.join(cfg.checkpoint.save, PROFILE_FILE) if cfg.checkpoint.save else None)
     if path is not None and os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     fits, measured = load_or_measure(path, ProfileGroups.from_parallel_state(), profile_settings(sizes, cfg))
-    schedules = plan_degrees(cfg, fits)
+    return fits, "measured" if measured else f"loaded from {path}"
+
+
+def resolve_pipeline_degrees(
+    cfg: RunConfig, model, fits: ClusterFits | None, source: str = "", partition: GradPartition | None = None
+) -> dict[int, Schedule] | None:
+    """Resolve --moe-pipeline-degree / --moe-bp-pipeline-degree auto (FSMoE, issue 15) on every MoE layer of
+    `model`: the cluster's `fits` (`cluster_fits`), each layer's sizes and the gradient all-reduce the adaptive
+    `partition` puts in its backward (t_gar), FSMoE's Algorithm 1. Returns MoE layer number -> schedule; None when
+    nothing is auto."""
+    moe = cfg.moe
+    if not (moe.is_moe and moe.own_layer) or AUTO not in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree):
+        return None
+    layers = list(moe_layer_modules(model))
+    if fits is None:
+        for layer in layers:
+            layer.set_pipeline_degrees(*_degrees(layer, 1, 1))
+        if dist.get_rank() == 0:
+            log.info("pipeline degrees: auto is 1 (%s)", source)
+        return None
+    t_gar = {} if partition is None else {layer: t_ar_ms(fits, n) for layer, n in partition.assigned.items()}
+    schedules = plan_degrees(cfg, fits, t_gar_ms=t_gar)
     for layer in layers:
         schedule = schedules.get(layer.layer_number) or next(iter(schedules.values()))
         layer.set_pipeline_degrees(*_degrees(layer, schedule.forward, schedule.backward))
-    first = next(iter(schedules.values()))
     if dist.get_rank() != 0:  # every rank resolved the same degrees (the profile is agreed)
         return schedules
     log.info(
-        "pipeline degrees (FSMoE cost model, profile %s): forward %d, backward %d on every MoE layer; predicted "
-        "ms forward %.2f (case %d), backward %.2f (case %d)",
-        "measured" if measured else f"loaded from {path}",
-        first.forward,
-        first.backward,
-        first.predicted_ms["forward"],
-        first.case["forward"],
-        first.predicted_ms["backward"],
-        first.case["backward"],
+        "pipeline degrees (FSMoE cost model, profile %s), forward / backward and predicted ms (case): %s",
+        source,
+        "; ".join(
+            f"L{n} {s.forward}/{s.backward}, {s.predicted_ms['forward']:.2f} ({s.case['forward']}) / "
+            f"{s.predicted_ms['backward']:.2f} ({s.case['backward']})"
+            for n, s in schedules.items()
+        ),
     )
     return schedules
+
+
+def install_grad_reduce_plan(
+    cfg: RunConfig, model, fits: ClusterFits | None, wgrad_queue: WgradQueue | None
+) -> GradReduceLauncher | None:
+    """--grad-reduce-schedule adaptive (FSMoE's gradient partition, issue 16): the plan from `fits` and this
+    stage's MoE layers, realised in the model chunk's DDP bucket groups, launched from the MoE layers' backward
+    all-to-alls (`megatron_moe.overlap.grad_reduce`): the launcher (its `partition`, the plan). None where
+    megatron-core's buckets stay."""
+    if not adaptive_grad_reduce(cfg) or fits is None:
+        return None
+    ddp = model[0]
+    layers = [layer.layer_number for layer in moe_layer_modules(model)]
+    if parallel_state.get_pipeline_model_parallel_rank() > 0 or not layers:
+        # megatron-core turns bucketing off after the first stage: one bucket, reduced when it is ready
+        return None
+    generalized, tail = generalized_layers(ddp, layers, cfg.model.num_layers, layer_sizes(cfg))
+    dense = olp_dense_ms(cfg, fits)
+    generalized = [dataclasses.replace(g, t_olp_dense_ms=dense[g.layer]) for g in generalized]
+    partition = grad_partition(fits, generalized, tail, dw_in_backward=not experts_defer_wgrad(cfg))
+    launch = assign_layers(ddp, partition, cfg.model.num_layers, reduced_params(ddp))
+    launcher = GradReduceLauncher(inner=wgrad_queue, partition=partition)
+    groups = regroup(ddp, launch, launcher)["groups"]
+    for module in ddp.module.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(dispatcher, Dispatcher):
+            dispatcher.backward_overlap = launcher
+    if dist.get_rank() == 0:
+        shares = ", ".join(f"L{g.layer} {partition.assigned[g.layer] / 2**20:.2f}" for g in generalized)
+        log.info(
+            "gradient reduction (FSMoE adaptive partition): MiB launched in each MoE layer's backward: %s; "
+            "%.2f MiB after backward; predicted backward ms %.2f (megatron-core's after-backward reduction: %.2f); "
+            "bucket groups (layer, family, params, bytes): %s",
+            shares,
+            partition.tail_bytes / 2**20,
+            partition.predicted_ms["total"],
+            partition.predicted_ms["megatron"],
+            groups,
+        )
+    return launcher
 
 
 def _degrees(layer: MoELayer, forward: int, backward: int) -> tuple[int, int]:

@@ -28,8 +28,9 @@ def free_port() -> int:
 def tiny_pretrain_command(train_data, *flags: str) -> list[str]:
     """torchrun of pretrain_gpt_moe.py itself on 2 CPU ranks (EP=2) for a tiny MoE on `train_data`, plus `flags`:
     for tests of the entry point's own behaviour (signals, failures), where `run_torchrun`'s workers do not fit.
-    The pipeline degrees are pinned to 1 (auto's come from start-up timings, and runs these tests compare must not
-    differ in them; `flags` may override)."""
+    The pipeline degrees are pinned to 1 and the gradient reduction to megatron-core's (auto's degrees and the
+    adaptive partition come from start-up timings, and runs these tests compare must not differ in them; `flags`
+    may override)."""
     data, tokenizer = train_data
     return [
         sys.executable, "-m", "torch.distributed.run",
@@ -38,7 +39,7 @@ def tiny_pretrain_command(train_data, *flags: str) -> list[str]:
         "--num-experts", "4", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "0",
         "--data-path", data, "--tokenizer-model", tokenizer, "--split", "98,2,0",
-        "--moe-pipeline-degree", "1", "--moe-bp-pipeline-degree", "1", *flags,
+        "--moe-pipeline-degree", "1", "--moe-bp-pipeline-degree", "1", "--grad-reduce-schedule", "megatron", *flags,
     ]  # fmt: skip
 
 
@@ -102,10 +103,11 @@ def assert_matches(steps: list[dict], reference: list[dict]) -> None:
 
 def computed(steps: list[dict]) -> list[dict]:
     """Each step's computed figures (losses, norms, MoE metrics): its history entry without the timings (`step_ms`,
-    `comm`), where Lancet's queue ran each dW (`wgrad`: its plan comes from timings), which differ from run to
-    run, and the pipeline degrees a run started with (`pipeline_degrees`, a setting in its first entry only), for
-    comparisons that must be bit-identical."""
-    skip = ("step_ms", "comm", "wgrad", "pipeline_degrees")
+    `comm`), where Lancet's queue ran each dW (`wgrad`: its plan comes from timings), which bucket groups the
+    adaptive gradient partition launched (`grad_reduce`), which differ from run to run, and the pipeline degrees a
+    run started with (`pipeline_degrees`, a setting in its first entry only), for comparisons that must be
+    bit-identical."""
+    skip = ("step_ms", "comm", "wgrad", "grad_reduce", "pipeline_degrees")
     return [{k: v for k, v in step.items() if k not in skip} for step in steps]
 
 

@@ -32,7 +32,8 @@ MODEL = [
     "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
     "--eval-interval", "0", "--log-interval", "1", "--data-path", DATA, "--tokenizer-model", TOKENIZER,
     "--split", "98,2,0", "--seed", "7", "--train-iters", str(ITERS),
-    "--moe-pipeline-degree", "1", "--moe-bp-pipeline-degree", "1",  # compared runs: no start-up-timed degrees
+    # compared runs: no start-up-timed pipeline degrees or gradient partition
+    "--moe-pipeline-degree", "1", "--moe-bp-pipeline-degree", "1", "--grad-reduce-schedule", "megatron",
 ]  # fmt: skip
 
 # name: (the checkpoint it is made from, the target, the training flags of that layout)

@@ -44,7 +44,13 @@ def test_the_baseline_plan_alternates_layouts_rates_and_policies():
     assert bench_step._flag(esp, "--overlap-wgrad") == "greedy"
     assert bench_step.layout_name("2x2esp") == "2x2esp EP=2 DP=4 ESP=2"
     defaults = bench_step.parse_args([])
-    assert defaults.cluster == ["2x1", "2x2"] and defaults.overlap == ["off", "greedy", "pipeline"]
+    assert defaults.cluster == ["2x1", "2x2"] and defaults.overlap == list(bench_step.SETTINGS)
+    small = bench_step.trainer_flags("2x2dp", 3, ("DATA", "TOK"), None, "grad_small")
+    assert bench_step._flag(small, "--expert-model-parallel-size") == "2" and "--overlap-grad-reduce" in small
+    assert bench_step._flag(small, "--ddp-bucket-size") == str(bench_step.SMALL_BUCKET)
+    assert bench_step._flag(small, "--grad-reduce-schedule") == "megatron"
+    assert bench_step._flag(bench_step.trainer_flags("2x1", 3, ("D", "T"), None, "adaptive"), "--grad-reduce-schedule")
+    assert bench_step.cluster_of("2x2dp") == (2, 2) and bench_step.layout_name("2x2dp") == "2x2dp EP=2 DP=4"
     assert bench_step._flag(flags, "--expert-model-parallel-size") == "4"
     assert bench_step._flag(flags, "--global-batch-size") == str(4 * int(bench_step._flag(flags, "--micro-batch-size")))
 
@@ -55,11 +61,19 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
         history = bench_step.run_case(cluster, "2x1", 0.5, "off", args, train_data)
         greedy = bench_step.run_case(cluster, "2x1", 0.5, "greedy", args, train_data)
         pipeline = bench_step.run_case(cluster, "2x1", 0.5, "pipeline", args, train_data)
+        adaptive = bench_step.run_case(cluster, "2x1", 0.5, "adaptive", args, train_data)
     flags = bench_step.trainer_flags("2x1", 4, train_data, args.model)
     row = bench_step.summarize("2x1", 0.5, [history, history], args.warmup, flags)
     json.dumps(row)  # a JSON line
     assert row["case"] == "step_2x1_0.5gbit" and row["layout"] == "2x1 EP=2 DP=2" and row["link_gbit"] == 0.5
-    assert row["overlap"] == {"overlap_wgrad": "off", "pipeline_degree": 1, "bp_pipeline_degree": 1}
+    assert row["overlap"] == {
+        "overlap_wgrad": "off",
+        "pipeline_degree": 1,
+        "bp_pipeline_degree": 1,
+        "grad_reduce_schedule": "megatron",
+        "overlap_grad_reduce": False,
+        "ddp_bucket_size": None,
+    }
     assert row["wgrad"] is None and row["pipeline_degrees"] == {"1": [1, 1], "2": [1, 1]}, row["pipeline_degrees"]
     assert row["steps"] == 4 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 4
     # Pooled rounds: the mean over [history, history] is the mean over the one history's timed steps.
@@ -92,6 +106,16 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert pipe_row["case"] == "pipeline_2x1_0.5gbit" and pipe_row["pipeline_degrees"] == degrees
     assert pipe_row["step_ratio"] == round(piped["step_ms"] / on["step_ms"], 3)
     assert set(pipe_row["exposed_ms"]) >= set(A2A) and pipe_row["exposed_ms"]["a2a_dispatch"]["off"] > 0, pipe_row
+    # FSMoE's gradient partition: the same run with --grad-reduce-schedule adaptive, against megatron-core's
+    planned = bench_step.summarize("2x1", 0.5, [adaptive], args.warmup, flags, "adaptive")
+    assert planned["case"] == "step_2x1_0.5gbit_grad_adaptive" and planned["grad_reduce_schedule"] == "adaptive"
+    assert planned["bytes"]["dp_grad_reduce"] == piped["bytes"]["dp_grad_reduce"] > 0  # the same bytes reduced
+    grad_row = bench_step.compare_grad_reduce({"pipeline": piped}, planned)
+    json.dumps(grad_row)
+    assert grad_row["case"] == "grad_reduce_2x1_0.5gbit" and grad_row["best_megatron"] == "pipeline"
+    exposed = grad_row["dp_grad_reduce_exposed_ms"]
+    assert exposed == {"pipeline": piped["exposed_ms"]["dp_grad_reduce"], "adaptive": exposed["adaptive"]}
+    assert grad_row["step_ratio_vs_best_megatron"] == round(planned["step_ms"] / piped["step_ms"], 3)
 
 
 def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):

@@ -25,12 +25,18 @@ Scenarios (each a list of cases run one after another in this job):
   SwiGLU with the padded all-to-all (against the reference's SwiGLU run),
   the reference's iteration-2 checkpoint resumed at ESP=2 x EP=2, and an
   ESP=2 x EP=2 checkpoint resumed at EP=4 and at EP=1 x DP=4.
+- `grad_reduce` (4 ranks): issue 16's adaptive gradient partition against megatron-core's reduction, from the
+  same seed: TP=2+SP+EP=2 (DP=2) alone, with Lancet's queue, with 4 micro-batches and with the distributed
+  optimizer; EP=2 (DP=4); PP=2+EP=2.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
 
+import dataclasses
 import os
 import sys
+
+import torch.distributed as dist
 
 from tests.distributed.launcher import finish_job, train_in_job
 
@@ -100,10 +106,12 @@ ESP_LAYOUTS = {
 def train(*extra: str) -> list[dict]:
     """One run; every rank returns the logging rank's per-step figures.
 
-    Our layer's runs pin the pipeline degrees to 1 unless they say otherwise: auto's degrees come from timings
-    measured at start-up, so two runs a test compares could differ in them (`pipeline` tests auto itself)."""
+    Our layer's runs pin the pipeline degrees to 1 and the gradient reduction to megatron-core's unless they say
+    otherwise: auto's degrees and the adaptive partition come from timings measured at start-up, so two runs a
+    test compares could differ in them (`pipeline` tests auto itself, `grad_reduce` the adaptive partition)."""
     ours = not any(a == "--moe-layer-impl" and b == "mcore" for a, b in zip(extra, extra[1:]))
-    return train_in_job([*MODEL, *(degrees(1, 1) if ours else []), *extra])
+    pinned = [*degrees(1, 1), "--grad-reduce-schedule", "megatron"] if ours else []
+    return train_in_job([*MODEL, *pinned, *extra])
 
 
 def ckpt(name: str) -> str:
@@ -281,6 +289,47 @@ def pipeline_auto() -> dict:
     return results
 
 
+GRAD_REDUCE = {
+    # DP=2 for the dense and the expert parameters: a sum of two is the same in any order, so bit-identical
+    "tp2_ep2": [*LAYOUTS["tp2_ep2"], "--overlap-wgrad", "off"],
+    "tp2_ep2_lancet": [*LAYOUTS["tp2_ep2"], "--overlap-wgrad", "all-under-next-a2a"],
+    "tp2_ep2_accumulate": [*LAYOUTS["tp2_ep2"], "--overlap-wgrad", "off", "--global-batch-size", "32"],
+    "tp2_ep2_distopt": [*LAYOUTS["tp2_ep2"], "--overlap-wgrad", "off", "--use-distributed-optimizer"],
+    # DP=4 dense (ring order depends on the buckets), expert-DP=2; PP=2 with the plan on its first stage
+    "ep2": EP2,
+    "pp2_ep2": ["--pipeline-model-parallel-size", "2", *EP2],
+}
+
+
+def slow_link_profile(path: str) -> None:
+    """Replace the measured all-reduce line of the profile at `path` by a slow link's (0.05 ms + 0.4 GB/s). On
+    loopback an all-reduce's start-up dwarfs its bytes, and the plan rightly keeps every byte for one reduction
+    after backward: it would launch nothing from the MoE layers, and the runs would not test the launching."""
+    from megatron_moe.overlap.cost_model import ClusterFits, LinearFit
+
+    if dist.get_rank() == 0:
+        fits = ClusterFits.load(path)
+        slow = LinearFit(alpha=0.05, beta=2.5e-6)
+        dataclasses.replace(fits, fits={**fits.fits, "ar": slow}).save(path)
+    dist.barrier()
+
+
+def grad_reduce() -> dict:
+    """Each GRAD_REDUCE layout with megatron-core's reduction and the adaptive partition (FSMoE, issue 16). Per
+    layout a run of no steps measures the cluster's profile, whose all-reduce line becomes a slow link's
+    (`slow_link_profile`); both runs load it."""
+    init = ["--train-iters", str(ITERS)]
+    results = {}
+    for name, args in GRAD_REDUCE.items():
+        path = os.path.join(WORKDIR, f"grad_reduce_{name}.json")
+        profile = ["--moe-cost-profile", path]
+        train("--train-iters", "0", *args, *profile, "--grad-reduce-schedule", "adaptive")
+        slow_link_profile(path)
+        for schedule in ("megatron", "adaptive"):
+            results[f"{name}/{schedule}"] = train(*init, *args, *profile, "--grad-reduce-schedule", schedule)
+    return results
+
+
 def gpu() -> dict:
     import torch
     import torch.distributed as dist
@@ -305,5 +354,12 @@ def gpu() -> dict:
 
 
 if __name__ == "__main__":
-    scenarios = {"reference": reference, "layouts": layouts, "lancet": lancet, "esp": esp, "pipeline": pipeline}
+    scenarios = {
+        "reference": reference,
+        "layouts": layouts,
+        "lancet": lancet,
+        "esp": esp,
+        "pipeline": pipeline,
+        "grad_reduce": grad_reduce,
+    }
     finish_job({**scenarios, "gpu": gpu}[SCENARIO]())

@@ -9,7 +9,7 @@ from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary
 from megatron_moe.config import parse_args
 from megatron_moe.config.fields import ConfigError
 from megatron_moe.training.comm_report import OVERLAP_OPTIONS, HiddenCheck, OverlapOption, tensorboard_scalars
-from megatron_moe.training.logger import _comm_parts, _layer_parts
+from megatron_moe.training.logger import _comm_parts, _kind_parts, _layer_parts, exposed_by_group
 
 BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "4"]
 SHARED = [*BASE, "--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"]
@@ -100,6 +100,15 @@ def test_the_log_line_figures():
         "exposed comm: 0.0 ms (0.0% of step)",
         "hidden: 0.0%",
     ]
+
+
+def test_the_log_line_shows_exposed_all_to_all_esp_and_gradient_reduce_apart():
+    step = {"a2a_dispatch": 3.0, "a2a_combine_bwd": 1.0, "esp_ag": 0.5, "dp_grad_reduce": 2.0, "tp": 7.0, "other": 1.0}
+    kinds = exposed_by_group(step)
+    assert kinds == {"a2a": 4.0, "esp": 0.5, "dp_grad_reduce": 2.0}  # tp and other are in the total only
+    two_steps = {k: 2 * v for k, v in kinds.items()}
+    assert _kind_parts(two_steps, steps=2) == ["exposed a2a / esp / dp_grad_reduce: 4.0 / 0.5 / 2.0 ms"]
+    assert _kind_parts({}, steps=2) == [] and _kind_parts(kinds, steps=0) == []
 
 
 def test_the_log_line_names_each_moe_layers_hidden_share():

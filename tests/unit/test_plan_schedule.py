@@ -152,3 +152,29 @@ def test_run_flags_to_layer_sizes_and_degrees():
     kept = plan_degrees(parse_args([*argv, "--overlap-wgrad", "off"]), fits, t_gar_ms=3.0)  # dW in the backward
     assert kept[1] == solve_degrees(fits, expected, t_gar_ms=3.0)
     assert kept[1].predicted_ms["backward"] > plan[1].predicted_ms["backward"]
+
+
+def test_data_parallel_runs_get_the_adaptive_gradient_partition(capsys):
+    """--data-parallel-size > 1: the estimated gradient bytes are partitioned (FSMoE section 5), each layer's
+    backward is solved with its share, and a last line gives the partition; DP = 1: none."""
+    code, lines, _ = _run([*MODEL, *FLAGS, "--data-parallel-size", "4", "--vocab-size", "32000"], capsys)
+    assert code == 0
+    *rows, last = lines[1:]
+    assert last["grad_reduce_schedule"] == "adaptive" and set(last["assigned"]) == {"1", "3"}
+    cfg, args = plan_tool._config([*MODEL, *FLAGS, "--data-parallel-size", "4"])
+    per_layer, head, embedding = plan_tool.layer_grad_bytes(cfg, args)
+    total = sum(per_layer.values()) + head + embedding
+    assert sum(last["assigned"].values()) + last["tail_bytes"] == pytest.approx(total)
+    # what layer 3 takes was made above it (layer 4, the head); layer 1 may take layers 2-4's too
+    assert last["assigned"]["3"] <= per_layer[4] + head + 1
+    assert last["predicted_ms"]["total"] <= last["predicted_ms"]["megatron"] + 1e-6
+    fits = _testbed_b()
+    for row in rows:
+        share = last["assigned"][str(row["layer"])]
+        expected = 0.0 if share <= 0 else 0.0837 + share * 5.99e-7
+        assert row["t_gar_ms"] == pytest.approx(expected)
+        solved = solve_degrees(fits, SIZES, t_gar_ms=row["t_gar_ms"], dw_in_backward=False)
+        assert (row["forward"], row["backward"]) == (solved.forward, solved.backward)
+    code, lines, _ = _run([*MODEL, *FLAGS], capsys)
+    assert code == 0 and "grad_reduce_schedule" not in lines[-1]
+    assert _run([*MODEL, *FLAGS, "--data-parallel-size", "0"], capsys)[0] == 2

@@ -1,0 +1,236 @@
+"""The adaptive gradient partition at run time (FSMoE section 5, issue 16): megatron-core DDP's gradient buckets
+regrouped so that each MoE layer's backward launches the share of the data-parallel reduction the plan gives it.
+
+megatron-core's DDP is built with one bucket per parameter (`bucket_size=1`, `overlap_grad_reduce`): its buffers,
+`main_grad` views, expert / dense split (expert parameters reduce over the expert-data-parallel group), gradient
+scaling and the distributed optimizer's reduce-scatter are all its own. `regroup` then replaces its bucket
+groups (`ddp.bucket_groups`, `ddp.expert_parallel_bucket_groups`, `ddp.param_to_bucket_group`) by
+`PlannedBucketGroup`s, one per (MoE layer, family) of the plan plus one for the rest: megatron-core coalesces the
+buckets of a group into one collective (gloo: `allreduce_coalesced`, one start-up cost). A planned group starts
+its reduction when its gradients are ready (megatron-core's count, deferred weight gradients included: Lancet's
+queue delivers them through the same hook) *and* its MoE layer's backward has released it: `GradReduceLauncher`
+wraps the dispatchers' `backward_overlap` (Lancet's queue or nothing) and releases the layer's groups when its
+first backward all-to-all has started, before the work under it runs, so the reduction shares the all-to-all's
+window and the experts' compute after it. Everything else starts when ready, as megatron-core's buckets do, and
+`finish_grad_sync` starts whatever is still held.
+
+The reduction itself (what is summed, over which group, the scaling) is unchanged; with one bucket per parameter
+the distributed optimizer's shards are laid out per parameter instead of per 40M-element bucket.
+
+The assignment: parameters in the order their gradients complete in backward (the output layer and final norm,
+then the transformer layers from the last, the embedding last: a tied embedding completes only there), MoE
+layer i's group takes, from the parameters whose gradients complete before its backward starts (the layers
+above it) and are not yet taken, the oldest ones until its planned bytes are reached (rounded to whole
+parameters). Pipeline stages after the first keep megatron-core's single bucket (it turns bucketing off there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+from megatron_moe.comm.core import Collective, CommHandle
+from megatron_moe.overlap.cost_model import LayerSizes
+from megatron_moe.overlap.grad_partition import GeneralizedLayer, GradPartition
+
+log = logging.getLogger(__name__)
+
+
+class PlannedBucketGroup(_ParamAndGradBucketGroup):
+    """megatron-core's bucket group whose reduction also waits for its MoE layer's release (`layer`; None:
+    released always, megatron-core's behaviour)."""
+
+    def __init__(self, buckets, ddp_config, collective_group, collective_group_size, *, layer: int | None):
+        super().__init__(buckets, ddp_config, collective_group, collective_group_size)
+        self.layer = layer
+        self.released = layer is None
+
+    def _ready(self) -> bool:
+        return self.per_param_grad_ready_counts == self.golden_per_param_grad_ready_counts
+
+    def _start_if_due(self, force_all_reduce) -> None:
+        if not self.is_first_batch and self.released and self.grad_reduce_handle is None and self._ready():
+            self.start_grad_sync(force_all_reduce=force_all_reduce)
+
+    def register_grad_ready(self, param: torch.nn.Parameter, force_all_reduce=False):
+        """megatron-core's count of the last micro-batch's ready gradients; the reduction starts once every one is
+        ready and the group is released."""
+        assert self.ddp_config.overlap_grad_reduce, "planned buckets need overlap_grad_reduce"
+        if not self.is_last_microbatch:
+            return
+        assert param in self.param_to_bucket, "Param is not in the bucket group"
+        self.per_param_grad_ready_counts[param] = self.per_param_grad_ready_counts.get(param, 0) + 1
+        self._start_if_due(force_all_reduce)
+
+    def release(self, force_all_reduce=False) -> None:
+        """Its MoE layer's backward has begun (the last micro-batch's only: earlier ones reduce nothing)."""
+        if self.is_last_microbatch:
+            self.released = True
+            self._start_if_due(force_all_reduce)
+
+    def finish_grad_sync(self, force_all_reduce=False):
+        if self.ddp_config.overlap_grad_reduce and not self.is_first_batch and self.grad_reduce_handle is None:
+            self.released = True  # not released (no all-to-all in this backward): start now, as megatron-core would
+            self._start_if_due(force_all_reduce)
+        super().finish_grad_sync(force_all_reduce=force_all_reduce)
+
+    def reset(self):
+        super().reset()
+        self.released = self.layer is None
+
+
+class GradReduceLauncher:
+    """A `comm.BackwardOverlap`: a backward all-to-all of MoE layer L releases L's planned bucket groups, then the
+    wrapped overlap (Lancet's queue) runs its work and waits, or the all-to-all is waited."""
+
+    def __init__(self, inner=None, partition: GradPartition | None = None):
+        self.inner = inner
+        self.partition = partition
+        self.groups: dict[int, list[PlannedBucketGroup]] = {}
+        self.releases = 0
+        """Planned groups released by an all-to-all since the last `stats()`."""
+
+    def stats(self) -> dict:
+        """Since the last call: planned groups released by their MoE layer's all-to-all, and how many there are."""
+        figures = {"released": self.releases, "planned": sum(len(g) for g in self.groups.values())}
+        self.releases = 0
+        return figures
+
+    def run_under(self, record: Collective, handle: CommHandle):
+        for group in self.groups.get(record.layer, ()):
+            if not group.released and group.is_last_microbatch:
+                group.release()
+                self.releases += 1
+        if self.inner is not None:
+            return self.inner.run_under(record, handle)
+        return handle.wait()
+
+
+def completion_order(module: torch.nn.Module, num_layers: int) -> list[tuple[torch.nn.Parameter, int]]:
+    """(parameter, b) in the order their gradients complete in backward (module docstring), where b says when:
+    before the backward of every MoE layer numbered below b (b = its transformer layer's number; the final norm and
+    output layer num_layers + 1; the embedding 0, after everything). Within a layer: megatron-core's buffer order
+    (registration reversed)."""
+    decoder = getattr(_unwrap(module), "decoder", None)
+    numbers = {str(local): layer.layer_number for local, layer in enumerate(getattr(decoder, "layers", ()))}
+    located = []
+    for position, (name, param) in enumerate(module.named_parameters()):
+        if not param.requires_grad:
+            continue
+        if "decoder.layers." in name:
+            before = numbers[name.split("decoder.layers.", 1)[1].split(".", 1)[0]]
+        elif "embedding" in name:
+            before = 0
+        else:
+            before = num_layers + 1
+        located.append((-before, -position, param))
+    return [(param, -negative) for negative, _, param in sorted(located, key=lambda x: x[:2])]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def reduced_params(ddp) -> list[torch.nn.Parameter]:
+    """The parameters whose reduction crosses ranks: dense ones over a DP group of > 1 rank, expert ones over an
+    expert-DP group of > 1 (with every expert on one DP rank they are not reduced at all)."""
+    out = []
+    for attr in ("bucket_groups", "expert_parallel_bucket_groups"):
+        for group in getattr(ddp, attr):
+            if _collective(ddp, group).size() > 1:
+                out += [p for bucket in group.buckets for p in bucket.params_list]
+    return out
+
+
+def generalized_layers(
+    ddp, moe_layers: list[int], num_layers: int, sizes: LayerSizes
+) -> tuple[list[GeneralizedLayer], float]:
+    """The plan's input for this model chunk: per MoE layer in backward order, the bytes of reduced gradients
+    that complete before its backward and after the previous MoE layer's began; and the bytes after the first
+    MoE layer's (module docstring of `megatron_moe.overlap.grad_partition`)."""
+    reduced = {id(p) for p in reduced_params(ddp)}
+    order = [(p, before) for p, before in completion_order(ddp.module, num_layers) if id(p) in reduced]
+    layers, above = [], float("inf")
+    for layer in sorted(moe_layers, reverse=True):
+        n = sum(p.numel() * _grad_bytes(ddp, p) for p, before in order if layer < before <= above)
+        layers.append(GeneralizedLayer(layer=layer, sizes=sizes, grad_bytes=float(n)))
+        above = layer
+    tail = sum(p.numel() * _grad_bytes(ddp, p) for p, before in order if before <= above)
+    return layers, float(tail)
+
+
+def assign_layers(
+    ddp, partition: GradPartition, num_layers: int, reduced: Iterable[torch.nn.Parameter]
+) -> dict[torch.nn.Parameter, int | None]:
+    """Parameter -> the MoE layer whose backward launches its reduction (None: when ready), by the plan's bytes
+    (module docstring). `reduced`: the parameters whose reduction crosses ranks (the others cost nothing)."""
+    reduced = {id(p) for p in reduced}
+    order = completion_order(ddp.module, num_layers)
+    params = [(p, before) for p, before in order if id(p) in reduced]
+    launch: dict[torch.nn.Parameter, int | None] = {p: None for p, _ in order}
+    taken = 0
+    for layer in sorted(partition.assigned, reverse=True):  # backward order
+        share, got = partition.assigned[layer], 0.0
+        while taken < len(params) and params[taken][1] > layer:
+            p, _ = params[taken]
+            size = p.numel() * _grad_bytes(ddp, p)
+            if got + size / 2 > share:  # rounded to the nearest whole parameter
+                break
+            launch[p] = layer
+            got += size
+            taken += 1
+    return launch
+
+
+def _grad_bytes(ddp, param) -> int:
+    return 4 if ddp.ddp_config.grad_reduce_in_fp32 else param.element_size()
+
+
+def regroup(ddp, launch: dict[torch.nn.Parameter, int | None], launcher: GradReduceLauncher) -> dict:
+    """Replace `ddp`'s bucket groups by planned ones (module docstring); returns {"groups": [(layer, family,
+    params, bytes)]} for the log. A bucket holding parameters of several launch layers goes with the one latest
+    in backward (the smallest number; None latest of all)."""
+    summary = []
+    ddp.param_to_bucket_group = {}
+    for family, attr in (("dense", "bucket_groups"), ("expert", "expert_parallel_bucket_groups")):
+        old = getattr(ddp, attr)
+        if not old:
+            continue
+        collective = _collective(ddp, old[0])
+        by_layer: dict[int | None, list] = {}
+        for group in old:
+            for bucket in group.buckets:
+                layers = [launch.get(p) for p in bucket.params_list]
+                layer = None if None in layers else min(layers)
+                by_layer.setdefault(layer, []).append(bucket)
+        new = []
+        for layer in _backward_order(by_layer):
+            buckets = by_layer[layer]
+            group = PlannedBucketGroup(buckets, ddp.ddp_config, collective, collective.size(), layer=layer)
+            new.append(group)
+            if layer is not None:
+                launcher.groups.setdefault(layer, []).append(group)
+            for bucket in buckets:
+                for p in bucket.params_list:
+                    ddp.param_to_bucket_group[p] = group
+            nbytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buckets)
+            summary.append((layer, family, sum(len(b.params_list) for b in buckets), nbytes))
+        setattr(ddp, attr, new)
+    return {"groups": summary}
+
+
+def _collective(ddp, group):
+    if ddp.ddp_config.use_distributed_optimizer:
+        return group.intra_distributed_optimizer_instance_group
+    return group.data_parallel_group
+
+
+def _backward_order(by_layer: dict) -> list:
+    """Launch layers from the last MoE layer to the first, then None (the rest, at the end of backward)."""
+    planned = sorted((k for k in by_layer if k is not None), reverse=True)
+    return planned + ([None] if None in by_layer else [])
