@@ -32,6 +32,9 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank fails alike; one line says why
             log.error("error: %s", error)
         return 2
+    if int(os.environ.get("RANK", 0)) == 0:
+        for note in cfg.notes:
+            log.info(note)
     from megatron_moe.data import DataError
     from megatron_moe.data.tokenizer import TokenizerError
     from megatron_moe.training import pretrain

@@ -49,6 +49,18 @@ def incompatibilities(cfg: RunConfig) -> list[str]:
             f"--moe-gate={getattr(moe, 'moe_gate', None)} (Mixtral routes with softmax top-k)",
         ),
         (not getattr(moe, "moe_shared_expert_ffn_hidden_size", None), "a shared expert (Mixtral has none)"),
+        (
+            getattr(moe, "moe_router_score_function", None) != "sigmoid",
+            "--moe-router-score-function=sigmoid (Mixtral routes with softmax top-k)",
+        ),
+        (
+            not getattr(moe, "moe_router_pre_softmax", False) and getattr(moe, "moe_normalize_topk", True),
+            "top-k weights not renormalised (Mixtral renormalises them: drop --moe-router-pre-softmax)",
+        ),
+        (
+            getattr(moe, "moe_router_topk_scaling_factor", None) in (None, 1.0),
+            "--moe-router-topk-scaling-factor (Mixtral does not scale its weights)",
+        ),
     ]
     return [message for ok, message in checks if not ok and message]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
@@ -32,6 +33,7 @@ from megatron_moe.config.groups import (
     ParallelConfig,
     TrainingConfig,
 )
+from megatron_moe.config.megatron_lm import accept_megatron_lm_flags, unknown_flag
 from megatron_moe.config.moe_layer import MoEConfigError, MoELayerConfig
 
 
@@ -47,6 +49,8 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    notes: list[str] = dataclasses.field(default_factory=list, compare=False)
+    """Lines for the start-up log from parsing (Megatron-LM flags accepted as not needed); not a setting."""
 
     def data_parallel_size(self, world_size: int) -> int:
         return self.parallel.data_parallel_size(world_size)
@@ -70,6 +74,7 @@ class RunConfig:
         t = self.training
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * dp
+        t.resolve_iters()
         require(
             t.global_batch_size % (t.micro_batch_size * dp) == 0,
             "--global-batch-size",
@@ -99,7 +104,7 @@ class RunConfig:
         )
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name: dataclasses.asdict(getattr(self, name)) for name, _ in GROUPS}
 
     @classmethod
     def from_dict(cls, values: dict) -> RunConfig:
@@ -124,20 +129,34 @@ def _renamed_moe_flags(moe: dict) -> dict:
     return moe
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ConfigError line, not a usage dump."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
 def build_parser(
     description: str = "Pretrain a GPT mixture-of-experts model.", *, defaults: bool = True
 ) -> argparse.ArgumentParser:
     """The CLI; `defaults=False` leaves flags not given out of the parsed namespace."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = _Parser(description=description, allow_abbrev=False, usage="%(prog)s [flags] (--help lists them by group)")
     for name, group in GROUPS:
         add_arguments(parser, group, name, defaults=defaults)
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
-    """The run config the flags describe. Raises ConfigError for a given flag that would do nothing."""
-    namespace = build_parser().parse_args(argv)
+    """The run config the flags describe. Raises ConfigError, one line, for an unknown flag (naming the closest
+    ones), a refused Megatron-LM flag, or a given flag that would do nothing; Megatron-LM flags not needed here
+    are dropped, each with a line in `RunConfig.notes`."""
+    argv, notes = accept_megatron_lm_flags(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ConfigError(unknown_flag(parser, unknown[0]))
     cfg = RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
+    cfg.notes = notes
     given = set(vars(build_parser(defaults=False).parse_args(argv)))
     check_given_flags_apply(cfg, GROUPS, given)
     return cfg

@@ -8,7 +8,7 @@ condition (`fields.check_given_flags_apply`).
 from __future__ import annotations
 
 from megatron_moe.config.fields import When
-from megatron_moe.config.moe_layer import BALANCED_GATES, GATES
+from megatron_moe.config.moe_layer import BALANCED_GATES, GATES, OWN_ORDER_GATES
 
 MOE = When(lambda c: c.moe.is_moe, "with --num-experts")
 OUR_MOE = When(lambda c: c.moe.own_layer, "with --num-experts and our layer (--moe-layer-impl megatron_moe)")
@@ -20,7 +20,7 @@ MCORE_MOE = When(lambda c: c.moe.is_moe and not c.moe.own_layer, "with --num-exp
 
 
 def _our_gate(c, gates) -> bool:
-    return c.moe.own_layer and c.moe.moe_gate in gates
+    return c.moe.own_layer and c.moe.gate in gates
 
 
 _BALANCED = "/".join(BALANCED_GATES)
@@ -48,12 +48,36 @@ NORMALIZING = When(
     lambda c: c.moe.moe_router_topk > 1 and _our_gate(c, set(GATES) - {"switch", *BALANCED_GATES}),
     "with our layer, --moe-router-topk > 1 and a top-k gate (not switch, expert_choice, soft)",
 )
+SCORE_FUNCTION = When(
+    lambda c: c.moe.is_moe and (not c.moe.own_layer or c.moe.moe_gate in ("topk", "sigmoid")),
+    "with --num-experts and --moe-gate topk or sigmoid (or --moe-layer-impl mcore)",
+)
+PRE_SOFTMAX = When(
+    lambda c: (
+        (MCORE_MOE.test(c) and c.moe.moe_router_score_function != "sigmoid")
+        or (NORMALIZING.test(c) and c.moe.gate != "sigmoid")
+    ),
+    "with softmax scores and --moe-router-topk > 1 (our layer: a softmax top-k gate)",
+)
+TOKEN_CHOICE = When(
+    lambda c: MCORE_MOE.test(c) or _our_gate(c, set(GATES) - set(BALANCED_GATES)),
+    f"with --num-experts, not with --moe-gate {_BALANCED}",
+)
+DROPPING = When(
+    lambda c: (
+        (c.moe.moe_expert_capacity_factor or 0) > 0
+        and (MCORE_MOE.test(c) or _our_gate(c, set(GATES) - set(OWN_ORDER_GATES)))
+    ),
+    "with a positive --moe-expert-capacity-factor (tokens dropped), not with --moe-gate " + "/".join(OWN_ORDER_GATES),
+)
 PROJECTING = When(lambda c: _our_gate(c, ("xmoe", "cosine")), "with --moe-gate xmoe or cosine")
 SOFT = When(lambda c: _our_gate(c, ("soft",)), "with --moe-gate soft")
 
+DISTRIBUTED_OPTIMIZER = When(lambda c: c.parallel.use_distributed_optimizer, "with --use-distributed-optimizer")
 TENSOR_PARALLEL = When(lambda c: c.parallel.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1")
 
-DECAYING = When(lambda c: c.training.lr_decay_style != "constant", "with --lr-decay-style linear or cosine")
+DECAYING = When(lambda c: c.training.lr_decay_style != "constant", "with a --lr-decay-style other than constant")
+WSD = When(lambda c: c.training.lr_decay_style == "WSD", "with --lr-decay-style WSD")
 MIXED_PRECISION = When(lambda c: c.training.fp16 or c.training.bf16, "with --fp16 or --bf16")
 DYNAMIC_SCALE = When(
     lambda c: c.training.fp16 and c.training.loss_scale is None,
@@ -67,5 +91,7 @@ QUANTIZING = When(
     "with --quantize-activations or --activation-policy arctic",
 )
 
+TENSORBOARD = When(lambda c: c.logging.tensorboard_dir is not None, "with --tensorboard-dir")
+WANDB = When(lambda c: c.logging.wandb_project is not None, "with --wandb-project")
 SAVING = When(lambda c: c.checkpoint.save is not None, "with --save")
 LOADING = When(lambda c: c.checkpoint.load is not None, "with --load")

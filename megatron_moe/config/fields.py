@@ -89,8 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str, *, def
         if field.metadata.get("choices"):
             kwargs["choices"] = field.metadata["choices"]
         applies = field.metadata.get("applies")
-        only = f"; only {applies.text}" if applies else ""
-        group.add_argument(flag_name(field), help=f"{help_text} (default: {default}{only})", **kwargs)
+        group.add_argument(flag_name(field), help=help_with_default(help_text, default, applies), **kwargs)
+
+
+def help_with_default(help_text: str, default: Any, applies: When | None) -> str:
+    """`help (default: X; only ...)`: the default left out where the help already says what unset means (an
+    unset optional flag's default, None, says nothing)."""
+    said = default is None or "default" in help_text or "unset" in help_text
+    notes = ([] if said else [f"default: {default}"]) + ([f"only {applies.text}"] if applies else [])
+    return f"{help_text} ({'; '.join(notes)})" if notes else help_text
 
 
 def from_namespace(cls: type, namespace: argparse.Namespace):

@@ -13,8 +13,11 @@ import dataclasses
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require, require_fraction, require_non_negative, require_positive
-from megatron_moe.config.moe_layer import GATES, ORDERINGS, MoELayerConfig, parse_degree
+from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+"""megatron-core's OptimizerParamScheduler's decay styles (Megatron-LM's --lr-decay-style)."""
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 """megatron-core's MoE layer's --moe-router-load-balancing-type choices (as this CLI offers them)."""
 
@@ -43,6 +46,16 @@ class ModelConfig:
     attention_dropout: float = arg(0.0, "dropout on attention probabilities")
     init_method_std: float = arg(0.02, "std of the normal weight init")
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this (a multiple of TP)")
+    transformer_impl: str | None = arg(
+        None,
+        "the layers' attention, norms and linears: local (megatron-core's own modules) or transformer_engine "
+        "(needs transformer-engine on a GPU); unset: transformer_engine where it is installed on a GPU, else local",
+        choices=("local", "transformer_engine"),
+    )
+    use_flash_attn: bool = arg(
+        False,
+        "flash attention (transformer-engine's flash backend; megatron-core's local attention has no flash kernel)",
+    )
 
     def validate(self) -> None:
         for flag, value, example in (
@@ -154,6 +167,28 @@ class MoEConfig:
         applies=only.OUR_MOE,
     )
     moe_normalize_topk: bool = arg(True, "rescale the k chosen gate scores to sum to 1", applies=only.NORMALIZING)
+    moe_router_score_function: str | None = arg(
+        None,
+        "Megatron-LM's router score: softmax (--moe-gate topk) or sigmoid (--moe-gate sigmoid); unset: --moe-gate",
+        choices=("softmax", "sigmoid"),
+        applies=only.SCORE_FUNCTION,
+    )
+    moe_router_pre_softmax: bool = arg(
+        False,
+        "Megatron-LM's pre-softmax: the k weights are the softmax over all experts, not renormalised over the k "
+        "(here: --no-moe-normalize-topk)",
+        applies=only.PRE_SOFTMAX,
+    )
+    moe_router_topk_scaling_factor: float | None = arg(
+        None, "multiply the k combine weights by this (DeepSeek-V3: 2.5)", applies=only.TOKEN_CHOICE
+    )
+    moe_token_drop_policy: str | None = arg(
+        None,
+        "over capacity, which pairs an expert keeps: probs (the highest weights) or position (the earliest "
+        "tokens), as Megatron-LM; unset: the gate's claim order (k-major, every first choice before any second)",
+        choices=DROP_POLICIES,
+        applies=only.DROPPING,
+    )
     moe_router_dim: int | None = arg(
         None, "projection width of the xmoe/cosine gates (default 16 / 256)", applies=only.PROJECTING
     )
@@ -196,6 +231,11 @@ class MoEConfig:
         """True when the MoE layers are megatron_moe's (not megatron-core's)."""
         return self.is_moe and self.moe_layer_impl == "megatron_moe"
 
+    @property
+    def gate(self) -> str:
+        """Our layer's gate: --moe-gate, or the one --moe-router-score-function names (sigmoid: the sigmoid gate)."""
+        return "sigmoid" if self.moe_router_score_function == "sigmoid" else self.moe_gate
+
     def wgrad_policy(self, expert_parallel_size: int) -> str:
         """--overlap-wgrad in force: off without an all-to-all to hide under (EP=1, megatron-core's layer)."""
         return self.overlap_wgrad if self.own_layer and expert_parallel_size > 1 else "off"
@@ -225,7 +265,7 @@ class MoEConfig:
             hidden_size=model.hidden_size,
             ffn_hidden_size=self.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
             topk=self.moe_router_topk,
-            gate=self.moe_gate,
+            gate=self.gate,
             capacity_factor=self.moe_expert_capacity_factor,
             ordering=self.moe_ordering,
             pad_expert_input_to_capacity=self.moe_pad_expert_input_to_capacity,
@@ -234,7 +274,9 @@ class MoEConfig:
             load_balancing=self.moe_router_load_balancing_type,
             aux_loss_coeff=self.moe_aux_loss_coeff,
             z_loss_coeff=self.moe_z_loss_coeff or 0.0,
-            normalize_topk=self.moe_normalize_topk,
+            normalize_topk=self.moe_normalize_topk and not self.moe_router_pre_softmax,
+            topk_scaling_factor=self.moe_router_topk_scaling_factor,
+            drop_policy=self.moe_token_drop_policy,
             router_dim=self.moe_router_dim,
             soft_slots=self.moe_soft_slots,
             pipeline_degree=parse_degree(self.moe_pipeline_degree),
@@ -271,6 +313,14 @@ class MoEConfig:
             f"must be between 1 and --num-experts={self.num_experts}",
         )
         self.layer_pattern(model.num_layers)
+        if self.own_layer and self.moe_router_score_function is not None:
+            picks = {"softmax": "topk", "sigmoid": "sigmoid"}[self.moe_router_score_function]
+            require(
+                self.moe_gate in ("topk", picks),
+                "--moe-router-score-function",
+                self.moe_router_score_function,
+                f"selects --moe-gate {picks}, not --moe-gate {self.moe_gate}; drop one of the two",
+            )
         if self.own_layer:
             require(
                 self.moe_token_dispatcher_type == "alltoall",
@@ -316,7 +366,15 @@ class ParallelConfig:
     overlap_grad_reduce: bool = arg(
         False,
         "start each gradient bucket's data-parallel reduce as soon as its last gradient is in (megatron-core DDP), "
-        "under the rest of the last micro-batch's backward",
+        "under the rest of the last micro-batch's backward; where the adaptive --grad-reduce-schedule is in force "
+        "its planned buckets overlap whether given or not",
+    )
+    overlap_param_gather: bool = arg(
+        False,
+        "all-gather the updated parameters bucket by bucket under the next forward instead of after the step "
+        "(megatron-core DDP); composes with --overlap-grad-reduce, --grad-reduce-schedule and --overlap-wgrad, "
+        "which act in backward",
+        applies=only.DISTRIBUTED_OPTIMIZER,
     )
     ddp_bucket_size: int | None = arg(
         None,
@@ -442,12 +500,33 @@ class TrainingConfig:
 
     micro_batch_size: int = arg(4, "samples per micro-batch per data-parallel rank")
     global_batch_size: int | None = arg(None, "samples per step over all DP ranks (default micro x DP)")
-    train_iters: int = arg(100, "optimizer steps")
+    train_iters: int | None = arg(None, "optimizer steps (unset: 100, or --train-samples / global batch)")
+    train_samples: int | None = arg(
+        None, "train on this many samples instead (--train-iters = samples / global batch, Megatron-LM's rule)"
+    )
     lr: float = arg(3e-4, "peak learning rate")
     min_lr: float = arg(3e-5, "final learning rate", applies=only.DECAYING)
     lr_warmup_iters: int = arg(0, "linear warm-up steps")
-    lr_decay_style: str = arg("cosine", "decay after warm-up", choices=("constant", "linear", "cosine"))
+    lr_warmup_samples: int = arg(0, "linear warm-up samples (with --train-samples)")
+    lr_warmup_fraction: float | None = arg(
+        None, "warm up over this fraction of the decay span (instead of --lr-warmup-iters/samples)"
+    )
+    lr_decay_style: str = arg(
+        "cosine",
+        "decay after warm-up; WSD: constant, then --lr-wsd-decay-style over the last --lr-wsd-decay-iters/samples",
+        choices=LR_DECAY_STYLES,
+    )
     lr_decay_iters: int | None = arg(None, "decay over this many steps (default --train-iters)", applies=only.DECAYING)
+    lr_decay_samples: int | None = arg(
+        None, "decay over this many samples (with --train-samples; default --train-samples)", applies=only.DECAYING
+    )
+    lr_wsd_decay_style: str = arg(
+        "exponential", "WSD: the shape of its final decay", choices=WSD_DECAY_STYLES, applies=only.WSD
+    )
+    lr_wsd_decay_iters: int | None = arg(None, "WSD: steps of the final decay", applies=only.WSD)
+    lr_wsd_decay_samples: int | None = arg(
+        None, "WSD: samples of the final decay (with --train-samples)", applies=only.WSD
+    )
     weight_decay: float = arg(0.01, "AdamW weight decay")
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.95, "Adam beta2")
@@ -483,7 +562,11 @@ class TrainingConfig:
         for flag, value, example in (
             ("--micro-batch-size", self.micro_batch_size, 4),
             ("--global-batch-size", self.global_batch_size, 32),
+            ("--train-samples", self.train_samples, 3200),
             ("--lr-decay-iters", self.lr_decay_iters, 1000),
+            ("--lr-decay-samples", self.lr_decay_samples, 32000),
+            ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters, 100),
+            ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples, 3200),
             ("--adam-eps", self.adam_eps, 1e-8),
             ("--loss-scale-window", self.loss_scale_window, 1000),
             ("--hysteresis", self.hysteresis, 2),
@@ -493,6 +576,7 @@ class TrainingConfig:
             ("--train-iters", self.train_iters, 100),
             ("--lr", self.lr, 3e-4),
             ("--lr-warmup-iters", self.lr_warmup_iters, 0),
+            ("--lr-warmup-samples", self.lr_warmup_samples, 0),
             ("--weight-decay", self.weight_decay, 0.01),
             ("--clip-grad", self.clip_grad, "1.0 (0: off)"),
             ("--eval-interval", self.eval_interval, "50 (0: only at the end)"),
@@ -504,6 +588,72 @@ class TrainingConfig:
         # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
         require(0 <= self.seed < 2**31, "--seed", self.seed, "must be in [0, 2**31), e.g. --seed 1234")
         require(self.lr >= self.min_lr >= 0, "--min-lr", self.min_lr, f"must be in [0, --lr={self.lr}]")
+        if self.lr_warmup_fraction is not None:
+            require_fraction("--lr-warmup-fraction", self.lr_warmup_fraction, 0.01, below_one=True)
+        by_samples = self.train_samples is not None
+        unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+        require(
+            not by_samples or self.train_iters is None,
+            "--train-iters",
+            self.train_iters,
+            "and --train-samples both set the run's length: give one",
+        )
+        for name, value, unset in (
+            ("lr-warmup", self.lr_warmup_iters, 0),
+            ("lr-decay", self.lr_decay_iters, None),
+            ("lr-wsd-decay", self.lr_wsd_decay_iters, None),
+        ) if by_samples else (
+            ("lr-warmup", self.lr_warmup_samples, 0),
+            ("lr-decay", self.lr_decay_samples, None),
+            ("lr-wsd-decay", self.lr_wsd_decay_samples, None),
+        ):  # fmt: skip
+            require(
+                value == unset,
+                f"--{name}-{other}",
+                value,
+                f"counts {other}, and this run counts {unit} (--train-{unit}): use --{name}-{unit}",
+            )
+        warmup = self.lr_warmup_samples if by_samples else self.lr_warmup_iters
+        require(
+            self.lr_warmup_fraction is None or warmup == 0,
+            "--lr-warmup-fraction",
+            self.lr_warmup_fraction,
+            f"and --lr-warmup-{unit}={warmup} both set the warm-up: give one",
+        )
+        wsd = self.lr_wsd_decay_samples if by_samples else self.lr_wsd_decay_iters
+        require(
+            self.lr_decay_style != "WSD" or wsd is not None,
+            "--lr-decay-style",
+            "WSD",
+            f"needs the length of its final decay, e.g. --lr-wsd-decay-{unit} {320 if by_samples else 10}",
+        )
+
+    def resolve_iters(self) -> None:
+        """--train-iters from --train-samples (whole global batches, Megatron-LM's rule), or its default."""
+        if self.train_samples is not None:
+            require(
+                self.train_samples >= self.global_batch_size,
+                "--train-samples",
+                self.train_samples,
+                f"must be at least one global batch (--global-batch-size={self.global_batch_size})",
+            )
+            self.train_iters = self.train_samples // self.global_batch_size
+        elif self.train_iters is None:
+            self.train_iters = 100
+
+    def lr_schedule_samples(self) -> dict:
+        """The scheduler's spans in samples (it counts samples, as Megatron-LM's): warm-up, decay, WSD's decay."""
+        gbs = self.global_batch_size
+        if self.train_samples is not None:
+            decay = self.lr_decay_samples or self.train_samples
+            warmup, wsd = self.lr_warmup_samples, self.lr_wsd_decay_samples
+        else:
+            decay = (self.lr_decay_iters or self.train_iters) * gbs
+            warmup = self.lr_warmup_iters * gbs
+            wsd = None if self.lr_wsd_decay_iters is None else self.lr_wsd_decay_iters * gbs
+        if self.lr_warmup_fraction is not None:
+            warmup = int(self.lr_warmup_fraction * decay)
+        return {"warmup": warmup, "decay": max(decay, warmup + 1), "wsd_decay": wsd}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -566,11 +716,21 @@ class DataConfig:
 
     data_path: list[str] = arg([], "prefix of .bin/.idx, or a blend 'w1 prefix1 w2 prefix2 ...'")
     split: str = arg("98,2,0", "train,valid,test proportions of each data path")
+    tokenizer_type: str = arg(
+        "SentencePieceTokenizer", "the tokenizer's kind (Megatron-LM's names); SentencePieceTokenizer only, so far"
+    )
     tokenizer_model: str | None = arg(None, "sentencepiece .model file")
     data_cache_path: str | None = arg(None, "where dataset index files are cached (default: beside the data)")
     num_workers: int = arg(0, "data loader worker processes")
 
     def validate(self) -> None:
+        require(
+            self.tokenizer_type == "SentencePieceTokenizer",
+            "--tokenizer-type",
+            self.tokenizer_type,
+            "GPT2BPETokenizer and HuggingFaceTokenizer are not supported yet: use --tokenizer-type "
+            "SentencePieceTokenizer with a .model from tools/train_tokenizer.py",
+        )
         require(
             bool(self.data_path), "--data-path", self.data_path, "give a .bin/.idx prefix from tools/preprocess_data.py"
         )
@@ -612,8 +772,16 @@ class CheckpointConfig:
     exit_interval: int | None = arg(None, "save and exit after this many steps of this run")
     exit_duration_in_mins: float | None = arg(None, "save and exit once this run has trained this long")
     exit_signal_handler: bool = arg(True, "on SIGTERM (e.g. slurm's pre-timeout signal) save and exit")
+    ckpt_format: str = arg("torch_dist", "checkpoint format: megatron-core dist_checkpointing's torch_dist")
 
     def validate(self) -> None:
+        require(
+            self.ckpt_format == "torch_dist",
+            "--ckpt-format",
+            self.ckpt_format,
+            "this stack writes and reads megatron-core dist_checkpointing's torch_dist only (resharded at load "
+            "for another layout); use --ckpt-format torch_dist, and tools/checkpoint/ to convert to HuggingFace",
+        )
         require_non_negative("--save-interval", self.save_interval, "1000 (0: only at the end)")
         require_positive("--exit-interval", self.exit_interval, 1000)
         require_positive("--exit-duration-in-mins", self.exit_duration_in_mins, 230)
@@ -638,9 +806,28 @@ class LoggingConfig:
         "turn off the communication timers (exposed comm per kind and MoE layer in the log line and "
         "TensorBoard); only to measure their cost, which is under 1%% of a step",
     )
+    log_throughput: bool = arg(
+        True,
+        "model TFLOP/s per device in the log line (6 x active weights per token + attention, x tokens / devices / "
+        "step time, as Megatron-LM counts them) and MFU: of the GPU's data-sheet 16-bit peak, on CPU of the "
+        "measured GEMM rate",
+    )
+    tensorboard_log_interval: int = arg(1, "write the step scalars to TensorBoard every N steps")
+    log_validation_ppl_to_tensorboard: bool = arg(
+        False, "write the validation perplexity to TensorBoard beside the loss", applies=only.TENSORBOARD
+    )
+    log_num_zeros_in_grad: bool = arg(False, "count the zero entries of the gradients (log line and TensorBoard)")
+    wandb_project: str | None = arg(None, "also log to Weights & Biases, this project (needs the wandb package)")
+    wandb_exp_name: str | None = arg(None, "the Weights & Biases run name", applies=only.WANDB)
+    wandb_save_dir: str | None = arg(
+        None,
+        "where wandb keeps its files (unset: <--save>/wandb or ./wandb); WANDB_MODE=offline works",
+        applies=only.WANDB,
+    )
 
     def validate(self) -> None:
         require_positive("--log-interval", self.log_interval, 10)
+        require_positive("--tensorboard-log-interval", self.tensorboard_log_interval, 1)
         factor = self.loss_spike_factor
         require(factor == 0 or factor > 1, "--loss-spike-factor", factor, "must be 0 (off) or above 1, e.g. 3")
         window = self.loss_spike_window

@@ -16,6 +16,11 @@ from typing import Any
 from megatron_moe.config.fields import ConfigError, flag_name
 
 GATES = ("topk", "noisy_topk", "switch", "sigmoid", "xmoe", "cosine", "expert_choice", "soft", "bpr", "rts")
+DROP_POLICIES = ("probs", "position")
+"""Megatron-LM's --moe-token-drop-policy: which pairs an over-full expert keeps (the highest weights, or the
+earliest tokens); unset, the gate's own claim order."""
+OWN_ORDER_GATES = ("bpr", "rts", *("expert_choice", "soft"))
+"""Gates whose claim order is their definition (or who drop nothing): no --moe-token-drop-policy."""
 BALANCED_GATES = ("expert_choice", "soft")
 """Gates that fix every expert's load themselves: no balancing loss, no capacity factor."""
 ORDERINGS = ("sparse", "dense")
@@ -83,6 +88,12 @@ class MoELayerConfig:
     """Weight of the router z-loss (0: off)."""
     normalize_topk: bool = _flag("--moe-normalize-topk", True)
     """Rescale the k chosen gate scores to sum to 1 (GShard) when k > 1."""
+    topk_scaling_factor: float | None = _flag("--moe-router-topk-scaling-factor", None)
+    """Multiply the k combine weights by this after normalising (Megatron-LM, DeepSeek-V3's 2.5; None: 1)."""
+    drop_policy: str | None = _flag("--moe-token-drop-policy", None)
+    """Over capacity, which pairs an expert keeps, one of `DROP_POLICIES`: probs (the highest combine
+    weights), position (the earliest tokens); None: the gate's claim order (k-major: every first choice
+    before any second, GShard)."""
     router_dim: int | None = _flag("--moe-router-dim", None)
     """Projection width of the xmoe/cosine gates (default 16 for xmoe, 256 for cosine)."""
     soft_slots: int = _flag("--moe-soft-slots", 1)
@@ -139,6 +150,18 @@ class MoELayerConfig:
         r(1 <= self.topk <= self.num_experts, "topk", f"must be between 1 and --num-experts={self.num_experts}")
         if self.gate == "switch":
             r(self.topk == 1, "topk", "--moe-gate=switch routes each token to 1 expert; use 1")
+        if self.drop_policy is not None:
+            r(self.drop_policy in DROP_POLICIES, "drop_policy", f"choose one of {', '.join(DROP_POLICIES)}")
+            r(
+                self.gate not in OWN_ORDER_GATES,
+                "drop_policy",
+                f"--moe-gate={self.gate} orders its claims itself; leave --moe-token-drop-policy unset",
+            )
+        r(
+            self.topk_scaling_factor is None or self.topk_scaling_factor > 0,
+            "topk_scaling_factor",
+            "must be > 0, e.g. 2.5",
+        )
         if self.gate in BALANCED_GATES:
             r(
                 self.capacity_factor is None,

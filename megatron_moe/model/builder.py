@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
@@ -25,14 +26,31 @@ def params_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.float32
 
 
-def use_transformer_engine() -> bool:
-    return current_platform().is_accelerator and importlib.util.find_spec("transformer_engine") is not None
+def use_transformer_engine(cfg: RunConfig) -> bool:
+    """--transformer-impl: transformer-engine's modules where asked for (refused where it cannot run), or by
+    default where it is installed on a GPU."""
+    available = current_platform().is_accelerator and importlib.util.find_spec("transformer_engine") is not None
+    impl, flash = cfg.model.transformer_impl, cfg.model.use_flash_attn
+    if impl == "transformer_engine" and not available:
+        raise ConfigError(
+            "--transformer-impl=transformer_engine: needs the transformer_engine package on a GPU (this machine "
+            f"has {'no GPU' if not current_platform().is_accelerator else 'no transformer_engine'}); "
+            "use --transformer-impl local"
+        )
+    use = available if impl is None else impl == "transformer_engine"
+    if flash and not use:
+        raise ConfigError(
+            "--use-flash-attn: flash attention is transformer-engine's backend here (megatron-core's local "
+            "attention has no flash kernel); use it on a GPU with transformer-engine, or drop --use-flash-attn"
+        )
+    return use
 
 
 def transformer_config(cfg: RunConfig) -> TransformerConfig:
     """The megatron-core TransformerConfig for this run (parallel sizes included)."""
     m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.training
-    if p.context_parallel_size > 1 and not use_transformer_engine():
+    te = use_transformer_engine(cfg)
+    if p.context_parallel_size > 1 and not te:
         raise ConfigError(
             f"--context-parallel-size={p.context_parallel_size} needs transformer-engine's attention on a GPU "
             f"(megatron-core's local attention has no context parallelism); install the gpu extra on a GPU "
@@ -91,6 +109,7 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         recompute_granularity="full" if cfg.activations.full_recompute else None,
         recompute_method="uniform" if cfg.activations.full_recompute else None,
         recompute_num_layers=1 if cfg.activations.full_recompute else None,
+        attention_backend=AttnBackend.flash if m.use_flash_attn else AttnBackend.auto,
         **moe_kwargs,
     )
 
@@ -108,6 +127,10 @@ def _mcore_moe_settings(cfg: RunConfig) -> dict:
         moe_pad_expert_input_to_capacity=moe.moe_pad_expert_input_to_capacity,
         moe_grouped_gemm=moe.moe_grouped_gemm,
         moe_router_dtype="fp32",
+        moe_router_score_function=moe.moe_router_score_function or "softmax",
+        moe_router_pre_softmax=moe.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor,
+        moe_token_drop_policy=moe.moe_token_drop_policy or "probs",  # megatron-core's own default
     )
 
 
@@ -137,7 +160,7 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> G
         transformer_layer_spec=block_spec(
             config,
             cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers,
-            use_transformer_engine=use_transformer_engine(),
+            use_transformer_engine=use_transformer_engine(cfg),
             pp_rank=pp_rank,
             moe_layer=moe_layer(cfg),
         ),

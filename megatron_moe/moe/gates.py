@@ -6,6 +6,9 @@ Legend: T = tokens, H = hidden, E = experts, K = top-k, D = router projection wi
   (Shazeer et al.); k = 1 without renormalising is Switch; `priority`
   "importance" is Batch-Prioritized Routing (the least confident tokens lose
   their slots first) and "random" is Random Token Selection.
+- Every token-choice gate drops over capacity in its claim order: k-major
+  (GShard), or Megatron-LM's `--moe-token-drop-policy` probs (the lowest
+  combine weights go first) or position (the latest tokens go first).
 - `SigmoidGate`: independent sigmoid score per expert (BASE/StableMoE style).
 - `CosineGate`: cosine between a low-rank projection of the token and
   learned expert embeddings, scaled by a learned temperature: X-MoE and
@@ -25,17 +28,19 @@ from megatron_moe.config.moe_layer import MoELayerConfig
 from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
 from megatron_moe.moe.routing import DeferrableRouter, Gate, Routing, router_linear, router_losses
 
-PRIORITIES = ("token", "importance", "random")
+PRIORITIES = ("token", "importance", "random", "probs", "position")
 
 
 class _TopKGateBase(Gate):
     """Shared tail of the token-choice gates: top-k, renormalise, claim order, losses."""
 
-    def __init__(self, cfg: MoELayerConfig, *, normalize: bool, priority: str = "token"):
+    def __init__(self, cfg: MoELayerConfig, *, normalize: bool, priority: str | None = None):
         super().__init__()
+        priority = priority or cfg.drop_policy or "token"
         assert priority in PRIORITIES, priority
         self.num_experts, self.topk = cfg.num_experts, cfg.topk
         self.normalize = normalize and cfg.topk > 1
+        self.scaling = cfg.topk_scaling_factor
         self.priority = priority
         self.load_balancing, self.aux_coeff, self.z_coeff = cfg.load_balancing, cfg.aux_loss_coeff, cfg.z_loss_coeff
 
@@ -45,6 +50,8 @@ class _TopKGateBase(Gate):
         weight_TK, expert_TK = torch.topk(scores_TE, self.topk, dim=-1)
         if self.normalize:
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+        if self.scaling is not None:
+            weight_TK = weight_TK * self.scaling
         aux, parts = router_losses(
             logits_TE,
             probs_TE,
@@ -71,19 +78,23 @@ class _TopKGateBase(Gate):
         if self.priority == "token":
             return None
         num_tokens = scores_TE.shape[0]
+        k_offsets = torch.arange(self.topk, device=weight_TK.device).unsqueeze(1) * num_tokens
+        if self.priority == "position":  # token-major: (t0,k0), (t0,k1), (t1,k0) ...
+            return (k_offsets + torch.arange(num_tokens, device=weight_TK.device).unsqueeze(0)).t().reshape(-1)
+        if self.priority == "probs":  # every pair by its combine weight, highest first
+            return torch.argsort(weight_TK.detach().t().reshape(-1), descending=True, stable=True)
         if self.priority == "importance" or not self.training:
             # BPR: a token's importance is its top score; most important first.
             order_T = torch.argsort(weight_TK[:, 0].detach(), descending=True, stable=True)
         else:
             order_T = torch.randperm(num_tokens, device=scores_TE.device)
-        k_offsets = torch.arange(self.topk, device=order_T.device).unsqueeze(1) * num_tokens
         return (k_offsets + order_T.unsqueeze(0)).reshape(-1)
 
 
 class SoftmaxTopKGate(_TopKGateBase, DeferrableRouter):
     """softmax(x W) -> top-k (GShard / Switch / BPR / RTS), optionally with trainable noise."""
 
-    def __init__(self, cfg: MoELayerConfig, *, noisy: bool = False, priority: str = "token", normalize=None):
+    def __init__(self, cfg: MoELayerConfig, *, noisy: bool = False, priority: str | None = None, normalize=None):
         super().__init__(cfg, normalize=cfg.normalize_topk if normalize is None else normalize, priority=priority)
         self.weight = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         torch.nn.init.normal_(self.weight, std=cfg.init_method_std)

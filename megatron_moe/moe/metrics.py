@@ -120,7 +120,15 @@ def _layer_figures(row: torch.Tensor, num_experts: int) -> dict[str, float]:
 
 
 def collect_moe_metrics(
-    model_chunks, *, num_layers: int, num_experts: int, group=None, max_keys: int = 64, device=None, reset: bool = True
+    model_chunks,
+    *,
+    num_layers: int,
+    num_experts: int,
+    group=None,
+    max_keys: int = 64,
+    device=None,
+    reset: bool = True,
+    expert_counts: dict | None = None,
 ) -> dict[str, float]:
     """Step figures of every MoE layer of the model; call on EVERY rank, once per step.
 
@@ -133,7 +141,8 @@ def collect_moe_metrics(
     `moe dropped fraction`, `moe tokens cv`, `moe tokens cv max`,
     `moe dead experts`, `moe router entropy`) and `moe/layer_NNN/<figure>`
     for as many layers as fit in `max_keys` (evenly spaced, the same layers
-    every step).
+    every step). `expert_counts`, a dict, gets every MoE layer's tokens per
+    expert over the step: {layer number: [count per expert]}.
     """
     width = num_experts + len(SCALARS)
     device = current_platform().device if device is None else device  # where the backend reduces
@@ -152,6 +161,8 @@ def collect_moe_metrics(
     if not present:
         return {}
     per_layer = {i + 1: _layer_figures(table[i], num_experts) for i in present}
+    if expert_counts is not None:
+        expert_counts.update({i + 1: table[i, :num_experts].tolist() for i in present})
     figures = {
         "moe aux loss": sum(f["aux_loss"] for f in per_layer.values()) / len(per_layer),
         "moe z loss": sum(f["z_loss"] for f in per_layer.values()) / len(per_layer),

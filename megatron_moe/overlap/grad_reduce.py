@@ -220,6 +220,11 @@ def regroup(ddp, launch: dict[torch.nn.Parameter, int | None], launcher: GradRed
                     ddp.param_to_bucket_group[p] = group
             nbytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buckets)
             summary.append((layer, family, sum(len(b.params_list) for b in buckets), nbytes))
+        if ddp.ddp_config.use_distributed_optimizer and ddp.ddp_config.overlap_param_gather:
+            # --overlap-param-gather: forward gathers in the reverse of backward's order, each group
+            # prefetching the next (megatron-core's chain, rebuilt for the new groups)
+            for later, earlier in zip(new[1:], new[:-1]):
+                later.next_param_gather_bucket_group = earlier
         setattr(ddp, attr, new)
     return {"groups": summary}
 

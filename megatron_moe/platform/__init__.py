@@ -15,6 +15,7 @@ from megatron_moe.platform.device import (
     init_platform,
     kernels_in_use,
     memory_in_use_bytes,
+    peak_flops_per_s,
     peak_memory_bytes,
     synchronize,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "init_platform",
     "kernels_in_use",
     "memory_in_use_bytes",
+    "peak_flops_per_s",
     "peak_memory_bytes",
     "synchronize",
     "to_host",

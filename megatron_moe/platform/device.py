@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import os
 import resource
+import time
 
 import psutil
 import torch
@@ -118,3 +119,37 @@ def kernels_in_use() -> dict[str, str]:
         "attention": "torch SDPA-free megatron-core DotProductAttention",
         "norm": "megatron_moe torch LayerNorm/RMSNorm (sequence-parallel aware)",
     }
+
+
+PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendors' data sheets, no sparsity)
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10": 125.0,
+}
+
+
+def peak_flops_per_s(dtype: torch.dtype) -> tuple[float, str]:
+    """The denominator of MFU and what it is: a known GPU's data-sheet peak for 16-bit (fp32 runs are held to
+    it too, as Megatron-LM's MFU is), else this device's measured fp32 GEMM rate (2048^3, best of 5), which is
+    what a CPU can reach, stated as such."""
+    platform = current_platform()
+    if platform.is_accelerator:
+        name = torch.cuda.get_device_name()
+        for model, tflops in PEAK_TFLOPS.items():
+            if model in name:
+                return tflops * 1e12, f"{name} peak"
+    n = 2048
+    a = torch.randn(n, n, device=platform.device)
+    best = float("inf")
+    for _ in range(5):
+        synchronize()
+        started = time.perf_counter()
+        a @ a
+        synchronize()
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best, "measured GEMM rate"

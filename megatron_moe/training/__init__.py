@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch.distributed as dist
+
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
 from megatron_moe.config import RunConfig
@@ -24,6 +26,7 @@ from megatron_moe.training.setup import (
     resolve_pipeline_degrees,
     wire_model_config,
 )
+from megatron_moe.training.summary import log_startup_summary, parameter_counts
 
 log = logging.getLogger("megatron_moe")
 
@@ -62,8 +65,12 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     wire_model_config(config, model, optimizer)
     state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
     data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
+    counts = parameter_counts(cfg, model)
+    if dist.get_rank() == 0:
+        log_startup_summary(cfg, counts, tokenizer, data.sizes)
     overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce}
-    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, **overlap).train()
+    startup = {"parameters": counts, "datasets": data.sizes}
+    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, **overlap).train()
 
 
 def end_job_with_report(report: str) -> None:

@@ -117,8 +117,8 @@ class HiddenCheck:
 
 
 def tensorboard_scalars(summary: CommSummary) -> dict[str, float]:
-    """`comm/<figure>/<kind>`, `comm/layer<N>/<figure>/<kind>` (figures: comm_ms, exposed_ms, bytes, calls) and
-    `comm/hidden_frac`."""
+    """`comm/<figure>/<kind>`, `comm/layer_NNN/<figure>/<kind>` (figures: comm_ms, exposed_ms, bytes, calls; NNN
+    the transformer layer's number from 1, as in `moe/layer_NNN`) and `comm/hidden_frac`."""
     scalars: dict[str, float] = {"comm/hidden_frac": summary.hidden_frac}
     for figure in ("comm_ms", "exposed_ms", "bytes", "calls"):
         for kind, value in getattr(summary, figure).items():
@@ -126,9 +126,9 @@ def tensorboard_scalars(summary: CommSummary) -> dict[str, float]:
     for layer, figures in sorted(summary.per_layer.items()):
         for figure, values in figures.items():
             for kind, value in values.items():
-                scalars[f"comm/layer{layer}/{figure}/{kind}"] = value
+                scalars[f"comm/layer_{layer:03d}/{figure}/{kind}"] = value
         exposed, total = layer_exposed_and_comm(summary)[layer]
-        scalars[f"comm/layer{layer}/hidden_frac"] = max(0.0, 1.0 - exposed / total) if total > 0 else 0.0
+        scalars[f"comm/layer_{layer:03d}/hidden_frac"] = max(0.0, 1.0 - exposed / total) if total > 0 else 0.0
     return scalars
 
 

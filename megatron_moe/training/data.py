@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron_moe.config import RunConfig
 from megatron_moe.data.datasets import build_gpt_datasets
 from megatron_moe.data.sampler import build_data_loader
+from megatron_moe.training.summary import dataset_sizes
 
 
 @dataclasses.dataclass
@@ -16,6 +17,8 @@ class RunData:
     train_iterator: object
     _valid_dataset: object
     _loader_args: dict
+    sizes: dict = dataclasses.field(default_factory=dict)
+    """Split -> (documents, sequences) or None (`summary.dataset_sizes`), for the start-up summary."""
 
     def valid_iterator(self):
         """A fresh iterator over the same validation batches (comparable across evaluations)."""
@@ -49,4 +52,5 @@ def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int) -> Ru
     train_iterator = None
     if consumed_train_samples < t.train_iters * gbs:
         train_iterator = iter(build_data_loader(train, consumed_train_samples, **loader_args))
-    return RunData(train_iterator, valid, loader_args)
+    sizes = {"train": dataset_sizes(train), "valid": dataset_sizes(valid)}
+    return RunData(train_iterator, valid, loader_args, sizes)

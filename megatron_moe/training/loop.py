@@ -11,17 +11,20 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_model_config, unwrap_model
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
+from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
 from megatron_moe.moe.metrics import moe_layer_modules
+from megatron_moe.platform import peak_flops_per_s
 from megatron_moe.training.comm_report import HiddenCheck, layer_exposed_and_comm, tensorboard_scalars, wgrad_report
 from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
-from megatron_moe.training.logger import TrainingLogger, exposed_by_group
+from megatron_moe.training.flops import flops_per_token
+from megatron_moe.training.logger import TrainingLogger, exposed_by_group, wandb_run_for
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.preemption import ExitRequest
 from megatron_moe.training.setup import params_norm
@@ -72,10 +75,12 @@ class Trainer:
         watchdog=None,
         wgrad_queue=None,
         grad_reduce=None,
+        startup: dict | None = None,
     ):
         self.cfg = cfg
         self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
         self.grad_reduce = grad_reduce  # megatron_moe.overlap.grad_reduce.GradReduceLauncher, None: megatron-core's
+        self.startup = startup  # the start-up summary's figures (parameters, dataset sizes): in the first entry
         self._job_steps = 0
         self.watchdog = watchdog  # comm.watchdog.Watchdog: told the step, which its reports name
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -103,6 +108,7 @@ class Trainer:
             )
         self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
         self._validated_at = None
+        self._expert_counts: dict[int, list[float]] = {}  # the step's tokens per expert per MoE layer (our layer)
         self._degrees_logged = False
         # Always on (--no-comm-timers only to measure their cost): reset at each step start, read at its end.
         # On the logging rank only: its history and log line are the only readers, so elsewhere they would
@@ -112,11 +118,26 @@ class Trainer:
         self.hidden_check = HiddenCheck(cfg) if timed else None
         self.logger = None
         if self.is_logging_rank:
+            lg = cfg.logging
+            tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length
+            vocab = unwrap_model(model[0]).vocab_size  # padded: the output layer's width
             self.logger = TrainingLogger(
                 train_iters=cfg.training.train_iters,
-                log_interval=cfg.logging.log_interval,
-                tokens_per_step=cfg.training.global_batch_size * cfg.model.seq_length,
-                tensorboard_dir=cfg.logging.tensorboard_dir,
+                log_interval=lg.log_interval,
+                tokens_per_step=tokens_per_step,
+                tensorboard_dir=lg.tensorboard_dir,
+                tensorboard_log_interval=lg.tensorboard_log_interval,
+                flops_per_step=flops_per_token(cfg, vocab) * tokens_per_step if lg.log_throughput else None,
+                peak_flops=peak_flops_per_s(params_dtype(cfg)) if lg.log_throughput else None,
+                devices=self.world,
+                global_batch_size=cfg.training.global_batch_size,
+                validation_ppl=lg.log_validation_ppl_to_tensorboard,
+                wandb_run=wandb_run_for(
+                    lg.wandb_project,
+                    lg.wandb_exp_name,
+                    lg.wandb_save_dir or os.path.join(cfg.checkpoint.save or ".", "wandb"),
+                    cfg.to_dict(),
+                ),
             )
 
     def _run_microbatches(self, data_iterator, *, forward_only: bool) -> list[dict]:
@@ -137,7 +158,13 @@ class Trainer:
         moe = self.cfg.moe
         aux, z = self.logged_losses
         if self.own_moe:
-            figures = collect_moe_metrics(self.model, num_layers=self.cfg.model.num_layers, num_experts=moe.num_experts)
+            self._expert_counts = {}
+            figures = collect_moe_metrics(
+                self.model,
+                num_layers=self.cfg.model.num_layers,
+                num_experts=moe.num_experts,
+                expert_counts=self._expert_counts,
+            )
         else:
             tracked = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
             seq = moe.moe_router_load_balancing_type == "seq_aux_loss"  # megatron-core tracks it under its own name
@@ -174,7 +201,7 @@ class Trainer:
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
         if self.wgrad_queue:
             self.wgrad_queue.end_iteration()
-        update_successful, grad_norm, _ = self.optimizer.step()
+        update_successful, grad_norm, num_zeros = self.optimizer.step()
         # Megatron-LM's --log-params-norm: after the update, on every rank (a collective).
         norm = params_norm(self.optimizer) if self.cfg.logging.log_params_norm else None
         gbs = self.cfg.training.global_batch_size
@@ -191,6 +218,7 @@ class Trainer:
             "lm loss": lm_loss,
             "aux": aux,
             "grad_norm": grad_norm,
+            "num_zeros": num_zeros,
             "params_norm": norm,
             "skipped": not update_successful,
             "step_ms": step_ms,
@@ -221,17 +249,35 @@ class Trainer:
             chunk.train()
         return _reduce_lm_loss(totals)
 
+    @contextlib.contextmanager
+    def _params_gathered(self):
+        """Every parameter up to date: under --overlap-param-gather the step's all-gather finishes in the next
+        forward's pre-hooks, so evaluation and checkpoints (which are no training forward) gather them first
+        (Megatron-LM's disable/enable of the pre-hooks)."""
+        lazy = [chunk for chunk in self.model if getattr(chunk, "use_forward_hook", False)]
+        for chunk in lazy:
+            chunk.disable_forward_pre_hook()  # gathers now
+        try:
+            yield
+        finally:
+            for chunk in lazy:
+                chunk.enable_forward_pre_hook()
+
     def _validate_and_log(self) -> None:
         if self._validated_at == self.state.iteration:
             return
         self._validated_at = self.state.iteration
-        loss = self.evaluate()
+        with self._params_gathered():
+            loss = self.evaluate()
         if self.logger and loss is not None:
             self.logger.validation(self.state.iteration, {"lm loss": loss})
 
     def _save(self) -> None:
         if self.cfg.checkpoint.save:
-            save_checkpoint(self.cfg.checkpoint.save, self.cfg, self.model, self.optimizer, self.scheduler, self.state)
+            with self._params_gathered():
+                save_checkpoint(
+                    self.cfg.checkpoint.save, self.cfg, self.model, self.optimizer, self.scheduler, self.state
+                )
 
     def _log_step(self, iteration: int, figures: dict) -> dict:
         """Log one step's figures (logging rank); returns its history entry: what the log line shows."""
@@ -244,10 +290,11 @@ class Trainer:
             comm_layers = layer_exposed_and_comm(summary)
             comm_kinds = exposed_by_group(summary.exposed_ms)
             tensorboard_only.update(tensorboard_scalars(summary))
+        lr = self.optimizer.param_groups[0]["lr"]
         self.logger.step(
             iteration,
             shown,
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=lr,
             grad_norm=figures["grad_norm"],
             params_norm=figures["params_norm"],
             skipped=figures["skipped"],
@@ -255,8 +302,15 @@ class Trainer:
             comm=comm_figures,
             comm_layers=comm_layers,
             comm_kinds=comm_kinds,
+            num_zeros=figures["num_zeros"],
+            consumed_samples=self.state.consumed_train_samples,
+            loss_scale=self.optimizer.get_loss_scale().item() if self.cfg.training.fp16 else None,
+            expert_counts=self._expert_counts,
         )
         entry = {"iteration": iteration, **shown, "grad norm": figures["grad_norm"], "skipped": figures["skipped"]}
+        entry["learning rate"] = lr  # after the scheduler counted this step's samples, as Megatron-LM logs it
+        if figures["num_zeros"] is not None:
+            entry["num zeros"] = figures["num_zeros"]
         # This (the logging) rank's own step time and communication.
         entry["step_ms"] = figures["step_ms"]
         entry["comm"] = summary.as_dict() if summary is not None else None
@@ -267,6 +321,7 @@ class Trainer:
         if not self._degrees_logged:  # the first logged step: the pipeline degrees in force (auto resolved)
             self._degrees_logged = True
             entry["pipeline_degrees"] = moe_pipeline_degrees(self.model)
+            entry["startup"] = self.startup
         return entry
 
     def train(self) -> list[dict]:

@@ -68,6 +68,7 @@ def build_ddp_model(
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce or adaptive,
         bucket_size=1 if adaptive else cfg.parallel.ddp_bucket_size,  # adaptive: one per parameter, regrouped
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
         # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
         check_for_nan_in_grad=False,
     )
@@ -96,6 +97,8 @@ def build_optimizer(cfg: RunConfig, model: list[DistributedDataParallel]):
         hysteresis=t.hysteresis,
         params_dtype=params_dtype(cfg),
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     _set_tensor_parallel_groups(optimizer)
@@ -141,20 +144,21 @@ def params_norm(optimizer) -> float:
 def build_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:
     """Warm-up then decay, counted in samples like Megatron-LM (steps x global batch)."""
     t = cfg.training
-    gbs = t.global_batch_size
-    decay_iters = t.lr_decay_iters or t.train_iters
+    spans = t.lr_schedule_samples()
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if t.lr_warmup_iters else t.lr,
+        init_lr=0.0 if spans["warmup"] else t.lr,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters * gbs,
-        lr_decay_steps=max(decay_iters, t.lr_warmup_iters + 1) * gbs,
+        lr_warmup_steps=spans["warmup"],
+        lr_decay_steps=spans["decay"],
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay,
         end_wd=t.weight_decay,
-        wd_incr_steps=max(t.train_iters, 1) * gbs,
+        wd_incr_steps=max(t.train_iters, 1) * t.global_batch_size,
         wd_incr_style="constant",
+        wsd_decay_steps=spans["wsd_decay"],
+        lr_wsd_decay_style=t.lr_wsd_decay_style if t.lr_decay_style == "WSD" else None,
     )
 
 

@@ -105,9 +105,9 @@ def computed(steps: list[dict]) -> list[dict]:
     """Each step's computed figures (losses, norms, MoE metrics): its history entry without the timings (`step_ms`,
     `comm`), where Lancet's queue ran each dW (`wgrad`: its plan comes from timings), which bucket groups the
     adaptive gradient partition launched (`grad_reduce`), which differ from run to run, and the pipeline degrees a
-    run started with (`pipeline_degrees`, a setting in its first entry only), for comparisons that must be
-    bit-identical."""
-    skip = ("step_ms", "comm", "wgrad", "grad_reduce", "pipeline_degrees")
+    run started with and its start-up summary (`pipeline_degrees`, `startup`: in its first entry only, per-rank
+    counts differ between layouts), for comparisons that must be bit-identical."""
+    skip = ("step_ms", "comm", "wgrad", "grad_reduce", "pipeline_degrees", "startup")
     return [{k: v for k, v in step.items() if k not in skip} for step in steps]
 
 

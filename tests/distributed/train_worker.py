@@ -28,6 +28,8 @@ Scenarios (each a list of cases run one after another in this job):
 - `grad_reduce` (4 ranks): issue 16's adaptive gradient partition against megatron-core's reduction, from the
   same seed: TP=2+SP+EP=2 (DP=2) alone, with Lancet's queue, with 4 micro-batches and with the distributed
   optimizer; EP=2 (DP=4); PP=2+EP=2.
+- `megatron_lm` (4 ranks): issue 17's Megatron-LM flags at EP=2: samples against iterations, WSD, the warm-up
+  fraction, the router flags (ours and megatron-core's layer), --overlap-param-gather, the logging flags.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -330,6 +332,48 @@ def grad_reduce() -> dict:
     return results
 
 
+def without(flags: list[str], name: str) -> list[str]:
+    """`flags` less `name` and its value."""
+    i = flags.index(name)
+    return flags[:i] + flags[i + 2 :]
+
+
+def megatron_lm() -> dict:
+    """Issue 17's Megatron-LM flags at EP=2 (DP=4), each group parsed and run: the run's length and schedule in
+    samples against the same in iterations, WSD and the warm-up fraction; the router flags of our layer and of
+    megatron-core's; --overlap-param-gather against the distributed optimizer without it (a save and an evaluation
+    in between); the logging flags with TensorBoard."""
+    base = [*without(MODEL, "--lr-warmup-iters"), *EP2]
+    iters = ["--train-iters", str(ITERS)]
+    capacity = ["--moe-expert-capacity-factor", "1.0"]
+    distopt = [*iters, "--use-distributed-optimizer", "--eval-interval", "2", "--eval-iters", "1"]
+    results = {
+        "iters": train(*base, *iters, "--lr-warmup-iters", "1", "--lr-decay-iters", "3"),
+        "tp2_ep2": train(*base, *iters, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+        "samples": train(*base, "--train-samples", "32", "--lr-warmup-samples", "8", "--lr-decay-samples", "24"),
+        "wsd": train(*base, *iters, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style",
+                     "linear"),
+        "fraction": train(*base, *iters, "--lr-warmup-fraction", "0.25"),
+        "gate_sigmoid": train(*base, *iters, "--moe-gate", "sigmoid"),
+        "score_sigmoid": train(*base, *iters, "--moe-router-score-function", "sigmoid"),
+        "pre_softmax": train(*base, *iters, "--moe-router-pre-softmax"),
+        "no_normalize": train(*base, *iters, "--no-moe-normalize-topk"),
+        "scaled_probs": train(*base, *iters, *capacity, "--moe-router-topk-scaling-factor", "2",
+                              "--moe-token-drop-policy", "probs"),
+        "position": train(*base, *iters, *capacity, "--moe-token-drop-policy", "position"),
+        "mcore": train(*without(base, "--overlap-wgrad"), *iters, *MCORE, *capacity, "--moe-router-pre-softmax",
+                       "--moe-router-topk-scaling-factor", "2", "--moe-token-drop-policy", "position"),
+        "distopt": train(*base, *distopt, "--save", ckpt("distopt")),
+        "param_gather": train(*base, *distopt, "--overlap-param-gather", "--save", ckpt("param_gather")),
+        "logging": train(*base, *iters, "--log-throughput", "--log-num-zeros-in-grad", "--tensorboard-dir",
+                         os.path.join(WORKDIR, "tb"), "--tensorboard-log-interval", "2",
+                         "--log-validation-ppl-to-tensorboard", "--eval-interval", "2", "--eval-iters", "1"),
+    }  # fmt: skip
+    results["distopt_params_norm"] = params_norm_of_checkpoint(ckpt("distopt"))
+    results["param_gather_params_norm"] = params_norm_of_checkpoint(ckpt("param_gather"))
+    return results
+
+
 def gpu() -> dict:
     import torch
     import torch.distributed as dist
@@ -361,5 +405,6 @@ if __name__ == "__main__":
         "esp": esp,
         "pipeline": pipeline,
         "grad_reduce": grad_reduce,
+        "megatron_lm": megatron_lm,
     }
     finish_job({**scenarios, "gpu": gpu}[SCENARIO]())

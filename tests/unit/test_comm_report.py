@@ -85,9 +85,9 @@ def test_tensorboard_gets_every_kind_and_every_moe_layer():
     assert scalars["comm/comm_ms/a2a_dispatch"] == 4.0 and scalars["comm/exposed_ms/a2a_dispatch"] == 1.0
     figures = ("comm_ms", "exposed_ms", "bytes", "calls")
     assert {f"comm/{f}/{k}" for f in figures for k in SUMMARY_KINDS} < set(scalars)
-    assert scalars["comm/layer2/comm_ms/a2a_combine_bwd"] == 3.0
-    assert scalars["comm/layer2/exposed_ms/a2a_combine_bwd"] == 2.0
-    assert scalars["comm/layer2/hidden_frac"] == pytest.approx(1 / 3)
+    assert scalars["comm/layer_002/comm_ms/a2a_combine_bwd"] == 3.0
+    assert scalars["comm/layer_002/exposed_ms/a2a_combine_bwd"] == 2.0
+    assert scalars["comm/layer_002/hidden_frac"] == pytest.approx(1 / 3)
     assert len(scalars) == 1 + 4 * len(SUMMARY_KINDS) + 3
 
 

@@ -1,0 +1,58 @@
+"""Model FLOPs per token, counted as Megatron-LM counts them for --log-throughput.
+
+Every matrix multiply of a token's path costs 2 FLOPs per weight forward and 4 backward (input and weight
+gradients): 6 x the weights a token meets. A token meets the attention projections, the dense MLPs, in an MoE
+layer the router, its top-k experts and the shared expert, and the output layer (the vocabulary, padded).
+Attention scores and their weighted sum add 2 x 2 x s x h forward per token and layer, 12 x s x h with backward
+(the full s x s square, as Megatron-LM counts it, not halved for the causal mask). Norms, biases, softmax and
+activations are left out. Recomputation is not counted: these are model FLOPs, not hardware FLOPs.
+"""
+
+from __future__ import annotations
+
+from megatron_moe.config import RunConfig
+
+
+def matmul_params_per_token(cfg: RunConfig, vocab_size: int) -> int:
+    """The weights one token's forward multiplies by (module docstring): its active parameters, less norms and
+    biases, with the output layer counted even when tied to the embedding."""
+    m, moe = cfg.model, cfg.moe
+    h = m.hidden_size
+    kv = h // m.num_attention_heads * (m.num_query_groups or m.num_attention_heads)
+    attention = h * h + 2 * h * kv + h * h  # Q, K and V, output projection
+    mats = 3 if m.swiglu else 2
+    dense = mats * h * (m.ffn_hidden_size or 4 * h)
+    pattern = moe.layer_pattern(m.num_layers) if moe.is_moe else [0] * m.num_layers
+    total = 0
+    for is_moe in pattern:
+        total += attention
+        if not is_moe:
+            total += dense
+            continue
+        expert = mats * h * (moe.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h)
+        total += h * moe.num_experts + moe.moe_router_topk * expert
+        if moe.moe_shared_expert_ffn_hidden_size:
+            total += mats * h * moe.moe_shared_expert_ffn_hidden_size
+    return total + h * vocab_size
+
+
+def flops_per_token(cfg: RunConfig, vocab_size: int) -> float:
+    """Forward and backward model FLOPs of one token (module docstring)."""
+    m = cfg.model
+    attention_scores = 12 * m.num_layers * m.seq_length * m.hidden_size
+    return 6.0 * matmul_params_per_token(cfg, vocab_size) + attention_scores
+
+
+def expert_params_each(cfg: RunConfig) -> int:
+    """The weights of one routed expert (its MLP's matrices; our experts have no biases)."""
+    m, moe = cfg.model, cfg.moe
+    return (3 if m.swiglu else 2) * m.hidden_size * (moe.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size)
+
+
+def inactive_params_per_token(cfg: RunConfig) -> int:
+    """The routed experts' weights a token does not meet: (E - k) experts in every MoE layer."""
+    moe = cfg.moe
+    if not moe.is_moe:
+        return 0
+    layers = sum(moe.layer_pattern(cfg.model.num_layers))
+    return layers * max(moe.num_experts - moe.moe_router_topk, 0) * expert_params_each(cfg)

@@ -1,0 +1,78 @@
+"""The start-up summary: what this run is (layout, parameters, data, tokenizer, what it will train), logged once."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+from megatron_moe.config import RunConfig
+from megatron_moe.platform import current_platform
+from megatron_moe.training.flops import inactive_params_per_token
+
+log = logging.getLogger("megatron_moe")
+
+
+def parameter_counts(cfg: RunConfig, model) -> dict[str, int]:
+    """{"total", "active_per_token", "this_rank"}: every parameter of the model once (a collective: every rank
+    calls it), those one token meets, and this rank's. A parameter counts on the first of its replicas: not a
+    tied copy, not a TP duplicate, data-parallel rank 0 (expert-data-parallel rank 0 for experts)."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    dense_first = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_first = parallel_state.get_expert_data_parallel_rank() == 0
+    unique = sum(
+        p.numel()
+        for p in params
+        if param_is_not_shared(p)
+        and param_is_not_tensor_parallel_duplicate(p)
+        and (expert_first if not getattr(p, "allreduce", True) else dense_first)
+    )
+    total = torch.tensor([unique], dtype=torch.float64, device=current_platform().device)
+    dist.all_reduce(total)
+    total = int(total.item())
+    return {
+        "total": total,
+        "active_per_token": total - inactive_params_per_token(cfg),
+        "this_rank": sum(p.numel() for p in params),
+    }
+
+
+def dataset_sizes(dataset) -> tuple[int, int] | None:
+    """(documents, sequences) of a megatron-core GPT dataset or a blend of them (None: no such split)."""
+    if dataset is None:
+        return None
+    parts = getattr(dataset, "datasets", None) or [dataset]
+    return sum(len(part.indices) for part in parts), len(dataset)
+
+
+def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, splits: dict) -> None:
+    """The summary lines (rank 0): parameters, data and tokenizer, split sizes, the plan in steps and samples."""
+    t = cfg.training
+    log.info(
+        "parameters: %d total, %d active per token, %d on this rank",
+        counts["total"],
+        counts["active_per_token"],
+        counts["this_rank"],
+    )
+    log.info(
+        "data: %s (split %s); tokenizer: %s %s, vocabulary %d",
+        " ".join(cfg.data.data_path),
+        cfg.data.split,
+        cfg.data.tokenizer_type,
+        cfg.data.tokenizer_model,
+        tokenizer.vocab_size,
+    )
+    for name, sizes in splits.items():
+        if sizes is not None:
+            log.info("dataset %s: %d documents, %d sequences of %d tokens", name, *sizes, cfg.model.seq_length)
+    log.info(
+        "training: %d iterations x global batch %d = %d samples (%d tokens)",
+        t.train_iters,
+        t.global_batch_size,
+        t.train_iters * t.global_batch_size,
+        t.train_iters * t.global_batch_size * cfg.model.seq_length,
+    )

@@ -1,0 +1,101 @@
+"""Issue 17: the flags a Megatron-LM user types, each group parsed and run (`train_worker.py megatron_lm`, 4 gloo
+ranks at EP=2, one torchrun job, 4 steps per run from the same seed)."""
+
+import math
+import os
+
+import pytest
+
+from tests.distributed.launcher import computed, run_torchrun
+
+WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
+LR, MIN_LR = 1e-3, 1e-4
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("megatron_lm"))
+
+
+@pytest.fixture(scope="module")
+def runs(train_data, workdir):
+    data, tokenizer = train_data
+    return run_torchrun(WORKER, 4, ["megatron_lm", data, tokenizer, workdir], timeout=900)
+
+
+def lrs(history):
+    return [step["learning rate"] for step in history]
+
+
+def cosine(samples, warmup, decay):
+    ratio = min(1.0, (samples - warmup) / (decay - warmup))
+    return MIN_LR + 0.5 * (math.cos(math.pi * ratio) + 1) * (LR - MIN_LR)
+
+
+def test_a_run_counted_in_samples_is_the_run_counted_in_iterations(runs):
+    # 32 samples at global batch 8 = 4 iterations; warm-up 8 samples = 1 iteration, decay 24 = 3
+    assert len(runs["samples"]) == len(runs["iters"]) == 4
+    assert computed(runs["samples"]) == computed(runs["iters"])
+
+
+def test_the_schedules_follow_megatron_lms_formulas(runs):
+    # the learning rate logged after each step: the scheduler has counted 8, 16, 24, 32 samples
+    assert lrs(runs["iters"]) == pytest.approx([LR, cosine(16, 8, 24), MIN_LR, MIN_LR], rel=1e-9)
+    # WSD: constant until the last 2 iterations (16 samples), then linear down to --min-lr
+    assert lrs(runs["wsd"]) == pytest.approx([LR, LR, MIN_LR + 0.5 * (LR - MIN_LR), MIN_LR], rel=1e-9)
+    # --lr-warmup-fraction 0.25 of the 32-sample decay: warm-up over 8 samples
+    assert lrs(runs["fraction"]) == pytest.approx([LR, cosine(16, 8, 32), cosine(24, 8, 32), MIN_LR], rel=1e-9)
+
+
+def test_the_router_flags_are_the_gates_they_name(runs):
+    # --moe-router-score-function sigmoid is --moe-gate sigmoid; --moe-router-pre-softmax is no renormalisation
+    assert computed(runs["score_sigmoid"]) == computed(runs["gate_sigmoid"])
+    assert computed(runs["pre_softmax"]) == computed(runs["no_normalize"])
+    assert computed(runs["pre_softmax"]) != computed(runs["iters"])
+
+
+@pytest.mark.parametrize("case", ["scaled_probs", "position", "mcore"])
+def test_the_drop_policies_and_the_scaling_factor_train(runs, case):
+    history = runs[case]
+    assert len(history) == 4
+    assert all(math.isfinite(step["lm loss"]) and math.isfinite(step["grad norm"]) for step in history), history
+
+
+def test_overlapped_parameter_gather_changes_nothing_but_when(runs):
+    # the same step, evaluation and checkpoint: the pre-hooks gather before each (Megatron-LM's disable/enable)
+    assert computed(runs["param_gather"]) == computed(runs["distopt"])
+    assert runs["param_gather_params_norm"] == runs["distopt_params_norm"]
+
+
+def test_the_logging_flags_reach_the_log_and_tensorboard(runs, workdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    history = runs["logging"]
+    assert all(isinstance(step["num zeros"], int) and step["num zeros"] >= 0 for step in history)
+    events = EventAccumulator(os.path.join(workdir, "tb"), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    # Megatron-LM's tags where the quantity is the same, each also against the consumed samples
+    megatron = {"lm loss", "learning-rate", "grad-norm", "num-zeros", "batch-size", "throughput", "iteration-time"}
+    assert megatron | {f"{tag} vs samples" for tag in megatron} <= tags, megatron - tags
+    assert {"lm loss validation", "lm loss validation ppl"} <= tags, tags
+    # --tensorboard-log-interval 2: the step scalars at steps 2 and 4 only, i.e. after 16 and 32 samples
+    assert [e.step for e in events.Scalars("lm loss")] == [2, 4]
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [16, 32]
+    assert all(e.value > 0 for e in events.Scalars("throughput"))
+    for loss, ppl in zip(events.Scalars("lm loss validation"), events.Scalars("lm loss validation ppl")):
+        assert ppl.value == pytest.approx(math.exp(loss.value), rel=1e-5)
+    # tokens per expert: a histogram per MoE layer (1 and 3), a scalar per expert; every routed pair counted
+    assert {"moe/layer_001/tokens_per_expert", "moe/layer_003/tokens_per_expert"} <= set(events.Tags()["histograms"])
+    per_expert = [events.Scalars(f"moe/layer_001/expert_{e:03d}_tokens")[-1].value for e in range(4)]
+    assert sum(per_expert) == 8 * 32 * 2  # global batch 8 x 32 tokens x top-2
+
+
+def test_the_start_up_summary_counts_every_parameter_once_in_any_layout(runs):
+    ep2, tp2 = runs["iters"][0]["startup"], runs["tp2_ep2"][0]["startup"]
+    assert ep2["parameters"]["total"] == tp2["parameters"]["total"]
+    assert tp2["parameters"]["this_rank"] < ep2["parameters"]["this_rank"] < ep2["parameters"]["total"]
+    # 2 MoE layers (--moe-layer-freq 2 of 4) x (4 experts - top 2) x fc1 + fc2 (64 x 256 each) not met per token
+    assert ep2["parameters"]["total"] - ep2["parameters"]["active_per_token"] == 2 * 2 * 2 * 64 * 256
+    documents, sequences = ep2["datasets"]["train"]
+    assert 0 < documents and 4 * 8 <= sequences  # at least the 4 steps' samples

@@ -1,0 +1,267 @@
+"""Issue 17: a Megatron-LM user's flags parse as Megatron-LM means them, or say in one line why not."""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, topk_routing_with_score_function
+
+from megatron_moe.config import ConfigError, build_parser, parse_args
+from megatron_moe.config.megatron_lm import NOT_NEEDED, REFUSED
+from megatron_moe.moe import MoELayerConfig, build_gate, capacity_limit
+from megatron_moe.moe.ordering import sort_pairs
+from megatron_moe.training.flops import flops_per_token, matmul_params_per_token
+from megatron_moe.training.logger import TrainingLogger, wandb_run_for
+
+BASE = ["--data-path", "d", "--tokenizer-model", "t.model"]
+MOE = [*BASE, "--num-experts", "8"]
+
+
+def cfg(*flags, world=1):
+    c = parse_args([*BASE, *flags])
+    c.validate(world_size=world)
+    return c
+
+
+def error(*flags) -> str:
+    with pytest.raises(ConfigError) as caught:
+        cfg(*flags)
+    message = str(caught.value)
+    assert "\n" not in message and "usage:" not in message, message
+    return message
+
+
+# ---------------------------------------------------------------------------------------- unknown and foreign flags
+
+
+def test_a_misspelt_flag_is_one_line_with_the_closest_flag_and_its_group():
+    message = error("--moe-expert-capcity-factor", "1.0")
+    assert message.startswith("unknown flag --moe-expert-capcity-factor; did you mean --moe-expert-capacity-factor?")
+    assert "group moe" in message
+    assert error("--lr-warmup-iter", "3").startswith("unknown flag --lr-warmup-iter; did you mean --lr-warmup-iters?")
+    assert error("--zzzz-qqqq") == "unknown flag --zzzz-qqqq (--help lists every flag by group)"
+    assert "invalid int value: 'x'" in error("--num-layers", "x")
+
+
+@pytest.mark.parametrize("flag", sorted(NOT_NEEDED))
+def test_a_megatron_lm_flag_not_needed_here_is_accepted_with_its_reason(flag):
+    takes_value, why = NOT_NEEDED[flag]
+    c = parse_args([*BASE, flag, *(["nccl"] if takes_value else []), "--num-layers", "2"])
+    assert c.model.num_layers == 2  # what follows it is read as before
+    assert c.notes == [f"{flag}: not needed here ({why}); accepted and ignored"]
+    assert "notes" not in c.to_dict()
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_a_megatron_lm_flag_that_would_mislead_is_refused_with_its_reason(flag):
+    message = error(flag, *(["2"] if REFUSED[flag][0] else []))
+    assert message == f"{flag}: {REFUSED[flag][1]}"
+
+
+def test_help_says_each_default_once_and_offers_no_none_or_double_negation():
+    parser = build_parser()
+    text = parser.format_help().replace("\n" + " " * 24, " ")
+    assert parser.format_usage().count("\n") == 1  # no usage dump of every flag
+    for action in parser._actions:
+        assert not any(option.startswith("--no-no-") for option in action.option_strings), action.option_strings
+        assert None not in (action.choices or ()), action.option_strings
+        assert (action.help or "").count("default") <= 1, action.help
+        assert "(default: None" not in (action.help or ""), action.help
+    assert "--train-samples" in text and "--moe-router-score-function {softmax,sigmoid}" in text
+
+
+# ---------------------------------------------------------------------------------------------- samples and schedules
+
+
+def test_samples_set_the_iterations_and_the_schedule_in_samples():
+    c = cfg("--train-samples", "330", "--global-batch-size", "32", "--lr-warmup-samples", "64")
+    assert c.training.train_iters == 10  # whole global batches, as Megatron-LM
+    assert c.training.lr_schedule_samples() == {"warmup": 64, "decay": 330, "wsd_decay": None}
+    c = cfg("--train-iters", "10", "--global-batch-size", "32", "--lr-warmup-fraction", "0.1")
+    assert c.training.lr_schedule_samples() == {"warmup": 32, "decay": 320, "wsd_decay": None}
+    c = cfg("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "3", "--global-batch-size", "4")
+    assert c.training.train_iters == 100 and c.training.lr_schedule_samples()["wsd_decay"] == 12
+
+
+@pytest.mark.parametrize(
+    ("flags", "start"),
+    [
+        (["--train-iters", "5", "--train-samples", "100"], "--train-iters=5: and --train-samples both"),
+        (["--train-samples", "100", "--lr-warmup-iters", "2"], "--lr-warmup-iters=2: counts iters"),
+        (["--train-iters", "5", "--lr-decay-samples", "20"], "--lr-decay-samples=20: counts samples"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction=0.1: and --lr-warmup-iters"),
+        (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction=1.5: must be in [0, 1)"),
+        (["--lr-decay-style", "WSD"], "--lr-decay-style=WSD: needs the length of its final decay"),
+        (["--lr-wsd-decay-iters", "3"], "--lr-wsd-decay-iters=3: does nothing in this run"),
+        (["--train-samples", "3", "--global-batch-size", "4"], "--train-samples=3: must be at least one global"),
+        (["--ckpt-format", "torch"], "--ckpt-format=torch: this stack writes and reads"),
+        (["--overlap-param-gather"], "--overlap-param-gather=True: does nothing in this run"),
+        (["--wandb-exp-name", "x"], "--wandb-exp-name=x: does nothing in this run"),
+        (["--log-validation-ppl-to-tensorboard"], "--log-validation-ppl-to-tensorboard=True: does nothing"),
+        (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval=0: must be > 0"),
+    ],
+)
+def test_a_schedule_or_logging_flag_that_cannot_work_is_named(flags, start):
+    assert error(*flags).startswith(start)
+
+
+# ---------------------------------------------------------------------------------------------------- router flags
+
+
+def test_router_flags_become_our_gates_settings():
+    c = cfg("--num-experts", "8", "--moe-router-score-function", "sigmoid")
+    assert c.moe.layer_config(c.model).gate == "sigmoid"
+    c = cfg("--num-experts", "8", "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor", "2.5")
+    settings = c.moe.layer_config(c.model)
+    assert not settings.normalize_topk and settings.topk_scaling_factor == 2.5
+    c = cfg("--num-experts", "8", "--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", "position")
+    assert c.moe.layer_config(c.model).drop_policy == "position"
+    assert "selects --moe-gate topk, not --moe-gate sigmoid; drop one" in error(
+        "--num-experts", "8", "--moe-gate", "sigmoid", "--moe-router-score-function", "softmax"
+    )
+    assert "only with --num-experts and --moe-gate topk or sigmoid" in error(
+        "--num-experts", "8", "--moe-gate", "xmoe", "--moe-router-score-function", "sigmoid"
+    )
+    assert error("--num-experts", "8", "--moe-gate", "switch", "--moe-router-pre-softmax").startswith(
+        "--moe-router-pre-softmax=True: does nothing in this run"
+    )
+    assert error("--num-experts", "8", "--moe-token-drop-policy", "probs").startswith(
+        "--moe-token-drop-policy=probs: does nothing in this run; it applies only with a positive"
+    )
+
+
+H, E, T = 16, 8, 64
+
+
+def route(*, score="softmax", pre_softmax=False, scaling=None, policy=None, topk=2):
+    settings = MoELayerConfig(
+        num_experts=E,
+        hidden_size=H,
+        ffn_hidden_size=8,
+        topk=topk,
+        gate="sigmoid" if score == "sigmoid" else "topk",
+        normalize_topk=not pre_softmax,
+        topk_scaling_factor=scaling,
+        drop_policy=policy,
+        capacity_factor=1.0,
+    ).validate()
+    torch.manual_seed(0)
+    gate = build_gate(settings)
+    x = torch.randn(T, H)
+    routing = gate(x)
+    logits = (x @ gate.weight.t()).float()
+    return routing, logits
+
+
+def dense(routing):
+    """[T, E] combine weights of the routing's pairs."""
+    weights = torch.zeros(T, E)
+    tokens = torch.arange(T).repeat(routing.expert_N.numel() // T)
+    return weights.index_put_((tokens, routing.expert_N), routing.weight_N.detach())
+
+
+@pytest.mark.parametrize(
+    ("score", "pre_softmax", "scaling"),
+    [("softmax", False, None), ("softmax", True, None), ("softmax", True, 2.5), ("sigmoid", False, None),
+     ("sigmoid", False, 2.5)],
+)  # fmt: skip
+def test_our_gates_weigh_as_megatron_cores_router(score, pre_softmax, scaling):
+    routing, logits = route(score=score, pre_softmax=pre_softmax, scaling=scaling)
+    probs, routing_map = topk_routing_with_score_function(
+        logits, 2, use_pre_softmax=pre_softmax, scaling_factor=scaling, score_function=score
+    )
+    assert torch.equal(dense(routing) > 0, routing_map)
+    torch.testing.assert_close(dense(routing), probs, rtol=1e-6, atol=1e-7)
+
+
+def kept(routing) -> torch.Tensor:
+    """[T, E] True where the pair got one of the capacity's slots."""
+    pair, expert, slot, _ = sort_pairs(routing)
+    capacity = capacity_limit(1.0, num_tokens=T, topk=2, num_experts=E)
+    mask = torch.zeros(T, E, dtype=torch.bool)
+    keep = slot < capacity
+    return mask.index_put_((pair[keep] % T, expert[keep]), torch.tensor(True))
+
+
+def test_the_probs_drop_policy_keeps_what_megatron_core_keeps():
+    routing, logits = route(policy="probs")
+    probs, routing_map = topk_routing_with_score_function(logits, 2)
+    _, final_map = apply_router_token_dropping(probs, routing_map, 2, 1.0, drop_policy="probs")
+    assert torch.equal(kept(routing), final_map)
+    assert int(final_map.sum()) < 2 * T  # some pairs were dropped: the policy chose
+
+
+def test_the_position_drop_policy_keeps_each_experts_earliest_tokens():
+    routing, _ = route(policy="position")
+    mask, capacity = kept(routing), capacity_limit(1.0, num_tokens=T, topk=2, num_experts=E)
+    chosen = dense(routing) > 0
+    for e in range(E):
+        tokens = chosen[:, e].nonzero().flatten()
+        assert torch.equal(mask[:, e].nonzero().flatten(), tokens[:capacity])
+    default, _ = route()
+    assert not torch.equal(kept(default), mask)  # k-major (GShard) keeps others: the flag changed something
+
+
+# ----------------------------------------------------------------------------------------------- throughput, wandb
+
+
+def test_model_flops_count_every_weight_a_token_meets():
+    c = cfg(
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--ffn-hidden-size", "128", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+    )  # fmt: skip
+    attention = 4 * 64 * 64
+    dense_layer, moe_layer = attention + 2 * 64 * 128, attention + 64 * 8 + 2 * (2 * 64 * 128)
+    assert matmul_params_per_token(c, 1000) == moe_layer + dense_layer + 64 * 1000
+    assert flops_per_token(c, 1000) == 6 * (moe_layer + dense_layer + 64 * 1000) + 12 * 2 * 32 * 64
+
+
+def test_wandb_missing_is_named_with_the_flag(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError, match=r"--wandb-project=p: needs the wandb package"):
+        wandb_run_for("p", "x", "/tmp/unused", {})
+    assert wandb_run_for(None, None, None, {}) is None
+
+
+def test_wandb_gets_what_tensorboard_gets(monkeypatch, tmp_path):
+    logged, inits = [], []
+    run = types.SimpleNamespace(log=lambda values, step: logged.append((step, values)), finish=lambda: None)
+    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    wandb = wandb_run_for("proj", "exp", str(tmp_path / "w"), {"model": {}})
+    assert inits == [{"project": "proj", "name": "exp", "dir": str(tmp_path / "w"), "config": {"model": {}}}]
+    logger = TrainingLogger(
+        train_iters=2, log_interval=2, tokens_per_step=64, tensorboard_dir=None, wandb_run=wandb,
+        flops_per_step=1e12, devices=2, validation_ppl=True,
+    )  # fmt: skip
+    for it in (1, 2):
+        logger.step(it, {"lm loss": 3.0}, lr=1e-3, grad_norm=1.0, skipped=False, num_zeros=5)
+    logger.validation(2, {"lm loss": 2.0})
+    steps = {}
+    for step, values in logged:
+        steps.setdefault(step, {}).update(values)
+    assert steps[1]["lm loss"] == 3.0 and steps[1]["num-zeros"] == 5 and steps[1]["learning-rate"] == 1e-3
+    assert steps[2]["throughput"] > 0
+    assert logged[-1] == (2, {"lm loss validation": 2.0, "lm loss validation ppl": pytest.approx(math.exp(2.0))})
+
+
+def test_the_log_line_reads_as_megatron_lms(caplog):
+    logger = TrainingLogger(
+        train_iters=10, log_interval=2, tokens_per_step=8 * 32, tensorboard_dir=None, flops_per_step=4e9,
+        peak_flops=(1e12, "measured GEMM rate"), devices=2, global_batch_size=8,
+    )  # fmt: skip
+    with caplog.at_level("INFO", logger="megatron_moe"):
+        for it in (1, 2):
+            figures = {"lm loss": 3.5, "moe dropped fraction": 0.125, "moe tokens cv": 0.5}
+            logger.step(it, figures, lr=1e-3, grad_norm=1.0, skipped=False, consumed_samples=8 * it, loss_scale=4096.0)
+    line = caplog.records[-1].getMessage()
+    assert "consumed samples: 16 | consumed tokens: 512 |" in line
+    assert "global batch size: 8 |" in line and "loss scale: 4096.0" in line
+    assert "lm loss: 3.500000E+00" in line  # a loss as Megatron-LM prints it
+    assert "moe dropped fraction: 0.1250" in line and "moe tokens cv: 0.5000" in line  # ratios: plain decimals
+    tflops = float(line.split("throughput per device: ")[1].split(" TFLOP/s")[0])
+    mfu = float(line.split("MFU: ")[1].split("%")[0])
+    assert tflops > 0 and mfu == pytest.approx(100 * tflops / 1.0, abs=0.06)  # of 1 TFLOP/s
+    assert "(of the measured GEMM rate)" in line
