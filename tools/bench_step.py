@@ -21,7 +21,8 @@ It trains on the demo data (`make demo`'s stdlib corpus, built here when missing
 
 Overlap settings (`--overlap`, all six by default): `off` (--overlap-wgrad off, pipeline degrees 1 / 1),
 `greedy` (Lancet's greedy dW placement, degrees 1 / 1), `pipeline` (Lancet greedy and FSMoE's chunked pipeline,
---moe-pipeline-degree auto --moe-bp-pipeline-degree auto: each job measures the cost-model profile at start-up and
+--moe-pipeline-degree auto --moe-bp-pipeline-degree auto: the first job of a layout and rate measures the cost-model
+profile at start-up, later ones load it (--moe-cost-profile, one file per layout and rate in this run), and each
 solves the degrees); these three with megatron-core's gradient reduction after backward. Then, as `pipeline`:
 `grad_overlap` (megatron-core's --overlap-grad-reduce, default buckets), `grad_small` (the same with
 --ddp-bucket-size `SMALL_BUCKET`, small buckets by hand) and `adaptive` (FSMoE's adaptive gradient partition,
@@ -66,6 +67,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result  # noqa: E402
@@ -330,6 +332,8 @@ def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, a
     _, procs = cluster_of(layout)
     cluster.set_link_gbit(rate)
     flags = trainer_flags(layout, args.steps, data, args.model, setting)
+    if "--moe-cost-profile" not in (args.model or []):  # this run's cluster measured once per layout and rate
+        flags += ["--moe-cost-profile", os.path.join(args.profile_dir, f"cost_profile_{layout}_{rate:g}gbit.json")]
     return run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
 
 
@@ -350,6 +354,7 @@ def main(argv=None) -> int:
         return 0
     args = parse_args(argv)
     data = prepare_data(args.data_dir)
+    args.profile_dir = tempfile.mkdtemp(prefix="bench_step_profiles_")
     nodes = {cluster_of(layout)[0] for layout in args.cluster}
     histories: dict[tuple[str, float, str], list] = {}
     with EmulatedCluster(max(nodes), args.link_gbit[0]) as cluster:
