@@ -218,7 +218,7 @@ class Trainer:
             "lm loss": lm_loss,
             "aux": aux,
             "grad_norm": grad_norm,
-            "num_zeros": num_zeros,
+            "num_zeros": None if num_zeros is None else int(num_zeros),
             "params_norm": norm,
             "skipped": not update_successful,
             "step_ms": step_ms,

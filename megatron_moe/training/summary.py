@@ -20,17 +20,18 @@ log = logging.getLogger("megatron_moe")
 def parameter_counts(cfg: RunConfig, model) -> dict[str, int]:
     """{"total", "active_per_token", "this_rank"}: every parameter of the model once (a collective: every rank
     calls it), those one token meets, and this rank's. A parameter counts on the first of its replicas: not a
-    tied copy, not a TP duplicate, data-parallel rank 0 (expert-data-parallel rank 0 for experts)."""
+    tied copy; a dense one on TP rank 0 unless TP splits it, data-parallel rank 0; an expert's (split over ESP,
+    never copied over TP) on expert-data-parallel rank 0."""
     params = [p for chunk in model for p in chunk.parameters()]
     dense_first = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_first = parallel_state.get_expert_data_parallel_rank() == 0
-    unique = sum(
-        p.numel()
-        for p in params
-        if param_is_not_shared(p)
-        and param_is_not_tensor_parallel_duplicate(p)
-        and (expert_first if not getattr(p, "allreduce", True) else dense_first)
-    )
+
+    def first_copy(p) -> bool:
+        if not getattr(p, "allreduce", True):  # an expert's
+            return expert_first
+        return dense_first and param_is_not_tensor_parallel_duplicate(p)
+
+    unique = sum(p.numel() for p in params if param_is_not_shared(p) and first_copy(p))
     total = torch.tensor([unique], dtype=torch.float64, device=current_platform().device)
     dist.all_reduce(total)
     total = int(total.item())

@@ -105,7 +105,7 @@ ESP_LAYOUTS = {
 }
 
 
-def train(*extra: str) -> list[dict]:
+def train(*extra: str, model: list[str] = MODEL) -> list[dict]:
     """One run; every rank returns the logging rank's per-step figures.
 
     Our layer's runs pin the pipeline degrees to 1 and the gradient reduction to megatron-core's unless they say
@@ -113,7 +113,7 @@ def train(*extra: str) -> list[dict]:
     test compares could differ in them (`pipeline` tests auto itself, `grad_reduce` the adaptive partition)."""
     ours = not any(a == "--moe-layer-impl" and b == "mcore" for a, b in zip(extra, extra[1:]))
     pinned = [*degrees(1, 1), "--grad-reduce-schedule", "megatron"] if ours else []
-    return train_in_job([*MODEL, *pinned, *extra])
+    return train_in_job([*model, *pinned, *extra])
 
 
 def ckpt(name: str) -> str:
@@ -343,29 +343,33 @@ def megatron_lm() -> dict:
     samples against the same in iterations, WSD and the warm-up fraction; the router flags of our layer and of
     megatron-core's; --overlap-param-gather against the distributed optimizer without it (a save and an evaluation
     in between); the logging flags with TensorBoard."""
-    base = [*without(MODEL, "--lr-warmup-iters"), *EP2]
-    iters = ["--train-iters", str(ITERS)]
+    model = without(MODEL, "--lr-warmup-iters")  # each run says how it warms up, in iterations or in samples
+    base, iters = EP2, ["--train-iters", str(ITERS)]
     capacity = ["--moe-expert-capacity-factor", "1.0"]
+
+    def run(*flags: str) -> list[dict]:
+        return train(*flags, model=model)
+
     distopt = [*iters, "--use-distributed-optimizer", "--eval-interval", "2", "--eval-iters", "1"]
     results = {
-        "iters": train(*base, *iters, "--lr-warmup-iters", "1", "--lr-decay-iters", "3"),
-        "tp2_ep2": train(*base, *iters, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
-        "samples": train(*base, "--train-samples", "32", "--lr-warmup-samples", "8", "--lr-decay-samples", "24"),
-        "wsd": train(*base, *iters, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style",
+        "iters": run(*base, *iters, "--lr-warmup-iters", "1", "--lr-decay-iters", "3"),
+        "tp2_ep2": run(*base, *iters, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+        "samples": run(*base, "--train-samples", "32", "--lr-warmup-samples", "8", "--lr-decay-samples", "24"),
+        "wsd": run(*base, *iters, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style",
                      "linear"),
-        "fraction": train(*base, *iters, "--lr-warmup-fraction", "0.25"),
-        "gate_sigmoid": train(*base, *iters, "--moe-gate", "sigmoid"),
-        "score_sigmoid": train(*base, *iters, "--moe-router-score-function", "sigmoid"),
-        "pre_softmax": train(*base, *iters, "--moe-router-pre-softmax"),
-        "no_normalize": train(*base, *iters, "--no-moe-normalize-topk"),
-        "scaled_probs": train(*base, *iters, *capacity, "--moe-router-topk-scaling-factor", "2",
+        "fraction": run(*base, *iters, "--lr-warmup-fraction", "0.25"),
+        "gate_sigmoid": run(*base, *iters, "--moe-gate", "sigmoid"),
+        "score_sigmoid": run(*base, *iters, "--moe-router-score-function", "sigmoid"),
+        "pre_softmax": run(*base, *iters, "--moe-router-pre-softmax"),
+        "no_normalize": run(*base, *iters, "--no-moe-normalize-topk"),
+        "scaled_probs": run(*base, *iters, *capacity, "--moe-router-topk-scaling-factor", "2",
                               "--moe-token-drop-policy", "probs"),
-        "position": train(*base, *iters, *capacity, "--moe-token-drop-policy", "position"),
-        "mcore": train(*without(base, "--overlap-wgrad"), *iters, *MCORE, *capacity, "--moe-router-pre-softmax",
+        "position": run(*base, *iters, *capacity, "--moe-token-drop-policy", "position"),
+        "mcore": run(*without(base, "--overlap-wgrad"), *iters, *MCORE, *capacity, "--moe-router-pre-softmax",
                        "--moe-router-topk-scaling-factor", "2", "--moe-token-drop-policy", "position"),
-        "distopt": train(*base, *distopt, "--save", ckpt("distopt")),
-        "param_gather": train(*base, *distopt, "--overlap-param-gather", "--save", ckpt("param_gather")),
-        "logging": train(*base, *iters, "--log-throughput", "--log-num-zeros-in-grad", "--tensorboard-dir",
+        "distopt": run(*base, *distopt, "--save", ckpt("distopt")),
+        "param_gather": run(*base, *distopt, "--overlap-param-gather", "--save", ckpt("param_gather")),
+        "logging": run(*base, *iters, "--log-throughput", "--log-num-zeros-in-grad", "--tensorboard-dir",
                          os.path.join(WORKDIR, "tb"), "--tensorboard-log-interval", "2",
                          "--log-validation-ppl-to-tensorboard", "--eval-interval", "2", "--eval-iters", "1"),
     }  # fmt: skip
