@@ -332,8 +332,9 @@ def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, a
     _, procs = cluster_of(layout)
     cluster.set_link_gbit(rate)
     flags = trainer_flags(layout, args.steps, data, args.model, setting)
-    if "--moe-cost-profile" not in (args.model or []):  # this run's cluster measured once per layout and rate
-        flags += ["--moe-cost-profile", os.path.join(args.profile_dir, f"cost_profile_{layout}_{rate:g}gbit.json")]
+    profile_dir = getattr(args, "profile_dir", None)  # main() makes it; without it every job measures its own
+    if profile_dir and "--moe-cost-profile" not in (args.model or []):  # measured once per layout and rate
+        flags += ["--moe-cost-profile", os.path.join(profile_dir, f"cost_profile_{layout}_{rate:g}gbit.json")]
     return run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
 
 

@@ -44,7 +44,7 @@ from megatron_moe.comm.moe import (
     sum_across_shards,
 )
 from megatron_moe.comm.timers import CommSummary, CommTimers
-from megatron_moe.comm.training import agree_exit, barrier, reduce_lm_loss, reduce_moe_metrics
+from megatron_moe.comm.training import agree_exit, barrier, count_parameters, reduce_lm_loss, reduce_moe_metrics
 
 __all__ = [
     "KINDS",
@@ -58,6 +58,7 @@ __all__ = [
     "agree_exit",
     "barrier",
     "combine_all_to_all",
+    "count_parameters",
     "dispatch_all_to_all",
     "esp_all_gather",
     "esp_gather_counts",

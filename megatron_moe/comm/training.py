@@ -1,5 +1,5 @@
 """The training run's own collectives: the logged loss, MoE metrics, the exit agreement, barriers, the dW-overlap
-profile.
+profile, the start-up summary's parameter count.
 
 All are kind `other`: small, once per step (or per save, or per profiled plan), never overlapped.
 """
@@ -52,3 +52,11 @@ def agree_wgrad_profile(table: torch.Tensor, group=None) -> torch.Tensor:
         record = Collective("other", "agree_wgrad_profile", group, nbytes=nbytes(table))
         issue(record, lambda: dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group))
     return table
+
+
+def count_parameters(counts: torch.Tensor) -> torch.Tensor:
+    """In place: each rank's count of the parameters it holds first (`training.summary.parameter_counts`), summed
+    over the world."""
+    if is_distributed():
+        issue(Collective("other", "count_parameters", nbytes=nbytes(counts)), lambda: dist.all_reduce(counts))
+    return counts

@@ -135,7 +135,7 @@ PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendors
 
 def peak_flops_per_s(dtype: torch.dtype) -> tuple[float, str]:
     """The denominator of MFU and what it is: a known GPU's data-sheet peak for 16-bit (fp32 runs are held to
-    it too, as Megatron-LM's MFU is), else this device's measured fp32 GEMM rate (2048^3, best of 5), which is
+    it too, as Megatron-LM's MFU is), else this device's measured fp32 GEMM rate (1024^3, best of 3), which is
     what a CPU can reach, stated as such."""
     platform = current_platform()
     if platform.is_accelerator:
@@ -143,10 +143,10 @@ def peak_flops_per_s(dtype: torch.dtype) -> tuple[float, str]:
         for model, tflops in PEAK_TFLOPS.items():
             if model in name:
                 return tflops * 1e12, f"{name} peak"
-    n = 2048
-    a = torch.randn(n, n, device=platform.device)
+    n = 1024
+    a = torch.full((n, n), 0.5, device=platform.device)  # no random numbers: the run's RNG streams stay as they are
     best = float("inf")
-    for _ in range(5):
+    for _ in range(3):
         synchronize()
         started = time.perf_counter()
         a @ a

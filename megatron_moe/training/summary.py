@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_moe import comm
 from megatron_moe.config import RunConfig
 from megatron_moe.platform import current_platform
 from megatron_moe.training.flops import inactive_params_per_token
@@ -33,8 +33,7 @@ def parameter_counts(cfg: RunConfig, model) -> dict[str, int]:
 
     unique = sum(p.numel() for p in params if param_is_not_shared(p) and first_copy(p))
     total = torch.tensor([unique], dtype=torch.float64, device=current_platform().device)
-    dist.all_reduce(total)
-    total = int(total.item())
+    total = int(comm.count_parameters(total).item())
     return {
         "total": total,
         "active_per_token": total - inactive_params_per_token(cfg),
