@@ -32,6 +32,7 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank fails alike; one line says why
             log.error("error: %s", error)
         return 2
+    setup_logging(verbose=cfg.logging.verbose)
     if int(os.environ.get("RANK", 0)) == 0:
         for note in cfg.notes:
             log.info(note)

@@ -9,7 +9,9 @@
 #   examples/pretrain_gpt_moe_tiny_cpu.sh --train-iters 20 # extra flags override
 #   DRY_RUN=1 examples/pretrain_gpt_moe_tiny_cpu.sh        # print the command only
 #
-# Environment: DATA_DIR (default REPO/data), RUN_DIR (default
+# Environment: DATA_PATH and TOKENIZER_MODEL (your data, as the GPU examples
+# take it: then nothing is built), else DATA_DIR (default REPO/data, where the
+# stdlib data is built when missing); RUN_DIR (default
 # REPO/runs/gpt_moe_tiny_cpu: tensorboard/ and checkpoints/ go there),
 # VOCAB_SIZE (4096), and the launcher variables of examples/common.sh.
 # A second run with the same RUN_DIR resumes from its checkpoint (--load ==
@@ -20,8 +22,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 DATA_DIR="${DATA_DIR:-$REPO_ROOT/data}"
 RUN_DIR="${RUN_DIR:-$REPO_ROOT/runs/gpt_moe_tiny_cpu}"
 VOCAB_SIZE="${VOCAB_SIZE:-4096}"
-TOKENIZER_MODEL="$DATA_DIR/tokenizer.model"
-DATA_PREFIX="$DATA_DIR/stdlib_text_document"
+STDLIB_PREFIX="$DATA_DIR/stdlib_text_document"
+if [[ -n "${DATA_PATH:-}" ]]; then  # your data: DATA_PATH (a prefix or a blend) and its TOKENIZER_MODEL
+    data_from_env
+else
+    [[ -z "${TOKENIZER_MODEL:-}" ]] || die "TOKENIZER_MODEL=$TOKENIZER_MODEL without DATA_PATH: give the data it tokenized too (the stdlib data has its own tokenizer in DATA_DIR)"
+    TOKENIZER_MODEL="$DATA_DIR/tokenizer.model"
+    DATA_PATHS=("$STDLIB_PREFIX")
+fi
 
 # Two processes on two cores: one thread each, or they fight over the cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -29,10 +37,14 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MEGATRON_MOE_FORCE_CPU="${MEGATRON_MOE_FORCE_CPU:-1}"
 
 prepare_data() {
-    if [[ -f "$DATA_PREFIX.bin" && -f "$DATA_PREFIX.idx" && -f "$TOKENIZER_MODEL" ]]; then
-        log "data: using $DATA_PREFIX.{bin,idx} and $TOKENIZER_MODEL"
-        if [[ ! -f "$DATA_PREFIX.meta.json" ]]; then  # data made before the metadata sidecar existed
-            "$PYTHON" "$REPO_ROOT/tools/preprocess_data.py" --write-metadata "$DATA_PREFIX" \
+    if [[ -n "${DATA_PATH:-}" ]]; then
+        log "data: using DATA_PATH=${DATA_PATHS[*]} with TOKENIZER_MODEL=$TOKENIZER_MODEL (given)"
+        return
+    fi
+    if [[ -f "$STDLIB_PREFIX.bin" && -f "$STDLIB_PREFIX.idx" && -f "$TOKENIZER_MODEL" ]]; then
+        log "data: using $STDLIB_PREFIX.{bin,idx} and $TOKENIZER_MODEL"
+        if [[ ! -f "$STDLIB_PREFIX.meta.json" ]]; then  # data made before the metadata sidecar existed
+            "$PYTHON" "$REPO_ROOT/tools/preprocess_data.py" --write-metadata "$STDLIB_PREFIX" \
                 --tokenizer-model "$TOKENIZER_MODEL"
         fi
         return
@@ -41,7 +53,7 @@ prepare_data() {
     mkdir -p "$DATA_DIR"
     "$PYTHON" "$REPO_ROOT/tools/make_stdlib_corpus.py" --output "$DATA_DIR/stdlib.jsonl"
     "$PYTHON" "$REPO_ROOT/tools/train_tokenizer.py" --input "$DATA_DIR/stdlib.jsonl" \
-        --model-prefix "$DATA_DIR/tokenizer" --vocab-size "$VOCAB_SIZE" --num-threads 2
+        --model-prefix "${TOKENIZER_MODEL%.model}" --vocab-size "$VOCAB_SIZE" --num-threads 2
     "$PYTHON" "$REPO_ROOT/tools/preprocess_data.py" --input "$DATA_DIR/stdlib.jsonl" \
         --tokenizer-model "$TOKENIZER_MODEL" --output-prefix "$DATA_DIR/stdlib" \
         --workers 2 --append-eod
@@ -58,11 +70,11 @@ MODEL_ARGS=(
 MOE_ARGS=(
     --num-experts 8
     --moe-router-topk 2
-    --moe-layer-freq 2              # layers 0 and 2 are MoE, 1 and 3 dense
+    --moe-layer-freq 2              # layers 1 and 3 are MoE, 2 and 4 dense (numbered from 1)
     --moe-aux-loss-coeff 0.01
 )
 DATA_ARGS=(
-    --data-path "$DATA_PREFIX"
+    --data-path "${DATA_PATHS[@]}"
     --tokenizer-model "$TOKENIZER_MODEL"
     --split 98,2,0
 )

@@ -16,15 +16,57 @@ import warnings
 VERBOSE_ENV = "MEGATRON_MOE_VERBOSE"  # "1": every error report carries its whole traceback
 
 
-def setup_logging() -> None:
-    """Our INFO lines on rank 0 and the last rank (which holds the loss); megatron-core's at WARNING."""
+MEGATRON_NOISE = (
+    "Unknown MLP type",  # our MLP specs are ModuleSpecs it does not list; it then uses the right kwargs
+    "RNG state changed within GPU RNG context",  # the CPU platform's RNG tracker: expected on CPU
+    "legacy tokenizer",  # we subclass its legacy tokenizer on purpose (the GPTDataset interface)
+    "Apex is not installed",
+    "Transformer Engine",
+    "transformer_engine",
+    "RerunStateMachine",
+    "rerun state machine",
+    "BlendedDataset",  # its cache notices
+)
+"""megatron-core's messages that say nothing about this run (its modules' expectations of a GPU set-up)."""
+
+
+class MegatronNoise(logging.Filter):
+    """Drops `MEGATRON_NOISE` from megatron-core's loggers; `verbose` (--verbose) shows each such message once
+    instead. One place, on the root handlers, so every logger's records pass it."""
+
+    def __init__(self):
+        super().__init__()
+        self.verbose = False
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("megatron.") and record.name != "megatron":
+            return True
+        message = record.getMessage()
+        if not any(pattern in message for pattern in MEGATRON_NOISE):
+            return True
+        if not self.verbose or message in self._seen:
+            return False
+        self._seen.add(message)
+        return True
+
+
+NOISE = MegatronNoise()
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Our INFO lines on rank 0 and the last rank (which holds the loss); megatron-core's at WARNING, less its
+    `MEGATRON_NOISE` (shown once each with `verbose`, --verbose). Called again once the flags are parsed."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     level = logging.INFO if rank in (0, world - 1) else logging.WARNING
     logging.basicConfig(level=level, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    # We subclass its legacy tokenizer on purpose (the GPTDataset interface); no need to say so per run.
-    logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module="megatron")  # apex/TE-absent notices, deprecations
+    NOISE.verbose = verbose
+    for handler in logging.getLogger().handlers:
+        if NOISE not in handler.filters:
+            handler.addFilter(NOISE)
+    logging.getLogger("megatron").setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:
+        warnings.filterwarnings("ignore", module="megatron")  # apex/TE-absent notices, deprecations
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 

@@ -806,6 +806,9 @@ class LoggingConfig:
         "turn off the communication timers (exposed comm per kind and MoE layer in the log line and "
         "TensorBoard); only to measure their cost, which is under 1%% of a step",
     )
+    verbose: bool = arg(
+        False, "also megatron-core's INFO lines and, once each, its notices this stack filters as noise"
+    )
     log_throughput: bool = arg(
         True,
         "model TFLOP/s per device in the log line (6 x active weights per token + attention, x tokens / devices / "

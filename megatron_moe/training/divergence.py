@@ -128,6 +128,15 @@ class ForwardFiniteFlags:
             handle.remove()
 
 
+def reductions_in_flight(chunks) -> bool:
+    """Whether a DDP bucket group of the model chunks has started its gradient reduction (not yet finished)."""
+    return any(
+        group.grad_reduce_handle is not None
+        for chunk in chunks
+        for group in getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", [])
+    )
+
+
 def _no_origin() -> str:
     return ""
 
@@ -136,16 +145,25 @@ def check_grads_then(
     finalize: Callable, *, iteration: Callable[[], int], rank: int, origin: Callable[[], str] = _no_origin
 ) -> Callable:
     """`finalize` (megatron-core's finalize_model_grads) preceded by the local gradient check; `origin()` is
-    appended to its message (e.g. `ForwardFiniteFlags.describe`)."""
+    appended to its message (e.g. `ForwardFiniteFlags.describe`). Where a bucket's data-parallel reduction has
+    already started in backward (--overlap-grad-reduce, the adaptive --grad-reduce-schedule), its buffer is no
+    longer this rank's alone, and a collective is writing it: the check then follows the reduction instead."""
 
-    def checked(model, *args, **kwargs):
+    def raise_if_nonfinite(model, where: str) -> None:
         name = first_nonfinite_grad(model)
         if name is not None:
             raise NonFiniteError(
-                f"non-finite gradient at iteration {iteration()} on rank {rank}: first in parameter {name}"
+                f"non-finite gradient at iteration {iteration()} on rank {rank}{where}: first in parameter {name}"
                 f"{origin()} (a lower --lr usually helps)"
             )
-        return finalize(model, *args, **kwargs)
+
+    def checked(model, *args, **kwargs):
+        if not reductions_in_flight(model):
+            raise_if_nonfinite(model, "")
+            return finalize(model, *args, **kwargs)
+        result = finalize(model, *args, **kwargs)
+        raise_if_nonfinite(model, " (after the data-parallel reduction overlapped with backward: on every rank)")
+        return result
 
     return checked
 

@@ -27,8 +27,9 @@ def makefile_examples() -> dict[str, tuple[int, int]]:
     return {name: (int(nodes), int(gpus)) for name, nodes, gpus in (spec.split(":") for spec in specs)}
 
 
-def dry_run(name: str, nodes: int, gpus: int) -> list[str]:
-    """The trainer flags the example passes, from its printed torchrun command."""
+def dry_run(name: str, nodes: int, gpus: int, **overrides: str | None) -> list[str]:
+    """The trainer flags the example passes, from its printed torchrun command (`overrides`: environment
+    variables set, or removed where None)."""
     env = {
         **os.environ,
         "PYTHON": sys.executable,
@@ -40,6 +41,7 @@ def dry_run(name: str, nodes: int, gpus: int) -> list[str]:
         "GPUS_PER_NODE": str(gpus),
         "PYTHONPATH": ROOT,
     }
+    env = {k: v for k, v in {**env, **overrides}.items() if v is not None}
     proc = subprocess.run(
         ["bash", os.path.join(ROOT, "examples", f"{name}.sh")],
         env=env,
@@ -78,3 +80,13 @@ def test_the_checks_can_fail():
     flags = ["--data-path", "d", "--tokenizer-model", "t", "--num-experts", "8", "--moe-grouped-gemm"]
     with pytest.raises(ConfigError, match="--moe-grouped-gemm"):  # read only by megatron-core's MoE layer
         parse_args(flags)
+
+
+def test_the_tiny_cpu_example_trains_on_your_data_or_on_its_own():
+    def data(args):
+        return args[args.index("--data-path") + 1], args[args.index("--tokenizer-model") + 1]
+
+    yours = dry_run("pretrain_gpt_moe_tiny_cpu", 1, 2)  # DATA_PATH and TOKENIZER_MODEL given, as to the GPU ones
+    assert data(yours) == ("/data/corpus_text_document", "/data/tokenizer.model")
+    own = dry_run("pretrain_gpt_moe_tiny_cpu", 1, 2, DATA_PATH=None, TOKENIZER_MODEL=None, DATA_DIR="/d")
+    assert data(own) == ("/d/stdlib_text_document", "/d/tokenizer.model")

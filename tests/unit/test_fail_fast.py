@@ -82,6 +82,22 @@ def test_grad_check_runs_before_finalize_and_names_iteration_rank_parameter():
     assert len(calls) == 1  # the reduction never ran on bad grads
 
 
+def test_with_a_reduction_in_flight_the_grad_check_follows_it():
+    # a bucket's reduction started in backward: the buffer is being written by the collective, not checked
+    finished = []
+    chunk = fake_chunk({"w": torch.tensor([math.nan])})
+    chunk.bucket_groups = [SimpleNamespace(grad_reduce_handle=object())]
+    chunk.expert_parallel_bucket_groups = []
+
+    def finalize(model, *args, **kwargs):
+        finished.append(model)  # megatron-core's finish_grad_sync: the reduced (here still NaN) gradients
+        model[0].bucket_groups[0].grad_reduce_handle = None
+
+    with pytest.raises(NonFiniteError, match=r"on rank 1 \(after the data-parallel reduction overlapped"):
+        check_grads_then(finalize, iteration=lambda: 7, rank=1)([chunk])
+    assert finished == [[chunk]]
+
+
 def test_loss_check():
     check_loss(2.5, iteration=3, rank=0)
     check_loss(None, iteration=3, rank=0)  # not the last pipeline stage

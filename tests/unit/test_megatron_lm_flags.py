@@ -1,5 +1,6 @@
 """Issue 17: a Megatron-LM user's flags parse as Megatron-LM means them, or say in one line why not."""
 
+import logging
 import math
 import sys
 import types
@@ -265,3 +266,19 @@ def test_the_log_line_reads_as_megatron_lms(caplog):
     mfu = float(line.split("MFU: ")[1].split("%")[0])
     assert tflops > 0 and mfu == pytest.approx(100 * tflops / 1.0, abs=0.06)  # of 1 TFLOP/s
     assert "(of the measured GEMM rate)" in line
+
+
+def test_megatron_cores_noise_is_filtered_in_one_place_and_shown_once_with_verbose():
+    from megatron_moe.failure import MegatronNoise
+
+    noise = MegatronNoise()
+
+    def record(name, message):
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, message, None, None)
+
+    unknown = record("megatron.core.transformer.transformer_layer", "Unknown MLP type: <ModuleSpec>. Using default")
+    assert not noise.filter(unknown)
+    assert noise.filter(record("megatron.core.optimizer", "a real warning"))  # anything else passes
+    assert noise.filter(record("megatron_moe", "Unknown MLP type in our own words"))  # ours are never noise
+    noise.verbose = True
+    assert noise.filter(unknown) and not noise.filter(unknown)  # --verbose: once
