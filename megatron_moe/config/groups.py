@@ -44,6 +44,9 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = arg(False, "separate output layer weights")
     hidden_dropout: float = arg(0.0, "dropout after attention and MLP")
     attention_dropout: float = arg(0.0, "dropout on attention probabilities")
+    attention_softmax_in_fp32: bool = arg(
+        False, "attention's softmax in fp32 under half precision (else in bf16/fp16)", applies=only.MIXED_PRECISION
+    )
     init_method_std: float = arg(0.02, "std of the normal weight init")
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this (a multiple of TP)")
     transformer_impl: str | None = arg(

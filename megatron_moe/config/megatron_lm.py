@@ -1,9 +1,16 @@
 """Megatron-LM flags that have no meaning here, and the one-line answer to a flag nobody defines.
 
-A Megatron-LM user's launch script carries flags this stack does not need: each is accepted with one line
-saying why it changes nothing (`NOT_NEEDED`), or refused with the reason where running on would mislead
-(`REFUSED`); none is silently ignored. A flag that is neither ours nor Megatron-LM's gets one line naming the
-closest flags and the group they live in (`unknown_flag`), not argparse's usage dump.
+A Megatron-LM user's launch script carries flags this stack names otherwise or does not need. Each is answered
+before parsing, never silently ignored:
+
+- `RENAMED`: read as our flag(s) with the same meaning (one line says which);
+- `NOT_NEEDED`: accepted with one line saying why it changes nothing here;
+- `NOT_NEEDED_WITH`: accepted for the values that change nothing here (one line), refused for any other;
+- `REFUSED`: refused with the reason, where running on would mislead.
+
+A flag that is neither ours nor Megatron-LM's gets one line naming the closest flags and the group they live in
+(`unknown_flag`), not argparse's usage dump. Megatron-LM's whole MoE group is answered here or is ours; the
+README's flag-mapping table lists them.
 """
 
 from __future__ import annotations
@@ -18,6 +25,30 @@ _FUSIONS = (
     "megatron-core's fused kernels are off in this stack's layer config (bias-GELU/SwiGLU, bias-dropout, masked "
     "softmax, RoPE and gradient-accumulation fusion), so there is nothing to turn off"
 )
+_TIMERS = (
+    "the timers always go to TensorBoard here (iteration time; exposed and total communication per kind and per MoE "
+    "layer)"
+)
+_DEEPEP = (
+    "DeepEP's dispatch kernels are not supported: tokens move by torch.distributed all-to-all "
+    "(--moe-token-dispatcher-type alltoall), overlapped by --overlap-wgrad and --moe-pipeline-degree"
+)
+_EXPERT_BIAS = (
+    "aux-loss-free balancing by a learned expert bias is not supported yet: use --moe-router-load-balancing-type "
+    "aux_loss, or --moe-gate expert_choice for loads balanced by construction"
+)
+_GROUP_LIMITED = "group-limited (device- or node-limited) routing is not supported yet; drop it"
+_UPCYCLING = "upcycling a dense checkpoint into MoE is not supported yet; drop it"
+
+RENAMED: dict[str, tuple[bool, tuple[str, ...]]] = {
+    # flag -> (takes a value, our flags that mean the same; its value, if any, follows them)
+    "--moe-shared-expert-intermediate-size": (True, ("--moe-shared-expert-ffn-hidden-size",)),
+    "--use-rotary-position-embeddings": (False, ("--position-embedding-type", "rope")),
+    "--recompute-activations": (
+        False,
+        ("--recompute-granularity", "selective", "--recompute-modules", "core_attention"),
+    ),
+}
 NOT_NEEDED: dict[str, tuple[bool, str]] = {
     # flag -> (takes a value, why it changes nothing here)
     "--use-mcore-models": (False, "the model is always megatron-core's GPTModel here"),
@@ -33,10 +64,64 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
     ),
     "--distributed-backend": (True, "the platform layer picks it: nccl on a GPU, gloo on CPU"),
     "--use-torch-optimizer-for-cpu-offload": (False, "the optimizer is megatron-core's, on the device"),
-    "--log-timers-to-tensorboard": (
+    "--log-timers-to-tensorboard": (False, _TIMERS),
+    "--timing-log-level": (True, _TIMERS),
+    "--log-memory-to-tensorboard": (False, "mem-bytes (device memory, or resident set size on CPU) always goes there"),
+    "--tensorboard-queue-size": (True, "the TensorBoard writer is flushed at every log interval"),
+    "--use-checkpoint-opt_param-scheduler": (
         False,
-        "the timers always go to TensorBoard here (iteration time; exposed and total communication per kind and "
-        "per MoE layer)",
+        "the learning-rate schedule is always restored from the checkpoint (its flags must match it)",
+    ),
+    "--accumulate-allreduce-grads-in-fp32": (False, "under --bf16/--fp16 gradients are always reduced in fp32 here"),
+    "--group-query-attention": (False, "--num-query-groups below --num-attention-heads turns it on by itself"),
+    "--no-position-embedding": (
+        False,
+        "with --position-embedding-type rope (the default here) there is no learned position table",
+    ),
+    "--no-create-attention-mask-in-dataloader": (False, "the data loader never builds attention masks here"),
+    "--manual-gc": (False, "Python's automatic garbage collection is kept; it changes no result"),
+    # MoE
+    "--moe-shared-expert-overlap": (
+        False,
+        "our MoE layer always runs the shared expert while the dispatch all-to-all is in flight",
+    ),
+    "--moe-router-fusion": (False, "transformer-engine's fused router; ours computes the same in fp32 torch ops"),
+    "--moe-permute-fusion": (False, "transformer-engine's fused permutation; ours permutes with index ops, same rows"),
+    "--moe-use-legacy-grouped-gemm": (
+        False,
+        "without transformer-engine megatron-core's layer (--moe-layer-impl mcore) uses its legacy GroupedMLP "
+        "already; ours has its own grouped GEMM",
+    ),
+    "--moe-per-layer-logging": (
+        False,
+        "per-MoE-layer figures (aux and z loss, drops, loads, entropy) always go to TensorBoard here",
+    ),
+    "--moe-router-padding-for-fp8": (False, "no FP8 expert GEMMs here, so nothing to pad for"),
+    "--moe-pad-experts-for-cuda-graph-inference": (False, "an inference option; this stack trains"),
+    "--delay-wgrad-compute": (
+        False,
+        "weight gradients are deferred under the backward all-to-alls by --overlap-wgrad here (greedy, the "
+        "default where EP > 1)",
+    ),
+}
+NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
+    # flag -> (values that change nothing here, why, why any other value is refused)
+    "--moe-router-dtype": (
+        ("fp32",),
+        "the router's logits, probabilities and combine weights are fp32 here whatever the model's dtype",
+        "only fp32 routing is supported (always on)",
+    ),
+    "--rotary-percent": (("1.0", "1"), "RoPE covers the whole head here", "partial rotary is not supported yet"),
+    "--recompute-method": (
+        ("uniform",),
+        "--recompute-granularity full recomputes megatron-core's uniform way, one layer at a time",
+        "only uniform full recompute is supported (with --recompute-granularity full)",
+    ),
+    "--recompute-num-layers": (
+        ("1",),
+        "--recompute-granularity full recomputes megatron-core's uniform way, one layer at a time",
+        "full recompute goes one layer at a time here; for less recompute name modules with "
+        "--recompute-granularity selective --recompute-modules",
     ),
 }
 REFUSED: dict[str, tuple[bool, str]] = {
@@ -53,27 +138,87 @@ REFUSED: dict[str, tuple[bool, str]] = {
         "the interleaved (virtual) pipeline is not supported yet: one model chunk per pipeline rank; drop it "
         "and keep --pipeline-model-parallel-size",
     ),
+    "--vocab-size": (True, "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it"),
+    "--padded-vocab-size": (
+        True,
+        "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it",
+    ),
+    "--kv-channels": (
+        True,
+        "an attention head is --hidden-size / --num-attention-heads wide here; drop it (set those two instead)",
+    ),
+    "--qk-layernorm": (False, "query/key layer norm is not supported yet; drop it"),
+    "--eod-mask-loss": (False, "masking the loss at document ends is not supported yet; drop it"),
+    "--reset-position-ids": (False, "resetting position ids at document ends is not supported yet; drop it"),
+    "--reset-attention-mask": (False, "per-document attention masks are not supported yet; drop it"),
+    # MoE
+    "--moe-extended-tp": (False, "deprecated in Megatron-LM too: use --expert-tensor-parallel-size"),
+    "--moe-layer-recompute": (
+        False,
+        "deprecated in Megatron-LM too: name what to recompute with --recompute-granularity selective "
+        "--recompute-modules (or --activation-policy arctic), or use --recompute-granularity full",
+    ),
+    "--moe-use-upcycling": (False, _UPCYCLING),
+    "--moe-upcycling-granularity": (True, _UPCYCLING),
+    "--moe-router-num-groups": (True, _GROUP_LIMITED),
+    "--moe-router-group-topk": (True, _GROUP_LIMITED),
+    "--moe-router-enable-expert-bias": (False, _EXPERT_BIAS),
+    "--moe-router-bias-update-rate": (True, _EXPERT_BIAS),
+    "--moe-router-force-load-balancing": (
+        False,
+        "use --moe-gate expert_choice for benchmarks with balanced loads (every expert gets exactly its capacity)",
+    ),
+    "--moe-input-jitter-eps": (
+        True,
+        "input jitter is not supported; --moe-gate noisy adds noise to the router's logits instead",
+    ),
+    "--moe-apply-probs-on-input": (False, "weighting expert inputs by the router's probabilities is not supported yet"),
+    "--moe-enable-deepep": (False, _DEEPEP),
+    "--moe-deepep-num-sms": (True, _DEEPEP),
+    "--overlap-moe-expert-parallel-comm": (
+        False,
+        "overlap between two micro-batches is not supported; here the all-to-alls are hidden inside each "
+        "micro-batch by --overlap-wgrad and --moe-pipeline-degree (both on by default where EP > 1)",
+    ),
 }
 
 
 def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(argv without the `NOT_NEEDED` flags and their values, one note per flag removed); a `REFUSED` flag
-    raises ConfigError with its reason."""
+    """(argv with Megatron-LM's flags answered: renamed ones replaced by ours, not-needed ones dropped with their
+    values; one note per flag answered); a refused flag raises ConfigError with its reason."""
     kept, notes = [], []
     args = list(argv)
     i = 0
     while i < len(args):
-        flag, has_inline_value = args[i].split("=", 1)[0], "=" in args[i]
+        flag, inline = args[i].split("=", 1) if "=" in args[i] else (args[i], None)
+        takes_value = _takes_value(flag)
+        value = inline if inline is not None or not takes_value else (args[i + 1] if i + 1 < len(args) else None)
+        step = 2 if takes_value and inline is None else 1
         if flag in REFUSED:
             raise ConfigError(f"{flag}: {REFUSED[flag][1]}")
-        if flag in NOT_NEEDED:
-            takes_value, why = NOT_NEEDED[flag]
-            notes.append(f"{flag}: not needed here ({why}); accepted and ignored")
-            i += 2 if takes_value and not has_inline_value else 1
-            continue
-        kept.append(args[i])
-        i += 1
+        if flag in RENAMED:
+            ours = RENAMED[flag][1]
+            kept += [*ours, *([value] if takes_value else [])]
+            notes.append(f"{flag}: read as {' '.join(ours)}{' ' + value if takes_value else ''} (same meaning here)")
+        elif flag in NOT_NEEDED:
+            notes.append(f"{flag}: not needed here ({NOT_NEEDED[flag][1]}); accepted and ignored")
+        elif flag in NOT_NEEDED_WITH:
+            values, why, otherwise = NOT_NEEDED_WITH[flag]
+            if value not in values:
+                raise ConfigError(f"{flag}={value}: {otherwise} (accepted: {', '.join(values)})")
+            notes.append(f"{flag} {value}: not needed here ({why}); accepted and ignored")
+        else:
+            kept.append(args[i])
+            step = 1
+        i += step
     return kept, notes
+
+
+def _takes_value(flag: str) -> bool:
+    for table in (RENAMED, NOT_NEEDED, REFUSED):
+        if flag in table:
+            return table[flag][0]
+    return flag in NOT_NEEDED_WITH
 
 
 def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:

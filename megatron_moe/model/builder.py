@@ -106,6 +106,7 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         bf16=t.bf16,
         fp16=t.fp16,
         deallocate_pipeline_outputs=True,
+        attention_softmax_in_fp32=m.attention_softmax_in_fp32,
         recompute_granularity="full" if cfg.activations.full_recompute else None,
         recompute_method="uniform" if cfg.activations.full_recompute else None,
         recompute_num_layers=1 if cfg.activations.full_recompute else None,

@@ -10,7 +10,8 @@ import torch
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, topk_routing_with_score_function
 
 from megatron_moe.config import ConfigError, build_parser, parse_args
-from megatron_moe.config.megatron_lm import NOT_NEEDED, REFUSED
+from megatron_moe.config.megatron_lm import NOT_NEEDED, NOT_NEEDED_WITH, REFUSED, RENAMED
+from megatron_moe.model.builder import transformer_config
 from megatron_moe.moe import MoELayerConfig, build_gate, capacity_limit
 from megatron_moe.moe.ordering import sort_pairs
 from megatron_moe.training.flops import flops_per_token, matmul_params_per_token
@@ -59,6 +60,60 @@ def test_a_megatron_lm_flag_not_needed_here_is_accepted_with_its_reason(flag):
 def test_a_megatron_lm_flag_that_would_mislead_is_refused_with_its_reason(flag):
     message = error(flag, *(["2"] if REFUSED[flag][0] else []))
     assert message == f"{flag}: {REFUSED[flag][1]}"
+
+
+def test_a_renamed_megatron_lm_flag_is_read_as_ours_with_a_line_saying_so():
+    assert set(RENAMED).isdisjoint(NOT_NEEDED) and set(RENAMED).isdisjoint(REFUSED)
+    c = cfg("--moe-shared-expert-intermediate-size", "96", *MOE[len(BASE) :], "--num-layers", "2")
+    assert c.moe.moe_shared_expert_ffn_hidden_size == 96 and c.model.num_layers == 2
+    assert c.notes == [
+        "--moe-shared-expert-intermediate-size: read as --moe-shared-expert-ffn-hidden-size 96 (same meaning here)"
+    ]
+    assert (
+        cfg("--moe-shared-expert-intermediate-size=64", *MOE[len(BASE) :]).moe.moe_shared_expert_ffn_hidden_size == 64
+    )
+    c = cfg("--position-embedding-type", "learned_absolute", "--use-rotary-position-embeddings")
+    assert c.model.position_embedding_type == "rope"  # Megatron-LM's old switch wins when it comes last, as there
+    c = cfg("--recompute-activations")  # Megatron-LM: selective recompute of core attention
+    assert c.activations.selective and c.activations.recompute_modules == ["core_attention"]
+    assert c.activation_policy().mode("core_attention") == "recompute"
+
+
+@pytest.mark.parametrize("flag", sorted(NOT_NEEDED_WITH))
+def test_a_megatron_lm_flag_is_accepted_with_a_value_that_changes_nothing_and_refused_with_another(flag):
+    values, why, otherwise = NOT_NEEDED_WITH[flag]
+    c = parse_args([*BASE, flag, values[0], "--num-layers", "2"])
+    assert c.model.num_layers == 2
+    assert c.notes == [f"{flag} {values[0]}: not needed here ({why}); accepted and ignored"]
+    message = error(f"{flag}=7")
+    assert message == f"{flag}=7: {otherwise} (accepted: {', '.join(values)})"
+
+
+def test_megatron_lms_whole_moe_group_is_answered():
+    """Every flag of Megatron-LM's `_add_moe_args` (as of megatron-core 0.16) is ours, renamed, not needed or
+    refused with a reason: none is an unknown flag."""
+    megatron_lm_moe = (
+        "--expert-model-parallel-size --expert-tensor-parallel-size --num-experts --moe-layer-freq "
+        "--moe-ffn-hidden-size --moe-shared-expert-intermediate-size --moe-shared-expert-overlap --moe-grouped-gemm "
+        "--moe-use-legacy-grouped-gemm --moe-layer-recompute --moe-extended-tp --moe-use-upcycling "
+        "--moe-router-load-balancing-type --moe-router-dtype --moe-router-fusion --moe-router-score-function "
+        "--moe-router-topk --moe-router-pre-softmax --moe-router-num-groups --moe-router-group-topk "
+        "--moe-router-topk-scaling-factor --moe-router-enable-expert-bias --moe-router-bias-update-rate "
+        "--moe-router-force-load-balancing --moe-router-padding-for-fp8 --moe-aux-loss-coeff --moe-z-loss-coeff "
+        "--moe-input-jitter-eps --moe-per-layer-logging --moe-token-dispatcher-type --moe-enable-deepep "
+        "--moe-deepep-num-sms --moe-permute-fusion --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity "
+        "--moe-token-drop-policy --moe-apply-probs-on-input --overlap-moe-expert-parallel-comm "
+        "--delay-wgrad-compute --moe-upcycling-granularity --moe-pad-experts-for-cuda-graph-inference"
+    ).split()
+    ours = {option for action in build_parser()._actions for option in action.option_strings}
+    answered = ours | set(RENAMED) | set(NOT_NEEDED) | set(NOT_NEEDED_WITH) | set(REFUSED)
+    assert [flag for flag in megatron_lm_moe if flag not in answered] == []
+
+
+def test_attention_softmax_in_fp32_reaches_megatron_core_under_half_precision():
+    assert transformer_config(cfg("--bf16", "--attention-softmax-in-fp32")).attention_softmax_in_fp32
+    assert not transformer_config(cfg("--bf16")).attention_softmax_in_fp32
+    assert "only with --fp16 or --bf16" in error("--attention-softmax-in-fp32")
 
 
 def test_help_says_each_default_once_and_offers_no_none_or_double_negation():
