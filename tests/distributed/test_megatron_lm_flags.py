@@ -54,6 +54,13 @@ def test_the_router_flags_are_the_gates_they_name(runs):
     assert computed(runs["pre_softmax"]) != computed(runs["iters"])
 
 
+def test_megatron_lms_spellings_train_as_ours(runs):
+    # --moe-shared-expert-intermediate-size, --recompute-activations, --use-rotary-position-embeddings read as
+    # ours; --moe-router-dtype fp32, --rotary-percent 1.0 and the rest change nothing
+    assert len(runs["megatron_lm_spelling"]) == 4
+    assert computed(runs["megatron_lm_spelling"]) == computed(runs["our_spelling"])
+
+
 @pytest.mark.parametrize("case", ["scaled_probs", "position", "mcore"])
 def test_the_drop_policies_and_the_scaling_factor_train(runs, case):
     history = runs[case]

@@ -367,6 +367,13 @@ def megatron_lm() -> dict:
         "position": run(*base, *iters, *capacity, "--moe-token-drop-policy", "position"),
         "mcore": run(*without(base, "--overlap-wgrad"), *iters, *MCORE, *capacity, "--moe-router-pre-softmax",
                        "--moe-router-topk-scaling-factor", "2", "--moe-token-drop-policy", "position"),
+        # Megatron-LM's spellings (renamed, and not needed with these values) against ours
+        "megatron_lm_spelling": run(*base, *iters, "--moe-shared-expert-intermediate-size", "32",
+                                    "--recompute-activations", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+                                    "--use-rotary-position-embeddings", "--rotary-percent", "1.0",
+                                    "--group-query-attention", "--moe-shared-expert-overlap"),
+        "our_spelling": run(*base, *iters, "--moe-shared-expert-ffn-hidden-size", "32", "--recompute-granularity",
+                            "selective", "--recompute-modules", "core_attention"),
         "distopt": run(*base, *distopt, "--save", ckpt("distopt")),
         "param_gather": run(*base, *distopt, "--overlap-param-gather", "--save", ckpt("param_gather")),
         "logging": run(*base, *iters, "--log-throughput", "--log-num-zeros-in-grad", "--tensorboard-dir",
