@@ -7,9 +7,11 @@ flag error could be printed). This module imports only the standard library at l
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
+import tempfile
 import traceback
 import warnings
 
@@ -53,6 +55,20 @@ class MegatronNoise(logging.Filter):
 
 NOISE = MegatronNoise()
 
+ONCE = {"same_on_every_rank": True}
+"""`log.info(..., extra=ONCE)`: a line every rank would print alike (a checkpoint loaded, a layout note); rank 0
+prints it, the other ranks that log (the last one, which holds the loss) do not."""
+
+
+class SameOnEveryRank(logging.Filter):
+    """Drops `ONCE` records on every rank but 0."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "same_on_every_rank", False) or int(os.environ.get("RANK", 0)) == 0
+
+
+ONCE_FILTER = SameOnEveryRank()
+
 
 def setup_logging(verbose: bool = False) -> None:
     """Our INFO lines on rank 0 and the last rank (which holds the loss); megatron-core's at WARNING, less its
@@ -62,8 +78,9 @@ def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=level, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     NOISE.verbose = verbose
     for handler in logging.getLogger().handlers:
-        if NOISE not in handler.filters:
-            handler.addFilter(NOISE)
+        for kept_out in (NOISE, ONCE_FILTER):
+            if kept_out not in handler.filters:
+                handler.addFilter(kept_out)
     logging.getLogger("megatron").setLevel(logging.INFO if verbose else logging.WARNING)
     if not verbose:
         warnings.filterwarnings("ignore", module="megatron")  # apex/TE-absent notices, deprecations
@@ -79,13 +96,16 @@ def is_peer_failure(error: BaseException) -> bool:
 
 
 def report_failure(error: BaseException, *, expected: bool) -> None:
-    """Log `error` once for this rank: "rank R: message" first, then where it was raised (all of the
-    traceback with MEGATRON_MOE_VERBOSE=1); `expected` errors (flags, data, tokenizer) need no traceback."""
+    """Log `error` for this rank: "rank R: message" first, then where it was raised (all of the traceback with
+    MEGATRON_MOE_VERBOSE=1); `expected` errors (flags, data, tokenizer) need no traceback. A message another worker
+    of this job on this host has already reported (every rank failing alike) is not repeated."""
     log = logging.getLogger("megatron_moe")
     rank = int(os.environ.get("RANK", 0))
     message = f"error: {error}" if expected else f"{type(error).__name__}: {error}"
     if is_peer_failure(error):
         message = f"a collective failed, likely because another rank ended first (see its error): {message}"
+    if not first_report_on_this_host(message):
+        return
     log.error("rank %d: %s", rank, message)
     if os.environ.get(VERBOSE_ENV, "0") not in ("", "0"):
         log.error("rank %d: traceback:\n%s", rank, "".join(traceback.format_exception(error)).rstrip())
@@ -93,6 +113,24 @@ def report_failure(error: BaseException, *, expected: bool) -> None:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         hint = "MEGATRON_MOE_VERBOSE=1 shows the traceback"
         log.error("rank %d: raised at %s:%d in %s (%s)", rank, frame.filename, frame.lineno, frame.name, hint)
+
+
+def first_report_on_this_host(message: str) -> bool:
+    """Whether no other worker of this torchrun job on this host has reported `message` yet: a marker file per
+    message, created exclusively (no collective on the way out, so nothing can hang). Outside torchrun: always."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if job is None:
+        return True
+    folder = os.path.join(tempfile.gettempdir(), f"megatron_moe-reports-{job}-{os.getppid()}")  # the local agent
+    marker = os.path.join(folder, hashlib.sha1(message.encode()).hexdigest())
+    try:
+        os.makedirs(folder, exist_ok=True)
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # no writable temp dir: report it, duplicates and all
+        pass
+    return True
 
 
 def exit_now(code: int) -> None:

@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron_moe import comm
 from megatron_moe.checkpointing import integrity
 from megatron_moe.config import ConfigError, RunConfig
+from megatron_moe.failure import ONCE
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.rng import get_rng_states, set_rng_states
 
@@ -216,7 +217,7 @@ def _recover_swap(final: str) -> None:
     old = final + ".old"
     if not os.path.isdir(final) and integrity.is_complete(old):
         os.replace(old, final)
-        log.warning("restored %s from %s (a save of it was interrupted)", final, old)
+        log.warning("restored %s from %s (a save of it was interrupted)", final, old, extra=ONCE)
 
 
 @contextlib.contextmanager
@@ -261,7 +262,7 @@ def latest_checkpoint(root: str) -> str | None:
         raise ConfigError(f"--load={root}: {TRACKER} holds {text!r}, not an iteration number")
     path = _iter_dir(root, int(text))
     if not os.path.isdir(path) and integrity.is_complete(path + ".old"):  # a re-save killed mid-swap
-        log.warning("--load=%s: %s is missing, loading the previous copy %s.old", root, path, path)
+        log.warning("--load=%s: %s is missing, loading the previous copy %s.old", root, path, path, extra=ONCE)
         return path + ".old"
     if not os.path.isdir(path):
         raise ConfigError(f"--load={root}: {TRACKER} names iteration {text} but {path} is missing")
@@ -286,7 +287,9 @@ def resolve_load_dir(cfg: RunConfig) -> str | None:
     # No pointer: never start from scratch over iterations saved there (a later save would overwrite them).
     newest, found = integrity.newest_complete(root)
     if newest is not None:
-        log.warning("--load=%s: no %s there; loading the newest complete checkpoint %s", root, TRACKER, newest)
+        log.warning(
+            "--load=%s: no %s there; loading the newest complete checkpoint %s", root, TRACKER, newest, extra=ONCE
+        )
         return newest
     if found:
         raise ConfigError(
@@ -384,7 +387,7 @@ def _materialize_optimizer_state(optimizer) -> None:
 def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> TrainState:
     """Load `path` into this layout; returns the training position to continue from."""
     if not integrity.verify_manifest(path):
-        log.warning("--load=%s: saved without %s, files not verified", path, integrity.MANIFEST)
+        log.warning("--load=%s: saved without %s, files not verified", path, integrity.MANIFEST, extra=ONCE)
     common = dist_checkpointing.load_common_state_dict(path)
     check_compatible(common["config"], cfg, path)
     check_vocab_size(common.get("vocab_size"), model, path)
@@ -413,11 +416,18 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
             "checkpoint RNG states were saved on %s, this run is on %s: not restored",
             state["rng_state"].get("device_type", "cpu"),
             current_platform().device.type,
+            extra=ONCE,
         )
     elif not with_rng and not cfg.checkpoint.no_load_rng:
-        log.warning("checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout())
+        log.warning(
+            "checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout(), extra=ONCE
+        )
     train_state = TrainState(**common["train_state"])
     log.info(
-        "loaded %s (iteration %d, optimizer %s)", path, train_state.iteration, "restored" if with_optimizer else "fresh"
+        "loaded %s (iteration %d, optimizer %s)",
+        path,
+        train_state.iteration,
+        "restored" if with_optimizer else "fresh",
+        extra=ONCE,
     )
     return train_state

@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import math
 import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -222,3 +223,39 @@ def test_forward_flags_name_the_layer_where_non_finite_values_first_appeared(meg
     forward()  # reset() forgets the earlier step
     assert flags.first() is None
     flags.remove()
+
+
+def test_an_error_every_worker_on_a_host_raises_alike_is_reported_once(monkeypatch, caplog, tmp_path):
+    """Under torchrun each worker reports; a message another worker of the job on this host already reported is
+    not repeated (a marker file per message), one that differs is."""
+    entry = load_entry_point()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.delenv("MEGATRON_MOE_VERBOSE", raising=False)
+    with caplog.at_level(logging.ERROR, logger="megatron_moe"):
+        for rank in (2, 0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            entry.report_failure(ConfigError("--data-path=x: no x.bin"), expected=True)
+        entry.report_failure(ConfigError("--data-path=y: no y.bin"), expected=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 2: error: --data-path=x: no x.bin",
+        "rank 1: error: --data-path=y: no y.bin",
+    ]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job8")  # another job reports its own
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="megatron_moe"):
+        entry.report_failure(ConfigError("--data-path=x: no x.bin"), expected=True)
+    assert len(caplog.records) == 1
+
+
+def test_a_line_every_rank_logs_alike_is_printed_by_rank_0_only(monkeypatch):
+    from megatron_moe.failure import ONCE, ONCE_FILTER
+
+    def passes(rank, **extra):
+        monkeypatch.setenv("RANK", str(rank))
+        record = logging.LogRecord("megatron_moe.checkpointing", logging.INFO, __file__, 1, "loaded x", (), None)
+        record.__dict__.update(extra)
+        return ONCE_FILTER.filter(record)
+
+    assert passes(0, **ONCE) and not passes(3, **ONCE)
+    assert passes(0) and passes(3)  # anything else: as the rank's level says
