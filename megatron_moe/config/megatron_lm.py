@@ -40,8 +40,6 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
     ),
 }
 REFUSED: dict[str, tuple[bool, str]] = {
-    "--vocab-file": (True, "the GPT-2 BPE tokenizer is not supported yet: a SentencePiece --tokenizer-model only"),
-    "--merge-file": (True, "the GPT-2 BPE tokenizer is not supported yet: a SentencePiece --tokenizer-model only"),
     "--use-legacy-models": (False, "this stack builds megatron-core models only; drop --use-legacy-models"),
     "--num-layers-per-virtual-pipeline-stage": (
         True,
