@@ -69,7 +69,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes)
     overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce}
-    startup = {"parameters": counts, "datasets": data.sizes}
+    startup = {"parameters": counts, "datasets": data.sizes, "tokenizer": tokenizer.description}
     return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, **overlap).train()
 
 
