@@ -171,7 +171,8 @@ TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_fi
 def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
     """The training flags that choose the tokenizer (--tokenizer-type, --tokenizer-model, --vocab-file,
     --merge-file), for a tool that tokenizes: the same names, help and checks as training's."""
-    add_arguments(parser, DataConfig, "tokenizer", defaults=defaults, only=TOKENIZER_FIELDS)
+    description = "The tokenizer: the same flags as the trainer's, building the same tokenizer."
+    add_arguments(parser, DataConfig, "tokenizer", defaults=defaults, only=TOKENIZER_FIELDS, description=description)
 
 
 def tokenizer_config(namespace: argparse.Namespace, argv: Sequence[str] | None = None) -> DataConfig:

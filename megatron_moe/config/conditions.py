@@ -94,8 +94,7 @@ QUANTIZING = When(
 GPT2_BPE = When(lambda c: c.data.tokenizer_type == "GPT2BPETokenizer", "with --tokenizer-type GPT2BPETokenizer")
 TOKENIZER_MODEL = When(
     lambda c: c.data.tokenizer_type != "GPT2BPETokenizer",
-    "with --tokenizer-type SentencePieceTokenizer or HuggingFaceTokenizer (GPT2BPETokenizer reads --vocab-file and "
-    "--merge-file)",
+    "with --tokenizer-type SentencePieceTokenizer or HuggingFaceTokenizer",
 )
 
 TENSORBOARD = When(lambda c: c.logging.tensorboard_dir is not None, "with --tensorboard-dir")
