@@ -10,6 +10,7 @@ setup(
         "torch>=2.4",
         "megatron-core==0.16.1",
         "sentencepiece",
+        "tokenizers",  # GPT2BPETokenizer and HuggingFaceTokenizer (megatron_moe/data/tokenizer/huggingface.py)
         "tensorboard",
         "numpy",
         "psutil",

@@ -8,7 +8,7 @@
 #                                GPUS_PER_NODE: from the environment, else from
 #                                Slurm, else single-node defaults
 #   gpus_on_node FALLBACK        GPUs here (Slurm, nvidia-smi), else FALLBACK
-#   data_from_env                DATA_PATHS/TOKENIZER_MODEL from DATA_PATH/TOKENIZER_MODEL
+#   data_from_env                DATA_PATHS and TOKENIZER_ARGS from DATA_PATH and the tokenizer variables
 #   check_args WORLD ARGS...     parse and validate trainer flags for a world size
 #   launch_pretrain ARGS...      check_args, then torchrun pretrain_gpt_moe.py ARGS on this node
 #
@@ -56,12 +56,15 @@ require_file() {
     fi
 }
 
-# data_from_env: DATA_PATHS (an array) and TOKENIZER_MODEL from the environment,
-# for the examples that train on your data. DATA_PATH is one .bin/.idx prefix
-# or a blend "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ...".
+# data_from_env: DATA_PATHS (an array) and TOKENIZER_ARGS (the tokenizer flags)
+# from the environment, for the examples that train on your data. DATA_PATH is
+# one .bin/.idx prefix or a blend "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ...". The
+# tokenizer the data was made with: TOKENIZER_MODEL (a SentencePiece .model),
+# or VOCAB_FILE and MERGE_FILE (GPT-2's BPE, as Megatron-LM's examples take
+# it), or TOKENIZER_TYPE=HuggingFaceTokenizer with TOKENIZER_MODEL (a directory
+# holding tokenizer.json, or that file).
 data_from_env() {
     require_env DATA_PATH "give the .bin/.idx prefix written by tools/preprocess_data.py, e.g. DATA_PATH=/data/corpus_text_document, or a blend DATA_PATH='0.7 /data/a_text_document 0.3 /data/b_text_document'"
-    require_env TOKENIZER_MODEL "give the SentencePiece .model the data was tokenized with (tools/train_tokenizer.py writes one), e.g. TOKENIZER_MODEL=/data/tokenizer.model"
     read -r -a DATA_PATHS <<<"$DATA_PATH"
     local item
     for item in "${DATA_PATHS[@]}"; do
@@ -70,7 +73,31 @@ data_from_env() {
             require_file "$item.idx" "DATA_PATH: index file"
         fi
     done
-    require_file "$TOKENIZER_MODEL" "TOKENIZER_MODEL"
+    tokenizer_from_env
+}
+
+# tokenizer_from_env: TOKENIZER_ARGS from TOKENIZER_TYPE (default: GPT2BPETokenizer
+# when VOCAB_FILE is set, else SentencePieceTokenizer) and its files.
+tokenizer_from_env() {
+    local type="${TOKENIZER_TYPE:-}"
+    [[ -n "$type" ]] || { [[ -n "${VOCAB_FILE:-}" ]] && type=GPT2BPETokenizer || type=SentencePieceTokenizer; }
+    case "$type" in
+        GPT2BPETokenizer)
+            require_env VOCAB_FILE "give GPT-2's vocab.json the data was tokenized with (tools/train_tokenizer.py --model-type bytelevel-bpe writes one), e.g. VOCAB_FILE=/data/bpe/vocab.json"
+            require_env MERGE_FILE "give GPT-2's merges.txt that goes with VOCAB_FILE, e.g. MERGE_FILE=/data/bpe/merges.txt"
+            [[ -z "${TOKENIZER_MODEL:-}" ]] || die "TOKENIZER_MODEL=$TOKENIZER_MODEL with GPT-2's VOCAB_FILE/MERGE_FILE: give one tokenizer"
+            require_file "$VOCAB_FILE" "VOCAB_FILE"
+            require_file "$MERGE_FILE" "MERGE_FILE"
+            TOKENIZER_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
+            ;;
+        SentencePieceTokenizer | HuggingFaceTokenizer)
+            require_env TOKENIZER_MODEL "give the tokenizer the data was tokenized with: a SentencePiece .model (tools/train_tokenizer.py writes one), e.g. TOKENIZER_MODEL=/data/tokenizer.model; or VOCAB_FILE and MERGE_FILE (GPT-2's BPE); or TOKENIZER_TYPE=HuggingFaceTokenizer with TOKENIZER_MODEL a directory holding tokenizer.json"
+            [[ -z "${VOCAB_FILE:-}${MERGE_FILE:-}" ]] || die "VOCAB_FILE/MERGE_FILE with TOKENIZER_TYPE=$type: they are GPT2BPETokenizer's; drop them or set TOKENIZER_TYPE=GPT2BPETokenizer"
+            require_file "$TOKENIZER_MODEL" "TOKENIZER_MODEL"
+            TOKENIZER_ARGS=(--tokenizer-type "$type" --tokenizer-model "$TOKENIZER_MODEL")
+            ;;
+        *) die "TOKENIZER_TYPE=$type: one of SentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer" ;;
+    esac
 }
 
 # The first host of the Slurm allocation, as an address other nodes can reach.

@@ -10,7 +10,8 @@
 #       examples/slurm/pretrain_gpt_moe.sbatch
 #   DRY_RUN=1 NNODES=2 DATA_PATH=x TOKENIZER_MODEL=y examples/pretrain_gpt2_l_moe.sh
 #
-# Environment: DATA_PATH, TOKENIZER_MODEL (required); RUN_DIR (default
+# Environment: DATA_PATH and its tokenizer (required: TOKENIZER_MODEL, or
+# VOCAB_FILE and MERGE_FILE for GPT-2's BPE; see data_from_env in common.sh); RUN_DIR (default
 # REPO/runs/gpt2_l_moe); TP (1), EP (8); and the launcher variables of
 # examples/common.sh. Resumes from RUN_DIR/checkpoints. Extra arguments
 # override the flags below.
@@ -39,7 +40,7 @@ MOE_ARGS=(
 )
 DATA_ARGS=(
     --data-path "${DATA_PATHS[@]}"
-    --tokenizer-model "$TOKENIZER_MODEL"
+    "${TOKENIZER_ARGS[@]}"
     --split 969,30,1
 )
 TRAINING_ARGS=(

@@ -8,7 +8,8 @@
 #       examples/pretrain_gpt2_s_moe.sh
 #   DRY_RUN=1 DATA_PATH=x TOKENIZER_MODEL=y examples/pretrain_gpt2_s_moe.sh   # print + check flags
 #
-# Environment: DATA_PATH, TOKENIZER_MODEL (required); RUN_DIR (default
+# Environment: DATA_PATH and its tokenizer (required: TOKENIZER_MODEL, or
+# VOCAB_FILE and MERGE_FILE for GPT-2's BPE; see data_from_env in common.sh); RUN_DIR (default
 # REPO/runs/gpt2_s_moe: checkpoints/ and tensorboard/); EP (8); and the
 # launcher variables of examples/common.sh (GPUS_PER_NODE defaults to the
 # GPUs on this node). The run resumes from RUN_DIR/checkpoints when a
@@ -40,7 +41,7 @@ MOE_ARGS=(
 )
 DATA_ARGS=(
     --data-path "${DATA_PATHS[@]}"
-    --tokenizer-model "$TOKENIZER_MODEL"
+    "${TOKENIZER_ARGS[@]}"
     --split 969,30,1
 )
 TRAINING_ARGS=(

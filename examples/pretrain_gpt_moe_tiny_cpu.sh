@@ -9,8 +9,9 @@
 #   examples/pretrain_gpt_moe_tiny_cpu.sh --train-iters 20 # extra flags override
 #   DRY_RUN=1 examples/pretrain_gpt_moe_tiny_cpu.sh        # print the command only
 #
-# Environment: DATA_PATH and TOKENIZER_MODEL (your data, as the GPU examples
-# take it: then nothing is built), else DATA_DIR (default REPO/data, where the
+# Environment: DATA_PATH and its tokenizer (TOKENIZER_MODEL, or VOCAB_FILE and
+# MERGE_FILE for GPT-2's BPE: your data, as the GPU examples take it, see
+# data_from_env in common.sh; then nothing is built), else DATA_DIR (default REPO/data, where the
 # stdlib data is built when missing); RUN_DIR (default
 # REPO/runs/gpt_moe_tiny_cpu: tensorboard/ and checkpoints/ go there),
 # VOCAB_SIZE (4096), and the launcher variables of examples/common.sh.
@@ -23,11 +24,14 @@ DATA_DIR="${DATA_DIR:-$REPO_ROOT/data}"
 RUN_DIR="${RUN_DIR:-$REPO_ROOT/runs/gpt_moe_tiny_cpu}"
 VOCAB_SIZE="${VOCAB_SIZE:-4096}"
 STDLIB_PREFIX="$DATA_DIR/stdlib_text_document"
-if [[ -n "${DATA_PATH:-}" ]]; then  # your data: DATA_PATH (a prefix or a blend) and its TOKENIZER_MODEL
+if [[ -n "${DATA_PATH:-}" ]]; then  # your data: DATA_PATH (a prefix or a blend) and its tokenizer
     data_from_env
 else
-    [[ -z "${TOKENIZER_MODEL:-}" ]] || die "TOKENIZER_MODEL=$TOKENIZER_MODEL without DATA_PATH: give the data it tokenized too (the stdlib data has its own tokenizer in DATA_DIR)"
+    for given in TOKENIZER_MODEL VOCAB_FILE MERGE_FILE; do
+        [[ -z "${!given:-}" ]] || die "$given=${!given} without DATA_PATH: give the data it tokenized too (the stdlib data has its own tokenizer in DATA_DIR)"
+    done
     TOKENIZER_MODEL="$DATA_DIR/tokenizer.model"
+    TOKENIZER_ARGS=(--tokenizer-model "$TOKENIZER_MODEL")
     DATA_PATHS=("$STDLIB_PREFIX")
 fi
 
@@ -38,7 +42,7 @@ export MEGATRON_MOE_FORCE_CPU="${MEGATRON_MOE_FORCE_CPU:-1}"
 
 prepare_data() {
     if [[ -n "${DATA_PATH:-}" ]]; then
-        log "data: using DATA_PATH=${DATA_PATHS[*]} with TOKENIZER_MODEL=$TOKENIZER_MODEL (given)"
+        log "data: using DATA_PATH=${DATA_PATHS[*]} with ${TOKENIZER_ARGS[*]} (given)"
         return
     fi
     if [[ -f "$STDLIB_PREFIX.bin" && -f "$STDLIB_PREFIX.idx" && -f "$TOKENIZER_MODEL" ]]; then
@@ -75,7 +79,7 @@ MOE_ARGS=(
 )
 DATA_ARGS=(
     --data-path "${DATA_PATHS[@]}"
-    --tokenizer-model "$TOKENIZER_MODEL"
+    "${TOKENIZER_ARGS[@]}"
     --split 98,2,0
 )
 TRAINING_ARGS=(

@@ -14,7 +14,8 @@
 #       examples/slurm/pretrain_gpt_moe.sbatch
 #   DRY_RUN=1 NNODES=8 GPUS_PER_NODE=8 DATA_PATH=x TOKENIZER_MODEL=y examples/pretrain_mixtral_8x7b.sh
 #
-# Environment: DATA_PATH, TOKENIZER_MODEL (required; Mixtral's own
+# Environment: DATA_PATH and its tokenizer (required: TOKENIZER_MODEL, or
+# VOCAB_FILE and MERGE_FILE for GPT-2's BPE, see data_from_env in common.sh; Mixtral's own
 # tokenizer.model is a SentencePiece model and works); RUN_DIR (default
 # REPO/runs/mixtral_8x7b); TP (2), PP (4), EP (8); and the launcher
 # variables of examples/common.sh. Resumes from RUN_DIR/checkpoints. Extra
@@ -55,7 +56,7 @@ MOE_ARGS=(
 )
 DATA_ARGS=(
     --data-path "${DATA_PATHS[@]}"
-    --tokenizer-model "$TOKENIZER_MODEL"
+    "${TOKENIZER_ARGS[@]}"
     --split 99990,8,2
 )
 TRAINING_ARGS=(

@@ -68,6 +68,49 @@ def train_data(corpus, tokenizer, tmp_path_factory):
     return prefix + "_text_document", tokenizer.model_path
 
 
+@pytest.fixture(scope="session")
+def bytelevel_dir(corpus, tmp_path_factory):
+    """A GPT-2 byte-level BPE trained on the corpus: vocab.json, merges.txt, tokenizer.json, tokenizer_config.json."""
+    directory = str(tmp_path_factory.mktemp("bytelevel") / "bpe")
+    return tokenizer_tool.main(
+        ["--input", corpus[0], "--model-type", "bytelevel-bpe", "--model-prefix", directory, "--vocab-size", str(VOCAB)]
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenizer_flags(tokenizer, bytelevel_dir):
+    """{--tokenizer-type: the flags that build it}: the session's sentencepiece model, and the byte-level BPE as
+    GPT2BPETokenizer (its vocab.json and merges.txt) and as HuggingFaceTokenizer (its directory)."""
+    return {
+        "SentencePieceTokenizer": [
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            tokenizer.model_path,
+        ],
+        "GPT2BPETokenizer": [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            os.path.join(bytelevel_dir, "vocab.json"),
+            "--merge-file",
+            os.path.join(bytelevel_dir, "merges.txt"),
+        ],
+        "HuggingFaceTokenizer": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bytelevel_dir],
+    }
+
+
+@pytest.fixture(scope="session")
+def tokenizer_train_data(corpus, train_data, tokenizer_flags, tmp_path_factory):
+    """{--tokenizer-type: ["--data-path", PREFIX, *its tokenizer flags]}: the same corpus through each tokenizer."""
+    runs = {"SentencePieceTokenizer": ["--data-path", train_data[0], *tokenizer_flags["SentencePieceTokenizer"]]}
+    for kind in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
+        prefix = str(tmp_path_factory.mktemp("data") / kind)
+        preprocess_tool.main(["--input", corpus[0], *tokenizer_flags[kind], "--output-prefix", prefix, "--append-eod"])
+        runs[kind] = ["--data-path", prefix + "_text_document", *tokenizer_flags[kind]]
+    return runs
+
+
 @pytest.fixture(scope="module")
 def megatron_world1():
     """torch.distributed (gloo, one rank) and megatron-core's parallel state, for in-process models."""

@@ -11,9 +11,14 @@ the end, so an interrupted run never leaves a half-written file behind.
 ``--write-metadata PREFIX ...`` writes only the sidecar of existing data (e.g. made by
 Megatron-LM's preprocess_data.py): one scan of each ``.bin``, checked against the tokenizer.
 
+The tokenizer flags are training's (``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``,
+``--merge-file``) and build the same tokenizer (``megatron_moe.data.tokenizer.build_tokenizer``).
+
 Examples:
     python tools/preprocess_data.py --input data/stdlib.jsonl \
         --tokenizer-model data/tokenizer.model --output-prefix data/stdlib --append-eod
+    python tools/preprocess_data.py --input data/stdlib.jsonl --tokenizer-type GPT2BPETokenizer \
+        --vocab-file data/bpe/vocab.json --merge-file data/bpe/merges.txt --output-prefix data/stdlib_bpe --append-eod
     python tools/preprocess_data.py --write-metadata data/corpus_text_document \
         --tokenizer-model data/tokenizer.model
 """
@@ -33,6 +38,13 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 
+from megatron_moe.config import (  # noqa: E402
+    TOKENIZER_FIELDS,
+    ConfigError,
+    DataConfig,
+    add_tokenizer_arguments,
+    tokenizer_config,
+)
 from megatron_moe.data import DataError, expand_input_paths, iter_documents  # noqa: E402
 from megatron_moe.data.datasets import check_prefix_files, check_vocabulary_covers  # noqa: E402
 from megatron_moe.data.metadata import (  # noqa: E402
@@ -42,7 +54,7 @@ from megatron_moe.data.metadata import (  # noqa: E402
     scan_max_token_id,
     write_metadata,
 )
-from megatron_moe.data.tokenizer import SentencePieceTokenizer  # noqa: E402
+from megatron_moe.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 
 CHUNK_SIZE = 16
 
@@ -58,7 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize, one output dataset each"
     )
-    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
     parser.add_argument("--output-prefix", help="writes OUTPUT_PREFIX_{key}_document.bin/.idx/.meta.json")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -70,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of tokenizing: scan existing PREFIX.bin/.idx once and write "
         "PREFIX.meta.json (for data made without this tool)",
     )
+    add_tokenizer_arguments(parser)
     return parser
 
 
@@ -94,15 +106,20 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 @lru_cache(maxsize=4)
-def _tokenizer(model_path: str) -> SentencePieceTokenizer:
-    """The tokenizer for ``model_path``, loaded once per process."""
-    return SentencePieceTokenizer(model_path)
+def _tokenizer(flags: tuple[str | None, ...]) -> Tokenizer:
+    """The tokenizer the tokenizer flags' values (in ``TOKENIZER_FIELDS`` order) name, loaded once per process."""
+    return build_tokenizer(DataConfig(**dict(zip(TOKENIZER_FIELDS, flags))))
 
 
-def encode_document(task: tuple[str, bool, dict[str, str]]) -> tuple[dict[str, numpy.ndarray], int]:
+def tokenizer_flags(data: DataConfig) -> tuple[str | None, ...]:
+    """The tokenizer flags' values, hashable: what a worker task carries to build its tokenizer."""
+    return tuple(getattr(data, name) for name in TOKENIZER_FIELDS)
+
+
+def encode_document(task: tuple[tuple, bool, dict[str, str]]) -> tuple[dict[str, numpy.ndarray], int]:
     """Tokenize one document; return ``({key: ids}, utf-8 bytes read)``."""
-    model_path, append_eod, document = task
-    tokenizer = _tokenizer(model_path)
+    flags, append_eod, document = task
+    tokenizer = _tokenizer(flags)
     encoded = {}
     num_bytes = 0
     for key, text in document.items():
@@ -173,7 +190,9 @@ class ProgressLog:
         )
 
 
-def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer, paths: list[str]) -> dict[str, int]:
+def write_datasets(
+    args: argparse.Namespace, data: DataConfig, tokenizer: Tokenizer, paths: list[str]
+) -> dict[str, int]:
     """Tokenize all documents into temporary files, sidecars included; return token counts per key."""
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders = {
@@ -183,7 +202,8 @@ def write_datasets(args: argparse.Namespace, tokenizer: SentencePieceTokenizer, 
     tokens = {key: 0 for key in args.json_keys}
     documents = {key: 0 for key in args.json_keys}
     max_ids = {key: -1 for key in args.json_keys}
-    tasks = ((args.tokenizer_model, args.append_eod, doc) for doc in iter_documents(paths, args.json_keys))
+    flags = tokenizer_flags(data)
+    tasks = ((flags, args.append_eod, doc) for doc in iter_documents(paths, args.json_keys))
     progress = ProgressLog(args.log_interval)
     for encoded, num_bytes in encoded_documents(tasks, args.workers):
         for key, ids in encoded.items():
@@ -236,7 +256,7 @@ def publish(args: argparse.Namespace) -> None:
             os.replace(temporary_path(path), path)
 
 
-def describe_existing(prefix: str, tokenizer: SentencePieceTokenizer) -> TokenMetadata:
+def describe_existing(prefix: str, tokenizer: Tokenizer) -> TokenMetadata:
     """``--write-metadata``: scan ``PREFIX.bin`` once and write ``PREFIX.meta.json``."""
     try:
         files = check_prefix_files(prefix)
@@ -259,13 +279,17 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     """Run preprocessing; return the number of tokens written per key (per prefix with --write-metadata)."""
     args = build_parser().parse_args(argv)
     validate_args(args)
-    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    try:
+        data = tokenizer_config(args, argv)
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
+    tokenizer = build_tokenizer(data)
     if args.write_metadata:
         return {prefix: describe_existing(prefix, tokenizer).num_tokens for prefix in args.write_metadata}
     paths = expand_input_paths(args.input, flag="--input")
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     try:
-        tokens = write_datasets(args, tokenizer, paths)
+        tokens = write_datasets(args, data, tokenizer, paths)
     except BaseException:
         remove_temporaries(args)
         raise

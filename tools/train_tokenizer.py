@@ -1,17 +1,28 @@
 #!/usr/bin/env python
-"""Train a SentencePiece tokenizer (BPE or unigram) on jsonl or plain-text files.
+"""Train a tokenizer on jsonl or plain-text files: SentencePiece (BPE or unigram) or GPT-2's byte-level BPE.
 
-The model is set up for source code and any other text: byte fallback (no text is ever
-unknown), identity normalization, whitespace kept exactly (runs of spaces may form
-pieces), digits split, no dummy prefix. ``detokenize(tokenize(x)) == x`` for any string.
-Special ids: unk=0, bos=1, eos=2 (the end-of-document id), pad=3.
+``--model-type bpe`` (the default) or ``unigram``: a SentencePiece model, set up for source code and any other
+text: byte fallback (no text is ever unknown), identity normalization, whitespace kept exactly (runs of spaces
+may form pieces), digits split, no dummy prefix. ``detokenize(tokenize(x)) == x`` for any string. Special ids:
+unk=0, bos=1, eos=2 (the end-of-document id), pad=3. Writes PREFIX.model and PREFIX.vocab
+(``--tokenizer-type SentencePieceTokenizer --tokenizer-model PREFIX.model``).
 
-Example:
+``--model-type bytelevel-bpe``: GPT-2's byte-level BPE, trained with HuggingFace's ``tokenizers`` on whole
+documents (GPT-2's regex pre-split, so newlines and indentation form pieces too); every string round-trips;
+``<|endoftext|>`` (id 0) is the end of document. Writes the directory PREFIX/ with ``vocab.json`` and
+``merges.txt`` (``--tokenizer-type GPT2BPETokenizer --vocab-file PREFIX/vocab.json --merge-file
+PREFIX/merges.txt``) and the same tokenizer as ``tokenizer.json`` with a ``tokenizer_config.json``
+(``--tokenizer-type HuggingFaceTokenizer --tokenizer-model PREFIX``; transformers' AutoTokenizer loads it).
+
+Examples:
     python tools/train_tokenizer.py --input data/stdlib.jsonl \
         --model-prefix data/tokenizer --vocab-size 4096
+    python tools/train_tokenizer.py --input data/stdlib.jsonl --model-type bytelevel-bpe \
+        --model-prefix data/bpe --vocab-size 4096
 """
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -21,12 +32,16 @@ from collections.abc import Iterable, Iterator
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import sentencepiece  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from megatron_moe.data import DataError, expand_input_paths, iter_documents  # noqa: E402
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 BYTE_PIECES = 256
-MODEL_TYPES = ("bpe", "unigram")
+SENTENCEPIECE_TYPES = ("bpe", "unigram")
+BYTELEVEL = "bytelevel-bpe"
+MODEL_TYPES = (*SENTENCEPIECE_TYPES, BYTELEVEL)
+ENDOFTEXT = "<|endoftext|>"  # GPT-2's end of document (megatron_moe.data.tokenizer.huggingface.ENDOFTEXT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="files, directories or globs; .jsonl/.json are JSON lines, any other file is one document",
     )
     parser.add_argument("--json-key", default="text", help="JSON key holding the text")
-    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument(
+        "--model-prefix",
+        required=True,
+        help="SentencePiece: writes PREFIX.model and PREFIX.vocab; bytelevel-bpe: the directory PREFIX/ with "
+        "vocab.json, merges.txt, tokenizer.json and tokenizer_config.json",
+    )
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
+    parser.add_argument(
+        "--model-type",
+        choices=MODEL_TYPES,
+        default="bpe",
+        help="SentencePiece's bpe or unigram, or GPT-2's byte-level BPE (bytelevel-bpe, HuggingFace tokenizers; "
+        "--input-sentence-size, --max-sentence-length, --character-coverage and --num-threads are SentencePiece's)",
+    )
     parser.add_argument(
         "--input-sentence-size",
         type=int,
@@ -65,12 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Reject values SentencePiece would fail on late or obscurely."""
-    minimum = BYTE_PIECES + len(SPECIAL_IDS) + 1
+    specials = 1 if args.model_type == BYTELEVEL else len(SPECIAL_IDS)
+    minimum = BYTE_PIECES + specials + 1
     if args.vocab_size < minimum:
         raise SystemExit(
-            f"--vocab-size {args.vocab_size} is too small: byte fallback needs "
-            f"{BYTE_PIECES} byte pieces + {len(SPECIAL_IDS)} special pieces; "
-            f"use at least {minimum} (e.g. 4096)"
+            f"--vocab-size {args.vocab_size} is too small: the {BYTE_PIECES} bytes each need a piece, plus "
+            f"{specials} special piece(s); use at least {minimum} (e.g. 4096)"
         )
     if args.input_sentence_size < 0:
         raise SystemExit(
@@ -165,13 +191,54 @@ def train(args: argparse.Namespace, lines: list[str]) -> None:
             log.close()
 
 
+def train_bytelevel_bpe(args: argparse.Namespace, texts: Iterable[str]) -> tuple[str, int]:
+    """GPT-2's byte-level BPE on whole documents; writes PREFIX/ (vocab.json, merges.txt, tokenizer.json,
+    tokenizer_config.json). Returns (the directory, documents read)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=args.vocab_size,
+        min_frequency=2,
+        special_tokens=[ENDOFTEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=args.verbose,
+    )
+    counted = []
+
+    def documents() -> Iterator[str]:
+        for text in texts:
+            counted.append(None)
+            yield text
+
+    tokenizer.train_from_iterator(documents(), trainer=trainer)
+    if not counted:
+        raise SystemExit(f"--input {' '.join(args.input)}: no text found")
+    directory = args.model_prefix
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.model.save(directory)  # vocab.json, merges.txt ("#version: 0.2" first, as GPT-2's)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"), pretty=True)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": ENDOFTEXT, "add_prefix_space": False}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as stream:
+        json.dump(config, stream, indent=2)
+    return directory, len(counted)
+
+
 def main(argv: list[str] | None = None) -> str:
-    """Train the tokenizer; return the path of the written ``.model`` file."""
+    """Train the tokenizer; return the path of the written ``.model`` file (bytelevel-bpe: its directory)."""
     args = build_parser().parse_args(argv)
     validate_args(args)
     start = time.time()
     paths = expand_input_paths(args.input, flag="--input")
     texts = (doc[args.json_key] for doc in iter_documents(paths, [args.json_key]))
+    if args.model_type == BYTELEVEL:
+        directory, documents = train_bytelevel_bpe(args, texts)
+        print(
+            f"Trained {BYTELEVEL} tokenizer (vocab {args.vocab_size}) on {documents} documents from {len(paths)} "
+            f"files in {time.time() - start:.1f}s: {directory}/ (vocab.json, merges.txt, tokenizer.json)",
+            file=sys.stderr,
+        )
+        return directory
     lines, total = sample_lines(
         iter_training_lines(texts, args.max_sentence_length), args.input_sentence_size, args.seed
     )

@@ -17,7 +17,9 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megatron_moe.checkpointing import TrainState, hf_mixtral
-from megatron_moe.config import ConfigError, RunConfig, parse_args
+from megatron_moe.checkpointing.hf_tokenizer import tokenizer_flags_of, write_hf_tokenizer
+from megatron_moe.config import ConfigError, DataConfig, RunConfig, parse_args
+from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.platform.process import init_single_process
 
 log = logging.getLogger("megatron_moe")
@@ -30,17 +32,6 @@ SINGLE = dict(
     sequence_parallel=False,
     use_distributed_optimizer=False,
 )
-TOKENIZER_CONFIG = {
-    "tokenizer_class": "LlamaTokenizer",
-    "bos_token": "<s>",
-    "eos_token": "</s>",
-    "unk_token": "<unk>",
-    "pad_token": "<pad>",
-    "add_bos_token": False,
-    "add_eos_token": False,
-    "add_prefix_space": False,
-    "legacy": False,
-}
 
 
 def build_single(cfg: RunConfig, vocab_size: int):
@@ -54,16 +45,19 @@ def build_single(cfg: RunConfig, vocab_size: int):
 
 
 def load_single(ckpt: str, tokenizer_model: str | None = None):
-    """(cfg, model, tokenizer) from a megatron_moe checkpoint directory of any layout."""
+    """(cfg, model, tokenizer) from a megatron_moe checkpoint directory of any layout. The tokenizer is the run's
+    (its saved --tokenizer-type and files), or the one `tokenizer_model` holds (a .model, a tokenizer.json or a
+    HuggingFace directory)."""
     from megatron_moe.checkpointing import resolve_load_dir
-    from megatron_moe.data.tokenizer import SentencePieceTokenizer
 
     init_single_process(backend="gloo")
     probe = parse_args(["--data-path", "x", "--tokenizer-model", "x", "--load", ckpt])
     path = resolve_load_dir(probe)
     common = dist_checkpointing.load_common_state_dict(path)
     cfg = RunConfig.from_dict(common["config"])
-    tokenizer = SentencePieceTokenizer(tokenizer_model or cfg.data.tokenizer_model)
+    if tokenizer_model is not None:
+        cfg.data = tokenizer_flags_of(tokenizer_model, cfg.data)
+    tokenizer = build_tokenizer(cfg.data)
     model = build_single(cfg, tokenizer.vocab_size)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
     model.load_state_dict(state["model"])
@@ -103,13 +97,12 @@ def export_hf(
             f"export: {'embeddings, final norm, lm head' if layer is None else f'layer {layer}'} ({len(group)} tensors)"
         )
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    config = hf_mixtral.hf_config(cfg, tokenizer.vocab_size, tokenizer.bos, tokenizer.eod)
+    bos = tokenizer.bos if tokenizer.bos >= 0 else None
+    config = hf_mixtral.hf_config(cfg, tokenizer.vocab_size, bos, tokenizer.eod)
     _write_json(os.path.join(tmp, "config.json"), config)
-    _write_json(
-        os.path.join(tmp, "generation_config.json"), {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eod}
-    )
-    shutil.copyfile(tokenizer.model_path, os.path.join(tmp, "tokenizer.model"))
-    _write_json(os.path.join(tmp, "tokenizer_config.json"), TOKENIZER_CONFIG)
+    _write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": tokenizer.eod})
+    written = write_hf_tokenizer(tokenizer, tmp)
+    progress(f"export: tokenizer {tokenizer.description} as {', '.join(written)}")
     os.replace(tmp, out)
     return out
 
@@ -139,28 +132,18 @@ def import_hf(
     overwrite: bool = False,
     progress: Callable[[str], None] = log.info,
 ) -> str:
-    """Write an HF Mixtral directory as a megatron_moe checkpoint (iteration 0, no optimizer)."""
-    from megatron_moe.data.tokenizer import SentencePieceTokenizer
-
+    """Write an HF Mixtral directory as a megatron_moe checkpoint (iteration 0, no optimizer). Its tokenizer
+    (tokenizer.model, else tokenizer.json) is copied into the checkpoint and recorded as the run's."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     if config.get("model_type") != "mixtral":
         raise ConfigError(f"--load={hf_dir}: model_type={config.get('model_type')!r}; only 'mixtral' imports")
-    tokenizer_model = os.path.join(hf_dir, "tokenizer.model")
-    if not os.path.isfile(tokenizer_model):
-        raise ConfigError(f"--load={hf_dir}: no tokenizer.model (sentencepiece) to train with")
     init_single_process(backend="gloo")
-    cfg = parse_args(
-        [
-            *hf_mixtral.run_flags_from_hf(config),
-            "--data-path",
-            "unset",
-            "--tokenizer-model",
-            tokenizer_model,
-            *extra_flags,
-        ]
-    )
-    vocab = max(config["vocab_size"], SentencePieceTokenizer(tokenizer_model).vocab_size)
+    data = tokenizer_flags_of(hf_dir, DataConfig(), flag="--load")
+    tokenizer_flags = ["--tokenizer-type", data.tokenizer_type, "--tokenizer-model", data.tokenizer_model]
+    cfg = parse_args([*hf_mixtral.run_flags_from_hf(config), "--data-path", "unset", *tokenizer_flags, *extra_flags])
+    tokenizer = build_tokenizer(cfg.data)
+    vocab = max(config["vocab_size"], tokenizer.vocab_size)
     model = build_single(cfg, vocab)
     from megatron_moe.model.builder import padded_vocab_size
 
@@ -174,8 +157,9 @@ def import_hf(
             f"--load={hf_dir}: weights do not match the model: missing {missing}, unexpected {unexpected}"
         )
     tmp = _fresh_dir(out, overwrite, "--save")
-    shutil.copyfile(tokenizer_model, os.path.join(tmp, "tokenizer.model"))
-    cfg.data.tokenizer_model = os.path.join(out, "tokenizer.model")
+    for path in (*tokenizer.files, *getattr(tokenizer, "config_files", ())):
+        shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+    cfg.data.tokenizer_model = os.path.join(out, os.path.basename(tokenizer.files[0]))
     save_single(tmp, cfg, model)
     os.replace(tmp, out)
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import types
 from collections.abc import Sequence
 
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
@@ -24,6 +25,7 @@ from megatron_moe.config.fields import (
 )
 from megatron_moe.config.groups import (
     GROUPS,
+    TOKENIZER_TYPES,
     ActivationsConfig,
     CheckpointConfig,
     DataConfig,
@@ -162,6 +164,29 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     return cfg
 
 
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+"""The data group's fields that choose the tokenizer: the flags tools/preprocess_data.py shares with training."""
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """The training flags that choose the tokenizer (--tokenizer-type, --tokenizer-model, --vocab-file,
+    --merge-file), for a tool that tokenizes: the same names, help and checks as training's."""
+    description = "The tokenizer: the same flags as the trainer's, building the same tokenizer."
+    add_arguments(parser, DataConfig, "tokenizer", defaults=defaults, only=TOKENIZER_FIELDS, description=description)
+
+
+def tokenizer_config(namespace: argparse.Namespace, argv: Sequence[str] | None = None) -> DataConfig:
+    """The DataConfig of the tokenizer flags a tool parsed (`add_tokenizer_arguments`) from `argv`; a flag given
+    that the --tokenizer-type does not read is refused, and a missing one named, as in training."""
+    data = DataConfig(**{name: getattr(namespace, name) for name in TOKENIZER_FIELDS})
+    given_parser = _Parser(allow_abbrev=False, add_help=False)
+    add_tokenizer_arguments(given_parser, defaults=False)
+    given, _ = given_parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    check_given_flags_apply(types.SimpleNamespace(data=data), [("data", DataConfig)], set(vars(given)))
+    data.validate_tokenizer()
+    return data
+
+
 __all__ = [
     "ActivationPolicy",
     "ActivationsConfig",
@@ -175,7 +200,11 @@ __all__ = [
     "MoELayerConfig",
     "ParallelConfig",
     "RunConfig",
+    "TOKENIZER_FIELDS",
+    "TOKENIZER_TYPES",
     "TrainingConfig",
+    "add_tokenizer_arguments",
     "build_parser",
     "parse_args",
+    "tokenizer_config",
 ]

@@ -91,6 +91,12 @@ QUANTIZING = When(
     "with --quantize-activations or --activation-policy arctic",
 )
 
+GPT2_BPE = When(lambda c: c.data.tokenizer_type == "GPT2BPETokenizer", "with --tokenizer-type GPT2BPETokenizer")
+TOKENIZER_MODEL = When(
+    lambda c: c.data.tokenizer_type != "GPT2BPETokenizer",
+    "with --tokenizer-type SentencePieceTokenizer or HuggingFaceTokenizer",
+)
+
 TENSORBOARD = When(lambda c: c.logging.tensorboard_dir is not None, "with --tensorboard-dir")
 WANDB = When(lambda c: c.logging.wandb_project is not None, "with --wandb-project")
 SAVING = When(lambda c: c.checkpoint.save is not None, "with --save")

@@ -64,13 +64,25 @@ def _unwrap_optional(annotation):
     return annotation, False
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str, *, defaults: bool = True) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str,
+    *,
+    defaults: bool = True,
+    only: Iterable[str] | None = None,
+    description: str | None = None,
+) -> None:
     """Add one `--flag` per field of the dataclass `cls` to a new argument group.
 
-    `defaults=False`: a flag not given is left out of the namespace (to see what the user typed)."""
-    group = parser.add_argument_group(title, (cls.__doc__ or "").strip().splitlines()[0])
+    `defaults=False`: a flag not given is left out of the namespace (to see what the user typed);
+    `only`: these fields' flags alone (a tool that shares some of a group's flags, e.g. the tokenizer's), under
+    `description` (default: the first line of the class's docstring)."""
+    group = parser.add_argument_group(title, description or (cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
+        if only is not None and field.name not in only:
+            continue
         annotation, _ = _unwrap_optional(hints[field.name])
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         kwargs: dict[str, Any] = {"dest": field.name, "default": default if defaults else argparse.SUPPRESS}

@@ -15,6 +15,8 @@ from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require, require_fraction, require_non_negative, require_positive
 from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree
 
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+"""Megatron-LM's --tokenizer-type names this stack builds (megatron_moe/data/tokenizer/)."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 """megatron-core's OptimizerParamScheduler's decay styles (Megatron-LM's --lr-decay-style)."""
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -720,29 +722,28 @@ class DataConfig:
     data_path: list[str] = arg([], "prefix of .bin/.idx, or a blend 'w1 prefix1 w2 prefix2 ...'")
     split: str = arg("98,2,0", "train,valid,test proportions of each data path")
     tokenizer_type: str = arg(
-        "SentencePieceTokenizer", "the tokenizer's kind (Megatron-LM's names); SentencePieceTokenizer only, so far"
+        "SentencePieceTokenizer",
+        "the tokenizer's kind (Megatron-LM's names): SentencePieceTokenizer (--tokenizer-model .model), "
+        "GPT2BPETokenizer (--vocab-file, --merge-file), HuggingFaceTokenizer (--tokenizer-model tokenizer.json "
+        "or its directory)",
+        choices=TOKENIZER_TYPES,
     )
-    tokenizer_model: str | None = arg(None, "sentencepiece .model file")
+    tokenizer_model: str | None = arg(
+        None,
+        "SentencePieceTokenizer: the .model file; HuggingFaceTokenizer: a directory holding tokenizer.json, or "
+        "that file",
+        applies=only.TOKENIZER_MODEL,
+    )
+    vocab_file: str | None = arg(None, "GPT-2 BPE vocabulary (vocab.json)", applies=only.GPT2_BPE)
+    merge_file: str | None = arg(None, "GPT-2 BPE merges (merges.txt)", applies=only.GPT2_BPE)
     data_cache_path: str | None = arg(None, "where dataset index files are cached (default: beside the data)")
     num_workers: int = arg(0, "data loader worker processes")
 
     def validate(self) -> None:
         require(
-            self.tokenizer_type == "SentencePieceTokenizer",
-            "--tokenizer-type",
-            self.tokenizer_type,
-            "GPT2BPETokenizer and HuggingFaceTokenizer are not supported yet: use --tokenizer-type "
-            "SentencePieceTokenizer with a .model from tools/train_tokenizer.py",
-        )
-        require(
             bool(self.data_path), "--data-path", self.data_path, "give a .bin/.idx prefix from tools/preprocess_data.py"
         )
-        require(
-            self.tokenizer_model is not None,
-            "--tokenizer-model",
-            None,
-            "give the sentencepiece .model the data was made with",
-        )
+        self.validate_tokenizer()
         require_non_negative("--num-workers", self.num_workers, 2)
         try:
             shares = [float(part) for part in self.split.split(",")]
@@ -754,6 +755,32 @@ class DataConfig:
             self.split,
             "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
         )
+
+    def validate_tokenizer(self) -> None:
+        """The files the --tokenizer-type needs are named (whether they exist and fit is the tokenizer's check,
+        when it loads them; tools/preprocess_data.py calls this too)."""
+        kind = self.tokenizer_type
+        require(kind in TOKENIZER_TYPES, "--tokenizer-type", kind, f"one of {', '.join(TOKENIZER_TYPES)}")
+        if kind == "GPT2BPETokenizer":
+            for flag, value, what in (
+                ("--vocab-file", self.vocab_file, "vocab.json"),
+                ("--merge-file", self.merge_file, "merges.txt"),
+            ):
+                require(
+                    value is not None,
+                    flag,
+                    None,
+                    f"--tokenizer-type GPT2BPETokenizer needs GPT-2's {what}, e.g. {flag} data/bpe/{what} "
+                    f"(tools/train_tokenizer.py --model-type bytelevel-bpe writes both)",
+                )
+            return
+        made_by = (
+            "the sentencepiece .model the data was made with"
+            if kind == "SentencePieceTokenizer"
+            else "a directory holding tokenizer.json, or that file (tools/train_tokenizer.py --model-type "
+            "bytelevel-bpe writes one)"
+        )
+        require(self.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
 
 
 @dataclasses.dataclass(kw_only=True)

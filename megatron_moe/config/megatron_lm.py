@@ -125,8 +125,6 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
     ),
 }
 REFUSED: dict[str, tuple[bool, str]] = {
-    "--vocab-file": (True, "the GPT-2 BPE tokenizer is not supported yet: a SentencePiece --tokenizer-model only"),
-    "--merge-file": (True, "the GPT-2 BPE tokenizer is not supported yet: a SentencePiece --tokenizer-model only"),
     "--use-legacy-models": (False, "this stack builds megatron-core models only; drop --use-legacy-models"),
     "--num-layers-per-virtual-pipeline-stage": (
         True,

@@ -241,15 +241,15 @@ def check_vocabulary_covers(max_token_id: int, vocab_size: int, bin_path: str) -
         raise DataError(
             f"tokenizer vocabulary ({vocab_size}) smaller than the data's token ids "
             f"(max {max_token_id}) in {bin_path}; use the tokenizer the data was "
-            f"preprocessed with (--tokenizer-model)"
+            f"preprocessed with (--tokenizer-model, or --vocab-file/--merge-file)"
         )
 
 
 def check_same_vocabulary(data: TokenizerIdentity, given: TokenizerIdentity, prefix: str) -> None:
-    """Refuse a ``--tokenizer-model`` whose vocabulary is not the one the data was made with.
+    """Refuse a tokenizer whose vocabulary is not the one the data was made with.
 
     The pieces in id order decide (the model file's bytes may differ for the same vocabulary)."""
-    where = f"--tokenizer-model {given.model_file} and {DATA_PATH_FLAG} {prefix}"
+    where = f"{given.flags} and {DATA_PATH_FLAG} {prefix}"
     fix = "use the tokenizer the data was made with, or re-run tools/preprocess_data.py with this one"
     if data.vocab_size != given.vocab_size:
         raise DataError(

@@ -61,20 +61,29 @@ class TokenizerIdentity:
     pieces_sha256: str
     """sha256 of the JSON list of pieces in id order: the vocabulary itself."""
     model_sha256: str
-    """sha256 of the model file's bytes."""
+    """sha256 of the tokenizer's files' bytes, one after the other (vocab.json then merges.txt for GPT-2's)."""
     model_file: str
-    """The model file's name (for messages only)."""
+    """The tokenizer's file names, joined by " + " (for messages only)."""
+
+    @property
+    def flags(self) -> str:
+        """The flags that name the files, for messages: GPT-2's two are --vocab-file and --merge-file."""
+        names = self.model_file.split(" + ")
+        if len(names) == 2:
+            return f"--vocab-file {names[0]} --merge-file {names[1]}"
+        return f"--tokenizer-model {self.model_file}"
 
     @classmethod
     def of(cls, tokenizer) -> TokenizerIdentity:
-        """The identity of a ``SentencePieceTokenizer`` (reads its model file once)."""
-        pieces = [tokenizer.inv_vocab[i] for i in range(tokenizer.vocab_size)]
+        """The identity of a tokenizer of ``megatron_moe.data.tokenizer`` (reads its files once). Ids no token
+        has (holes in a HuggingFace vocabulary) hash as null."""
+        pieces = [tokenizer.inv_vocab.get(i) for i in range(tokenizer.vocab_size)]
         pieces_hash = hashlib.sha256(json.dumps(pieces, ensure_ascii=False).encode("utf-8"))
         return cls(
             vocab_size=tokenizer.vocab_size,
             pieces_sha256=pieces_hash.hexdigest(),
-            model_sha256=_file_sha256(tokenizer.model_path),
-            model_file=os.path.basename(tokenizer.model_path),
+            model_sha256=_files_sha256(tokenizer.files),
+            model_file=" + ".join(os.path.basename(path) for path in tokenizer.files),
         )
 
 
@@ -123,11 +132,12 @@ def _unusable(path: str, why: str) -> DataError:
     )
 
 
-def _file_sha256(path: str) -> str:
+def _files_sha256(paths: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
+    for path in paths:
+        with open(path, "rb") as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
 from megatron_moe.config import RunConfig
-from megatron_moe.data.tokenizer import SentencePieceTokenizer
+from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import exit_now
 from megatron_moe.model import transformer_config
 from megatron_moe.training.data import build_run_data
@@ -52,7 +52,7 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
 
 
 def _train(cfg: RunConfig, watchdog) -> list[dict]:
-    tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+    tokenizer = build_tokenizer(cfg.data)
     load_dir = resolve_load_dir(cfg)
     config = transformer_config(cfg)
     wgrad_queue = build_wgrad_queue(cfg)
@@ -69,7 +69,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes)
     overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce}
-    startup = {"parameters": counts, "datasets": data.sizes}
+    startup = {"parameters": counts, "datasets": data.sizes, "tokenizer": tokenizer.description}
     return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, **overlap).train()
 
 

@@ -80,7 +80,7 @@ class Trainer:
         self.cfg = cfg
         self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
         self.grad_reduce = grad_reduce  # megatron_moe.overlap.grad_reduce.GradReduceLauncher, None: megatron-core's
-        self.startup = startup  # the start-up summary's figures (parameters, dataset sizes): in the first entry
+        self.startup = startup  # the start-up summary's figures (parameters, datasets, tokenizer): first entry only
         self._job_steps = 0
         self.watchdog = watchdog  # comm.watchdog.Watchdog: told the step, which its reports name
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler

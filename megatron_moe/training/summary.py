@@ -59,11 +59,10 @@ def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, split
         counts["this_rank"],
     )
     log.info(
-        "data: %s (split %s); tokenizer: %s %s, vocabulary %d",
+        "data: %s (split %s); tokenizer: %s, vocabulary %d",
         " ".join(cfg.data.data_path),
         cfg.data.split,
-        cfg.data.tokenizer_type,
-        cfg.data.tokenizer_model,
+        tokenizer.description,
         tokenizer.vocab_size,
     )
     for name, sizes in splits.items():

@@ -1,6 +1,8 @@
 """Issue 17: the flags a Megatron-LM user types, each group parsed and run (`train_worker.py megatron_lm`, 4 gloo
-ranks at EP=2, one torchrun job, 4 steps per run from the same seed)."""
+ranks at EP=2, one torchrun job, 4 steps per run from the same seed), and the same corpus through each
+--tokenizer-type, trained and resumed."""
 
+import json
 import math
 import os
 
@@ -18,9 +20,12 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, workdir):
+def runs(train_data, tokenizer_train_data, workdir):
     data, tokenizer = train_data
-    return run_torchrun(WORKER, 4, ["megatron_lm", data, tokenizer, workdir], timeout=900)
+    tokenizer_runs = os.path.join(workdir, "tokenizer_runs.json")
+    with open(tokenizer_runs, "w") as f:
+        json.dump(tokenizer_train_data, f)
+    return run_torchrun(WORKER, 4, ["megatron_lm", data, tokenizer, workdir, tokenizer_runs], timeout=900)
 
 
 def lrs(history):
@@ -106,3 +111,21 @@ def test_the_start_up_summary_counts_every_parameter_once_in_any_layout(runs):
     assert ep2["parameters"]["total"] - ep2["parameters"]["active_per_token"] == 2 * 2 * 2 * 64 * 256
     documents, sequences = ep2["datasets"]["train"]
     assert 0 < documents and 4 * 8 <= sequences  # at least the 4 steps' samples
+
+
+@pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_each_tokenizer_type_trains_and_resumes_exactly(runs, tokenizer_train_data, kind):
+    straight, resumed = runs[f"{kind}/straight"], runs[f"{kind}/resumed"]
+    files = " + ".join(tokenizer_train_data[kind][5::2])  # the values of the tokenizer's file flags
+    files = os.path.join(files, "tokenizer.json") if kind == "HuggingFaceTokenizer" else files  # a directory
+    assert straight[0]["startup"]["tokenizer"] == f"{kind} {files}"
+    assert [s["iteration"] for s in straight] == [1, 2, 3, 4] and [s["iteration"] for s in resumed] == [3, 4]
+    assert computed(resumed) == computed(straight[2:])
+    assert straight[-1]["lm loss"] < straight[0]["lm loss"]
+
+
+def test_the_tokenizer_types_saw_their_own_tokens(runs):
+    """GPT-2's files and the same BPE as a tokenizer.json make the same data; the sentencepiece model other data."""
+    first = {kind: runs[f"{kind}/straight"][0]["lm loss"] for kind in ("SentencePieceTokenizer", "GPT2BPETokenizer")}
+    assert computed(runs["GPT2BPETokenizer/straight"]) == computed(runs["HuggingFaceTokenizer/straight"])
+    assert first["SentencePieceTokenizer"] != first["GPT2BPETokenizer"]

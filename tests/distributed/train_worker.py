@@ -1,6 +1,6 @@
 """torchrun worker: many short training runs in one job, results as JSON for pytest.
 
-    torchrun --nproc-per-node N train_worker.py SCENARIO DATA_PREFIX TOKENIZER WORKDIR
+    torchrun --nproc-per-node N train_worker.py SCENARIO DATA_PREFIX TOKENIZER WORKDIR [TOKENIZER_RUNS_JSON]
 
 Scenarios (each a list of cases run one after another in this job):
 - `reference` (1 rank): save the initial weights, then train from them
@@ -29,12 +29,15 @@ Scenarios (each a list of cases run one after another in this job):
   same seed: TP=2+SP+EP=2 (DP=2) alone, with Lancet's queue, with 4 micro-batches and with the distributed
   optimizer; EP=2 (DP=4); PP=2+EP=2.
 - `megatron_lm` (4 ranks): issue 17's Megatron-LM flags at EP=2: samples against iterations, WSD, the warm-up
-  fraction, the router flags (ours and megatron-core's layer), --overlap-param-gather, the logging flags.
+  fraction, the router flags (ours and megatron-core's layer), --overlap-param-gather, the logging flags; the
+  same corpus through each --tokenizer-type (TOKENIZER_RUNS_JSON: {type: its --data-path and tokenizer flags}),
+  4 steps saved at 2, and resumed from step 2.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from tests.distributed.launcher import finish_job, train_in_job
 
 SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
+TOKENIZER_RUNS = sys.argv[5] if len(sys.argv) > 5 else None
 ITERS = 4
 
 MODEL = [
@@ -382,6 +386,21 @@ def megatron_lm() -> dict:
     }  # fmt: skip
     results["distopt_params_norm"] = params_norm_of_checkpoint(ckpt("distopt"))
     results["param_gather_params_norm"] = params_norm_of_checkpoint(ckpt("param_gather"))
+    results.update(tokenizer_runs(base, iters))
+    return results
+
+
+def tokenizer_runs(base: list[str], iters: list[str]) -> dict:
+    """The same corpus through each --tokenizer-type: 4 steps (with dropout: per-rank RNG) saving at step 2, and
+    step 2's checkpoint resumed to step 4."""
+    with open(TOKENIZER_RUNS) as f:
+        data_and_tokenizer = json.load(f)
+    model = without(without(without(MODEL, "--lr-warmup-iters"), "--data-path"), "--tokenizer-model")
+    results = {}
+    for kind, flags in data_and_tokenizer.items():
+        run = [*base, *iters, *flags, "--hidden-dropout", "0.1"]
+        results[f"{kind}/straight"] = train(*run, "--save", ckpt(kind), "--save-interval", "2", model=model)
+        results[f"{kind}/resumed"] = train(*run, "--load", ckpt(f"{kind}/iter_0000002"), model=model)
     return results
 
 

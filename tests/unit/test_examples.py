@@ -90,3 +90,30 @@ def test_the_tiny_cpu_example_trains_on_your_data_or_on_its_own():
     assert data(yours) == ("/data/corpus_text_document", "/data/tokenizer.model")
     own = dry_run("pretrain_gpt_moe_tiny_cpu", 1, 2, DATA_PATH=None, TOKENIZER_MODEL=None, DATA_DIR="/d")
     assert data(own) == ("/d/stdlib_text_document", "/d/tokenizer.model")
+
+
+def test_the_examples_take_each_tokenizer_type_from_the_environment():
+    """TOKENIZER_MODEL (SentencePiece), VOCAB_FILE + MERGE_FILE (GPT-2's BPE, as Megatron-LM's examples take it),
+    or TOKENIZER_TYPE=HuggingFaceTokenizer with TOKENIZER_MODEL: the flags reach the trainer and check out."""
+
+    def tokenizer_flags(args):
+        start = args.index("--tokenizer-type")
+        return args[start : start + (6 if args[start + 1] == "GPT2BPETokenizer" else 4)]
+
+    gpt2 = {"TOKENIZER_MODEL": None, "VOCAB_FILE": "/d/vocab.json", "MERGE_FILE": "/d/merges.txt"}
+    assert tokenizer_flags(dry_run("pretrain_gpt2_s_moe", 1, 8, **gpt2)) == [
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/d/vocab.json", "--merge-file", "/d/merges.txt",
+    ]  # fmt: skip
+    hf = {"TOKENIZER_TYPE": "HuggingFaceTokenizer", "TOKENIZER_MODEL": "/d/bpe"}
+    assert tokenizer_flags(dry_run("pretrain_gpt_moe_tiny_cpu", 1, 2, **hf)) == [
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/d/bpe",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_PATH": "/d/x", "PYTHONPATH": ROOT}
+    script = os.path.join(ROOT, "examples", "pretrain_gpt2_s_moe.sh")
+    for wrong, message in [
+        ({"TOKENIZER_MODEL": "/d/t.model", "VOCAB_FILE": "/d/vocab.json"}, "MERGE_FILE is not set"),
+        ({"TOKENIZER_MODEL": "/d/t.model", "VOCAB_FILE": "/d/v", "MERGE_FILE": "/d/m"}, "give one tokenizer"),
+        ({"TOKENIZER_TYPE": "GPT2Tokenizer"}, "TOKENIZER_TYPE=GPT2Tokenizer: one of SentencePieceTokenizer, GPT2"),
+    ]:
+        proc = subprocess.run(["bash", script], env={**env, **wrong}, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -144,3 +144,30 @@ def test_hf_config_round_trip(tokenizer):
     assert json.loads(json.dumps(config))["num_key_value_heads"] == 2
     again = parse_args([*hf_mixtral.run_flags_from_hf(config), "--data-path", "x", "--tokenizer-model", "x"])
     assert again.model.num_query_groups == 2 and again.moe.num_experts == 4 and again.model.swiglu
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_export_carries_the_runs_tokenizer_and_import_reads_it_back(
+    megatron_world1, corpus, tokenizer_flags, tmp_path, kind
+):
+    """A run on the byte-level BPE (as GPT-2's files or as a tokenizer.json) exports it; transformers'
+    AutoTokenizer encodes as we do; import-hf records the directory's tokenizer.json as the run's."""
+    from megatron_moe.data.tokenizer import build_tokenizer
+
+    cfg = parse_args([*MIXTRAL, *tokenizer_flags[kind]])
+    ours = build_tokenizer(cfg.data)
+    save_single(str(tmp_path / "ckpt"), cfg, build_single(cfg, ours.vocab_size))
+    out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    expected = {"tokenizer.json", "tokenizer_config.json"} | ({"vocab.json", "merges.txt"} if "GPT2" in kind else set())
+    assert expected <= set(os.listdir(out)) and "tokenizer.model" not in os.listdir(out)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    for text in [*corpus[1][:3], "def f(x):\n    return x  # caf\u00e9 \U0001f600\n"]:
+        assert hf_tok.encode(text) == ours.tokenize(text)
+    assert hf_tok.eos_token_id == ours.eod == json.load(open(os.path.join(out, "config.json")))["eos_token_id"]
+    _, model, _ = load_single(str(tmp_path / "ckpt"))
+    assert max_logit_difference(model, out, probe_tokens(ours.vocab_size)) < TOLERANCE
+    imported = import_hf(out, str(tmp_path / "imported"))
+    cfg_back, _, theirs = load_single(imported)
+    assert cfg_back.data.tokenizer_type == "HuggingFaceTokenizer"
+    assert theirs.files == (os.path.join(imported, "tokenizer.json"),)
+    assert theirs.tokenize(corpus[1][0]) == ours.tokenize(corpus[1][0]) and theirs.eod == ours.eod

@@ -8,6 +8,7 @@ it fails (exit 2) above --tolerance.
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron_moe.config import ConfigError
 
@@ -16,7 +17,7 @@ def _verify(ckpt: str, hf_dir: str, tolerance: float) -> float:
     from megatron_moe.checkpointing.hf_convert import load_single, max_logit_difference, probe_tokens
 
     # The HF directory's tokenizer: the one the model was made with, wherever the checkpoint came from.
-    _, model, tokenizer = load_single(ckpt, tokenizer_model=f"{hf_dir}/tokenizer.model")
+    _, model, tokenizer = load_single(ckpt, tokenizer_model=hf_dir)
     diff = max_logit_difference(model, hf_dir, probe_tokens(tokenizer.vocab_size))
     print(
         f"verify: max |logits(megatron_moe) - logits(transformers)| = {diff:.3e} (tolerance {tolerance:g})", flush=True
@@ -39,7 +40,11 @@ class ExportHFCommand:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _common(parser, "a --save directory or one iter_N directory", "the new HF model directory")
-        parser.add_argument("--tokenizer-model", help="sentencepiece model (default: the run's --tokenizer-model)")
+        parser.add_argument(
+            "--tokenizer-model",
+            help="export this tokenizer instead of the run's: a sentencepiece .model, a tokenizer.json or a "
+            "directory holding one (default: the run's --tokenizer-type and files)",
+        )
 
     @staticmethod
     def run(args: argparse.Namespace) -> None:
@@ -63,7 +68,7 @@ class ImportHFCommand:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _common(
             parser,
-            "HF Mixtral directory (config.json, *.safetensors, tokenizer.model)",
+            "HF Mixtral directory (config.json, *.safetensors, tokenizer.model or tokenizer.json)",
             "the new --save directory (loads into any TP/PP/EP layout)",
         )
         for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP")]:
@@ -106,7 +111,9 @@ class ImportHFCommand:
                 plan = make_plan(imported, args.save, target, overwrite=args.overwrite)
                 progress(f"import-hf: resharding to {plan.describe_target()}")
                 run_plan(plan)
-                shutil.copyfile(f"{imported}/tokenizer.model", f"{args.save}/tokenizer.model")
+                for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                    if os.path.isfile(f"{imported}/{name}"):  # the HF directory's tokenizer, as import_hf copied it
+                        shutil.copyfile(f"{imported}/{name}", f"{args.save}/{name}")
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         print(f"import-hf: wrote {args.save}", flush=True)

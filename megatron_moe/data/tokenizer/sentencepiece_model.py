@@ -1,36 +1,28 @@
-"""SentencePiece tokenizer with the interface megatron-core's GPT datasets expect.
+"""SentencePieceTokenizer: a SentencePiece ``.model`` (``--tokenizer-model``).
 
-megatron-core's ``GPTDataset`` reads ``tokenizer.eod`` (end-of-document id, used for
-masks), ``tokenizer.pad`` (padding id, masked out of the loss), ``tokenizer.eos`` (checked
-for a collision with ``pad``) and ``tokenizer.vocab_size`` (token dtype). Models trained by
-``tools/train_tokenizer.py`` define unk/bos/eos/pad pieces, so every id here is a real id
-of the vocabulary.
+Models trained by ``tools/train_tokenizer.py`` define unk/bos/eos/pad pieces, so every id here is a real id of
+the vocabulary; a model without a pad piece pads with ``NO_PAD_FALLBACK``.
 """
 
 import os
 from functools import cached_property
 
 import sentencepiece
-from megatron.core.datasets.megatron_dataset import _PAD_TOKEN_ID
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
-from megatron_moe.data import DataError
+from megatron_moe.data.tokenizer.base import NO_PAD_FALLBACK, Tokenizer, TokenizerError
 
 TOKENIZER_FLAG = "--tokenizer-model"
-
-NO_PAD_FALLBACK = _PAD_TOKEN_ID
-"""``pad`` of a model without a pad piece: megatron-core's own sentinel (-1), an id that
-never occurs in tokenized data, so GPTDataset masks only the padding it adds itself."""
-
-
-class TokenizerError(DataError):
-    """The tokenizer model file is missing, unreadable or unusable."""
 
 
 def load_sentencepiece_model(model_path: str) -> sentencepiece.SentencePieceProcessor:
     """Load a SentencePiece model, with errors that name ``--tokenizer-model`` and the path."""
     if not model_path:
         raise TokenizerError(f"{TOKENIZER_FLAG} is empty; pass the .model file written by tools/train_tokenizer.py")
+    if os.path.isdir(model_path) or model_path.endswith(".json"):
+        raise TokenizerError(
+            f"{TOKENIZER_FLAG} {model_path!r} is not a SentencePiece .model; for a HuggingFace tokenizer.json "
+            f"(or its directory) pass --tokenizer-type HuggingFaceTokenizer"
+        )
     if not os.path.isfile(model_path):
         raise TokenizerError(
             f"{TOKENIZER_FLAG} {model_path!r}: no such file; pass the .model file written by "
@@ -47,17 +39,20 @@ def load_sentencepiece_model(model_path: str) -> sentencepiece.SentencePieceProc
     return processor
 
 
-class SentencePieceTokenizer(MegatronLegacyTokenizer):
+class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model wrapped for megatron-core datasets and our preprocessing.
 
     Args:
         model_path: path of the ``.model`` file (the value of ``--tokenizer-model``).
     """
 
+    tokenizer_type = "SentencePieceTokenizer"
+
     def __init__(self, model_path: str):
         processor = load_sentencepiece_model(model_path)
         super().__init__(model_path)
         self.model_path = model_path
+        self.files = (model_path,)
         self._processor = processor
         if processor.eos_id() < 0:
             raise TokenizerError(
@@ -65,23 +60,13 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
                 f"marks document ends (eod); train one with tools/train_tokenizer.py"
             )
 
-    def __getstate__(self) -> dict:
-        """Pickle the model by path; the SWIG processor itself cannot be pickled."""
-        return {"model_path": self.model_path}
-
-    def __setstate__(self, state: dict) -> None:
-        """Re-load the model from its path when unpickled (e.g. in data loader workers)."""
-        self.__init__(state["model_path"])
-
     def tokenize(self, text: str) -> list[int]:
         """Convert text to a list of token ids (no bos/eos added)."""
         return self._processor.EncodeAsIds(text)
 
     def detokenize(self, ids) -> str:
         """Convert token ids (list, numpy array or tensor) back to text."""
-        if hasattr(ids, "tolist"):  # numpy array or torch tensor
-            ids = ids.tolist()
-        return self._processor.DecodeIds([int(i) for i in ids])
+        return self._processor.DecodeIds(self.as_ids(ids))
 
     @cached_property
     def vocab(self) -> dict[str, int]:
@@ -101,11 +86,6 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
     @property
     def eod(self) -> int:
         """End-of-document id appended by ``preprocess_data.py --append-eod`` (= eos)."""
-        return self._processor.eos_id()
-
-    @property
-    def eos(self) -> int:
-        """End-of-sequence id."""
         return self._processor.eos_id()
 
     @property

@@ -1,0 +1,44 @@
+"""The tokenizers megatron-core's GPT datasets and tools/preprocess_data.py use, by Megatron-LM's --tokenizer-type.
+
+- ``SentencePieceTokenizer``: ``--tokenizer-model`` a SentencePiece ``.model`` (``sentencepiece_model.py``);
+- ``GPT2BPETokenizer``: ``--vocab-file vocab.json --merge-file merges.txt``, GPT-2's byte-level BPE;
+- ``HuggingFaceTokenizer``: ``--tokenizer-model`` a directory holding ``tokenizer.json``, or that file
+  (both on HuggingFace's ``tokenizers`` library, ``huggingface.py``).
+
+`build_tokenizer(data_config)` is the one place a tokenizer is made from the flags: training, preprocessing and
+the HuggingFace export call it. Every tokenizer has the interface of ``base.Tokenizer``.
+"""
+
+from __future__ import annotations
+
+from megatron_moe.config import TOKENIZER_TYPES, DataConfig
+from megatron_moe.data.tokenizer.base import NO_PAD_FALLBACK, Tokenizer, TokenizerError
+from megatron_moe.data.tokenizer.huggingface import GPT2BPETokenizer, HuggingFaceTokenizer
+from megatron_moe.data.tokenizer.sentencepiece_model import SentencePieceTokenizer, load_sentencepiece_model
+
+TOKENIZERS: dict[str, type[Tokenizer]] = {
+    cls.tokenizer_type: cls for cls in (SentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer)
+}
+assert tuple(TOKENIZERS) == TOKENIZER_TYPES, "the config's --tokenizer-type choices are the tokenizers built here"
+
+
+def build_tokenizer(data: DataConfig) -> Tokenizer:
+    """The tokenizer the data flags name (--tokenizer-type and its files); a TokenizerError names the flag, the
+    path and what it should hold when a file is missing or of the wrong kind."""
+    data.validate_tokenizer()
+    if data.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(data.vocab_file, data.merge_file)
+    return TOKENIZERS[data.tokenizer_type](data.tokenizer_model)
+
+
+__all__ = [
+    "NO_PAD_FALLBACK",
+    "TOKENIZERS",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "Tokenizer",
+    "TokenizerError",
+    "build_tokenizer",
+    "load_sentencepiece_model",
+]
