@@ -34,6 +34,11 @@ from functools import lru_cache
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+if __name__ == "__main__":  # before megatron-core's imports: its no-TE/apex and legacy-tokenizer notices filtered
+    from megatron_moe.failure import setup_logging
+
+    setup_logging()
+
 import numpy  # noqa: E402
 import torch  # noqa: E402
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402

@@ -24,11 +24,11 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, however this is started
 
 from megatron_moe.config import ConfigError  # noqa: E402 (pure Python, cheap)
+from megatron_moe.failure import setup_logging  # noqa: E402 (the standard library only)
 
 
 class ReshardCommand:
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
-    warnings.filterwarnings("ignore", module="megatron")  # TE/apex-absent notices on import
+    setup_logging()  # megatron-core's TE/apex-absent and legacy-tokenizer notices filtered, as in training
     from reshard import ReshardError
 
     try:
