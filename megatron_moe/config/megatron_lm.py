@@ -43,16 +43,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
     "--vocab-file": (True, "the GPT-2 BPE tokenizer is not supported yet: a SentencePiece --tokenizer-model only"),
     "--merge-file": (True, "the GPT-2 BPE tokenizer is not supported yet: a SentencePiece --tokenizer-model only"),
     "--use-legacy-models": (False, "this stack builds megatron-core models only; drop --use-legacy-models"),
-    "--num-layers-per-virtual-pipeline-stage": (
-        True,
-        "the interleaved (virtual) pipeline is not supported yet: one model chunk per pipeline rank; drop it "
-        "and keep --pipeline-model-parallel-size",
-    ),
-    "--num-virtual-stages-per-pipeline-rank": (
-        True,
-        "the interleaved (virtual) pipeline is not supported yet: one model chunk per pipeline rank; drop it "
-        "and keep --pipeline-model-parallel-size",
-    ),
 }
 
 
