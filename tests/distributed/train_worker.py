@@ -252,8 +252,9 @@ LANCET = {
     + ["--overlap-grad-reduce"],
     # Issue 15: experts sharded over ESP=2 (their dW slices deferred under the all-to-alls between ESP groups).
     "esp2_ep2": ESP2_EP2,
-    # Issue 17: the interleaved pipeline, each chunk's backward a pass of its own (and the queue's flush at its end).
-    "pp2_vpp2_ep2": [*VPP2, "--expert-model-parallel-size", "2"],
+    # Issue 17: the interleaved pipeline, each chunk's backward a pass of its own (and the queue's flush at its end);
+    # every layer MoE, so that the logging rank's chunks (layers 2 and 4) have all-to-alls to hide dW under.
+    "pp2_vpp2_ep2": [*VPP2, "--expert-model-parallel-size", "2", "--moe-layer-freq", "1"],
 }
 
 
