@@ -14,7 +14,9 @@ pointer moved), then publishes the pointer: a save killed at any point leaves a
 loadable checkpoint that the pointer finds. Without a pointer, `--load` takes the
 newest complete `iter_*` (never starts from scratch over them). Loading verifies
 the checksums and compares the model's shapes and vocabulary before any tensor. Sharded tensors are resharded by
-dist_checkpointing on load, so a checkpoint loads into any TP/PP/EP/ESP layout.
+dist_checkpointing on load, so a checkpoint loads into any TP/PP/EP/ESP layout, with or without virtual
+pipeline stages (each chunk's state under "model0", "model1", ... as Megatron-LM stores them; the keys number the
+layers globally).
 Each rank's RNG states are restored when the layout is the same.
 """
 
@@ -85,6 +87,7 @@ def _layout() -> dict[str, int]:
         "world": dist.get_world_size(),
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
         "ep": parallel_state.get_expert_model_parallel_world_size(),
         "esp": parallel_state.get_expert_tensor_parallel_world_size(),
     }
@@ -117,12 +120,20 @@ def _set_rng_state(state: dict) -> bool:
     return True
 
 
+def model_state_keys(model) -> list[str]:
+    """Where each model chunk's state sits in a checkpoint's state dict, as Megatron-LM stores it: "model" for one
+    chunk, "model0", "model1", ... for the chunks of an interleaved pipeline. Only the nesting differs: the sharded
+    tensors' own keys number the layers globally (megatron-core's offset per rank and virtual stage), so a
+    checkpoint loads into any PP and virtual-pipeline layout, optimizer state included."""
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
 def _sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is_loading: bool) -> dict:
-    model_state = model[0].module.sharded_state_dict()
-    state = {"model": model_state}
+    state = {key: chunk.module.sharded_state_dict() for key, chunk in zip(model_state_keys(model), model)}
     if with_optimizer:
+        # The optimizer's keys come from the parameters' sharded tensors, found in every chunk's state.
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING
+            dict(state), is_loading=is_loading, metadata=OPTIMIZER_SHARDING
         )
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -163,7 +174,7 @@ def save_checkpoint(
         layout=_layout(),
         has_optimizer=with_optimizer,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        vocab_size=getattr(model[0].module, "vocab_size", None),
+        vocab_size=getattr(model[0].module, "vocab_size", None),  # every chunk's: the padded vocabulary
     )
     with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state)):
         dist_checkpointing.save(state, tmp)
@@ -391,7 +402,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     common = dist_checkpointing.load_common_state_dict(path)
     check_compatible(common["config"], cfg, path)
     check_vocab_size(common.get("vocab_size"), model, path)
-    same_layout = {"esp": 1, **common["layout"]} == _layout()  # saved before ESP: expert-TP 1
+    same_layout = {"esp": 1, "vpp": 1, **common["layout"]} == _layout()  # saved before ESP / VPP: 1
     with_optimizer = not cfg.checkpoint.no_load_optim and common["has_optimizer"]
     saved_distributed = common["distributed_optimizer"]
     if with_optimizer and saved_distributed != cfg.parallel.use_distributed_optimizer:
@@ -405,9 +416,11 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     if with_optimizer:
         _materialize_optimizer_state(optimizer)
     request = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng, is_loading=True)
-    check_tensor_names(path, request["model"])
+    keys = model_state_keys(model)
+    check_tensor_names(path, {key: request[key] for key in keys})
     state = dist_checkpointing.load(request, path)
-    model[0].module.load_state_dict(state["model"])
+    for key, chunk in zip(keys, model):
+        chunk.module.load_state_dict(state[key])
     if with_optimizer:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(common["scheduler"])

@@ -84,12 +84,33 @@ class RunConfig:
             f"must be a multiple of --micro-batch-size x data-parallel size = "
             f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}",
         )
+        self._validate_interleaved_microbatches(world_size)
         require(
             self.model.seq_length % (self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1)
             == 0,
             "--seq-length",
             self.model.seq_length,
             "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
+        )
+
+    def _validate_interleaved_microbatches(self, world_size: int) -> None:
+        """megatron-core's interleaved schedule runs the micro-batches in groups of PP per model chunk: their number
+        must be a multiple of PP (at least PP)."""
+        p, t = self.parallel, self.training
+        chunks = p.virtual_pipeline_size(self.model.num_layers)
+        if chunks is None:
+            return
+        pp, microbatches = p.pipeline_model_parallel_size, self.num_microbatches(world_size)
+        per_step = t.micro_batch_size * self.data_parallel_size(world_size)
+        require(
+            microbatches % pp == 0,
+            "--global-batch-size",
+            t.global_batch_size,
+            f"the interleaved pipeline ({chunks} model chunks per pipeline rank) needs a number of micro-batches "
+            f"that is a multiple of --pipeline-model-parallel-size={pp}, and global batch / (micro-batch x "
+            f"data-parallel size) = {t.global_batch_size} / ({t.micro_batch_size} x "
+            f"{self.data_parallel_size(world_size)}) = {microbatches}; e.g. --global-batch-size "
+            f"{per_step * pp * max(1, -(-microbatches // pp))}",
         )
 
     def activation_policy(self) -> ActivationPolicy | None:

@@ -74,6 +74,18 @@ PROJECTING = When(lambda c: _our_gate(c, ("xmoe", "cosine")), "with --moe-gate x
 SOFT = When(lambda c: _our_gate(c, ("soft",)), "with --moe-gate soft")
 
 DISTRIBUTED_OPTIMIZER = When(lambda c: c.parallel.use_distributed_optimizer, "with --use-distributed-optimizer")
+PIPELINE_PARALLEL = When(
+    lambda c: c.parallel.pipeline_model_parallel_size > 1, "with --pipeline-model-parallel-size > 1"
+)
+ADAPTIVE_GRAD_REDUCE_POSSIBLE = When(
+    lambda c: (
+        c.parallel.grad_reduce_schedule != "adaptive" or c.parallel.virtual_pipeline_size(c.model.num_layers) is None
+    ),
+    "without the interleaved pipeline (--num-virtual-stages-per-pipeline-rank / "
+    "--num-layers-per-virtual-pipeline-stage): megatron-core's interleaved schedule starts each model chunk's "
+    "reduction after the chunk's last micro-batch, and chunks after the first have one bucket; use "
+    "--grad-reduce-schedule megatron",
+)
 TENSOR_PARALLEL = When(lambda c: c.parallel.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1")
 
 DECAYING = When(lambda c: c.training.lr_decay_style != "constant", "with a --lr-decay-style other than constant")

@@ -355,6 +355,18 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = arg(1, "TP: ranks that split each weight matrix")
     pipeline_model_parallel_size: int = arg(1, "PP: pipeline stages")
+    num_layers_per_virtual_pipeline_stage: int | None = arg(
+        None,
+        "interleaved pipeline (Megatron-LM's): layers per virtual stage; each pipeline rank holds (layers / PP) / N "
+        "model chunks and megatron-core's interleaved 1F1B runs them (unset: one chunk per rank)",
+        applies=only.PIPELINE_PARALLEL,
+    )
+    num_virtual_stages_per_pipeline_rank: int | None = arg(
+        None,
+        "interleaved pipeline (Megatron-LM's): model chunks (virtual stages) per pipeline rank, each of layers / "
+        "(PP x N) layers; the other way to say --num-layers-per-virtual-pipeline-stage (unset: one chunk per rank)",
+        applies=only.PIPELINE_PARALLEL,
+    )
     expert_model_parallel_size: int = arg(1, "EP: ranks that split the experts", applies=only.MOE)
     expert_tensor_parallel_size: int | None = arg(
         None,
@@ -393,6 +405,7 @@ class ParallelConfig:
         "each MoE layer's backward launches the share the cost model gives it; in force with our MoE layer, "
         "EP > 1 and a reduction across data-parallel ranks, else megatron)",
         choices=("megatron", "adaptive"),
+        applies=only.ADAPTIVE_GRAD_REDUCE_POSSIBLE,
     )
     distributed_timeout_minutes: float = arg(
         10.0,
@@ -409,6 +422,56 @@ class ParallelConfig:
         return world_size // (
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         )
+
+    def virtual_pipeline_size(self, num_layers: int) -> int | None:
+        """Model chunks per pipeline rank (megatron-core's virtual_pipeline_model_parallel_size) from either
+        interleaved-pipeline flag; None without an interleaved pipeline (also for 1 chunk: plain 1F1B)."""
+        chunks = self.num_virtual_stages_per_pipeline_rank
+        if self.num_layers_per_virtual_pipeline_stage:
+            chunks = num_layers // self.pipeline_model_parallel_size // self.num_layers_per_virtual_pipeline_stage
+        return chunks if chunks is not None and chunks > 1 else None
+
+    def validate_virtual_pipeline(self, model: ModelConfig) -> None:
+        """The interleaved pipeline's flags (Megatron-LM's rules): one of the two, PP > 1, whole layers per chunk."""
+        per_stage, chunks = self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank
+        pp, layers = self.pipeline_model_parallel_size, model.num_layers
+        if per_stage is None and chunks is None:
+            return
+        require(
+            per_stage is None or chunks is None,
+            "--num-layers-per-virtual-pipeline-stage",
+            per_stage,
+            f"give it or --num-virtual-stages-per-pipeline-rank={chunks}, not both (they say the same thing)",
+        )
+        flag, value = (
+            ("--num-layers-per-virtual-pipeline-stage", per_stage)
+            if per_stage is not None
+            else ("--num-virtual-stages-per-pipeline-rank", chunks)
+        )
+        require_positive(flag, value, 1)
+        require(
+            pp > 1,
+            flag,
+            value,
+            "the interleaved pipeline splits each pipeline rank's layers into chunks; it needs "
+            f"--pipeline-model-parallel-size > 1 (now {pp}), e.g. --pipeline-model-parallel-size 2",
+        )
+        if per_stage is not None:
+            require(
+                layers % pp == 0 and (layers // pp) % per_stage == 0,
+                flag,
+                value,
+                f"must divide the layers per pipeline stage (--num-layers={layers} / "
+                f"--pipeline-model-parallel-size={pp}), e.g. {_largest_divisor(layers // pp, per_stage)}",
+            )
+        else:
+            require(
+                layers % (pp * chunks) == 0,
+                flag,
+                value,
+                f"--num-layers={layers} must be a multiple of --pipeline-model-parallel-size x chunks = "
+                f"{pp} x {chunks}, e.g. {flag} {_largest_divisor(layers // pp if layers % pp == 0 else 1, chunks)}",
+            )
 
     def validate(self, world_size: int, model: ModelConfig, moe: MoEConfig) -> None:
         tp, pp, cp, ep = (
@@ -459,6 +522,7 @@ class ParallelConfig:
             pp,
             f"must divide --num-layers={model.num_layers}",
         )
+        self.validate_virtual_pipeline(model)
         if moe.is_moe:
             etp = self.expert_tensor_parallel_size or 1
             ffn = moe.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
@@ -497,6 +561,11 @@ class ParallelConfig:
             )
         elif ep > 1:
             require(False, "--expert-model-parallel-size", ep, "needs --num-experts; use 1 for a dense model")
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` that is at most `at_most` (1 at least): a valid choice to name in an error."""
+    return next(d for d in range(max(min(n, at_most), 1), 0, -1) if n % d == 0)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -126,16 +126,6 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
 }
 REFUSED: dict[str, tuple[bool, str]] = {
     "--use-legacy-models": (False, "this stack builds megatron-core models only; drop --use-legacy-models"),
-    "--num-layers-per-virtual-pipeline-stage": (
-        True,
-        "the interleaved (virtual) pipeline is not supported yet: one model chunk per pipeline rank; drop it "
-        "and keep --pipeline-model-parallel-size",
-    ),
-    "--num-virtual-stages-per-pipeline-rank": (
-        True,
-        "the interleaved (virtual) pipeline is not supported yet: one model chunk per pipeline rank; drop it "
-        "and keep --pipeline-model-parallel-size",
-    ),
     "--vocab-size": (True, "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it"),
     "--padded-vocab-size": (
         True,

@@ -1,4 +1,4 @@
-"""RunConfig -> megatron-core TransformerConfig -> GPTModel (one pipeline stage)."""
+"""RunConfig -> megatron-core TransformerConfig -> GPTModel chunks (a pipeline stage, or its virtual stages)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         )
     dtype = params_dtype(cfg)
     on_cpu = not current_platform().is_accelerator
+    interleaved = p.virtual_pipeline_size(m.num_layers) is not None
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     moe_kwargs = {}
     if moe.is_moe:
@@ -93,6 +94,7 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         persist_layer_norm=False,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(m.num_layers),
         expert_model_parallel_size=p.expert_model_parallel_size,
         # The ESP group comes from parallel_state (training/initialize.py). megatron-core's modules read this
         # field only to refuse biases in its own MoE layer with ESP > 1; ours has no expert biases, and
@@ -105,7 +107,15 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=t.bf16,
         fp16=t.fp16,
-        deallocate_pipeline_outputs=True,
+        # Megatron-LM's p2p settings: the interleaved schedule overlaps its p2p with compute (non-batched isend/
+        # irecv). Batched, a PP=2 pair would post its sends to the one peer in the order send-prev, send-next and
+        # its receives recv-prev, recv-next: gloo (and NCCL) match them in order, swapping activation and gradient.
+        # Unbatched, megatron-core sends the two directions over two communicators at PP=2.
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
+        # The interleaved schedule frees a sent activation before its isend is waited: on a GPU the allocator's
+        # stream order protects it, on CPU gloo could read freed memory, so there it is kept until backward.
+        deallocate_pipeline_outputs=not (interleaved and on_cpu),
         attention_softmax_in_fp32=m.attention_softmax_in_fp32,
         recompute_granularity="full" if cfg.activations.full_recompute else None,
         recompute_method="uniform" if cfg.activations.full_recompute else None,
@@ -151,10 +161,19 @@ def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> GPTModel:
-    """This rank's pipeline stage of the GPT-MoE, on this platform's device."""
+def build_model_chunks(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (`config.virtual_pipeline_model_parallel_size`,
+    Megatron-LM's get_model), else the one pipeline stage."""
+    chunks = config.virtual_pipeline_model_parallel_size
+    if chunks is None:
+        return [build_model(cfg, config, vocab_size)]
+    return [build_model(cfg, config, vocab_size, vp_stage=stage) for stage in range(chunks)]
+
+
+def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_stage: int | None = None) -> GPTModel:
+    """This rank's pipeline stage of the GPT-MoE (with `vp_stage`: that virtual stage's chunk), on this platform's
+    device. Its layers carry their global numbers (megatron-core's offset for this rank and virtual stage)."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     m = cfg.model
     model = GPTModel(
         config=config,
@@ -163,15 +182,17 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> G
             cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers,
             use_transformer_engine=use_transformer_engine(cfg),
             pp_rank=pp_rank,
+            vp_stage=vp_stage,
             moe_layer=moe_layer(cfg),
         ),
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=m.max_position_embeddings or m.seq_length,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp_size - 1,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
+        vp_stage=vp_stage,
     )
     model.to(current_platform().device)  # megatron-core puts its own modules there already, ours follow
     for experts in (module for name, module in model.named_modules() if name.endswith(".experts")):

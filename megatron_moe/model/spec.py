@@ -108,13 +108,15 @@ def block_spec(
     *,
     use_transformer_engine: bool = False,
     pp_rank: int | None = None,
+    vp_stage: int | None = None,
     moe_layer: MoELayerConfig | None = None,
 ) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage builds, MoE where `moe_pattern` has a 1."""
+    """The layers this pipeline stage (with `vp_stage`: this virtual stage of it) builds, MoE where `moe_pattern`
+    has a 1."""
     backend = backend_provider(use_transformer_engine)
     dense = layer_spec(config, moe=False, backend=backend)
     moe = layer_spec(config, moe=True, backend=backend, moe_layer=moe_layer) if config.num_moe_experts else None
     specs = [moe if is_moe else dense for is_moe in moe_pattern]
-    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
-    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=SequenceParallelNorm)

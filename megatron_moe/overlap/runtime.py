@@ -229,13 +229,30 @@ class WgradQueue:
         self._passes = []
         if passes:
             self._stamps.settle(passes[-1][-1][3])
-        events = [[self._event(*entry) for entry in one] for one in passes]
-        merged = planning.merge_passes([_merge_repeats(one) for one in events]) if events else []
-        agreed = planning.agree(merged, self.num_layers)
-        return planning.make_plan(self.policy, agreed, self.max_mb)
+        events = [_merge_repeats([self._event(*entry) for entry in one]) for one in passes]
+        # Under the interleaved pipeline each model chunk's backward is a pass of its own layers: passes of the same
+        # chunk are merged, and each chunk's dW are planned under its own all-to-alls (a pass flushes at its end).
+        kinds = _passes_by_structure(events)
+        merged = [planning.merge_passes(same) for same in kinds]
+        agreed = planning.agree([event for one in merged for event in one], self.num_layers)  # one collective
+        plans, start = [], 0
+        for one in merged:
+            plans.append(planning.make_plan(self.policy, agreed[start : start + len(one)], self.max_mb))
+            start += len(one)
+        under = {key: a2a for plan in plans for key, a2a in plan.under.items()}
+        return planning.WgradPlan(policy=self.policy, under=under, events=tuple(agreed))
 
     def _event(self, kind, key, start, end, held_mb) -> planning.Event:
         return planning.Event(kind, key, self._stamps.elapsed_ms(start, end), held_mb)
+
+
+def _passes_by_structure(passes: list[list[planning.Event]]) -> list[list[list[planning.Event]]]:
+    """Profiled passes grouped by their structure (kinds and keys in order), groups in order of first appearance:
+    one group without virtual pipeline stages, one per model chunk with them."""
+    groups: dict[tuple, list[list[planning.Event]]] = {}
+    for one in passes:
+        groups.setdefault(tuple((e.kind, e.key) for e in one), []).append(one)
+    return list(groups.values())
 
 
 def _merge_repeats(events: list[planning.Event]) -> list[planning.Event]:

@@ -62,7 +62,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     resolve_pipeline_degrees(cfg, model, fits, source, grad_reduce.partition if grad_reduce else None)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
-    wire_model_config(config, model, optimizer)
+    wire_model_config(cfg, config, model, optimizer)
     state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
     data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
     counts = parameter_counts(cfg, model)

@@ -65,7 +65,12 @@ def first_nonfinite_grad(chunks) -> str | None:
     ]
     if not flags or all(to_host(torch.stack(flags))[0]):
         return None
-    named = [(name, getattr(p, "main_grad", None)) for chunk in chunks for name, p in chunk.module.named_parameters()]
+    # Under the interleaved pipeline a name's layer index is its chunk's own: the chunk is named too.
+    named = [
+        (name if len(chunks) == 1 else f"model chunk {i}: {name}", getattr(p, "main_grad", None))
+        for i, chunk in enumerate(chunks)
+        for name, p in chunk.module.named_parameters()
+    ]
     bad = [name for name, grad in named if grad is not None and not torch.isfinite(grad).all()]
     if not bad:
         return "(a gradient buffer outside the named parameters)"

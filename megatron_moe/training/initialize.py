@@ -41,6 +41,7 @@ def initialize(cfg: RunConfig) -> Platform:
         distributed_timeout_minutes=process_group_timeout(cfg) / datetime.timedelta(minutes=1),
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(cfg.model.num_layers),
         context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
@@ -77,8 +78,10 @@ def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
 def describe_layout(cfg: RunConfig) -> str:
     world = dist.get_world_size()
     p = cfg.parallel
+    chunks = p.virtual_pipeline_size(cfg.model.num_layers)
     return (
         f"world={world} TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+        f"{f'VPP={chunks} ' if chunks else ''}"
         f"CP={p.context_parallel_size} EP={p.expert_model_parallel_size} "
         f"DP={cfg.data_parallel_size(world)} SP={p.sequence_parallel} "
         f"microbatches={cfg.num_microbatches(world)}"

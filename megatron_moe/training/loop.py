@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -142,6 +143,10 @@ class Trainer:
 
     def _run_microbatches(self, data_iterator, *, forward_only: bool) -> list[dict]:
         seq = self.cfg.model.seq_length
+        if len(self.model) > 1:
+            # The interleaved schedule takes one iterator per model chunk; each chunk reads every micro-batch of
+            # the step once, so `tee` hands them the same batches and `data_iterator` advances by one step.
+            data_iterator = list(itertools.tee(data_iterator, len(self.model)))
         return self.forward_backward(
             forward_step_func=forward_step,
             data_iterator=data_iterator,

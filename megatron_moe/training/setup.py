@@ -20,8 +20,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe.config import RunConfig
 from megatron_moe.config.moe_layer import AUTO
-from megatron_moe.model import build_model
-from megatron_moe.model.builder import params_dtype
+from megatron_moe.model.builder import build_model_chunks, params_dtype
 from megatron_moe.moe.dispatch import Dispatcher
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
@@ -56,11 +55,13 @@ def build_wgrad_queue(cfg: RunConfig) -> WgradQueue | None:
 def build_ddp_model(
     cfg: RunConfig, config: TransformerConfig, vocab_size: int, wgrad_queue: WgradQueue | None = None
 ) -> list[DistributedDataParallel]:
-    """This rank's model chunks (one per stage, no virtual pipeline) in megatron-core DDP; with `wgrad_queue`,
-    its deferrable modules' weight gradients go through it (megatron-core's `delay_wgrad_compute` protocol)."""
-    module = build_model(cfg, config, vocab_size)
+    """This rank's model chunks (one per virtual pipeline stage, else the one stage), each in its own megatron-core
+    DDP as Megatron-LM's get_model wraps them (bucketing off from the second chunk on: its reduction overlaps the
+    other chunks' compute anyway); with `wgrad_queue`, their deferrable modules' weight gradients go through it
+    (megatron-core's `delay_wgrad_compute` protocol)."""
+    modules = build_model_chunks(cfg, config, vocab_size)
     if wgrad_queue is not None:
-        install_wgrad_overlap([module], wgrad_queue)
+        install_wgrad_overlap(modules, wgrad_queue)
     adaptive = adaptive_grad_reduce(cfg)
     ddp_config = DistributedDataParallelConfig(
         delay_wgrad_compute=wgrad_queue is not None,
@@ -72,9 +73,13 @@ def build_ddp_model(
         # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
         check_for_nan_in_grad=False,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
-    model.broadcast_params()
-    return [model]
+    model = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, disable_bucketing=index > 0)
+        for index, module in enumerate(modules)
+    ]
+    for chunk in model:
+        chunk.broadcast_params()
+    return model
 
 
 def build_optimizer(cfg: RunConfig, model: list[DistributedDataParallel]):
@@ -162,11 +167,20 @@ def build_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:
     )
 
 
-def wire_model_config(config: TransformerConfig, model, optimizer) -> None:
-    """Hooks megatron-core's schedules call: grad finalisation, loss scaling, no_sync."""
+def wire_model_config(cfg: RunConfig, config: TransformerConfig, model, optimizer) -> None:
+    """Hooks megatron-core's schedules call: grad finalisation over every chunk, loss scaling, and, as Megatron-LM
+    sets them for a list of chunks, one `no_sync` per chunk and, with --overlap-grad-reduce, each chunk's
+    `start_grad_sync` (its align_grad_reduce default: the interleaved schedule starts a chunk's reduction once its
+    last micro-batch's backward is done). `param_sync_func` stays unset, as Megatron-LM leaves it without
+    --align-param-gather: under --overlap-param-gather each chunk's forward pre-hooks gather its parameters."""
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
+    if len(model) == 1:
+        config.no_sync_func = model[0].no_sync
+        return
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    if cfg.parallel.overlap_grad_reduce:
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
 
 
 # ---------------------------------------------------------------------------------------------- pipeline degrees
@@ -178,9 +192,25 @@ def adaptive_grad_reduce(cfg: RunConfig) -> bool:
     moe, par = cfg.moe, cfg.parallel
     if par.grad_reduce_schedule != "adaptive" or not (moe.is_moe and moe.own_layer):
         return False
+    if par.virtual_pipeline_size(cfg.model.num_layers) is not None:
+        return False  # megatron-core's interleaved schedule starts each chunk's reduction (`adaptive_refused`)
     dp = parallel_state.get_data_parallel_world_size()
     expert_dp = parallel_state.get_expert_data_parallel_world_size()
     return par.expert_model_parallel_size > 1 and max(dp, expert_dp) > 1
+
+
+def adaptive_refused(cfg: RunConfig) -> str | None:
+    """Why the default --grad-reduce-schedule adaptive falls back to megatron-core's buckets under the interleaved
+    pipeline (None where it does not); a typed `--grad-reduce-schedule adaptive` there is refused at parsing."""
+    par = cfg.parallel
+    chunks = par.virtual_pipeline_size(cfg.model.num_layers)
+    if par.grad_reduce_schedule != "adaptive" or chunks is None or not cfg.moe.own_layer:
+        return None
+    return (
+        f"the interleaved pipeline, {chunks} model chunks per pipeline rank: megatron-core's interleaved schedule "
+        "starts each chunk's reduction after that chunk's last micro-batch, and chunks after the first have one "
+        "bucket, so there is no per-MoE-layer bucket plan to launch"
+    )
 
 
 def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str]:
@@ -245,9 +275,12 @@ def install_grad_reduce_plan(
     stage's MoE layers, realised in the model chunk's DDP bucket groups, launched from the MoE layers' backward
     all-to-alls (`megatron_moe.overlap.grad_reduce`): the launcher (its `partition`, the plan). None where
     megatron-core's buckets stay."""
+    why = adaptive_refused(cfg)
+    if why and dist.get_rank() == 0:
+        log.info("gradient reduction: megatron-core's buckets, not the adaptive partition (%s)", why)
     if not adaptive_grad_reduce(cfg) or fits is None:
         return None
-    ddp = model[0]
+    ddp = model[0]  # the first stage's only chunk (no virtual pipeline here)
     layers = [layer.layer_number for layer in moe_layer_modules(model)]
     if parallel_state.get_pipeline_model_parallel_rank() > 0 or not layers:
         # megatron-core turns bucketing off after the first stage: one bucket, reduced when it is ready

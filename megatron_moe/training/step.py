@@ -5,20 +5,20 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
+from megatron.core.utils import unwrap_model
 
 from megatron_moe.platform import current_platform
 
 
-def get_batch(data_iterator) -> dict[str, torch.Tensor] | None:
-    """The next micro-batch on this rank's device, or None on middle pipeline stages.
+def get_batch(data_iterator, *, first: bool, last: bool) -> dict[str, torch.Tensor] | None:
+    """The next micro-batch on this rank's device, or None for a model chunk that neither embeds the tokens
+    (`first`) nor computes the loss (`last`): a middle pipeline stage, or a middle virtual stage.
 
     Every rank of a TP/CP group reads the same samples from its own loader
-    (deterministic sampler), so no broadcast is needed.
+    (deterministic sampler), so no broadcast is needed. Every chunk reads its micro-batch (its own iterator under
+    the interleaved pipeline), so all chunks stay at the same micro-batch.
     """
     batch = next(data_iterator)
-    first = parallel_state.is_pipeline_first_stage()
-    last = parallel_state.is_pipeline_last_stage()
     if not (first or last):
         return None
     device = current_platform().device
@@ -43,7 +43,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """megatron-core schedule callback: run the model on the next micro-batch."""
-    batch = get_batch(data_iterator)
+    chunk = unwrap_model(model)  # its pre_process / post_process: this (virtual) stage embeds, or computes the loss
+    batch = get_batch(data_iterator, first=chunk.pre_process, last=chunk.post_process)
     if batch is None:  # middle stage: input comes from the previous stage
         output = model(None, None, None)
         return output, None

@@ -4,13 +4,15 @@
 
 Scenarios:
 - `source` (1 rank): train steps 1-2 of 4 and save WORKDIR/src; then resume
-  it in the same layout for steps 3-4 (the reference).
+  it in the same layout for steps 3-4 (the reference); save the initial
+  weights (WORKDIR/init) and train all 4 steps from them.
 - `chain` (2 ranks): starting from WORKDIR/ep2 (written by the convert.py
   CLI from src), reshard with the tool's own converter, one hop after the
-  other: EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1, EP2 -> ESP2 -> EP2; and src -> EP2 with the
+  other: EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1, EP2 -> ESP2 -> EP2, PP2 -> PP2 x VPP2 -> PP1; and src -> EP2 with the
   distributed optimizer, weights only. Each result is resumed in its target
   layout for steps 3-4; and, with dropout, the TP2 result against its source
-  resumed directly in TP2. The hops run in this one job because a torchrun
+  resumed directly in TP2; PP=2 x VPP=2 from the initial weights and from src
+  directly (2 ranks). The hops run in this one job because a torchrun
   start costs 10-20 s here.
 """
 
@@ -36,6 +38,7 @@ MODEL = [
     "--moe-pipeline-degree", "1", "--moe-bp-pipeline-degree", "1", "--grad-reduce-schedule", "megatron",
 ]  # fmt: skip
 
+VPP2_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
 # name: (the checkpoint it is made from, the target, the training flags of that layout)
 HOPS = {
     "tp2_sp": (
@@ -60,6 +63,9 @@ HOPS = {
         Target(expert_parallel_size=2, expert_tensor_parallel_size=1),
         ["--expert-model-parallel-size", "2"],
     ),
+    # Issue 17: the interleaved pipeline, 2 model chunks per pipeline rank, and from it straight back to PP=1.
+    "pp2_vpp2": ("pp2", Target(virtual_stages=2), VPP2_FLAGS),
+    "vpp2_to_1": ("pp2_vpp2", Target(pipeline_parallel_size=1), []),
     "ep2_distopt_weights_only": (
         "src",
         Target(expert_parallel_size=2, use_distributed_optimizer=True, drop_optimizer=True),
@@ -91,7 +97,12 @@ def facts(root: str) -> dict:
 
 def source() -> dict:
     train("--exit-interval", str(SAVED_AT), "--save", ckpt("src"))
-    return {"reference": train("--load", ckpt("src")), "src": facts(ckpt("src"))}
+    train("--train-iters", "0", "--save", ckpt("init"))  # the initial weights, for whole runs in other layouts
+    return {
+        "reference": train("--load", ckpt("src")),
+        "src": facts(ckpt("src")),
+        "from_init": train("--load", ckpt("init")),
+    }
 
 
 def chain() -> dict:
@@ -106,6 +117,10 @@ def chain() -> dict:
             "world_size": plan.world_size,
             **facts(ckpt(name)),
         }
+    # Issue 17: PP=2 x VPP=2 on these 2 ranks, all 4 steps from the initial weights, and the source resumed there
+    # directly (resharded at load, optimizer state included).
+    results["pp2_vpp2_from_init"] = train("--load", ckpt("init"), *VPP2_FLAGS)
+    results["pp2_vpp2_direct"] = train("--load", ckpt("src"), *VPP2_FLAGS)
     # RNG across layouts: with dropout, resuming the resharded TP2 checkpoint must equal resuming
     # its EP2 source directly in TP2 (both start from the TP2 layout's fresh seeds).
     tp2, dropout = HOPS["tp2_sp"][2], ["--hidden-dropout", "0.1"]

@@ -11,7 +11,8 @@ params norm are bit-identical, step by step (the same GEMMs on the same
 operands, accumulated into main_grad in the same order per parameter). The
 queue's own figures show the deferral happened: closures ran under the
 all-to-alls (not at their natural place), and under a tiny memory cap some
-ran at their natural place instead.
+ran at their natural place instead. Under the interleaved pipeline (PP=2 x VPP=2 + EP=2) each model chunk's
+backward is a pass of its own, planned on its own by greedy.
 """
 
 import os
@@ -36,6 +37,7 @@ LAYOUTS = [
     "ep2_untied",
     "pp2_ep2_overlap_grad_reduce",
     "esp2_ep2",
+    "pp2_vpp2_ep2",
 ]
 
 
@@ -61,7 +63,7 @@ def test_deferred_weight_gradients_are_bit_identical(runs, layout):
         assert step["wgrad"]["peak_held_mb"] > 0
 
 
-@pytest.mark.parametrize("layout", ["ep2", "tp2_ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "tp2_ep2", "pp2_vpp2_ep2"])
 def test_the_greedy_plan_profiles_then_defers_and_changes_no_number(runs, layout):
     off, greedy = runs[f"{layout}/off"], runs[f"{layout}/greedy"]
     assert numbers(greedy) == numbers(off)

@@ -2,8 +2,9 @@
 
 A tiny GPT-MoE trains steps 1-2 on one process and saves (`src`); resuming
 it for steps 3-4 in its own layout is the reference. The CLI reshards src to
-EP=2; the worker then hops EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1 and EP2 -> ESP2 -> EP2 with the same
-converter, and src -> EP2 + distributed optimizer without optimizer state.
+EP=2; the worker then hops EP2 -> TP2+SP -> PP2 -> TP1/PP1/EP1, EP2 -> ESP2 -> EP2 and PP2 -> PP2 x VPP2 ->
+PP1 with the same converter, and src -> EP2 + distributed optimizer without optimizer state. PP=2 x VPP=2 also
+trains from the initial weights on 2 ranks as one process does.
 Every result resumed in its target layout must give the reference's lm loss
 (1e-5 relative) and grad norm (1e-4 relative), like test_training.py.
 The refusals (existing destination, impossible layout, optimizer formats)
@@ -61,13 +62,15 @@ def runs(train_data, tmp_path_factory):
     return {"workdir": workdir, "cli": cli, **source, **chain}
 
 
-TARGETS = {  # name: (TP, PP, EP, sequence parallel, ESP)
-    "ep2": (1, 1, 2, False, 1),
-    "tp2_sp": (2, 1, 1, True, 1),
-    "pp2": (1, 2, 1, False, 1),
-    "back_to_1": (1, 1, 1, False, 1),
-    "esp2": (1, 1, 1, False, 2),
-    "esp2_to_ep2": (1, 1, 2, False, 1),
+TARGETS = {  # name: (TP, PP, EP, sequence parallel, ESP, VPP)
+    "ep2": (1, 1, 2, False, 1, 1),
+    "tp2_sp": (2, 1, 1, True, 1, 1),
+    "pp2": (1, 2, 1, False, 1, 1),
+    "back_to_1": (1, 1, 1, False, 1, 1),
+    "esp2": (1, 1, 1, False, 2, 1),
+    "esp2_to_ep2": (1, 1, 2, False, 1, 1),
+    "pp2_vpp2": (1, 2, 1, False, 1, 2),
+    "vpp2_to_1": (1, 1, 1, False, 1, 1),
 }
 
 
@@ -82,9 +85,9 @@ def test_resharded_checkpoint_resumes_like_the_original(runs, name):
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_resharded_checkpoint_records_the_target_layout(runs, name):
     result, src = runs[name], runs["src"]
-    tp, pp, ep, sp, esp = TARGETS[name]
-    layout = {k: result["layout"][k] for k in ("tp", "pp", "ep", "esp")}
-    assert layout == {"tp": tp, "pp": pp, "ep": ep, "esp": esp}
+    tp, pp, ep, sp, esp, vpp = TARGETS[name]
+    layout = {k: result["layout"][k] for k in ("tp", "pp", "ep", "esp", "vpp")}
+    assert layout == {"tp": tp, "pp": pp, "ep": ep, "esp": esp, "vpp": vpp}
     p = result["parallel"]
     assert (
         p["tensor_model_parallel_size"],
@@ -92,17 +95,28 @@ def test_resharded_checkpoint_records_the_target_layout(runs, name):
         p["expert_model_parallel_size"],
         p["sequence_parallel"],
         p["expert_tensor_parallel_size"] or 1,
-    ) == (tp, pp, ep, sp, esp)
+        p["num_virtual_stages_per_pipeline_rank"] or 1,
+    ) == (tp, pp, ep, sp, esp, vpp)
     assert result["iteration"] == src["iteration"] == 2
     assert result["train_state"] == src["train_state"]
     assert result["scheduler"] == src["scheduler"]
     assert result["has_optimizer"] and not result["distributed_optimizer"]
 
 
+def test_interleaved_pipeline_on_two_ranks_matches_one_process(runs):
+    """Issue 17: PP=2 x VPP=2 on 2 ranks (each rank two model chunks) trains all 4 steps from the same initial weights
+    as one process does, and resumes the one-process checkpoint of iteration 2 (resharded at load) likewise."""
+    whole, direct = runs["pp2_vpp2_from_init"], runs["pp2_vpp2_direct"]
+    assert [s["iteration"] for s in whole] == [1, 2, 3, 4] and [s["iteration"] for s in direct] == [3, 4]
+    assert_matches(whole, runs["from_init"])
+    assert_matches(direct, runs["reference"])
+
+
 def test_reshard_uses_the_smallest_world_that_fits(runs):
     assert runs["tp2_sp"]["world_size"] == 2 and runs["pp2"]["world_size"] == 2
     assert runs["back_to_1"]["world_size"] == 1
     assert runs["esp2"]["world_size"] == 2  # ESP=2 needs two ranks, whatever EP
+    assert runs["pp2_vpp2"]["world_size"] == 2 and runs["vpp2_to_1"]["world_size"] == 1
     assert "launching 2 CPU processes" in runs["cli"].stdout
 
 
@@ -133,7 +147,7 @@ def test_cli_reports_progress_and_leaves_no_staging_directory(runs):
         "reshard: done in",
     ):
         assert line in out, out
-    assert sorted(os.listdir(runs["workdir"])) == sorted(["src", *TARGETS, "ep2_distopt_weights_only"])
+    assert sorted(os.listdir(runs["workdir"])) == sorted(["src", "init", *TARGETS, "ep2_distopt_weights_only"])
     assert sorted(os.listdir(os.path.join(runs["workdir"], "ep2"))) == ["iter_0000002", TRACKER]
 
 
@@ -184,6 +198,16 @@ def test_refuses_an_existing_destination(runs, convert_main, capsys, tmp_path):
             "needs --target-sequence-parallel",
         ),
         (["--target-expert-parallel-size", "0"], "--target-expert-parallel-size=0: must be >= 1"),
+        (
+            ["--target-num-virtual-stages-per-pipeline-rank", "2"],
+            "--target-num-virtual-stages-per-pipeline-rank=2: the interleaved pipeline splits each pipeline rank's "
+            "layers into chunks; it needs --target-pipeline-parallel-size > 1 (now 1)",
+        ),
+        (
+            ["--target-pipeline-parallel-size", "2", "--target-num-virtual-stages-per-pipeline-rank", "3"],
+            "--target-num-virtual-stages-per-pipeline-rank=3: --num-layers=4 must be a multiple of "
+            "--target-pipeline-parallel-size x chunks = 2 x 3, e.g. --target-num-virtual-stages-per-pipeline-rank 2",
+        ),
     ],
 )
 def test_refuses_an_impossible_layout(runs, convert_main, capsys, tmp_path, flags, message):

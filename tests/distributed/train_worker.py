@@ -10,11 +10,13 @@ Scenarios (each a list of cases run one after another in this job):
 - `layouts` (4 ranks): TP=2, EP=2, PP=2, TP=2+EP=2 and the distributed
   optimizer, each from the same initial weights; a checkpoint saved mid-run in
   one layout resumed in another; the resume-exactness check; megatron-core's
-  MoE layer at EP=2.
+  MoE layer at EP=2; the interleaved pipeline (PP=2 x VPP=2, with EP=2, with the
+  distributed optimizer and overlapped reduction and gather) and its checkpoints
+  resumed at PP=1 and PP=2, and back.
 - `lancet` (4 ranks): --overlap-wgrad off, all-under-next-a2a and greedy in
   the layouts and settings of issue 14 (EP=2, TP=2+SP+EP=2 and PP=2+EP=2 with
   2 micro-batches, EP=2 with 4, EP=4 with the distributed optimizer,
-  recompute, the arctic policy, bf16, fp16, a shared expert, a memory cap),
+  recompute, the arctic policy, bf16, fp16, a shared expert, a memory cap, PP=2 x VPP=2 + EP=2),
   the runs of a layout from the same seed.
 - `pipeline` (4 ranks): issue 15's chunked dispatch -> experts -> combine at degrees (r_f, r_b) against
   (1, 1), from the same seed, in EP=2 (several degrees), SwiGLU with the capacity-padded all-to-all,
@@ -93,6 +95,16 @@ LAYOUTS = {
     ],
     "pp2_ep2_recompute": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
 }
+# Issue 17: megatron-core's interleaved 1F1B, 2 model chunks per pipeline rank (rank 0: layers 1 and 3, rank 1: 2 and
+# 4); 4 ranks, so DP=2 and 2 micro-batches (a multiple of PP). Each Megatron-LM spelling of it once.
+VPP2 = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+VPP_LAYOUTS = {
+    "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "pp2_vpp2_ep2": [*VPP2, "--expert-model-parallel-size", "2"],
+    # megatron-core's per-chunk grad_sync_func and the distributed optimizer's per-chunk param gather
+    "pp2_vpp2_ep2_overlap_distopt": [*VPP2, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                     "--overlap-grad-reduce", "--overlap-param-gather"],
+}  # fmt: skip
 # Quantized activations change the backward only: the first loss is exact, the rest close.
 ARCTIC = (
     "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --activation-policy arctic"
@@ -174,10 +186,28 @@ def layouts() -> dict:
     results["straight"] = train("--train-iters", "6", *ep)
     train("--train-iters", "6", "--exit-interval", "3", "--save", ckpt("resume"), *ep)
     results["resumed"] = train("--train-iters", "6", "--load", ckpt("resume"), "--save", ckpt("resume"), *ep)
+    results |= virtual_pipeline(init)
     results["mcore_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE, *LAYOUTS["ep2"])
     results["timeouts_default"] = process_group_timeouts()
     train("--train-iters", "1", "--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])
     results["timeouts_after_3_minutes"] = process_group_timeouts()
+    # Read by one plain model; after the timeouts are taken (its parallel state has megatron-core's own timeout).
+    results["vpp_params_norm_from_checkpoint"] = params_norm_of_checkpoint(ckpt("vpp"))
+    return results
+
+
+def virtual_pipeline(init: list[str]) -> dict:
+    """The VPP_LAYOUTS from the reference's initial weights; a checkpoint saved at PP=2 x VPP=2 x EP=2 mid-run
+    resumed at PP=1 (DP=4) and at PP=2 without virtual stages; the single-process run's iteration 2 resumed at
+    PP=2 x VPP=2 x EP=2 (optimizer state resharded across chunks each way)."""
+    results = {name: train(*init, *args) for name, args in VPP_LAYOUTS.items()}
+    train(*init, *VPP_LAYOUTS["pp2_vpp2_ep2"], "--exit-interval", "2", "--save", ckpt("vpp"))
+    resume = ["--train-iters", str(ITERS), "--load", ckpt("vpp")]
+    results["resume_vpp2_as_pp1"] = train(*resume)
+    results["resume_vpp2_as_pp2"] = train(*resume, "--pipeline-model-parallel-size", "2")
+    results["resume_ref_as_pp2_vpp2_ep2"] = train(
+        "--train-iters", str(ITERS), "--load", ckpt("ref/iter_0000002"), *VPP_LAYOUTS["pp2_vpp2_ep2"]
+    )
     return results
 
 
@@ -227,6 +257,9 @@ LANCET = {
     + ["--overlap-grad-reduce"],
     # Issue 15: experts sharded over ESP=2 (their dW slices deferred under the all-to-alls between ESP groups).
     "esp2_ep2": ESP2_EP2,
+    # Issue 17: the interleaved pipeline, each chunk's backward a pass of its own (and the queue's flush at its end);
+    # every layer MoE, so that the logging rank's chunks (layers 2 and 4) have all-to-alls to hide dW under.
+    "pp2_vpp2_ep2": [*VPP2, "--expert-model-parallel-size", "2", "--moe-layer-freq", "1"],
 }
 
 
@@ -238,7 +271,7 @@ def lancet() -> dict:
     for name, args in LANCET.items():
         for policy in ("off", "all-under-next-a2a"):
             results[f"{name}/{policy}"] = train(*init, *args, "--overlap-wgrad", policy)
-    for name in ("ep2", "tp2_ep2"):
+    for name in ("ep2", "tp2_ep2", "pp2_vpp2_ep2"):
         results[f"{name}/greedy"] = train(*init, *LANCET[name], "--overlap-wgrad", "greedy")
     capped = ("--overlap-wgrad", "all-under-next-a2a", "--overlap-wgrad-max-mb", "0.2")
     results["ep2/capped"] = train(*init, *LANCET["ep2"], *capped)

@@ -324,3 +324,104 @@ def test_flags_that_apply_are_accepted():
     m = cfg(*mcore.split())
     m.validate(1)
     assert m.moe.moe_grouped_gemm and m.moe.moe_pad_expert_input_to_capacity
+
+
+# ---------------------------------------------------------------- the interleaved pipeline (virtual stages)
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize(
+    "flags, chunks",
+    [
+        ([*PP2, "--num-virtual-stages-per-pipeline-rank", "2"], 2),
+        ([*PP2, "--num-layers-per-virtual-pipeline-stage", "1"], 2),  # 4 layers / PP 2 / 1 per chunk
+        ([*PP2, "--num-layers-per-virtual-pipeline-stage", "2"], None),  # one chunk per rank: plain 1F1B
+        ([*PP2, "--num-virtual-stages-per-pipeline-rank", "1"], None),
+        (["--num-layers", "8", *PP2, "--num-virtual-stages-per-pipeline-rank", "4"], 4),
+        (PP2, None),
+    ],
+)
+def test_virtual_pipeline_flags_give_megatron_lms_chunks_per_rank(flags, chunks):
+    c = cfg(*flags, "--global-batch-size", "8", "--micro-batch-size", "2")
+    c.validate(world_size=4)  # DP 2: 2 micro-batches, a multiple of PP
+    assert c.parallel.virtual_pipeline_size(c.model.num_layers) == chunks
+
+
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (
+            [*PP2, "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+            2,
+            r"--num-layers-per-virtual-pipeline-stage=1: give it or --num-virtual-stages-per-pipeline-rank=2, not both",
+        ),
+        (
+            [*PP2, "--num-virtual-stages-per-pipeline-rank", "3"],
+            2,
+            r"--num-virtual-stages-per-pipeline-rank=3: --num-layers=4 must be a multiple of "
+            r"--pipeline-model-parallel-size x chunks = 2 x 3, e\.g\. --num-virtual-stages-per-pipeline-rank 2",
+        ),
+        (
+            ["--num-layers", "6", *PP2, "--num-layers-per-virtual-pipeline-stage", "2"],
+            2,
+            r"--num-layers-per-virtual-pipeline-stage=2: must divide the layers per pipeline stage "
+            r"\(--num-layers=6 / --pipeline-model-parallel-size=2\), e\.g\. 1",
+        ),
+        (
+            [*PP2, "--num-virtual-stages-per-pipeline-rank", "0"],
+            2,
+            r"--num-virtual-stages-per-pipeline-rank=0: must be > 0, e\.g\. --num-virtual-stages-per-pipeline-rank 1",
+        ),
+        (
+            [
+                *PP2,
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "6",
+            ],
+            2,
+            r"--global-batch-size=6: the interleaved pipeline \(2 model chunks per pipeline rank\) needs a number "
+            r"of micro-batches that is a multiple of --pipeline-model-parallel-size=2, .* = 3; e\.g\. "
+            r"--global-batch-size 8",
+        ),
+        (
+            [*PP2, "--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "2"],
+            4,  # DP 2, global batch 4 by default: one micro-batch
+            r"--global-batch-size=4: .* = 4 / \(2 x 2\) = 1; e\.g\. --global-batch-size 8",
+        ),
+    ],
+)
+def test_bad_virtual_pipeline_flags_name_flag_value_and_choice(flags, world, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg(*flags).validate(world_size=world)
+
+
+def test_virtual_pipeline_needs_a_pipeline():
+    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
+        needs_pp = rf"{flag}=2: does nothing .* only with --pipeline-model-parallel-size > 1"
+        with pytest.raises(ConfigError, match=needs_pp):
+            cfg(flag, "2")
+    c = cfg()
+    c.parallel.num_virtual_stages_per_pipeline_rank = 2  # e.g. from a saved config: no flag to refuse
+    with pytest.raises(ConfigError, match=r"=2: .* it needs --pipeline-model-parallel-size > 1 \(now 1\), e\.g\."):
+        c.validate(world_size=1)
+
+
+def test_a_typed_adaptive_gradient_reduction_is_refused_under_the_interleaved_pipeline():
+    vpp = [*PP2, "--num-virtual-stages-per-pipeline-rank", "2", "--expert-model-parallel-size", "2"]
+    with pytest.raises(
+        ConfigError,
+        match=r"--grad-reduce-schedule=adaptive: does nothing in this run; it applies only without the interleaved "
+        r"pipeline \(--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage\)",
+    ):
+        cfg(*vpp, "--grad-reduce-schedule", "adaptive")
+    assert cfg(*vpp, "--grad-reduce-schedule", "megatron").parallel.grad_reduce_schedule == "megatron"
+    default = cfg(*vpp)  # adaptive by default: falls back to megatron-core's buckets at set-up, saying why
+    from megatron_moe.training.setup import adaptive_refused
+
+    assert "the interleaved pipeline, 2 model chunks per pipeline rank" in adaptive_refused(default)
+    assert adaptive_refused(cfg(*PP2, "--expert-model-parallel-size", "2")) is None

@@ -67,8 +67,10 @@ def test_first_nonfinite_grad_names_the_first_parameter_in_model_order():
     finite = {"a": torch.ones(3), "b": torch.ones(2, 2), "c": torch.ones(1)}
     assert first_nonfinite_grad([fake_chunk(finite)]) is None
     bad = {"a": torch.ones(3), "b": torch.tensor([[1.0, math.inf], [0, 0]]), "c": torch.tensor([math.nan])}
+    assert first_nonfinite_grad([fake_chunk(bad)]) == "b (2 of 3 parameters have non-finite gradients)"
+    # Several chunks (the interleaved pipeline): a name's layer index is its chunk's own, so the chunk is named.
     found = first_nonfinite_grad([fake_chunk(finite), fake_chunk(bad)])
-    assert found == "b (2 of 6 parameters have non-finite gradients)"
+    assert found == "model chunk 1: b (2 of 6 parameters have non-finite gradients)"
 
 
 def test_grad_check_runs_before_finalize_and_names_iteration_rank_parameter():

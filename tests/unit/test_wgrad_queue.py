@@ -84,8 +84,8 @@ class _FakeA2A(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         chain = ctx.chain
-        record = Collective(f"a2a_{ctx.kind}", "fake", layer=1, backward=True)
-        handle = FakeHandle(grad.clone(), chain.log, f"L1.{ctx.kind}", chain.clock, chain.a2a_ms[ctx.kind])
+        record = Collective(f"a2a_{ctx.kind}", "fake", layer=chain.layer, backward=True)
+        handle = FakeHandle(grad.clone(), chain.log, f"L{chain.layer}.{ctx.kind}", chain.clock, chain.a2a_ms[ctx.kind])
         out = handle.wait() if chain.queue is None else chain.queue.run_under(record, handle)
         return out, None, None
 
@@ -95,10 +95,11 @@ class Chain:
 
     a2a_ms = {"dispatch": 3.0, "combine": 2.5}
 
-    def __init__(self, queue: WgradQueue | None):
-        self.log, self.clock, self.queue = [], FakeClock(), queue
+    def __init__(self, queue: WgradQueue | None, layer: int = 1, clock: FakeClock | None = None):
+        self.log, self.clock, self.queue, self.layer = [], clock or FakeClock(), queue, layer
+        keys = [key.replace("L1.", f"L{layer}.") for key in KEYS]
         self.layers = [
-            FakeLinear(key, self.log, self.clock, ms, seed) for seed, (key, ms) in enumerate(zip(KEYS, (4, 3, 2)))
+            FakeLinear(key, self.log, self.clock, ms, seed) for seed, (key, ms) in enumerate(zip(keys, (4, 3, 2)))
         ]
         if queue is not None:
             queue._stamps = HostStamps(self.clock)  # the profile times come from the fake clock
@@ -325,6 +326,39 @@ def test_greedy_profiles_iteration_2_and_plans_iteration_3_from_it():
     assert queue.peak_held_bytes == 2 * 3 * H * 4  # one closure at a time: each ran under the next a2a
     queue.end_iteration()
     assert queue.plan is plan  # planned once
+
+
+def test_greedy_plans_each_model_chunks_passes_on_their_own():
+    """The interleaved pipeline: each model chunk's backward of a micro-batch is a pass of its own layers (here layer
+    2's chunk, then layer 1's, twice each, as 2 micro-batches run). Passes of one chunk are merged; each chunk's dW
+    are planned under its own all-to-alls only."""
+    queue, clock = WgradQueue("greedy", max_mb=None, num_layers=2), FakeClock()
+    chunks = [Chain(queue, layer=2, clock=clock), Chain(queue, layer=1, clock=clock)]  # backward order
+    for iteration in (1, PROFILE_ITERATION):
+        queue.start_iteration(iteration)
+        for _ in range(2):  # micro-batches
+            for chain in chunks:
+                chain.step(_x())
+        queue.end_iteration()
+    plan = queue.plan
+    assert [e.key for e in plan.events][:5] == [
+        "L2.router",
+        "L2.combine",
+        "L2.shared_expert",
+        "L2.dispatch",
+        "L2.experts",
+    ]
+    assert plan.under == {
+        "L2.router": "L2.combine",
+        "L2.shared_expert": "L2.dispatch",
+        "L1.router": "L1.combine",
+        "L1.shared_expert": "L1.dispatch",
+    }
+    queue.start_iteration(PROFILE_ITERATION + 1)
+    reference = _reference()
+    for chain in chunks:
+        _assert_same(chain.step(_x()), reference)
+    assert queue.counts == {"under_a2a": 4, "natural": 2, "at_backward_end": 0}
 
 
 # ----------------------------------------------------------------------------- megatron-core's DDP, one rank

@@ -6,7 +6,7 @@
         --target-expert-parallel-size 2
 
 Subcommands:
-  reshard    move a checkpoint to another TP/PP/EP/ESP layout offline, on CPU,
+  reshard    move a checkpoint to another TP/PP/VPP/EP/ESP layout offline, on CPU,
              optimizer state included (see reshard.py)
   export-hf  write a checkpoint as a HuggingFace Mixtral directory, then verify logits
   import-hf  write a HuggingFace Mixtral directory as a checkpoint, then verify logits
@@ -58,6 +58,13 @@ class ReshardCommand:
                 help=f"{what} of the converted checkpoint (default: the source's)",
             )
         parser.add_argument(
+            "--target-num-virtual-stages-per-pipeline-rank",
+            type=int,
+            metavar="VPP",
+            help="model chunks per pipeline rank of the converted checkpoint (the interleaved pipeline; 1: none; "
+            "default: the source's, none at PP 1)",
+        )
+        parser.add_argument(
             "--target-sequence-parallel",
             action=argparse.BooleanOptionalAction,
             help="record --sequence-parallel in the saved config (default: on when TP>1)",
@@ -83,6 +90,7 @@ class ReshardCommand:
             expert_parallel_size=args.target_expert_parallel_size,
             expert_tensor_parallel_size=args.target_expert_tensor_parallel_size,
             sequence_parallel=args.target_sequence_parallel,
+            virtual_stages=args.target_num_virtual_stages_per_pipeline_rank,
             use_distributed_optimizer=args.target_use_distributed_optimizer,
             drop_optimizer=args.no_optimizer,
         )

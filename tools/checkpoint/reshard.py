@@ -47,6 +47,7 @@ TARGET_FLAGS = {
     "--expert-model-parallel-size": "--target-expert-parallel-size",
     "--expert-tensor-parallel-size": "--target-expert-tensor-parallel-size",
     "--sequence-parallel": "--target-sequence-parallel",
+    "--num-virtual-stages-per-pipeline-rank": "--target-num-virtual-stages-per-pipeline-rank",
 }
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
@@ -65,6 +66,8 @@ class Target:
     expert_tensor_parallel_size: int | None = None
     """ESP: ranks that split each expert's FFN width."""
     sequence_parallel: bool | None = None
+    virtual_stages: int | None = None
+    """Model chunks per pipeline rank (the interleaved pipeline; 1: none). Unset: the source's, none at PP 1."""
     use_distributed_optimizer: bool | None = None
     drop_optimizer: bool = False
 
@@ -90,6 +93,7 @@ class Plan:
         p = self.config().parallel
         return (
             f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+            f"VPP={p.virtual_pipeline_size(self.config().model.num_layers) or 1} "
             f"EP={p.expert_model_parallel_size} ESP={p.expert_tensor_parallel_size or 1} SP={p.sequence_parallel} "
             f"distributed-optimizer={p.use_distributed_optimizer}"
         )
@@ -167,6 +171,11 @@ def _target_config(source: RunConfig, target: Target) -> RunConfig:
         p.expert_model_parallel_size = target.expert_parallel_size
     if target.expert_tensor_parallel_size is not None:
         p.expert_tensor_parallel_size = target.expert_tensor_parallel_size
+    # The interleaved pipeline changes no saved tensor (layers are numbered globally): it follows its flag, else
+    # the source's, and goes where the target has no pipeline to interleave (PP 1).
+    if target.virtual_stages is not None or p.pipeline_model_parallel_size == 1:
+        p.num_layers_per_virtual_pipeline_stage = None
+        p.num_virtual_stages_per_pipeline_rank = None if target.virtual_stages == 1 else target.virtual_stages
     # Sequence parallelism changes no saved tensor; MoE needs it with TP>1, so it follows TP unless told.
     p.sequence_parallel = (
         target.sequence_parallel if target.sequence_parallel is not None else p.tensor_model_parallel_size > 1
