@@ -136,10 +136,10 @@ def test_pretrain_skips_shutdown_when_training_fails(monkeypatch):
     monkeypatch.setattr(training, "shutdown", lambda **kwargs: calls.append("shutdown"))
     monkeypatch.setattr(training, "start_watchdog", lambda cfg, end_job: None)  # a world of one: none
 
-    def failing_tokenizer(path):
-        raise RuntimeError(f"cannot read {path}")
+    def failing_tokenizer(data):
+        raise RuntimeError(f"cannot read {data.tokenizer_model}")
 
-    monkeypatch.setattr(training, "SentencePieceTokenizer", failing_tokenizer)
+    monkeypatch.setattr(training, "build_tokenizer", failing_tokenizer)
     cfg = parse_args(["--data-path", "d", "--tokenizer-model", "t.model"])
     with pytest.raises(RuntimeError, match="cannot read t.model"):
         training.pretrain(cfg)
