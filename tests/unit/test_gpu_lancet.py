@@ -1,8 +1,8 @@
 """Issue 14 item 7 on one GPU: the stream mechanics of Lancet with an emulated transfer. Skipped without CUDA.
 
-One GPU cannot run an EP group, so the "all-to-all" is a stand-in with the same shape in time: the backward
-gradient's bytes go device -> pinned host -> device on a side stream (copy engines, not SMs), as NCCL's kernels run
-on their own stream; `wait()` makes the compute stream wait for the copy's event (no host sync). The experts'
+One GPU cannot run an EP group, so the "all-to-all" is a stand-in with the same shape in time
+(`gpu_emulation.py`): the backward gradient's bytes go device -> pinned host -> device on a side stream, and
+`wait()` makes the compute stream wait for the copy's event (no host sync). The experts'
 weight-gradient closure is queued by `WgradQueue` (all-under-next-a2a) and runs between start and wait: CUDA events
 show its GEMMs running while the copy is in flight, and every gradient equals the run without deferral.
 """
@@ -12,26 +12,15 @@ import json
 import pytest
 import torch
 
-from megatron_moe.comm.core import Collective, CommHandle
+from megatron_moe.comm.core import Collective
 from megatron_moe.moe.experts import FFNExperts
 from megatron_moe.overlap.runtime import WgradQueue
+from tests.unit.gpu_emulation import emulated_transfer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ROWS, HIDDEN, FFN, EXPERTS = 8192, 1024, 4096, 4
 COPIES = 8  # device->host->device round trips of the gradient: a transfer of ~2 x 8 x 32 MiB
-
-
-class _DeviceHandle(CommHandle):
-    """A started transfer: `wait()` makes the current stream wait for its end event (never the host)."""
-
-    def __init__(self, result, end: torch.cuda.Event, keepalive):
-        super().__init__(result, keepalive=keepalive)
-        self.end = end
-
-    def wait(self):
-        torch.cuda.current_stream().wait_event(self.end)
-        return super().wait()
 
 
 class EmulatedAllToAll(torch.autograd.Function):
@@ -44,20 +33,8 @@ class EmulatedAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        side, ready = torch.cuda.Stream(), torch.cuda.Event()
-        ready.record()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        host, out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True), torch.empty_like(grad)
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
-            start.record()
-            for _ in range(COPIES):
-                host.copy_(grad, non_blocking=True)
-                out.copy_(host, non_blocking=True)
-            end.record()
+        handle, start, end = emulated_transfer(grad, COPIES)
         ctx.timeline["transfer"] = (start, end)
-        handle = _DeviceHandle(out, end, keepalive=(grad, host))
         record = Collective("a2a_dispatch", "emulated_transfer", None, 1, backward=True)
         received = handle.wait() if ctx.queue is None else ctx.queue.run_under(record, handle)
         return received, None, None
