@@ -341,8 +341,10 @@ def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, a
 def worker(flags: list[str]) -> None:
     """One rank of a case: train; the logging rank (the one with a history) writes it."""
     from megatron_moe.config import parse_args as parse_run_args
+    from megatron_moe.failure import setup_logging
     from megatron_moe.training import pretrain
 
+    setup_logging()  # the plan, the degrees and the per-step timer lines, as pretrain_gpt_moe.py logs them
     history = pretrain(parse_run_args(flags))
     if history:
         write_result(history)

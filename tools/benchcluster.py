@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,8 @@ from emulated_cluster import EmulatedCluster, stop_process_group, tail  # noqa: 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_ENV = "BENCH_RESULT"
+KEEP_LOGS_ENV = "BENCH_KEEP_LOGS"
+"""A directory: every job's node logs are copied there (`job<port>_node<i>.log`), to read the plan and timer lines."""
 JOB_TIMEOUT_S = 600
 _ports = itertools.count(29400)  # a fresh master port per job: the last job's sockets may linger in TIME_WAIT
 
@@ -89,6 +92,10 @@ def run_job(cluster: EmulatedCluster, procs_per_node: int, script: list[str], *,
                 stop_process_group(proc)
             last = "\n".join(f"--- node {i} ({logs[i]}):\n{tail(logs[i], 15)}" for i in range(cluster.nodes))
             raise RuntimeError(f"benchmark job {' '.join(script[:2])} failed: {failure}\n{last}")
+        if os.environ.get(KEEP_LOGS_ENV):
+            os.makedirs(os.environ[KEEP_LOGS_ENV], exist_ok=True)
+            for i, path in enumerate(logs):
+                shutil.copyfile(path, os.path.join(os.environ[KEEP_LOGS_ENV], f"job{port}_node{i}.log"))
         with open(result) as stream:
             return json.load(stream)
 

@@ -25,7 +25,8 @@ Where this deviates from the paper:
 - Step 2 charges layer i with its step-1 bytes and x_g^i together (one all-reduce per MoE layer, launched at its
   backward's first all-to-all: the runtime has one bucket group per layer), where eq. 5 writes f_moe^i(t_grad
   (x_g^i)) alone; and the gradients left after the last layer are counted as exposed t_ar (eq. 5 leaves them out,
-  its constraint for the last layer being strict).
+  its constraint for the last layer being strict). The runtime starts those when ready, one group per
+  completion point (`megatron_moe.overlap.grad_reduce`), so some of them hide: the count is an upper bound.
 - t_olp,dense (the dense backward after MoE layer i's, down to the next MoE layer: a reduction started at MoE
   layer i's all-to-all runs on under it) is not measured but estimated from the layer's multiply-adds at the
   experts' fitted GEMM rate (`megatron_moe.overlap.degrees.olp_dense_ms`).
@@ -43,12 +44,12 @@ from scipy.optimize import differential_evolution
 
 from megatron_moe.config.fields import require
 from megatron_moe.overlap.cost_model import (
-    MIN_GAIN,
     ClusterFits,
     LayerSizes,
     brute_force,
     chunk_times,
     predict,
+    required_gain,
     solve_degrees,
 )
 
@@ -119,13 +120,13 @@ def overlappable_ms(fits: ClusterFits, sizes: LayerSizes, *, dw_in_backward: boo
 
 def f_moe_ms(fits: ClusterFits, sizes: LayerSizes, t_gar_ms: float, *, dw_in_backward: bool, max_degree: int):
     """Algorithm 1's backward time of one layer with `t_gar_ms` of all-reduce in it. Evaluated as the best integer
-    degree by the model (with `MIN_GAIN`'s rule), which is what Algorithm 1 returns
+    degree by the model (with `required_gain`'s rule), which is what Algorithm 1 returns
     (tests/unit/test_cost_model.py) at a fraction of SLSQP's cost: the differential evolution calls it thousands
     of times."""
     kw = {"t_gar_ms": t_gar_ms, "dw_in_backward": dw_in_backward}
     best = brute_force(fits, sizes, range(1, max_degree + 1), **kw).predicted_ms["backward"]
     unpipelined = predict(fits, sizes, 1, 1, **kw).predicted_ms["backward"]
-    return best if best <= (1.0 - MIN_GAIN) * unpipelined else unpipelined
+    return best if best <= (1.0 - required_gain(fits, "backward")) * unpipelined else unpipelined
 
 
 def partition(

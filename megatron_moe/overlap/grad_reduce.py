@@ -5,14 +5,18 @@ megatron-core's DDP is built with one bucket per parameter (`bucket_size=1`, `ov
 `main_grad` views, expert / dense split (expert parameters reduce over the expert-data-parallel group), gradient
 scaling and the distributed optimizer's reduce-scatter are all its own. `regroup` then replaces its bucket
 groups (`ddp.bucket_groups`, `ddp.expert_parallel_bucket_groups`, `ddp.param_to_bucket_group`) by
-`PlannedBucketGroup`s, one per (MoE layer, family) of the plan plus one for the rest: megatron-core coalesces the
-buckets of a group into one collective (gloo: `allreduce_coalesced`, one start-up cost). A planned group starts
+`PlannedBucketGroup`s, one per (MoE layer, family) of the plan, and for the rest one per (completion point,
+family): megatron-core coalesces the buckets of a group into one collective (gloo: `allreduce_coalesced`, one
+start-up cost). A planned group starts
 its reduction when its gradients are ready (megatron-core's count, deferred weight gradients included: Lancet's
 queue delivers them through the same hook) *and* its MoE layer's backward has released it: `GradReduceLauncher`
 wraps the dispatchers' `backward_overlap` (Lancet's queue or nothing) and releases the layer's groups when its
 first backward all-to-all has started, before the work under it runs, so the reduction shares the all-to-all's
-window and the experts' compute after it. Everything else starts when ready, as megatron-core's buckets do, and
-`finish_grad_sync` starts whatever is still held.
+window and the experts' compute after it. The rest (what the plan leaves after backward) starts when ready, as
+megatron-core's buckets do, in one group per completion point (a transformer layer's parameters, the output
+layer's, the embedding's): what the plan could not hide still starts as soon as it exists instead of after the
+whole backward (one group for all of it left the exposed reduction longer than megatron-core's small buckets
+where the plan leaves much: `tools/bench_step.py`). `finish_grad_sync` starts whatever is still held.
 
 The reduction itself (what is summed, over which group, the scaling) is unchanged; with one bucket per parameter
 the distributed optimizer's shards are laid out per parameter instead of per 40M-element bucket.
@@ -191,10 +195,12 @@ def _grad_bytes(ddp, param) -> int:
     return 4 if ddp.ddp_config.grad_reduce_in_fp32 else param.element_size()
 
 
-def regroup(ddp, launch: dict[torch.nn.Parameter, int | None], launcher: GradReduceLauncher) -> dict:
-    """Replace `ddp`'s bucket groups by planned ones (module docstring); returns {"groups": [(layer, family,
-    params, bytes)]} for the log. A bucket holding parameters of several launch layers goes with the one latest
-    in backward (the smallest number; None latest of all)."""
+def regroup(ddp, launch: dict[torch.nn.Parameter, int | None], launcher: GradReduceLauncher, num_layers: int) -> dict:
+    """Replace `ddp`'s bucket groups by planned ones (module docstring); returns {"groups": [(launch, family,
+    params, bytes)]} for the log, launch "L<i>" (MoE layer i's backward) or "ready@<b>" (when ready, completion
+    point b of `completion_order`). A bucket holding parameters of several launch layers goes with the one latest
+    in backward (the smallest number; the rest latest of all, at its latest completion point)."""
+    ready_at = {id(p): before for p, before in completion_order(ddp.module, num_layers)}
     summary = []
     ddp.param_to_bucket_group = {}
     for family, attr in (("dense", "bucket_groups"), ("expert", "expert_parallel_bucket_groups")):
@@ -202,15 +208,18 @@ def regroup(ddp, launch: dict[torch.nn.Parameter, int | None], launcher: GradRed
         if not old:
             continue
         collective = _collective(ddp, old[0])
-        by_layer: dict[int | None, list] = {}
+        by_key: dict[tuple[int | None, int | None], list] = {}
         for group in old:
             for bucket in group.buckets:
                 layers = [launch.get(p) for p in bucket.params_list]
-                layer = None if None in layers else min(layers)
-                by_layer.setdefault(layer, []).append(bucket)
+                if None in layers:
+                    key = (None, min(ready_at.get(id(p), 0) for p in bucket.params_list))
+                else:
+                    key = (min(layers), None)
+                by_key.setdefault(key, []).append(bucket)
         new = []
-        for layer in _backward_order(by_layer):
-            buckets = by_layer[layer]
+        for layer, point in _backward_order(by_key):
+            buckets = by_key[layer, point]
             group = PlannedBucketGroup(buckets, ddp.ddp_config, collective, collective.size(), layer=layer)
             new.append(group)
             if layer is not None:
@@ -219,7 +228,8 @@ def regroup(ddp, launch: dict[torch.nn.Parameter, int | None], launcher: GradRed
                 for p in bucket.params_list:
                     ddp.param_to_bucket_group[p] = group
             nbytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buckets)
-            summary.append((layer, family, sum(len(b.params_list) for b in buckets), nbytes))
+            when = f"ready@{point}" if layer is None else f"L{layer}"
+            summary.append((when, family, sum(len(b.params_list) for b in buckets), nbytes))
         if ddp.ddp_config.use_distributed_optimizer and ddp.ddp_config.overlap_param_gather:
             # --overlap-param-gather: forward gathers in the reverse of backward's order, each group
             # prefetching the next (megatron-core's chain, rebuilt for the new groups)
@@ -235,7 +245,7 @@ def _collective(ddp, group):
     return group.data_parallel_group
 
 
-def _backward_order(by_layer: dict) -> list:
-    """Launch layers from the last MoE layer to the first, then None (the rest, at the end of backward)."""
-    planned = sorted((k for k in by_layer if k is not None), reverse=True)
-    return planned + ([None] if None in by_layer else [])
+def _backward_order(by_key: dict) -> list:
+    """(layer, None) planned groups and (None, b) when-ready ones in the order backward reaches them: MoE layer
+    L's backward (its groups' launch) comes before its transformer layer's attention completes (point L)."""
+    return sorted(by_key, key=lambda key: -(key[0] + 0.5 if key[0] is not None else key[1]))

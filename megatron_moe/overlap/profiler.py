@@ -15,6 +15,9 @@ shapes, t = alpha + n * beta fitted by least squares. Here, per kind:
   rows of one chunk at each degree. Bare matmuls left those costs out (predictions 0.15-0.55 of the measured
   layer on CPU).
 A kind whose group has one rank (no EP, no ESP, no DP) is not measured: its fit is 0 (the model never uses it).
+With an EP group, the pipeline itself runs with the real links at each degree: its time beyond the model is the
+"chunk" / "chunk_bwd" line (`overhead_fits`), and what the model then still misses, the largest share of a point,
+is `ClusterFits.model_error` (`model_error`), the gain a degree > 1 must be predicted to beat.
 
 Each call runs between world barriers with the device synchronized before and after, timed on the host clock;
 one warm-up call per size, then `repeats` timed calls, reduced per size by the median; every rank's figure goes into
@@ -364,8 +367,20 @@ def measure_fits(groups: ProfileGroups, settings: ProfileSettings, *, cluster: d
     fits = ClusterFits(fits=fits, cluster=dict(cluster or {}))
     if not agreed["pipeline"]:  # no EP group: nothing is pipelined
         return fits
-    lines = overhead_fits(fits, profile_layer_sizes(settings.experts, groups), agreed)
-    return dataclasses.replace(fits, fits={**fits.fits, **lines})
+    sizes = profile_layer_sizes(settings.experts, groups)
+    fits = dataclasses.replace(fits, fits={**fits.fits, **overhead_fits(fits, sizes, agreed)})
+    return dataclasses.replace(fits, model_error=model_error(fits, sizes, agreed))
+
+
+def model_error(fits: ClusterFits, sizes: LayerSizes, measured: dict[str, list[tuple[float, float]]]) -> dict:
+    """ "forward" / "backward": the model's (overhead lines included) largest |measured - model| / measured over
+    the profiled degrees of the pipeline: the smallest gain the solver can tell from noise on this cluster
+    (`megatron_moe.overlap.cost_model.required_gain`)."""
+    errors = {}
+    for raw, direction in (("pipeline", "forward"), ("pipeline_bwd", "backward")):
+        model = [(ms, layer_time_ms(fits, sizes, r, direction, dw_in_backward=False)[0]) for r, ms in measured[raw]]
+        errors[direction] = max(abs(ms - predicted) / ms for ms, predicted in model if ms > 0)
+    return errors
 
 
 def log_fits(fits: ClusterFits, source: str) -> None:
@@ -377,6 +392,9 @@ def log_fits(fits: ClusterFits, source: str) -> None:
         fit = fits[kind]
         points = ", ".join(f"({n:.0f}, {ms:.4g})" for n, ms in fit.points) or "not measured"
         log.info("  %-4s alpha %.4g beta %.4g R^2 %.6f points %s", kind, fit.alpha, fit.beta, fit.r2, points)
+    if fits.model_error:
+        errors = ", ".join(f"{direction} {error:.1%}" for direction, error in fits.model_error.items())
+        log.info("  the model's largest error on the profiled pipeline: %s (a degree > 1 must gain more)", errors)
 
 
 def _saved_matches(path: str | None, description: dict) -> bool:

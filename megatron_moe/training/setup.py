@@ -291,7 +291,7 @@ def install_grad_reduce_plan(
     partition = grad_partition(fits, generalized, tail, dw_in_backward=not experts_defer_wgrad(cfg))
     launch = assign_layers(ddp, partition, cfg.model.num_layers, reduced_params(ddp))
     launcher = GradReduceLauncher(inner=wgrad_queue, partition=partition)
-    groups = regroup(ddp, launch, launcher)["groups"]
+    groups = regroup(ddp, launch, launcher, cfg.model.num_layers)["groups"]
     for module in ddp.module.modules():
         dispatcher = getattr(module, "dispatcher", None)
         if isinstance(dispatcher, Dispatcher):
@@ -300,7 +300,8 @@ def install_grad_reduce_plan(
         shares = ", ".join(f"L{g.layer} {partition.assigned[g.layer] / 2**20:.2f}" for g in generalized)
         log.info(
             "gradient reduction (FSMoE adaptive partition): MiB launched in each MoE layer's backward: %s; "
-            "%.2f MiB after backward; predicted backward ms %.2f (megatron-core's after-backward reduction: %.2f); "
+            "%.2f MiB after backward (started when ready); predicted backward ms %.2f "
+            "(megatron-core's after-backward reduction: %.2f); "
             "bucket groups (layer, family, params, bytes): %s",
             shares,
             partition.tail_bytes / 2**20,

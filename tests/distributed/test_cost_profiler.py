@@ -48,6 +48,8 @@ def test_every_rank_fits_the_same_lines_and_the_file_is_saved(results):
         assert [n for n, _ in fits[kind].points] == chunk_macs, kind
     for kind in OVERHEAD_KINDS:  # the pipeline's time beyond the model at r = 1, 2, 4: n = chunks beyond the first
         assert [n for n, _ in fits[kind].points] == [0, 1, 3], kind
+    assert set(fits.model_error) == {"forward", "backward"}
+    assert all(0 <= error < 1 for error in fits.model_error.values()), fits.model_error
 
 
 def test_collectives_go_through_comm_on_their_groups(results):

@@ -3,6 +3,8 @@ against brute force, degenerate groups, the JSON file."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 
 import pytest
@@ -25,8 +27,10 @@ from megatron_moe.overlap.cost_model import (
     layer_time_ms,
     overhead_ms,
     predict,
+    required_gain,
     solve_degrees,
 )
+from megatron_moe.overlap.profiler import model_error
 
 
 def _fits(alpha: dict[str, float], beta: dict[str, float]) -> ClusterFits:
@@ -207,6 +211,39 @@ def test_min_gain_keeps_r1_unless_the_predicted_saving_clears_it():
     assert solve_degrees(fits, SIZES, dw_in_backward=False) == (best if gain >= MIN_GAIN else r1)
     with pytest.raises(ConfigError, match="min_gain"):
         solve_degrees(fits, SIZES, min_gain=1.0)
+
+
+def test_the_profiles_model_error_raises_the_gain_a_degree_must_clear():
+    """`ClusterFits.model_error` (the model's largest miss on the profiled pipeline) replaces `min_gain` in its
+    direction where larger; the other direction keeps `min_gain`; the plan's JSON keeps it."""
+    fits = _fits({"a2a": 0.01}, {"gemm": 2e-9})
+    best = solve_degrees(fits, SIZES, min_gain=0.0, dw_in_backward=False)
+    r1 = predict(fits, SIZES, 1, 1, dw_in_backward=False)
+    gain = {d: 1 - best.predicted_ms[d] / r1.predicted_ms[d] for d in DIRECTIONS}
+    assert best.forward > 1 and best.backward > 1 and min(gain.values()) > 0.01
+    assert required_gain(fits, "forward") == MIN_GAIN  # coefficients by hand: no error measured
+    noisy = dataclasses.replace(fits, model_error={"forward": gain["forward"] * 1.01, "backward": 0.001})
+    assert required_gain(noisy, "forward") == gain["forward"] * 1.01
+    assert required_gain(noisy, "backward", min_gain=0.01) == 0.01
+    solved = solve_degrees(noisy, SIZES, min_gain=0.01, dw_in_backward=False)
+    assert (solved.forward, solved.backward) == (1, best.backward)  # the forward's gain is inside the error
+    quiet = dataclasses.replace(fits, model_error={"forward": gain["forward"] * 0.99, "backward": 0.0})
+    assert solve_degrees(quiet, SIZES, min_gain=0.01, dw_in_backward=False).forward == best.forward
+    assert ClusterFits.from_json(json.loads(json.dumps(noisy.to_json()))).model_error == noisy.model_error
+    older = {k: v for k, v in noisy.to_json().items() if k != "model_error"}  # a profile saved before the field
+    assert ClusterFits.from_json(older).model_error == {}
+
+
+def test_model_error_is_the_largest_miss_on_the_profiled_pipeline():
+    fits = _fits({"a2a": 0.01}, {"gemm": 2e-9})
+    exact = {
+        raw: [(r, layer_time_ms(fits, SIZES, r, direction, dw_in_backward=False)[0]) for r in (1, 2, 4, 8)]
+        for raw, direction in (("pipeline", "forward"), ("pipeline_bwd", "backward"))
+    }
+    assert model_error(fits, SIZES, exact) == {"forward": 0.0, "backward": 0.0}
+    off = dict(exact, pipeline=[(r, ms * (1.25 if r == 4 else 1.0)) for r, ms in exact["pipeline"]])
+    errors = model_error(fits, SIZES, off)  # measured 1.25x the model at r = 4: it misses 0.25 / 1.25 = 20%
+    assert errors["forward"] == pytest.approx(0.2) and errors["backward"] == 0.0
 
 
 def test_no_esp_drops_all_gather_and_reduce_scatter():

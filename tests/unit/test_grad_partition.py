@@ -96,3 +96,14 @@ def test_the_plan_is_the_same_on_every_call():
 def test_bad_sizes_name_the_field():
     with pytest.raises(ConfigError, match="tail_bytes"):
         partition(FITS, _layers(1.0), tail_bytes=-1.0)
+
+
+def test_planned_and_when_ready_groups_are_ordered_as_backward_reaches_them():
+    """`grad_reduce._backward_order`: MoE layer L's planned groups launch at its backward's first all-to-all,
+    before transformer layer L's attention completes (point L); the output layer (point num_layers + 1) first,
+    the embedding (point 0) last."""
+    from megatron_moe.overlap.grad_reduce import _backward_order
+
+    keys = [(None, 0), (1, None), (None, 1), (None, 5), (3, None), (None, 3), (None, 4), (2, None)]
+    order = _backward_order(dict.fromkeys(keys))
+    assert order == [(None, 5), (None, 4), (3, None), (None, 3), (2, None), (1, None), (None, 1), (None, 0)]
