@@ -25,7 +25,9 @@ solver ms), `comm_frac_r1` (communication ms / layer ms at r = 1: the issue's ta
 0.5), `exposed_ms` {r1, best_fixed, solver} (the a2a_* and esp_* kinds, forward and backward, rank 0's view),
 `grid` ("r_f,r_b" or "solver" -> ms, forward_ms, backward_ms, region_ms, region_forward_ms, region_backward_ms,
 predicted_ms, predicted_over_measured, pipeline_degree, bp_pipeline_degree), `pipeline_degree` /
-`bp_pipeline_degree` ("auto": the row is the solver's), `fits` (kind -> alpha, beta, r2), `grads_match` (the
+`bp_pipeline_degree` ("auto": the row is the solver's), `fits` (kind -> alpha, beta, r2), `required_gain`
+(direction -> the share of r = 1's time a degree > 1 had to be predicted to save: 5%, or the profile's
+`model_error` where larger), `grads_match` (the
 solver's input and parameter gradients equal r = 1's within 1e-6 relative on every rank).
 """
 
@@ -255,7 +257,7 @@ def measure(job: dict) -> dict:
     from megatron_moe import comm
     from megatron_moe.comm.timers import CommTimers
     from megatron_moe.moe.hooks import RegionClock
-    from megatron_moe.overlap.cost_model import predict
+    from megatron_moe.overlap.cost_model import predict, required_gain
 
     layer = _layer(job)
     clock = RegionClock()
@@ -319,6 +321,7 @@ def measure(job: dict) -> dict:
     row["load"] = _load(layer, x, job)
     row["pipeline_degree"] = row["bp_pipeline_degree"] = "auto"
     row["fits"] = {kind: {"alpha": fit.alpha, "beta": fit.beta, "r2": fit.r2} for kind, fit in fits.fits.items()}
+    row["required_gain"] = {direction: required_gain(fits, direction) for direction in ("forward", "backward")}
     want = _grads(layer, x, grad, (1, 1))
     row["grads_match"] = _grads_match(_grads(layer, x, grad, degrees[SOLVER]), want)
     case = {k: job[k] for k in ("hidden", "ffn", "tokens", "experts", "topk", "ep", "esp", "repeats", "warmup")}

@@ -53,7 +53,10 @@ one `pipeline` row per layout and rate compares pipeline (on) with greedy (off):
 `exposed_ms` and `comm_ms` per a2a_* / esp_* kind (off, on), the solver's `pipeline_degrees`; then one
 `grad_reduce` row per layout and rate compares adaptive with megatron-core's three (`pipeline`, `grad_overlap`,
 `grad_small`): exposed and issued-to-completed dp_grad_reduce ms, the best of the three, the cut against it, step
-ms and the ratio against the fastest, exposed all-to-all ms. Each row names `grad_reduce_schedule`.
+ms and the ratio against the fastest, exposed all-to-all ms; `floor_ms`, the plan's all-reduce time of the
+gradients made after the first MoE layer's backward began (the lowest layer's and the embedding's: nothing is left
+to hide them, whatever the launch order), and `floor_cut_vs_best_megatron`, the largest cut any schedule could
+reach. Each row names `grad_reduce_schedule`.
 
 The figures are the logging rank's (the last rank, on the last node): its own collectives, as the Trainer's
 communication timers (megatron_moe/comm/timers.py) saw them.
@@ -248,12 +251,20 @@ def summarize(
         "overlap": overlap,
         "pipeline_degrees": histories[0][0].get("pipeline_degrees"),
         "wgrad": _wgrad_figures(wgrad),
+        "grad_reduce_floor_ms": _floor_ms(timed),
         "steps": len(histories[0]),
         "rounds": len(histories),
         "warmup": warmup,
         "figures_of": "the logging rank (last rank)",
         "flags": flags,
     }
+
+
+def _floor_ms(steps: list[dict]) -> float | None:
+    """The adaptive plan's floor (`GradPartition.predicted_ms["floor"]`: the reduction of the gradients made after
+    the first MoE layer's backward began, which no launch order hides); None without the plan."""
+    floors = [h["grad_reduce"]["floor_ms"] for h in steps if (h.get("grad_reduce") or {}).get("floor_ms") is not None]
+    return round(statistics.fmean(floors), 3) if floors else None
 
 
 def _wgrad_figures(steps: list[dict]) -> dict | None:
@@ -307,6 +318,7 @@ def compare_grad_reduce(baselines: dict[str, dict], adaptive: dict) -> dict:
     best = min(baselines, key=lambda name: baselines[name]["exposed_ms"].get(kind, 0.0))
     base = baselines[best]["exposed_ms"].get(kind, 0.0)
     cut = 1 - adaptive["exposed_ms"].get(kind, 0.0) / base if base > 0 else 0.0
+    floor = adaptive.get("grad_reduce_floor_ms")  # the plan's: about this much stays exposed whatever is done
     return {
         "case": f"grad_reduce_{adaptive['case'].removeprefix('step_').removesuffix(CASE_SUFFIX['adaptive'])}",
         "layout": adaptive["layout"],
@@ -318,6 +330,8 @@ def compare_grad_reduce(baselines: dict[str, dict], adaptive: dict) -> dict:
         | {"adaptive": adaptive["comm_ms"].get(kind, 0.0)},
         "best_megatron": best,
         "exposed_cut_vs_best_megatron": round(cut, 3),
+        "floor_ms": floor,
+        "floor_cut_vs_best_megatron": round(1 - floor / base, 3) if floor is not None and base > 0 else None,
         "step_ms": {name: row["step_ms"] for name, row in baselines.items()} | {"adaptive": adaptive["step_ms"]},
         "step_ratio_vs_best_megatron": round(adaptive["step_ms"] / min(r["step_ms"] for r in baselines.values()), 3),
         "a2a_exposed_ms": {

@@ -84,7 +84,10 @@ class GradPartition:
     """Layer -> its overlappable time t_olp at t_gar = 0."""
     predicted_ms: dict
     """"layers": layer -> its backward time with its all-reduce; "tail": the exposed all-reduce after backward;
-    "total"; "megatron": the same layers with nothing in them and every byte reduced after backward."""
+    "total"; "megatron": the same layers with nothing in them and every byte reduced after backward; "floor": the
+    all-reduce of the gradients made after the first MoE layer's backward began (the lowest layer's, the
+    embedding's): only their own backward is left to hide it, so about this much stays exposed whatever the
+    launch order or the buckets (ours, megatron-core's small ones)."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -201,5 +204,6 @@ def partition(
             "tail": tail_ms,
             "total": sum(layer_ms.values()) + tail_ms,
             "megatron": megatron,
+            "floor": t_ar_ms(fits, tail_bytes),
         },
     )

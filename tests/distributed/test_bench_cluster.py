@@ -116,6 +116,9 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     exposed = grad_row["dp_grad_reduce_exposed_ms"]
     assert exposed == {"pipeline": piped["exposed_ms"]["dp_grad_reduce"], "adaptive": exposed["adaptive"]}
     assert grad_row["step_ratio_vs_best_megatron"] == round(planned["step_ms"] / piped["step_ms"], 3)
+    assert piped["grad_reduce_floor_ms"] is None and planned["grad_reduce_floor_ms"] > 0  # the plan's, adaptive only
+    assert grad_row["floor_ms"] == planned["grad_reduce_floor_ms"]
+    assert grad_row["floor_cut_vs_best_megatron"] == round(1 - grad_row["floor_ms"] / exposed["pipeline"], 3)
 
 
 def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):

@@ -80,6 +80,10 @@ def test_step_2_spreads_what_does_not_fit_and_beats_both_extremes():
     rest_in_first = total({6: 4 * room, 4: room, 2: room}, 0.0)
     assert plan.predicted_ms["total"] <= min(rest_at_end, rest_in_first) + 1e-9
     assert plan.predicted_ms["total"] < plan.predicted_ms["megatron"]
+    assert plan.predicted_ms["floor"] == 0.0  # nothing made after the first MoE layer's backward began
+    with_tail = partition(FITS, layers, tail_bytes=2 * MIB, dw_in_backward=False)
+    assert with_tail.predicted_ms["floor"] == pytest.approx(t_ar_ms(FITS, 2 * MIB))  # the tail's all-reduce alone
+    assert with_tail.predicted_ms["tail"] >= with_tail.predicted_ms["floor"]
 
 
 def test_a_layer_never_takes_gradients_made_after_it():
