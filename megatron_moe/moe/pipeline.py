@@ -90,6 +90,9 @@ class Chunk:
     to_source: torch.Tensor | None
     expert_rows: torch.Tensor
     """Where the chunk's rows, in (l, x) order, lie in the r = 1 layout [Q_j]."""
+    whole: bool = False
+    """The only chunk (r = 1): `send_rows` and `expert_rows` are the identity, so its rows are the buffers
+    themselves, with no gather or copy (`_rows_of`, `_into`): r = 1 here costs what the unpipelined path does."""
 
     @property
     def num_rows(self) -> int:
@@ -133,9 +136,22 @@ def plan_chunks(
                     [parts_XL[x][l] for l, x in lx],
                     device,
                 ),
+                whole=r == 1,
             )
         )
     return chunks
+
+
+def _rows_of(rows: torch.Tensor, index: torch.Tensor, whole: bool) -> torch.Tensor:
+    """A chunk's rows (at `index`) of a buffer in the r = 1 layout; a whole chunk's are the buffer."""
+    return rows if whole else rows.index_select(0, index)
+
+
+def _into(buffer: torch.Tensor | None, index: torch.Tensor, values: torch.Tensor, whole: bool) -> torch.Tensor:
+    """`values` written at rows `index` of `buffer` (returned); a whole chunk's values are the buffer (no copy)."""
+    if whole:
+        return values
+    return buffer.index_copy_(0, index, values)
 
 
 class Links:
@@ -204,15 +220,17 @@ class PipelineRun:
         return sum(self.counts)
 
 
-def _chunk_forward(x, w1_EFH, w2_EHF, chunk: Chunk, gated: bool, kept_QX: tuple) -> torch.Tensor:
-    """fc1 -> act -> fc2 of one chunk's rows; x, h, a go into the r = 1 layout buffers `kept_QX`."""
+def _chunk_forward(x, w1_EFH, w2_EHF, chunk: Chunk, gated: bool, kept_QX: list) -> torch.Tensor:
+    """fc1 -> act -> fc2 of one chunk's rows; x, h, a go into the r = 1 layout buffers `kept_QX` (a whole chunk's
+    are the buffers)."""
     if chunk.num_rows == 0:
+        if chunk.whole:
+            kept_QX[:] = [x.new_empty(0, n) for n in (x.shape[1], w1_EFH.shape[1], w2_EHF.shape[2])]
         return x.new_empty(0, w2_EHF.shape[1])
     h = _fc1(x, w1_EFH, chunk.counts)
     a = ffn_activation(h, gated)
     y = grouped_mm(a, w2_EHF.transpose(1, 2), chunk.counts)
-    for buffer, t in zip(kept_QX, (x, h, a)):
-        buffer.index_copy_(0, chunk.expert_rows, t)
+    kept_QX[:] = [_into(buffer, chunk.expert_rows, t, chunk.whole) for buffer, t in zip(kept_QX, (x, h, a))]
     return y
 
 
@@ -235,7 +253,8 @@ class _StartPipeline(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_RH, run: PipelineRun, flight: _Flight):
         chunk = run.forward[0]
-        flight.sending = run.links.to_experts(rows_RH.index_select(0, chunk.send_rows), chunk, backward=False)
+        rows = _rows_of(rows_RH, chunk.send_rows, chunk.whole)
+        flight.sending = run.links.to_experts(rows, chunk, backward=False)
         ctx.run, ctx.flight = run, flight
         return rows_RH.new_empty(0)
 
@@ -244,7 +263,8 @@ class _StartPipeline(torch.autograd.Function):
         flight = ctx.flight
         if flight.returning is not None:
             handle, chunk = flight.returning
-            flight.grad_in_RH.index_copy_(0, chunk.send_rows, ctx.run.links.wait(handle, backward=True))
+            grad_in = ctx.run.links.wait(handle, backward=True)
+            flight.grad_in_RH = _into(flight.grad_in_RH, chunk.send_rows, grad_in, chunk.whole)
         grad_in_RH, flight.grad_in_RH, flight.returning = flight.grad_in_RH, None, None
         return grad_in_RH, None, None
 
@@ -257,8 +277,10 @@ class PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_RH, token, w1_EFH, w2_EHF, run: PipelineRun, flight: _Flight):
         q, links, chunks = run.num_rows, run.links, run.forward
-        kept_QX = tuple(rows_RH.new_empty(q, n) for n in (rows_RH.shape[1], w1_EFH.shape[1], w2_EHF.shape[2]))
-        out_RH = torch.empty_like(rows_RH)
+        whole = chunks[0].whole  # r = 1: the chunk's tensors are the kept ones and the output, no copies
+        widths = (rows_RH.shape[1], w1_EFH.shape[1], w2_EHF.shape[2])
+        kept_QX = [None] * 3 if whole else [rows_RH.new_empty(q, n) for n in widths]
+        out_RH = None if whole else torch.empty_like(rows_RH)
         sending, flight.sending = flight.sending, None
         returning = None
         for j, chunk in enumerate(chunks):
@@ -272,7 +294,7 @@ class PipelinedExperts(torch.autograd.Function):
             if returning is not None:
                 out_RH.index_copy_(0, returning[1].send_rows, returning[0].wait())
             returning = (handle, chunk)
-        out_RH.index_copy_(0, returning[1].send_rows, returning[0].wait())
+        out_RH = _into(out_RH, returning[1].send_rows, returning[0].wait(), whole)
         keeping = run.keeping
         _save(ctx, (w1_EFH, w2_EHF), [keeping.keep(name, t) for name, t in zip("xha", kept_QX)])
         ctx.run, ctx.flight = run, flight
@@ -285,36 +307,42 @@ class PipelinedExperts(torch.autograd.Function):
         x_QH, h_QF, a_QF = (run.keeping.fetch(k, 0, run.num_rows) for k in kept)
         need_x, need_w1, need_w2 = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
         grad_RH = grad_RH.contiguous()
+        whole = run.backward[0].whole  # r_b = 1: the chunk's tensors are the buffers below, no copies
+
+        def buffer(width: int, needed: bool) -> torch.Tensor | None:
+            return grad_RH.new_empty(run.num_rows, width) if needed and not whole else None
+
         # The weight gradients' operands in the r = 1 layout, filled chunk by chunk.
-        grad_y_QH = grad_RH.new_empty(run.num_rows, grad_RH.shape[1]) if need_w2 else None
-        grad_h_QF = grad_RH.new_empty(run.num_rows, w1_EFH.shape[1]) if need_w1 else None
         recompute_a = need_w2 and a_QF is None
-        if recompute_a:
-            a_QF = grad_RH.new_empty(run.num_rows, w2_EHF.shape[2])
-        grad_in_RH = torch.empty_like(grad_RH) if need_x else None
-        schedule = _Backward(run, w1_EFH, w2_EHF, x_QH, h_QF, a_QF if recompute_a else None, grad_y_QH, grad_h_QF)
-        weight_grads = None
-        if need_w1 or need_w2:
-            weight_grads = mlp_weight_grads(grad_y_QH, x_QH, a_QF, grad_h_QF, run.counts, (need_w1, need_w2))
-        ctx.flight.grad_in_RH = grad_in_RH
-        grads = schedule.schedule(grad_RH, ctx.flight, need_x, weight_grads)
+        schedule = _Backward(
+            run,
+            (w1_EFH, w2_EHF),
+            kept={"x": x_QH, "h": h_QF, "a": a_QF if not recompute_a else buffer(w2_EHF.shape[2], True)},
+            grads={"y": buffer(grad_RH.shape[1], need_w2), "h": buffer(w1_EFH.shape[1], need_w1)},
+            wanted={"x": need_x, "w1": need_w1, "w2": need_w2, "a": recompute_a},
+        )
+        ctx.flight.grad_in_RH = torch.empty_like(grad_RH) if need_x and not whole else None
+        grads = schedule.schedule(grad_RH, ctx.flight)
         return None, grad_RH.new_empty(0), *grads, None, None
 
 
 class _Backward:
     """The backward schedule of r_b chunks (numbered as in the module docstring)."""
 
-    def __init__(self, run: PipelineRun, w1_EFH, w2_EHF, x_QH, h_QF, a_out_QF, grad_y_QH, grad_h_QF):
-        self.run, self.w1_EFH, self.w2_EHF, self.x_QH, self.h_QF = run, w1_EFH, w2_EHF, x_QH, h_QF
-        self.a_out_QF, self.grad_y_QH, self.grad_h_QF = a_out_QF, grad_y_QH, grad_h_QF
+    def __init__(self, run: PipelineRun, weights: tuple, *, kept: dict, grads: dict, wanted: dict):
+        """`kept`: the forward's x, h (None: recompute) and a (None: not needed; with wanted["a"] the buffer it is
+        recomputed into); `grads`: the r = 1 layout buffers of dY and dH the weight gradients read (None: not
+        needed, or a whole chunk's own tensors); `wanted`: which of dX, dW1, dW2 autograd asks for."""
+        self.run, (self.w1_EFH, self.w2_EHF) = run, weights
+        self.kept, self.grads, self.wanted = kept, grads, wanted
 
-    def schedule(self, grad_RH, flight: _Flight, need_x: bool, weight_grads) -> tuple:
+    def schedule(self, grad_RH, flight: _Flight) -> tuple:
         """Writes dX into `flight.grad_in_RH` but for the last chunk's, left in flight for `_StartPipeline`;
         returns (dW1, dW2) for autograd (None where the store keeps them)."""
-        grad_in_RH = flight.grad_in_RH
-        links, chunks = self.run.links, self.run.backward
+        links, chunks, need_x = self.run.links, self.run.backward, self.wanted["x"]
         grads = (None, None)
-        sending = links.to_experts(grad_RH.index_select(0, chunks[0].send_rows), chunks[0], backward=True)
+        first = chunks[0]
+        sending = links.to_experts(_rows_of(grad_RH, first.send_rows, first.whole), first, backward=True)
         returning = None
         for j, chunk in enumerate(chunks):
             received = sending
@@ -322,32 +350,43 @@ class _Backward:
                 after = chunks[j + 1]
                 sending = links.to_experts(grad_RH.index_select(0, after.send_rows), after, backward=True)
             grad_y = links.gather(links.wait(received, backward=True), chunk, backward=True)  # 1.
-            grad_x = self._chunk(grad_y, chunk, need_x)  # 2.
+            grad_x = self._chunk(grad_y, chunk)  # 2.
             handle = None
             if need_x:  # 3.
                 handle = links.from_experts(links.scatter(grad_x, chunk, backward=True), chunk, backward=True)
-            if j + 1 == len(chunks) and weight_grads is not None:  # every chunk's dY, dH is in: dW under the last
-                grads = self.run.store.put(weight_grads, (None, None)) or (None, None)
+            if j + 1 == len(chunks) and (self.wanted["w1"] or self.wanted["w2"]):  # every chunk's dY, dH is in:
+                grads = self.run.store.put(self._weight_grads(), (None, None)) or (None, None)  # dW under the last
             if returning is not None:
-                grad_in_RH.index_copy_(0, returning[1].send_rows, links.wait(returning[0], backward=True))
+                flight.grad_in_RH.index_copy_(0, returning[1].send_rows, links.wait(returning[0], backward=True))
             returning = None if handle is None else (handle, chunk)
         flight.returning = returning
         return grads
 
-    def _chunk(self, grad_y, chunk: Chunk, need_x: bool):
-        """dX of one chunk's rows (or None); its dY and dH go into the r = 1 layout buffers."""
+    def _weight_grads(self):
+        kept, grads, wanted = self.kept, self.grads, self.wanted
+        needs = (wanted["w1"], wanted["w2"])
+        return mlp_weight_grads(grads["y"], kept["x"], kept["a"], grads["h"], self.run.counts, needs)
+
+    def _chunk(self, grad_y, chunk: Chunk):
+        """dX of one chunk's rows (or None); its dY and dH go into the r = 1 layout buffers (a whole chunk's are
+        the buffers)."""
+        kept, grads, wanted = self.kept, self.grads, self.wanted
         if chunk.num_rows == 0:
-            return grad_y.new_empty(0, self.x_QH.shape[1])
-        rows, counts, gated = chunk.expert_rows, chunk.counts, self.run.gated
-        x = self.x_QH.index_select(0, rows)
-        h = _fc1(x, self.w1_EFH, counts) if self.h_QF is None else self.h_QF.index_select(0, rows)
-        if self.a_out_QF is not None:
-            self.a_out_QF.index_copy_(0, rows, ffn_activation(h, gated))
-        if self.grad_y_QH is not None:
-            self.grad_y_QH.index_copy_(0, rows, grad_y)
-        grad_x, grad_h = mlp_input_grads(grad_y, self.w1_EFH, self.w2_EHF, h, counts, gated, need_x)
-        if self.grad_h_QF is not None:
-            self.grad_h_QF.index_copy_(0, rows, grad_h)
+            if chunk.whole:  # the buffers are this chunk's: empty ones
+                grads["y"], grads["h"] = grad_y, grad_y.new_empty(0, self.w1_EFH.shape[1])
+                if wanted["a"]:
+                    kept["a"] = grad_y.new_empty(0, self.w2_EHF.shape[2])
+            return grad_y.new_empty(0, kept["x"].shape[1])
+        rows, counts, gated, whole = chunk.expert_rows, chunk.counts, self.run.gated, chunk.whole
+        x = _rows_of(kept["x"], rows, whole)
+        h = _fc1(x, self.w1_EFH, counts) if kept["h"] is None else _rows_of(kept["h"], rows, whole)
+        if wanted["a"]:
+            kept["a"] = _into(kept["a"], rows, ffn_activation(h, gated), whole)
+        if wanted["w2"]:
+            grads["y"] = _into(grads["y"], rows, grad_y, whole)
+        grad_x, grad_h = mlp_input_grads(grad_y, self.w1_EFH, self.w2_EHF, h, counts, gated, wanted["x"])
+        if wanted["w1"]:
+            grads["h"] = _into(grads["h"], rows, grad_h, whole)
         return grad_x
 
 

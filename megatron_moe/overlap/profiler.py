@@ -15,9 +15,10 @@ shapes, t = alpha + n * beta fitted by least squares. Here, per kind:
   rows of one chunk at each degree. Bare matmuls left those costs out (predictions 0.15-0.55 of the measured
   layer on CPU).
 A kind whose group has one rank (no EP, no ESP, no DP) is not measured: its fit is 0 (the model never uses it).
-With an EP group, the pipeline itself runs with the real links at each degree: its time beyond the model is the
-"chunk" / "chunk_bwd" line (`overhead_fits`), and what the model then still misses, the largest share of a point,
-is `ClusterFits.model_error` (`model_error`), the gain a degree > 1 must be predicted to beat.
+With an EP group, the pipeline itself runs with the real links at each degree: its time beyond the model at the
+degrees > 1 is the "chunk" / "chunk_bwd" line (`overhead_fits`), and what the model then still misses at any
+degree, r = 1 included, the largest share of a point, is `ClusterFits.model_error` (`model_error`), the gain a
+degree > 1 must be predicted to beat.
 
 Each call runs between world barriers with the device synchronized before and after, timed on the host clock;
 one warm-up call per size, then `repeats` timed calls, reduced per size by the median; every rank's figure goes into
@@ -106,6 +107,8 @@ class ExpertWork:
         require(min(self.degrees) >= 1, "experts.degrees", self.degrees, "degrees >= 1, e.g. (1, 2, 4, 8)")
         chunks = {self.block_rows(q) // r for q in self.rows for r in self.degrees}
         require(len(chunks) >= 2, "experts", (self.rows, self.degrees), "2 or more distinct chunk sizes to fit")
+        pipelined = {r for r in self.degrees if r > 1}
+        require(len(pipelined) >= 2, "experts.degrees", self.degrees, "2 or more degrees > 1, e.g. (1, 2, 4, 8)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -325,11 +328,14 @@ def profile_layer_sizes(work: ExpertWork, groups: ProfileGroups) -> LayerSizes:
 
 def overhead_fits(fits: ClusterFits, sizes: LayerSizes, measured: dict[str, list[tuple[float, float]]]) -> dict:
     """The "chunk" / "chunk_bwd" lines: the pipeline's measured time beyond the model's (without them) at each
-    degree, t = alpha + (r - 1) beta (the module docstring of `megatron_moe.overlap.cost_model`)."""
+    degree r > 1, t = alpha + (r - 1) beta (r = 1 has no chunks; the module docstring of
+    `megatron_moe.overlap.cost_model`)."""
     lines = {}
     for kind, raw, direction in (("chunk", "pipeline", "forward"), ("chunk_bwd", "pipeline_bwd", "backward")):
         residual = [
-            (r - 1, ms - layer_time_ms(fits, sizes, r, direction, dw_in_backward=False)[0]) for r, ms in measured[raw]
+            (r - 1, ms - layer_time_ms(fits, sizes, r, direction, dw_in_backward=False)[0])
+            for r, ms in measured[raw]
+            if r > 1
         ]
         lines[kind] = fit_linear(residual)
     return lines

@@ -182,7 +182,10 @@ def test_overhead_line_adds_alpha_and_beta_per_extra_chunk():
     loaded = ClusterFits(
         fits=dict(plain.fits) | {"chunk": LinearFit(alpha=0.3, beta=0.7), "chunk_bwd": LinearFit(alpha=0.1, beta=2.0)}
     )
-    for r in (1, 2, 5):
+    for direction in ("forward", "backward"):  # r = 1 runs no chunks: no overhead
+        assert overhead_ms(loaded, SIZES, 1, direction) == 0.0
+        assert layer_time_ms(loaded, SIZES, 1, direction) == layer_time_ms(plain, SIZES, 1, direction)
+    for r in (2, 5):
         for direction, (alpha, beta) in (("forward", (0.3, 0.7)), ("backward", (0.1, 2.0))):
             assert overhead_ms(loaded, SIZES, r, direction) == pytest.approx(alpha + (r - 1) * beta)
             assert overhead_ms(plain, SIZES, r, direction) == 0.0  # no line: the paper's model
