@@ -27,14 +27,16 @@ Where this deviates from the paper:
   a profile without the two lines (coefficients given by hand) uses "gemm" for both.
 - Overlap is not free (the paper's model runs each step at its isolated speed when it overlaps another): a
   pipelined layer (r > 1) costs `alpha` of the "chunk" line ("chunk_bwd" backward) more, and every chunk beyond
-  the first `beta` more, t_case(r) + alpha + (r - 1) beta; r = 1 runs no chunk machinery and costs t_case(1).
-  The profiler fits the line on the pipeline itself, run with the real links at each profiled degree > 1, as its
-  time beyond the model's: the cost of overlapping a chunk's transfer with another chunk's experts on this
-  machine (on CPU the transfer takes cores from the GEMMs; a chunk's wait is woken late; on a GPU, NCCL takes
-  SMs) and of gathering each chunk's rows into the r = 1 layout. Fitting it through r = 1 as well (which runs
-  with no gather or copy) let the line's alpha raise r = 1's prediction by the chunks' costs: the solver then
-  chose r = 2 or 3 where r = 1 was 4-9% faster. Without the line (coefficients given by hand) it is 0, the
-  paper's model.
+  the first `beta` more, t_case(r) + alpha + (r - 1) beta; r = 1 runs no chunk machinery and costs t_case(1)
+  plus the "unchunked" line's alpha ("unchunked_bwd"; its beta is 0). The profiler fits the chunk line on the
+  pipeline itself, run with the real links at each profiled degree > 1, as its time beyond the model's: the cost
+  of overlapping a chunk's transfer with another chunk's experts on this machine (on CPU the transfer takes cores
+  from the GEMMs; a chunk's wait is woken late; on a GPU, NCCL takes SMs) and of gathering each chunk's rows into
+  the r = 1 layout; the unchunked alpha is the same run's time beyond the model at r = 1 (the permutations and
+  index work the four cases leave out; it may be negative). One line through r = 1 and the degrees > 1 (which
+  pay the gathers and copies r = 1 does not) let its alpha raise r = 1's prediction by the chunks' costs: the
+  solver then chose r = 2 or 3 where r = 1 was 4-9% faster. Without the lines (coefficients given by hand) they
+  are 0, the paper's model.
 - An absent collective costs 0, alpha included: P = 1 has no all-gather / reduce-scatter (n_ag = n_rs = 0),
   G = 1 no all-to-all (and then nothing to pipeline: the solver returns r = 1).
 - Coefficients are >= 0: `fit_linear` holds one at 0 where noise in a short profile would make it negative (a
@@ -76,9 +78,9 @@ gradients (n: the chunk's forward multiply-adds); gemm_dw, the experts' weight g
 MIN_GAIN = 0.05
 """A degree > 1 must be predicted to save this share of r = 1's time, else r = 1 runs: below it the gain is inside
 the model's error (median 5-12% of the measured layer in tools/bench_pipeline.py), and r = 1 is the safe side."""
-OVERHEAD_KINDS = ("chunk", "chunk_bwd")
+OVERHEAD_KINDS = ("chunk", "chunk_bwd", "unchunked", "unchunked_bwd")
 """Lines a profile may add: the pipelined layer's (r > 1) time beyond the model, forward and backward, t = alpha +
-n * beta with n = chunks beyond the first (r - 1); 0 at r = 1 and where a profile has none."""
+n * beta with n = chunks beyond the first (r - 1); and r = 1's (alpha alone); 0 where a profile has none."""
 CASES = (1, 2, 3, 4)
 DIRECTIONS = ("forward", "backward")
 FORMAT = "megatron_moe.cluster_fits/1"
@@ -340,11 +342,14 @@ def weight_grad_ms(fits: ClusterFits, sizes: LayerSizes) -> float:
 
 
 def overhead_ms(fits: ClusterFits, sizes: LayerSizes, r: float, direction: str) -> float:
-    """The pipeline's time beyond the four-case model at degree r (module docstring); 0 at r = 1 (no chunks)
-    and with nothing to pipeline (G = 1)."""
-    if sizes.ep == 1 or sizes.n_a2a <= 0 or r <= 1:
+    """The pipeline's time beyond the four-case model at degree r (module docstring): the chunk line at r > 1,
+    the unchunked alpha at r = 1; 0 with nothing to pipeline (G = 1)."""
+    if sizes.ep == 1 or sizes.n_a2a <= 0:
         return 0.0
-    fit = fits["chunk" if direction == "forward" else "chunk_bwd"]
+    suffix = "" if direction == "forward" else "_bwd"
+    if r <= 1:
+        return fits["unchunked" + suffix].alpha
+    fit = fits["chunk" + suffix]
     return max(fit.alpha, 0.0) + (r - 1) * max(fit.beta, 0.0)
 
 

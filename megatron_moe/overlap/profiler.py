@@ -328,16 +328,17 @@ def profile_layer_sizes(work: ExpertWork, groups: ProfileGroups) -> LayerSizes:
 
 def overhead_fits(fits: ClusterFits, sizes: LayerSizes, measured: dict[str, list[tuple[float, float]]]) -> dict:
     """The "chunk" / "chunk_bwd" lines: the pipeline's measured time beyond the model's (without them) at each
-    degree r > 1, t = alpha + (r - 1) beta (r = 1 has no chunks; the module docstring of
-    `megatron_moe.overlap.cost_model`)."""
+    degree r > 1, t = alpha + (r - 1) beta; "unchunked" / "unchunked_bwd": the same at r = 1, alpha alone (the
+    module docstring of `megatron_moe.overlap.cost_model`)."""
     lines = {}
-    for kind, raw, direction in (("chunk", "pipeline", "forward"), ("chunk_bwd", "pipeline_bwd", "backward")):
+    for suffix, raw, direction in (("", "pipeline", "forward"), ("_bwd", "pipeline_bwd", "backward")):
         residual = [
-            (r - 1, ms - layer_time_ms(fits, sizes, r, direction, dw_in_backward=False)[0])
-            for r, ms in measured[raw]
-            if r > 1
+            (r - 1, ms - layer_time_ms(fits, sizes, r, direction, dw_in_backward=False)[0]) for r, ms in measured[raw]
         ]
-        lines[kind] = fit_linear(residual)
+        lines["chunk" + suffix] = fit_linear([(n, ms) for n, ms in residual if n > 0])
+        at_1 = [ms for n, ms in residual if n == 0]
+        if at_1:
+            lines["unchunked" + suffix] = LinearFit(alpha=at_1[0], beta=0.0, points=((0.0, at_1[0]),))
     return lines
 
 

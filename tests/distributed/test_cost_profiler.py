@@ -36,18 +36,19 @@ def test_every_rank_fits_the_same_lines_and_the_file_is_saved(results):
     assert (cluster["world"], cluster["ep"], cluster["esp"], cluster["dp"]) == (4, 2, 2, 4)
     assert len(cluster["hosts"]) == 4 and cluster["link"] == "loopback" and cluster["backend"] == "gloo"
     assert set(fits.fits) == {*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS}
-    for kind in fits.fits:
+    for kind in set(fits.fits) - set(OVERHEAD_KINDS):  # degrees 1, 2, 4
         fit = fits[kind]
-        assert len(fit.points) == (2 if kind in OVERHEAD_KINDS else 3), kind  # degrees 1, 2, 4; the lines: 2, 4
-        if kind not in OVERHEAD_KINDS:  # a residual may be negative (the model over-predicts there)
-            assert all(ms > 0 for _, ms in fit.points), kind
+        assert len(fit.points) == 3 and all(ms > 0 for _, ms in fit.points), kind
         assert fit.alpha >= 0 and fit.beta >= 0 and fit.r2 <= 1.0, (kind, fit)
     assert [n for n, _ in fits["a2a"].points] == [16 << 10, 32 << 10, 64 << 10]
     chunk_macs = [256 // r * 64 * 64 * 2 for r in (1, 2, 4)]  # 2 experts x 4 sources x 32 rows, r chunks
     for kind in ("gemm", "gemm_bwd", "gemm_dw"):
         assert [n for n, _ in fits[kind].points] == chunk_macs, kind
-    for kind in OVERHEAD_KINDS:  # the pipeline's time beyond the model at r = 2, 4: n = chunks beyond the first
-        assert [n for n, _ in fits[kind].points] == [1, 3], kind  # r = 1 runs no chunks: not on the line
+    for suffix in ("", "_bwd"):  # the pipeline's time beyond the model (a residual may be negative)
+        chunk, unchunked = fits["chunk" + suffix], fits["unchunked" + suffix]
+        assert [n for n, _ in chunk.points] == [1, 3]  # r = 2, 4: n = chunks beyond the first
+        assert chunk.alpha >= 0 and chunk.beta >= 0 and chunk.r2 <= 1.0, chunk
+        assert unchunked.points == ((0.0, unchunked.alpha),) and unchunked.beta == 0.0  # r = 1: no chunks
     assert set(fits.model_error) == {"forward", "backward"}
     assert all(0 <= error < 1 for error in fits.model_error.values()), fits.model_error
 

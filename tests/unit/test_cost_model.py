@@ -182,9 +182,13 @@ def test_overhead_line_adds_alpha_and_beta_per_extra_chunk():
     loaded = ClusterFits(
         fits=dict(plain.fits) | {"chunk": LinearFit(alpha=0.3, beta=0.7), "chunk_bwd": LinearFit(alpha=0.1, beta=2.0)}
     )
-    for direction in ("forward", "backward"):  # r = 1 runs no chunks: no overhead
+    for direction in ("forward", "backward"):  # r = 1 runs no chunks: not the chunk line
         assert overhead_ms(loaded, SIZES, 1, direction) == 0.0
         assert layer_time_ms(loaded, SIZES, 1, direction) == layer_time_ms(plain, SIZES, 1, direction)
+    at_1 = {"unchunked": LinearFit(alpha=-0.2, beta=0.0), "unchunked_bwd": LinearFit(alpha=0.4, beta=0.0)}
+    measured_1 = ClusterFits(fits=dict(loaded.fits) | at_1)  # r = 1's own time beyond the model, signed
+    assert overhead_ms(measured_1, SIZES, 1, "forward") == -0.2 and overhead_ms(measured_1, SIZES, 1, "backward") == 0.4
+    assert overhead_ms(measured_1, SIZES, 3, "forward") == overhead_ms(loaded, SIZES, 3, "forward")
     for r in (2, 5):
         for direction, (alpha, beta) in (("forward", (0.3, 0.7)), ("backward", (0.1, 2.0))):
             assert overhead_ms(loaded, SIZES, r, direction) == pytest.approx(alpha + (r - 1) * beta)
