@@ -52,7 +52,7 @@ Where this deviates from the paper:
   to save `MIN_GAIN` (5%) of r = 1's time in its direction, or more where the profile shows the model erring by
   more (`ClusterFits.model_error`: its largest error on the pipeline the profile ran at degrees 1, 2, 4, 8): a
   smaller predicted gain is within the model's error, and running it was measured slower than r = 1 as often as
-  faster (6% slower at 2x2 and 2.5 Gbit/s with the fixed 5%, where the profile's own points missed by 8%).
+  faster.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ BACKWARD_KINDS = {"gemm_bwd": "gemm", "gemm_dw": "gemm"}
 gradients (n: the chunk's forward multiply-adds); gemm_dw, the experts' weight gradients over n multiply-adds."""
 MIN_GAIN = 0.05
 """A degree > 1 must be predicted to save this share of r = 1's time, else r = 1 runs: below it the gain is inside
-the model's error (median 5-12% of the measured layer in tools/bench_pipeline.py), and r = 1 is the safe side."""
+the model's error (median 1-23% of the measured layer in tools/bench_pipeline.py), and r = 1 is the safe side."""
 OVERHEAD_KINDS = ("chunk", "chunk_bwd", "unchunked", "unchunked_bwd")
 """Lines a profile may add: the pipelined layer's (r > 1) time beyond the model, forward and backward, t = alpha +
 n * beta with n = chunks beyond the first (r - 1); and r = 1's (alpha alone); 0 where a profile has none."""

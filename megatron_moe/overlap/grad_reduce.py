@@ -15,8 +15,7 @@ first backward all-to-all has started, before the work under it runs, so the red
 window and the experts' compute after it. The rest (what the plan leaves after backward) starts when ready, as
 megatron-core's buckets do, in one group per completion point (a transformer layer's parameters, the output
 layer's, the embedding's): what the plan could not hide still starts as soon as it exists instead of after the
-whole backward (one group for all of it left the exposed reduction longer than megatron-core's small buckets
-where the plan leaves much: `tools/bench_step.py`). `finish_grad_sync` starts whatever is still held.
+whole backward. `finish_grad_sync` starts whatever is still held.
 
 The reduction itself (what is summed, over which group, the scaling) is unchanged; with one bucket per parameter
 the distributed optimizer's shards are laid out per parameter instead of per 40M-element bucket.
