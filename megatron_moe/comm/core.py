@@ -187,6 +187,11 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_rank(group) -> int:
+    """This process's rank in `group`; 0 for None (a single process)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -263,9 +263,11 @@ class MoEConfig:
         require(text.isdigit() and int(text) > 0, "--moe-layer-freq", text, "a positive integer or a 0/1 list")
         return [1 if i % int(text) == 0 else 0 for i in range(num_layers)]
 
-    def layer_config(self, model: ModelConfig) -> MoELayerConfig:
-        """Our MoE layer's config from the run's flags: the one place flags become a MoELayerConfig."""
+    def layer_config(self, model: ModelConfig, seed: int | None = None) -> MoELayerConfig:
+        """Our MoE layer's config from the run's flags: the one place flags become a MoELayerConfig (`seed`:
+        --seed, for the experts' initial weights; None where the layer is only measured or checked)."""
         return MoELayerConfig(
+            **({} if seed is None else {"init_seed": seed}),
             num_experts=self.num_experts,
             hidden_size=model.hidden_size,
             ffn_hidden_size=self.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,

@@ -105,6 +105,8 @@ class MoELayerConfig:
     """Backward chunks r_b of the pipeline, its own schedule: an int >= 1 or "auto"."""
     init_method_std: float = 0.02
     """Std of the normal init of router and expert weights (output projections scaled by the caller)."""
+    init_seed: int = _flag("--seed", 1234)
+    """Seed of the routed experts' initial weights: expert e of layer l starts from (init_seed, l, e) alone."""
 
     @property
     def is_dropless(self) -> bool:

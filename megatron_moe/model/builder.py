@@ -147,7 +147,7 @@ def _mcore_moe_settings(cfg: RunConfig) -> dict:
 
 def moe_layer(cfg: RunConfig) -> MoELayerConfig | None:
     """Our MoE layer's settings, or None to use megatron-core's MoELayer (or for a dense model)."""
-    return cfg.moe.layer_config(cfg.model) if cfg.moe.own_layer else None
+    return cfg.moe.layer_config(cfg.model, seed=cfg.training.seed) if cfg.moe.own_layer else None
 
 
 def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:

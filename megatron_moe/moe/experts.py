@@ -40,6 +40,7 @@ from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
 from megatron_moe.moe.grouped_gemm import grouped_input_grad, grouped_linear, grouped_mm, grouped_weight_grad
 from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights, WeightGrad, WeightGradStore, at_position
 from megatron_moe.platform import current_platform
+from megatron_moe.platform.rng import host_rng_keyed
 
 
 @runtime_checkable
@@ -86,10 +87,6 @@ def mark_expert_params(module: torch.nn.Module) -> None:
     for param in module.parameters():
         param.allreduce = False
         param.sequence_parallel = False
-
-
-def _group_rank(group) -> int:
-    return 0 if group is None else torch.distributed.get_rank(group)
 
 
 def expert_chunks(counts: list[int], row_bytes: int, budget: int | None) -> list[tuple[int, int, int, int]]:
@@ -273,6 +270,8 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         expert_dp_group=None,
         esp_group=None,
         params_dtype: torch.dtype = torch.float32,
+        init_seed: int = 0,
+        layer_number: int = 0,
     ):
         super().__init__()
         self.num_local_experts, self.gated = num_local_experts, gated
@@ -283,10 +282,7 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         width = 2 * ffn_local if gated else ffn_local
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, width, hidden_size, dtype=params_dtype))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden_size, ffn_local, dtype=params_dtype))
-        with torch.no_grad():  # ESP peers draw from different expert-parallel RNG streams: different slices
-            for e in range(num_local_experts):
-                init_method(self.weight1[e])
-                output_init_method(self.weight2[e])
+        self._initialize(init_method, output_init_method, ffn_hidden_size, (init_seed, layer_number))
         mark_expert_params(self)
         if esp_size > 1:  # sharded over the ESP group: the grad norm counts every rank's slice
             set_tensor_model_parallel_attributes(self.weight1, True, 1, 1)
@@ -298,6 +294,36 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         self.chunk_bytes = current_platform().expert_chunk_bytes
         self.weight_grad_store: WeightGradStore = RUN_NOW
         """Where backward hands the weight-gradient GEMMs (`megatron_moe.moe.weight_grad`); the default runs them."""
+
+    @torch.no_grad()
+    def _initialize(self, init_method: Callable, output_init_method: Callable, ffn_hidden_size: int, key: tuple):
+        """Global expert e's whole weights drawn on the host from a generator seeded by (seed, layer, e) alone,
+        then this rank's ESP slice copied in: the same numbers on any device and under any EP and ESP sizes.
+
+        Invariant: expert e starts the same in every layout, and experts differ. The tracker's expert-parallel
+        stream cannot give it: on a GPU its fork swaps the CUDA generator only, while these weights are made on
+        the host, so every EP rank drew the same numbers and under ESP every rank the same slice (an expert
+        effectively F/P wide). Each expert is drawn whole (Megatron-LM's --use-cpu-initialization: master
+        weights, then the rank's slice): P x the draws under ESP, once, at start-up.
+        """
+        ffn_local = self.weight2.shape[2]
+        esp_rank, hidden = comm.group_rank(self.esp_group), self.weight2.shape[1]
+        f_slice = slice(esp_rank * ffn_local, (esp_rank + 1) * ffn_local)
+        first = comm.group_rank(self.ep_group) * self.num_local_experts
+        rows = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
+        for local in range(self.num_local_experts):
+            w1_FH = torch.empty(rows, hidden, dtype=self.weight1.dtype)
+            w2_HF = torch.empty(hidden, ffn_hidden_size, dtype=self.weight2.dtype)
+            with host_rng_keyed(*key, first + local):
+                init_method(w1_FH)
+                output_init_method(w2_HF)
+            if self.gated:  # this slice of the gate rows, then the same slice of the up rows
+                gate_FH, up_FH = w1_FH.chunk(2)
+                w1_FH = torch.cat([gate_FH[f_slice], up_FH[f_slice]])
+            else:
+                w1_FH = w1_FH[f_slice]
+            self.weight1[local].copy_(w1_FH)
+            self.weight2[local].copy_(w2_HF[:, f_slice])
 
     def deferred_params(self) -> list[torch.nn.Parameter]:
         return [self.weight1, self.weight2]
@@ -324,11 +350,11 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         """weight1/weight2 as ShardedTensors: global expert offset = EP rank x L, F offset = ESP rank x F/P
         (SwiGLU's weight1: its gate and up slices, two fragments of the one [E, 2F, H] tensor, as megatron-core's
         `apply_swiglu_sharded_factory` saves them)."""
-        ep_rank, ep_size = _group_rank(self.ep_group), comm.group_size(self.ep_group)
-        esp_rank, esp_size = _group_rank(self.esp_group), comm.group_size(self.esp_group)
+        ep_rank, ep_size = comm.group_rank(self.ep_group), comm.group_size(self.ep_group)
+        esp_rank, esp_size = comm.group_rank(self.esp_group), comm.group_size(self.esp_group)
         axis = len(sharded_offsets)
         # (PP, TP, DP): the ESP slices are distinct shards, not replicas; copies differ by expert-DP rank.
-        replica_id = (0, 0, _group_rank(self.expert_dp_group))
+        replica_id = (0, 0, comm.group_rank(self.expert_dp_group))
         experts = (axis, ep_rank, ep_size)
 
         def sharded(key: str, param: torch.Tensor, *f_offsets, replica_id=replica_id) -> ShardedTensor:
@@ -385,8 +411,8 @@ class ModuleListExperts(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Each expert under its global index: `{prefix}local_experts.{global e}.{param}`."""
-        first = _group_rank(self.ep_group) * self.num_local_experts
-        replica_id = (0, 0, _group_rank(self.expert_dp_group))
+        first = comm.group_rank(self.ep_group) * self.num_local_experts
+        replica_id = (0, 0, comm.group_rank(self.expert_dp_group))
         out = {}
         for local, expert in enumerate(self.local_experts):
             for name, param in expert.state_dict(keep_vars=True).items():

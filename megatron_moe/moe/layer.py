@@ -37,7 +37,7 @@ from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shared import SharedExpert
 from megatron_moe.platform import to_host
-from megatron_moe.platform.rng import expert_parallel_stream, rng_tracker
+from megatron_moe.platform.rng import expert_parallel_stream, host_rng_keyed, rng_tracker
 
 log = logging.getLogger("megatron_moe")
 
@@ -130,29 +130,8 @@ class MoELayer(MegatronModule):
         return contextlib.nullcontext() if self._scope is None else self._scope.region(name)
 
     def _build_experts(self, config, experts, ep_group, expert_dp_group, esp_group) -> torch.nn.Module:
-        if experts is not None:
-            kwargs = dict(
-                num_local_experts=self.num_local_experts,
-                moe_config=self.cfg,
-                ep_group=ep_group,
-                expert_dp_group=expert_dp_group,
-            )
-            module = build_module(experts, **kwargs) if isinstance(experts, ModuleSpec) else experts(**kwargs)
-            if not isinstance(module, Experts) or module.num_local_experts != self.num_local_experts:
-                raise TypeError(
-                    f"custom experts {type(module).__name__} must be an nn.Module with "
-                    f"num_local_experts={self.num_local_experts} and forward(rows, counts)"
-                )
-            return module
-        tracker = rng_tracker()
-        name = expert_parallel_stream()
-        # Expert weights differ per EP rank: draw them from megatron's expert-parallel RNG stream.
-        rng = (
-            tracker.fork(name)
-            if tracker.is_initialized() and name in tracker.get_states()
-            else contextlib.nullcontext()
-        )
-        with rng:
+        key = (self.cfg.init_seed, self.layer_number or 0)
+        if experts is None:  # each global expert's weights from `key` and its index alone (FFNExperts._initialize)
             return FFNExperts(
                 num_local_experts=self.num_local_experts,
                 hidden_size=self.cfg.hidden_size,
@@ -164,7 +143,28 @@ class MoELayer(MegatronModule):
                 expert_dp_group=expert_dp_group,
                 esp_group=esp_group,
                 params_dtype=config.params_dtype,
+                init_seed=self.cfg.init_seed,
+                layer_number=self.layer_number or 0,
             )
+        kwargs = dict(
+            num_local_experts=self.num_local_experts,
+            moe_config=self.cfg,
+            ep_group=ep_group,
+            expert_dp_group=expert_dp_group,
+        )
+        # Custom experts differ per EP rank on any device: host draws keyed by the rank's first global expert,
+        # device draws from megatron's expert-parallel stream.
+        tracker, name = rng_tracker(), expert_parallel_stream()
+        forked = tracker.is_initialized() and name in tracker.get_states()
+        first_expert = comm.group_rank(ep_group) * self.num_local_experts
+        with host_rng_keyed(*key, first_expert), tracker.fork(name) if forked else contextlib.nullcontext():
+            module = build_module(experts, **kwargs) if isinstance(experts, ModuleSpec) else experts(**kwargs)
+        if not isinstance(module, Experts) or module.num_local_experts != self.num_local_experts:
+            raise TypeError(
+                f"custom experts {type(module).__name__} must be an nn.Module with "
+                f"num_local_experts={self.num_local_experts} and forward(rows, counts)"
+            )
+        return module
 
     def set_pipeline_degrees(self, forward: int, backward: int) -> None:
         """The pipeline's chunks forward and backward from now on (the training set-up resolves "auto" so)."""
