@@ -4,6 +4,7 @@
 #   make test       set up, lint + format check (ruff), check the example scripts' flags, run every tier
 #                   (gpu where CUDA is)
 #   make test-fast  set up, run the unit tier without its slow tests (under a minute)
+#   make test-gpu   set up, run the gpu tier on this machine's GPU (fails where there is none)
 #   make lint       ruff's lint and format check;  make format  applies ruff's fixes and formatting
 #   make install    set up only: .venv with torch first, then this package editable with its test extra
 #   make clean      remove runs/, data/ and caches;  make distclean also removes the venv
@@ -21,7 +22,7 @@
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast lint format check-examples clean distclean
+.PHONY: help install demo test test-fast test-gpu lint format check-examples clean distclean
 
 VENV ?= .venv
 PYTHON_BOOTSTRAP ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -80,6 +81,11 @@ test: lint check-examples
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "unit and not slow" $(PYTEST_ARGS)
+
+# The gpu tier alone, each test's own output shown (the Mixtral-shaped run prints its kernels, MFU and memory).
+test-gpu: $(STAMP)
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA GPU here')"
+	$(PY) -m pytest tests -m gpu -rA $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs data build .pytest_cache

@@ -78,9 +78,11 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
     --expert-model-parallel-size "$EP"
-    --sequence-parallel
     --use-distributed-optimizer
 )
+if [[ "$TP" -gt 1 ]]; then
+    PARALLEL_ARGS+=(--sequence-parallel)  # MoE with TP>1 needs it
+fi
 LOGGING_ARGS=(
     --log-interval 1
     --tensorboard-dir "$RUN_DIR/tensorboard"
