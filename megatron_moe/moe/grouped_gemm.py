@@ -3,18 +3,19 @@
 Legend: N = rows (all experts), E = experts, I = input width, O = output width.
 
 `GroupedLinear.apply(x_NI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
-The first of `KERNELS` that fits runs:
+The first of `KERNELS` that fits the operands (device, dtype, layout, rows) runs:
 - `grouped_gemm`: on an accelerator with the `grouped_gemm` package installed,
-  its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)` (the
-  GEMMs the package's own autograd runs; here they run in our nodes);
+  bf16 only, its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)`
+  (the GEMMs the package's own autograd runs; here they run in our nodes);
 - `bmm`: one `torch.bmm` when every group has the same rows (capacity-padded);
 - `onednn`: on CPU, oneDNN's matmul per group (`torch.ops.mkldnn._linear_pointwise`,
   the op torch's inductor emits for CPU linears) for y and dX, torch.mm per
   group for dW. torch.mm on CPU is MKL; on the CI machine's AMD cores (fp32,
   2 threads) one [8192, 768] x [768, 3072] GEMM runs at 105 GFLOP/s there
   and at 145 in oneDNN (15-40% apart from run to run);
-- `torch._grouped_mm`: where it runs (checked once by a probe);
+- `torch._grouped_mm`: where it runs for the dtype (checked once per device type and dtype by a probe);
 - `mm-loop`: one `torch.mm` per group into slices of one buffer.
+Each (device type, dtype, kernel) that runs is logged once.
 The backward is written as two separate steps, `grouped_input_grad` (dX, on
 the critical path) and `grouped_weight_grad` (dW); a node's backward hands the
 latter as a closure to its `WeightGradStore` (`megatron_moe.moe.weight_grad`),
@@ -27,16 +28,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 
 import torch
 
 from megatron_moe.moe.weight_grad import RUN_NOW, WeightGrad, WeightGradStore
 from megatron_moe.platform import from_host
 
+log = logging.getLogger(__name__)
+
 KERNELS = ("grouped_gemm", "bmm", "onednn", "torch._grouped_mm", "mm-loop")
 """In the order tried on an accelerator; on CPU `onednn` goes first, before bmm too (its per-group GEMMs beat
 MKL's batched one), and the grouped_gemm package (a GPU build) runs only where forced."""
 _CPU_ORDER = ("onednn", "bmm", "torch._grouped_mm", "mm-loop")
+GROUPED_GEMM_DTYPES = (torch.bfloat16,)
+"""What the `grouped_gemm` package's gmm takes: its csrc/grouped_gemm.cu checks a, b and c for kBFloat16, in the
+tgale96 release and in the fanshiqing fork megatron-core's install hint names (its issue #19: the fp16 error)."""
 _forced: str | None = None
 
 
@@ -55,7 +62,9 @@ def forced_kernel(name: str | None):
 
 @functools.cache
 def _torch_grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Probe torch._grouped_mm for the two shapes we use (3-D weights; 2-D x 2-D weight grad)."""
+    """Probe torch._grouped_mm for the two shapes we use (3-D weights; 2-D x 2-D weight grad), per device type
+    and dtype: on CUDA torch took bf16 only before 2.9, then fp16 and fp32 too (pytorch#162059: a per-group
+    fallback; the fast path stays bf16), so a dtype it refuses is a False here, not an error in a step."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
@@ -107,9 +116,11 @@ def _batch_sizes(counts: list[int]) -> torch.Tensor:
 
 
 def _package_fits(a: torch.Tensor, b: torch.Tensor, out) -> bool:
-    """gmm takes contiguous operands only: `b` is 2-D rows (dW) or 3-D weights, either way round."""
+    """gmm takes contiguous bf16 operands only: `b` is 2-D rows (dW) or 3-D weights, either way round."""
     b_fits = b.is_contiguous() or (b.dim() == 3 and b.transpose(1, 2).is_contiguous())
-    return a.is_contiguous() and b_fits and (out is None or out.is_contiguous())
+    out_fits = out is None or (out.is_contiguous() and out.dtype in GROUPED_GEMM_DTYPES)
+    dtypes_fit = all(t.dtype in GROUPED_GEMM_DTYPES for t in (a, b))
+    return dtypes_fit and a.is_contiguous() and b_fits and out_fits
 
 
 def _offsets(counts: list[int], device) -> torch.Tensor:
@@ -135,10 +146,31 @@ def _fits(kernel: str, a: torch.Tensor, b: torch.Tensor, counts: list[int], out)
     return kernel == "mm-loop"
 
 
-def _kernel(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
+def _choose(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
     """The kernel for the groups of `a` times `b`: the forced one if it fits, else the first that does."""
     order = _CPU_ORDER if a.device.type == "cpu" else KERNELS
     return next(k for k in ((_forced,) if _forced else ()) + order if _fits(k, a, b, counts, out))
+
+
+def _kernel(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
+    """`_choose`'s kernel, which is about to run (logged once per device type, dtype and kernel)."""
+    kernel = _choose(a, b, counts, out)
+    _log_kernel(a.device.type, a.dtype, kernel)
+    return kernel
+
+
+@functools.cache
+def _log_kernel(device_type: str, dtype: torch.dtype, kernel: str) -> None:
+    """Once per (device type, dtype, kernel): which kernel the grouped GEMMs run (the forward's and the weight
+    gradient's may differ: an `out` buffer or a transposed operand rules some out)."""
+    why = ""
+    if kernel != "grouped_gemm" and dtype not in GROUPED_GEMM_DTYPES and _grouped_gemm_backend() is not None:
+        why = f" (grouped_gemm takes {', '.join(_dtype_name(t) for t in GROUPED_GEMM_DTYPES)} only)"
+    log.info("grouped GEMM on %s for %s: %s%s", device_type, _dtype_name(dtype), kernel, why)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _groups(counts: list[int]) -> list[tuple[int, slice]]:
@@ -250,6 +282,6 @@ def grouped_linear(
 
 
 def kernel_name(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
-    """Which grouped kernel runs here for experts with unequal rows (for logs and the benchmark)."""
+    """Which grouped kernel runs here in `dtype` for experts with unequal rows (for logs and the benchmark)."""
     x = torch.empty(3, 16, dtype=dtype, device=device_type)
-    return _kernel(x, torch.empty(2, 16, 16, dtype=dtype, device=device_type), [1, 2], None)
+    return _choose(x, torch.empty(2, 16, 16, dtype=dtype, device=device_type), [1, 2], None)
