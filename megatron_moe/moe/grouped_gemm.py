@@ -20,6 +20,8 @@ The backward is written as two separate steps, `grouped_input_grad` (dX, on
 the critical path) and `grouped_weight_grad` (dW); a node's backward hands the
 latter as a closure to its `WeightGradStore` (`megatron_moe.moe.weight_grad`),
 which runs it at once or later, while an all-to-all is in flight.
+An expert without rows gets a weight gradient of exactly zero from every kernel,
+whatever the output buffer held (`_zero_empty_experts`).
 `forced_kernel(name)` pins one (tests, benchmarks).
 """
 
@@ -179,8 +181,25 @@ def _groups(counts: list[int]) -> list[tuple[int, slice]]:
     return [(e, slice(start, start + count)) for e, (start, count) in enumerate(zip(starts, counts)) if count]
 
 
+def _zero_empty_experts(dw_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """dW of every expert without rows set to exactly 0 (each run of such experts one fill), whatever was there.
+
+    The kernels leave them as their output held: the grouped_gemm package skips an empty group and allocates
+    its output with torch.empty (its issue #36), torch._grouped_mm has written non-zero values there on some
+    GPUs (pytorch#172439), and an `out` handed in (a slice of a fresh buffer, main_grad) holds anything."""
+    start = 0
+    for empty, run in itertools.groupby(counts, key=lambda count: count == 0):
+        size = len(list(run))
+        if empty:
+            dw_EOI[start : start + size].zero_()
+        start += size
+    return dw_EOI
+
+
 def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """y = x @ w[e] per group; w_EIO may be a transposed view. With `out`, written into it."""
+    if x_NI.shape[0] == 0:  # no rows (a run of empty experts, a rank that received nothing): no kernel to run
+        return x_NI.new_empty(0, w_EIO.shape[2]) if out is None else out
     kernel = _kernel(x_NI, w_EIO, counts, out)
     if kernel == "grouped_gemm":
         trans_b = not w_EIO.is_contiguous()  # w_EIO as the transposed view of contiguous [E, O, I] weights
@@ -218,6 +237,13 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     hidden 768 / ffn 3072 / 16 experts / 8192 rows, 13.5 vs 16.4 ms at 256 /
     1024 / 8 / 4096.
     """
+    if x_NI.shape[0] == 0:  # no expert has rows: zeros, without a zero-size kernel
+        return x_NI.new_zeros(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out.zero_()
+    return _zero_empty_experts(_weight_grad(grad_NO, x_NI, counts, out), counts)
+
+
+def _weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int], out) -> torch.Tensor:
+    """`grouped_weight_grad` by the chosen kernel; what it leaves in empty experts' dW is undefined."""
     kernel = _kernel(grad_NO, x_NI, counts, out)
     if kernel == "grouped_gemm":
         return _grouped_gemm_backend().gmm(grad_NO, x_NI, _batch_sizes(counts), trans_a=True, trans_b=False, c=out)
@@ -227,9 +253,6 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     if kernel == "torch._grouped_mm":
         return torch._grouped_mm(grad_NO.t(), x_NI, offs=_offsets(counts, x_NI.device))
     out = x_NI.new_empty(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out
-    for e, count in enumerate(counts):
-        if not count:
-            out[e].zero_()
     for e, rows in _groups(counts):
         torch.mm(grad_NO[rows].t(), x_NI[rows], out=out[e])
     return out
@@ -255,20 +278,15 @@ class GroupedLinear(torch.autograd.Function):
     def forward(ctx, x_NI, w_EOI, counts, store: WeightGradStore = RUN_NOW):
         ctx.save_for_backward(x_NI, w_EOI)
         ctx.counts, ctx.store = counts, store
-        if x_NI.shape[0] == 0:
-            return x_NI.new_zeros(0, w_EOI.shape[1])
         return grouped_mm(x_NI, w_EOI.transpose(1, 2), counts)
 
     @staticmethod
     def backward(ctx, grad_NO):
         x_NI, w_EOI = ctx.saved_tensors
-        if x_NI.shape[0] == 0:  # no rows: a zero weight gradient, through the store like any other
-            grads = ctx.store.put(lambda out_w=None: (torch.zeros_like(w_EOI),), (None,))
-            return torch.zeros_like(x_NI), None if grads is None else grads[0], None, None
         grad_NO = grad_NO.contiguous()
         grad_x = grouped_input_grad(grad_NO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
         grad_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:  # without rows too: a zero dW, written into the store's output if it gives one
             grads = ctx.store.put(linear_weight_grad(grad_NO, x_NI, ctx.counts), (None,))
             grad_w = None if grads is None else grads[0]
         return grad_x, grad_w, None, None
