@@ -3,22 +3,25 @@
 Legend: N = rows (all experts), E = experts, I = input width, O = output width.
 
 `GroupedLinear.apply(x_NI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
-The first of `KERNELS` that fits runs:
+The first of `KERNELS` that fits the operands (device, dtype, layout, rows) runs:
 - `grouped_gemm`: on an accelerator with the `grouped_gemm` package installed,
-  its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)` (the
-  GEMMs the package's own autograd runs; here they run in our nodes);
+  bf16 only, its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)`
+  (the GEMMs the package's own autograd runs; here they run in our nodes);
 - `bmm`: one `torch.bmm` when every group has the same rows (capacity-padded);
 - `onednn`: on CPU, oneDNN's matmul per group (`torch.ops.mkldnn._linear_pointwise`,
   the op torch's inductor emits for CPU linears) for y and dX, torch.mm per
   group for dW. torch.mm on CPU is MKL; on the CI machine's AMD cores (fp32,
   2 threads) one [8192, 768] x [768, 3072] GEMM runs at 105 GFLOP/s there
   and at 145 in oneDNN (15-40% apart from run to run);
-- `torch._grouped_mm`: where it runs (checked once by a probe);
+- `torch._grouped_mm`: where it runs for the dtype (checked once per device type and dtype by a probe);
 - `mm-loop`: one `torch.mm` per group into slices of one buffer.
+Each (device type, dtype, kernel) that runs is logged once.
 The backward is written as two separate steps, `grouped_input_grad` (dX, on
 the critical path) and `grouped_weight_grad` (dW); a node's backward hands the
 latter as a closure to its `WeightGradStore` (`megatron_moe.moe.weight_grad`),
 which runs it at once or later, while an all-to-all is in flight.
+An expert without rows gets a weight gradient of exactly zero from every kernel,
+whatever the output buffer held (`_zero_empty_experts`).
 `forced_kernel(name)` pins one (tests, benchmarks).
 """
 
@@ -27,16 +30,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 
 import torch
 
 from megatron_moe.moe.weight_grad import RUN_NOW, WeightGrad, WeightGradStore
 from megatron_moe.platform import from_host
 
+log = logging.getLogger(__name__)
+
 KERNELS = ("grouped_gemm", "bmm", "onednn", "torch._grouped_mm", "mm-loop")
 """In the order tried on an accelerator; on CPU `onednn` goes first, before bmm too (its per-group GEMMs beat
 MKL's batched one), and the grouped_gemm package (a GPU build) runs only where forced."""
 _CPU_ORDER = ("onednn", "bmm", "torch._grouped_mm", "mm-loop")
+GROUPED_GEMM_DTYPES = (torch.bfloat16,)
+"""What the `grouped_gemm` package's gmm takes: its csrc/grouped_gemm.cu checks a, b and c for kBFloat16, in the
+tgale96 release and in the fanshiqing fork megatron-core's install hint names (its issue #19: the fp16 error)."""
 _forced: str | None = None
 
 
@@ -55,7 +64,9 @@ def forced_kernel(name: str | None):
 
 @functools.cache
 def _torch_grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Probe torch._grouped_mm for the two shapes we use (3-D weights; 2-D x 2-D weight grad)."""
+    """Probe torch._grouped_mm for the two shapes we use (3-D weights; 2-D x 2-D weight grad), per device type
+    and dtype: on CUDA torch took bf16 only before 2.9, then fp16 and fp32 too (pytorch#162059: a per-group
+    fallback; the fast path stays bf16), so a dtype it refuses is a False here, not an error in a step."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
@@ -107,9 +118,11 @@ def _batch_sizes(counts: list[int]) -> torch.Tensor:
 
 
 def _package_fits(a: torch.Tensor, b: torch.Tensor, out) -> bool:
-    """gmm takes contiguous operands only: `b` is 2-D rows (dW) or 3-D weights, either way round."""
+    """gmm takes contiguous bf16 operands only: `b` is 2-D rows (dW) or 3-D weights, either way round."""
     b_fits = b.is_contiguous() or (b.dim() == 3 and b.transpose(1, 2).is_contiguous())
-    return a.is_contiguous() and b_fits and (out is None or out.is_contiguous())
+    out_fits = out is None or (out.is_contiguous() and out.dtype in GROUPED_GEMM_DTYPES)
+    dtypes_fit = all(t.dtype in GROUPED_GEMM_DTYPES for t in (a, b))
+    return dtypes_fit and a.is_contiguous() and b_fits and out_fits
 
 
 def _offsets(counts: list[int], device) -> torch.Tensor:
@@ -135,10 +148,31 @@ def _fits(kernel: str, a: torch.Tensor, b: torch.Tensor, counts: list[int], out)
     return kernel == "mm-loop"
 
 
-def _kernel(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
+def _choose(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
     """The kernel for the groups of `a` times `b`: the forced one if it fits, else the first that does."""
     order = _CPU_ORDER if a.device.type == "cpu" else KERNELS
     return next(k for k in ((_forced,) if _forced else ()) + order if _fits(k, a, b, counts, out))
+
+
+def _kernel(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
+    """`_choose`'s kernel, which is about to run (logged once per device type, dtype and kernel)."""
+    kernel = _choose(a, b, counts, out)
+    _log_kernel(a.device.type, a.dtype, kernel)
+    return kernel
+
+
+@functools.cache
+def _log_kernel(device_type: str, dtype: torch.dtype, kernel: str) -> None:
+    """Once per (device type, dtype, kernel): which kernel the grouped GEMMs run (the forward's and the weight
+    gradient's may differ: an `out` buffer or a transposed operand rules some out)."""
+    why = ""
+    if kernel != "grouped_gemm" and dtype not in GROUPED_GEMM_DTYPES and _grouped_gemm_backend() is not None:
+        why = f" (grouped_gemm takes {', '.join(_dtype_name(t) for t in GROUPED_GEMM_DTYPES)} only)"
+    log.info("grouped GEMM on %s for %s: %s%s", device_type, _dtype_name(dtype), kernel, why)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _groups(counts: list[int]) -> list[tuple[int, slice]]:
@@ -147,8 +181,25 @@ def _groups(counts: list[int]) -> list[tuple[int, slice]]:
     return [(e, slice(start, start + count)) for e, (start, count) in enumerate(zip(starts, counts)) if count]
 
 
+def _zero_empty_experts(dw_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """dW of every expert without rows set to exactly 0 (each run of such experts one fill), whatever was there.
+
+    The kernels leave them as their output held: the grouped_gemm package skips an empty group and allocates
+    its output with torch.empty (its issue #36), torch._grouped_mm has written non-zero values there on some
+    GPUs (pytorch#172439), and an `out` handed in (a slice of a fresh buffer, main_grad) holds anything."""
+    start = 0
+    for empty, run in itertools.groupby(counts, key=lambda count: count == 0):
+        size = len(list(run))
+        if empty:
+            dw_EOI[start : start + size].zero_()
+        start += size
+    return dw_EOI
+
+
 def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """y = x @ w[e] per group; w_EIO may be a transposed view. With `out`, written into it."""
+    if x_NI.shape[0] == 0:  # no rows (a run of empty experts, a rank that received nothing): no kernel to run
+        return x_NI.new_empty(0, w_EIO.shape[2]) if out is None else out
     kernel = _kernel(x_NI, w_EIO, counts, out)
     if kernel == "grouped_gemm":
         trans_b = not w_EIO.is_contiguous()  # w_EIO as the transposed view of contiguous [E, O, I] weights
@@ -186,6 +237,13 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     hidden 768 / ffn 3072 / 16 experts / 8192 rows, 13.5 vs 16.4 ms at 256 /
     1024 / 8 / 4096.
     """
+    if x_NI.shape[0] == 0:  # no expert has rows: zeros, without a zero-size kernel
+        return x_NI.new_zeros(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out.zero_()
+    return _zero_empty_experts(_weight_grad(grad_NO, x_NI, counts, out), counts)
+
+
+def _weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int], out) -> torch.Tensor:
+    """`grouped_weight_grad` by the chosen kernel; what it leaves in empty experts' dW is undefined."""
     kernel = _kernel(grad_NO, x_NI, counts, out)
     if kernel == "grouped_gemm":
         return _grouped_gemm_backend().gmm(grad_NO, x_NI, _batch_sizes(counts), trans_a=True, trans_b=False, c=out)
@@ -195,9 +253,6 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     if kernel == "torch._grouped_mm":
         return torch._grouped_mm(grad_NO.t(), x_NI, offs=_offsets(counts, x_NI.device))
     out = x_NI.new_empty(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out
-    for e, count in enumerate(counts):
-        if not count:
-            out[e].zero_()
     for e, rows in _groups(counts):
         torch.mm(grad_NO[rows].t(), x_NI[rows], out=out[e])
     return out
@@ -223,20 +278,15 @@ class GroupedLinear(torch.autograd.Function):
     def forward(ctx, x_NI, w_EOI, counts, store: WeightGradStore = RUN_NOW):
         ctx.save_for_backward(x_NI, w_EOI)
         ctx.counts, ctx.store = counts, store
-        if x_NI.shape[0] == 0:
-            return x_NI.new_zeros(0, w_EOI.shape[1])
         return grouped_mm(x_NI, w_EOI.transpose(1, 2), counts)
 
     @staticmethod
     def backward(ctx, grad_NO):
         x_NI, w_EOI = ctx.saved_tensors
-        if x_NI.shape[0] == 0:  # no rows: a zero weight gradient, through the store like any other
-            grads = ctx.store.put(lambda out_w=None: (torch.zeros_like(w_EOI),), (None,))
-            return torch.zeros_like(x_NI), None if grads is None else grads[0], None, None
         grad_NO = grad_NO.contiguous()
         grad_x = grouped_input_grad(grad_NO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
         grad_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:  # without rows too: a zero dW, written into the store's output if it gives one
             grads = ctx.store.put(linear_weight_grad(grad_NO, x_NI, ctx.counts), (None,))
             grad_w = None if grads is None else grads[0]
         return grad_x, grad_w, None, None
@@ -250,6 +300,6 @@ def grouped_linear(
 
 
 def kernel_name(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
-    """Which grouped kernel runs here for experts with unequal rows (for logs and the benchmark)."""
+    """Which grouped kernel runs here in `dtype` for experts with unequal rows (for logs and the benchmark)."""
     x = torch.empty(3, 16, dtype=dtype, device=device_type)
-    return _kernel(x, torch.empty(2, 16, 16, dtype=dtype, device=device_type), [1, 2], None)
+    return _choose(x, torch.empty(2, 16, 16, dtype=dtype, device=device_type), [1, 2], None)

@@ -209,8 +209,9 @@ def fake_grouped_gemm(monkeypatch):
 @pytest.mark.parametrize("counts", [EXACT, PADDED], ids=["exact", "padded"])
 def test_grouped_gemm_package_kernel_runs_the_same_split(fake_grouped_gemm, counts, chunk_bytes, gated):
     """The package is a kernel like the others: GroupedMLP calls its gmm with the trans flags of each GEMM
-    (y: x W^T; dX: dY W; dW: dY^T x) and gets the mm loop's results; its dW defers like every kernel's."""
-    inputs = _inputs(counts, gated)
+    (y: x W^T; dX: dY W; dW: dY^T x) and gets the mm loop's results; its dW defers like every kernel's.
+    In bf16, the one dtype the package takes (test_kernel_choice.py: other dtypes run other kernels)."""
+    inputs = _inputs(counts, gated, torch.bfloat16)
     assert _runs_here("grouped_gemm", inputs[0], inputs[1], counts)
     runs = 1 if chunk_bytes is None else sum(1 for c in counts if c)  # an empty expert rides with the one before
     for keeping in [None, ("save", "save", "recompute"), ("quantize", "recompute", "quantize")]:
