@@ -9,7 +9,8 @@ next read of a device value. The watchdog names that read only when it runs insi
   run in the step (`EXEMPT`, each with its reason);
 - a training run in one process (the step, validation, the exit check, the logging) under the host-sync counter
   (platform/host_sync.py) fails on any read outside a span, also the implicit ones the scan cannot see
-  (`if tensor:`, `float(tensor)`, megatron-core's own).
+  (`if tensor:`, `float(tensor)`, megatron-core's own: its loss is spanned by a tap in comm/megatron_core.py,
+  whose probe is checked here too).
 """
 
 from __future__ import annotations
@@ -195,6 +196,14 @@ def test_reads_inside_a_span_or_a_covered_helper_pass():
 def test_queries_and_uploads_are_not_reads():
     source = "def f(t, device):\n    return t.to(device), t.to(torch.float32), t.numel(), t.shape[0], t.float()"
     assert violations(source, "x.py") == []
+
+
+def test_megatron_core_taps_still_match_its_source():
+    """The upgrade alarm of the taps (the loss's host read among them): each probe reads megatron-core's source."""
+    from megatron_moe.comm.megatron_core import TAPS
+
+    assert [tap.name for tap in TAPS if not tap.still_needed()] == []
+    assert "loss_read_tap" in [tap.name for tap in TAPS]
 
 
 # -- the training run ---------------------------------------------------------------------------------------------
