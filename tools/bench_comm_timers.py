@@ -56,6 +56,12 @@ class _Count:
     def unblocked(self, token, *, completed):
         pass
 
+    def read_started(self, read):
+        pass
+
+    def read_ended(self, token):
+        pass
+
 
 def _per_call_us(calls: int, rounds: int) -> dict:
     """The monitor's cost per collective (µs): issue with CommTimers installed minus issue without."""

@@ -13,6 +13,11 @@
 - profiling.py: the cost-model profiler's timed traffic (all-to-all, the ESP
   all-gather / reduce-scatter in their gloo form, all-reduce) and its agreement.
 
+The host's reads of device values in the training step run inside
+`core.host_read(purpose, layer=...)`, so that a monitor sees where the host
+waits on NCCL, whose `wait()` does not block it (core.py's docstring);
+tests/unit/test_host_read_spans.py fails on a read outside one.
+
 `core.issue` is the choke point; tests/unit/test_comm_choke_point.py fails on a
 torch.distributed collective anywhere else in megatron_moe. megatron-core's own
 collectives (TP layers, DDP buckets, the distributed optimizer, pipeline p2p,
@@ -26,9 +31,11 @@ from megatron_moe.comm.core import (
     KINDS,
     Collective,
     CommHandle,
+    HostRead,
     Monitor,
     group_rank,
     group_size,
+    host_read,
     is_distributed,
     issue,
     monitoring,
@@ -54,6 +61,7 @@ __all__ = [
     "CommHandle",
     "CommSummary",
     "CommTimers",
+    "HostRead",
     "Monitor",
     "agree_capacity",
     "agree_exit",
@@ -67,6 +75,7 @@ __all__ = [
     "exchange_counts",
     "group_rank",
     "group_size",
+    "host_read",
     "is_distributed",
     "issue",
     "monitoring",

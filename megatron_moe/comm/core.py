@@ -1,4 +1,5 @@
-"""The choke point: each collective is described by a `Collective` record and started by `issue`.
+"""The choke points: each collective is described by a `Collective` record and started by `issue`; each read
+of device values by the host runs inside `host_read`.
 
 `issue` is the only function in megatron_moe from which a torch.distributed
 collective starts (tests/unit/test_comm_choke_point.py checks it: anywhere else
@@ -8,6 +9,13 @@ test); megatron-core's own collectives are routed to it by the taps in
 the communication timers) sees each collective issued, and the calling thread's time
 blocked on it: inside a synchronous call, or inside `wait()` of the returned
 work handle.
+
+On NCCL that is not where a stuck peer shows: `wait()` only orders the compute
+stream after the collective, so the host goes on and blocks in the next read of
+a device value (`.item()`, `.tolist()`, a device->host copy), which waits for
+everything queued before it, the unfinished collective included. Every such read
+in the training step runs inside `with host_read(purpose, layer=...)`
+(tests/unit/test_host_read_spans.py keeps it so), and a monitor sees the span.
 """
 
 from __future__ import annotations
@@ -45,8 +53,19 @@ class Collective:
     """Bytes this rank contributes (sends)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class HostRead:
+    """A read of device values by the host, as the watchdog names it (`host_read`)."""
+
+    purpose: str
+    """What is read (`moe plan counts`, `lm loss`, `optimizer step`, ...)."""
+    layer: int | None = None
+    """MoE layer number for a read of the MoE layer, else None."""
+
+
 class Monitor(Protocol):
-    """Sees every collective `issue` starts, and each time the calling thread blocks on one.
+    """Sees every collective `issue` starts, each time the calling thread blocks on one, and each read of
+    device values by the host (`host_read`).
 
     Called on the thread that issues or waits (the main thread; autograd's threads on GPU): implementations
     keep each call short and thread-safe. A synchronous collective is `issued`, `blocked`, then `unblocked`
@@ -66,6 +85,14 @@ class Monitor(Protocol):
 
     def unblocked(self, token: Any, *, completed: bool) -> None:
         """The calling thread stops waiting; `completed`: the collective is finished (or failed)."""
+
+    def read_started(self, read: HostRead) -> Any:
+        """The calling thread starts a read of device values (it waits for the work queued before it on the
+        device, collectives included); returns the token `read_ended` receives. Collectives may be issued and
+        waited for inside it (megatron-core's optimizer step): their calls nest within the read's."""
+
+    def read_ended(self, token: Any) -> None:
+        """The read is over (the values are on the host, or it failed)."""
 
 
 class _Tap:
@@ -125,6 +152,13 @@ class _Both:
         self.first.unblocked(token[0], completed=completed)
         self.second.unblocked(token[1], completed=completed)
 
+    def read_started(self, read: HostRead):
+        return self.first.read_started(read), self.second.read_started(read)
+
+    def read_ended(self, token) -> None:
+        self.first.read_ended(token[0])
+        self.second.read_ended(token[1])
+
 
 def issue(collective: Collective, start: Callable[[], Any]):
     """Start `collective`: `start()` issues the torch.distributed call and returns its work handle
@@ -146,6 +180,22 @@ def issue(collective: Collective, start: Callable[[], Any]):
     finally:
         monitor.unblocked(token, completed=completed)
     return work if completed else MonitoredWork(work, monitor, token)
+
+
+@contextlib.contextmanager
+def host_read(purpose: str, *, layer: int | None = None) -> Iterator[None]:
+    """The block reads device values into the host (`.item()`, `.tolist()`, `to_host`, a call into megatron-core
+    that does): the installed monitor sees it as one span named `purpose` (and `layer`, in an MoE layer), so the
+    watchdog can name a host blocked there by an unfinished collective (module docstring)."""
+    monitor = _TAP.monitor
+    if monitor is None:
+        yield
+        return
+    token = monitor.read_started(HostRead(purpose, layer))
+    try:
+        yield
+    finally:
+        monitor.read_ended(token)
 
 
 def is_issuing() -> bool:

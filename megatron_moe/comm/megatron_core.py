@@ -1,7 +1,8 @@
-"""megatron-core's own collectives, routed through `issue` so a monitor sees them like ours.
+"""megatron-core's own collectives, routed through `issue` so a monitor sees them like ours, and its host reads
+of device values in the forward, inside `host_read`.
 
 megatron-core's code cannot be rewritten; README.md in this folder lists where its
-collectives happen. Three taps, each a `Patch` probed against the shipped source:
+collectives happen. Four taps, each a `Patch` probed against the shipped source:
 
 1. DP gradient reduction and the distributed optimizer's parameter all-gather: the
    bucket groups' `start_grad_sync` / `start_param_sync` are issued as one
@@ -14,6 +15,11 @@ collectives happen. Three taps, each a `Patch` probed against the shipped source
    exchanges): torch.distributed's collective functions, and megatron-core's aliases of
    them bound at import time, classified by process group: TP groups `tp`, the pipeline
    group `pp_p2p`, any other `other`.
+4. The language-model loss: megatron-core's vocab-parallel cross-entropy indexes with
+   boolean masks of the targets (`masked_target[target_mask] = 0`), which on a GPU
+   counts the mask on the host. `LanguageModule.compute_language_model_loss` runs
+   inside `host_read`. (The optimizer's reads, found-inf and the grad norm, are
+   spanned by the training loop around `optimizer.step()`.)
 
 Without a monitor installed every tapped call goes straight to the original.
 """
@@ -27,7 +33,7 @@ import inspect
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_moe.comm.core import Collective, MonitoredWork, is_issuing, issue, nbytes
+from megatron_moe.comm.core import Collective, MonitoredWork, host_read, is_issuing, issue, nbytes
 from megatron_moe.platform.cpu_compat import Patch, _source
 
 TAPPED_FUNCTIONS = (
@@ -263,6 +269,36 @@ def _aliases_bound_at_import() -> bool:
     )
 
 
+# ---------------------------------------------------------------------------
+# 4. The language-model loss: a host read in every last-stage forward.
+# ---------------------------------------------------------------------------
+
+LOSS_READ = "megatron-core cross-entropy (target mask)"
+
+
+def _apply_loss_read_tap() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.compute_language_model_loss
+    if hasattr(original, "__tapped__"):
+        return
+
+    @functools.wraps(original)
+    def compute_language_model_loss(self, *args, **kwargs):
+        with host_read(LOSS_READ):
+            return original(self, *args, **kwargs)
+
+    compute_language_model_loss.__tapped__ = original
+    LanguageModule.compute_language_model_loss = compute_language_model_loss
+
+
+def _loss_reads_a_mask_on_the_host() -> bool:
+    module = "megatron.core.models.common.language_module.language_module"
+    return "def compute_language_model_loss(" in _source(module) and "masked_target[target_mask] = 0" in _source(
+        "megatron.core.tensor_parallel.cross_entropy"
+    )
+
+
 TAPS: tuple[Patch, ...] = (
     Patch(
         "bucket_sync_tap",
@@ -284,10 +320,18 @@ TAPS: tuple[Patch, ...] = (
         _apply_function_taps,
         _aliases_bound_at_import,
     ),
+    Patch(
+        "loss_read_tap",
+        "megatron-core's cross-entropy indexes with a boolean mask of the targets: on a GPU the host waits for "
+        "the device there, in every last-stage forward, and on NCCL a collective a peer never joined shows there.",
+        _apply_loss_read_tap,
+        _loss_reads_a_mask_on_the_host,
+    ),
 )
 
 
 def tap_megatron_core() -> None:
-    """Route megatron-core's collectives through `issue` (idempotent)."""
+    """Route megatron-core's collectives through `issue`, and its loss's host read through `host_read`
+    (idempotent)."""
     for tap in TAPS:
         tap.apply()

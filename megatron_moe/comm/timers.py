@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_moe.comm.core import KINDS, Collective
+from megatron_moe.comm.core import KINDS, Collective, HostRead
 from megatron_moe.platform.timing import Stamps, comm_stamps
 
 SUMMARY_KINDS = (
@@ -138,6 +138,12 @@ class CommTimers:
         token.since = None
         if completed:
             self._complete(token, now)
+
+    def read_started(self, read: HostRead) -> None:
+        """Host reads are not communication: the timers leave them to the watchdog."""
+
+    def read_ended(self, token: None) -> None:
+        pass
 
     @staticmethod
     def _complete(token: _Timed, now) -> None:

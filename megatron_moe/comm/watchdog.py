@@ -1,24 +1,36 @@
-"""The watchdog: names the collective a rank is stuck in, and the peers that have not arrived.
+"""The watchdog: names the collective (or the read of device values) a rank is stuck in, and the peers that have
+not arrived.
 
 A `Monitor` (see core.py) plus one daemon thread per rank. The monitor counts the
-collectives issued on each process group and remembers what each thread is
-blocked on. The thread, every `period` seconds:
+collectives issued on each process group, remembers the last one issued on each,
+and what each thread is blocked on: a collective, or a host read of device values
+(`core.host_read`), innermost first when a collective runs inside a read. The
+thread, every `period` seconds:
 
 1. publishes this rank's heartbeat to the rendezvous store (a separate client,
    short timeout): the time, the step, the collectives issued per group, and what
    it is blocked on;
 2. when a thread has been blocked past half the stall threshold, reads the
-   heartbeats of that collective's group;
+   heartbeats of that collective's group (for a host read: of every group's);
 3. past the stall threshold logs the report (and again every further threshold):
    collective kind and purpose, MoE layer, step, group, bytes, and for each peer
    whether it has arrived (its count on that group reached ours) and whether it
-   is alive (its last heartbeat is recent);
+   is alive (its last heartbeat is recent). For a host read: what is read, and
+   for each group the last collective issued on it and which peers have not
+   arrived at it;
 4. past the deadline (--distributed-timeout-minutes) logs the report once more and
    ends the job (`end_job`): the process groups' own timeouts are set a minute
    later, so this named report comes before gloo's or NCCL's anonymous one.
 
 A stopped or hung peer stops publishing: "no heartbeat for 20 s". A peer that
 is alive but elsewhere shows where it is (its step and what it is blocked on).
+
+On gloo a collective blocks the host, so the stuck rank is blocked in it. On NCCL
+`wait()` only orders the compute stream: the host goes on until it reads a device
+value, which waits for the unfinished collective. That read is named ("blocked
+300 s in host read 'moe plan counts' (step 7, MoE layer 2)") with the last
+collective issued on each group: the one that did not finish is among them, and
+its group's peers that have not arrived are named.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from megatron_moe.comm.core import Collective
+from megatron_moe.comm.core import Collective, HostRead
 
 log = logging.getLogger("megatron_moe")
 
@@ -44,7 +56,18 @@ def group_ranks(group) -> list[int]:
     return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
 
 
-@dataclasses.dataclass
+def group_name(group) -> str | None:
+    """What `group` is, from megatron-core's description of it (`EXPERT_MODEL_PARALLEL_GROUP` ->
+    `expert_model_parallel`); None when it has none."""
+    if group is None:
+        return "world"
+    desc = getattr(group, "group_desc", "") or ""
+    if desc in ("", "undefined"):
+        return None
+    return "world" if desc == "default_pg" else desc.lower().removesuffix("_group")
+
+
+@dataclasses.dataclass(eq=False)  # tokens are told apart by identity
 class _Blocked:
     """A collective issued on this rank, and (while a thread waits for it) since when."""
 
@@ -53,9 +76,23 @@ class _Blocked:
     seq: int
     """Its number among the collectives issued on its group (1 = the first)."""
     step: int
+    order: int = 0
+    """Its number among every collective this rank issued (the latest is the highest)."""
+    group_name: str | None = None
     since: float | None = None
     reported: int = 0
     """How many stall reports it has had."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Reading:
+    """A read of device values by the host (`core.host_read`) running on a thread, and since when."""
+
+    read: HostRead
+    step: int
+    since: float | None = None
+    """When the thread started waiting in it: when it opened, or when the last collective inside it ended."""
+    reported: int = 0
 
 
 class HeartbeatStore:
@@ -90,10 +127,10 @@ def job_prefix() -> str:
 class Watchdog:
     """A `Monitor` that reports stalled collectives and ends the job at the deadline.
 
-    `end_job(report)` is called once, from the watchdog's thread, when a collective is blocked past
-    `deadline_s`; it must end the process (the training entry point exits at once, without collectives).
-    `store` holds the heartbeats (None: peers are not reported); `clock` and `ranks_of` (a process group's
-    global ranks) are replaceable for tests.
+    `end_job(report)` is called once, from the watchdog's thread, when a collective or a host read is blocked
+    past `deadline_s`; it must end the process (the training entry point exits at once, without collectives).
+    `store` holds the heartbeats (None: peers are not reported); `clock`, `ranks_of` (a process group's
+    global ranks) and `name_of` (what the group is) are replaceable for tests.
     """
 
     def __init__(
@@ -106,14 +143,18 @@ class Watchdog:
         rank: int,
         clock: Callable[[], float] = time.monotonic,
         ranks_of: Callable[[object], list[int]] = group_ranks,
+        name_of: Callable[[object], str | None] = group_name,
     ):
         assert 0 < stall_s < deadline_s, (stall_s, deadline_s)
         self.stall_s, self.deadline_s, self.rank = stall_s, deadline_s, rank
         self.period = min(max(stall_s / 4, 0.25), 10.0)
         self._end_job, self._store, self._clock, self._ranks_of = end_job, store, clock, ranks_of
+        self._name_of = name_of
         self._lock = threading.Lock()
         self._seq: dict[tuple[int, ...], int] = {}
-        self._waiting: dict[int, _Blocked] = {}  # thread id -> what it waits for
+        self._last: dict[tuple[int, ...], _Blocked] = {}  # group's ranks -> the last collective issued on it
+        self._issued = 0
+        self._waiting: dict[int, list[_Blocked | _Reading]] = {}  # thread id -> what it waits for, innermost last
         self._beats: dict[int, dict] = {}
         self._step = 0
         self._counter = 0
@@ -125,23 +166,47 @@ class Watchdog:
 
     def issued(self, collective: Collective) -> _Blocked:
         ranks = tuple(self._ranks_of(collective.group))
+        name = self._name_of(collective.group)
         with self._lock:
             seq = self._seq[ranks] = self._seq.get(ranks, 0) + 1
-            return _Blocked(collective, ranks, seq, self._step)
+            self._issued += 1
+            token = self._last[ranks] = _Blocked(collective, ranks, seq, self._step, self._issued, name)
+            return token
 
     def handle(self, token: _Blocked, work) -> None:
         pass  # the watchdog watches threads blocked, not transfers
 
     def blocked(self, token: _Blocked) -> None:
-        token.since = self._clock()
-        with self._lock:
-            self._waiting[threading.get_ident()] = token
+        self._enter(token)
 
     def unblocked(self, token: _Blocked, *, completed: bool) -> None:
+        self._leave(token)
+
+    def read_started(self, read: HostRead) -> _Reading:
+        token = _Reading(read, self._step)
+        self._enter(token)
+        return token
+
+    def read_ended(self, token: _Reading) -> None:
+        self._leave(token)
+
+    def _enter(self, token: _Blocked | _Reading) -> None:
+        token.since = self._clock()
         with self._lock:
-            self._waiting.pop(threading.get_ident(), None)
+            self._waiting.setdefault(threading.get_ident(), []).append(token)
+
+    def _leave(self, token: _Blocked | _Reading) -> None:
+        now = self._clock()
+        with self._lock:
+            stack = self._waiting.get(threading.get_ident(), [])
+            if token in stack:
+                stack.remove(token)
+            if stack:  # a read the collective ran inside: it waits again from now
+                stack[-1].since, stack[-1].reported = now, 0
+            else:
+                self._waiting.pop(threading.get_ident(), None)
         if token.reported:
-            waited = self._clock() - token.since
+            waited = now - token.since
             log.warning("rank %d: %s went through after %.0f s", self.rank, self._name(token), waited)
         token.since, token.reported = None, 0
 
@@ -176,7 +241,7 @@ class Watchdog:
         """One round (the thread calls it every `period`; tests call it directly)."""
         now = self._clock()
         with self._lock:
-            waiting = list(self._waiting.values())
+            waiting = [stack[-1] for stack in self._waiting.values() if stack]  # what each thread is blocked in
         self._publish(waiting)
         if self._last_check is not None and now - self._last_check > 2 * self.period + 1:
             # This process itself did not run (SIGSTOP, a suspended VM, CPU starvation): what it was
@@ -190,7 +255,7 @@ class Watchdog:
                 continue
             waited = now - blocked.since
             if waited >= self.stall_s / 2:
-                self._read_peers(blocked.ranks)
+                self._read_peers(self._peers_of(blocked))
             if waited >= self.deadline_s:
                 report = self.report(blocked, waited)
                 self._end_job(f"{report}; --distributed-timeout-minutes={self.deadline_s / 60:g} passed")
@@ -209,26 +274,56 @@ class Watchdog:
         beat = {"n": self._counter, "time": time.time(), "step": self._step, "seq": seq, "blocked": blocked}
         self._store.publish(self.rank, beat)
 
+    def _peers_of(self, blocked: _Blocked | _Reading) -> list[int]:
+        if isinstance(blocked, _Blocked):
+            return list(blocked.ranks)
+        with self._lock:
+            return sorted({r for ranks in self._last for r in ranks})
+
     def _read_peers(self, ranks) -> None:
         if self._store is not None:
             self._beats.update(self._store.read([r for r in ranks if r != self.rank]))
 
     # -- the report -------------------------------------------------------------------------------------------
 
-    def _name(self, blocked: _Blocked) -> str:
-        c = blocked.collective
-        where = [f"step {blocked.step}"] + ([f"MoE layer {c.layer}"] if c.layer is not None else [])
-        direction = " (backward)" if c.backward else ""
-        return f"{c.kind} {c.purpose}{direction} #{blocked.seq} on ranks {list(blocked.ranks)} ({', '.join(where)})"
+    @staticmethod
+    def _where(step: int, layer: int | None) -> str:
+        return ", ".join([f"step {step}"] + ([f"MoE layer {layer}"] if layer is not None else []))
 
-    def report(self, blocked: _Blocked, waited: float) -> str:
-        """One line: the collective, how long, and each peer that has not arrived (when knowable)."""
+    def _name(self, blocked: _Blocked | _Reading, *, ranks: bool = True) -> str:
+        if isinstance(blocked, _Reading):
+            return f"host read '{blocked.read.purpose}' ({self._where(blocked.step, blocked.read.layer)})"
+        c = blocked.collective
+        direction = " (backward)" if c.backward else ""
+        on = f" on ranks {list(blocked.ranks)}" if ranks else ""
+        return f"{c.kind} {c.purpose}{direction} #{blocked.seq}{on} ({self._where(blocked.step, c.layer)})"
+
+    def report(self, blocked: _Blocked | _Reading, waited: float) -> str:
+        """One line: the collective, how long, and each peer that has not arrived (when knowable). For a host
+        read: what is read, how long, and for each group the last collective issued on it, the latest first."""
+        if isinstance(blocked, _Reading):
+            return self._read_report(blocked, waited)
         line = f"rank {self.rank}: blocked {waited:.0f} s in collective {self._name(blocked)}"
         if blocked.collective.nbytes:
             line += f", {blocked.collective.nbytes} bytes sent"
         return f"{line}; {self._peer_status(blocked)}"
 
-    def _peer_status(self, blocked: _Blocked) -> str:
+    def _read_report(self, reading: _Reading, waited: float) -> str:
+        line = f"rank {self.rank}: blocked {waited:.0f} s in {self._name(reading)}, waiting for the device"
+        with self._lock:
+            last = sorted(self._last.values(), key=lambda b: -b.order)
+        groups = []
+        for blocked in last:
+            if len(blocked.ranks) < 2:
+                continue  # a group of one rank waits for no one
+            group = f"{blocked.group_name} group, " if blocked.group_name else ""
+            status = self._peer_status(blocked, in_read=True)
+            groups.append(f"{group}ranks {list(blocked.ranks)}: {self._name(blocked, ranks=False)}, {status}")
+        if not groups:
+            return f"{line}; no collective issued with another rank yet"
+        return f"{line}; last collectives issued: " + "; ".join(groups)
+
+    def _peer_status(self, blocked: _Blocked, *, in_read: bool = False) -> str:
         if self._store is None:
             return "peers unknown (no heartbeat store)"
         peers = [r for r in blocked.ranks if r != self.rank]
@@ -248,7 +343,9 @@ class Watchdog:
             if not arrived:
                 missing.append(f"rank {rank} ({state})")
         if missing:
-            return "not arrived: " + "; ".join(missing)
+            return "not arrived: " + ", ".join(missing) if in_read else "not arrived: " + "; ".join(missing)
+        if in_read:  # the transfer may still be running on the device: the read waits for it
+            return f"every peer arrived (ranks {silent} send no heartbeat)" if silent else "every peer arrived"
         if silent:
             return f"every peer arrived, but ranks {silent} send no heartbeat (stopped or hung inside it)"
         return "every peer arrived and is alive: the transfer itself is stalled (network?)"

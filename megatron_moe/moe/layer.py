@@ -227,13 +227,16 @@ class MoELayer(MegatronModule):
         1. on the device: pairs per expert and this rank's capacity, agreed over the EP group when the
            layout needs one C (padded all-to-all);
         2. on the device: the dispatcher's counts exchange (alltoallv: rows each rank sends each local expert);
-        3. ONE device->host copy of all of it; the host then lays out the rows and the split sizes.
+        3. ONE device->host copy of all of it; the host then lays out the rows and the split sizes. It is a
+           `comm.host_read`: on NCCL, where 2. does not block the host, a peer that never joins 2. shows here,
+           and the watchdog names this read and the exchange.
         """
         num_experts = routing.num_experts
         if routing.is_soft:  # every expert gets exactly its slots: nothing to count, cap or drop
             plan = make_plan(routing, capacity=None, padded=True)
             received_D = self.dispatcher.exchange_counts(plan.routed_E.new_full((num_experts,), plan.capacity))
-            (received,) = to_host(received_D)
+            with comm.host_read("moe plan counts", layer=self.layer_number):
+                (received,) = to_host(received_D)
             return plan, self.dispatcher.plan_dispatch(plan.counts, received_D, received)
         padded = self.dispatcher.needs_padding or isinstance(self.ordering, DenseOrdering)
         routed_E = expert_counts(routing.expert_N, num_experts)
@@ -243,7 +246,8 @@ class MoELayer(MegatronModule):
         else:
             sent_E = capacity_1.expand(num_experts) if padded else torch.minimum(routed_E, capacity_1)
         received_D = self.dispatcher.exchange_counts(sent_E)  # 2.
-        routed, capacity, received = to_host(routed_E, capacity_1, received_D)  # 3.
+        with comm.host_read("moe plan counts", layer=self.layer_number):
+            routed, capacity, received = to_host(routed_E, capacity_1, received_D)  # 3.
         capacity = None if capacity is None else capacity[0]
         plan = make_plan(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
         return plan, self.dispatcher.plan_dispatch(plan.counts, received_D, received)

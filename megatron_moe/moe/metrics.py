@@ -156,6 +156,12 @@ def collect_moe_metrics(
         if reset:
             layer.stats.reset()
     comm.reduce_moe_metrics(table, group)
+    with comm.host_read("moe metrics"):
+        return _step_figures(table, num_layers, num_experts, max_keys, expert_counts)
+
+
+def _step_figures(table: torch.Tensor, num_layers: int, num_experts: int, max_keys: int, expert_counts) -> dict:
+    """`collect_moe_metrics`'s figures from the reduced table (read on the host)."""
     calls = table[:, -1]
     present = [i for i in range(num_layers) if calls[i] > 0]
     if not present:

@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from megatron_moe import comm
 from megatron_moe.moe.routing import Routing
 
 
@@ -111,7 +112,9 @@ def make_plan(
         )
     assert capacity is not None or not padded, "padded rows need a capacity"
     pair_sorted, expert_sorted, slot_sorted, routed_E = sort_pairs(routing, routed_E)
-    routed = routed_E.tolist() if routed is None else routed
+    if routed is None:  # callers outside the MoE layer (tests, tools): the layer reads it in its one host read
+        with comm.host_read("moe plan counts"):
+            routed = routed_E.tolist()
     dropped = 0
     if capacity is not None and max(routed, default=0) > capacity:
         # The number kept is known on the host: a mask index would wait for the device to count it.

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from megatron_moe.comm.core import host_read
 from megatron_moe.comm.training import agree_wgrad_profile
 from megatron_moe.config.fields import require
 from megatron_moe.platform import current_platform
@@ -309,7 +310,8 @@ def agree(events: Sequence[Event], num_layers: int, group=None, device: torch.de
         slots.append((layer - 1, names.index(name)))
         table[slots[-1]] = torch.tensor([event.ms, event.held_mb], dtype=torch.float64)
     agree_wgrad_profile(table, group)
-    agreed = table.cpu().tolist()
+    with host_read("overlap-wgrad profile"):
+        agreed = table.cpu().tolist()
     return [
         dataclasses.replace(event, ms=agreed[layer][name][0], held_mb=agreed[layer][name][1])
         for event, (layer, name) in zip(events, slots)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_moe import comm
 from megatron_moe.platform import to_host
 
 
@@ -63,15 +64,17 @@ def first_nonfinite_grad(chunks) -> str | None:
         for chunk in chunks
         for buffer in chunk.buffers + chunk.expert_parallel_buffers
     ]
-    if not flags or all(to_host(torch.stack(flags))[0]):
-        return None
+    with comm.host_read("finite grads"):
+        if not flags or all(to_host(torch.stack(flags))[0]):
+            return None
     # Under the interleaved pipeline a name's layer index is its chunk's own: the chunk is named too.
     named = [
         (name if len(chunks) == 1 else f"model chunk {i}: {name}", getattr(p, "main_grad", None))
         for i, chunk in enumerate(chunks)
         for name, p in chunk.module.named_parameters()
     ]
-    bad = [name for name, grad in named if grad is not None and not torch.isfinite(grad).all()]
+    with comm.host_read("finite grads, per parameter"):
+        bad = [name for name, grad in named if grad is not None and not torch.isfinite(grad).all()]
     if not bad:
         return "(a gradient buffer outside the named parameters)"
     return f"{bad[0]} ({len(bad)} of {len(named)} parameters have non-finite gradients)"
@@ -118,7 +121,8 @@ class ForwardFiniteFlags:
         """The first watched module (data-flow order) whose output was non-finite, or None. A host read."""
         if not self._names:
             return None
-        bad = to_host(self._bad)[0]
+        with comm.host_read("forward finite flags"):
+            bad = to_host(self._bad)[0]
         return next((name for name, flag in zip(self._names, bad, strict=True) if flag), None)
 
     def describe(self) -> str:

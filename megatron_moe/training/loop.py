@@ -58,7 +58,8 @@ def _reduce_lm_loss(losses_reduced: list[dict]) -> float | None:
         return None
     total = torch.stack([d["lm loss"] for d in losses_reduced]).sum(dim=0).float()
     comm.reduce_lm_loss(total, parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return (total[0] / total[1]).item()
+    with comm.host_read("lm loss"):
+        return (total[0] / total[1]).item()
 
 
 class Trainer:
@@ -194,11 +195,7 @@ class Trainer:
         if self.own_moe:
             # The factor megatron-core's schedule gives the lm loss: router-loss grads become a
             # per-step mean whatever the number of micro-batches.
-            scale = (
-                self.optimizer.get_loss_scale().item()
-                * parallel_state.get_context_parallel_world_size()
-                / self.num_microbatches
-            )
+            scale = self._loss_scale() * parallel_state.get_context_parallel_world_size() / self.num_microbatches
             set_moe_aux_loss_scale(self.model, scale)
         if self.wgrad_queue:
             self._job_steps += 1  # counted from this job's start: a resumed job profiles its own cluster
@@ -206,9 +203,11 @@ class Trainer:
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
         if self.wgrad_queue:
             self.wgrad_queue.end_iteration()
-        update_successful, grad_norm, num_zeros = self.optimizer.step()
+        with comm.host_read("optimizer step (found-inf, grad norm)"):  # megatron-core reads them inside
+            update_successful, grad_norm, num_zeros = self.optimizer.step()
         # Megatron-LM's --log-params-norm: after the update, on every rank (a collective).
-        norm = params_norm(self.optimizer) if self.cfg.logging.log_params_norm else None
+        with comm.host_read("params norm"):
+            norm = params_norm(self.optimizer) if self.cfg.logging.log_params_norm else None
         gbs = self.cfg.training.global_batch_size
         if update_successful:
             self.scheduler.step(increment=gbs)
@@ -219,6 +218,9 @@ class Trainer:
             check_loss(lm_loss, iteration=self.state.iteration, rank=self.rank, origin=self.forward_flags.describe)
         aux = self._aux_figures()
         step_ms = 1000.0 * (time.perf_counter() - started)
+        # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for.
+        with comm.host_read("comm timers"):
+            summary = self.comm_timers.summary() if self.comm_timers else None
         return {
             "lm loss": lm_loss,
             "aux": aux,
@@ -227,8 +229,7 @@ class Trainer:
             "params_norm": norm,
             "skipped": not update_successful,
             "step_ms": step_ms,
-            # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for.
-            "comm": self.comm_timers.summary() if self.comm_timers else None,
+            "comm": summary,
             "wgrad": self.wgrad_queue.stats() if self.wgrad_queue else None,
             "grad_reduce": self.grad_reduce.stats() if self.grad_reduce else None,
         }
@@ -309,7 +310,7 @@ class Trainer:
             comm_kinds=comm_kinds,
             num_zeros=figures["num_zeros"],
             consumed_samples=self.state.consumed_train_samples,
-            loss_scale=self.optimizer.get_loss_scale().item() if self.cfg.training.fp16 else None,
+            loss_scale=self._loss_scale() if self.cfg.training.fp16 else None,
             expert_counts=self._expert_counts,
         )
         entry = {"iteration": iteration, **shown, "grad norm": figures["grad_norm"], "skipped": figures["skipped"]}
@@ -328,6 +329,10 @@ class Trainer:
             entry["pipeline_degrees"] = moe_pipeline_degrees(self.model)
             entry["startup"] = self.startup
         return entry
+
+    def _loss_scale(self) -> float:
+        with comm.host_read("loss scale"):
+            return self.optimizer.get_loss_scale().item()
 
     def train(self) -> list[dict]:
         """Run to `--train-iters`; returns each step's logged figures (lm loss, MoE losses and figures,

@@ -33,6 +33,7 @@ def pop_moe_aux_losses(num_layers: int, num_moe_layers: int, num_microbatches: i
     comm.reduce_moe_metrics(values)
     ranks_per_stage = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
     totals = values.sum(dim=1) / (ranks_per_stage * num_moe_layers * num_microbatches)
-    figures = dict(zip(TRACKED, totals.tolist()))
+    with comm.host_read("moe aux losses"):
+        figures = dict(zip(TRACKED, totals.tolist()))
     moe_utils.clear_aux_losses_tracker()
     return figures

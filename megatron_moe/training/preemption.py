@@ -99,9 +99,11 @@ class ExitRequest:
         local = [signalled, self._deadline is not None and time.monotonic() > self._deadline]
         flags = torch.tensor(local, dtype=torch.int32, device=current_platform().device)
         comm.agree_exit(flags)
-        if flags[0]:
+        with comm.host_read("exit flags"):
+            signalled_anywhere, out_of_time = flags.tolist()
+        if signalled_anywhere:
             self.reason = "SIGTERM received"
-        elif flags[1]:
+        elif out_of_time:
             self.reason = "--exit-duration-in-mins reached"
         return self.reason is not None
 

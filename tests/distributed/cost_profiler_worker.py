@@ -58,6 +58,12 @@ class Recorder:
     def unblocked(self, token, *, completed):
         pass
 
+    def read_started(self, read):
+        pass
+
+    def read_ended(self, token):
+        pass
+
 
 def esp_case(esp) -> dict:
     rank = dist.get_rank()

@@ -86,6 +86,12 @@ class Recorder:
     def unblocked(self, token, *, completed):
         pass
 
+    def read_started(self, read):
+        pass
+
+    def read_ended(self, token):
+        pass
+
 
 def run_case(case: str, rank: int, group=None) -> dict:
     num_layers, profiles = PROFILES[case]

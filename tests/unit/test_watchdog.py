@@ -5,6 +5,7 @@ taps route megatron-core's collectives through `comm.issue` without changing the
 """
 
 import logging
+import re
 import threading
 import time
 
@@ -183,6 +184,13 @@ class Recorder:
     def unblocked(self, token, *, completed):
         self.events.append(("unblocked", token.purpose, completed))
 
+    def read_started(self, read):
+        self.events.append(("read", read.purpose))
+        return read
+
+    def read_ended(self, token):
+        self.events.append(("read ended", token.purpose))
+
 
 def test_issue_shows_synchronous_and_asynchronous_collectives_to_the_monitor(megatron_world1):
     import torch.distributed as dist
@@ -266,3 +274,159 @@ def test_a_store_that_is_gone_turns_heartbeats_off_with_one_warning(caplog):
         watchdog.stop()
     assert caplog.text.count("heartbeats off, peers will not be reported: Broken pipe") == 1
     assert "blocked" in caplog.text and "peers unknown (no heartbeat store)" in caplog.text
+
+
+# -- host reads: where a stuck peer shows on NCCL (issue 25 item 5) ---------------------------------------------
+#
+# NCCL's `wait()` only orders the compute stream, so the host goes on past a collective a peer never joined and
+# blocks in its next read of a device value. The watchdog names that read and the last collective issued on each
+# group (the unfinished one is among them), with the group's peers that have not arrived.
+
+
+def make_groups(store=None, stall=20.0, deadline=60.0):
+    ended, clock = [], Clock()
+    ranks = {"ep": [0, 1], "dp": [0, 2], "tp": [0]}
+    names = {"ep": "expert_model_parallel", "dp": "data_parallel"}
+    watchdog = Watchdog(
+        stall_s=stall,
+        deadline_s=deadline,
+        end_job=ended.append,
+        store=store,
+        rank=0,
+        clock=clock,
+        ranks_of=lambda group: ranks[group],
+        name_of=names.get,
+    )
+    return watchdog, clock, ended
+
+
+def run_collective(watchdog, collective):
+    """Issued and waited for: on NCCL the wait returns at once, the transfer may still be running."""
+    token = watchdog.issued(collective)
+    watchdog.blocked(token)
+    watchdog.unblocked(token, completed=True)
+
+
+def test_a_host_read_that_blocks_names_the_read_and_the_last_collective_of_each_group(caplog):
+    store = FakeStore()
+    watchdog, clock, ended = make_groups(store)
+    watchdog.set_step(6)
+    run_collective(watchdog, Collective("dp_grad_reduce", "megatron-core/start_grad_sync", "dp", nbytes=64))
+    watchdog.set_step(7)
+    run_collective(watchdog, Collective("a2a_combine", "combine_all_to_all", "ep", layer=1))
+    run_collective(watchdog, Collective("a2a_dispatch", "exchange_counts", "ep", layer=2))
+    run_collective(watchdog, Collective("tp", "sum_across_shards", "tp"))  # a group of one: waits for no one
+    store.beats[1] = {"n": 3, "time": time.time() - 25, "step": 7, "seq": {"0,1": 1}, "blocked": None}
+    store.beats[2] = {"n": 9, "time": time.time(), "step": 7, "seq": {"0,2": 1}, "blocked": "host read 'lm loss'"}
+    token = watchdog.read_started(comm.HostRead("moe plan counts", layer=2))
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 19)
+        assert "blocked" not in caplog.text
+        advance(watchdog, clock, 1)
+    (line,) = [r.getMessage() for r in caplog.records if "blocked" in r.getMessage()]
+    assert line == (
+        "rank 0: blocked 20 s in host read 'moe plan counts' (step 7, MoE layer 2), waiting for the device; "
+        "last collectives issued: "
+        "expert_model_parallel group, ranks [0, 1]: a2a_dispatch exchange_counts #2 (step 7, MoE layer 2), "
+        "not arrived: rank 1 (no heartbeat for 25 s: stopped or hung; last seen at step 7, computing); "
+        "data_parallel group, ranks [0, 2]: dp_grad_reduce megatron-core/start_grad_sync #1 (step 6), "
+        "every peer arrived"
+    )
+    assert store.beats[0]["blocked"] == "host read 'moe plan counts' (step 7, MoE layer 2)"  # what peers see
+    advance(watchdog, clock, 40)
+    (report,) = ended
+    assert report.startswith("rank 0: blocked 60 s in host read 'moe plan counts' (step 7, MoE layer 2)")
+    assert "exchange_counts #2 (step 7, MoE layer 2), not arrived: rank 1" in report
+    assert report.endswith("--distributed-timeout-minutes=1 passed")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        watchdog.read_ended(token)
+    assert "rank 0: host read 'moe plan counts' (step 7, MoE layer 2) went through after 60 s" in caplog.text
+
+
+def test_a_collective_inside_a_host_read_is_named_and_the_read_is_watched_again_after_it(caplog):
+    """megatron-core's optimizer step: the grad-norm all-reduce inside it, then its `.item()`."""
+    watchdog, clock, ended = make_groups(FakeStore())
+    read = watchdog.read_started(comm.HostRead("optimizer step (found-inf, grad norm)"))
+    token = watchdog.issued(Collective("other", "torch.distributed.all_reduce", "dp"))
+    watchdog.blocked(token)
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 20)
+    assert "blocked 20 s in collective other torch.distributed.all_reduce #1 on ranks [0, 2]" in caplog.text
+    assert "host read" not in caplog.text  # the innermost wait is named, not the read around it
+    watchdog.unblocked(token, completed=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 19)  # the read's clock restarted when the all-reduce went through
+        assert "blocked" not in caplog.text
+        advance(watchdog, clock, 1)
+    assert "rank 0: blocked 20 s in host read 'optimizer step (found-inf, grad norm)' (step 0)" in caplog.text
+    assert "data_parallel group, ranks [0, 2]: other torch.distributed.all_reduce #1 (step 0)" in caplog.text
+    watchdog.read_ended(read)
+    advance(watchdog, clock, 100)
+    assert ended == []
+
+
+def test_a_read_before_any_collective_with_a_peer_says_so(caplog):
+    watchdog, clock, _ = make_groups(store=None)
+    watchdog.read_started(comm.HostRead("lm loss"))
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        advance(watchdog, clock, 20)
+    assert "host read 'lm loss' (step 0), waiting for the device; no collective issued with another rank" in (
+        caplog.text
+    )
+
+
+def test_the_moe_layers_plan_read_blocked_on_the_device_ends_the_job_with_its_name():
+    """The real thread, the MoE layer's own host read, and a device read that blocks (as on a GPU, where the
+    copy waits for the peer's counts exchange): past the deadline the job ends with the read named."""
+    import megatron_moe.moe.layer as layer_module
+    from tests.unit.test_host_sync import H, _layer
+
+    class PeerAlive(FakeStore):
+        def read(self, ranks):  # rank 1 publishes every period: alive, at step 3, its count on [0, 1] still 0
+            return {1: {"n": 1, "time": time.time(), "step": 3, "seq": {}, "blocked": None}}
+
+    class Group:  # what megatron-core's parallel_state makes: a process group with a description
+        group_desc = "EXPERT_MODEL_PARALLEL_GROUP"
+
+    ep = Group()
+    store, ended, released = PeerAlive(), [], threading.Event()
+
+    def end_job(report):
+        ended.append(report)
+        released.set()  # the test's stand-in for exiting the process
+
+    watchdog = Watchdog(
+        stall_s=0.3,
+        deadline_s=1.0,
+        end_job=end_job,
+        store=store,
+        rank=0,
+        ranks_of=lambda group: [0, 1] if group is ep else [0],
+    )
+    real_to_host = layer_module.to_host
+
+    def device_read(*tensors):
+        released.wait(timeout=5)  # the device has not finished the counts exchange: a peer never joined it
+        return real_to_host(*tensors)
+
+    layer = _layer()
+    layer.set_layer_number(2)
+    layer_module.to_host = device_read
+    try:
+        with comm.monitoring(watchdog.start()):
+            watchdog.set_step(3)
+            # The counts exchange the layer issues at EP > 1 (one rank here): started, its wait did not block.
+            comm.issue(Collective("a2a_dispatch", "exchange_counts", ep, layer=2), lambda: None)
+            layer(torch.randn(4, 2, H))
+    finally:
+        layer_module.to_host = real_to_host
+        watchdog.stop()
+    assert ended, "the watchdog did not fire while the device read blocked"
+    assert re.match(
+        r"rank 0: blocked 1 s in host read 'moe plan counts' \(step 3, MoE layer 2\), waiting for the device; "
+        r"last collectives issued: expert_model_parallel group, ranks \[0, 1\]: a2a_dispatch exchange_counts #1 "
+        r"\(step 3, MoE layer 2\), not arrived: rank 1 \(step 3, computing\)",
+        ended[0],
+    ), ended[0]
