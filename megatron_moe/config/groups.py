@@ -53,8 +53,9 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this (a multiple of TP)")
     transformer_impl: str | None = arg(
         None,
-        "the layers' attention, norms and linears: local (megatron-core's own modules) or transformer_engine "
-        "(needs transformer-engine on a GPU); unset: transformer_engine where it is installed on a GPU, else local",
+        "the layers' attention and linears (the norms are always ours): local (megatron-core's own modules) or "
+        "transformer_engine (needs transformer-engine on a GPU); unset: transformer_engine where it is installed on "
+        "a GPU, else local",
         choices=("local", "transformer_engine"),
     )
     use_flash_attn: bool = arg(
