@@ -103,9 +103,9 @@ MCORE_MLP = When(
     "with a megatron-core MLP: a dense layer (--moe-layer-freq), a dense model, or --moe-layer-impl mcore",
 )
 BIAS_GELU = When(
-    lambda c: MCORE_MLP.test(c) and not c.model.swiglu and not c.model.disable_bias_linear,
+    lambda c: MCORE_MLP.test(c) and not c.model.swiglu and not c.model.disable_bias_linear and not MCORE_MOE.test(c),
     "with a megatron-core GELU MLP (not --swiglu) that has biases (not --disable-bias-linear; megatron-core fuses "
-    "GELU only with its bias)",
+    "GELU only with its bias) and no megatron-core MoE layer (--moe-layer-impl mcore: its experts fuse SwiGLU only)",
 )
 BIAS_SWIGLU = When(lambda c: MCORE_MLP.test(c) and c.model.swiglu, "with --swiglu and a megatron-core MLP")
 WEIGHT_GRADS_NOT_DEFERRED = When(

@@ -66,6 +66,7 @@ def choose_fusions(cfg: RunConfig, kernels: FusedKernels, *, transformer_engine:
     swiglu = m.swiglu
     policy = cfg.activation_policy()
     mcore_mlp = not cfg.moe.own_layer or 0 in cfg.moe.layer_pattern(m.num_layers)
+    mcore_moe = cfg.moe.is_moe and not cfg.moe.own_layer
     checks = {
         "bias_activation": [
             (
@@ -75,6 +76,10 @@ def choose_fusions(cfg: RunConfig, kernels: FusedKernels, *, transformer_engine:
             (gpu, NO_ACCELERATOR),
             (mcore_mlp, "no megatron-core MLP: our MoE layer in every layer"),
             (swiglu or not m.disable_bias_linear, "GELU without biases: megatron-core fuses GELU with its bias only"),
+            (
+                swiglu or not mcore_moe,
+                "GELU experts of megatron-core's MoE layer: it fuses SwiGLU only with the router's probabilities",
+            ),
             (
                 policy is None or policy.mode("mlp_act") == "save",
                 "the activation policy acts on mlp_act, which the fused kernel would bypass",

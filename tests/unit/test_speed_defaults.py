@@ -95,6 +95,7 @@ def test_a_gpu_turns_on_what_its_kernels_allow(fake_gpu):
         (["--disable-bias-linear"], False, "bias_activation", "GELU without biases"),
         (["--activation-policy", "arctic"], False, "bias_activation", "the activation policy acts on mlp_act"),
         (["--num-experts", "4", "--moe-layer-freq", "1"], False, "bias_activation", "no megatron-core MLP"),
+        (["--num-experts", "4", "--moe-layer-impl", "mcore"], False, "bias_activation", "GELU experts of megatron"),
         ([], False, "masked_softmax", "fp32: the kernel takes bf16/fp16 scores only"),
         (["--bf16"], True, "masked_softmax", "transformer-engine's attention has its own softmax"),
         (["--position-embedding-type", "learned_absolute"], False, "rope", "learned positions"),
@@ -111,6 +112,8 @@ def test_settings_megatron_core_or_this_stack_cannot_fuse_keep_a_fusion_off(flag
 def test_settings_that_fuse_keep_them_on():
     swiglu_without_bias = cfg("--bf16", "--swiglu", "--disable-bias-linear")
     assert "bias_activation" in on(choose(swiglu_without_bias))  # megatron-core fuses SwiGLU without a bias
+    mcore_swiglu = cfg("--swiglu", "--num-experts", "4", "--moe-layer-impl", "mcore")
+    assert "bias_activation" in on(choose(mcore_swiglu))  # and SwiGLU experts with the router's probabilities
     lancet_off = cfg("--num-experts", "4", "--expert-model-parallel-size", "2", "--overlap-wgrad", "off")
     assert choose(lancet_off).gradient_accumulation
 
@@ -148,6 +151,7 @@ def test_megatron_lms_flags_turn_a_fusion_off(flag, name):
     [
         (["--swiglu", "--no-bias-gelu-fusion"], "not --swiglu"),
         (["--disable-bias-linear", "--no-bias-gelu-fusion"], "that has biases"),
+        (["--num-experts", "4", "--moe-layer-impl", "mcore", "--no-bias-gelu-fusion"], "no megatron-core MoE layer"),
         (["--no-bias-swiglu-fusion"], "with --swiglu"),
         (["--no-masked-softmax-fusion"], "with --fp16 or --bf16"),
         (["--position-embedding-type", "learned_absolute", "--no-rope-fusion"], "with --position-embedding-type rope"),
