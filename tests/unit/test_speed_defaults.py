@@ -199,9 +199,8 @@ def test_the_platform_decides_pinned_data_loader_batches(monkeypatch):
 
     from megatron_moe.training import data
 
-    loaders = []
-    dataset = types.SimpleNamespace(indices=[0], __len__=lambda self: 1)
-    monkeypatch.setattr(data, "build_gpt_datasets", lambda **kwargs: (dataset, None, None))
+    loaders = []  # the keyword arguments of each data loader built
+    monkeypatch.setattr(data, "build_gpt_datasets", lambda **kwargs: (object(), None, None))
     monkeypatch.setattr(data, "build_data_loader", lambda *args, **kwargs: loaders.append(kwargs) or [])
     monkeypatch.setattr(data, "dataset_sizes", lambda d: None)
     monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda: 0)
