@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_moe.config import RunConfig
-from megatron_moe.platform.fusions import FusedKernels
+from megatron_moe.platform.fusions import MISSING, FusedKernels
 
 LABELS = {
     "bias_activation": "bias+activation",
@@ -20,7 +20,7 @@ LABELS = {
     "rope": "RoPE",
     "gradient_accumulation": "gradient accumulation",
 }
-NO_ACCELERATOR = "no GPU"
+NO_ACCELERATOR = MISSING["accelerator"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +91,13 @@ def choose_fusions(cfg: RunConfig, kernels: FusedKernels, *, transformer_engine:
             (gpu, NO_ACCELERATOR),
             (not transformer_engine, "transformer-engine's attention has its own softmax"),
             (t.bf16 or t.fp16, "fp32: the kernel takes bf16/fp16 scores only"),
-            (kernels.masked_softmax, "no fused softmax kernels (apex's scaled_masked_softmax_cuda)"),
+            (kernels.masked_softmax, MISSING["masked_softmax"]),
         ],
         "rope": [
             (m.position_embedding_type == "rope", "learned positions"),
             (not m.no_rope_fusion, "--no-rope-fusion"),
             (gpu, NO_ACCELERATOR),
-            (kernels.rope, "no fused RoPE kernel (transformer-engine's)"),
+            (kernels.rope, MISSING["rope"]),
         ],
         "gradient_accumulation": [
             (not m.no_gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),
@@ -106,7 +106,7 @@ def choose_fusions(cfg: RunConfig, kernels: FusedKernels, *, transformer_engine:
                 cfg.moe.wgrad_policy(cfg.parallel.expert_model_parallel_size) == "off",
                 "--overlap-wgrad defers weight gradients",
             ),
-            (kernels.grad_accum, "no fused_weight_gradient_mlp_cuda (apex built with --cuda_ext)"),
+            (kernels.grad_accum, MISSING["grad_accum"]),
         ],
     }
     off = {name: why for name, c in checks.items() if (why := _first_failing(c)) is not None}

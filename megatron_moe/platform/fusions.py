@@ -24,6 +24,13 @@ from megatron_moe.platform.device import current_platform
 
 GRAD_ACCUM_KERNEL = "fused_weight_gradient_mlp_cuda"
 SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+MISSING = {
+    "accelerator": "no GPU",
+    "grad_accum": f"no {GRAD_ACCUM_KERNEL} (apex built with --cuda_ext)",
+    "masked_softmax": f"no fused softmax kernels (apex's {SOFTMAX_KERNELS[0]})",
+    "rope": "no fused RoPE kernel (transformer-engine's)",
+}
+"""What the start-up summary says where a `FusedKernels` field is False."""
 BATCH_P2P_WAITS_SINCE = (2, 4)
 """torch release from which batch_isend_irecv's handles wait for the whole batch on NCCL (see `batch_p2p_sync`)."""
 
