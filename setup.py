@@ -17,7 +17,8 @@ setup(
         "scipy",  # the pipeline-degree solver (SLSQP) and the gradient partition (differential evolution)
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],
+        # megatron-core 0.16.1's own tested range (its "dev" extra: transformer-engine>=2.9.0a0,<2.12.0).
+        "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "grouped_gemm"],
         "test": ["pytest", "ruff==0.17.*", "transformers==5.23.*"],
     },
 )

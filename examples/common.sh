@@ -10,7 +10,8 @@
 #   gpus_on_node FALLBACK        GPUs here (Slurm, nvidia-smi), else FALLBACK
 #   data_from_env                DATA_PATHS and TOKENIZER_ARGS from DATA_PATH and the tokenizer variables
 #   check_args WORLD ARGS...     parse and validate trainer flags for a world size
-#   launch_pretrain ARGS...      check_args, then torchrun pretrain_gpt_moe.py ARGS on this node
+#   launch_pretrain ARGS...      check_args, then torchrun pretrain_gpt_moe.py ARGS on this node (exporting
+#                                CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP, see one_device_connection)
 #
 # Environment knobs every example honours:
 #   NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE   the launch
@@ -185,12 +186,40 @@ print(f"flags OK for world size {world}: TP={p.tensor_model_parallel_size} "
 EOF
 }
 
-# launch_pretrain ARGS...: torchrun pretrain_gpt_moe.py on this node.
+# one_device_connection ARGS...: true when the flags ask for tensor or context
+# parallelism. megatron-core then relies on CUDA_DEVICE_MAX_CONNECTIONS=1 (one
+# hardware queue) to start the TP all-reduce / reduce-scatter of the input
+# gradient before the weight-gradient GEMM, and warns without it; Megatron-LM
+# refuses TP or CP without it (before Blackwell). Without TP and CP it is left
+# unset: the MoE all-to-alls overlap compute on side streams, which one queue
+# would serialize. Flags that do not parse answer false (check_args reports them).
+one_device_connection() {
+    PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" - "$@" <<'EOF'
+import sys
+from megatron_moe.config import ConfigError, parse_args
+
+try:
+    p = parse_args(sys.argv[1:]).parallel
+except ConfigError:
+    sys.exit(1)
+sys.exit(0 if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1 else 1)
+EOF
+}
+
+# launch_pretrain ARGS...: torchrun pretrain_gpt_moe.py on this node, with
+# CUDA_DEVICE_MAX_CONNECTIONS=1 where one_device_connection says megatron-core
+# needs it (a value already in the environment is kept).
 launch_pretrain() {
     # torchrun beside the interpreter, else the same module run by it.
     local torchrun=("$(dirname "$PYTHON")/torchrun")
     [[ -x "${torchrun[0]}" ]] || torchrun=("$PYTHON" -m torch.distributed.run)
+    if [[ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ]] && one_device_connection "$@"; then
+        export CUDA_DEVICE_MAX_CONNECTIONS=1
+    fi
+    local environment=()
+    [[ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ]] || environment=(env "CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS")
     local cmd=(
+        "${environment[@]}"
         "${torchrun[@]}"
         --nnodes "$NNODES"
         --node-rank "$NODE_RANK"

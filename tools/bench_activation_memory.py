@@ -74,7 +74,9 @@ def build(case: dict, policy_flags: list[str]):
     """(cfg, model, selective policy or None) for one case; the caller installs the policy."""
     from megatron_moe.model import build_model, transformer_config
 
-    cfg = parse_args([*case["flags"], *policy_flags, "--data-path", "x", "--tokenizer-model", "x"])
+    # Built without DDP: no main_grad for the gradient-accumulation fusion (a GPU with apex) to accumulate into.
+    flags = [*case["flags"], *policy_flags, "--no-gradient-accumulation-fusion"]
+    cfg = parse_args([*flags, "--data-path", "x", "--tokenizer-model", "x"])
     cfg.validate(world_size=1)
     config = transformer_config(cfg)
     policy = cfg.activation_policy()

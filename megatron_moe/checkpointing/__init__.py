@@ -375,6 +375,26 @@ def check_tensor_names(path: str, model_state: dict) -> None:
         )
 
 
+EXTRA_STATE = "._extra_state"
+
+
+def load_model_state(module, state: dict, path: str) -> None:
+    """`module.load_state_dict(state)` where only a module's `_extra_state` may be missing from the checkpoint.
+
+    transformer-engine's DotProductAttention has one (its FP8 metadata) that megatron-core's
+    TEDotProductAttention leaves out of its sharded state dict: no checkpoint holds it, whether saved with
+    transformer-engine or without, so a TE model keeps its own. Any other missing or unexpected key is refused.
+    """
+    result = module.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if not key.endswith(EXTRA_STATE)]
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"--load={path}: the loaded state lacks {len(missing)} of this model's entries (e.g. "
+            f"{', '.join(missing[:3]) or '-'}) and has {len(result.unexpected_keys)} it does not have (e.g. "
+            f"{', '.join(result.unexpected_keys[:3]) or '-'})"
+        )
+
+
 def _materialize_optimizer_state(optimizer) -> None:
     """Give a fresh distributed optimizer its Adam state so a checkpoint can load into it.
 
@@ -420,7 +440,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     check_tensor_names(path, {key: request[key] for key in keys})
     state = dist_checkpointing.load(request, path)
     for key, chunk in zip(keys, model):
-        chunk.module.load_state_dict(state[key])
+        load_model_state(chunk.module, state[key], path)
     if with_optimizer:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(common["scheduler"])

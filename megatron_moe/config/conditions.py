@@ -98,6 +98,22 @@ DYNAMIC_SCALE = When(
 
 ROPE = When(lambda c: c.model.position_embedding_type == "rope", "with --position-embedding-type rope")
 
+MCORE_MLP = When(
+    lambda c: not c.moe.own_layer or 0 in c.moe.layer_pattern(c.model.num_layers),
+    "with a megatron-core MLP: a dense layer (--moe-layer-freq), a dense model, or --moe-layer-impl mcore",
+)
+BIAS_GELU = When(
+    lambda c: MCORE_MLP.test(c) and not c.model.swiglu and not c.model.disable_bias_linear and not MCORE_MOE.test(c),
+    "with a megatron-core GELU MLP (not --swiglu) that has biases (not --disable-bias-linear; megatron-core fuses "
+    "GELU only with its bias) and no megatron-core MoE layer (--moe-layer-impl mcore: its experts fuse SwiGLU only)",
+)
+BIAS_SWIGLU = When(lambda c: MCORE_MLP.test(c) and c.model.swiglu, "with --swiglu and a megatron-core MLP")
+WEIGHT_GRADS_NOT_DEFERRED = When(
+    lambda c: c.moe.wgrad_policy(c.parallel.expert_model_parallel_size) == "off",
+    "without weight gradients deferred by --overlap-wgrad (our MoE layer at EP > 1 defers them unless it is off; the "
+    "fusion stays off while they are)",
+)
+
 QUANTIZING = When(
     lambda c: bool(c.activations.quantize_activations) or c.activations.activation_policy == "arctic",
     "with --quantize-activations or --activation-policy arctic",

@@ -53,13 +53,28 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this (a multiple of TP)")
     transformer_impl: str | None = arg(
         None,
-        "the layers' attention, norms and linears: local (megatron-core's own modules) or transformer_engine "
-        "(needs transformer-engine on a GPU); unset: transformer_engine where it is installed on a GPU, else local",
+        "the layers' attention and linears (the norms are always ours): local (megatron-core's own modules) or "
+        "transformer_engine (needs transformer-engine on a GPU); unset: transformer_engine where it is installed on "
+        "a GPU, else local",
         choices=("local", "transformer_engine"),
     )
     use_flash_attn: bool = arg(
         False,
         "flash attention (transformer-engine's flash backend; megatron-core's local attention has no flash kernel)",
+    )
+    # megatron-core's fusions are on where the platform has their kernels (megatron_moe.model.fusions); these turn
+    # one off, as Megatron-LM's flags of the same names do.
+    no_bias_gelu_fusion: bool = arg(False, "unfused bias + GELU in megatron-core's MLP", applies=only.BIAS_GELU)
+    no_bias_swiglu_fusion: bool = arg(False, "unfused bias + SwiGLU in megatron-core's MLP", applies=only.BIAS_SWIGLU)
+    no_bias_dropout_fusion: bool = arg(False, "unfused bias + dropout + residual add after attention and MLP")
+    no_masked_softmax_fusion: bool = arg(
+        False, "unfused scale + causal mask + softmax in megatron-core's attention", applies=only.MIXED_PRECISION
+    )
+    no_rope_fusion: bool = arg(False, "unfused rotary position embedding", applies=only.ROPE)
+    no_gradient_accumulation_fusion: bool = arg(
+        False,
+        "weight gradients computed, then added to the fp32 gradient buffer (not accumulated into it by the GEMM)",
+        applies=only.WEIGHT_GRADS_NOT_DEFERRED,
     )
 
     def validate(self) -> None:

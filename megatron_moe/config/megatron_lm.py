@@ -21,10 +21,6 @@ from collections.abc import Sequence
 
 from megatron_moe.config.fields import ConfigError
 
-_FUSIONS = (
-    "megatron-core's fused kernels are off in this stack's layer config (bias-GELU/SwiGLU, bias-dropout, masked "
-    "softmax, RoPE and gradient-accumulation fusion), so there is nothing to turn off"
-)
 _TIMERS = (
     "the timers always go to TensorBoard here (iteration time; exposed and total communication per kind and per MoE "
     "layer)"
@@ -52,12 +48,11 @@ RENAMED: dict[str, tuple[bool, tuple[str, ...]]] = {
 NOT_NEEDED: dict[str, tuple[bool, str]] = {
     # flag -> (takes a value, why it changes nothing here)
     "--use-mcore-models": (False, "the model is always megatron-core's GPTModel here"),
-    "--no-masked-softmax-fusion": (False, _FUSIONS),
-    "--no-bias-gelu-fusion": (False, _FUSIONS),
-    "--no-bias-swiglu-fusion": (False, _FUSIONS),
-    "--no-bias-dropout-fusion": (False, _FUSIONS),
-    "--no-rope-fusion": (False, _FUSIONS),
-    "--no-gradient-accumulation-fusion": (False, _FUSIONS),
+    "--no-persist-layer-norm": (
+        False,
+        "the norms are megatron_moe's torch LayerNorm/RMSNorm (or transformer-engine's linears' own); megatron-core "
+        "reads persist_layer_norm only in apex's FusedLayerNorm, which this stack never builds",
+    ),
     "--no-async-tensor-model-parallel-allreduce": (
         False,
         "megatron-core's linear layers overlap the TP all-reduce of the input gradient by themselves",

@@ -116,11 +116,13 @@ def build_data_loader(
     data_parallel_size: int,
     num_workers: int = 0,
     cyclic: bool = False,
+    pin_memory: bool = False,
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over ``dataset`` for this DP rank, resumable from ``consumed_samples``.
 
     Batches are dicts of stacked tensors (for GPTDataset: tokens, labels, loss_mask,
     position_ids, plus dataset_id for blends). ``cyclic=True`` never ends (validation).
+    ``pin_memory``: batches in page-locked memory (the platform's choice: on a GPU).
     """
     if dataset is None:
         raise ValueError("dataset is None: this split is empty (check --split) or is not built on this rank")
@@ -134,7 +136,7 @@ def build_data_loader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=num_workers,
-        pin_memory=False,
+        pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         # Its own generator: starting an iterator draws a worker seed, and drawing it
         # from the global RNG would shift dropout streams after a resume.

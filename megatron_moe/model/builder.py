@@ -13,9 +13,11 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
+from megatron_moe.model.fusions import Fusions, choose_fusions
 from megatron_moe.model.spec import block_spec
 from megatron_moe.moe.experts import mark_expert_params
 from megatron_moe.platform import current_platform
+from megatron_moe.platform.fusions import batch_p2p_sync, fused_kernels
 
 
 def params_dtype(cfg: RunConfig) -> torch.dtype:
@@ -46,10 +48,17 @@ def use_transformer_engine(cfg: RunConfig) -> bool:
     return use
 
 
-def transformer_config(cfg: RunConfig) -> TransformerConfig:
-    """The megatron-core TransformerConfig for this run (parallel sizes included)."""
+def run_fusions(cfg: RunConfig) -> Fusions:
+    """megatron-core's fusions this run turns on here (the platform's kernels, the run's settings and flags)."""
+    return choose_fusions(cfg, fused_kernels(), transformer_engine=use_transformer_engine(cfg))
+
+
+def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> TransformerConfig:
+    """The megatron-core TransformerConfig for this run (parallel sizes included); `fusions`: `run_fusions(cfg)`
+    unless given."""
     m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.training
     te = use_transformer_engine(cfg)
+    fusions = run_fusions(cfg) if fusions is None else fusions
     if p.context_parallel_size > 1 and not te:
         raise ConfigError(
             f"--context-parallel-size={p.context_parallel_size} needs transformer-engine's attention on a GPU "
@@ -86,12 +95,7 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         add_bias_linear=not m.disable_bias_linear,
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **fusions.transformer_config_kwargs(),
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(m.num_layers),
@@ -113,6 +117,7 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         # Unbatched, megatron-core sends the two directions over two communicators at PP=2.
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
+        batch_p2p_sync=batch_p2p_sync(),  # a device-wide sync after each batched p2p only where torch needs it
         # The interleaved schedule frees a sent activation before its isend is waited: on a GPU the allocator's
         # stream order protects it, on CPU gloo could read freed memory, so there it is kept until backward.
         deallocate_pipeline_outputs=not (interleaved and on_cpu),

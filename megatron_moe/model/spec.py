@@ -6,7 +6,10 @@ default) or megatron-core's (`--moe-layer-impl mcore`). On a GPU with transforme
 the linear layers and attention come from it; otherwise from megatron-core's
 local modules, where the linear layers are megatron_moe's deferrable subclasses
 (`megatron_moe.overlap.linears`: megatron-core's, untouched until a Lancet store
-defers their weight gradients). Norms are always `SequenceParallelNorm`.
+defers their weight gradients). Norms are always `SequenceParallelNorm`, never fused into the next linear, so
+both backends hold the same parameters under the same names and a checkpoint moves between them: the
+dist-checkpoint keys are identical (tests/unit/test_transformer_engine.py); transformer-engine's modules add only
+their `_extra_state` (FP8 metadata), which megatron-core's local linears save as None under the same keys.
 """
 
 from __future__ import annotations
@@ -53,10 +56,13 @@ def parallel_linears(backend: BackendSpecProvider) -> tuple[type, type]:
 
 
 def dense_mlp_spec(backend: BackendSpecProvider) -> ModuleSpec:
-    """megatron-core's dense MLP spec with `parallel_linears`' fc1/fc2 on the local backend."""
+    """megatron-core's dense MLP spec with `parallel_linears`' fc1/fc2.
+
+    Also on transformer-engine: its backend would make fc1 a fused layer norm + linear
+    (TELayerNormColumnParallelLinear), but the layer's own `pre_mlp_layernorm` already normalizes here, so that
+    would normalize twice and give the checkpoint a `mlp.linear_fc1.layer_norm_weight` the local spec lacks.
+    """
     spec = get_mlp_module_spec_for_backend(backend=backend, num_experts=None)
-    if not isinstance(backend, LocalSpecProvider):
-        return spec
     column, row = parallel_linears(backend)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, linear_fc1=column, linear_fc2=row))
 

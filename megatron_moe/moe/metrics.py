@@ -9,10 +9,12 @@ Legend: E = experts, L = layers of the whole model (all pipeline stages).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_moe import comm
-from megatron_moe.platform import current_platform
+from megatron_moe.platform import current_platform, table_to_host
 
 # Per-layer statistics row: E routed counts, then these scalars.
 SCALARS = ("dropped", "pairs", "tokens", "entropy_sum", "load_balancing_sum", "z_loss_sum", "calls")
@@ -102,17 +104,18 @@ def set_moe_aux_loss_scale(model_chunks, scale: float) -> None:
         layer.aux_loss_scale = float(scale)
 
 
-def _layer_figures(row: torch.Tensor, num_experts: int) -> dict[str, float]:
+def _layer_figures(row: list[float], num_experts: int) -> dict[str, float]:
+    """One layer's figures from its row of the step's table (host values: no device read here)."""
     counts = row[:num_experts]
-    s = dict(zip(SCALARS, row[num_experts:].tolist()))
-    mean = counts.mean()
-    cv = (counts.std(unbiased=False) / mean).item() if mean > 0 else 0.0
+    s = dict(zip(SCALARS, row[num_experts:]))
+    mean = sum(counts) / num_experts
+    std = math.sqrt(sum((c - mean) ** 2 for c in counts) / num_experts)
     return {
-        "tokens_min": counts.min().item(),
-        "tokens_max": counts.max().item(),
-        "tokens_cv": cv,
+        "tokens_min": min(counts),
+        "tokens_max": max(counts),
+        "tokens_cv": std / mean if mean > 0 else 0.0,
         "dropped_fraction": s["dropped"] / max(s["pairs"], 1.0),
-        "dead_experts": float((counts == 0).sum().item()),
+        "dead_experts": float(sum(c == 0 for c in counts)),
         "router_entropy": s["entropy_sum"] / max(s["tokens"], 1.0),
         "aux_loss": s["load_balancing_sum"] / s["calls"],
         "z_loss": s["z_loss_sum"] / s["calls"],
@@ -134,7 +137,8 @@ def collect_moe_metrics(
 
     One all-reduce of a fixed [num_layers, num_experts + 7] table over `group`
     (default: the world), so ranks whose pipeline stage has no MoE layer join
-    with zeros and nothing can hang. Every rank of a stage routes different
+    with zeros and nothing can hang; then ONE device->host copy of the table
+    (`table_to_host`), from which every figure is computed on the host. Every rank of a stage routes different
     tokens (DP, EP, and TP under sequence parallelism), so summing gives the
     counts of the whole step. Losses are unweighted means over ranks and
     micro-batches. Returns aggregates (`moe aux loss`, `moe z loss`,
@@ -149,7 +153,8 @@ def collect_moe_metrics(
     table = torch.zeros(num_layers, width, dtype=torch.float64, device=device)
     for layer in moe_layer_modules(model_chunks):
         if layer.stats.sums is not None and layer.layer_number is not None:
-            sums = layer.stats.sums.to(table.device)
+            sums = layer.stats.sums
+            sums = sums if sums.device == table.device else sums.to(table.device)
             e = layer.stats.num_experts
             table[layer.layer_number - 1, :e] += sums[:e]
             table[layer.layer_number - 1, num_experts:] += sums[e:]
@@ -157,24 +162,18 @@ def collect_moe_metrics(
             layer.stats.reset()
     comm.reduce_moe_metrics(table, group)
     with comm.host_read("moe metrics"):
-        return _step_figures(table, num_layers, num_experts, max_keys, expert_counts)
-
-
-def _step_figures(table: torch.Tensor, num_layers: int, num_experts: int, max_keys: int, expert_counts) -> dict:
-    """`collect_moe_metrics`'s figures from the reduced table (read on the host)."""
-    calls = table[:, -1]
-    present = [i for i in range(num_layers) if calls[i] > 0]
+        rows = table_to_host(table)  # the step's one device read for its MoE figures, whatever the number of layers
+    present = [i for i in range(num_layers) if rows[i][-1] > 0]  # calls
     if not present:
         return {}
-    per_layer = {i + 1: _layer_figures(table[i], num_experts) for i in present}
+    per_layer = {i + 1: _layer_figures(rows[i], num_experts) for i in present}
     if expert_counts is not None:
-        expert_counts.update({i + 1: table[i, :num_experts].tolist() for i in present})
+        expert_counts.update({i + 1: rows[i][:num_experts] for i in present})
+    dropped, pairs = (sum(rows[i][num_experts + k] for i in present) for k in (0, 1))
     figures = {
         "moe aux loss": sum(f["aux_loss"] for f in per_layer.values()) / len(per_layer),
         "moe z loss": sum(f["z_loss"] for f in per_layer.values()) / len(per_layer),
-        "moe dropped fraction": float(
-            table[present, num_experts].sum() / table[present, num_experts + 1].sum().clamp(min=1)
-        ),
+        "moe dropped fraction": dropped / max(pairs, 1.0),
         "moe tokens cv": sum(f["tokens_cv"] for f in per_layer.values()) / len(per_layer),
         "moe tokens cv max": max(f["tokens_cv"] for f in per_layer.values()),
         "moe dead experts": sum(f["dead_experts"] for f in per_layer.values()),

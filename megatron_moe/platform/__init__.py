@@ -19,7 +19,7 @@ from megatron_moe.platform.device import (
     peak_memory_bytes,
     synchronize,
 )
-from megatron_moe.platform.host_sync import HostSyncs, count_host_syncs, to_host
+from megatron_moe.platform.host_sync import HostSyncs, count_host_syncs, table_to_host, to_host
 
 __all__ = [
     "HostSyncs",
@@ -33,5 +33,6 @@ __all__ = [
     "peak_flops_per_s",
     "peak_memory_bytes",
     "synchronize",
+    "table_to_host",
     "to_host",
 ]

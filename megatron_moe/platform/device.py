@@ -26,6 +26,12 @@ class Platform:
         return self.device.type != "cpu"
 
     @property
+    def pin_memory(self) -> bool:
+        """Data loader batches in page-locked host memory: on an accelerator the batch's copy to the device then
+        leaves without waiting for queued device work (`non_blocking`); on CPU there is no copy to speed up."""
+        return self.is_accelerator
+
+    @property
     def expert_chunk_bytes(self) -> int | None:
         """Largest [rows, F] activation of one run of experts in `GroupedMLP`; None = one run, 0 = one per expert.
 

@@ -2,7 +2,8 @@
 
 `to_host(*tensors)` brings integer tensors to the host in ONE device->host
 copy: the MoE layer reads everything its planning needs with it, once per
-forward. `count_host_syncs()` counts every wait inside a block, so a test can
+forward. `table_to_host(table)` does the same for a table of figures (the
+step's MoE metrics). `count_host_syncs()` counts every wait inside a block, so a test can
 pin the number:
 
 - on CUDA, `torch.cuda.set_sync_debug_mode("warn")` reports each synchronizing
@@ -48,6 +49,12 @@ def to_host(*tensors: torch.Tensor | None) -> list[list[int] | None]:
             out.append(values[at : at + t.numel()])
             at += t.numel()
     return out
+
+
+def table_to_host(table: torch.Tensor) -> list[list[float]]:
+    """A 2-D tensor's values as Python rows (float64 precision kept), read in ONE device->host copy: a step's
+    figures computed on the device are read with this once, then only Python touches them."""
+    return table.double().tolist()  # the one wait for the device
 
 
 class HostSyncs:

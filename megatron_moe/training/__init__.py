@@ -12,7 +12,7 @@ from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoi
 from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import exit_now
-from megatron_moe.model import transformer_config
+from megatron_moe.model import run_fusions, transformer_config
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
@@ -54,7 +54,8 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
 def _train(cfg: RunConfig, watchdog) -> list[dict]:
     tokenizer = build_tokenizer(cfg.data)
     load_dir = resolve_load_dir(cfg)
-    config = transformer_config(cfg)
+    fusions = run_fusions(cfg)
+    config = transformer_config(cfg, fusions)
     wgrad_queue = build_wgrad_queue(cfg)
     model = build_ddp_model(cfg, config, tokenizer.vocab_size, wgrad_queue)
     fits, source = cluster_fits(cfg, model)
@@ -67,9 +68,14 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
     counts = parameter_counts(cfg, model)
     if dist.get_rank() == 0:
-        log_startup_summary(cfg, counts, tokenizer, data.sizes)
+        log_startup_summary(cfg, counts, tokenizer, data.sizes, fusions)
     overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce}
-    startup = {"parameters": counts, "datasets": data.sizes, "tokenizer": tokenizer.description}
+    startup = {
+        "parameters": counts,
+        "datasets": data.sizes,
+        "tokenizer": tokenizer.description,
+        "fusions": fusions.on(),
+    }
     return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, **overlap).train()
 
 

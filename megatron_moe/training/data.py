@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron_moe.config import RunConfig
 from megatron_moe.data.datasets import build_gpt_datasets
 from megatron_moe.data.sampler import build_data_loader
+from megatron_moe.platform import current_platform
 from megatron_moe.training.summary import dataset_sizes
 
 
@@ -43,14 +44,21 @@ def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int) -> Ru
         cache_dir=cfg.data.data_cache_path,
         is_built_on_rank=lambda: True,
     )
-    loader_args = dict(
-        micro_batch_size=t.micro_batch_size,
+    args = loader_args(cfg)
+    train_iterator = None
+    if consumed_train_samples < t.train_iters * gbs:
+        train_iterator = iter(build_data_loader(train, consumed_train_samples, **args))
+    sizes = {"train": dataset_sizes(train), "valid": dataset_sizes(valid)}
+    return RunData(train_iterator, valid, args, sizes)
+
+
+def loader_args(cfg: RunConfig) -> dict:
+    """This rank's data loader settings: its data-parallel slice, workers, and pinned batches where the platform
+    copies them to a GPU (`get_batch`'s non-blocking copy then does not wait for queued device work)."""
+    return dict(
+        micro_batch_size=cfg.training.micro_batch_size,
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
         num_workers=cfg.data.num_workers,
+        pin_memory=current_platform().pin_memory,
     )
-    train_iterator = None
-    if consumed_train_samples < t.train_iters * gbs:
-        train_iterator = iter(build_data_loader(train, consumed_train_samples, **loader_args))
-    sizes = {"train": dataset_sizes(train), "valid": dataset_sizes(valid)}
-    return RunData(train_iterator, valid, loader_args, sizes)

@@ -11,6 +11,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe import comm
 from megatron_moe.config import RunConfig
+from megatron_moe.model.fusions import Fusions
 from megatron_moe.platform import current_platform
 from megatron_moe.training.flops import inactive_params_per_token
 
@@ -49,8 +50,9 @@ def dataset_sizes(dataset) -> tuple[int, int] | None:
     return sum(len(part.indices) for part in parts), len(dataset)
 
 
-def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, splits: dict) -> None:
-    """The summary lines (rank 0): parameters, data and tokenizer, split sizes, the plan in steps and samples."""
+def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, splits: dict, fusions: Fusions) -> None:
+    """The summary lines (rank 0): parameters, megatron-core's fusions on and off, data and tokenizer, split sizes,
+    the plan in steps and samples."""
     t = cfg.training
     log.info(
         "parameters: %d total, %d active per token, %d on this rank",
@@ -58,6 +60,7 @@ def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, split
         counts["active_per_token"],
         counts["this_rank"],
     )
+    log.info("fusions: %s", fusions.describe())
     log.info(
         "data: %s (split %s); tokenizer: %s, vocabulary %d",
         " ".join(cfg.data.data_path),

@@ -16,6 +16,7 @@ MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
     "--num-experts", "4", "--moe-layer-freq", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
     "--data-path", "x", "--tokenizer-model", "x",
+    "--no-gradient-accumulation-fusion",  # built without DDP: no main_grad for a fused GEMM to accumulate into
 ]  # fmt: skip
 
 

@@ -30,6 +30,13 @@ def makefile_examples() -> dict[str, tuple[int, int]]:
 def dry_run(name: str, nodes: int, gpus: int, **overrides: str | None) -> list[str]:
     """The trainer flags the example passes, from its printed torchrun command (`overrides`: environment
     variables set, or removed where None)."""
+    command = launch_command(name, nodes, gpus, **overrides)
+    return command[command.index(os.path.join(ROOT, "pretrain_gpt_moe.py")) + 1 :]
+
+
+def launch_command(name: str, nodes: int, gpus: int, *args: str, **overrides: str | None) -> list[str]:
+    """The example's printed launch command, words split as the shell would (its flags checked); `args`: extra
+    arguments to the script."""
     env = {
         **os.environ,
         "PYTHON": sys.executable,
@@ -43,7 +50,7 @@ def dry_run(name: str, nodes: int, gpus: int, **overrides: str | None) -> list[s
     }
     env = {k: v for k, v in {**env, **overrides}.items() if v is not None}
     proc = subprocess.run(
-        ["bash", os.path.join(ROOT, "examples", f"{name}.sh")],
+        ["bash", os.path.join(ROOT, "examples", f"{name}.sh"), *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -51,9 +58,8 @@ def dry_run(name: str, nodes: int, gpus: int, **overrides: str | None) -> list[s
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    command = shlex.split(proc.stdout.splitlines()[0])
     assert proc.stdout.splitlines()[-1].startswith("flags OK"), proc.stdout
-    return command[command.index(os.path.join(ROOT, "pretrain_gpt_moe.py")) + 1 :]
+    return shlex.split(proc.stdout.splitlines()[0])
 
 
 def given_twice(args: list[str]) -> list[str]:
@@ -117,3 +123,30 @@ def test_the_examples_take_each_tokenizer_type_from_the_environment():
     ]:
         proc = subprocess.run(["bash", script], env={**env, **wrong}, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def device_connections(command: list[str]) -> str | None:
+    """The CUDA_DEVICE_MAX_CONNECTIONS the launch command sets (None: left unset)."""
+    assignments = dict(word.split("=", 1) for word in command[: command.index("--nnodes")] if "=" in word)
+    return assignments.get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def test_the_examples_set_one_device_connection_exactly_where_megatron_core_needs_it():
+    """TP or CP: megatron-core relies on CUDA_DEVICE_MAX_CONNECTIONS=1 to start the TP collective of the input
+    gradient before the weight-gradient GEMM (tensor_parallel/layers.py; Megatron-LM refuses TP or CP without it);
+    otherwise it stays unset, leaving the MoE all-to-alls their own hardware queues."""
+    for name, (nodes, gpus) in sorted(makefile_examples().items()):
+        command = launch_command(name, nodes, gpus)
+        parallel = parse_args(command[command.index(os.path.join(ROOT, "pretrain_gpt_moe.py")) + 1 :]).parallel
+        needs_one = parallel.tensor_model_parallel_size > 1 or parallel.context_parallel_size > 1
+        assert device_connections(command) == ("1" if needs_one else None), name
+
+
+def test_the_device_connections_follow_the_layout_and_keep_a_value_given():
+    assert device_connections(launch_command("pretrain_mixtral_8x7b", 8, 8)) == "1"  # TP=2
+    assert device_connections(launch_command("pretrain_gpt2_l_moe", 2, 8)) is None  # TP=1
+    assert device_connections(launch_command("pretrain_gpt2_l_moe", 2, 8, TP="2")) == "1"
+    extra = ("--tensor-model-parallel-size", "2", "--sequence-parallel")  # given to the script, overriding its TP
+    assert device_connections(launch_command("pretrain_gpt2_s_moe", 1, 8, *extra)) == "1"
+    given = launch_command("pretrain_mixtral_8x7b", 8, 8, CUDA_DEVICE_MAX_CONNECTIONS="8")
+    assert device_connections(given) == "8"

@@ -274,11 +274,13 @@ def test_train_bytelevel_bpe_writes_gpt2_files_deterministically(corpus, bytelev
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_start_up_summary_names_the_tokenizer_type_and_files(tokenizers, tokenizer_flags, kind, caplog):
+    from megatron_moe.model import run_fusions
     from megatron_moe.training.summary import log_startup_summary
 
     cfg = parse_args(["--data-path", "d", *tokenizer_flags[kind], "--train-iters", "3", "--global-batch-size", "2"])
     tokenizer = tokenizers[kind]
+    counts = {"total": 1, "active_per_token": 1, "this_rank": 1}
     with caplog.at_level(logging.INFO, logger="megatron_moe"):
-        log_startup_summary(cfg, {"total": 1, "active_per_token": 1, "this_rank": 1}, tokenizer, {})
+        log_startup_summary(cfg, counts, tokenizer, {}, run_fusions(cfg))
     files = " + ".join(tokenizer.files)
     assert f"data: d (split 98,2,0); tokenizer: {kind} {files}, vocabulary {VOCAB}" in caplog.text
