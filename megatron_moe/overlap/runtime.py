@@ -265,7 +265,7 @@ class WgradQueue:
         self._passes = []
         if passes:
             self._stamps.settle(passes[-1][-1][3])
-        events = [_merge_repeats([self._event(*entry) for entry in one]) for one in passes]
+        events = [planning.canonical_order(_merge_repeats([self._event(*e) for e in one])) for one in passes]
         # Under the interleaved pipeline each model chunk's backward is a pass of its own layers: passes of the same
         # chunk are merged, and each chunk's dW are planned under its own all-to-alls (a pass flushes at its end).
         kinds = _passes_by_structure(events)

@@ -627,3 +627,41 @@ def test_ranks_holding_different_bytes_tell_ddp_of_their_gradients_in_the_same_o
         for index, module in enumerate(modules.values()):  # both micro-batches in main_grad, once each
             assert torch.equal(module.w.main_grad, torch.full((2,), (1.0 + index) + (11.0 + index)))
             assert module.w.grad is None and module.w.grad_added_to_main_grad is False
+
+
+def _profiled_plan(order: tuple[str, ...]) -> planning.WgradPlan:
+    """greedy's plan from a profiled pass whose dW in `order` (router 2 ms, shared expert 3 ms; 96 bytes each, under
+    a cap of 1.5 of them) come before the combine's all-to-all (2.5 ms), then the experts' dW."""
+    clock, log = FakeClock(), []
+    ms = {"L1.router": 2.0, "L1.shared_expert": 3.0, "L1.experts": 4.0}
+    modules = {key: OneWeight(key) for key in ms}
+    queue = WgradQueue("greedy", max_mb=1.5 * 96 / MIB, num_layers=1)
+    queue._stamps = HostStamps(clock)
+
+    def put(key: str) -> None:
+        rows = torch.empty(96, dtype=torch.uint8)
+
+        def weight_grad(out=None):
+            log.append(("dW", key, rows.numel()))
+            clock.now += ms[key] / 1000.0
+            return (torch.zeros(2),)
+
+        queue.store_for(modules[key]).put(weight_grad, (None,))
+
+    queue.start_iteration(PROFILE_ITERATION)
+    for key in order:
+        put(key)
+    record = Collective("a2a_combine", "fake", layer=1, backward=True)
+    queue.run_under(record, FakeHandle(None, log, "L1.combine", clock, 2.5))
+    put("L1.experts")
+    queue.flush()
+    queue.end_iteration()
+    return queue.plan
+
+
+def test_ranks_that_profiled_a_window_in_different_orders_make_the_same_plan():
+    """Best-fit ties (|2.5 - 2| = |2.5 - 3|) and the cap's walk read the order of the dW before the combine; two
+    ranks whose autograd ran the router's and the shared expert's backward in other orders plan alike."""
+    plans = [_profiled_plan(order) for order in (("L1.router", "L1.shared_expert"), ("L1.shared_expert", "L1.router"))]
+    assert plans[0].under == plans[1].under == {"L1.shared_expert": "L1.combine"}
+    assert plans[0].events == plans[1].events
