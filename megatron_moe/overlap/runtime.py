@@ -35,10 +35,10 @@ GEMMs at once and adds its gradients to `main_grad` (megatron-core's
 `accumulate_now`); its hook still runs at the planned all-to-all (`announce`).
 So ranks holding different bytes issue their reductions in the same order, the
 cap holds for every rank in every iteration (not only the profiled one), and
-no collective is added: agreeing the bytes instead would take one per closure
-or per layer in backward, and a bound every rank can compute alone (the rows
-an expert could receive at most) is EP times the average rows in dropless
-routing.
+no collective is added: agreeing the bytes instead would take a collective per
+closure or per layer in backward, and a bound every rank can compute alone
+(the most rows a rank's experts could receive) is up to EP times the average
+in dropless routing, so it would refuse most experts closures a cap fits.
 
 The plan (`megatron_moe.overlap.plan`): `all-under-next-a2a` needs none (every
 closure waits for the next all-to-all); `greedy` profiles iteration
