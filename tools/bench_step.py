@@ -271,7 +271,8 @@ def _wgrad_figures(steps: list[dict]) -> dict | None:
     """The queue's figures over the timed steps: mean closures per place, the largest held MiB, the plan's."""
     if not steps:
         return None
-    figures = {k: round(statistics.fmean(s[k] for s in steps), 1) for k in ("under_a2a", "natural", "at_backward_end")}
+    places = ("under_a2a", "natural", "at_backward_end", "over_cap")
+    figures = {k: round(statistics.fmean(s[k] for s in steps), 1) for k in places}
     figures["peak_held_mb"] = max(s["peak_held_mb"] for s in steps)
     return {**figures, **{k: v for k, v in steps[-1].items() if k.startswith("plan")}}
 

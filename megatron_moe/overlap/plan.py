@@ -25,6 +25,12 @@ Where this deviates from the paper (Lancet, section 4 and Algorithm 1):
 - "While t_u > 0" treats a remainder within `COVERED_MS` of zero as covered
   (floating-point sums of measured times), and ties of |t_u - t_j| go to the
   earlier event, so the plan is deterministic.
+- Every rank of a stage must make the same plan (the runtime tells DDP of a dW
+  where the plan says, and DDP's readiness starts the reduction's
+  collectives): the dW between two all-to-alls are taken in one fixed order
+  (`canonical_order`), not in the order autograd ran this rank's independent
+  branches, and `agree` refuses a profile whose structure differs between the
+  ranks that hold a key.
 - The paper holds no memory limit; `make_plan(max_mb=...)` leaves a dW at its
   natural place when keeping it queued would exceed the cap (its inputs and
   output gradient are held until its all-to-all).
@@ -50,6 +56,8 @@ from megatron_moe.platform import current_platform
 EVENT_KINDS = ("wgrad", "a2a")
 WGRAD_NAMES = ("attn_qkv", "attn_proj", "mlp_fc1", "mlp_fc2", "experts", "shared_expert", "router", "output")
 """`output`: the untied LM head, keyed by the last layer ("L{num_layers}.output")."""
+BACKWARD_NAMES = ("output", "mlp_fc2", "mlp_fc1", "shared_expert", "experts", "router", "attn_proj", "attn_qkv")
+"""`WGRAD_NAMES` in the order a layer's backward makes them, the order `canonical_order` gives them."""
 A2A_NAMES = ("combine", "dispatch")
 POLICIES = ("off", "greedy", "all-under-next-a2a")
 COVERED_MS = 1e-9
@@ -89,6 +97,32 @@ class Event:
             raise ValueError(f"{self.kind} event key {self.key!r}: expected L<layer >= 1>.<name>, name one of {names}")
         if not (self.ms >= 0 and self.held_mb >= 0):  # also refuses NaN
             raise ValueError(f"event {self.key!r}: ms={self.ms}, held_mb={self.held_mb}; both must be >= 0")
+
+
+def canonical_order(events: Sequence[Event]) -> list[Event]:
+    """`events` with the wgrad events between two a2a events sorted by layer, from the last, then
+    `BACKWARD_NAMES`; the a2a events stay where they are.
+
+    Which dW a pass makes between two all-to-alls is the model's; the order
+    they came in between is the order autograd ran this rank's independent
+    branches in (the routed and the shared expert; a rank that received no
+    rows runs its experts as other nodes). The plan must not depend on it:
+    the cap's walk (`_queued_mb`) and best-fit's ties read the order."""
+    ordered: list[Event] = []
+    window: list[Event] = []
+    for event in events:
+        if event.kind == "wgrad":
+            window.append(event)
+            continue
+        ordered += sorted(window, key=_backward_position)
+        window = []
+        ordered.append(event)
+    return ordered + sorted(window, key=_backward_position)
+
+
+def _backward_position(event: Event) -> tuple[int, int]:
+    layer, name = parse_key(event.key)
+    return -layer, BACKWARD_NAMES.index(name)
 
 
 def _check_unique(events: Sequence[Event]) -> None:
@@ -293,26 +327,46 @@ def agree(events: Sequence[Event], num_layers: int, group=None, device: torch.de
     ms and held_mb the max over the ranks that hold that key.
 
     Ranks of different pipeline stages hold different layers, so every rank
-    packs its events into one fixed [num_layers, names, 2] table indexed by
+    packs its events into one fixed [num_layers, names, 4] table indexed by
     (global layer, name) over `WGRAD_NAMES + A2A_NAMES` (zeros where it holds
     nothing) and all ranks join one MAX all-reduce: none can hang, and a key's
     figure is the slowest rank's. Keys must be unique within the pass.
+
+    The same reduction checks that the ranks holding a key agree on the pass's
+    structure (else their plans, and the order of their reductions, would
+    differ): each key also carries s = (events in the pass) x 2^20 + its
+    position, and -s (-inf where a rank holds nothing); max s != min s is a
+    ValueError on every rank that holds the key.
     """
     _check_unique(events)
     names = WGRAD_NAMES + A2A_NAMES
     device = current_platform().device if device is None else device  # where the backend reduces
-    table = torch.zeros(num_layers, len(names), 2, dtype=torch.float64, device=device)
+    table = torch.zeros(num_layers, len(names), 4, dtype=torch.float64, device=device)
+    table[..., 2:] = -math.inf
     slots = []
-    for event in events:
+    for position, event in enumerate(events):
         layer, name = parse_key(event.key)
         if not 1 <= layer <= num_layers:
             raise ValueError(f"event {event.key!r}: layer {layer} is outside 1..{num_layers} (num_layers)")
         slots.append((layer - 1, names.index(name)))
-        table[slots[-1]] = torch.tensor([event.ms, event.held_mb], dtype=torch.float64)
+        where = float(len(events) * _POSITIONS + position)
+        table[slots[-1]] = torch.tensor([event.ms, event.held_mb, where, -where], dtype=torch.float64)
     agree_wgrad_profile(table, group)
     with host_read("overlap-wgrad profile"):
         agreed = table.cpu().tolist()
+    for position, (event, (layer, name)) in enumerate(zip(events, slots)):
+        most, least = agreed[layer][name][2], -agreed[layer][name][3]
+        if most != least:
+            raise ValueError(
+                f"profiled pass: {event.key!r} is event {position} of {len(events)} here, not on every rank that "
+                "holds it; the ranks of a pipeline stage must profile the same dW and all-to-alls in the same "
+                "order, or their plans (and the order of their gradient reductions) would differ"
+            )
     return [
         dataclasses.replace(event, ms=agreed[layer][name][0], held_mb=agreed[layer][name][1])
         for event, (layer, name) in zip(events, slots)
     ]
+
+
+_POSITIONS = float(1 << 20)
+"""`agree`'s structure check: positions in a pass are below this."""

@@ -10,7 +10,8 @@ weight's hook) and gives every MoE dispatcher the queue as its
 
 1. a module's backward computes dX and `put`s its dW closure: the plan says
    whether it waits for an all-to-all (queued) or runs at once, its natural
-   place (the profile, no plan yet, an unplanned key, or the memory cap);
+   place (the profile, no plan yet, an unplanned key); over the memory cap a
+   queued closure's GEMMs run at once, and only DDP's hook waits (below);
 2. a backward all-to-all starts asynchronously (`comm.moe._AllToAll`), the
    queue runs the closures the plan put under it, then the all-to-all is
    waited: the GEMMs ran while the bytes were on the wire;
@@ -21,6 +22,23 @@ weight's hook) and gives every MoE dispatcher the queue as its
 Running a closure sets each weight's `.grad` and calls DDP's hook for it: the
 `main_grad.add_(grad)` and bucket readiness stay megatron-core's, on the same
 values in the same order per parameter as without deferral (bit-identical).
+
+Invariant: where DDP hears of a weight gradient (its hook: bucket readiness,
+which starts the reduction's collectives under --overlap-grad-reduce and the
+adaptive partition) follows from the policy and the plan alone, the same on
+every rank of a stage; nothing this rank measured at run time moves it. The
+memory cap (`--overlap-wgrad-max-mb`) bounds this rank's own bytes: with
+dropless routing an expert closure's saved rows differ from rank to rank, so
+a cap checked against them differs too. A closure that would pass it runs its
+GEMMs at once and adds its gradients to `main_grad` (megatron-core's
+`grad_added_to_main_grad` protocol, as its fused weight-gradient GEMMs do:
+`accumulate_now`); its hook still runs at the planned all-to-all (`announce`).
+So ranks holding different bytes issue their reductions in the same order, the
+cap holds for every rank in every iteration (not only the profiled one), and
+no collective is added: agreeing the bytes instead would take a collective per
+closure or per layer in backward, and a bound every rank can compute alone
+(the most rows a rank's experts could receive) is up to EP times the average
+in dropless routing, so it would refuse most experts closures a cap fits.
 
 The plan (`megatron_moe.overlap.plan`): `all-under-next-a2a` needs none (every
 closure waits for the next all-to-all); `greedy` profiles iteration
@@ -75,8 +93,11 @@ def held_bytes(fn: Callable) -> int:
 @dataclasses.dataclass
 class _Item:
     module: DeferrableWeights
-    weight_grad: WeightGrad
+    weight_grad: WeightGrad | None
+    """None once its GEMMs ran over the memory cap: only DDP's hooks for `accumulated` wait."""
     nbytes: int
+    accumulated: tuple[tuple[torch.nn.Parameter, bool], ...] = ()
+    """(parameter, its `grad_added_to_main_grad` before) whose gradient is in main_grad, its hook still to run."""
 
 
 class _ModuleStore:
@@ -106,8 +127,10 @@ class WgradQueue:
         self._flush_queued = False
         self._stamps = comm_stamps()
         self._passes: list[list[tuple]] = []  # while profiling: per pass (kind, key, start, end, held MiB)
-        self.counts = {"under_a2a": 0, "natural": 0, "at_backward_end": 0}
-        """Closures run in this iteration: under an all-to-all, at their natural place, at the backward's end."""
+        self.counts = {"under_a2a": 0, "natural": 0, "at_backward_end": 0, "over_cap": 0}
+        """Closures run in this iteration: under an all-to-all, at their natural place, at the backward's end; and
+        queued ones whose GEMMs ran at once because holding them would pass the memory cap (DDP's hook for them
+        still ran where planned)."""
         self.peak_held_bytes = 0
         """The most bytes queued closures held at once in this iteration."""
 
@@ -150,24 +173,32 @@ class WgradQueue:
 
     # ------------------------------------------------------------------ 1. put
 
-    def _waits_for(self, key: str, nbytes: int) -> str | None:
-        """The all-to-all a closure of `key` waits for, or None: it runs now."""
+    def _waits_for(self, key: str) -> str | None:
+        """The all-to-all where DDP hears of `key`'s weight gradients, or None: now. From the policy and the plan
+        only (no plan yet, or a key it leaves out: None on every rank), never from this rank's bytes: see the
+        module docstring's invariant."""
         if self.policy == "all-under-next-a2a":
-            under = "next"
-        else:
-            under = None if self.plan is None else self.plan.under.get(key)
-        if under is None or self.max_mb is None:
-            return under
-        return under if (self._pending_bytes + nbytes) / MIB <= self.max_mb else None
+            return "next"
+        return None if self.plan is None else self.plan.under.get(key)
+
+    def _over_cap(self, nbytes: int) -> bool:
+        """Would queueing `nbytes` more pass this rank's cap? Decides only when this rank's GEMMs run."""
+        return self.max_mb is not None and (self._pending_bytes + nbytes) / MIB > self.max_mb
 
     def put(self, item: _Item) -> None:
         self._flush_at_backward_end()
         key = item.module.store_key
-        under = self._waits_for(key, item.nbytes)
+        under = self._waits_for(key)
         if under is None:
             self.counts["natural"] += 1
             self._run(item, profile_key=key if self.profiling else None)
             return
+        if self._over_cap(item.nbytes):
+            self.counts["over_cap"] += 1
+            accumulated = accumulate_now(item.module, item.weight_grad())
+            if not accumulated:  # no DDP hook waits for it (no DDP): nothing left to queue
+                return
+            item = _Item(item.module, None, 0, accumulated)
         self._pending.append((under, item))
         self._pending_bytes += item.nbytes
         self.peak_held_bytes = max(self.peak_held_bytes, self._pending_bytes)
@@ -183,7 +214,8 @@ class WgradQueue:
             self._pending = [(under, item) for under, item in self._pending if under not in (key, "next")]
             for item in mine:
                 self._pending_bytes -= item.nbytes
-                self.counts["under_a2a"] += 1
+                if item.weight_grad is not None:
+                    self.counts["under_a2a"] += 1
                 self._run(item)
         received = handle.wait()
         if start is not None:
@@ -203,7 +235,8 @@ class WgradQueue:
         self._flush_queued = False
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         for _, item in pending:
-            self.counts["at_backward_end"] += 1
+            if item.weight_grad is not None:
+                self.counts["at_backward_end"] += 1
             self._run(item)
         if self.profiling:
             self._passes.append([])
@@ -211,6 +244,9 @@ class WgradQueue:
     # ------------------------------------------------------------------ running a closure
 
     def _run(self, item: _Item, profile_key: str | None = None) -> None:
+        if item.weight_grad is None:  # its GEMMs ran over the cap: DDP hears of it here, as on every other rank
+            announce(item.module, item.accumulated)
+            return
         start = self._stamps.stamp() if profile_key else None
         grads = item.weight_grad()
         if start is not None:
@@ -229,7 +265,7 @@ class WgradQueue:
         self._passes = []
         if passes:
             self._stamps.settle(passes[-1][-1][3])
-        events = [_merge_repeats([self._event(*entry) for entry in one]) for one in passes]
+        events = [planning.canonical_order(_merge_repeats([self._event(*e) for e in one])) for one in passes]
         # Under the interleaved pipeline each model chunk's backward is a pass of its own layers: passes of the same
         # chunk are merged, and each chunk's dW are planned under its own all-to-alls (a pass flushes at its end).
         kinds = _passes_by_structure(events)
@@ -278,3 +314,34 @@ def deliver(module: DeferrableWeights, grads: Iterable[torch.Tensor | None]) -> 
         hook = module.wgrad_hook(param)
         if hook is not None:
             hook()
+
+
+def accumulate_now(
+    module: DeferrableWeights, grads: Iterable[torch.Tensor | None]
+) -> tuple[tuple[torch.nn.Parameter, bool], ...]:
+    """Weight gradients into `main_grad` now, as DDP's hook adds them, flagged `grad_added_to_main_grad` so that
+    the hook (`announce`, later) only marks them ready; returns (parameter, the flag before) of those. A parameter
+    without DDP's hook gets its `.grad` at once: nothing collective waits for it."""
+    later = []
+    for param, grad in zip(module.deferred_params(), grads):
+        if grad is None:
+            continue
+        total = grad if param.grad is None else param.grad + grad
+        if module.wgrad_hook(param) is None:
+            param.grad = total
+            continue
+        param.grad = None
+        param.main_grad.add_(total)  # DDP's hook: main_grad.add_(param.grad.data)
+        later.append((param, getattr(param, "grad_added_to_main_grad", False)))
+        param.grad_added_to_main_grad = True
+    return tuple(later)
+
+
+def announce(module: DeferrableWeights, accumulated: Iterable[tuple[torch.nn.Parameter, bool]]) -> None:
+    """DDP's hook for gradients `accumulate_now` already added: it skips the add (the flag) and marks each ready.
+    Its `.grad` must not be None under --overlap-grad-reduce: a zero-stride placeholder, never read."""
+    for param, flag_before in accumulated:
+        param.grad = torch.zeros((), dtype=param.dtype, device=param.device).expand_as(param)
+        module.wgrad_hook(param)()
+        param.grad = None
+        param.grad_added_to_main_grad = flag_before

@@ -3,7 +3,9 @@
 Cases, each rank with its own profile (`PROFILES`):
 - same_layers: both ranks hold layers 1-2 (data/expert-parallel peers of one stage) with different times;
 - two_stages: rank 0 holds layers 1-2, rank 1 layers 3-4 (two pipeline stages), the same names in both;
-- solo_group: same_layers' profiles agreed over a group of one rank.
+- solo_group: same_layers' profiles agreed over a group of one rank;
+- moved: both ranks hold layer 1, but rank 1 profiled the router's dW after the combine's all-to-all (a pass of
+  another structure): `agree` refuses it on both ranks (their plans would differ).
 Each rank's results (raw and agreed events, the greedy plans from both, the collectives `agree` issued) are
 gathered to rank 0, which writes `{case: [rank 0's, rank 1's]}` to $RESULTS.
 """
@@ -65,6 +67,13 @@ PROFILES = {
             ],
         },
     ),
+    "moved": (
+        1,
+        {
+            0: [("wgrad", "L1.router", 1.0, 1.0), ("a2a", "L1.combine", 2.0, 0.0), ("wgrad", "L1.experts", 2.0, 4.0)],
+            1: [("a2a", "L1.combine", 2.0, 0.0), ("wgrad", "L1.router", 1.0, 1.0), ("wgrad", "L1.experts", 2.0, 4.0)],
+        },
+    ),
 }
 
 
@@ -97,7 +106,10 @@ def run_case(case: str, rank: int, group=None) -> dict:
     num_layers, profiles = PROFILES[case]
     events = [Event(*e) for e in profiles[rank]]
     with comm.monitoring(Recorder()) as recorder:
-        agreed = agree(events, num_layers, group)
+        try:
+            agreed = agree(events, num_layers, group)
+        except ValueError as error:
+            return {"error": str(error), "collectives": recorder.seen}
     return {
         "raw": [dataclasses.astuple(e) for e in events],
         "agreed": [dataclasses.astuple(e) for e in agreed],
@@ -116,6 +128,7 @@ def main() -> None:
         "same_layers": run_case("same_layers", rank),
         "two_stages": run_case("two_stages", rank),
         "solo_group": run_case("same_layers", rank, solo),
+        "moved": run_case("moved", rank),
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

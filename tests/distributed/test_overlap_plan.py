@@ -61,3 +61,12 @@ def test_a_group_of_one_rank_keeps_its_own_figures(results):
         assert rank["agreed"] == rank["raw"]
         assert rank["collectives"] == [["other", "agree_wgrad_profile"]]
     assert results["solo_group"][0]["agreed"] != results["solo_group"][1]["agreed"]
+
+
+def test_ranks_that_profiled_another_structure_are_refused_on_every_rank(results):
+    """Rank 1 profiled the router's dW after the combine: the ranks' plans (and the order their reductions start in)
+    would differ. The same reduction that agrees the figures finds it, and every rank that holds the key says so."""
+    for rank in results["moved"]:
+        assert "error" in rank, rank
+        assert "not on every rank that holds it" in rank["error"], rank["error"]
+        assert rank["collectives"] == [["other", "agree_wgrad_profile"]]

@@ -10,11 +10,14 @@ import pytest
 
 from megatron_moe.config import ConfigError
 from megatron_moe.overlap.plan import (
+    BACKWARD_NAMES,
+    WGRAD_NAMES,
     Event,
     WgradPlan,
     agree,
     all_under_next_a2a,
     best_fit_greedy,
+    canonical_order,
     make_plan,
     merge_passes,
 )
@@ -146,6 +149,26 @@ def test_the_memory_cap_leaves_items_at_their_natural_place_walking_in_order():
     assert make_plan("greedy", [W("L1.router", 1.0, 0), W("L1.experts", 1.0, 1), A("L1.dispatch", 2.0)], 0).under == {
         "L1.router": "L1.dispatch"
     }
+
+
+def test_canonical_order_sorts_the_dw_between_two_all_to_alls_and_keeps_the_all_to_alls_in_place():
+    """The order autograd ran a rank's dW in between two all-to-alls is not the plan's to depend on: the cap's walk
+    and best-fit's ties read it. TRACE is in the canonical order already."""
+    assert sorted(BACKWARD_NAMES) == sorted(WGRAD_NAMES)
+    shuffled = [TRACE[i] for i in (0, 1, 2, 3, 6, 4, 5, 7, 8, 9, 12, 10, 11)]
+    assert shuffled != TRACE and canonical_order(shuffled) == canonical_order(TRACE) == TRACE
+    # Two dW of one window, 1 MiB each under a 1.5 MiB cap: the walk keeps whichever comes first.
+    one, other = W("L1.shared_expert", 1.0, 1), W("L1.router", 1.0, 1)
+
+    def capped(window):
+        return make_plan("all-under-next-a2a", [*window, A("L1.combine", 2.0)], max_mb=1.5).under
+
+    assert capped([one, other]) != capped([other, one])
+    assert (
+        capped(canonical_order([other, one]))
+        == capped(canonical_order([one, other]))
+        == {"L1.shared_expert": "L1.combine"}
+    )
 
 
 def test_policy_off_plans_nothing():

@@ -148,7 +148,7 @@ def test_greedy_without_a_plan_runs_every_dw_at_its_natural_place():
         ("dW", "L1.router"), ("wait", "L1.combine"), ("dW", "L1.shared_expert"), ("wait", "L1.dispatch"),
         ("dW", "L1.experts"),
     ]  # fmt: skip
-    assert queue.counts == {"under_a2a": 0, "natural": 3, "at_backward_end": 0}
+    assert queue.counts == {"under_a2a": 0, "natural": 3, "at_backward_end": 0, "over_cap": 0}
     assert queue.peak_held_bytes == 0 and queue.stats()["peak_held_mb"] == 0.0
 
 
@@ -162,7 +162,7 @@ def test_all_under_next_a2a_runs_each_dw_before_the_next_wait_and_the_rest_at_th
         ("dW", "L1.experts"),
     ]  # fmt: skip
     # The same order as without the queue here, but each dW ran from the queue (two under an a2a, one at the end):
-    assert queue.counts == {"under_a2a": 2, "natural": 0, "at_backward_end": 1}
+    assert queue.counts == {"under_a2a": 2, "natural": 0, "at_backward_end": 1, "over_cap": 0}
     assert queue._pending == [] and queue._pending_bytes == 0  # flushed by the engine callback
     assert queue.peak_held_bytes > 0
 
@@ -177,7 +177,7 @@ def test_all_under_next_a2a_holds_a_dw_across_other_backward_work_until_the_a2a(
     y = router(shared(_FakeA2A.apply(experts(x), chain, "combine")))
     y.square().sum().backward()
     assert chain.log == [("dW", "L1.router"), ("dW", "L1.shared_expert"), ("wait", "L1.combine"), ("dW", "L1.experts")]
-    assert queue.counts == {"under_a2a": 2, "natural": 0, "at_backward_end": 1}
+    assert queue.counts == {"under_a2a": 2, "natural": 0, "at_backward_end": 1, "over_cap": 0}
 
 
 def test_greedy_with_a_plan_queues_only_planned_keys_and_runs_them_under_their_own_a2a():
@@ -197,14 +197,15 @@ def test_greedy_with_a_plan_queues_only_planned_keys_and_runs_them_under_their_o
         ("wait", "L1.combine"), ("dW", "L1.shared_expert"), ("dW", "L1.router"), ("wait", "L1.dispatch"),
         ("dW", "L1.experts"),
     ]  # fmt: skip
-    assert queue.counts == {"under_a2a": 1, "natural": 2, "at_backward_end": 0}
+    assert queue.counts == {"under_a2a": 1, "natural": 2, "at_backward_end": 0, "over_cap": 0}
     stats = queue.stats()
     assert stats["planned"] == 1 and stats["policy"] == "greedy"
     assert stats["plan_a2a_ms"] == 5.5 and stats["plan_wgrad_ms"] == 9.0 and stats["plan_hidden_ms"] == 2.0
 
 
-def test_the_memory_cap_runs_a_dw_at_its_natural_place_when_queueing_it_would_pass_max_mb():
-    """Each closure holds x [3, H] and grad_y [3, H] fp32 (96 bytes); a cap of 1.5 closures queues one at a time."""
+def test_the_memory_cap_runs_a_dws_gemms_at_once_when_queueing_it_would_pass_max_mb():
+    """Each closure holds x [3, H] and grad_y [3, H] fp32 (96 bytes); a cap of 1.5 closures queues one at a time.
+    No DDP here: a closure over the cap delivers its gradients at once (nothing collective waits for them)."""
     one = 2 * 3 * H * 4
     queue = WgradQueue("all-under-next-a2a", max_mb=1.5 * one / MIB, num_layers=1)
     chain = Chain(queue)
@@ -213,14 +214,15 @@ def test_the_memory_cap_runs_a_dw_at_its_natural_place_when_queueing_it_would_pa
     y.square().sum().backward()
     # router queued (one closure's bytes); shared_expert would make two: at once; experts after the a2a: queued.
     assert chain.log == [("dW", "L1.shared_expert"), ("dW", "L1.router"), ("wait", "L1.combine"), ("dW", "L1.experts")]
-    assert queue.counts == {"under_a2a": 1, "natural": 1, "at_backward_end": 1}
+    assert queue.counts == {"under_a2a": 1, "natural": 0, "at_backward_end": 1, "over_cap": 1}
     assert queue.peak_held_bytes == one
     queue.max_mb = 2 * one / MIB  # room for both
     chain.log.clear()
     queue.start_iteration(2)
     y = router(shared(_FakeA2A.apply(experts(_x()), chain, "combine")))
     y.square().sum().backward()
-    assert queue.counts == {"under_a2a": 2, "natural": 0, "at_backward_end": 1} and queue.peak_held_bytes == 2 * one
+    assert queue.counts == {"under_a2a": 2, "natural": 0, "at_backward_end": 1, "over_cap": 0}
+    assert queue.peak_held_bytes == 2 * one
 
 
 def test_flush_runs_at_the_end_of_autograds_backward():
@@ -231,7 +233,7 @@ def test_flush_runs_at_the_end_of_autograds_backward():
     x = _x()
     router(shared(experts(x))).square().sum().backward()
     assert chain.log == [("dW", "L1.router"), ("dW", "L1.shared_expert"), ("dW", "L1.experts")]
-    assert queue.counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 3} and queue._pending == []
+    assert queue.counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 3, "over_cap": 0} and queue._pending == []
     plain = Chain(None)
     y = _x()
     plain.layers[2](plain.layers[1](plain.layers[0](y))).square().sum().backward()
@@ -319,7 +321,7 @@ def test_greedy_profiles_iteration_2_and_plans_iteration_3_from_it():
     chain.log.clear()
     _assert_same(chain.step(_x()), reference)
     assert chain.log == natural
-    assert queue.counts == {"under_a2a": 2, "natural": 1, "at_backward_end": 0}
+    assert queue.counts == {"under_a2a": 2, "natural": 1, "at_backward_end": 0, "over_cap": 0}
     stats = queue.stats()
     assert stats["planned"] == 2 and stats["plan_hidden_ms"] == pytest.approx(5.0)
     assert stats["plan_a2a_ms"] == pytest.approx(5.5) and stats["plan_wgrad_ms"] == pytest.approx(9.0)
@@ -358,7 +360,7 @@ def test_greedy_plans_each_model_chunks_passes_on_their_own():
     reference = _reference()
     for chain in chunks:
         _assert_same(chain.step(_x()), reference)
-    assert queue.counts == {"under_a2a": 4, "natural": 2, "at_backward_end": 0}
+    assert queue.counts == {"under_a2a": 4, "natural": 2, "at_backward_end": 0, "over_cap": 0}
 
 
 # ----------------------------------------------------------------------------- megatron-core's DDP, one rank
@@ -372,13 +374,13 @@ def _ddp_model(run, queue):
     return model
 
 
-def _cfg():
+def _cfg(*extra: str):
     from megatron_moe.config import parse_args
 
     flags = [
         "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
-        "--expert-model-parallel-size", "1",
+        "--expert-model-parallel-size", "1", *extra,
     ]  # fmt: skip
     run = parse_args(["--data-path", "d", "--tokenizer-model", "t", *flags])
     run.validate(world_size=1)
@@ -426,11 +428,55 @@ def test_megatron_core_ddp_delay_wgrad_compute_gives_bit_identical_main_grads(me
         assert torch.equal(_forward_backward(plain, micro_batch), _forward_backward(deferred, micro_batch))
         # EP=1: no backward all-to-all; every closure (qkv, proj, router, experts) ran at the backward's end,
         # then DDP's hook.
-        assert queue.counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 4} and queue._pending == []
+        assert (
+            queue.counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 4, "over_cap": 0} and queue._pending == []
+        )
         assert all(p.grad is None for p in marked)  # the hooks moved them into main_grad
         for (name, a), (_, b) in zip(plain.module.named_parameters(), deferred.module.named_parameters()):
             assert torch.equal(a.main_grad, b.main_grad), name
         assert all(p.main_grad.abs().sum() > 0 for p in params)
+
+
+def test_over_the_cap_megatron_core_ddp_hears_where_planned_and_main_grads_are_bit_identical(megatron_world1):
+    """megatron-core's real DDP (--overlap-grad-reduce: its hook marks bucket readiness and asserts a .grad) with a
+    cap no closure fits: every dW's GEMMs run at once into main_grad (its `grad_added_to_main_grad` protocol), and
+    DDP's hooks run at the backward's end, where the uncapped queue runs them: the same readiness order, the same
+    main_grad bits (and autograd's without a queue), and no flag or placeholder gradient left behind."""
+    run = _cfg("--overlap-grad-reduce")
+    plain = _ddp_model(run, None)
+    queues = {cap: WgradQueue("all-under-next-a2a", max_mb=cap, num_layers=1) for cap in (None, 1e-9)}
+    models = {cap: _ddp_model(run, queue) for cap, queue in queues.items()}
+    names = {}
+    for model in (plain, *models.values()):
+        with torch.no_grad():
+            for (_, a), (name, b) in zip(plain.module.named_parameters(), model.module.named_parameters()):
+                b.copy_(a)
+                names[b] = name
+    orders = {cap: [] for cap in models}
+    for cap, model in models.items():
+        for group in model.bucket_groups + model.expert_parallel_bucket_groups:
+            ready = group.register_grad_ready
+
+            def noted(param, *args, ready=ready, order=orders[cap]):
+                order.append(names[param])
+                return ready(param, *args)
+
+            group.register_grad_ready = noted
+    for micro_batch in range(2):
+        losses = []
+        for cap, model in ((0, plain), *models.items()):
+            if cap != 0:
+                queues[cap].start_iteration(1)
+            losses.append(_forward_backward(model, micro_batch))
+            model.finish_grad_sync()
+        assert all(torch.equal(loss, losses[0]) for loss in losses)
+        assert queues[1e-9].counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 0, "over_cap": 4}
+        assert queues[None].counts == {"under_a2a": 0, "natural": 0, "at_backward_end": 4, "over_cap": 0}
+        assert orders[None] and orders[1e-9] == orders[None]
+        for model in models.values():
+            for (name, a), (_, b) in zip(plain.module.named_parameters(), model.module.named_parameters()):
+                assert torch.equal(a.main_grad, b.main_grad), name
+                assert b.grad is None and not getattr(b, "grad_added_to_main_grad", False), name
 
 
 class _Boom(torch.autograd.Function):
@@ -463,3 +509,159 @@ def test_a_backward_that_raised_does_not_stop_the_next_iterations_flush():
     y = _x()
     plain.layers[1](y).square().sum().backward()
     _assert_same([x.grad, shared.weight.grad], [y.grad, plain.layers[1].weight.grad])
+
+
+# ----------------------------------------------------------------------------- the memory cap on ranks of one stage
+
+
+class _ReadyLog:
+    """megatron-core's bucket group as DDP's hook sees it: notes each parameter it is told is ready."""
+
+    def __init__(self, log: list, names: dict):
+        self.log, self.names = log, names
+
+    def register_grad_ready(self, param, force_all_reduce=False):
+        self.log.append(("ready", self.names[param]))
+
+
+class OneWeight(torch.nn.Module, DeferrableWeights):
+    def __init__(self, key: str):
+        super().__init__()
+        self.store_key = key
+        self.w = torch.nn.Parameter(torch.zeros(2))
+
+    def deferred_params(self):
+        return [self.w]
+
+
+def _with_ddp_hooks(modules: list[OneWeight], log: list) -> None:
+    """megatron-core DDP's own backward post-hook (`_make_backward_post_hook`, with --overlap-grad-reduce) for every
+    module's weight, on a stand-in DDP whose one bucket group notes readiness; main_grad as DDP sets it up."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    names = {module.w: module.store_key for module in modules}
+    stand_in = SimpleNamespace(
+        param_to_bucket_group=dict.fromkeys(names, _ReadyLog(log, names)),
+        ddp_config=SimpleNamespace(overlap_grad_reduce=True),
+        force_all_reduce=False,
+    )
+    for module in modules:
+        module.w.main_grad = torch.zeros_like(module.w)
+        module.w.grad_added_to_main_grad = False
+        module.w.skip_backward_post_hook = True
+        hook = DistributedDataParallel._make_backward_post_hook(stand_in, module.w)
+        module.register_wgrad_accumulation_and_reduce_hooks(hook)
+
+
+# One micro-batch's backward through two MoE layers, the same on every rank of a stage: the all-to-alls started and
+# the dW closures put, in order. The greedy plan holds layer 2's experts past layer 1's (a plan from agreed figures
+# may do that), so where a rank runs layer 2's experts changes the order of their bucket groups.
+BACKWARD = (
+    ("a2a", "L2.combine"), ("put", "L2.experts"), ("a2a", "L2.dispatch"), ("put", "L2.router"),
+    ("a2a", "L1.combine"), ("put", "L1.experts"), ("a2a", "L1.dispatch"), ("put", "L1.router"),
+)  # fmt: skip
+PLAN = {"L2.experts": "L1.dispatch", "L2.router": "L1.combine"}
+
+
+def _weight_grad(module: OneWeight, rows: torch.Tensor, value: float, log: list):
+    """A dW closure holding `rows` (the saved tensors: their bytes differ per rank under dropless routing)."""
+
+    def weight_grad(out=None):
+        log.append(("dW", module.store_key, rows.numel()))
+        return (torch.full_like(module.w, value),)
+
+    return weight_grad
+
+
+def _simulated_rank(policy: str, max_mb: float | None, held: list[dict[str, int]]):
+    """One rank's queue through len(held) micro-batches of `BACKWARD`, the closure of key k in micro-batch m
+    holding held[m][k] bytes; returns (queue, modules, log of dW runs, all-to-all starts and waits, DDP readiness)."""
+    log: list = []
+    modules = {key: OneWeight(key) for kind, key in BACKWARD if kind == "put"}
+    _with_ddp_hooks(list(modules.values()), log)
+    queue = WgradQueue(policy, max_mb=max_mb, num_layers=2)
+    if policy == "greedy":
+        events = tuple(planning.Event("wgrad" if kind == "put" else "a2a", key, 1.0) for kind, key in BACKWARD)
+        queue.plan = planning.WgradPlan(policy="greedy", under=PLAN, events=events)
+    for micro_batch, sizes in enumerate(held):
+        for kind, key in BACKWARD:
+            if kind == "a2a":
+                log.append(("start", key))
+                layer, name = planning.parse_key(key)
+                record = Collective(f"a2a_{name}", "fake", layer=layer, backward=True)
+                queue.run_under(record, FakeHandle(None, log, key, FakeClock(), 0.0))
+            else:
+                rows = torch.empty(sizes[key], dtype=torch.uint8)
+                value = 1.0 + list(modules).index(key) + 10.0 * micro_batch
+                queue.store_for(modules[key]).put(_weight_grad(modules[key], rows, value, log), (None,))
+        queue.flush()  # autograd's engine callback
+    return queue, modules, log
+
+
+def _ddp_order(log: list) -> list:
+    """What the rank's collectives follow: all-to-alls and DDP's readiness, not where its GEMMs ran."""
+    return [entry for entry in log if entry[0] != "dW"]
+
+
+@pytest.mark.parametrize("policy", ["all-under-next-a2a", "greedy"])
+def test_ranks_holding_different_bytes_tell_ddp_of_their_gradients_in_the_same_order(policy):
+    """Dropless routing: an experts closure holds the rows its rank received. In micro-batch 1, rank 0 got most of
+    layer 2's rows (64 KiB, over the 8 KiB cap), rank 1 few (1 KiB); in micro-batch 2 both few. Before the fix rank
+    0 ran that closure at its natural place and told DDP there, rank 1 under its all-to-all: their bucket groups
+    became ready, and their reductions started, in different orders (a hang, or the wrong layers summed). Now where
+    DDP hears of each gradient is the plan's on both ranks (and without a cap); the cap moves only rank 0's GEMMs."""
+    few, many, cap = 1 << 10, 64 << 10, 8 << 10
+    small = dict.fromkeys(("L2.experts", "L2.router", "L1.experts", "L1.router"), few)
+    rank0 = _simulated_rank(policy, cap / MIB, [{**small, "L2.experts": many}, small])
+    rank1 = _simulated_rank(policy, cap / MIB, [small, small])
+    uncapped = _simulated_rank(policy, None, [{**small, "L2.experts": many}, small])
+    assert _ddp_order(rank0[2]) == _ddp_order(rank1[2]) == _ddp_order(uncapped[2])
+    # rank 0 ran layer 2's experts' GEMMs at once in micro-batch 1 (holding nothing), rank 1 where planned
+    for (_, _, log), rows, ran_first in ((rank0, many, True), (rank1, few, False)):
+        assert (log.index(("dW", "L2.experts", rows)) < log.index(("start", "L2.dispatch"))) is ran_first
+    assert rank0[0].counts["over_cap"] == 1 and rank1[0].counts["over_cap"] == 0
+    assert rank0[0].peak_held_bytes <= cap < uncapped[0].peak_held_bytes
+    for _, modules, _ in (rank0, rank1, uncapped):
+        for index, module in enumerate(modules.values()):  # both micro-batches in main_grad, once each
+            assert torch.equal(module.w.main_grad, torch.full((2,), (1.0 + index) + (11.0 + index)))
+            assert module.w.grad is None and module.w.grad_added_to_main_grad is False
+
+
+def _profiled_plan(order: tuple[str, ...]) -> planning.WgradPlan:
+    """greedy's plan from a profiled pass whose dW in `order` (router 2 ms, shared expert 3 ms; 96 bytes each, under
+    a cap of 1.5 of them) come before the combine's all-to-all (2.5 ms), then the experts' dW."""
+    clock, log = FakeClock(), []
+    ms = {"L1.router": 2.0, "L1.shared_expert": 3.0, "L1.experts": 4.0}
+    modules = {key: OneWeight(key) for key in ms}
+    queue = WgradQueue("greedy", max_mb=1.5 * 96 / MIB, num_layers=1)
+    queue._stamps = HostStamps(clock)
+
+    def put(key: str) -> None:
+        rows = torch.empty(96, dtype=torch.uint8)
+
+        def weight_grad(out=None):
+            log.append(("dW", key, rows.numel()))
+            clock.now += ms[key] / 1000.0
+            return (torch.zeros(2),)
+
+        queue.store_for(modules[key]).put(weight_grad, (None,))
+
+    queue.start_iteration(PROFILE_ITERATION)
+    for key in order:
+        put(key)
+    record = Collective("a2a_combine", "fake", layer=1, backward=True)
+    queue.run_under(record, FakeHandle(None, log, "L1.combine", clock, 2.5))
+    put("L1.experts")
+    queue.flush()
+    queue.end_iteration()
+    return queue.plan
+
+
+def test_ranks_that_profiled_a_window_in_different_orders_make_the_same_plan():
+    """Best-fit ties (|2.5 - 2| = |2.5 - 3|) and the cap's walk read the order of the dW before the combine; two
+    ranks whose autograd ran the router's and the shared expert's backward in other orders plan alike."""
+    plans = [_profiled_plan(order) for order in (("L1.router", "L1.shared_expert"), ("L1.shared_expert", "L1.router"))]
+    assert plans[0].under == plans[1].under == {"L1.shared_expert": "L1.combine"}
+    assert plans[0].events == plans[1].events
