@@ -337,7 +337,9 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         return fn(*args) if self.region is None else self.region(name, fn, *args)
 
     def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if self.keeping is not None and rows_RH.shape[0]:
+        # Without rows too: one node whose backward hands one closure (dW1, dW2) to the store, as on every rank,
+        # so DDP hears of weight1 and weight2 in the same order everywhere (the reductions' order must agree).
+        if self.keeping is not None:
             options = (self.gated, self.chunk_bytes, self.keeping, self.weight_grad_store)
             return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, *options)
         # Per-GEMM nodes, each its own region of an activation policy.

@@ -209,3 +209,39 @@ def test_the_pipeline_gives_experts_without_rows_zero_weight_grads(gpu_like, ker
     want = _loop_mlp_grads(x, experts.weight1.detach(), experts.weight2.detach(), dy, counts)
     for name, got, w in zip(("dw1", "dw2"), (experts.weight1.grad, experts.weight2.grad), want):
         _check_weight_grad(got, w, counts, (kernel, name))
+
+
+class _Recording:
+    """A weight-gradient store that defers (Lancet's kind) and records the closures handed to it."""
+
+    defers = True
+
+    def __init__(self):
+        self.puts = 0
+
+    def put(self, weight_grad, outs):
+        self.puts += 1
+        return None
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_a_rank_without_rows_hands_its_weight_grads_over_as_a_rank_with_rows_does(gated):
+    """The order in which DDP hears of weight1 and weight2, and the closures a deferring store gets, must not
+    depend on this rank's rows: with per-parameter buckets (the adaptive partition) that order is the order of
+    the gradient reductions, which must agree over the expert-data-parallel group. A rank without rows once ran
+    two per-GEMM nodes (weight2 heard of first), every other rank one fused node."""
+
+    def hand_over(counts: list[int]) -> tuple[list[str], int]:
+        experts = FFNExperts(
+            num_local_experts=4, hidden_size=H, ffn_hidden_size=F, gated=gated,
+            init_method=torch.nn.init.normal_, output_init_method=torch.nn.init.normal_,
+        )  # fmt: skip
+        order = []
+        for name in ("weight1", "weight2"):
+            getattr(experts, name).register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+        experts(torch.randn(sum(counts), H, requires_grad=True), counts).sum().backward()
+        recording = experts.weight_grad_store = _Recording()
+        experts(torch.randn(sum(counts), H, requires_grad=True), counts).sum().backward()
+        return order, recording.puts
+
+    assert hand_over(COUNTS["nothing"]) == hand_over(COUNTS["between"][:4]) == hand_over(COUNTS["at_the_ends"])
