@@ -43,7 +43,7 @@ def tiny_pretrain_command(train_data, *flags: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 600, env: dict | None = None) -> dict:
+def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 900, env: dict | None = None) -> dict:
     """Run `script` on `nproc` ranks; returns the JSON rank 0 wrote to $RESULTS.
 
     The ranks run on the CPU with gloo, also on a machine with GPUs, unless

@@ -51,7 +51,7 @@ LAYOUTS = [
 def runs(train_data, tmp_path_factory):
     data, tokenizer = train_data
     workdir = str(tmp_path_factory.mktemp("lancet"))
-    return run_torchrun(WORKER, 4, ["lancet", data, tokenizer, workdir], timeout=900)
+    return run_torchrun(WORKER, 4, ["lancet", data, tokenizer, workdir], timeout=1500)
 
 
 def numbers(history: list[dict]) -> list[tuple]:
@@ -98,7 +98,7 @@ def test_a_memory_cap_runs_some_closures_gemms_at_once(runs):
 def capped_runs(train_data, tmp_path_factory):
     data, tokenizer = train_data
     workdir = str(tmp_path_factory.mktemp("lancet_cap"))
-    return run_torchrun(CAP_WORKER, 4, ["cap", data, tokenizer, workdir], timeout=900)
+    return run_torchrun(CAP_WORKER, 4, ["cap", data, tokenizer, workdir], timeout=1200)
 
 
 def test_the_cap_is_passed_by_one_rank_of_each_expert_data_parallel_pair(capped_runs):
