@@ -92,3 +92,38 @@ def test_good_values_at_the_edges_are_accepted():
     flags += ["--eval-interval", "0", "--save", "ck", "--save-interval", "0", "--lr", "0", "--min-lr", "0"]
     flags += ["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "256"]
     parse_args([*BASE, *flags]).validate(world_size=1)
+
+
+def float_fields():
+    for name, cls in GROUPS:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            kind, _ = _unwrap_optional(hints[field.name])
+            if kind is float:
+                yield name, field
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_capacity_factor_nan_or_inf_is_one_line(value):
+    """Issue 26 item 5f: `--moe-expert-capacity-factor nan|inf` passed validation and failed later, raw."""
+    with pytest.raises(ConfigError) as error:
+        parse_args([*BASE, f"--moe-expert-capacity-factor={value}"]).validate(world_size=1)
+    message = str(error.value)
+    assert message.startswith(f"--moe-expert-capacity-factor={value}: must be a finite number, e.g. "), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_every_float_flag_refuses_nan_and_inf_by_name(value):
+    checked = []
+    for group, field in float_fields():
+        c = parse_args([*BASE, "--fp16"])
+        setattr(getattr(c, group), field.name, value)
+        with pytest.raises(ConfigError) as error:
+            c.validate(world_size=1)
+        message = str(error.value)
+        assert message.startswith(f"{flag_name(field)}={value}: must be a finite number, e.g. "), message
+        example = message.rsplit(" ", 1)[-1]
+        setattr(getattr(c, group), field.name, float(example))  # the suggestion is itself finite
+        checked.append(field.name)
+    assert len(checked) > 20, checked
