@@ -127,3 +127,23 @@ def test_every_float_flag_refuses_nan_and_inf_by_name(value):
         setattr(getattr(c, group), field.name, float(example))  # the suggestion is itself finite
         checked.append(field.name)
     assert len(checked) > 20, checked
+
+
+def test_a_short_timeout_alone_works_and_a_bad_stall_report_suggests_a_valid_value():
+    """Issue 26 item 5c: `--distributed-timeout-minutes 1` alone was refused, suggesting
+    `--stall-report-seconds 120`, itself refused (above the 60 s timeout)."""
+    c = parse_args([*BASE, "--distributed-timeout-minutes", "1"])
+    c.validate(world_size=1)
+    assert (c.parallel.stall_report_seconds, c.parallel.dead_peer_seconds) == (15, 75)
+    with pytest.raises(ConfigError) as error:
+        parse_args([*BASE, "--distributed-timeout-minutes", "1", "--stall-report-seconds", "90"]).validate(1)
+    message = str(error.value)
+    assert message.startswith("--stall-report-seconds=90.0: must be > 0 and below "), message
+    suggestion = re.search(r"e\.g\. (--stall-report-seconds \S+)$", message).group(1).split()
+    parse_args([*BASE, "--distributed-timeout-minutes", "1", *suggestion]).validate(world_size=1)
+    with pytest.raises(ConfigError) as error:
+        parse_args([*BASE, "--stall-report-seconds", "20", "--dead-peer-seconds", "10"]).validate(1)
+    message = str(error.value)
+    suggestion = re.search(r"e\.g\. (--dead-peer-seconds \S+)$", message).group(1).split()
+    assert message.startswith("--dead-peer-seconds=10.0: must be at least --stall-report-seconds=20"), message
+    parse_args([*BASE, "--stall-report-seconds", "20", *suggestion]).validate(world_size=1)
