@@ -940,9 +940,11 @@ class LoggingConfig:
         False, "log the L2 norm of all parameters (each counted once) after each step, as Megatron-LM does"
     )
     loss_spike_factor: float = arg(
-        3.0, "warn when a step's loss exceeds this factor x the mean of the last --loss-spike-window steps (0: off)"
+        3.0,
+        "warn when a step's loss exceeds this factor x the median of the last --loss-spike-window steps, and at "
+        "iterations 1-3 when it exceeds 2 x ln(padded vocab), an untrained model's loss (0: off)",
     )
-    loss_spike_window: int = arg(20, "steps in the rolling mean --loss-spike-factor compares with")
+    loss_spike_window: int = arg(20, "steps in the rolling median --loss-spike-factor compares with")
     no_comm_timers: bool = arg(
         False,
         "turn off the communication timers (exposed comm per kind and MoE layer in the log line and "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections import deque
 from collections.abc import Callable
 
@@ -28,29 +29,54 @@ class NonFiniteError(RuntimeError):
 
 
 class LossSpikeDetector:
-    """Flags a loss above `factor` x the mean of the previous `window` finite losses (factor 0: off).
+    """Warns on the first step whose loss jumps (factor 0: off):
 
-    No warning until `min(window, 5)` losses are known; a flagged loss still enters the window.
+    - above `factor` x the median of the previous `window` finite losses, once `min(window, 3)` are known (the
+      median, not the mean: an earlier spike in the window does not raise the bar for the next one);
+    - at iterations 1-3, above 2 x `initial`, the loss of an untrained model (ln of the padded vocabulary: a
+      uniform prediction), before the window knows enough: a run that diverges at once (lr 1e3) is named at
+      its first step, not when its loss becomes NaN.
+
+    A flagged loss still enters the window.
     """
 
-    def __init__(self, *, factor: float, window: int):
+    EARLY_ITERATIONS = 3
+    INITIAL_FACTOR = 2.0
+
+    def __init__(self, *, factor: float, window: int, initial: float | None = None):
         self.factor = factor
         self.window = window
+        self.initial = initial
         self._recent: deque[float] = deque(maxlen=window)
 
     def observe(self, iteration: int, loss: float) -> str | None:
         """The warning text for this step's `loss`, or None."""
         warning = None
-        if self.factor > 0 and math.isfinite(loss) and len(self._recent) >= min(self.window, 5):
-            mean = sum(self._recent) / len(self._recent)
-            if loss > self.factor * mean:
-                warning = (
-                    f"loss spike at iteration {iteration}: lm loss {loss:.4E} is {loss / mean:.1f}x the mean "
-                    f"{mean:.4E} of the last {len(self._recent)} steps (--loss-spike-factor={self.factor:g})"
-                )
+        if self.factor > 0 and math.isfinite(loss):
+            warning = self._against_window(iteration, loss) or self._against_initial(iteration, loss)
         if math.isfinite(loss):
             self._recent.append(loss)
         return warning
+
+    def _against_window(self, iteration: int, loss: float) -> str | None:
+        if len(self._recent) < min(self.window, 3):
+            return None
+        median = statistics.median(self._recent)
+        if loss <= self.factor * median:
+            return None
+        return (
+            f"loss spike at iteration {iteration}: lm loss {loss:.4E} is {loss / median:.1f}x the median "
+            f"{median:.4E} of the last {len(self._recent)} steps (--loss-spike-factor={self.factor:g})"
+        )
+
+    def _against_initial(self, iteration: int, loss: float) -> str | None:
+        if self.initial is None or iteration > self.EARLY_ITERATIONS or loss <= self.INITIAL_FACTOR * self.initial:
+            return None
+        return (
+            f"loss spike at iteration {iteration}: lm loss {loss:.4E} is {loss / self.initial:.1f}x "
+            f"ln(padded vocab) = {self.initial:.4f}, an untrained model's loss (over {self.INITIAL_FACTOR:g}x in "
+            f"the first {self.EARLY_ITERATIONS} iterations; a lower --lr usually helps)"
+        )
 
 
 def first_nonfinite_grad(chunks) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import time
 
@@ -108,7 +109,11 @@ class Trainer:
                 rank=self.rank,
                 origin=self.forward_flags.describe,
             )
-        self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
+        self.spikes = LossSpikeDetector(
+            factor=cfg.logging.loss_spike_factor,
+            window=cfg.logging.loss_spike_window,
+            initial=math.log(unwrap_model(model[0]).vocab_size),  # padded: the output layer's width
+        )
         self._validated_at = None
         self._expert_counts: dict[int, list[float]] = {}  # the step's tokens per expert per MoE layer (our layer)
         self._degrees_logged = False
