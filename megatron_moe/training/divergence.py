@@ -143,6 +143,10 @@ class ForwardFiniteFlags:
     def reset(self) -> None:
         self._bad.zero_()
 
+    def any(self) -> torch.Tensor:
+        """Whether a watched output was non-finite since `reset()`: a device flag, no host read."""
+        return self._bad.any()
+
     def first(self) -> str | None:
         """The first watched module (data-flow order) whose output was non-finite, or None. A host read."""
         if not self._names:
@@ -176,31 +180,80 @@ def _no_origin() -> str:
     return ""
 
 
-def check_grads_then(
-    finalize: Callable, *, iteration: Callable[[], int], rank: int, origin: Callable[[], str] = _no_origin
-) -> Callable:
-    """`finalize` (megatron-core's finalize_model_grads) preceded by the local gradient check; `origin()` is
-    appended to its message (e.g. `ForwardFiniteFlags.describe`). Where a bucket's data-parallel reduction has
-    already started in backward (--overlap-grad-reduce, the adaptive --grad-reduce-schedule), its buffer is no
-    longer this rank's alone, and a collective is writing it: the check then follows the reduction instead."""
+# A rank's slot in the agreed flag table (`comm.agree_nonfinite`), the highest that applies.
+_LOCAL = 2  # non-finite in this rank's own values: its forward outputs, or its gradients before the reduction
+_REDUCED = 1  # non-finite only after a data-parallel reduction overlapped with backward (it may come from a peer)
 
-    def raise_if_nonfinite(model, where: str) -> None:
-        name = first_nonfinite_grad(model)
-        if name is not None:
-            raise NonFiniteError(
-                f"non-finite gradient at iteration {iteration()} on rank {rank}{where}: first in parameter {name}"
-                f"{origin()} (a lower --lr usually helps)"
-            )
+
+def _finite_forward() -> bool:
+    return False
+
+
+def check_grads_then(
+    finalize: Callable,
+    *,
+    iteration: Callable[[], int],
+    rank: int,
+    world_size: int = 1,
+    origin: Callable[[], str] = _no_origin,
+    forward_nonfinite: Callable[[], torch.Tensor | bool] = _finite_forward,
+) -> Callable:
+    """`finalize` (megatron-core's finalize_model_grads) with the gradient check, then one small agreement over
+    the world (`comm.agree_nonfinite`: every rank issues it at every step's finalize, the same on every rank),
+    so that every rank stops at the same point with the same line, naming the ranks whose own values went
+    non-finite first. `forward_nonfinite()`: whether this rank's forward outputs held a NaN/inf (a device flag,
+    `ForwardFiniteFlags.any`, read with the agreement); `origin()`, asked only of such a rank, is appended.
+
+    Each rank checks its own gradients before they are reduced. Where a bucket's data-parallel reduction has
+    already started in backward (--overlap-grad-reduce, the adaptive --grad-reduce-schedule), its buffer is no
+    longer this rank's alone, and a collective is writing it: the gradient check then follows the reduction, and
+    the culprit is known from the forward outputs (a NaN born in backward is named on every rank it reached)."""
+
+    def agree(model, grad_code: int, name: str | None) -> None:
+        device = model[0].buffers[0].grad_data.device if model and model[0].buffers else None
+        flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+        forward = torch.as_tensor(forward_nonfinite(), device=device).to(torch.int32) * _LOCAL
+        flags[rank] = forward.clamp(min=grad_code)
+        comm.agree_nonfinite(flags)
+        with comm.host_read("agreed non-finite flags"):
+            agreed = to_host(flags)[0]
+        if any(agreed):
+            raise NonFiniteError(_agreed_line(agreed, iteration(), rank, name, origin))
 
     def checked(model, *args, **kwargs):
         if not reductions_in_flight(model):
-            raise_if_nonfinite(model, "")
+            name = first_nonfinite_grad(model)
+            agree(model, 0 if name is None else _LOCAL, name)
             return finalize(model, *args, **kwargs)
         result = finalize(model, *args, **kwargs)
-        raise_if_nonfinite(model, " (after the data-parallel reduction overlapped with backward: on every rank)")
+        name = first_nonfinite_grad(model)
+        agree(model, 0 if name is None else _REDUCED, name)
         return result
 
     return checked
+
+
+def _agreed_line(agreed: list[int], iteration: int, rank: int, name: str | None, origin: Callable[[], str]) -> str:
+    """The same words on every rank (the culprit ranks), then what this rank knows of its own part."""
+    culprits = [r for r, code in enumerate(agreed) if code == _LOCAL]
+    if culprits:
+        line = (
+            f"non-finite values at iteration {iteration} first {_on(culprits)}: in their own forward outputs or "
+            "gradients, before the data-parallel reduction"
+        )
+    else:
+        line = (
+            f"non-finite gradient at iteration {iteration} {_on([r for r, code in enumerate(agreed) if code])} "
+            "(after the data-parallel reduction overlapped with backward: every forward output was finite)"
+        )
+    here = f"; here (rank {rank}): first in parameter {name}" if name else ""
+    if agreed[rank] == _LOCAL:
+        here += origin()
+    return f"{line}{here} (a lower --lr usually helps)"
+
+
+def _on(ranks: list[int]) -> str:
+    return f"on rank {ranks[0]}" if len(ranks) == 1 else f"on ranks {ranks}"
 
 
 def check_loss(loss: float | None, *, iteration: int, rank: int, origin: Callable[[], str] = _no_origin) -> None:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_moe import comm
 from megatron_moe.config import ConfigError, parse_args
 from megatron_moe.training.divergence import (
     LossSpikeDetector,
@@ -91,11 +92,16 @@ def test_first_nonfinite_grad_names_the_first_parameter_in_model_order():
 
 def test_grad_check_runs_before_finalize_and_names_iteration_rank_parameter():
     calls = []
-    finalize = check_grads_then(lambda model, *a, **k: calls.append((model, a, k)), iteration=lambda: 7, rank=1)
+    finalize = check_grads_then(
+        lambda model, *a, **k: calls.append((model, a, k)), iteration=lambda: 7, rank=1, world_size=2
+    )
     good = [fake_chunk({"w": torch.ones(2)})]
     finalize(good, "tokens", pg_collection=None)
     assert calls == [(good, ("tokens",), {"pg_collection": None})]
-    expected = r"non-finite gradient at iteration 7 on rank 1: first in parameter w \(1 of 2 parameters"
+    expected = (
+        r"non-finite values at iteration 7 first on rank 1: in their own forward outputs or gradients, before the "
+        r"data-parallel reduction; here \(rank 1\): first in parameter w \(1 of 2 parameters"
+    )
     with pytest.raises(NonFiniteError, match=expected):
         finalize([fake_chunk({"v": torch.ones(1), "w": torch.tensor([math.nan])})])
     assert len(calls) == 1  # the reduction never ran on bad grads
@@ -112,9 +118,37 @@ def test_with_a_reduction_in_flight_the_grad_check_follows_it():
         finished.append(model)  # megatron-core's finish_grad_sync: the reduced (here still NaN) gradients
         model[0].bucket_groups[0].grad_reduce_handle = None
 
-    with pytest.raises(NonFiniteError, match=r"on rank 1 \(after the data-parallel reduction overlapped"):
-        check_grads_then(finalize, iteration=lambda: 7, rank=1)([chunk])
+    with pytest.raises(
+        NonFiniteError, match=r"at iteration 7 on rank 1 \(after the data-parallel reduction overlapped"
+    ):
+        check_grads_then(finalize, iteration=lambda: 7, rank=1, world_size=2)([chunk])
     assert finished == [[chunk]]
+    chunk.bucket_groups[0].grad_reduce_handle = object()
+    with pytest.raises(NonFiniteError, match=r"at iteration 7 first on rank 1: in their own forward outputs"):
+        check_grads_then(finalize, iteration=lambda: 7, rank=1, world_size=2, forward_nonfinite=lambda: True)([chunk])
+
+
+def test_every_rank_names_the_rank_whose_own_values_went_non_finite(monkeypatch):
+    """Issue 26 item 5d: a NaN on rank 1 was reported first by rank 0, and no rank was singled out. Here rank 0's
+    gradients are finite; the agreement (faked: rank 1 set its slot) makes rank 0 stop naming rank 1."""
+    peer = {}
+
+    def agree(flags):
+        flags[1] = peer.get("code", 0)
+        return flags
+
+    monkeypatch.setattr(comm, "agree_nonfinite", agree)
+    calls = []
+    finalize = check_grads_then(lambda model: calls.append(model), iteration=lambda: 3, rank=0, world_size=2)
+    finalize([fake_chunk({"w": torch.ones(2)})])  # every rank finite: the step goes on
+    peer["code"] = 2
+    with pytest.raises(NonFiniteError) as error:
+        finalize([fake_chunk({"w": torch.ones(2)})])
+    assert str(error.value) == (
+        "non-finite values at iteration 3 first on rank 1: in their own forward outputs or gradients, before the "
+        "data-parallel reduction (a lower --lr usually helps)"
+    )
+    assert len(calls) == 1  # no rank reduces after the agreement found one
 
 
 def test_loss_check():
