@@ -9,7 +9,8 @@
   `exchange_counts`, `esp_gather_counts` and `agree_capacity`, and
   `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
 - training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
-  (preemption), `barrier(purpose)` (checkpoint save and publish, shutdown).
+  (preemption), `agree_nonfinite` (which ranks' own values went non-finite),
+  `barrier(purpose)` (checkpoint save and publish, shutdown).
 - profiling.py: the cost-model profiler's timed traffic (all-to-all, the ESP
   all-gather / reduce-scatter in their gloo form, all-reduce) and its agreement.
 
@@ -52,7 +53,14 @@ from megatron_moe.comm.moe import (
     sum_across_shards,
 )
 from megatron_moe.comm.timers import CommSummary, CommTimers
-from megatron_moe.comm.training import agree_exit, barrier, count_parameters, reduce_lm_loss, reduce_moe_metrics
+from megatron_moe.comm.training import (
+    agree_exit,
+    agree_nonfinite,
+    barrier,
+    count_parameters,
+    reduce_lm_loss,
+    reduce_moe_metrics,
+)
 
 __all__ = [
     "KINDS",
@@ -65,6 +73,7 @@ __all__ = [
     "Monitor",
     "agree_capacity",
     "agree_exit",
+    "agree_nonfinite",
     "barrier",
     "combine_all_to_all",
     "count_parameters",

@@ -37,6 +37,16 @@ def agree_exit(flags: torch.Tensor) -> torch.Tensor:
     return flags
 
 
+def agree_nonfinite(flags: torch.Tensor) -> torch.Tensor:
+    """In place: one slot per rank of the world, each rank having set its own (`training.divergence`); the max
+    over the world, so every rank sees which ranks found non-finite values. Without torch.distributed (a single
+    process) the table is already agreed."""
+    if is_distributed():
+        record = Collective("other", "agree_nonfinite", nbytes=nbytes(flags))
+        issue(record, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX))
+    return flags
+
+
 def barrier(purpose: str, group=None) -> None:
     """Every rank of `group` (None: the world) reaches this point; `purpose` names it (`checkpoint_saved`)."""
     issue(Collective("other", f"barrier/{purpose}", group), lambda: dist.barrier(group=group))

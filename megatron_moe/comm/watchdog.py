@@ -9,7 +9,9 @@ thread, every `period` seconds:
 
 1. publishes this rank's heartbeat to the rendezvous store (a separate client,
    short timeout): the time, the step, the collectives issued per group, and what
-   it is blocked on;
+   it is blocked on; also at once when a step starts (`set_step` wakes the thread),
+   so a rank stopped mid-step was last seen at the step it stopped in, not at the
+   step of the last periodic beat (up to 10 s, many steps, earlier);
 2. when a thread has been blocked past half the stall threshold, reads the
    heartbeats of that collective's group (for a host read: of every group's);
 3. past the stall threshold logs the report (and again every further threshold):
@@ -18,9 +20,14 @@ thread, every `period` seconds:
    is alive (its last heartbeat is recent). For a host read: what is read, and
    for each group the last collective issued on it and which peers have not
    arrived at it;
-4. past the deadline (--distributed-timeout-minutes) logs the report once more and
-   ends the job (`end_job`): the process groups' own timeouts are set a minute
-   later, so this named report comes before gloo's or NCCL's anonymous one.
+4. when a peer it waits for has sent no heartbeat for `dead_s`
+   (--dead-peer-seconds): that peer is stopped, hung or dead and the collective
+   cannot finish; logs the report and ends the job (`end_job`) without waiting
+   for the deadline;
+5. past the deadline (--distributed-timeout-minutes) logs the report once more and
+   ends the job: the process groups' own timeouts are set a minute later, so this
+   named report comes before gloo's or NCCL's anonymous one. The deadline is for
+   a collective that is slow or stuck while every peer is alive (a stalled network).
 
 A stopped or hung peer stops publishing: "no heartbeat for 20 s". A peer that
 is alive but elsewhere shows where it is (its step and what it is blocked on).
@@ -128,7 +135,8 @@ class Watchdog:
     """A `Monitor` that reports stalled collectives and ends the job at the deadline.
 
     `end_job(report)` is called once, from the watchdog's thread, when a collective or a host read is blocked
-    past `deadline_s`; it must end the process (the training entry point exits at once, without collectives).
+    past `deadline_s`, or while a peer it waits for has sent no heartbeat for `dead_s` (None: no such rule); it
+    must end the process (the training entry point exits at once, without collectives).
     `store` holds the heartbeats (None: peers are not reported); `clock`, `ranks_of` (a process group's
     global ranks) and `name_of` (what the group is) are replaceable for tests.
     """
@@ -138,6 +146,7 @@ class Watchdog:
         *,
         stall_s: float,
         deadline_s: float,
+        dead_s: float | None = None,
         end_job: Callable[[str], None],
         store: HeartbeatStore | None,
         rank: int,
@@ -148,6 +157,10 @@ class Watchdog:
         assert 0 < stall_s < deadline_s, (stall_s, deadline_s)
         self.stall_s, self.deadline_s, self.rank = stall_s, deadline_s, rank
         self.period = min(max(stall_s / 4, 0.25), 10.0)
+        # A beat older than this is not jitter: the peer is not running (`_peer_status` says so).
+        self.silent_s = 2 * self.period + 1
+        # Never below the silence threshold: a live peer between two beats is not taken for a dead one.
+        self.dead_s = None if dead_s is None else max(dead_s, self.silent_s)
         self._end_job, self._store, self._clock, self._ranks_of = end_job, store, clock, ranks_of
         self._name_of = name_of
         self._lock = threading.Lock()
@@ -160,6 +173,7 @@ class Watchdog:
         self._counter = 0
         self._last_check: float | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a step started: publish now
         self._thread = threading.Thread(target=self._run, name="megatron_moe-watchdog", daemon=True)
 
     # -- the Monitor protocol (called on the threads that communicate) --------------------------------------
@@ -213,8 +227,10 @@ class Watchdog:
     # -- the training loop ------------------------------------------------------------------------------------
 
     def set_step(self, step: int) -> None:
-        """The step now running (named in reports)."""
-        self._step = step
+        """The step now running (named in reports, and published at once in this rank's heartbeat)."""
+        if step != self._step:
+            self._step = step
+            self._wake.set()
 
     def start(self) -> Watchdog:
         self._thread.start()
@@ -223,6 +239,7 @@ class Watchdog:
     def stop(self) -> None:
         """End the thread (not waited for long: it may be inside a store call to a peer that is gone)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=0.5)
 
     # -- the watchdog's thread --------------------------------------------------------------------------------
@@ -234,8 +251,10 @@ class Watchdog:
             except Exception as error:  # the store is gone (the launcher ended?): go on without heartbeats
                 log.warning("rank %d: watchdog: heartbeats off, peers will not be reported: %s", self.rank, error)
                 self._store = None
-            if self._stop.wait(self.period):
+            # At most one round per 50 ms however short the steps: the store is shared by every rank.
+            if self._stop.wait(0.05) or (self._wake.wait(self.period) and self._stop.is_set()):
                 return
+            self._wake.clear()
 
     def check(self) -> None:
         """One round (the thread calls it every `period`; tests call it directly)."""
@@ -256,6 +275,14 @@ class Watchdog:
             waited = now - blocked.since
             if waited >= self.stall_s / 2:
                 self._read_peers(self._peers_of(blocked))
+                dead = self._dead_peers(blocked)
+                if dead:
+                    report = self.report(blocked, waited)
+                    self._end_job(
+                        f"{report}; ranks {dead} sent no heartbeat for {self.dead_s:g} s or more "
+                        f"(--dead-peer-seconds={self.dead_s:g}): stopped, hung or dead"
+                    )
+                    return
             if waited >= self.deadline_s:
                 report = self.report(blocked, waited)
                 self._end_job(f"{report}; --distributed-timeout-minutes={self.deadline_s / 60:g} passed")
@@ -279,6 +306,14 @@ class Watchdog:
             return list(blocked.ranks)
         with self._lock:
             return sorted({r for ranks in self._last for r in ranks})
+
+    def _dead_peers(self, blocked: _Blocked | _Reading) -> list[int]:
+        """The peers `blocked` waits for whose last heartbeat is `dead_s` old or more (read this round)."""
+        if self.dead_s is None or self._store is None:
+            return []
+        now = time.time()  # wall clocks, as in `_peer_status`
+        peers = [r for r in self._peers_of(blocked) if r != self.rank]
+        return [r for r in peers if r in self._beats and now - self._beats[r]["time"] >= self.dead_s]
 
     def _read_peers(self, ranks) -> None:
         if self._store is not None:
@@ -335,7 +370,7 @@ class Watchdog:
                 continue
             arrived = beat["seq"].get(",".join(map(str, blocked.ranks)), 0) >= blocked.seq
             quiet = time.time() - beat["time"]  # wall clocks: hosts of one job agree to well under a period
-            alive = quiet < 2 * self.period + 1
+            alive = quiet < self.silent_s
             state = f"step {beat['step']}, " + (f"blocked in {beat['blocked']}" if beat["blocked"] else "computing")
             if not alive:
                 silent.append(rank)

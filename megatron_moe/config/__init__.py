@@ -22,6 +22,7 @@ from megatron_moe.config.fields import (
     check_given_flags_apply,
     from_namespace,
     require,
+    require_finite_floats,
 )
 from megatron_moe.config.groups import (
     GROUPS,
@@ -63,6 +64,8 @@ class RunConfig:
 
     def validate(self, world_size: int) -> None:
         """Check every group, then what spans groups; fill derived defaults."""
+        for name, _ in GROUPS:
+            require_finite_floats(getattr(self, name))  # before the range checks, which NaN would slip through
         self.model.validate()
         self.moe.validate(self.model)
         self.parallel.validate(world_size, self.model, self.moe)

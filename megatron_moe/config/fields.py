@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -133,6 +134,24 @@ def require(condition: bool, flag: str, value: Any, expected: str) -> None:
     """Raise ConfigError naming the flag, its value and what would be valid."""
     if not condition:
         raise ConfigError(f"{flag}={value}: {expected}")
+
+
+def require_finite_floats(group: Any) -> None:
+    """Every float field of the config group `group` (and each float of a list field) is a number: argparse's
+    `float` takes "nan" and "inf", which would pass `> 0` and `< x` range checks (NaN fails every comparison,
+    inf passes the lower bounds) and fail later with a raw error. No flag here gives NaN or inf a meaning."""
+    hints = typing.get_type_hints(type(group))
+    for field in dataclasses.fields(group):
+        kind, _ = _unwrap_optional(hints[field.name])
+        if kind is not float and kind != list[float]:
+            continue
+        value = getattr(group, field.name)
+        values = value if isinstance(value, list) else [value]
+        bad = next((v for v in values if isinstance(v, float) and not math.isfinite(v)), None)
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        example = default if default is not None and not isinstance(default, list) else 1.0
+        shown = " ".join(map(str, values))
+        require(bad is None, flag_name(field), shown, f"must be a finite number, e.g. {flag_name(field)} {example}")
 
 
 def require_positive(flag: str, value: Any, example: Any = 1) -> None:

@@ -426,13 +426,22 @@ class ParallelConfig:
     )
     distributed_timeout_minutes: float = arg(
         10.0,
-        "a collective blocked this long ends the job with the watchdog's report naming it and the peers that "
-        "have not arrived (every process group's own timeout is 1 minute later)",
+        "Megatron-LM's process-group timeout: a collective blocked this long while every peer is alive (a slow "
+        "or stalled network) ends the job with the watchdog's report naming it and the peers that have not "
+        "arrived (every process group's own timeout is 1 minute later); a peer that stopped ends it sooner, "
+        "see --dead-peer-seconds",
     )
-    stall_report_seconds: float = arg(
-        120.0,
+    stall_report_seconds: float | None = arg(
+        None,
         "log which collective a rank is blocked in, and which peers have not arrived, after this many seconds "
-        "(and again every as many more); not a Megatron-LM flag",
+        "(and again every as many more); unset: 30, or a quarter of --distributed-timeout-minutes when that is "
+        "shorter; not a Megatron-LM flag",
+    )
+    dead_peer_seconds: float | None = arg(
+        None,
+        "end the job when a rank is blocked on a peer that has sent no heartbeat for this many seconds (the peer "
+        "is stopped, hung or dead: the collective cannot finish), without waiting for --distributed-timeout-"
+        "minutes; unset: 5 x --stall-report-seconds (150 s by default); not a Megatron-LM flag",
     )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -447,6 +456,29 @@ class ParallelConfig:
         if self.num_layers_per_virtual_pipeline_stage:
             chunks = num_layers // self.pipeline_model_parallel_size // self.num_layers_per_virtual_pipeline_stage
         return chunks if chunks is not None and chunks > 1 else None
+
+    def validate_stall_seconds(self) -> None:
+        """The watchdog's figures (`comm/watchdog.py`); fills the unset ones from the timeout."""
+        deadline_s = 60 * self.distributed_timeout_minutes
+        stall_default = min(30.0, deadline_s / 4)
+        if self.stall_report_seconds is None:
+            self.stall_report_seconds = stall_default
+        require(
+            0 < self.stall_report_seconds < deadline_s,
+            "--stall-report-seconds",
+            self.stall_report_seconds,
+            f"must be > 0 and below --distributed-timeout-minutes={self.distributed_timeout_minutes:g} "
+            f"({deadline_s:g} s), e.g. --stall-report-seconds {stall_default:g}",
+        )
+        if self.dead_peer_seconds is None:
+            self.dead_peer_seconds = 5 * self.stall_report_seconds
+        require(
+            self.dead_peer_seconds >= self.stall_report_seconds,
+            "--dead-peer-seconds",
+            self.dead_peer_seconds,
+            f"must be at least --stall-report-seconds={self.stall_report_seconds:g} (the stall is named before "
+            f"the job ends for it), e.g. --dead-peer-seconds {5 * self.stall_report_seconds:g}",
+        )
 
     def validate_virtual_pipeline(self, model: ModelConfig) -> None:
         """The interleaved pipeline's flags (Megatron-LM's rules): one of the two, PP > 1, whole layers per chunk."""
@@ -507,13 +539,7 @@ class ParallelConfig:
             require(value >= 1, flag, value, "must be >= 1")
         require_positive("--distributed-timeout-minutes", self.distributed_timeout_minutes, 10)
         require_positive("--ddp-bucket-size", self.ddp_bucket_size, 1_000_000)
-        require(
-            0 < self.stall_report_seconds < 60 * self.distributed_timeout_minutes,
-            "--stall-report-seconds",
-            self.stall_report_seconds,
-            f"must be > 0 and below --distributed-timeout-minutes={self.distributed_timeout_minutes:g} "
-            f"({60 * self.distributed_timeout_minutes:g} s), e.g. --stall-report-seconds 120",
-        )
+        self.validate_stall_seconds()
         require(
             world_size % (tp * pp * cp) == 0,
             "world size",
@@ -914,9 +940,11 @@ class LoggingConfig:
         False, "log the L2 norm of all parameters (each counted once) after each step, as Megatron-LM does"
     )
     loss_spike_factor: float = arg(
-        3.0, "warn when a step's loss exceeds this factor x the mean of the last --loss-spike-window steps (0: off)"
+        3.0,
+        "warn when a step's loss exceeds this factor x the median of the last --loss-spike-window steps, and at "
+        "iterations 1-3 when it exceeds 2 x ln(padded vocab), an untrained model's loss (0: off)",
     )
-    loss_spike_window: int = arg(20, "steps in the rolling mean --loss-spike-factor compares with")
+    loss_spike_window: int = arg(20, "steps in the rolling median --loss-spike-factor compares with")
     no_comm_timers: bool = arg(
         False,
         "turn off the communication timers (exposed comm per kind and MoE layer in the log line and "

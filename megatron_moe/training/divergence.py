@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections import deque
 from collections.abc import Callable
 
@@ -28,29 +29,54 @@ class NonFiniteError(RuntimeError):
 
 
 class LossSpikeDetector:
-    """Flags a loss above `factor` x the mean of the previous `window` finite losses (factor 0: off).
+    """Warns on the first step whose loss jumps (factor 0: off):
 
-    No warning until `min(window, 5)` losses are known; a flagged loss still enters the window.
+    - above `factor` x the median of the previous `window` finite losses, once `min(window, 3)` are known (the
+      median, not the mean: an earlier spike in the window does not raise the bar for the next one);
+    - at iterations 1-3, above 2 x `initial`, the loss of an untrained model (ln of the padded vocabulary: a
+      uniform prediction), before the window knows enough: a run that diverges at once (lr 1e3) is named at
+      its first step, not when its loss becomes NaN.
+
+    A flagged loss still enters the window.
     """
 
-    def __init__(self, *, factor: float, window: int):
+    EARLY_ITERATIONS = 3
+    INITIAL_FACTOR = 2.0
+
+    def __init__(self, *, factor: float, window: int, initial: float | None = None):
         self.factor = factor
         self.window = window
+        self.initial = initial
         self._recent: deque[float] = deque(maxlen=window)
 
     def observe(self, iteration: int, loss: float) -> str | None:
         """The warning text for this step's `loss`, or None."""
         warning = None
-        if self.factor > 0 and math.isfinite(loss) and len(self._recent) >= min(self.window, 5):
-            mean = sum(self._recent) / len(self._recent)
-            if loss > self.factor * mean:
-                warning = (
-                    f"loss spike at iteration {iteration}: lm loss {loss:.4E} is {loss / mean:.1f}x the mean "
-                    f"{mean:.4E} of the last {len(self._recent)} steps (--loss-spike-factor={self.factor:g})"
-                )
+        if self.factor > 0 and math.isfinite(loss):
+            warning = self._against_window(iteration, loss) or self._against_initial(iteration, loss)
         if math.isfinite(loss):
             self._recent.append(loss)
         return warning
+
+    def _against_window(self, iteration: int, loss: float) -> str | None:
+        if len(self._recent) < min(self.window, 3):
+            return None
+        median = statistics.median(self._recent)
+        if loss <= self.factor * median:
+            return None
+        return (
+            f"loss spike at iteration {iteration}: lm loss {loss:.4E} is {loss / median:.1f}x the median "
+            f"{median:.4E} of the last {len(self._recent)} steps (--loss-spike-factor={self.factor:g})"
+        )
+
+    def _against_initial(self, iteration: int, loss: float) -> str | None:
+        if self.initial is None or iteration > self.EARLY_ITERATIONS or loss <= self.INITIAL_FACTOR * self.initial:
+            return None
+        return (
+            f"loss spike at iteration {iteration}: lm loss {loss:.4E} is {loss / self.initial:.1f}x "
+            f"ln(padded vocab) = {self.initial:.4f}, an untrained model's loss (over {self.INITIAL_FACTOR:g}x in "
+            f"the first {self.EARLY_ITERATIONS} iterations; a lower --lr usually helps)"
+        )
 
 
 def first_nonfinite_grad(chunks) -> str | None:
@@ -117,6 +143,10 @@ class ForwardFiniteFlags:
     def reset(self) -> None:
         self._bad.zero_()
 
+    def any(self) -> torch.Tensor:
+        """Whether a watched output was non-finite since `reset()`: a device flag, no host read."""
+        return self._bad.any()
+
     def first(self) -> str | None:
         """The first watched module (data-flow order) whose output was non-finite, or None. A host read."""
         if not self._names:
@@ -150,31 +180,80 @@ def _no_origin() -> str:
     return ""
 
 
-def check_grads_then(
-    finalize: Callable, *, iteration: Callable[[], int], rank: int, origin: Callable[[], str] = _no_origin
-) -> Callable:
-    """`finalize` (megatron-core's finalize_model_grads) preceded by the local gradient check; `origin()` is
-    appended to its message (e.g. `ForwardFiniteFlags.describe`). Where a bucket's data-parallel reduction has
-    already started in backward (--overlap-grad-reduce, the adaptive --grad-reduce-schedule), its buffer is no
-    longer this rank's alone, and a collective is writing it: the check then follows the reduction instead."""
+# A rank's slot in the agreed flag table (`comm.agree_nonfinite`), the highest that applies.
+_LOCAL = 2  # non-finite in this rank's own values: its forward outputs, or its gradients before the reduction
+_REDUCED = 1  # non-finite only after a data-parallel reduction overlapped with backward (it may come from a peer)
 
-    def raise_if_nonfinite(model, where: str) -> None:
-        name = first_nonfinite_grad(model)
-        if name is not None:
-            raise NonFiniteError(
-                f"non-finite gradient at iteration {iteration()} on rank {rank}{where}: first in parameter {name}"
-                f"{origin()} (a lower --lr usually helps)"
-            )
+
+def _finite_forward() -> bool:
+    return False
+
+
+def check_grads_then(
+    finalize: Callable,
+    *,
+    iteration: Callable[[], int],
+    rank: int,
+    world_size: int = 1,
+    origin: Callable[[], str] = _no_origin,
+    forward_nonfinite: Callable[[], torch.Tensor | bool] = _finite_forward,
+) -> Callable:
+    """`finalize` (megatron-core's finalize_model_grads) with the gradient check, then one small agreement over
+    the world (`comm.agree_nonfinite`: every rank issues it at every step's finalize, the same on every rank),
+    so that every rank stops at the same point with the same line, naming the ranks whose own values went
+    non-finite first. `forward_nonfinite()`: whether this rank's forward outputs held a NaN/inf (a device flag,
+    `ForwardFiniteFlags.any`, read with the agreement); `origin()`, asked only of such a rank, is appended.
+
+    Each rank checks its own gradients before they are reduced. Where a bucket's data-parallel reduction has
+    already started in backward (--overlap-grad-reduce, the adaptive --grad-reduce-schedule), its buffer is no
+    longer this rank's alone, and a collective is writing it: the gradient check then follows the reduction, and
+    the culprit is known from the forward outputs (a NaN born in backward is named on every rank it reached)."""
+
+    def agree(model, grad_code: int, name: str | None) -> None:
+        device = model[0].buffers[0].grad_data.device if model and model[0].buffers else None
+        flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+        forward = torch.as_tensor(forward_nonfinite(), device=device).to(torch.int32) * _LOCAL
+        flags[rank] = forward.clamp(min=grad_code)
+        comm.agree_nonfinite(flags)
+        with comm.host_read("agreed non-finite flags"):
+            agreed = to_host(flags)[0]
+        if any(agreed):
+            raise NonFiniteError(_agreed_line(agreed, iteration(), rank, name, origin))
 
     def checked(model, *args, **kwargs):
         if not reductions_in_flight(model):
-            raise_if_nonfinite(model, "")
+            name = first_nonfinite_grad(model)
+            agree(model, 0 if name is None else _LOCAL, name)
             return finalize(model, *args, **kwargs)
         result = finalize(model, *args, **kwargs)
-        raise_if_nonfinite(model, " (after the data-parallel reduction overlapped with backward: on every rank)")
+        name = first_nonfinite_grad(model)
+        agree(model, 0 if name is None else _REDUCED, name)
         return result
 
     return checked
+
+
+def _agreed_line(agreed: list[int], iteration: int, rank: int, name: str | None, origin: Callable[[], str]) -> str:
+    """The same words on every rank (the culprit ranks), then what this rank knows of its own part."""
+    culprits = [r for r, code in enumerate(agreed) if code == _LOCAL]
+    if culprits:
+        line = (
+            f"non-finite values at iteration {iteration} first {_on(culprits)}: in their own forward outputs or "
+            "gradients, before the data-parallel reduction"
+        )
+    else:
+        line = (
+            f"non-finite gradient at iteration {iteration} {_on([r for r, code in enumerate(agreed) if code])} "
+            "(after the data-parallel reduction overlapped with backward: every forward output was finite)"
+        )
+    here = f"; here (rank {rank}): first in parameter {name}" if name else ""
+    if agreed[rank] == _LOCAL:
+        here += origin()
+    return f"{line}{here} (a lower --lr usually helps)"
+
+
+def _on(ranks: list[int]) -> str:
+    return f"on rank {ranks[0]}" if len(ranks) == 1 else f"on ranks {ranks}"
 
 
 def check_loss(loss: float | None, *, iteration: int, rank: int, origin: Callable[[], str] = _no_origin) -> None:

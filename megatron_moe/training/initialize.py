@@ -69,6 +69,7 @@ def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
     return Watchdog(
         stall_s=p.stall_report_seconds,
         deadline_s=60 * p.distributed_timeout_minutes,
+        dead_s=p.dead_peer_seconds,
         end_job=end_job,
         store=HeartbeatStore(job_prefix()),
         rank=dist.get_rank(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import time
 
@@ -37,13 +38,21 @@ log = logging.getLogger("megatron_moe")
 RAISE_AT_ENV = "MEGATRON_MOE_TEST_RAISE_AT"
 
 
-def injected_failure_step(rank: int) -> int | None:
-    """The step at which this rank raises, from $MEGATRON_MOE_TEST_RAISE_AT (None: no injection)."""
-    spec = os.environ.get(RAISE_AT_ENV)
+# Test-only: "RANK:STEP" makes that rank's embedding output NaN in that step (tests/distributed/test_fail_fast.py).
+NAN_AT_ENV = "MEGATRON_MOE_TEST_NAN_AT"
+
+
+def injected_failure_step(rank: int, env: str = RAISE_AT_ENV) -> int | None:
+    """The step at which this rank raises (or, `env=NAN_AT_ENV`, goes NaN) from $env (None: no injection)."""
+    spec = os.environ.get(env)
     if not spec:
         return None
     target_rank, step = (int(part) for part in spec.split(":"))
     return step if target_rank == rank else None
+
+
+def _nan_output(module, inputs, output):
+    return output * float("nan")
 
 
 def computed_losses_only(figures: dict[str, float], *, aux: bool, z: bool) -> dict[str, float]:
@@ -98,6 +107,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.is_logging_rank = self.rank == self.world - 1  # a last-stage rank
         self._raise_at = injected_failure_step(self.rank)
+        self._nan_at = injected_failure_step(self.rank, NAN_AT_ENV)
         self.check_finite = not cfg.training.fp16  # fp16: the loss scaler handles inf/NaN (skips the step)
         self.forward_flags = ForwardFiniteFlags(model) if self.check_finite else None
         if self.check_finite:  # every rank checks its local grads before they are reduced
@@ -106,9 +116,15 @@ class Trainer:
                 config.finalize_model_grads_func,
                 iteration=lambda: self.state.iteration + 1,
                 rank=self.rank,
+                world_size=self.world,
                 origin=self.forward_flags.describe,
+                forward_nonfinite=self.forward_flags.any,
             )
-        self.spikes = LossSpikeDetector(factor=cfg.logging.loss_spike_factor, window=cfg.logging.loss_spike_window)
+        self.spikes = LossSpikeDetector(
+            factor=cfg.logging.loss_spike_factor,
+            window=cfg.logging.loss_spike_window,
+            initial=math.log(unwrap_model(model[0]).vocab_size),  # padded: the output layer's width
+        )
         self._validated_at = None
         self._expert_counts: dict[int, list[float]] = {}  # the step's tokens per expert per MoE layer (our layer)
         self._degrees_logged = False
@@ -184,6 +200,9 @@ class Trainer:
             raise RuntimeError(f"injected failure at step {self._raise_at} (${RAISE_AT_ENV}, test only)")
         if self.watchdog:
             self.watchdog.set_step(self.state.iteration + 1)
+        if self._nan_at == self.state.iteration + 1:
+            embedding = unwrap_model(self.model[0]).embedding  # the first pipeline stage's (test only)
+            embedding.register_forward_hook(_nan_output)
         started = time.perf_counter()
         if self.comm_timers:
             self.comm_timers.reset()

@@ -64,3 +64,25 @@ def test_divergence_warns_then_a_non_finite_gradient_stops_the_run_naming_it(div
     assert "gradient" not in stop or "first in parameter " in stop, stop
     assert "loss spike at iteration" in text, text[-3000:]
     assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])
+
+
+def test_a_nan_on_rank_1_is_named_by_every_rank(train_data):
+    """Issue 26 item 5d: a NaN injected on rank 1 was reported first by rank 0, and no rank was singled out."""
+    code, lines, seconds = run_job(train_data, "--lr", "1e-3", env={"MEGATRON_MOE_TEST_NAN_AT": "1:3"})
+    text = "".join(lines)
+    stops = [line for line in lines if "NonFiniteError: " in line and RANK_ERROR.search(line)]
+    assert code != 0 and stops, text[-3000:]
+    for stop in stops:  # whichever rank printed first names rank 1
+        assert "non-finite values at iteration 3 first on rank 1: in their own forward outputs" in stop, stop
+    assert "first on rank 0" not in text and "first on ranks" not in text, text[-3000:]
+    assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])
+
+
+def test_an_immediate_divergence_is_warned_at_its_first_step(diverged):
+    """Issue 26 item 5e: with --lr 1e3 the loss reached 4e7 at iteration 2 with no warning until one step
+    before the stop."""
+    _, lines, _ = diverged
+    warnings = [line for line in lines if "loss spike at iteration" in line]
+    assert warnings, "".join(lines)[-3000:]
+    first = int(re.search(r"loss spike at iteration (\d+)", warnings[0]).group(1))
+    assert first <= 3, warnings[0]

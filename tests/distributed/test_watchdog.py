@@ -82,3 +82,24 @@ def test_past_the_deadline_the_job_ends_with_the_report(train_data):
     assert "rank 1 (no heartbeat" in ending or "ranks [1] send no heartbeat" in ending, ending
     assert "--distributed-timeout-minutes=0.25 passed" in ending, ending
     assert code != 0 and seconds < 30, (code, seconds, text[-3000:])
+
+
+def test_a_stopped_rank_is_named_within_60_s_and_ends_the_job_within_3_minutes_scaled(train_data):
+    """Issue 26 item 5a-b at the defaults' proportions: --stall-report-seconds 30 and --dead-peer-seconds 150
+    (5x) name a stopped rank within 60 s and end the job within 3 minutes (tests/unit/test_watchdog.py checks the
+    defaults); here 4 s and 20 s, so within 8 s and 24 s, and the stopped rank was last seen at its own step."""
+    code, lines, seconds = run_and_stop_rank_1(train_data, "--train-iters", "400", "--stall-report-seconds", "4",
+                                                hold_s=None)  # fmt: skip
+    text = "".join(lines)
+    reports = [line for line in lines if "] rank 0: blocked " in line]
+    assert reports, text[-3000:]
+    first_s = int(re.search(r"rank 0: blocked (\d+) s in ", reports[0]).group(1))
+    assert 4 <= first_s <= 8, reports[0]
+    (ending,) = [line for line in lines if "ending the job" in line]
+    assert "ranks [1] sent no heartbeat for 20 s or more (--dead-peer-seconds=20): stopped, hung or dead" in ending
+    assert int(re.search(r"rank 0: blocked (\d+) s in ", ending).group(1)) <= 24, ending
+    # Rank 1 stopped in the step rank 0 is blocked in, or in the one before (its collective #k-1 ended that one).
+    blocked_at = int(re.search(r"in collective .*? \(step (\d+)", ending).group(1))
+    seen_at = int(re.search(r"last seen at step (\d+)", ending).group(1))
+    assert blocked_at - 1 <= seen_at <= blocked_at and seen_at >= 20, ending
+    assert code != 0 and seconds < 30, (code, seconds, text[-3000:])

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_moe import comm
 from megatron_moe.config import ConfigError, parse_args
 from megatron_moe.training.divergence import (
     LossSpikeDetector,
@@ -31,23 +32,39 @@ def load_entry_point():
     return module
 
 
-def test_spike_warns_above_factor_times_the_rolling_mean():
+def test_spike_warns_above_factor_times_the_rolling_median():
     spikes = LossSpikeDetector(factor=3.0, window=4)
     assert [spikes.observe(i, loss) for i, loss in enumerate([10.0, 9.0, 8.0, 7.0], 1)] == [None] * 4
     assert spikes.observe(5, 25.0) is None  # 25 < 3 x 8.5
-    warning = spikes.observe(6, 100.0)  # window now 9, 8, 7, 25: mean 12.25
+    warning = spikes.observe(6, 100.0)  # window now 9, 8, 7, 25: median 8.5 (the 25 does not raise the bar)
     assert warning is not None
-    assert "iteration 6" in warning and "1.0000E+02" in warning and "1.2250E+01" in warning
+    assert "iteration 6" in warning and "1.0000E+02" in warning and "median 8.5000E+00" in warning
     assert "--loss-spike-factor=3" in warning
 
 
-def test_spike_needs_a_few_steps_skips_non_finite_and_can_be_off():
+def test_spike_warns_at_the_first_jump_skips_non_finite_and_can_be_off():
+    """Issue 26 item 5e: the first jump is named once 3 losses are known (5 before)."""
     early = LossSpikeDetector(factor=2.0, window=20)
-    assert [early.observe(i, v) for i, v in enumerate([1.0, 1.0, 1.0, 1.0, 50.0], 1)] == [None] * 5  # 4 known
-    assert early.observe(6, math.nan) is None and early.observe(7, math.inf) is None  # the NaN check's job
-    assert early.observe(8, 50.0) is not None  # mean of 1, 1, 1, 1, 50 is 10.8: NaN/inf did not enter it
-    off = LossSpikeDetector(factor=0.0, window=2)
-    assert [off.observe(i, v) for i, v in enumerate([1.0, 1.0, 1.0, 1.0, 1.0, 1e9], 1)] == [None] * 6
+    assert [early.observe(i, v) for i, v in enumerate([1.0, 1.0, 1.0], 4)] == [None] * 3
+    assert "loss spike at iteration 7: " in early.observe(7, 50.0)
+    assert early.observe(8, math.nan) is None and early.observe(9, math.inf) is None  # the NaN check's job
+    assert early.observe(10, 1.5) is None  # median of 1, 1, 1, 50 is 1: NaN/inf did not enter it
+    assert early.observe(11, 3.0) is not None
+    off = LossSpikeDetector(factor=0.0, window=2, initial=1.0)
+    assert [off.observe(i, v) for i, v in enumerate([1.0, 1e9, 1.0, 1.0, 1.0, 1e9], 1)] == [None] * 6
+
+
+def test_a_loss_far_above_ln_vocab_in_the_first_steps_is_named_at_its_step():
+    """Issue 26 item 5e: with --lr 1e3 the loss reached 4e7 at iteration 2 with no warning until the step before
+    the stop: the window (5 losses) knew nothing yet."""
+    initial = math.log(50304)
+    spikes = LossSpikeDetector(factor=3.0, window=20, initial=initial)
+    assert spikes.observe(1, 10.9) is None  # about ln(vocab): an untrained model
+    warning = spikes.observe(2, 4.2e7)
+    assert warning.startswith("loss spike at iteration 2: lm loss 4.2000E+07 is "), warning
+    assert f"ln(padded vocab) = {initial:.4f}" in warning, warning
+    late = LossSpikeDetector(factor=3.0, window=20, initial=initial)
+    assert [late.observe(i, 2.0) for i in (11, 12)] + [late.observe(13, 25.0)] == [None] * 3  # past step 3
 
 
 def fake_chunk(grads: dict[str, torch.Tensor]):
@@ -75,11 +92,16 @@ def test_first_nonfinite_grad_names_the_first_parameter_in_model_order():
 
 def test_grad_check_runs_before_finalize_and_names_iteration_rank_parameter():
     calls = []
-    finalize = check_grads_then(lambda model, *a, **k: calls.append((model, a, k)), iteration=lambda: 7, rank=1)
+    finalize = check_grads_then(
+        lambda model, *a, **k: calls.append((model, a, k)), iteration=lambda: 7, rank=1, world_size=2
+    )
     good = [fake_chunk({"w": torch.ones(2)})]
     finalize(good, "tokens", pg_collection=None)
     assert calls == [(good, ("tokens",), {"pg_collection": None})]
-    expected = r"non-finite gradient at iteration 7 on rank 1: first in parameter w \(1 of 2 parameters"
+    expected = (
+        r"non-finite values at iteration 7 first on rank 1: in their own forward outputs or gradients, before the "
+        r"data-parallel reduction; here \(rank 1\): first in parameter w \(1 of 2 parameters"
+    )
     with pytest.raises(NonFiniteError, match=expected):
         finalize([fake_chunk({"v": torch.ones(1), "w": torch.tensor([math.nan])})])
     assert len(calls) == 1  # the reduction never ran on bad grads
@@ -96,9 +118,37 @@ def test_with_a_reduction_in_flight_the_grad_check_follows_it():
         finished.append(model)  # megatron-core's finish_grad_sync: the reduced (here still NaN) gradients
         model[0].bucket_groups[0].grad_reduce_handle = None
 
-    with pytest.raises(NonFiniteError, match=r"on rank 1 \(after the data-parallel reduction overlapped"):
-        check_grads_then(finalize, iteration=lambda: 7, rank=1)([chunk])
+    with pytest.raises(
+        NonFiniteError, match=r"at iteration 7 on rank 1 \(after the data-parallel reduction overlapped"
+    ):
+        check_grads_then(finalize, iteration=lambda: 7, rank=1, world_size=2)([chunk])
     assert finished == [[chunk]]
+    chunk.bucket_groups[0].grad_reduce_handle = object()
+    with pytest.raises(NonFiniteError, match=r"at iteration 7 first on rank 1: in their own forward outputs"):
+        check_grads_then(finalize, iteration=lambda: 7, rank=1, world_size=2, forward_nonfinite=lambda: True)([chunk])
+
+
+def test_every_rank_names_the_rank_whose_own_values_went_non_finite(monkeypatch):
+    """Issue 26 item 5d: a NaN on rank 1 was reported first by rank 0, and no rank was singled out. Here rank 0's
+    gradients are finite; the agreement (faked: rank 1 set its slot) makes rank 0 stop naming rank 1."""
+    peer = {}
+
+    def agree(flags):
+        flags[1] = peer.get("code", 0)
+        return flags
+
+    monkeypatch.setattr(comm, "agree_nonfinite", agree)
+    calls = []
+    finalize = check_grads_then(lambda model: calls.append(model), iteration=lambda: 3, rank=0, world_size=2)
+    finalize([fake_chunk({"w": torch.ones(2)})])  # every rank finite: the step goes on
+    peer["code"] = 2
+    with pytest.raises(NonFiniteError) as error:
+        finalize([fake_chunk({"w": torch.ones(2)})])
+    assert str(error.value) == (
+        "non-finite values at iteration 3 first on rank 1: in their own forward outputs or gradients, before the "
+        "data-parallel reduction (a lower --lr usually helps)"
+    )
+    assert len(calls) == 1  # no rank reduces after the agreement found one
 
 
 def test_loss_check():

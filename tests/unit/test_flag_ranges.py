@@ -92,3 +92,58 @@ def test_good_values_at_the_edges_are_accepted():
     flags += ["--eval-interval", "0", "--save", "ck", "--save-interval", "0", "--lr", "0", "--min-lr", "0"]
     flags += ["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "256"]
     parse_args([*BASE, *flags]).validate(world_size=1)
+
+
+def float_fields():
+    for name, cls in GROUPS:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            kind, _ = _unwrap_optional(hints[field.name])
+            if kind is float:
+                yield name, field
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_capacity_factor_nan_or_inf_is_one_line(value):
+    """Issue 26 item 5f: `--moe-expert-capacity-factor nan|inf` passed validation and failed later, raw."""
+    with pytest.raises(ConfigError) as error:
+        parse_args([*BASE, f"--moe-expert-capacity-factor={value}"]).validate(world_size=1)
+    message = str(error.value)
+    assert message.startswith(f"--moe-expert-capacity-factor={value}: must be a finite number, e.g. "), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_every_float_flag_refuses_nan_and_inf_by_name(value):
+    checked = []
+    for group, field in float_fields():
+        c = parse_args([*BASE, "--fp16"])
+        setattr(getattr(c, group), field.name, value)
+        with pytest.raises(ConfigError) as error:
+            c.validate(world_size=1)
+        message = str(error.value)
+        assert message.startswith(f"{flag_name(field)}={value}: must be a finite number, e.g. "), message
+        example = message.rsplit(" ", 1)[-1]
+        setattr(getattr(c, group), field.name, float(example))  # the suggestion is itself finite
+        checked.append(field.name)
+    assert len(checked) > 20, checked
+
+
+def test_a_short_timeout_alone_works_and_a_bad_stall_report_suggests_a_valid_value():
+    """Issue 26 item 5c: `--distributed-timeout-minutes 1` alone was refused, suggesting
+    `--stall-report-seconds 120`, itself refused (above the 60 s timeout)."""
+    c = parse_args([*BASE, "--distributed-timeout-minutes", "1"])
+    c.validate(world_size=1)
+    assert (c.parallel.stall_report_seconds, c.parallel.dead_peer_seconds) == (15, 75)
+    with pytest.raises(ConfigError) as error:
+        parse_args([*BASE, "--distributed-timeout-minutes", "1", "--stall-report-seconds", "90"]).validate(1)
+    message = str(error.value)
+    assert message.startswith("--stall-report-seconds=90.0: must be > 0 and below "), message
+    suggestion = re.search(r"e\.g\. (--stall-report-seconds \S+)$", message).group(1).split()
+    parse_args([*BASE, "--distributed-timeout-minutes", "1", *suggestion]).validate(world_size=1)
+    with pytest.raises(ConfigError) as error:
+        parse_args([*BASE, "--stall-report-seconds", "20", "--dead-peer-seconds", "10"]).validate(1)
+    message = str(error.value)
+    suggestion = re.search(r"e\.g\. (--dead-peer-seconds \S+)$", message).group(1).split()
+    assert message.startswith("--dead-peer-seconds=10.0: must be at least --stall-report-seconds=20"), message
+    parse_args([*BASE, "--stall-report-seconds", "20", *suggestion]).validate(world_size=1)

@@ -217,6 +217,7 @@ EXPECTED_SPANS = {
     "moe plan counts",
     "megatron-core cross-entropy (target mask)",
     "finite grads",
+    "agreed non-finite flags",
     "optimizer step (found-inf, grad norm)",
     "params norm",
     "lm loss",

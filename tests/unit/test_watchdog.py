@@ -8,13 +8,16 @@ import logging
 import re
 import threading
 import time
+import types
 
 import pytest
 import torch
 
 from megatron_moe import comm
 from megatron_moe.comm import Collective
+from megatron_moe.comm import watchdog as watchdog_module
 from megatron_moe.comm.watchdog import Watchdog
+from megatron_moe.config import parse_args
 
 
 class Clock:
@@ -162,6 +165,79 @@ def test_the_thread_runs_and_stops():
     time.sleep(0.1)
     watchdog.stop()
     assert store.beats[0]["n"] >= 1 and not any(t.name == "megatron_moe-watchdog" for t in threading.enumerate())
+
+
+def test_a_step_is_published_when_it_starts_not_a_period_later():
+    """Issue 26 item 5b: a rank stopped at step 6 was reported "last seen at step 0, 1 or 3": its heartbeat
+    carried the step of the last periodic beat (every 10 s at the default stall settings), not the step it ran."""
+    store = FakeStore()
+    watchdog = Watchdog(stall_s=40, deadline_s=600, end_job=print, store=store, rank=0).start()
+    try:
+        assert watchdog.period == 10
+        time.sleep(0.2)
+        for step in range(1, 7):
+            watchdog.set_step(step)
+            time.sleep(0.2)
+        assert store.beats[0]["step"] == 6, store.beats[0]
+    finally:
+        watchdog.stop()
+
+
+def stopped_peer_run(monkeypatch, caplog, *, stall_s, deadline_s, dead_s):
+    """Rank 1 stops (last beat at t=0, before the collective) while rank 0 is blocked in it from t=0; the
+    watchdog's thread runs every period on a fake clock (wall time too). Returns (seconds to the first report,
+    seconds to the end of the job, the end report)."""
+    clock = Clock()
+    start = clock.now
+    monkeypatch.setattr(watchdog_module, "time", types.SimpleNamespace(time=clock, monotonic=clock))
+    store, ended = FakeStore(), []
+    watchdog = Watchdog(
+        stall_s=stall_s, deadline_s=deadline_s, dead_s=dead_s, end_job=ended.append, store=store, rank=0,
+        clock=clock, ranks_of=lambda group: [0, 1],
+    )  # fmt: skip
+    store.beats[1] = {"n": 1, "time": clock.now, "step": 7, "seq": {"0,1": 0}, "blocked": None}
+    watchdog.set_step(7)
+    watchdog.blocked(watchdog.issued(DISPATCH))
+    named = None
+    with caplog.at_level(logging.WARNING, logger="megatron_moe"):
+        while not ended and clock.now - start < deadline_s + 60:
+            clock.now += watchdog.period
+            watchdog.check()
+            if named is None and "rank 0: blocked" in caplog.text:
+                named = clock.now - start
+    return named, clock.now - start, ended[0] if ended else ""
+
+
+def test_the_default_flags_name_a_stopped_rank_within_60_s_and_end_the_job_within_3_minutes(monkeypatch, caplog):
+    """Issue 26 item 5a: at the defaults a stopped rank was first named after 122 s, and the job ended at the
+    10-minute --distributed-timeout-minutes."""
+    p = parse_args(["--data-path", "d", "--tokenizer-model", "t.model"]).parallel
+    p.validate_stall_seconds()
+    assert (p.distributed_timeout_minutes, p.stall_report_seconds, p.dead_peer_seconds) == (10, 30, 150)
+    named, ended, report = stopped_peer_run(
+        monkeypatch, caplog, stall_s=p.stall_report_seconds, deadline_s=60 * p.distributed_timeout_minutes,
+        dead_s=p.dead_peer_seconds,
+    )  # fmt: skip
+    assert named is not None and named <= 60, (named, caplog.text)
+    assert "not arrived: rank 1 (no heartbeat for " in caplog.text and "last seen at step 7" in caplog.text
+    assert ended <= 180, (ended, report)
+    assert report.startswith("rank 0: blocked ") and "not arrived: rank 1 (no heartbeat for " in report, report
+    assert report.endswith("ranks [1] sent no heartbeat for 150 s or more (--dead-peer-seconds=150): stopped, "
+                           "hung or dead"), report  # fmt: skip
+
+
+def test_a_live_peer_in_a_slow_collective_waits_for_the_deadline(caplog):
+    store = FakeStore()
+    watchdog, clock, ended = make(store, stall=2, deadline=30)
+    watchdog.dead_s = 10
+    watchdog.blocked(watchdog.issued(DISPATCH))
+    for _ in range(int(29 / watchdog.period)):
+        peer_beat(store, seq=1, age_s=0)  # arrived, and beating
+        clock.now += watchdog.period
+        watchdog.check()
+    assert ended == []
+    advance(watchdog, clock, 1)
+    assert ended and ended[0].endswith("--distributed-timeout-minutes=0.5 passed")
 
 
 class Recorder:
