@@ -8,7 +8,7 @@
   (kinds `esp_ag` / `esp_rs`, likewise differentiable), their planning
   `exchange_counts`, `esp_gather_counts` and `agree_capacity`, and
   `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
-- training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
+- training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`, `agree_startup_refusal`
   (preemption), `barrier(purpose)` (checkpoint save and publish, shutdown).
 - profiling.py: the cost-model profiler's timed traffic (all-to-all, the ESP
   all-gather / reduce-scatter in their gloo form, all-reduce) and its agreement.
@@ -52,7 +52,14 @@ from megatron_moe.comm.moe import (
     sum_across_shards,
 )
 from megatron_moe.comm.timers import CommSummary, CommTimers
-from megatron_moe.comm.training import agree_exit, barrier, count_parameters, reduce_lm_loss, reduce_moe_metrics
+from megatron_moe.comm.training import (
+    agree_exit,
+    agree_startup_refusal,
+    barrier,
+    count_parameters,
+    reduce_lm_loss,
+    reduce_moe_metrics,
+)
 
 __all__ = [
     "KINDS",
@@ -65,6 +72,7 @@ __all__ = [
     "Monitor",
     "agree_capacity",
     "agree_exit",
+    "agree_startup_refusal",
     "barrier",
     "combine_all_to_all",
     "count_parameters",
