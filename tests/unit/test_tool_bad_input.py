@@ -76,7 +76,7 @@ def test_preprocess_refuses_input_without_documents(tokenizer, tmp_path, content
         (
             '{"model_type": "mixtral",\n "hidden_size": 64,,}',
             "{dir}/config.json is not valid JSON (line 2 column "
-            "19: Expecting property name enclosed in double quotes); give the config.json of an HF Mixtral model",
+            "20: Expecting property name enclosed in double quotes); give the config.json of an HF Mixtral model",
         ),
         ('{"model_type": "llama"}', "{dir}/config.json has model_type='llama'; only 'mixtral' imports"),
         (
