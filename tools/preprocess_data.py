@@ -220,6 +220,13 @@ def write_datasets(
                 max_ids[key] = max(max_ids[key], int(ids.max()))
         progress.update(num_bytes)
     progress.report()
+    empty = [key for key, count in documents.items() if count == 0]
+    if empty:
+        raise DataError(
+            f"--input {' '.join(args.input)}: no documents with tokens for --json-keys {' '.join(empty)} (0 tokens "
+            f"from {progress.documents} documents); give .jsonl lines with a non-empty {empty[0]!r} string, or "
+            f"non-empty text files"
+        )
     identity = TokenizerIdentity.of(tokenizer)
     for key, builder in builders.items():
         builder.finalize(temporary_path(output_paths(args.output_prefix, key)[1]))
@@ -292,11 +299,15 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     if args.write_metadata:
         return {prefix: describe_existing(prefix, tokenizer).num_tokens for prefix in args.write_metadata}
     paths = expand_input_paths(args.input, flag="--input")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(args.output_prefix))
+    created = not os.path.isdir(folder)
+    os.makedirs(folder, exist_ok=True)
     try:
         tokens = write_datasets(args, data, tokenizer, paths)
     except BaseException:
         remove_temporaries(args)
+        if created and not os.listdir(folder):  # nothing left behind, not even the folder
+            os.rmdir(folder)
         raise
     publish(args)
     for key, count in tokens.items():
@@ -310,5 +321,6 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
 if __name__ == "__main__":
     try:
         main()
-    except DataError as error:
-        raise SystemExit(f"error: {error}") from None
+    except DataError as error:  # one line, exit code 2 as training's data errors; nothing was published
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)

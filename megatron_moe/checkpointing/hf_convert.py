@@ -126,6 +126,36 @@ def read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+HF_DIRECTORY = "an HF Mixtral model directory (config.json, *.safetensors, tokenizer.model or tokenizer.json)"
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """`hf_dir`'s config.json, refused in one line (the file, what is wrong, what is valid) unless it describes an
+    HF Mixtral model whose architecture flags can be read."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"--load={hf_dir}: no such directory; give {HF_DIRECTORY}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--load={hf_dir}: no config.json there; give {HF_DIRECTORY}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        where = f"line {error.lineno} column {error.colno}: {error.msg}" if hasattr(error, "lineno") else str(error)
+        raise ConfigError(
+            f"--load={hf_dir}: {path} is not valid JSON ({where}); give the config.json of an HF Mixtral model"
+        ) from None
+    if not isinstance(config, dict) or config.get("model_type") != "mixtral":
+        found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
+        raise ConfigError(f"--load={hf_dir}: {path} has model_type={found!r}; only 'mixtral' imports")
+    try:
+        hf_mixtral.run_flags_from_hf(config)
+    except KeyError as error:
+        missing = f"--load={hf_dir}: {path} lacks {error}"
+        raise ConfigError(f"{missing}; give the config.json of an HF Mixtral model") from None
+    return config
+
+
 def import_hf(
     hf_dir: str,
     out: str,
@@ -136,10 +166,7 @@ def import_hf(
 ) -> str:
     """Write an HF Mixtral directory as a megatron_moe checkpoint (iteration 0, no optimizer). Its tokenizer
     (tokenizer.model, else tokenizer.json) is copied into the checkpoint and recorded as the run's."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    if config.get("model_type") != "mixtral":
-        raise ConfigError(f"--load={hf_dir}: model_type={config.get('model_type')!r}; only 'mixtral' imports")
+    config = read_hf_config(hf_dir)
     init_single_process(backend="gloo")
     data = tokenizer_flags_of(hf_dir, DataConfig(), flag="--load")
     tokenizer_flags = ["--tokenizer-type", data.tokenizer_type, "--tokenizer-model", data.tokenizer_model]

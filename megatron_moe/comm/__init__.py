@@ -10,7 +10,8 @@
   `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
 - training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
   (preemption), `agree_nonfinite` (which ranks' own values went non-finite),
-  `barrier(purpose)` (checkpoint save and publish, shutdown).
+  `agree_startup_refusal` (rank 0's `--save` lock), `barrier(purpose)`
+  (checkpoint save and publish, shutdown).
 - profiling.py: the cost-model profiler's timed traffic (all-to-all, the ESP
   all-gather / reduce-scatter in their gloo form, all-reduce) and its agreement.
 
@@ -56,6 +57,7 @@ from megatron_moe.comm.timers import CommSummary, CommTimers
 from megatron_moe.comm.training import (
     agree_exit,
     agree_nonfinite,
+    agree_startup_refusal,
     barrier,
     count_parameters,
     reduce_lm_loss,
@@ -74,6 +76,7 @@ __all__ = [
     "agree_capacity",
     "agree_exit",
     "agree_nonfinite",
+    "agree_startup_refusal",
     "barrier",
     "combine_all_to_all",
     "count_parameters",

@@ -47,6 +47,16 @@ def agree_nonfinite(flags: torch.Tensor) -> torch.Tensor:
     return flags
 
 
+def agree_startup_refusal(refusal: str | None) -> str | None:
+    """Rank 0's start-up refusal (None: it goes on), on every rank: a check only rank 0 makes (the `--save`
+    lock) ends every rank alike. Without torch.distributed (a single process) it is already agreed."""
+    if not is_distributed():
+        return refusal
+    box = [refusal]
+    issue(Collective("other", "agree_startup_refusal"), lambda: dist.broadcast_object_list(box, src=0))
+    return box[0]
+
+
 def barrier(purpose: str, group=None) -> None:
     """Every rank of `group` (None: the world) reaches this point; `purpose` names it (`checkpoint_saved`)."""
     issue(Collective("other", f"barrier/{purpose}", group), lambda: dist.barrier(group=group))

@@ -77,14 +77,36 @@ def _read_text(path: str) -> str:
     try:
         with open(path, encoding="utf-8", newline="") as stream:
             return stream.read()
-    except UnicodeDecodeError as error:
-        raise DataError(
-            f"--input file {path!r} is not UTF-8 text ({error}); remove it or convert it to UTF-8"
-        ) from error
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
 
 
 def _iter_json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]]:
     """Yield the requested keys of each JSON line, with errors naming file and line."""
+    try:
+        yield from _json_lines(path, json_keys)
+    except UnicodeDecodeError:  # the decoder's position is within a read-ahead chunk: find the byte in the file
+        raise not_utf8(path) from None
+
+
+def not_utf8(path: str) -> DataError:
+    """The error for a file that is not UTF-8: its first undecodable byte's offset, line and value, and the fix."""
+    offset, line, byte, reason = 0, 0, 0, "not UTF-8"
+    with open(path, "rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                offset, line, byte, reason = offset + error.start, number, raw[error.start], error.reason
+                break
+            offset += len(raw)
+    return DataError(
+        f"--input {path}: not UTF-8 text: byte {offset} (line {line}) is 0x{byte:02x} ({reason}); "
+        f"re-encode the file to UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT) or leave it out of --input"
+    )
+
+
+def _json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]]:
     with open(path, encoding="utf-8") as stream:
         for number, line in enumerate(stream, start=1):
             if not line.strip():

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch.distributed as dist
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
+from megatron_moe.checkpointing.lock import SaveLock, SaveLockBusy
 from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import exit_now
@@ -39,16 +41,35 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
     training collective (a hang until the timeout); the caller ends the process (pretrain_gpt_moe.main).
     """
     check_save_dir(cfg)  # filesystem only: refused before any process group or model
-    initialize(cfg)
-    watchdog = start_watchdog(cfg, end_job=end_job_with_report)
+    lock, refusal = take_save_lock(cfg)
     try:
-        with comm.monitoring(watchdog) if watchdog else contextlib.nullcontext():
-            history = _train(cfg, watchdog)
-            shutdown(destroy_process_group=not keep_process_group)
+        initialize(cfg)
+        refusal = comm.agree_startup_refusal(refusal)  # every rank ends alike, before the model
+        if refusal:
+            raise SaveLockBusy(refusal)
+        watchdog = start_watchdog(cfg, end_job=end_job_with_report)
+        try:
+            with comm.monitoring(watchdog) if watchdog else contextlib.nullcontext():
+                history = _train(cfg, watchdog)
+                shutdown(destroy_process_group=not keep_process_group)
+        finally:
+            if watchdog:
+                watchdog.stop()
     finally:
-        if watchdog:
-            watchdog.stop()
+        if lock:
+            lock.release()
     return history
+
+
+def take_save_lock(cfg: RunConfig) -> tuple[SaveLock | None, str | None]:
+    """Rank 0 takes the `--save` directory's lock: (the lock, None), or (None, why it is refused); the other
+    ranks (and a run without --save) take none."""
+    if cfg.checkpoint.save is None or int(os.environ.get("RANK", 0)) != 0:
+        return None, None
+    try:
+        return SaveLock.take(cfg.checkpoint.save), None
+    except SaveLockBusy as busy:
+        return None, str(busy)
 
 
 def _train(cfg: RunConfig, watchdog) -> list[dict]:

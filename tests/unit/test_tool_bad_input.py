@@ -1,0 +1,98 @@
+"""Issue 26 item 4: the tools on bad input end in one line naming the file, what is wrong and what is valid, exit
+code 2, and leave nothing written (tools/preprocess_data.py, tools/checkpoint/convert.py import-hf)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # each case starts a tool in a fresh interpreter: ~5 s
+
+
+def run_tool(*command, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def preprocess(tokenizer, source, out):
+    tool = os.path.join(ROOT, "tools", "preprocess_data.py")
+    flags = ["--input", str(source), "--tokenizer-model", tokenizer.model_path, "--output-prefix", str(out / "ds")]
+    return run_tool(tool, *flags, "--append-eod", cwd=source.parent)
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "latin1.jsonl",
+            b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
+            "not UTF-8 text: byte 28 (line 2) is 0xe9 (invalid continuation byte)",
+        ),
+        ("latin1.txt", b"line one\nna\xefve\n", "not UTF-8 text: byte 11 (line 2) is 0xef (invalid continuation byte)"),
+    ],
+)
+def test_preprocess_names_the_first_byte_that_is_not_utf8(tokenizer, tmp_path, name, content, message):
+    source = tmp_path / name
+    source.write_bytes(content)
+    out = tmp_path / "out"
+    proc = preprocess(tokenizer, source, out)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [
+        f"error: --input {source}: {message}; re-encode the file to UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT) "
+        f"or leave it out of --input"
+    ]
+    assert not out.exists()  # no partial output, not even the folder
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+def test_preprocess_refuses_input_without_documents(tokenizer, tmp_path, content):
+    source = tmp_path / "empty.jsonl"
+    source.write_bytes(content)
+    (tmp_path / "out").mkdir()
+    proc = preprocess(tokenizer, source, tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_lines(proc.stderr)[-1] == (
+        f"error: --input {source}: no documents with tokens for --json-keys text (0 tokens from 0 "
+        f"documents); give .jsonl lines with a non-empty 'text' string, or non-empty text files"
+    )
+    assert os.listdir(tmp_path / "out") == []  # the temporaries removed
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            None,
+            "no config.json there; give an HF Mixtral model directory (config.json, *.safetensors, "
+            "tokenizer.model or tokenizer.json)",
+        ),
+        (
+            '{"model_type": "mixtral",\n "hidden_size": 64,,}',
+            "{dir}/config.json is not valid JSON (line 2 column "
+            "20: Expecting property name enclosed in double quotes); give the config.json of an HF Mixtral model",
+        ),
+        ('{"model_type": "llama"}', "{dir}/config.json has model_type='llama'; only 'mixtral' imports"),
+        (
+            '{"model_type": "mixtral", "hidden_size": 64}',
+            "{dir}/config.json lacks 'num_attention_heads'; give the config.json of an HF Mixtral model",
+        ),
+    ],
+)
+def test_import_hf_names_the_config_file_and_writes_nothing(tmp_path, config, message):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    if config is not None:
+        (hf / "config.json").write_text(config)
+    out = tmp_path / "ckpt"
+    tool = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
+    proc = run_tool(tool, "import-hf", "--load", str(hf), "--save", str(out), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [f"error: --load={hf}: {message.format(dir=hf)}"]
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither --save nor its .tmp
