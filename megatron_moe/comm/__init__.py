@@ -52,7 +52,14 @@ from megatron_moe.comm.moe import (
     sum_across_shards,
 )
 from megatron_moe.comm.timers import CommSummary, CommTimers
-from megatron_moe.comm.training import agree_exit, barrier, count_parameters, reduce_lm_loss, reduce_moe_metrics
+from megatron_moe.comm.training import (
+    agree_exit,
+    agree_save_failure,
+    barrier,
+    count_parameters,
+    reduce_lm_loss,
+    reduce_moe_metrics,
+)
 
 __all__ = [
     "KINDS",
@@ -65,6 +72,7 @@ __all__ = [
     "Monitor",
     "agree_capacity",
     "agree_exit",
+    "agree_save_failure",
     "barrier",
     "combine_all_to_all",
     "count_parameters",
