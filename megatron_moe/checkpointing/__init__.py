@@ -28,6 +28,8 @@ import logging
 import os
 import random
 import shutil
+import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -53,6 +55,10 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # "fully_sharded_model_space" format: flattened ranges are no longer supported).
 # No "chained_N." key prefix: with EP>1 megatron chains a dense and an expert
 # optimizer, and the keys must not depend on that for a checkpoint to move layouts.
+# Test only (tests/distributed/test_preemption.py): "PHASE@ITERATION" makes the save of that iteration pause 3 s at
+# PHASE ("begin": before anything is written; "publish": written, before rank 0 renames it into place), announced on
+# stderr, so that a test can signal the job there. The writers' phase: upstream_fixes.WRITER_PAUSE_ENV.
+SAVE_PAUSE_ENV = "MEGATRON_MOE_TEST_SAVE_PAUSE"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 # Flags whose change makes a checkpoint's weights meaningless for this model.
 SHAPE_FIELDS = {
@@ -166,6 +172,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
         os.makedirs(tmp)
     comm.barrier("checkpoint_save_begin")
+    _test_pause("begin", train_state.iteration)
     # Before the first step the optimizer holds no state (Adam's moments are lazy).
     with_optimizer = not cfg.checkpoint.no_save_optim and train_state.iteration > 0
     state = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=True, is_loading=False)
@@ -181,6 +188,7 @@ def save_checkpoint(
     with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state), every_rank=True):
         dist_checkpointing.save(state, tmp)
     comm.barrier("checkpoint_saved")
+    _test_pause("publish", train_state.iteration)
     if dist.get_rank() == 0:
         with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state), every_rank=False):
             integrity.write_manifest(tmp)
@@ -190,6 +198,12 @@ def save_checkpoint(
         log.info("saved checkpoint at iteration %d to %s", train_state.iteration, final)
     comm.barrier("checkpoint_published")
     return final
+
+
+def _test_pause(phase: str, iteration: int) -> None:
+    if os.environ.get(SAVE_PAUSE_ENV) == f"{phase}@{iteration}":
+        print(f"{SAVE_PAUSE_ENV}: rank {dist.get_rank()} pauses 3 s at {phase}", file=sys.stderr, flush=True)
+        time.sleep(3)
 
 
 def _swap_in(root: str, tmp: str, final: str, iteration: int, after_step: Callable[[str], None]) -> None:
