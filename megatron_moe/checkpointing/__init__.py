@@ -28,13 +28,17 @@ import logging
 import os
 import random
 import shutil
+import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from torch.distributed.checkpoint import CheckpointException
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import integrity
@@ -51,6 +55,10 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # "fully_sharded_model_space" format: flattened ranges are no longer supported).
 # No "chained_N." key prefix: with EP>1 megatron chains a dense and an expert
 # optimizer, and the keys must not depend on that for a checkpoint to move layouts.
+# Test only (tests/distributed/test_preemption.py): "PHASE@ITERATION" makes the save of that iteration pause 3 s at
+# PHASE ("begin": before anything is written; "publish": written, before rank 0 renames it into place), announced on
+# stderr, so that a test can signal the job there. The writers' phase: upstream_fixes.WRITER_PAUSE_ENV.
+SAVE_PAUSE_ENV = "MEGATRON_MOE_TEST_SAVE_PAUSE"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 # Flags whose change makes a checkpoint's weights meaningless for this model.
 SHAPE_FIELDS = {
@@ -164,6 +172,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
         os.makedirs(tmp)
     comm.barrier("checkpoint_save_begin")
+    _test_pause("begin", train_state.iteration)
     # Before the first step the optimizer holds no state (Adam's moments are lazy).
     with_optimizer = not cfg.checkpoint.no_save_optim and train_state.iteration > 0
     state = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=True, is_loading=False)
@@ -176,11 +185,12 @@ def save_checkpoint(
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         vocab_size=getattr(model[0].module, "vocab_size", None),  # every chunk's: the padded vocabulary
     )
-    with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state)):
+    with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state), every_rank=True):
         dist_checkpointing.save(state, tmp)
     comm.barrier("checkpoint_saved")
+    _test_pause("publish", train_state.iteration)
     if dist.get_rank() == 0:
-        with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state)):
+        with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state), every_rank=False):
             integrity.write_manifest(tmp)
         _swap_in(root, tmp, final, train_state.iteration, after_step or (lambda step: None))
         if cfg.checkpoint.keep_last_n is not None:
@@ -188,6 +198,12 @@ def save_checkpoint(
         log.info("saved checkpoint at iteration %d to %s", train_state.iteration, final)
     comm.barrier("checkpoint_published")
     return final
+
+
+def _test_pause(phase: str, iteration: int) -> None:
+    if os.environ.get(SAVE_PAUSE_ENV) == f"{phase}@{iteration}":
+        print(f"{SAVE_PAUSE_ENV}: rank {dist.get_rank()} pauses 3 s at {phase}", file=sys.stderr, flush=True)
+        time.sleep(3)
 
 
 def _swap_in(root: str, tmp: str, final: str, iteration: int, after_step: Callable[[str], None]) -> None:
@@ -232,15 +248,43 @@ def _recover_swap(final: str) -> None:
 
 
 @contextlib.contextmanager
-def _disk_full_reported(root: str, tmp: str, needed: Callable[[], int]):
-    """Turn ENOSPC (however deeply wrapped) into one line naming --save and the bytes needed; drop the partial copy."""
+def _disk_full_reported(root: str, tmp: str, needed: Callable[[], int], *, every_rank: bool):
+    """Turn a save that failed for lack of space into one line naming --save, the bytes needed and free; any
+    failure drops the partial `tmp`. `every_rank`: all ranks run this block (dist_checkpointing.save), so a
+    failure that torch raises on every rank at once (its CheckpointException) is agreed on by all of them."""
     try:
         yield
-    except Exception as error:
-        if not integrity.is_disk_full(error):
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:  # torch's CheckpointException is a BaseException
+        failure = _save_failure(root, tmp, error, needed, agree=every_rank and isinstance(error, CheckpointException))
+        if failure is error:
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise integrity.disk_full_error(root, tmp, needed()) from None
+        raise failure from error  # the one line is the failure's; MEGATRON_MOE_VERBOSE=1 shows the chain
+
+
+def _save_failure(root: str, tmp: str, error: BaseException, estimate: Callable[[], int], *, agree: bool):
+    """The error to raise for a save into `tmp` that raised `error`, once the partial `tmp` is removed.
+
+    The writers' ENOSPC may reach this process only as text, or not at all (torch.save's "unexpected pos"), and a
+    rank other than dist_checkpointing's coordinator gets no details: a failure with (almost) no space left where
+    the checkpoint goes counts as a full disk too, and with `agree` the ranks agree on it (one collective: torch
+    raised the CheckpointException on every rank at the same point).
+    """
+    written = integrity.dir_bytes(tmp) if os.path.isdir(tmp) else 0
+    needed = max(estimate(), written)
+    full = integrity.is_disk_full(error) or integrity.free_bytes(root) < min(needed, integrity.NEARLY_FULL)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if agree:
+        table = torch.tensor([int(full), needed], dtype=torch.int64, device=current_platform().device)
+        comm.agree_save_failure(table)
+        with comm.host_read("save failure"):
+            full, needed = table.tolist()
+    if full:
+        return integrity.disk_full_error(root, tmp, needed)
+    if isinstance(error, CheckpointException):  # an Exception, so that the fail-fast handler reports it
+        return RuntimeError(f"--save={root}: writing {os.path.basename(tmp)} failed: {integrity.describe(error)}")
+    return error
 
 
 def _bytes_needed(root: str, state: dict) -> int:

@@ -18,6 +18,9 @@ from megatron_moe.config import ConfigError
 MANIFEST = "checksums.json"  # written last into iter_N.tmp, before it is renamed to iter_N
 _ITER_DIR = re.compile(r"iter_(\d+)$")  # published ones only: not iter_N.tmp / iter_N.old
 _CHUNK = 8 << 20
+# A save that failed with less than this free where it writes (or less than the checkpoint's size): a full disk,
+# whatever the error says (torch.save reports ENOSPC as "unexpected pos").
+NEARLY_FULL = 1 << 20
 
 
 class CheckpointError(ConfigError):
@@ -106,27 +109,55 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(parent, n)) for parent, _, names in os.walk(path) for n in names)
 
 
+def free_bytes(root: str) -> int:
+    return shutil.disk_usage(root).free if os.path.isdir(root) else 0
+
+
+def _wrapped(err: BaseException) -> list[BaseException]:
+    """What `err` wraps: its cause and context, and torch.distributed.checkpoint's CheckpointException's failures
+    ({rank: (exception, stack summary)}, gathered from every rank)."""
+    inner = [err.__cause__, err.__context__]
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner.append(failure[0] if isinstance(failure, tuple) and failure else failure)
+    return [e for e in inner if isinstance(e, BaseException)]
+
+
 def is_disk_full(error: BaseException) -> bool:
-    """True when `error`, or an error it wraps (dist_checkpointing re-raises the writers'), is ENOSPC."""
+    """True when `error`, or an error it wraps (dist_checkpointing re-raises the writers'), is ENOSPC. Its text
+    counts too: an error pickled from a writer process or another rank has lost its cause."""
     seen = set()
     pending = [error]
     while pending:
         err = pending.pop()
-        if err is None or id(err) in seen:
+        if id(err) in seen:
             continue
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno == errno.ENOSPC:
             return True
-        pending += [err.__cause__, err.__context__]
-        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            pending += [f for f in failures.values() if isinstance(f, BaseException)]
+        if f"[Errno {errno.ENOSPC}]" in str(err) or os.strerror(errno.ENOSPC) in str(err):
+            return True
+        pending += _wrapped(err)
     return False
 
 
+def describe(error: BaseException) -> str:
+    """One line for a failed save: the innermost cause, on the first failing rank (torch's CheckpointException
+    prints every rank's traceback)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        if not failures:  # what every rank but dist_checkpointing's coordinator gets
+            return "on another rank (rank 0 names it)"
+        rank, (first, _) = next(iter(failures.items()))
+        return f"rank {rank}: {describe(first)}"
+    if error.__cause__ is not None:
+        return describe(error.__cause__)
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
 def disk_full_error(root: str, tmp: str, needed: int) -> CheckpointError:
-    free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
     return CheckpointError(
         f"--save={root}: disk full while writing {os.path.basename(tmp)}: about {needed} bytes needed, "
-        f"{free} free; the previous checkpoint is intact. Free space or point --save elsewhere"
+        f"{free_bytes(root)} free; the previous checkpoint is intact. Free space or point --save elsewhere"
     )

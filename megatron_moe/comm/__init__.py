@@ -10,7 +10,8 @@
   `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
 - training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
   (preemption), `agree_nonfinite` (which ranks' own values went non-finite),
-  `agree_startup_refusal` (rank 0's `--save` lock), `barrier(purpose)`
+  `agree_startup_refusal` (rank 0's `--save` lock), `agree_save_failure` (a full
+  disk on any rank), `barrier(purpose)`
   (checkpoint save and publish, shutdown).
 - profiling.py: the cost-model profiler's timed traffic (all-to-all, the ESP
   all-gather / reduce-scatter in their gloo form, all-reduce) and its agreement.
@@ -57,6 +58,7 @@ from megatron_moe.comm.timers import CommSummary, CommTimers
 from megatron_moe.comm.training import (
     agree_exit,
     agree_nonfinite,
+    agree_save_failure,
     agree_startup_refusal,
     barrier,
     count_parameters,
@@ -76,6 +78,7 @@ __all__ = [
     "agree_capacity",
     "agree_exit",
     "agree_nonfinite",
+    "agree_save_failure",
     "agree_startup_refusal",
     "barrier",
     "combine_all_to_all",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from multiprocessing import get_context
 from multiprocessing.managers import SyncManager
@@ -134,6 +135,7 @@ def _apply_writer_lifetime() -> None:
     def write_preloaded_data(*args, **kwargs):  # runs in the forked writer: its parent is the rank
         writer_process_start()
         if pause := float(os.environ.get(WRITER_PAUSE_ENV, 0)):
+            print(f"{WRITER_PAUSE_ENV}: writer {os.getpid()} pauses {pause} s", file=sys.stderr, flush=True)
             time.sleep(pause)
         return write(*args, **kwargs)
 

@@ -5,10 +5,14 @@ the same step even when the signal reached only some of them; the loop then
 saves a checkpoint and exits cleanly, and the next start resumes from it.
 
 A second SIGTERM (or a SIGINT after a SIGTERM) ends the process at once, without
-saving and without a collective: whoever sends it wants the process gone (torchrun
-stopping its workers, an impatient user). It is seen even while the main thread is
-blocked in a collective, where Python runs no signal handler: CPython's C-level
-handler writes each signal's number to the wakeup fd, and a thread reads it there.
+saving and without a collective: whoever sends it wants the process gone (an
+impatient user). It is seen even while the main thread is blocked in a collective,
+where Python runs no signal handler: CPython's C-level handler writes each signal's
+number to the wakeup fd, and a thread reads it there. Only one that comes more than
+SAME_REQUEST_S after the first counts as a second: one stop often reaches a rank twice
+(slurm signals every process of the job step, torchrun included, which forwards its
+own SIGTERM to each worker's process group; a `kill` or `pkill` of the whole job does
+the same), and that is one request to save and go (a save in progress completes).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from megatron_moe.platform import current_platform
 log = logging.getLogger("megatron_moe")
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Stop signals this soon after the first SIGTERM are the same request reaching the rank by another route.
+SAME_REQUEST_S = 3.0
 
 
 def _forget_wakeup_fd() -> None:
@@ -43,10 +49,12 @@ os.register_at_fork(after_in_child=_forget_wakeup_fd)
 
 
 class _SignalWatcher:
-    """Counts SIGTERM/SIGINT as they arrive: the first SIGTERM sets `signalled`; after it, either one exits."""
+    """Counts SIGTERM/SIGINT as they arrive: the first SIGTERM sets `signalled`; either one more than
+    SAME_REQUEST_S after it exits."""
 
     def __init__(self, rank: int | None):
         self.signalled = False
+        self._first_at: float | None = None  # time.monotonic() of the first SIGTERM
         self._rank = rank
         read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
@@ -69,12 +77,15 @@ class _SignalWatcher:
                 for signum in data:
                     if signum not in _STOP_SIGNALS:
                         continue
+                    if self._first_at is not None and time.monotonic() - self._first_at < SAME_REQUEST_S:
+                        continue  # the first one again, by another route (torchrun's forward of slurm's)
                     if self.signalled:
                         name = signal.Signals(signum).name
                         where = f"rank {self._rank}: " if self._rank is not None else ""
                         log.error("%ssecond %s: exiting without saving", where, name)
                         exit_now(128 + signum)
                     if signum == signal.SIGTERM:
+                        self._first_at = time.monotonic()
                         self.signalled = True
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from megatron_moe.platform.upstream_fixes import WRITER_PAUSE_ENV
+from megatron_moe.training.preemption import SAME_REQUEST_S
 from tests.conftest import ROOT
 from tests.distributed.launcher import tiny_pretrain_command
 
@@ -156,7 +157,7 @@ def test_a_second_sigterm_ends_a_blocked_worker_at_once_without_saving(train_dat
         ranks[0].suspend()  # rank 1's step now waits inside a collective (C code: no Python signal handler runs)
         time.sleep(1.0)
         ranks[1].send_signal(signal.SIGTERM)
-        time.sleep(0.1)
+        time.sleep(SAME_REQUEST_S + 0.5)  # sooner, it is the first one again (by another route, as slurm's is)
         ranks[1].send_signal(signal.SIGTERM)
         assert not wait_gone([ranks[1]], 2.0), "the worker survived a second SIGTERM by 2 s"
         ranks[0].resume()

@@ -4,6 +4,8 @@ import errno
 import os
 import re
 import shutil
+import subprocess
+import traceback
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from megatron_moe.checkpointing import (
     TRACKER,
     TrainState,
     check_save_dir,
+    integrity,
     load_checkpoint,
     resolve_load_dir,
     save_checkpoint,
@@ -252,3 +255,79 @@ def test_keep_last_n_never_deletes_the_published_checkpoint(megatron_world1, tmp
     assert sorted(os.listdir(tmp_path)) == ["iter_0000000", "iter_0000004", "iter_0000005", TRACKER]
     with pytest.raises(ConfigError, match=r"--keep-last-n=0: must be > 0"):  # refused with the flags, before a save
         Run(tmp_path / "zero", flags=("--keep-last-n", "0"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB tmpfs: room for one checkpoint of `Run` (0.7 MB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_full_tmpfs_is_one_line_and_keeps_the_previous_checkpoint(megatron_world1, small_disk):
+    run = Run(small_disk)
+    run.set_weights(1.0)
+    previous = run.save(1)
+    kept = run.weights()
+    run.set_weights(2.0)
+    # The writer processes fail with ENOSPC; torch wraps it in a CheckpointException (a BaseException).
+    line = rf"^--save={small_disk}: disk full while writing iter_0000002\.tmp: about (\d+) bytes needed, (\d+) free; "
+    with pytest.raises(CheckpointError, match=line + "the previous checkpoint is intact") as error:
+        run.save(2)
+    assert "\n" not in str(error.value)
+    needed, free = map(int, re.match(line, str(error.value)).groups())
+    assert needed >= integrity.dir_bytes(previous) > free
+    assert sorted(os.listdir(small_disk)) == ["iter_0000001", TRACKER]  # the partial iter_0000002.tmp is gone
+    run.set_weights(0.0)
+    assert run.load().iteration == 1
+    assert same(run.weights(), kept)
+
+
+def checkpoint_exception(failures):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("write", failures)
+
+
+def worker_failure(text):
+    """What dist_checkpointing's coordinator gathers from a rank whose writer process failed: the writer's error
+    pickled into its message, its cause lost on the way."""
+    return (RuntimeError(f"Worker failure: {text}"), traceback.StackSummary())
+
+
+@pytest.mark.parametrize(
+    "failures, disk_full",
+    [
+        ({1: worker_failure("[Errno 28] No space left on device")}, True),
+        ({0: worker_failure("Permission denied")}, False),
+        ({}, False),  # a rank other than the coordinator: no details (the others agree on what rank 0 found)
+    ],
+)
+def test_checkpoint_exception_is_one_line_and_drops_the_partial_copy(
+    megatron_world1, tmp_path, monkeypatch, failures, disk_full
+):
+    from megatron.core import dist_checkpointing
+
+    run = Run(tmp_path)
+    run.save(1)
+
+    def failing(state, path):
+        open(os.path.join(path, "__0_0.distcp"), "wb").write(b"\0" * 100)
+        raise checkpoint_exception(failures)  # a BaseException: no `except Exception` sees it
+
+    monkeypatch.setattr(dist_checkpointing, "save", failing)
+    expected = (CheckpointError, r"disk full while writing iter_0000002\.tmp") if disk_full else (RuntimeError, "")
+    with pytest.raises(expected[0], match=rf"^--save={tmp_path}: {expected[1]}") as error:
+        run.save(2)
+    assert "\n" not in str(error.value)
+    if not disk_full:
+        assert str(error.value).startswith(f"--save={tmp_path}: writing iter_0000002.tmp failed: ")
+        assert ("rank 0: RuntimeError: Worker failure: Permission denied" if failures else "on another rank") in str(
+            error.value
+        )
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", TRACKER]

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from megatron_moe.lifetime import die_with_parent
+from megatron_moe.training.preemption import SAME_REQUEST_S
 from tests.conftest import ROOT
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -87,7 +88,9 @@ def run_watcher(body: str, *signals: int) -> tuple[int, list[str]]:
     lines = lines[-1:]
     for signum in signals:
         os.kill(proc.pid, signum)
-        time.sleep(1.0)  # the process acts on each before the next (a loaded machine included)
+        # The process acts on each before the next (a loaded machine included); sooner than SAME_REQUEST_S, the next
+        # would be the same stop again (tests/unit/test_preemption.py).
+        time.sleep(SAME_REQUEST_S + 1.0)
     out = proc.communicate(timeout=30)[0]
     return proc.returncode, lines + out.splitlines()
 
