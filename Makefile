@@ -5,12 +5,13 @@
 #                   (gpu where CUDA is)
 #   make test-fast  set up, run the unit tier without its slow tests (under a minute)
 #   make test-gpu   set up, run the gpu tier on this machine's GPU (fails where there is none)
+#   make test-faults set up, run the fault battery (tests/faults, under 4 minutes)
 #   make lint       ruff's lint and format check;  make format  applies ruff's fixes and formatting
 #   make install    set up only: .venv with torch first, then this package editable with its test extra
 #   make clean      remove runs/, data/ and caches;  make distclean also removes the venv
 #
 # Test tiers are pytest markers (pyproject.toml; tests/conftest.py marks each test by its folder):
-# unit, distributed (torchrun, gloo), slurm (a private cluster; skipped without root/apt-get),
+# unit, distributed (torchrun, gloo), faults (the fault battery), slurm (a private cluster; skipped without root/apt-get),
 # gpu (skipped without CUDA), slow (unit tests of several seconds). A tier alone, e.g.:
 #   make test PYTEST_ARGS="-q -m distributed"      make test PYTEST_ARGS="-q -m 'not slurm'"
 #
@@ -22,7 +23,7 @@
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast test-gpu lint format check-examples clean distclean
+.PHONY: help install demo test test-fast test-gpu test-faults lint format check-examples clean distclean
 
 VENV ?= .venv
 PYTHON_BOOTSTRAP ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -81,6 +82,10 @@ test: lint check-examples
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "unit and not slow" $(PYTEST_ARGS)
+
+# The fault battery alone (tests/faults, under 4 minutes): kill -9 in a save, preemption, two jobs, full disk, ...
+test-faults: $(STAMP)
+	$(PY) -m pytest tests -m faults $(PYTEST_ARGS)
 
 # The gpu tier alone, each test's own output shown (the Mixtral-shaped run prints its kernels, MFU and memory).
 test-gpu: $(STAMP)

@@ -10,7 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 VOCAB = 600
-TIERS = ("unit", "distributed", "slurm")  # folders under tests/, each its own pytest marker (pyproject.toml)
+TIERS = ("unit", "distributed", "faults", "slurm")  # folders under tests/, each its own pytest marker (pyproject.toml)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

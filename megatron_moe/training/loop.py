@@ -371,6 +371,7 @@ class Trainer:
             exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler, rank=self.rank
         )
         preempted = False
+        saved_at = None  # the iteration the last interval save wrote
         while self.state.iteration < t.train_iters:
             figures = self.train_step()
             it = self.state.iteration
@@ -387,16 +388,21 @@ class Trainer:
                 self._validate_and_log()
             if ck.save_interval and it % ck.save_interval == 0 and it < t.train_iters:
                 self._save()
+                saved_at = it
             if ck.exit_interval and it - start_iteration >= ck.exit_interval:
                 log.info("--exit-interval=%d reached at iteration %d", ck.exit_interval, it)
                 break
             if exit_request.requested():
-                log.info("%s: saving at iteration %d and exiting", exit_request.reason, it)
+                if saved_at == it:  # the request came during that save (it completed): nothing more to write
+                    log.info("%s: iteration %d is saved; exiting", exit_request.reason, it)
+                else:
+                    log.info("%s: saving at iteration %d and exiting", exit_request.reason, it)
                 preempted = True
                 break
         if not preempted:  # time is short when preempted: save only
             self._validate_and_log()
-        self._save()
+        if saved_at != self.state.iteration:
+            self._save()
         exit_request.restore_default_handler()
         if self.logger:
             log.info(

@@ -1,7 +1,8 @@
-"""Faults on one rank of a 2-rank torchrun job: the job ends in seconds, naming the rank and the error.
+"""A diverging 2-rank job (--lr 1e3): warned at its first steps, stopped naming the non-finite gradient.
 
-Issue 12 items 1 and 7: before, an exception on one rank hung the job (`shutdown()`'s barrier waited for the
-other rank, inside a training collective) and a diverging run died with "found NaN ... iteration -1".
+Issue 12 item 7: before, a diverging run died with "found NaN ... iteration -1"; issue 26 item 5e: the loss
+reached 4e7 at iteration 2 with no warning until one step before the stop. An exception or a NaN on one rank:
+tests/faults/test_ranks.py.
 """
 
 import os
@@ -34,20 +35,6 @@ def run_job(train_data, *flags, env=None):
     return job.returncode, lines, None if failed_at is None else ended - failed_at
 
 
-@pytest.mark.parametrize("rank, step", [(1, 3), (0, 2)])  # rank 0 also hosts the rendezvous store
-def test_an_exception_on_one_rank_ends_the_job_at_once(train_data, rank, step):
-    code, lines, seconds = run_job(train_data, "--lr", "1e-3", env={"MEGATRON_MOE_TEST_RAISE_AT": f"{rank}:{step}"})
-    text = "".join(lines)
-    message = f"rank {rank}: RuntimeError: injected failure at step {step}"
-    assert code != 0, text[-3000:]
-    assert sum(message in line for line in lines) == 1, text[-3000:]
-    assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])
-    assert f"iteration {step:8d}/" not in text  # the step that raised never completed
-    assert "Traceback" not in text.split(message)[0]  # the rank and message come first
-    other = [line for line in lines if RANK_ERROR.search(line) and f"] rank {1 - rank}: " in line]
-    assert all("another rank ended first" in line for line in other if "raised at" not in line), other
-
-
 @pytest.fixture(scope="module")
 def diverged(train_data):
     return run_job(train_data, "--lr", "1e3", "--clip-grad", "0")
@@ -63,18 +50,6 @@ def test_divergence_warns_then_a_non_finite_gradient_stops_the_run_naming_it(div
     assert "iteration -1" not in stop and " at iteration " in stop and " on rank " in stop, stop
     assert "gradient" not in stop or "first in parameter " in stop, stop
     assert "loss spike at iteration" in text, text[-3000:]
-    assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])
-
-
-def test_a_nan_on_rank_1_is_named_by_every_rank(train_data):
-    """Issue 26 item 5d: a NaN injected on rank 1 was reported first by rank 0, and no rank was singled out."""
-    code, lines, seconds = run_job(train_data, "--lr", "1e-3", env={"MEGATRON_MOE_TEST_NAN_AT": "1:3"})
-    text = "".join(lines)
-    stops = [line for line in lines if "NonFiniteError: " in line and RANK_ERROR.search(line)]
-    assert code != 0 and stops, text[-3000:]
-    for stop in stops:  # whichever rank printed first names rank 1
-        assert "non-finite values at iteration 3 first on rank 1: in their own forward outputs" in stop, stop
-    assert "first on rank 0" not in text and "first on ranks" not in text, text[-3000:]
     assert seconds is not None and seconds < FAIL_WITHIN_S, (seconds, text[-3000:])
 
 
