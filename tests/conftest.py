@@ -69,6 +69,18 @@ def train_data(corpus, tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def example_data(train_data, tmp_path_factory):
+    """A $DATA_DIR as the tiny example (examples/pretrain_gpt_moe_tiny_cpu.sh) reads it: the session's tokenized
+    corpus and tokenizer, linked under the example's names."""
+    prefix, tokenizer = train_data
+    directory = tmp_path_factory.mktemp("example_data")
+    for suffix in (".bin", ".idx", ".meta.json"):
+        os.symlink(prefix + suffix, directory / f"stdlib_text_document{suffix}")
+    os.symlink(tokenizer, directory / "tokenizer.model")
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
 def bytelevel_dir(corpus, tmp_path_factory):
     """A GPT-2 byte-level BPE trained on the corpus: vocab.json, merges.txt, tokenizer.json, tokenizer_config.json."""
     directory = str(tmp_path_factory.mktemp("bytelevel") / "bpe")

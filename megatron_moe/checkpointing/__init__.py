@@ -55,7 +55,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # "fully_sharded_model_space" format: flattened ranges are no longer supported).
 # No "chained_N." key prefix: with EP>1 megatron chains a dense and an expert
 # optimizer, and the keys must not depend on that for a checkpoint to move layouts.
-# Test only (tests/distributed/test_preemption.py): "PHASE@ITERATION" makes the save of that iteration pause 3 s at
+# Test only (tests/faults/test_saves.py): "PHASE@ITERATION" makes the save of that iteration pause 3 s at
 # PHASE ("begin": before anything is written; "publish": written, before rank 0 renames it into place), announced on
 # stderr, so that a test can signal the job there. The writers' phase: upstream_fixes.WRITER_PAUSE_ENV.
 SAVE_PAUSE_ENV = "MEGATRON_MOE_TEST_SAVE_PAUSE"

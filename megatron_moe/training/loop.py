@@ -38,7 +38,7 @@ log = logging.getLogger("megatron_moe")
 RAISE_AT_ENV = "MEGATRON_MOE_TEST_RAISE_AT"
 
 
-# Test-only: "RANK:STEP" makes that rank's embedding output NaN in that step (tests/distributed/test_fail_fast.py).
+# Test-only: "RANK:STEP" makes that rank's embedding output NaN in that step (tests/faults/test_ranks.py).
 NAN_AT_ENV = "MEGATRON_MOE_TEST_NAN_AT"
 
 

@@ -7,21 +7,15 @@ and goes on; ended by --dead-peer-seconds) are in tests/faults/test_ranks.py.
 """
 
 import re
-import time
 
-from tests.faults.jobs import tiny_job
+from tests.faults.jobs import stop_rank_1_until_the_job_ends, tiny_job
 
 
 def test_past_the_deadline_the_job_ends_with_the_report(train_data):
     flags = ("--train-iters", "400", "--stall-report-seconds", "5", "--distributed-timeout-minutes", "0.25")
     with tiny_job(train_data, *flags, "--dead-peer-seconds", "60") as run:
-        run.step(3)
-        rank_1 = run.workers()[1]
-        rank_1.suspend()
-        stopped = time.monotonic()
-        run.wait_for("ending the job", timeout=60)
-        rank_1.resume()  # a stopped process would hold torchrun's SIGTERM
-        code = run.finish(timeout=60)
+        stopped = stop_rank_1_until_the_job_ends(run)
+        code = run.proc.returncode
     (ending,) = [line for line in run.lines if "ending the job" in line]
     assert re.search(r"\] rank 0: blocked 1[56] s in collective ", ending), ending  # checked every 1.25 s
     assert "rank 1 (no heartbeat" in ending or "ranks [1] send no heartbeat" in ending, ending

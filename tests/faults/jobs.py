@@ -164,6 +164,19 @@ def tiny_job(train_data, *flags: str, env: dict | None = None):
     return job(tiny_pretrain_command(train_data, *flags), env)
 
 
+def stop_rank_1_until_the_job_ends(run: Job, at_step: int = 3) -> float:
+    """SIGSTOP rank 1 of `run` once it has logged `at_step`; SIGCONT it when rank 0 ends the job (a stopped
+    process would hold torchrun's SIGTERM); wait for the end. Returns when rank 1 was stopped (time.monotonic())."""
+    run.step(at_step)
+    rank_1 = run.workers()[1]
+    rank_1.suspend()
+    stopped = time.monotonic()
+    run.wait_for("ending the job", timeout=60)
+    rank_1.resume()
+    run.finish(timeout=60)
+    return stopped
+
+
 def is_torchrun(proc: psutil.Process | None) -> bool:
     return proc is not None and any(
         part == "torch.distributed.run" or part.endswith("/torchrun") for part in proc.cmdline()

@@ -20,7 +20,17 @@ import pytest
 from megatron_moe.platform.upstream_fixes import WRITER_PAUSE_ENV
 from megatron_moe.training.preemption import SAME_REQUEST_S
 from tests.conftest import ROOT
-from tests.faults.jobs import RANK_ERROR, error_lines, is_torchrun, job, pointer, processes_with, tiny_job, wait_gone
+from tests.faults.jobs import (
+    RANK_ERROR,
+    error_lines,
+    is_torchrun,
+    job,
+    pointer,
+    processes_with,
+    stop_rank_1_until_the_job_ends,
+    tiny_job,
+    wait_gone,
+)
 
 FAIL_WITHIN_S = 15
 LONG = ("--train-iters", "100000", "--lr", "1e-3")
@@ -113,13 +123,8 @@ def test_a_stopped_rank_is_named_within_60_s_and_ends_the_job_within_3_minutes_s
     2 s and 6 s (3x, to keep the battery short), so within 4 s and 8 s, and the stopped rank was last seen at its
     own step."""
     with tiny_job(train_data, *LONG, "--stall-report-seconds", "2", "--dead-peer-seconds", "6") as run:
-        run.step(3)
-        rank_1 = run.workers()[1]
-        rank_1.suspend()
-        stopped = time.monotonic()
-        run.wait_for("ending the job", timeout=60)
-        rank_1.resume()  # a stopped process would hold torchrun's SIGTERM
-        code = run.finish(timeout=60)
+        stopped = stop_rank_1_until_the_job_ends(run)
+        code = run.proc.returncode
     reports = [line for line in run.lines if "] rank 0: blocked " in line]
     assert reports, run.tail()
     assert 2 <= int(re.search(r"rank 0: blocked (\d+) s in ", reports[0])[1]) <= 4, reports[0]
@@ -167,18 +172,6 @@ def test_no_checkpoint_writer_outlives_a_rank_killed_mid_save(train_data, tmp_pa
         assert run.finish(timeout=60) != 0
         left = wait_gone(everything, 30)
         assert not left, f"outlived the job: {[p.cmdline() for p in left]}"
-
-
-@pytest.fixture(scope="module")
-def example_data(train_data, tmp_path_factory):
-    """A DATA_DIR in the layout examples/pretrain_gpt_moe_tiny_cpu.sh expects, linking the test corpus."""
-    data, tokenizer = train_data
-    data_dir = tmp_path_factory.mktemp("data")
-    for ext in (".bin", ".idx", ".meta.json"):
-        if os.path.exists(data + ext):
-            os.symlink(data + ext, data_dir / f"stdlib_text_document{ext}")
-    os.symlink(tokenizer, data_dir / "tokenizer.model")
-    return str(data_dir)
 
 
 TINY = [

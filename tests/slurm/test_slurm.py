@@ -54,14 +54,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def data_dir(train_data, tmp_path_factory):
-    """The session's tokenized corpus under the names the tiny example reads from $DATA_DIR."""
-    prefix, tokenizer = train_data
-    directory = tmp_path_factory.mktemp("slurm_data")
-    for suffix in (".bin", ".idx", ".meta.json"):
-        os.symlink(prefix + suffix, directory / f"stdlib_text_document{suffix}")
-    os.symlink(tokenizer, directory / "tokenizer.model")
-    return str(directory)
+def data_dir(example_data):
+    return example_data
 
 
 class Job:

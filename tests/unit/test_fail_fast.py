@@ -1,5 +1,6 @@
 """Issue 12 items 1 and 7, single process: the loss-spike detector, the non-finite checks, the error report,
-the test-only fault injection and the spike flags. The 2-rank runs are in tests/distributed/test_fail_fast.py.
+the test-only fault injection and the spike flags.
+The 2-rank runs are in tests/faults/test_ranks.py and tests/distributed/test_fail_fast.py.
 """
 
 import importlib.util

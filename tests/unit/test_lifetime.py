@@ -1,7 +1,7 @@
 """Process lifetimes, single machine: the parent-death signal, SIGTERM counting, the checkpoint-writer patch.
 
 The torchrun jobs (killed launchers, SIGTERMs to workers, a rank killed mid-save) are in
-tests/distributed/test_process_hygiene.py.
+tests/faults/test_ranks.py.
 """
 
 import os

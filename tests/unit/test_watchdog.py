@@ -1,7 +1,7 @@
 """The watchdog's reports (a fake clock and store) and the monitor's view of every collective (a world of one).
 
-tests/distributed/test_watchdog.py stops a real rank; these check each branch of the report and that the
-taps route megatron-core's collectives through `comm.issue` without changing them.
+tests/faults/test_ranks.py and tests/distributed/test_watchdog.py stop a real rank; these check each branch of the
+report and that the taps route megatron-core's collectives through `comm.issue` without changing them.
 """
 
 import logging
