@@ -1,5 +1,6 @@
 """Issue 26 item 3: one job per --save directory (megatron_moe/checkpointing/lock.py)."""
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from megatron_moe.checkpointing import lock as save_lock
@@ -183,6 +185,15 @@ def snapshot(root):
     }
 
 
+def resume_all(pid: int) -> None:
+    """SIGCONT to `pid` and every process under it, those still alive."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
+
+
 @pytest.mark.slow
 def test_two_launches_on_one_directory_the_second_refused_the_first_intact(train_data, tmp_path):
     data, tokenizer = train_data
@@ -193,7 +204,10 @@ def test_two_launches_on_one_directory_the_second_refused_the_first_intact(train
         while not (save / "latest_checkpointed_iteration.txt").exists():
             assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:]
             time.sleep(0.5)
-        first.send_signal(signal.SIGSTOP)  # no save of the first job's runs meanwhile: its files stay as they are
+        # Nothing of the first job runs meanwhile, its checkpoint writers included (a save in progress would add
+        # files to its iter_N.tmp): its files stay as they are.
+        for proc in [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]:
+            proc.suspend()
         before = snapshot(save)
         second = launch(data, tokenizer, save, "--train-iters", "4", "--save-interval", "1")
         _, err = second.communicate(timeout=240)
@@ -204,9 +218,8 @@ def test_two_launches_on_one_directory_the_second_refused_the_first_intact(train
         assert f"pid {first.pid}, started " in lines[0] and f"lock {save / LOCK_FILE}" in lines[0]
         assert "Traceback" not in err
         assert snapshot(save) == before  # the first job's checkpoints intact
-        first.send_signal(signal.SIGCONT)
     finally:
-        first.send_signal(signal.SIGCONT)
+        resume_all(first.pid)
         first.send_signal(signal.SIGTERM)  # its preemption save, then a normal exit
         first.communicate(timeout=240)
     assert first.returncode == 0
