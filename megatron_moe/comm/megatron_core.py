@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_moe.comm.core import Collective, MonitoredWork, host_read, is_issuing, issue, nbytes
-from megatron_moe.platform.cpu_compat import Patch, _source
+from megatron_moe.platform.cpu_compat import Patch, source
 
 TAPPED_FUNCTIONS = (
     "all_reduce",
@@ -121,7 +121,7 @@ def _apply_bucket_taps() -> None:
 
 
 def _buckets_keep_their_handles() -> bool:
-    src = _source("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup")
+    src = source("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup")
     return all(
         s in src
         for s in (
@@ -204,7 +204,7 @@ class _Part:
 
 
 def _p2p_ops_are_module_globals() -> bool:
-    src = _source("megatron.core.pipeline_parallel.p2p_communication")
+    src = source("megatron.core.pipeline_parallel.p2p_communication")
     return "p2p_func = _batched_p2p_ops" in src and "p2p_func = _p2p_ops" in src and "req.wait()" in src
 
 
@@ -265,7 +265,7 @@ def _apply_function_taps() -> None:
 
 def _aliases_bound_at_import() -> bool:
     return all(
-        f"{alias} = torch.distributed." in _source(module) for module, aliases in ALIASES.items() for alias in aliases
+        f"{alias} = torch.distributed." in source(module) for module, aliases in ALIASES.items() for alias in aliases
     )
 
 
@@ -294,7 +294,7 @@ def _apply_loss_read_tap() -> None:
 
 def _loss_reads_a_mask_on_the_host() -> bool:
     module = "megatron.core.models.common.language_module.language_module"
-    return "def compute_language_model_loss(" in _source(module) and "masked_target[target_mask] = 0" in _source(
+    return "def compute_language_model_loss(" in source(module) and "masked_target[target_mask] = 0" in source(
         "megatron.core.tensor_parallel.cross_entropy"
     )
 

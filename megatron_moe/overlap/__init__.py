@@ -10,7 +10,11 @@ FSMoE (issue 15): `cost_model.py`, the fitted time model and Algorithm 1 (pipeli
 layer's degrees (tools/plan_schedule.py prints them).
 """
 
+from megatron_moe.overlap import grad_reduce, install, linears
 from megatron_moe.overlap.install import install_on_moe_layer, install_wgrad_overlap
 from megatron_moe.overlap.runtime import WgradQueue
 
-__all__ = ["WgradQueue", "install_on_moe_layer", "install_wgrad_overlap"]
+PROBES = grad_reduce.PROBES + install.PROBES + linears.PROBES
+"""The overlap engine's interventions in megatron-core (a subclass, a class swap, a copy), each with its probe."""
+
+__all__ = ["PROBES", "WgradQueue", "install_on_moe_layer", "install_wgrad_overlap"]

@@ -29,6 +29,7 @@ parameters). Pipeline stages after the first keep megatron-core's single bucket 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable
 
@@ -38,6 +39,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from megatron_moe.comm.core import Collective, CommHandle
 from megatron_moe.overlap.cost_model import LayerSizes
 from megatron_moe.overlap.grad_partition import GeneralizedLayer, GradPartition
+from megatron_moe.platform.cpu_compat import Patch, source
 
 log = logging.getLogger(__name__)
 
@@ -251,3 +253,48 @@ def _backward_order(by_key: dict) -> list:
     """(layer, None) planned groups and (None, b) when-ready ones in the order backward reaches them: MoE layer
     L's backward (its groups' launch) comes before its transformer layer's attention completes (point L)."""
     return sorted(by_key, key=lambda key: -(key[0] + 0.5 if key[0] is not None else key[1]))
+
+
+_BUCKET_GROUP_READS = (
+    "self.per_param_grad_ready_counts",
+    "self.golden_per_param_grad_ready_counts",
+    "self.is_first_batch",
+    "self.is_last_microbatch",
+    "self.grad_reduce_handle",
+    "self.param_to_bucket",
+    "self.next_param_gather_bucket_group",
+    "self.intra_distributed_optimizer_instance_group",
+    "self.data_parallel_group",
+    "def start_grad_sync(",
+    "def finish_grad_sync(",
+    "def register_grad_ready(",
+    "def reset(self)",
+)
+_DDP_READS = ("self.bucket_groups", "self.expert_parallel_bucket_groups", "self.param_to_bucket_group")
+_BUCKET_READS = ("self.params_list", "self.grad_data")
+
+
+def _bucket_groups_fit() -> bool:
+    """megatron-core's bucket group, bucket and DDP still have what PlannedBucketGroup and `regroup` read, call
+    and override, and the bucket group's constructor takes what `regroup` passes."""
+    buffers = "megatron.core.distributed.param_and_grad_buffer"
+    group, bucket = source(buffers, "_ParamAndGradBucketGroup"), source(buffers, "_ParamAndGradBucket")
+    ddp = source("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel")
+    init = list(inspect.signature(_ParamAndGradBucketGroup.__init__).parameters)
+    return (
+        init[:5] == ["self", "buckets", "ddp_config", "collective_group", "collective_group_size"]
+        and all(name in group for name in _BUCKET_GROUP_READS)
+        and all(name in bucket for name in _BUCKET_READS)
+        and all(name in ddp for name in _DDP_READS)
+    )
+
+
+PROBES: tuple[Patch, ...] = (
+    Patch(
+        "planned_bucket_groups",
+        "overlap/grad_reduce.py: the adaptive --grad-reduce-schedule subclasses megatron-core's private "
+        "_ParamAndGradBucketGroup and replaces DDP's bucket group lists with planned groups.",
+        None,
+        _bucket_groups_fit,
+    ),
+)

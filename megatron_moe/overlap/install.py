@@ -20,6 +20,7 @@ from megatron_moe.moe.dispatch import Dispatcher
 from megatron_moe.moe.weight_grad import DeferrableWeights
 from megatron_moe.overlap.linears import DeferrableColumnParallelLinear
 from megatron_moe.overlap.runtime import WgradQueue
+from megatron_moe.platform.cpu_compat import Patch, source
 
 MOE_NAMES = {"experts": "experts", "shared_expert": "shared_expert", "gate": "router"}
 """An MoE layer's deferrable submodules (their path in the MoE layer) and their names in the plan."""
@@ -101,3 +102,19 @@ def _give_dispatchers(model: torch.nn.Module, queue: WgradQueue) -> None:
         dispatcher = getattr(module, "dispatcher", None)
         if isinstance(dispatcher, Dispatcher):
             dispatcher.backward_overlap = queue
+
+
+def _gpt_head_is_a_local_column_parallel_linear() -> bool:
+    gpt = source("megatron.core.models.gpt.gpt_model", "GPTModel")
+    return "self.output_layer = tensor_parallel.ColumnParallelLinear(" in gpt and "self.output_layer(" in gpt
+
+
+PROBES: tuple[Patch, ...] = (
+    Patch(
+        "untied_head_class_swap",
+        "overlap/install.py: an untied LM head's class becomes DeferrableColumnParallelLinear in place; GPTModel "
+        "builds it itself (self.output_layer, a ColumnParallelLinear), not from our layer spec.",
+        None,
+        _gpt_head_is_a_local_column_parallel_linear,
+    ),
+)

@@ -31,6 +31,7 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none, prepare
 from megatron_moe.comm.tensor_parallel import all_reduce_input_grad, gather_sequence_shards, reduce_scatter_sequence
 from megatron_moe.config.fields import require
 from megatron_moe.moe.weight_grad import DeferrableWeights, WeightGrad, WeightGradStore
+from megatron_moe.platform.cpu_compat import Patch, source, source_sha256
 
 _MCORE_LINEAR = inspect.signature(linear_with_grad_accumulation_and_async_allreduce)
 """The arguments megatron-core's `_forward_impl` passes on (by keyword) to its linear function."""
@@ -149,3 +150,43 @@ class DeferrableColumnParallelLinear(_DeferrableParallelLinear, ColumnParallelLi
 
 class DeferrableRowParallelLinear(_DeferrableParallelLinear, RowParallelLinear):
     """megatron-core's RowParallelLinear; its dW GEMM goes to `weight_grad_store`."""
+
+
+UPSTREAM_LINEAR = ("megatron.core.tensor_parallel.layers", "LinearWithGradAccumulationAndAsyncCommunication")
+UPSTREAM_LINEAR_SHA256 = "3d4f0816be38b490d9d7688778d5c001229a84007ced54e5dc36a5fbe7e36650"
+"""megatron-core 0.16.1's `LinearWithGradAccumulationAndAsyncCommunication`, which `_LinearDeferringWeightGrad`
+copies: any other text is a change the copy has not seen."""
+
+
+def _copied_linear_is_current() -> bool:
+    return source_sha256(*UPSTREAM_LINEAR) == UPSTREAM_LINEAR_SHA256
+
+
+def _layers_forward_through_forward_impl() -> bool:
+    layers = source("megatron.core.tensor_parallel.layers")
+    return layers.count("output_parallel = self._forward_impl(") == 2 and set(_MCORE_LINEAR.parameters) >= {
+        "input",
+        "weight",
+        "bias",
+        "allreduce_dgrad",
+        "sequence_parallel",
+        "tp_group",
+    }
+
+
+PROBES: tuple[Patch, ...] = (
+    Patch(
+        "deferring_linear_copy",
+        "overlap/linears.py: _LinearDeferringWeightGrad is a copy of megatron-core's "
+        "LinearWithGradAccumulationAndAsyncCommunication whose dW GEMM goes to a store (Lancet, --overlap-wgrad).",
+        None,
+        _copied_linear_is_current,
+    ),
+    Patch(
+        "deferrable_parallel_linears",
+        "overlap/linears.py: Deferrable{Column,Row}ParallelLinear override _forward_impl, which megatron-core's "
+        "Column/RowParallelLinear.forward call with the linear function's arguments.",
+        None,
+        _layers_forward_through_forward_impl,
+    ),
+)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
 import re
@@ -30,14 +31,24 @@ _CPU = torch.device("cpu")
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
+    """One intervention in megatron-core: a process-wide patch (`apply`), or a subclass, class swap or copy that
+    its owner applies per model (`apply` None; `why` names the owner)."""
+
     name: str
     why: str
-    apply: Callable[[], None]
+    apply: Callable[[], None] | None
     still_needed: Callable[[], bool]
-    """True while megatron-core still contains the construct this patch works around."""
+    """True while megatron-core still contains the construct this intervention works around or relies on: the
+    upgrade alarm (tests/unit/test_platform.py runs every one)."""
 
 
-def _source(module_name: str, attr: str | None = None) -> str:
+def source_sha256(module_name: str, attr: str) -> str:
+    """The sha256 of megatron-core's top-level `def attr` / `class attr` block as shipped: the probe of code
+    copied from it (a change upstream is a change the copy has not seen)."""
+    return hashlib.sha256(source(module_name, attr).encode()).hexdigest()
+
+
+def source(module_name: str, attr: str | None = None) -> str:
     """megatron-core's source text as shipped (the file, so patches applied here don't hide it).
 
     With `attr`, only the top-level `def attr` / `class attr` block.
@@ -151,7 +162,7 @@ def _apply_torch_cuda_standins() -> None:
 
 def _uses_torch_cuda_runtime() -> bool:
     return all(
-        s in _source(m)
+        s in source(m)
         for m, s in [
             ("megatron.core.distributed.param_and_grad_buffer", "torch.cuda.current_device()"),
             ("megatron.core.transformer.moe.token_dispatcher", "torch.cuda.Stream("),
@@ -176,8 +187,8 @@ def _apply_tensor_cuda() -> None:
 
 
 def _uses_tensor_cuda() -> bool:
-    return ".cuda(" in _source("megatron.core.models.common.embeddings.rope_utils") and (
-        ".cuda()" in _source("megatron.core.optimizer.optimizer")
+    return ".cuda(" in source("megatron.core.models.common.embeddings.rope_utils") and (
+        ".cuda()" in source("megatron.core.optimizer.optimizer")
     )
 
 
@@ -212,7 +223,7 @@ def _apply_cpu_rng() -> None:
 
 
 def _rng_uses_cuda_generator() -> bool:
-    src = _source("megatron.core.tensor_parallel.random")
+    src = source("megatron.core.tensor_parallel.random")
     return "torch.cuda.default_generators" in src and "torch.cuda.manual_seed(" in src
 
 
@@ -297,7 +308,7 @@ def _apply_device_literals() -> None:
 
 
 def _has_device_literals() -> bool:
-    return all("'cuda'" in src or '"cuda"' in src for src in (_source(m) for m in _DEVICE_LITERAL_MODULES))
+    return all("'cuda'" in src or '"cuda"' in src for src in (source(m) for m in _DEVICE_LITERAL_MODULES))
 
 
 # ---------------------------------------------------------------------------
@@ -354,7 +365,7 @@ def _apply_param_type_checks() -> None:
 
 def _optimizers_check_cuda_types() -> bool:
     return all(
-        "torch.cuda.FloatTensor" in _source(module, attr)
+        "torch.cuda.FloatTensor" in source(module, attr)
         for module, attr in [
             ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
             ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
@@ -393,7 +404,7 @@ def _apply_uneven_gather() -> None:
 
 
 def _gathers_uneven_lists() -> bool:
-    src = _source("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim")
+    src = source("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim")
     return "torch.distributed.all_gather(output_tensor_list" in src
 
 
@@ -417,7 +428,7 @@ def _apply_split_sizes_to_host() -> None:
 
 
 def _split_sizes_only_converted_on_cuda() -> bool:
-    src = _source("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu")
+    src = source("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu")
     return "tensor.is_cuda" in src
 
 

@@ -17,7 +17,7 @@ from multiprocessing.managers import SyncManager
 import torch
 
 from megatron_moe.lifetime import writer_process_start
-from megatron_moe.platform.cpu_compat import Patch, _source
+from megatron_moe.platform.cpu_compat import Patch, source
 
 
 # 1. Without transformer-engine, moe_utils never binds `te_general_gemm`, and
@@ -30,7 +30,7 @@ def _apply_te_general_gemm() -> None:
 
 
 def _router_needs_te_general_gemm() -> bool:
-    src = _source("megatron.core.transformer.moe.moe_utils")
+    src = source("megatron.core.transformer.moe.moe_utils")
     return "te_general_gemm is not None" in src and "te_general_gemm = None" not in src
 
 
@@ -61,7 +61,7 @@ def _apply_single_rank_reduce() -> None:
 
 
 def _mlp_adds_bias_in_place() -> bool:
-    return "output += output_bias" in _source("megatron.core.transformer.mlp", "MLP")
+    return "output += output_bias" in source("megatron.core.transformer.mlp", "MLP")
 
 
 # 3. Without apex/transformer-engine the distributed optimizer keeps torch Adam's
@@ -103,7 +103,7 @@ def _apply_reshardable_step() -> None:
 
 
 def _reshardable_load_copies_every_state_key() -> bool:
-    src = _source("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer")
+    src = source("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer")
     return (
         "for key in dst_tensors:" in src
         and "dst_tensors[key].copy_(tensors[key])" in src
@@ -144,7 +144,7 @@ def _apply_writer_lifetime() -> None:
 
 
 def _writer_processes_outlive_their_rank() -> bool:
-    src = _source("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    src = source("megatron.core.dist_checkpointing.strategies.filesystem_async")
     return "ctx.Manager().Queue()" in src and 'mp.get_context("fork")' in src and "PDEATHSIG" not in src
 
 

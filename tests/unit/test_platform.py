@@ -1,8 +1,10 @@
 """The platform layer: device choice, the CPU patches, the upstream fixes, the norms.
 
-`test_patch_still_needed` is the upgrade alarm: each patch's probe reads
-megatron-core's source for the construct it works around, so after an upgrade
-the failing cases name the patches that can be deleted.
+`test_patch_still_needed` is the upgrade alarm: each intervention's probe reads
+megatron-core's source for the construct it works around or relies on (the CPU
+patches, the upstream fixes, the comm taps, the overlap engine's subclass, class
+swap and copy), so after an upgrade the failing cases name every intervention
+that can be deleted or no longer fits.
 """
 
 import os
@@ -12,10 +14,13 @@ import sys
 import pytest
 import torch
 
+from megatron_moe import overlap
+from megatron_moe.comm import megatron_core
+from megatron_moe.overlap import grad_reduce, install, linears
 from megatron_moe.platform import cpu_compat, current_platform, init_platform, upstream_fixes
 from megatron_moe.platform.norms import SequenceParallelNorm
 
-ALL_PATCHES = cpu_compat.PATCHES + upstream_fixes.PATCHES
+ALL_PATCHES = cpu_compat.PATCHES + upstream_fixes.PATCHES + megatron_core.TAPS + overlap.PROBES
 ON_GPU = current_platform().is_accelerator
 cpu_only = pytest.mark.skipif(ON_GPU, reason="the CPU patches apply only without CUDA (MEGATRON_MOE_FORCE_CPU=1)")
 
@@ -38,7 +43,31 @@ def test_gpu_platform_picks_nccl_and_leaves_torch_unpatched():
 
 @pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
 def test_patch_still_needed(patch):
-    assert patch.still_needed(), f"megatron-core no longer needs patch {patch.name!r}: {patch.why}"
+    what = "no longer needs patch" if patch.apply else "no longer fits the intervention"
+    assert patch.still_needed(), f"megatron-core {what} {patch.name!r}: {patch.why}"
+
+
+@pytest.mark.parametrize(
+    "module, attr, changed",
+    [
+        (linears, "UPSTREAM_LINEAR_SHA256", "0" * 64),  # the upstream linear's text changed
+        (grad_reduce, "_BUCKET_GROUP_READS", grad_reduce._BUCKET_GROUP_READS + ("self.renamed_upstream",)),
+        (grad_reduce, "_DDP_READS", ("self.bucket_groups_renamed",)),
+    ],
+)
+def test_an_upstream_change_fails_the_probe_of_the_intervention_it_breaks(monkeypatch, module, attr, changed):
+    probes = {p.name: p for p in overlap.PROBES}
+    name = "deferring_linear_copy" if module is linears else "planned_bucket_groups"
+    assert probes[name].still_needed()
+    monkeypatch.setattr(module, attr, changed)
+    assert not probes[name].still_needed()
+
+
+def test_the_class_swap_probe_reads_gpt_models_head(monkeypatch):
+    (probe,) = install.PROBES
+    assert probe.still_needed()
+    monkeypatch.setattr(install, "source", lambda *args: "self.output_layer = SomethingElse(")
+    assert not probe.still_needed()
 
 
 def test_patch_names_unique_and_documented():
