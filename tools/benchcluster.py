@@ -21,6 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from emulated_cluster import EmulatedCluster, stop_process_group, tail  # noqa: E402
 
+from megatron_moe.files import write_json_atomic  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_ENV = "BENCH_RESULT"
 KEEP_LOGS_ENV = "BENCH_KEEP_LOGS"
@@ -116,7 +118,4 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> str | None:
 
 def write_result(result) -> None:
     """Worker side: write `result` (JSON-serializable) where the driver reads it. Call on one rank only."""
-    path = os.environ[RESULT_ENV]
-    with open(path + ".tmp", "w") as stream:
-        json.dump(result, stream)
-    os.replace(path + ".tmp", path)  # the driver never reads half a file
+    write_json_atomic(os.environ[RESULT_ENV], result)  # the driver never reads half a file

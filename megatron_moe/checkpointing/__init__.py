@@ -44,6 +44,7 @@ from megatron_moe import comm
 from megatron_moe.checkpointing import integrity
 from megatron_moe.config import ConfigError, RunConfig
 from megatron_moe.failure import ONCE
+from megatron_moe.files import write_atomic
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.rng import get_rng_states, set_rng_states
 
@@ -299,12 +300,7 @@ def _bytes_needed(root: str, state: dict) -> int:
 
 
 def _publish(root: str, iteration: int) -> None:
-    pointer = os.path.join(root, TRACKER)
-    with open(pointer + ".tmp", "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer + ".tmp", pointer)
+    write_atomic(os.path.join(root, TRACKER), str(iteration))
 
 
 def latest_checkpoint(root: str) -> str | None:

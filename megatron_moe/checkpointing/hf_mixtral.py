@@ -20,8 +20,6 @@ Layouts that differ:
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from megatron_moe.config import ConfigError, RunConfig
@@ -174,8 +172,6 @@ def to_hf(ours: dict[str, torch.Tensor], cfg: RunConfig, vocab_size: int):
 
 
 # ----------------------------------------------------------------------------- import
-
-_PUBLISHED_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 
 
 def from_hf(hf: dict[str, torch.Tensor], cfg: RunConfig, padded_vocab: int) -> dict[str, torch.Tensor]:

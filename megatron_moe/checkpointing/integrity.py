@@ -14,6 +14,7 @@ import re
 import shutil
 
 from megatron_moe.config import ConfigError
+from megatron_moe.files import write_json_atomic
 
 MANIFEST = "checksums.json"  # written last into iter_N.tmp, before it is renamed to iter_N
 _ITER_DIR = re.compile(r"iter_(\d+)$")  # published ones only: not iter_N.tmp / iter_N.old
@@ -65,11 +66,7 @@ def write_manifest(path: str) -> None:
     for name in _files(path):
         file = os.path.join(path, name)
         files[name] = {"bytes": os.path.getsize(file), "sha256": sha256(file)}
-    with open(os.path.join(path, MANIFEST + ".tmp"), "w") as f:
-        json.dump({"files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(os.path.join(path, MANIFEST + ".tmp"), os.path.join(path, MANIFEST))
+    write_json_atomic(os.path.join(path, MANIFEST), {"files": files}, indent=1)
 
 
 def verify_manifest(path: str) -> bool:

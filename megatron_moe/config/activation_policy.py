@@ -30,7 +30,6 @@ from megatron_moe.config.fields import ConfigError, require
 
 QUANT_FORMATS = ("int8_row", "int8_block", "fp8_row")
 """Storage formats of quantized activations (`megatron_moe.activations.quantize` implements them)."""
-MODES = ("save", "recompute", "quantize", "recompute+quantize")
 
 # name -> (what it is, whether floating-point activations are saved inside it)
 MODULES: dict[str, tuple[str, bool]] = {

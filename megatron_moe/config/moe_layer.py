@@ -109,10 +109,6 @@ class MoELayerConfig:
     """Seed of the routed experts' initial weights: expert e of layer l starts from (init_seed, l, e) alone."""
 
     @property
-    def is_dropless(self) -> bool:
-        return self.capacity_factor is None or self.capacity_factor <= 0
-
-    @property
     def gated(self) -> bool:
         return self.expert_type == "swiglu"
 

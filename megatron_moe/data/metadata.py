@@ -39,6 +39,7 @@ import os
 import numpy
 
 from megatron_moe.data import DataError
+from megatron_moe.files import write_json_atomic
 
 FORMAT = "megatron_moe.tokenized_data"
 VERSION = 1
@@ -156,17 +157,7 @@ def read_metadata(prefix: str) -> TokenMetadata | None:
 
 def write_metadata(path: str, metadata: TokenMetadata) -> None:
     """Write ``metadata`` to ``path`` atomically (a temporary file renamed into place)."""
-    temporary = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(temporary, "w", encoding="utf-8") as stream:
-            json.dump(metadata.to_json(), stream, indent=1)
-            stream.write("\n")
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    write_json_atomic(path, metadata.to_json(), indent=1)
 
 
 def scan_max_token_id(bin_path: str, dtype: type, num_tokens: int) -> int:

@@ -293,3 +293,12 @@ class AllToAllV(Dispatcher):
 def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None, esp_group=None) -> Dispatcher:
     dispatcher = {"alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
     return dispatcher(group, num_experts, layer=layer, esp_group=esp_group)
+
+
+def set_backward_overlap(model: torch.nn.Module, overlap) -> None:
+    """Every MoE dispatcher of `model` runs `overlap` (a `comm.BackwardOverlap`: Lancet's queue, the gradient
+    partition's launcher) under its backward all-to-alls."""
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(dispatcher, Dispatcher):
+            dispatcher.backward_overlap = overlap

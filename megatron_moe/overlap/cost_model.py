@@ -60,13 +60,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 from scipy.optimize import minimize, nnls
 
 from megatron_moe.config.fields import require
+from megatron_moe.files import write_json_atomic
 
 FIT_KINDS = ("a2a", "ag", "rs", "ar", "gemm")
 """a2a: dispatch/combine all-to-all over the EP group (n: bytes this rank sends); ag: ESP all-gather (n: bytes of
@@ -176,10 +176,7 @@ class ClusterFits:
 
     def save(self, path: str) -> None:
         """Write the JSON atomically (a reader never sees half a file)."""
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_json(), indent=1, sort_keys=True)
 
     @classmethod
     def load(cls, path: str) -> ClusterFits:

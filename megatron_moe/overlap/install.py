@@ -16,7 +16,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_moe.moe.dispatch import Dispatcher
+from megatron_moe.moe.dispatch import set_backward_overlap
 from megatron_moe.moe.weight_grad import DeferrableWeights
 from megatron_moe.overlap.linears import DeferrableColumnParallelLinear
 from megatron_moe.overlap.runtime import WgradQueue
@@ -73,7 +73,7 @@ def install_wgrad_overlap(
         for key, module in deferrable_modules(chunk):
             _install(key, module, queue)
             installed.append((key, module))
-        _give_dispatchers(chunk, queue)
+        set_backward_overlap(chunk, queue)
     return installed
 
 
@@ -86,7 +86,7 @@ def install_on_moe_layer(moe_layer: torch.nn.Module, queue: WgradQueue) -> list[
             key = f"L{moe_layer.layer_number}.{MOE_NAMES[path]}"
             _install(key, module, queue)
             installed.append((key, module))
-    _give_dispatchers(moe_layer, queue)
+    set_backward_overlap(moe_layer, queue)
     return installed
 
 
@@ -95,13 +95,6 @@ def _install(key: str, module: DeferrableWeights, queue: WgradQueue) -> None:
     module.weight_grad_store = queue.store_for(module)
     for param in module.deferred_params():
         param.skip_backward_post_hook = True
-
-
-def _give_dispatchers(model: torch.nn.Module, queue: WgradQueue) -> None:
-    for module in model.modules():
-        dispatcher = getattr(module, "dispatcher", None)
-        if isinstance(dispatcher, Dispatcher):
-            dispatcher.backward_overlap = queue
 
 
 def _gpt_head_is_a_local_column_parallel_linear() -> bool:

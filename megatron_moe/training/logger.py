@@ -174,12 +174,7 @@ class TrainingLogger:
         parts += [f"skipped iterations: {self._skipped}", f"memory: {memory / 2**20:.0f} MiB"]
         parts += _comm_parts(**self._comm)
         parts += _kind_parts(self._kinds, self._comm["steps"])
-        if self._layers:
-            hidden = (
-                f"{n}: {100.0 * max(0.0, 1.0 - e / c) if c > 0 else 0.0:.0f}%"
-                for n, (e, c) in sorted(self._layers.items())
-            )
-            parts.append("hidden by MoE layer: " + " ".join(hidden))
+        parts += _layer_parts(self._layers)
         log.info(" | ".join(parts))
         scalars = {"iteration-time": ms_per_iter / 1000.0, "tokens-per-sec": tokens_per_s, "mem-bytes": memory}
         if self.flops_per_step is not None:

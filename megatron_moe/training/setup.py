@@ -21,7 +21,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_moe.config import RunConfig
 from megatron_moe.config.moe_layer import AUTO
 from megatron_moe.model.builder import build_model_chunks, params_dtype
-from megatron_moe.moe.dispatch import Dispatcher
+from megatron_moe.moe.dispatch import set_backward_overlap
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.overlap import WgradQueue, install_wgrad_overlap
@@ -292,10 +292,7 @@ def install_grad_reduce_plan(
     launch = assign_layers(ddp, partition, cfg.model.num_layers, reduced_params(ddp))
     launcher = GradReduceLauncher(inner=wgrad_queue, partition=partition)
     groups = regroup(ddp, launch, launcher, cfg.model.num_layers)["groups"]
-    for module in ddp.module.modules():
-        dispatcher = getattr(module, "dispatcher", None)
-        if isinstance(dispatcher, Dispatcher):
-            dispatcher.backward_overlap = launcher
+    set_backward_overlap(ddp.module, launcher)
     if dist.get_rank() == 0:
         shares = ", ".join(f"L{g.layer} {partition.assigned[g.layer] / 2**20:.2f}" for g in generalized)
         log.info(
