@@ -1,4 +1,5 @@
-"""The package's layering: no import cycle between megatron_moe's subpackages, a light config layer.
+"""The package's layering: imports go down the layers (README.md, "Project layout"), no import cycle between
+megatron_moe's subpackages, a light config layer.
 
 Every import statement counts, at module level or inside a function: an import
 moved into a function still ties the two packages together, it only hides the
@@ -32,9 +33,13 @@ def imported_modules(path: str):
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from its package, up level - 1
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                yield ".".join(base + ([node.module] if node.module else [])), node.lineno
+                module = ".".join(base + ([node.module] if node.module else []))
             else:
-                yield node.module, node.lineno
+                module = node.module
+            if module == "megatron_moe":  # `from megatron_moe import comm`: the subpackage comm
+                yield from ((f"{module}.{alias.name}", node.lineno) for alias in node.names)
+            else:
+                yield module, node.lineno
 
 
 def subpackage_edges(root: str = PACKAGE) -> dict[str, dict[str, str]]:
@@ -44,8 +49,9 @@ def subpackage_edges(root: str = PACKAGE) -> dict[str, dict[str, str]]:
         for file in sorted(f for f in files if f.endswith(".py")):
             path = os.path.join(folder, file)
             parts = os.path.relpath(path, root).split(os.sep)
-            if len(parts) < 2:  # megatron_moe/__init__.py belongs to no subpackage
+            if parts == ["__init__.py"]:  # belongs to no subpackage
                 continue
+            parts[0] = parts[0].removesuffix(".py")  # a top-level module (files.py) is a layer's member too
             for module, line in imported_modules(path):
                 target = module.split(".")
                 if target[0] == "megatron_moe" and len(target) > 1 and target[1] != parts[0]:
@@ -71,6 +77,58 @@ def find_cycle(edges: dict[str, dict[str, str]]) -> list[str] | None:
         if start not in state and (cycle := visit(start, [start])):
             return cycle
     return None
+
+
+LAYERS = (
+    ("config", "files", "failure", "lifetime"),
+    ("platform",),
+    ("comm", "data", "activations"),
+    ("moe",),
+    ("overlap",),
+    ("model",),
+    ("checkpointing",),
+    ("training",),
+)
+"""megatron_moe's layers, bottom first: a subpackage (or top-level module) imports only from layers below its own
+(tools/ and tests/ sit on top of them all)."""
+
+
+def upward_imports(edges: dict[str, dict[str, str]]) -> list[str]:
+    """Each import of a layer's member from its own layer or one above, as a line naming both and the place."""
+    level = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    members = set(edges) | {b for targets in edges.values() for b in targets}
+    assert members <= set(level), f"not in a layer: {sorted(members - set(level))}; add it to LAYERS and the README"
+    return [
+        f"{a} (layer {level[a]}) imports {b} (layer {level[b]}) at {where}"
+        for a, targets in sorted(edges.items())
+        for b, where in sorted(targets.items())
+        if level[b] >= level[a]
+    ]
+
+
+def test_imports_go_down_the_layers():
+    edges = subpackage_edges()
+    assert "files" in edges["checkpointing"] and "comm" in edges["moe"]  # `from megatron_moe import comm` counts
+    upward = upward_imports(edges)
+    assert not upward, "imports that do not go down the layers:\n" + "\n".join(upward)
+
+
+def test_an_upward_import_is_named(tmp_path):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "rules.py").write_text("from megatron_moe import moe\n")
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "layer.py").write_text("from megatron_moe.config import rules\n")
+    assert [line.split(" at ")[0] for line in upward_imports(subpackage_edges(str(tmp_path)))] == [
+        "config (layer 0) imports moe (layer 3)"
+    ]
+
+
+def test_the_package_never_imports_tools():
+    for folder, _, files in os.walk(PACKAGE):
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, file)
+            tools = [line for module, line in imported_modules(path) if module and module.split(".")[0] == "tools"]
+            assert not tools, f"{os.path.relpath(path, ROOT)}:{tools[0]} imports tools/, which sits above the package"
 
 
 def test_no_import_cycle_between_subpackages():
