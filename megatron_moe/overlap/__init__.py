@@ -1,11 +1,12 @@
-"""Communication hidden under computation. Lancet (issue 14): weight-gradient GEMMs run under the backward
-all-to-alls.
+"""Communication hidden under computation (README.md here: the map of what plans, executes and measures).
+
+Lancet: weight-gradient GEMMs run under the backward all-to-alls.
 
 `plan.py`: Lancet's Algorithm 1 (which dW under which all-to-all); `runtime.py`: the queue that runs it;
 `install.py`: wiring it into a model; `linears.py`: megatron-core's Column/RowParallelLinear whose weight
 gradient goes through a store.
 
-FSMoE (issue 15): `cost_model.py`, the fitted time model and Algorithm 1 (pipeline degrees per layer);
+FSMoE: `cost_model.py`, the fitted time model and Algorithm 1 (pipeline degrees per layer);
 `profiler.py`, the micro-benchmarks that fit it on the running cluster; `degrees.py`, a run's flags -> each MoE
 layer's degrees (tools/plan_schedule.py prints them).
 """
