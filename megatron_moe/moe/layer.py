@@ -26,12 +26,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_moe import comm
 from megatron_moe.config.fields import require
 from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
+from megatron_moe.moe.aux_loss import AuxLossAutoScaler
 from megatron_moe.moe.capacity import expert_capacity
 from megatron_moe.moe.dispatch import Dispatched, DispatchPlan, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
-from megatron_moe.moe.metrics import AuxLossAutoScaler, MoEStats
+from megatron_moe.moe.metrics import MoEStats
 from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, expert_counts, make_plan
 from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum

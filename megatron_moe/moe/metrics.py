@@ -1,8 +1,9 @@
-"""Router losses in the backward pass, and per-layer MoE statistics for the log.
+"""Per-layer MoE statistics for the log, and the router losses' gradient scale.
 
 No module-level state: each `MoELayer` owns an `MoEStats` (detached sums
 over the step) and an `aux_loss_scale`; the training loop sets the scale with
-`set_moe_aux_loss_scale` and reads the figures with `collect_moe_metrics`.
+`set_moe_aux_loss_scale` and reads the figures with `collect_moe_metrics`. The
+router losses' gradient path itself: `megatron_moe.moe.aux_loss`.
 
 Legend: E = experts, L = layers of the whole model (all pipeline stages).
 """
@@ -28,27 +29,6 @@ PER_LAYER = (
     "aux_loss",
     "z_loss",
 )
-
-
-class AuxLossAutoScaler(torch.autograd.Function):
-    """Identity on the layer output whose backward also feeds d(aux)/d(aux) = scale into the router.
-
-    The scale is taken when the forward runs (`scale` argument), not from a
-    global: the loop sets it to loss_scale / num_microbatches, exactly the
-    factor megatron-core's schedule applies to the lm loss, so the aux-loss
-    gradient of a step is the mean over its micro-batches whatever their number.
-    """
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        ctx.scale = scale
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
 class MoEStats:
