@@ -12,7 +12,7 @@ barriers, under the communication timers (megatron_moe/comm/timers.py). Per case
 call). megatron-core's dispatcher all-to-alls reach the timers through the torch.distributed taps, classified by
 group: they show as kind `other` (ours carry their MoE kinds: `a2a_dispatch`, `a2a_combine`, ..._bwd).
 
-Lancet (issue 14): our layer runs twice per round, without a weight-gradient queue (`layer_ms`, `exposed_ms`,
+Lancet: our layer runs twice per round, without a weight-gradient queue (`layer_ms`, `exposed_ms`,
 `comm_ms`) and with one (`overlap_wgrad` = "all-under-next-a2a", no DDP: its dW GEMMs run under the next backward
 all-to-all and accumulate into `.grad`; `layer_ms_wgrad`, `exposed_ms_wgrad`, `comm_ms_wgrad`). `bwd_a2a_exposed_ms`
 (off, on) sums the backward all-to-alls' exposed ms, `bwd_a2a_exposed_cut` = 1 - on / off; `wgrad` is the queue's

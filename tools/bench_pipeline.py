@@ -1,4 +1,4 @@
-"""FSMoE's chunked pipeline (issue 15) at the layer level on an emulated cluster: the solver's degrees against r = 1,
+"""FSMoE's chunked pipeline at the layer level on an emulated cluster: the solver's degrees against r = 1,
 the Tutel-style fixed degree and the brute force.
 
     python tools/bench_pipeline.py     # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, degrees {1,2,4,8}^2, 5 repeats

@@ -26,7 +26,7 @@ profile at start-up, later ones load it (--moe-cost-profile, one file per layout
 solves the degrees); these three with megatron-core's gradient reduction after backward. Then, as `pipeline`:
 `grad_overlap` (megatron-core's --overlap-grad-reduce, default buckets), `grad_small` (the same with
 --ddp-bucket-size `SMALL_BUCKET`, small buckets by hand) and `adaptive` (FSMoE's adaptive gradient partition,
---grad-reduce-schedule adaptive, issue 16). The `2x2dp` layout (asked for by name) keeps EP=2 inside each node and
+--grad-reduce-schedule adaptive). The `2x2dp` layout (asked for by name) keeps EP=2 inside each node and
 puts the data-parallel reduction on the link.
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
@@ -41,7 +41,7 @@ are pooled into one JSON object per case, printed once every case has run:
   compute thread was blocked on it), `bytes` (kind -> bytes sent per step), `calls` (kind -> collectives issued
   per step), `hidden_frac` (1 - exposed / comm over
   all kinds), `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
-- the options in force: `overlap_wgrad` (Lancet, issue 14), `pipeline_degree`, `bp_pipeline_degree` (issue 15:
+- the options in force: `overlap_wgrad` (Lancet), `pipeline_degree`, `bp_pipeline_degree` (FSMoE:
   "auto" or the number) and `overlap` (all of them), `pipeline_degrees` (MoE layer -> [forward, backward] in
   force, auto resolved: the Trainer's first history entry), the model flags, steps; `wgrad`: the queue's figures
   (closures under an all-to-all / at their natural place, peak MiB held, and the greedy plan's profile: backward
@@ -87,8 +87,8 @@ SMALL_BUCKET = 250_000
 buckets in MODEL; its default is 40M parameters, one bucket here)."""
 SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pipeline-degree, gradient flags)
     "off": ("off", "1", "1", ("--grad-reduce-schedule", "megatron")),
-    "greedy": ("greedy", "1", "1", ("--grad-reduce-schedule", "megatron")),  # Lancet (issue 14)
-    # Lancet + FSMoE's pipeline (issue 15), profile measured at start-up
+    "greedy": ("greedy", "1", "1", ("--grad-reduce-schedule", "megatron")),  # Lancet
+    # Lancet + FSMoE's pipeline, profile measured at start-up
     "pipeline": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "megatron")),
     # ... + megatron-core's bucketed overlap of the gradient reduction, default buckets, then small ones
     "grad_overlap": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "megatron", "--overlap-grad-reduce")),
@@ -98,7 +98,7 @@ SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pip
         "auto",
         ("--grad-reduce-schedule", "megatron", "--overlap-grad-reduce", "--ddp-bucket-size", str(SMALL_BUCKET)),
     ),  # fmt: skip
-    # ... + FSMoE's adaptive gradient partition (issue 16)
+    # ... + FSMoE's adaptive gradient partition
     "adaptive": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive")),
 }
 GRAD_BASELINES = ("pipeline", "grad_overlap", "grad_small")

@@ -44,7 +44,7 @@ def layer_sizes(cfg: RunConfig) -> LayerSizes:
 
 
 def experts_defer_wgrad(cfg: RunConfig) -> bool:
-    """Whether Lancet's queue (--overlap-wgrad, issue 14) takes the experts' weight gradients out of the layer's
+    """Whether Lancet's queue (--overlap-wgrad) takes the experts' weight gradients out of the layer's
     backward (the cost model then leaves them out of it)."""
     return cfg.moe.wgrad_policy(cfg.parallel.expert_model_parallel_size) != "off"
 

@@ -1,4 +1,4 @@
-"""The adaptive gradient partition at run time (FSMoE section 5, issue 16): megatron-core DDP's gradient buckets
+"""The adaptive gradient partition at run time (FSMoE section 5): megatron-core DDP's gradient buckets
 regrouped so that each MoE layer's backward launches the share of the data-parallel reduction the plan gives it.
 
 megatron-core's DDP is built with one bucket per parameter (`bucket_size=1`, `overlap_grad_reduce`): its buffers,

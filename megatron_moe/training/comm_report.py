@@ -2,8 +2,8 @@
 warning for an overlap option that hides nothing.
 
 `OVERLAP_OPTIONS` is the table of options that promise to hide communication: a description naming the
-flags, when it is in force, and the kinds it should hide. Issue 14 added overlap_wgrad, 15 the pipeline
-degrees; 16 adds grad_reduce_schedule.
+flags, when it is in force, and the kinds it should hide: overlap_wgrad (Lancet), the pipeline degrees (FSMoE's
+chunked pipeline) and grad_reduce_schedule (FSMoE's gradient partition).
 """
 
 from __future__ import annotations

@@ -413,6 +413,6 @@ class Trainer:
 
 
 def moe_pipeline_degrees(model) -> dict[str, list[int]]:
-    """Our MoE layers' pipeline degrees in force: layer number -> [forward, backward] (issue 15's FSMoE pipeline;
+    """Our MoE layers' pipeline degrees in force: layer number -> [forward, backward] (FSMoE pipeline;
     "auto" is resolved at set-up). Empty without our MoE layers."""
     return {str(layer.layer_number): list(layer.pipeline_degrees()) for layer in moe_layer_modules(model)}

@@ -235,7 +235,7 @@ def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str]:
 def resolve_pipeline_degrees(
     cfg: RunConfig, model, fits: ClusterFits | None, source: str = "", partition: GradPartition | None = None
 ) -> dict[int, Schedule] | None:
-    """Resolve --moe-pipeline-degree / --moe-bp-pipeline-degree auto (FSMoE, issue 15) on every MoE layer of
+    """Resolve --moe-pipeline-degree / --moe-bp-pipeline-degree auto (FSMoE) on every MoE layer of
     `model`: the cluster's `fits` (`cluster_fits`), each layer's sizes and the gradient all-reduce the adaptive
     `partition` puts in its backward (t_gar), FSMoE's Algorithm 1. Returns MoE layer number -> schedule; None when
     nothing is auto."""
@@ -271,7 +271,7 @@ def resolve_pipeline_degrees(
 def install_grad_reduce_plan(
     cfg: RunConfig, model, fits: ClusterFits | None, wgrad_queue: WgradQueue | None
 ) -> GradReduceLauncher | None:
-    """--grad-reduce-schedule adaptive (FSMoE's gradient partition, issue 16): the plan from `fits` and this
+    """--grad-reduce-schedule adaptive (FSMoE's gradient partition): the plan from `fits` and this
     stage's MoE layers, realised in the model chunk's DDP bucket groups, launched from the MoE layers' backward
     all-to-alls (`megatron_moe.overlap.grad_reduce`): the launcher (its `partition`, the plan). None where
     megatron-core's buckets stay."""

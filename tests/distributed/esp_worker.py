@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks): expert-sharded parallelism (ESP), issue 15.
+"""torchrun worker (4 gloo ranks): expert-sharded parallelism (ESP).
 
 1. The collectives `esp_all_gather` / `esp_reduce_scatter` over ESP groups of 2 and 4 ranks, with uneven
    sizes and zero rows: values and gradients against what every rank can compute on its own (all inputs are

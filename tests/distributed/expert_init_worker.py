@@ -1,6 +1,6 @@
 """torchrun worker (4 gloo ranks): the routed experts' initial weights do not depend on the layout or the device.
 
-Issue 25, item 1. Global expert e of layer l starts from (seed, l, e) alone: built at EP=1 (x DP=4), EP=2,
+Global expert e of layer l starts from (seed, l, e) alone: built at EP=1 (x DP=4), EP=2,
 EP=4 and ESP=2 x EP=2, every rank's slices gathered into whole experts equal the single-process layer's
 experts exactly, and no two experts are alike. The router and the shared expert are the same on every rank.
 Each layout runs twice: with the tracker as the CPU platform has it (its fork swaps the host generator) and as

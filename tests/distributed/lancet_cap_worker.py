@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks) of tests/distributed/test_lancet.py's memory-cap cases (issue 25, item 4).
+"""torchrun worker (4 gloo ranks) of tests/distributed/test_lancet.py's memory-cap cases.
 
     torchrun --nproc-per-node 4 lancet_cap_worker.py cap DATA_PREFIX TOKENIZER WORKDIR
 

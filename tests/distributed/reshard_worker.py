@@ -52,7 +52,7 @@ HOPS = {
         ["--pipeline-model-parallel-size", "2"],
     ),
     "back_to_1": ("pp2", Target(pipeline_parallel_size=1), []),
-    # Issue 15: each expert's FFN width split over 2 ranks (ESP), and back to EP=2.
+    # ESP: each expert's FFN width split over 2 ranks (ESP), and back to EP=2.
     "esp2": (
         "ep2",
         Target(expert_parallel_size=1, expert_tensor_parallel_size=2),
@@ -63,7 +63,7 @@ HOPS = {
         Target(expert_parallel_size=2, expert_tensor_parallel_size=1),
         ["--expert-model-parallel-size", "2"],
     ),
-    # Issue 17: the interleaved pipeline, 2 model chunks per pipeline rank, and from it straight back to PP=1.
+    # The interleaved pipeline, 2 model chunks per pipeline rank, and from it straight back to PP=1.
     "pp2_vpp2": ("pp2", Target(virtual_stages=2), VPP2_FLAGS),
     "vpp2_to_1": ("pp2_vpp2", Target(pipeline_parallel_size=1), []),
     "ep2_distopt_weights_only": (
@@ -117,7 +117,7 @@ def chain() -> dict:
             "world_size": plan.world_size,
             **facts(ckpt(name)),
         }
-    # Issue 17: PP=2 x VPP=2 on these 2 ranks, all 4 steps from the initial weights, and the source resumed there
+    # PP=2 x VPP=2 on these 2 ranks, all 4 steps from the initial weights, and the source resumed there
     # directly (resharded at load, optimizer state included).
     results["pp2_vpp2_from_init"] = train("--load", ckpt("init"), *VPP2_FLAGS)
     results["pp2_vpp2_direct"] = train("--load", ckpt("src"), *VPP2_FLAGS)

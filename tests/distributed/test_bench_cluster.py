@@ -1,4 +1,4 @@
-"""The benchmarks at EP >= 2 on an emulated cluster (issue 13 item 5): tools/bench_step.py and
+"""The benchmarks at EP >= 2 on an emulated cluster: tools/bench_step.py and
 tools/bench_moe_layer.py --cluster, each one tiny case on 2 nodes x 1 process (EP=2, every all-to-all crosses the
 link): their JSON rows have the fields later issues extend, and the all-to-alls show up as exposed time and bytes.
 Needs root, `ip` and `tc` (tests/distributed/test_emulated_cluster.py says what is missing)."""

@@ -1,4 +1,4 @@
-"""Issue 13 item 3: the communication timers agree with physics, on 2 emulated nodes x 1 process whose link
+"""The communication timers agree with physics, on 2 emulated nodes x 1 process whose link
 tc limits to 0.5 Gbit/s (tools/emulated_cluster.py; needs root, `ip` and `tc`).
 
 (a) A synchronous all-to-all (megatron_moe/comm/transport.py's) in which B bytes cross the link (rank 0 sends,

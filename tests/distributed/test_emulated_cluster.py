@@ -1,4 +1,4 @@
-"""tools/emulated_cluster.py (issue 13 item 1): nodes as network namespaces joined by shaped links.
+"""tools/emulated_cluster.py: nodes as network namespaces joined by shaped links.
 
 The tool gives every node its launch variables, returns the worst exit code, stops the other nodes when one
 fails, and removes every namespace it made: after a normal run, a failing node, SIGTERM/SIGINT/SIGHUP, and (by
@@ -213,7 +213,7 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad 
 
 
 def test_training_across_the_emulated_nodes_gives_the_losses_of_loopback(train_data):
-    """Issue 13 item 4: the same 2-rank EP=2 run, on loopback and across 2 nodes' shaped link: the same losses
+    """The same 2-rank EP=2 run, on loopback and across 2 nodes' shaped link: the same losses
     and grad norms, bit for bit (the wire changes nothing but time)."""
     loopback = tiny_pretrain_command(train_data, "--train-iters", "10")
     script = next(i for i, word in enumerate(loopback) if word.endswith("pretrain_gpt_moe.py"))

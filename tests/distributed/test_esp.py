@@ -1,4 +1,4 @@
-"""Issue 15: expert-sharded parallelism (ESP) in one torchrun job of 4 gloo ranks (esp_worker.py).
+"""Expert-sharded parallelism (ESP) in one torchrun job of 4 gloo ranks (esp_worker.py).
 
 - `esp_all_gather` / `esp_reduce_scatter` over 2 and 4 ranks, uneven sizes and zero rows: exact values and
   gradients (the reduce-scatter adds the blocks in rank order: the same bits as that sum computed locally).

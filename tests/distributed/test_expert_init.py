@@ -1,4 +1,4 @@
-"""Issue 25, item 1: global expert e's initial weights are a function of (seed, layer, e) alone (one torchrun job
+"""Global expert e's initial weights are a function of (seed, layer, e) alone (one torchrun job
 of 4 gloo ranks, expert_init_worker.py).
 
 At EP=1 (x DP=4), EP=2, EP=4 and ESP=2 x EP=2, GELU and SwiGLU with a shared expert, the gathered experts equal

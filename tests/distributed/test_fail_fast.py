@@ -1,6 +1,6 @@
 """A diverging 2-rank job (--lr 1e3): warned at its first steps, stopped naming the non-finite gradient.
 
-Issue 12 item 7: before, a diverging run died with "found NaN ... iteration -1"; issue 26 item 5e: the loss
+Before, a diverging run died with "found NaN ... iteration -1", and the loss
 reached 4e7 at iteration 2 with no warning until one step before the stop. An exception or a NaN on one rank:
 tests/faults/test_ranks.py.
 """
@@ -55,7 +55,7 @@ def test_divergence_warns_then_a_non_finite_gradient_stops_the_run_naming_it(div
 
 
 def test_an_immediate_divergence_is_warned_at_its_first_step(diverged):
-    """Issue 26 item 5e: with --lr 1e3 the loss reached 4e7 at iteration 2 with no warning until one step
+    """With --lr 1e3 the loss reached 4e7 at iteration 2 with no warning until one step
     before the stop."""
     _, lines, _ = diverged
     warnings = [line for line in lines if "loss spike at iteration" in line]

@@ -1,4 +1,4 @@
-"""Issue 13 item 6: on a GPU the communication timers are CUDA events on the compute stream, read once per step
+"""On a GPU the communication timers are CUDA events on the compute stream, read once per step
 after the step's loss reached the host: a step with the timers on takes within 2% of one with them off, and they
 add exactly one device wait per step (the event `summary()` settles). Skipped without a CUDA GPU."""
 

@@ -1,4 +1,4 @@
-"""Issue 16: FSMoE's adaptive gradient partition changes where the data-parallel reduction starts, not what it
+"""FSMoE's adaptive gradient partition changes where the data-parallel reduction starts, not what it
 computes (`train_worker.py grad_reduce`, 4 gloo ranks, one torchrun job, 4 steps from the same seed per run).
 
 With DP = 2 for the dense and the expert parameters (TP=2+SP+EP=2; alone, under Lancet's deferred dW, with 4

@@ -1,10 +1,10 @@
-"""Issue 14: Lancet's deferred weight-gradient GEMMs change no number.
+"""Lancet's deferred weight-gradient GEMMs change no number.
 
 Every layout of `train_worker.LANCET` (EP=2; TP=2+SP+EP=2 and PP=2+EP=2 with 2
 micro-batches; EP=2 with 4; EP=4 with the distributed optimizer; every module
 recomputed; full recompute (nested backward passes); the arctic policy's quantized activations; bf16; fp16 with loss
 scaling; a shared expert; an untied LM head, deferred too; megatron-core DDP's --overlap-grad-reduce, whose
-buckets count a deferred gradient when it runs; expert-sharded parallelism ESP=2 x EP=2, issue 15) trains 4 steps
+buckets count a deferred gradient when it runs; expert-sharded parallelism ESP=2 x EP=2) trains 4 steps
 from the same seed with --overlap-wgrad off and all-under-next-a2a
 (greedy too in two: its plan runs from iteration 3): lm loss, grad norm and
 params norm are bit-identical, step by step (the same GEMMs on the same
@@ -14,7 +14,7 @@ all-to-alls (not at their natural place), and under a tiny memory cap some
 ran at their natural place instead. Under the interleaved pipeline (PP=2 x VPP=2 + EP=2) each model chunk's
 backward is a pass of its own, planned on its own by greedy.
 
-Issue 25 (`lancet_cap_worker.py`, a second job): the memory cap under dropless routing made uneven on purpose, one
+(`lancet_cap_worker.py`, a second job): the memory cap under dropless routing made uneven on purpose, one
 rank of each expert-data-parallel pair receiving most rows and its peer few, with a cap between the two, the
 adaptive partition and megatron-core's overlapped reduction on: every rank starts its reductions in the same order,
 and the numbers are bit-identical to the uncapped run and to Lancet off.

@@ -1,4 +1,4 @@
-"""Issue 17: the flags a Megatron-LM user types, each group parsed and run (`train_worker.py megatron_lm`, 4 gloo
+"""The flags a Megatron-LM user types, each group parsed and run (`train_worker.py megatron_lm`, 4 gloo
 ranks at EP=2, one torchrun job, 4 steps per run from the same seed), and the same corpus through each
 --tokenizer-type, trained and resumed."""
 

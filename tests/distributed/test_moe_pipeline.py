@@ -1,4 +1,4 @@
-"""Issue 15: the chunked dispatch -> experts -> combine pipeline of our MoE layer equals the layer unpipelined
+"""The chunked dispatch -> experts -> combine pipeline of our MoE layer equals the layer unpipelined
 (EP=2 on 4 gloo ranks, one torchrun job; `pipeline_worker.py`).
 
 Per case (GELU and SwiGLU; the exact-rows and the capacity-padded all-to-all; dropless and with a capacity

@@ -104,7 +104,7 @@ def test_resharded_checkpoint_records_the_target_layout(runs, name):
 
 
 def test_interleaved_pipeline_on_two_ranks_matches_one_process(runs):
-    """Issue 17: PP=2 x VPP=2 on 2 ranks (each rank two model chunks) trains all 4 steps from the same initial weights
+    """PP=2 x VPP=2 on 2 ranks (each rank two model chunks) trains all 4 steps from the same initial weights
     as one process does, and resumes the one-process checkpoint of iteration 2 (resharded at load) likewise."""
     whole, direct = runs["pp2_vpp2_from_init"], runs["pp2_vpp2_direct"]
     assert [s["iteration"] for s in whole] == [1, 2, 3, 4] and [s["iteration"] for s in direct] == [3, 4]

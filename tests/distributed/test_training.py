@@ -142,7 +142,7 @@ def test_every_process_group_has_the_flags_timeout(runs):
 
 @pytest.mark.parametrize("layout", ["esp2_ep2", "tp2_esp2_ep2", "pp2_esp2", "esp2_ep2_distopt"])
 def test_expert_sharded_layout_matches_single_process(esp_runs, layout):
-    """Issue 15: experts' FFN width split over ESP=2 ranks (with EP=2, TP=2+SP, PP=2, the distributed optimizer)
+    """Experts' FFN width split over ESP=2 ranks (with EP=2, TP=2+SP, PP=2, the distributed optimizer)
     trains as the single process does, from the same initial weights (resharded along F on load)."""
     reference, esp = esp_runs
     assert len(esp[layout]) == len(reference["reference"]) == 4
@@ -175,7 +175,7 @@ MOE_FIGURES = ("moe aux loss", "moe tokens cv", "moe dead experts", "moe router 
 
 @pytest.mark.parametrize("layout", ["pp2_vpp2", "pp2_vpp2_ep2", "pp2_vpp2_ep2_overlap_distopt"])
 def test_interleaved_pipeline_matches_single_process(runs, layout):
-    """Issue 17: PP=2 x VPP=2 (each rank two model chunks, megatron-core's interleaved 1F1B), also with EP=2 and with
+    """PP=2 x VPP=2 (each rank two model chunks, megatron-core's interleaved 1F1B), also with EP=2 and with
     the distributed optimizer's overlapped reduction and gather, trains as the single process does; the MoE metrics
     cover both chunks of every rank."""
     reference, layouts, _ = runs

@@ -1,4 +1,4 @@
-"""Past --distributed-timeout-minutes the job ends with the watchdog's report (issue 12 item 2): a rank stopped
+"""Past --distributed-timeout-minutes the job ends with the watchdog's report: a rank stopped
 (SIGSTOP) with --dead-peer-seconds beyond the timeout, so that the timeout ends the job.
 
 Before, a rank stopped for 100-120 s produced no line at all, and gloo's eventual timeout ("Timed out waiting

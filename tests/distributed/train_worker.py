@@ -14,23 +14,23 @@ Scenarios (each a list of cases run one after another in this job):
   distributed optimizer and overlapped reduction and gather) and its checkpoints
   resumed at PP=1 and PP=2, and back.
 - `lancet` (4 ranks): --overlap-wgrad off, all-under-next-a2a and greedy in
-  the layouts and settings of issue 14 (EP=2, TP=2+SP+EP=2 and PP=2+EP=2 with
+  Lancet's layouts and settings (EP=2, TP=2+SP+EP=2 and PP=2+EP=2 with
   2 micro-batches, EP=2 with 4, EP=4 with the distributed optimizer,
   recompute, the arctic policy, bf16, fp16, a shared expert, a memory cap, PP=2 x VPP=2 + EP=2),
   the runs of a layout from the same seed.
-- `pipeline` (4 ranks): issue 15's chunked dispatch -> experts -> combine at degrees (r_f, r_b) against
+- `pipeline` (4 ranks): chunked dispatch -> experts -> combine at degrees (r_f, r_b) against
   (1, 1), from the same seed, in EP=2 (several degrees), SwiGLU with the capacity-padded all-to-all,
   TP=2+SP+EP=2, PP=2+EP=2, the arctic policy's quantized activations, 4 micro-batches, ESP=2 x EP=2 and
   TP=2+SP with ESP=2 x EP=2; and Lancet's all-under-next-a2a against off at the same degrees.
-- `esp` (4 ranks): expert-sharded parallelism (issue 15) from the reference's
+- `esp` (4 ranks): expert-sharded parallelism from the reference's
   initial weights: ESP=2 x EP=2, TP=2+SP with ESP=2 x EP=2, PP=2 x ESP=2,
   SwiGLU with the padded all-to-all (against the reference's SwiGLU run),
   the reference's iteration-2 checkpoint resumed at ESP=2 x EP=2, and an
   ESP=2 x EP=2 checkpoint resumed at EP=4 and at EP=1 x DP=4.
-- `grad_reduce` (4 ranks): issue 16's adaptive gradient partition against megatron-core's reduction, from the
+- `grad_reduce` (4 ranks): adaptive gradient partition against megatron-core's reduction, from the
   same seed: TP=2+SP+EP=2 (DP=2) alone, with Lancet's queue, with 4 micro-batches and with the distributed
   optimizer; EP=2 (DP=4); PP=2+EP=2.
-- `megatron_lm` (4 ranks): issue 17's Megatron-LM flags at EP=2: samples against iterations, WSD, the warm-up
+- `megatron_lm` (4 ranks): Megatron-LM flags at EP=2: samples against iterations, WSD, the warm-up
   fraction, the router flags (ours and megatron-core's layer), --overlap-param-gather, the logging flags; the
   same corpus through each --tokenizer-type (TOKENIZER_RUNS_JSON: {type: its --data-path and tokenizer flags}),
   4 steps saved at 2, and resumed from step 2.
@@ -95,7 +95,7 @@ LAYOUTS = {
     ],
     "pp2_ep2_recompute": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
 }
-# Issue 17: megatron-core's interleaved 1F1B, 2 model chunks per pipeline rank (rank 0: layers 1 and 3, rank 1: 2 and
+# megatron-core's interleaved 1F1B, 2 model chunks per pipeline rank (rank 0: layers 1 and 3, rank 1: 2 and
 # 4); 4 ranks, so DP=2 and 2 micro-batches (a multiple of PP). Each Megatron-LM spelling of it once.
 VPP2 = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
 VPP_LAYOUTS = {
@@ -255,9 +255,9 @@ LANCET = {
     # DDP's buckets start their reduce when their last gradient is in: deferred ones count when they run.
     "pp2_ep2_overlap_grad_reduce": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
     + ["--overlap-grad-reduce"],
-    # Issue 15: experts sharded over ESP=2 (their dW slices deferred under the all-to-alls between ESP groups).
+    # ESP: experts sharded over ESP=2 (their dW slices deferred under the all-to-alls between ESP groups).
     "esp2_ep2": ESP2_EP2,
-    # Issue 17: the interleaved pipeline, each chunk's backward a pass of its own (and the queue's flush at its end);
+    # The interleaved pipeline, each chunk's backward a pass of its own (and the queue's flush at its end);
     # every layer MoE, so that the logging rank's chunks (layers 2 and 4) have all-to-alls to hide dW under.
     "pp2_vpp2_ep2": [*VPP2, "--expert-model-parallel-size", "2", "--moe-layer-freq", "1"],
 }
@@ -354,7 +354,7 @@ def slow_link_profile(path: str) -> None:
 
 
 def grad_reduce() -> dict:
-    """Each GRAD_REDUCE layout with megatron-core's reduction and the adaptive partition (FSMoE, issue 16). Per
+    """Each GRAD_REDUCE layout with megatron-core's reduction and the adaptive partition (FSMoE). Per
     layout a run of no steps measures the cluster's profile, whose all-reduce line becomes a slow link's
     (`slow_link_profile`); both runs load it."""
     init = ["--train-iters", str(ITERS)]
@@ -376,7 +376,7 @@ def without(flags: list[str], name: str) -> list[str]:
 
 
 def megatron_lm() -> dict:
-    """Issue 17's Megatron-LM flags at EP=2 (DP=4), each group parsed and run: the run's length and schedule in
+    """Megatron-LM flags at EP=2 (DP=4), each group parsed and run: the run's length and schedule in
     samples against the same in iterations, WSD and the warm-up fraction; the router flags of our layer and of
     megatron-core's; --overlap-param-gather against the distributed optimizer without it (a save and an evaluation
     in between); the logging flags with TensorBoard."""

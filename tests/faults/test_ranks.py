@@ -1,7 +1,7 @@
 """Faults on one rank, or on the launcher, of a real 2-rank job: an exception, a NaN, a stop (SIGSTOP), a kill -9
 mid-save, SIGTERMs, the launcher killed. The job ends in seconds naming the rank, or goes on when it can.
 
-Before (issues 12 and 26): an exception on one rank hung the job; a stopped rank was first named after 122 s
+Before: an exception on one rank hung the job; a stopped rank was first named after 122 s
 with the default settings and the job ended only at the 10-minute timeout, with a stale "last seen at step N";
 a NaN on rank 1 was reported first by rank 0, no rank singled out; a second SIGTERM was ignored like the first;
 killing the launcher left the workers training; checkpoint writers outlived a killed rank by 37 minutes.

@@ -15,7 +15,7 @@ The SIGTERM reaches torchrun too (slurm signals every process of a job step): to
 ranks, gives them 30 s (torch's fixed grace) to exit, and then exits 1 itself (its own SignalException),
 whatever the ranks did; the ranks' part is what is checked here.
 
-Before issue 26: P1-P3 took the one SIGTERM for a second one in 3 of 4 tries (exit without saving, iter_N.tmp
+Before: P1-P3 took the one SIGTERM for a second one in 3 of 4 tries (exit without saving, iter_N.tmp
 left); the second job was not refused and wrote over the first's checkpoints; a full disk printed 140 lines
 and kept the partial iter_N.tmp.
 """

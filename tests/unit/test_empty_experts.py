@@ -1,4 +1,4 @@
-"""An expert that receives no rows gets a weight gradient of exactly zero, from every grouped kernel (issue 25).
+"""An expert that receives no rows gets a weight gradient of exactly zero, from every grouped kernel.
 
 Every kernel of `KERNELS` is forced in turn, the two GPU ones (the grouped_gemm package, torch._grouped_mm) as
 their GPU builds behave at this point (`gpu_like_kernels`: an empty group's output left as it was, or written

@@ -1,4 +1,4 @@
-"""Issue 25, item 1 in one process: the experts' initial weights come from (seed, layer, expert) alone.
+"""In one process: the experts' initial weights come from (seed, layer, expert) alone.
 
 Here also EP and ESP ranks imitated (fake groups) under megatron-core's expert-parallel fork, with the tracker
 as on a GPU, and on a real GPU (marked gpu). Real layouts across ranks: tests/distributed/test_expert_init.py.

@@ -1,4 +1,4 @@
-"""Issue 12 items 1 and 7, single process: the loss-spike detector, the non-finite checks, the error report,
+"""Single process: the loss-spike detector, the non-finite checks, the error report,
 the test-only fault injection and the spike flags.
 The 2-rank runs are in tests/faults/test_ranks.py and tests/distributed/test_fail_fast.py.
 """
@@ -44,7 +44,7 @@ def test_spike_warns_above_factor_times_the_rolling_median():
 
 
 def test_spike_warns_at_the_first_jump_skips_non_finite_and_can_be_off():
-    """Issue 26 item 5e: the first jump is named once 3 losses are known (5 before)."""
+    """The first jump is named once 3 losses are known (5 before)."""
     early = LossSpikeDetector(factor=2.0, window=20)
     assert [early.observe(i, v) for i, v in enumerate([1.0, 1.0, 1.0], 4)] == [None] * 3
     assert "loss spike at iteration 7: " in early.observe(7, 50.0)
@@ -56,7 +56,7 @@ def test_spike_warns_at_the_first_jump_skips_non_finite_and_can_be_off():
 
 
 def test_a_loss_far_above_ln_vocab_in_the_first_steps_is_named_at_its_step():
-    """Issue 26 item 5e: with --lr 1e3 the loss reached 4e7 at iteration 2 with no warning until the step before
+    """With --lr 1e3 the loss reached 4e7 at iteration 2 with no warning until the step before
     the stop: the window (5 losses) knew nothing yet."""
     initial = math.log(50304)
     spikes = LossSpikeDetector(factor=3.0, window=20, initial=initial)
@@ -130,7 +130,7 @@ def test_with_a_reduction_in_flight_the_grad_check_follows_it():
 
 
 def test_every_rank_names_the_rank_whose_own_values_went_non_finite(monkeypatch):
-    """Issue 26 item 5d: a NaN on rank 1 was reported first by rank 0, and no rank was singled out. Here rank 0's
+    """A NaN on rank 1 was reported first by rank 0, and no rank was singled out. Here rank 0's
     gradients are finite; the agreement (faked: rank 1 set its slot) makes rank 0 stop naming rank 1."""
     peer = {}
 

@@ -11,7 +11,7 @@ from megatron_moe.config.fields import _unwrap_optional, flag_name
 
 BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "8"]
 
-# The bad flag sets of issue 12 (tracebacks, silently accepted, blamed on another flag), and a few more.
+# The bad flag sets a review of the flags found (tracebacks, silently accepted, blamed on another flag), and a few more.
 BAD = [
     (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "128"], "--seq-length", "256"),
     (["--num-attention-heads", "0"], "--num-attention-heads", "0"),
@@ -105,7 +105,7 @@ def float_fields():
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_capacity_factor_nan_or_inf_is_one_line(value):
-    """Issue 26 item 5f: `--moe-expert-capacity-factor nan|inf` passed validation and failed later, raw."""
+    """`--moe-expert-capacity-factor nan|inf` passed validation and failed later, raw."""
     with pytest.raises(ConfigError) as error:
         parse_args([*BASE, f"--moe-expert-capacity-factor={value}"]).validate(world_size=1)
     message = str(error.value)
@@ -130,7 +130,7 @@ def test_every_float_flag_refuses_nan_and_inf_by_name(value):
 
 
 def test_a_short_timeout_alone_works_and_a_bad_stall_report_suggests_a_valid_value():
-    """Issue 26 item 5c: `--distributed-timeout-minutes 1` alone was refused, suggesting
+    """`--distributed-timeout-minutes 1` alone was refused, suggesting
     `--stall-report-seconds 120`, itself refused (above the 60 s timeout)."""
     c = parse_args([*BASE, "--distributed-timeout-minutes", "1"])
     c.validate(world_size=1)

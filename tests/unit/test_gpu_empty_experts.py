@@ -1,7 +1,7 @@
-"""Issue 25 items 2 and 3 on one GPU, with the real kernels: every grouped kernel that runs here, in fp32, fp16 and
-bf16, gives an expert without rows a weight gradient of exactly zero, and the grouped_gemm package (where it is
-installed) runs bf16 only. Skipped without CUDA; test_empty_experts.py and test_kernel_choice.py are the CPU
-tests, with fakes of these kernels.
+"""Empty experts and the kernel choice on one GPU, with the real kernels: every grouped kernel that runs here,
+in fp32, fp16 and bf16, gives an expert without rows a weight gradient of exactly zero, and the grouped_gemm
+package (where it is installed) runs bf16 only. Skipped without CUDA; test_empty_experts.py and
+test_kernel_choice.py are the CPU tests, with fakes of these kernels.
 
 Before each fresh output the caching allocator is handed back a block of NaN of the output's size, which the
 output's torch.empty then most likely reuses (what a training step's freed activations leave there).

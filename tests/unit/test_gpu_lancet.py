@@ -1,4 +1,4 @@
-"""Issue 14 item 7 on one GPU: the stream mechanics of Lancet with an emulated transfer. Skipped without CUDA.
+"""Lancet on one GPU: its stream mechanics with an emulated transfer. Skipped without CUDA.
 
 One GPU cannot run an EP group, so the "all-to-all" is a stand-in with the same shape in time
 (`gpu_emulation.py`): the backward gradient's bytes go device -> pinned host -> device on a side stream, and

@@ -1,4 +1,4 @@
-"""Issue 15 item 6 on one GPU: the chunked pipeline's stream mechanics with an emulated transfer. Skipped without
+"""FSMoE's chunked pipeline on one GPU: its's stream mechanics with an emulated transfer. Skipped without
 CUDA.
 
 One GPU cannot run an EP group, so every chunk's all-to-all (to the experts and back, forward and backward) is

@@ -1,4 +1,4 @@
-"""Every read of device values by the host in the training step runs inside `comm.host_read` (issue 25 item 5).
+"""Every read of device values by the host in the training step runs inside `comm.host_read`.
 
 On NCCL a collective's `wait()` does not block the host: a peer that never joins shows as the host blocked in its
 next read of a device value. The watchdog names that read only when it runs inside a `host_read` span, so:

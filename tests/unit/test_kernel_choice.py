@@ -1,4 +1,4 @@
-"""The grouped GEMM kernel is chosen by dtype too (issue 25): the grouped_gemm package only for bf16, the one
+"""The grouped GEMM kernel is chosen by dtype too: the grouped_gemm package only for bf16, the one
 chosen logged once per (device type, dtype, kernel), and `kernel_name` saying what runs.
 
 The package is a fake whose gmm refuses what its CUDA build refuses (`gpu_like_kernels.GpuLikeGroupedGemm`).
@@ -20,7 +20,7 @@ from tests.unit.gpu_like_kernels import GpuLikeGroupedGemm, install_grouped_gemm
 
 # Legend: N = rows, E = experts, H = hidden, F = ffn width.
 H, F = 16, 24  # multiples of 16 bytes in every dtype here, so torch._grouped_mm fits where it runs
-COUNTS = [5, 3, 9, 7]  # unequal (no bmm), every expert with rows (issue 25's empty experts are test_empty_experts)
+COUNTS = [5, 3, 9, 7]  # unequal (no bmm), every expert with rows (empty experts are test_empty_experts)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative, of a whole gradient
 

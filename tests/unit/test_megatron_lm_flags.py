@@ -1,4 +1,4 @@
-"""Issue 17: a Megatron-LM user's flags parse as Megatron-LM means them, or say in one line why not."""
+"""A Megatron-LM user's flags parse as Megatron-LM means them, or say in one line why not."""
 
 import logging
 import math

@@ -1,4 +1,4 @@
-"""FSMoE's chunked pipeline (issue 15 item 2), single process: the chunk planning on the host, and the pipelined
+"""FSMoE's chunked pipeline, single process: the chunk planning on the host, and the pipelined
 node against the non-pipelined experts and layer.
 
 The planning is checked against a direct construction: every row of the send buffer is in exactly one chunk, in

@@ -1,4 +1,4 @@
-"""Issue 26 item 3: one job per --save directory (megatron_moe/checkpointing/lock.py)."""
+"""One job per --save directory (megatron_moe/checkpointing/lock.py)."""
 
 import contextlib
 import dataclasses

@@ -1,4 +1,4 @@
-"""GPU speed defaults (issue 25, item 6): megatron-core's fusions where the platform has their kernels, the batched
+"""GPU speed defaults: megatron-core's fusions where the platform has their kernels, the batched
 p2p sync only where torch needs it, pinned data-loader batches on a GPU, and one device read for a step's MoE
 metrics. The GPU is faked: the platform's probes answer as a GPU machine with or without each kernel would."""
 

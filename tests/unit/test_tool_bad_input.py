@@ -1,4 +1,4 @@
-"""Issue 26 item 4: the tools on bad input end in one line naming the file, what is wrong and what is valid, exit
+"""The tools on bad input end in one line naming the file, what is wrong and what is valid, exit
 code 2, and leave nothing written (tools/preprocess_data.py, tools/checkpoint/convert.py import-hf)."""
 
 import os

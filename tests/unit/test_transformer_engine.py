@@ -1,4 +1,4 @@
-"""transformer-engine (issue 25, item 7): the version range megatron-core 0.16.1 supports, and checkpoints that move
+"""transformer-engine: the version range megatron-core 0.16.1 supports, and checkpoints that move
 between the local and the transformer-engine layer specs, on CPU without transformer-engine.
 
 transformer-engine is a GPU build, so its modules are stood in for by megatron-core's local ones with what sets

@@ -168,7 +168,7 @@ def test_the_thread_runs_and_stops():
 
 
 def test_a_step_is_published_when_it_starts_not_a_period_later():
-    """Issue 26 item 5b: a rank stopped at step 6 was reported "last seen at step 0, 1 or 3": its heartbeat
+    """A rank stopped at step 6 was reported "last seen at step 0, 1 or 3": its heartbeat
     carried the step of the last periodic beat (every 10 s at the default stall settings), not the step it ran."""
     store = FakeStore()
     watchdog = Watchdog(stall_s=40, deadline_s=600, end_job=print, store=store, rank=0).start()
@@ -209,7 +209,7 @@ def stopped_peer_run(monkeypatch, caplog, *, stall_s, deadline_s, dead_s):
 
 
 def test_the_default_flags_name_a_stopped_rank_within_60_s_and_end_the_job_within_3_minutes(monkeypatch, caplog):
-    """Issue 26 item 5a: at the defaults a stopped rank was first named after 122 s, and the job ended at the
+    """At the defaults a stopped rank was first named after 122 s, and the job ended at the
     10-minute --distributed-timeout-minutes."""
     p = parse_args(["--data-path", "d", "--tokenizer-model", "t.model"]).parallel
     p.validate_stall_seconds()
@@ -352,7 +352,7 @@ def test_a_store_that_is_gone_turns_heartbeats_off_with_one_warning(caplog):
     assert "blocked" in caplog.text and "peers unknown (no heartbeat store)" in caplog.text
 
 
-# -- host reads: where a stuck peer shows on NCCL (issue 25 item 5) ---------------------------------------------
+# -- host reads: where a stuck peer shows on NCCL ---------------------------------------------
 #
 # NCCL's `wait()` only orders the compute stream, so the host goes on past a collective a peer never joined and
 # blocks in its next read of a device value. The watchdog names that read and the last collective issued on each
