@@ -141,7 +141,7 @@ def layer_grad_bytes(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict[int
     expert_dp = dp * t * par.context_parallel_size // (ep * esp)
     dense, expert = (4.0 if dp > 1 else 0.0), (4.0 if expert_dp > 1 else 0.0)
     mats = 3 if layer.expert_type == "swiglu" else 2
-    ffn = model.ffn_hidden_size or 4 * h
+    ffn = model.ffn_width
     per_layer = {}
     for number, is_moe in enumerate(cfg.moe.layer_pattern(model.num_layers), start=1):
         attention = 4 * h * h / t + 4 * h

@@ -76,7 +76,7 @@ def hf_config(cfg: RunConfig, vocab_size: int, bos_id: int, eos_id: int) -> dict
         "model_type": "mixtral",
         "vocab_size": vocab_size,
         "hidden_size": m.hidden_size,
-        "intermediate_size": moe.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size,
+        "intermediate_size": moe.expert_ffn_width(m),
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_query_groups or m.num_attention_heads,

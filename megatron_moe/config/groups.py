@@ -77,6 +77,11 @@ class ModelConfig:
         applies=only.WEIGHT_GRADS_NOT_DEFERRED,
     )
 
+    @property
+    def ffn_width(self) -> int:
+        """The dense MLP's width: --ffn-hidden-size, else 4 x hidden (the one home of that default)."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
     def validate(self) -> None:
         for flag, value, example in (
             ("--num-layers", self.num_layers, 4),
@@ -242,6 +247,10 @@ class MoEConfig:
         False, "megatron-core's grouped-GEMM experts (needs the grouped_gemm package)", applies=only.MCORE_MOE
     )
 
+    def expert_ffn_width(self, model: ModelConfig) -> int:
+        """One routed expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's (`ModelConfig.ffn_width`)."""
+        return self.moe_ffn_hidden_size or model.ffn_width
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
@@ -285,7 +294,7 @@ class MoEConfig:
             **({} if seed is None else {"init_seed": seed}),
             num_experts=self.num_experts,
             hidden_size=model.hidden_size,
-            ffn_hidden_size=self.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+            ffn_hidden_size=self.expert_ffn_width(model),
             topk=self.moe_router_topk,
             gate=self.gate,
             capacity_factor=self.moe_expert_capacity_factor,
@@ -568,7 +577,7 @@ class ParallelConfig:
         self.validate_virtual_pipeline(model)
         if moe.is_moe:
             etp = self.expert_tensor_parallel_size or 1
-            ffn = moe.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+            ffn = moe.expert_ffn_width(model)
             require(
                 ffn % etp == 0,
                 "--expert-tensor-parallel-size",

@@ -68,7 +68,6 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
     dtype = params_dtype(cfg)
     on_cpu = not current_platform().is_accelerator
     interleaved = p.virtual_pipeline_size(m.num_layers) is not None
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
     moe_kwargs = {}
     if moe.is_moe:
         # Where the MoE layers sit and their sizes; how they route only for megatron-core's own layer
@@ -76,7 +75,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         moe_kwargs = dict(
             num_moe_experts=moe.num_experts,
             moe_router_topk=moe.moe_router_topk,
-            moe_ffn_hidden_size=moe.moe_ffn_hidden_size or ffn,
+            moe_ffn_hidden_size=moe.expert_ffn_width(m),
             moe_layer_freq=moe.layer_pattern(m.num_layers),
         )
         if not moe.own_layer:
@@ -84,7 +83,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=m.ffn_width,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         hidden_dropout=m.hidden_dropout,

@@ -82,7 +82,7 @@ def dense_backward_ms(cfg: RunConfig, fits: ClusterFits) -> dict[int, tuple[floa
     tokens = cfg.training.micro_batch_size * model.seq_length / par.context_parallel_size
     per_mac = max(fits["gemm"].beta, 0.0)
     mats = 3 if model.swiglu else 2
-    ffn = model.ffn_hidden_size or 4 * h
+    ffn = model.ffn_width
     attention = 2 * tokens * (4 * h * h + 2 * model.seq_length * h) / t * per_mac
     mlp = 2 * tokens * mats * h * ffn / t * per_mac
     pattern = cfg.moe.layer_pattern(model.num_layers)

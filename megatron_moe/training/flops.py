@@ -21,7 +21,7 @@ def matmul_params_per_token(cfg: RunConfig, vocab_size: int) -> int:
     kv = h // m.num_attention_heads * (m.num_query_groups or m.num_attention_heads)
     attention = h * h + 2 * h * kv + h * h  # Q, K and V, output projection
     mats = 3 if m.swiglu else 2
-    dense = mats * h * (m.ffn_hidden_size or 4 * h)
+    dense = mats * h * m.ffn_width
     pattern = moe.layer_pattern(m.num_layers) if moe.is_moe else [0] * m.num_layers
     total = 0
     for is_moe in pattern:
@@ -29,7 +29,7 @@ def matmul_params_per_token(cfg: RunConfig, vocab_size: int) -> int:
         if not is_moe:
             total += dense
             continue
-        expert = mats * h * (moe.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h)
+        expert = mats * h * moe.expert_ffn_width(m)
         total += h * moe.num_experts + moe.moe_router_topk * expert
         if moe.moe_shared_expert_ffn_hidden_size:
             total += mats * h * moe.moe_shared_expert_ffn_hidden_size
@@ -46,7 +46,7 @@ def flops_per_token(cfg: RunConfig, vocab_size: int) -> float:
 def expert_params_each(cfg: RunConfig) -> int:
     """The weights of one routed expert (its MLP's matrices; our experts have no biases)."""
     m, moe = cfg.model, cfg.moe
-    return (3 if m.swiglu else 2) * m.hidden_size * (moe.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size)
+    return (3 if m.swiglu else 2) * m.hidden_size * moe.expert_ffn_width(m)
 
 
 def inactive_params_per_token(cfg: RunConfig) -> int:
