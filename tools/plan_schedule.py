@@ -39,7 +39,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from megatron_moe.config import GROUPS, RunConfig
+from megatron_moe.config import GROUPS, RunConfig, rules
 from megatron_moe.config.fields import ConfigError, add_arguments, check_given_flags_apply, from_namespace, require
 from megatron_moe.overlap.cost_model import (
     BACKWARD_KINDS,
@@ -117,8 +117,8 @@ def _config(argv: Sequence[str]) -> tuple[RunConfig, argparse.Namespace]:
     given = set(vars(_parser(False).parse_args(argv)))
     check_given_flags_apply(cfg, GROUPS, given)
     require(cfg.moe.num_experts is not None, "--num-experts", None, "give the experts per MoE layer, e.g. 8")
-    cfg.model.validate()
-    cfg.moe.validate(cfg.model)
+    rules.check_model(cfg.model)
+    rules.check_moe(cfg.moe, cfg.model)
     require(args.max_degree >= 1, "--max-degree", args.max_degree, "an integer >= 1, e.g. 8")
     require(args.t_gar_ms >= 0, "--t-gar-ms", args.t_gar_ms, "must be >= 0 (0: no gradient all-reduce)")
     require(args.data_parallel_size >= 1, "--data-parallel-size", args.data_parallel_size, "an integer >= 1, e.g. 2")

@@ -15,14 +15,13 @@ import sys
 import types
 from collections.abc import Sequence
 
+from megatron_moe.config import rules
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
 from megatron_moe.config.fields import (
     ConfigError,
     add_arguments,
     check_given_flags_apply,
     from_namespace,
-    require,
-    require_finite_floats,
 )
 from megatron_moe.config.groups import (
     GROUPS,
@@ -38,6 +37,7 @@ from megatron_moe.config.groups import (
 )
 from megatron_moe.config.megatron_lm import accept_megatron_lm_flags, unknown_flag
 from megatron_moe.config.moe_layer import MoEConfigError, MoELayerConfig
+from megatron_moe.config.parallel_dims import ParallelDims
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,66 +55,18 @@ class RunConfig:
     notes: list[str] = dataclasses.field(default_factory=list, compare=False)
     """Lines for the start-up log from parsing (Megatron-LM flags accepted as not needed); not a setting."""
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return self.parallel.data_parallel_size(world_size)
+    def dims(self, world_size: int | None = None) -> ParallelDims:
+        """The parallel layout on `world_size` ranks (unset: the fewest that hold it): the degrees and the sizes
+        derived from them (DP, expert-DP, the token split)."""
+        return ParallelDims.from_config(self.parallel, world_size, self.model.num_layers)
 
     def num_microbatches(self, world_size: int) -> int:
         t = self.training
-        return t.global_batch_size // (t.micro_batch_size * self.data_parallel_size(world_size))
+        return t.global_batch_size // (t.micro_batch_size * self.dims(world_size).dp)
 
     def validate(self, world_size: int) -> None:
-        """Check every group, then what spans groups; fill derived defaults."""
-        for name, _ in GROUPS:
-            require_finite_floats(getattr(self, name))  # before the range checks, which NaN would slip through
-        self.model.validate()
-        self.moe.validate(self.model)
-        self.parallel.validate(world_size, self.model, self.moe)
-        self.training.validate()
-        self.activations.validate()
-        self.activation_policy()  # names and formats checked before any process group exists
-        self.data.validate()
-        self.checkpoint.validate()
-        self.logging.validate()
-        dp = self.data_parallel_size(world_size)
-        t = self.training
-        if t.global_batch_size is None:
-            t.global_batch_size = t.micro_batch_size * dp
-        t.resolve_iters()
-        require(
-            t.global_batch_size % (t.micro_batch_size * dp) == 0,
-            "--global-batch-size",
-            t.global_batch_size,
-            f"must be a multiple of --micro-batch-size x data-parallel size = "
-            f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}",
-        )
-        self._validate_interleaved_microbatches(world_size)
-        require(
-            self.model.seq_length % (self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1)
-            == 0,
-            "--seq-length",
-            self.model.seq_length,
-            "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
-        )
-
-    def _validate_interleaved_microbatches(self, world_size: int) -> None:
-        """megatron-core's interleaved schedule runs the micro-batches in groups of PP per model chunk: their number
-        must be a multiple of PP (at least PP)."""
-        p, t = self.parallel, self.training
-        chunks = p.virtual_pipeline_size(self.model.num_layers)
-        if chunks is None:
-            return
-        pp, microbatches = p.pipeline_model_parallel_size, self.num_microbatches(world_size)
-        per_step = t.micro_batch_size * self.data_parallel_size(world_size)
-        require(
-            microbatches % pp == 0,
-            "--global-batch-size",
-            t.global_batch_size,
-            f"the interleaved pipeline ({chunks} model chunks per pipeline rank) needs a number of micro-batches "
-            f"that is a multiple of --pipeline-model-parallel-size={pp}, and global batch / (micro-batch x "
-            f"data-parallel size) = {t.global_batch_size} / ({t.micro_batch_size} x "
-            f"{self.data_parallel_size(world_size)}) = {microbatches}; e.g. --global-batch-size "
-            f"{per_step * pp * max(1, -(-microbatches // pp))}",
-        )
+        """Check every group, then what spans groups; fill derived defaults (`rules.check_run`)."""
+        rules.check_run(self, world_size)
 
     def activation_policy(self) -> ActivationPolicy | None:
         """The per-module ActivationPolicy, or None when no selective policy is asked for."""
@@ -207,7 +159,7 @@ def tokenizer_config(namespace: argparse.Namespace, argv: Sequence[str] | None =
     add_tokenizer_arguments(given_parser, defaults=False)
     given, _ = given_parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     check_given_flags_apply(types.SimpleNamespace(data=data), [("data", DataConfig)], set(vars(given)))
-    data.validate_tokenizer()
+    rules.check_tokenizer(data)
     return data
 
 
@@ -223,6 +175,7 @@ __all__ = [
     "MoEConfigError",
     "MoELayerConfig",
     "ParallelConfig",
+    "ParallelDims",
     "RunConfig",
     "TOKENIZER_FIELDS",
     "TOKENIZER_TYPES",

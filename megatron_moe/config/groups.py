@@ -1,9 +1,10 @@
-"""The configuration of a pretraining run, one keyword-only dataclass per flag group.
+"""The configuration of a pretraining run, one keyword-only dataclass per flag group: the schema.
 
 Every field becomes a Megatron-style flag (`num_layers` -> `--num-layers`);
-see `fields.add_arguments`. `validate()` on each group checks what the group
-can check alone; `RunConfig.validate(world_size)` checks what needs the
-whole picture (layout divisibility, batch sizes).
+see `fields.add_arguments`. The groups hold the flags and the small pure
+values read off them (`ffn_width`, `is_moe`, `layer_config`, ...); the checks,
+of each group alone and of what spans groups (layout divisibility, batch
+sizes), are `rules.py`'s, and the layout's derived sizes `parallel_dims.py`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
-from megatron_moe.config.fields import arg, require, require_fraction, require_non_negative, require_positive
+from megatron_moe.config.fields import arg, require
 from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
@@ -20,8 +21,6 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTok
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 """megatron-core's OptimizerParamScheduler's decay styles (Megatron-LM's --lr-decay-style)."""
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
-MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-"""megatron-core's MoE layer's --moe-router-load-balancing-type choices (as this CLI offers them)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,44 +80,6 @@ class ModelConfig:
     def ffn_width(self) -> int:
         """The dense MLP's width: --ffn-hidden-size, else 4 x hidden (the one home of that default)."""
         return self.ffn_hidden_size or 4 * self.hidden_size
-
-    def validate(self) -> None:
-        for flag, value, example in (
-            ("--num-layers", self.num_layers, 4),
-            ("--hidden-size", self.hidden_size, 256),
-            ("--ffn-hidden-size", self.ffn_hidden_size, 1024),
-            ("--num-attention-heads", self.num_attention_heads, 4),
-            ("--num-query-groups", self.num_query_groups, 1),
-            ("--seq-length", self.seq_length, 256),
-            ("--max-position-embeddings", self.max_position_embeddings, self.seq_length),
-            ("--rotary-base", self.rotary_base, 10000),
-            ("--norm-epsilon", self.norm_epsilon, 1e-5),
-            ("--init-method-std", self.init_method_std, 0.02),
-            ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by, 128),
-        ):
-            require_positive(flag, value, example)
-        require_fraction("--hidden-dropout", self.hidden_dropout, 0.1)
-        require_fraction("--attention-dropout", self.attention_dropout, 0.1)
-        if self.position_embedding_type == "learned_absolute" and self.max_position_embeddings is not None:
-            require(
-                self.seq_length <= self.max_position_embeddings,
-                "--seq-length",
-                self.seq_length,
-                f"must be <= --max-position-embeddings={self.max_position_embeddings} (the learned-position table)",
-            )
-        require(
-            self.hidden_size % self.num_attention_heads == 0,
-            "--hidden-size",
-            self.hidden_size,
-            f"must be a multiple of --num-attention-heads={self.num_attention_heads}",
-        )
-        if self.num_query_groups is not None:
-            require(
-                self.num_attention_heads % self.num_query_groups == 0,
-                "--num-query-groups",
-                self.num_query_groups,
-                f"must divide --num-attention-heads={self.num_attention_heads}",
-            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -326,54 +287,6 @@ class MoEConfig:
         balancing = self.moe_router_load_balancing_type != "none" and self.moe_aux_loss_coeff > 0
         return balancing, bool(self.moe_z_loss_coeff)
 
-    def validate(self, model: ModelConfig) -> None:
-        if not self.is_moe:
-            return
-        require_positive("--num-experts", self.num_experts, 8)
-        require_positive("--moe-ffn-hidden-size", self.moe_ffn_hidden_size, 1024)
-        require_positive("--moe-shared-expert-ffn-hidden-size", self.moe_shared_expert_ffn_hidden_size, 1024)
-        require_positive("--moe-router-dim", self.moe_router_dim, 16)
-        require_positive("--moe-soft-slots", self.moe_soft_slots, 1)
-        require_non_negative("--moe-aux-loss-coeff", self.moe_aux_loss_coeff, 0.01)
-        require_non_negative("--moe-z-loss-coeff", self.moe_z_loss_coeff, 0.001)
-        require_non_negative("--overlap-wgrad-max-mb", self.overlap_wgrad_max_mb, 1024)
-        require(
-            0 < self.moe_router_topk <= self.num_experts,
-            "--moe-router-topk",
-            self.moe_router_topk,
-            f"must be between 1 and --num-experts={self.num_experts}",
-        )
-        self.layer_pattern(model.num_layers)
-        if self.own_layer and self.moe_router_score_function is not None:
-            picks = {"softmax": "topk", "sigmoid": "sigmoid"}[self.moe_router_score_function]
-            require(
-                self.moe_gate in ("topk", picks),
-                "--moe-router-score-function",
-                self.moe_router_score_function,
-                f"selects --moe-gate {picks}, not --moe-gate {self.moe_gate}; drop one of the two",
-            )
-        if self.own_layer:
-            require(
-                self.moe_token_dispatcher_type == "alltoall",
-                "--moe-token-dispatcher-type",
-                self.moe_token_dispatcher_type,
-                "megatron_moe's layer dispatches with alltoall (allgather only with --moe-layer-impl mcore)",
-            )
-            self.layer_config(model).validate()  # names the flag, value and a valid choice
-            return
-        require(
-            self.moe_router_load_balancing_type in MCORE_LOAD_BALANCING,
-            "--moe-router-load-balancing-type",
-            self.moe_router_load_balancing_type,
-            f"megatron-core's layer (--moe-layer-impl mcore) implements {', '.join(MCORE_LOAD_BALANCING)}",
-        )
-        require(
-            not self.moe_pad_expert_input_to_capacity or (self.moe_expert_capacity_factor or 0) > 0,
-            "--moe-pad-expert-input-to-capacity",
-            True,
-            "megatron-core's layer pads only to a positive --moe-expert-capacity-factor",
-        )
-
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
@@ -453,11 +366,6 @@ class ParallelConfig:
         "minutes; unset: 5 x --stall-report-seconds (150 s by default); not a Megatron-LM flag",
     )
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-        )
-
     def virtual_pipeline_size(self, num_layers: int) -> int | None:
         """Model chunks per pipeline rank (megatron-core's virtual_pipeline_model_parallel_size) from either
         interleaved-pipeline flag; None without an interleaved pipeline (also for 1 chunk: plain 1F1B)."""
@@ -465,159 +373,6 @@ class ParallelConfig:
         if self.num_layers_per_virtual_pipeline_stage:
             chunks = num_layers // self.pipeline_model_parallel_size // self.num_layers_per_virtual_pipeline_stage
         return chunks if chunks is not None and chunks > 1 else None
-
-    def validate_stall_seconds(self) -> None:
-        """The watchdog's figures (`comm/watchdog.py`); fills the unset ones from the timeout."""
-        deadline_s = 60 * self.distributed_timeout_minutes
-        stall_default = min(30.0, deadline_s / 4)
-        if self.stall_report_seconds is None:
-            self.stall_report_seconds = stall_default
-        require(
-            0 < self.stall_report_seconds < deadline_s,
-            "--stall-report-seconds",
-            self.stall_report_seconds,
-            f"must be > 0 and below --distributed-timeout-minutes={self.distributed_timeout_minutes:g} "
-            f"({deadline_s:g} s), e.g. --stall-report-seconds {stall_default:g}",
-        )
-        if self.dead_peer_seconds is None:
-            self.dead_peer_seconds = 5 * self.stall_report_seconds
-        require(
-            self.dead_peer_seconds >= self.stall_report_seconds,
-            "--dead-peer-seconds",
-            self.dead_peer_seconds,
-            f"must be at least --stall-report-seconds={self.stall_report_seconds:g} (the stall is named before "
-            f"the job ends for it), e.g. --dead-peer-seconds {5 * self.stall_report_seconds:g}",
-        )
-
-    def validate_virtual_pipeline(self, model: ModelConfig) -> None:
-        """The interleaved pipeline's flags (Megatron-LM's rules): one of the two, PP > 1, whole layers per chunk."""
-        per_stage, chunks = self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank
-        pp, layers = self.pipeline_model_parallel_size, model.num_layers
-        if per_stage is None and chunks is None:
-            return
-        require(
-            per_stage is None or chunks is None,
-            "--num-layers-per-virtual-pipeline-stage",
-            per_stage,
-            f"give it or --num-virtual-stages-per-pipeline-rank={chunks}, not both (they say the same thing)",
-        )
-        flag, value = (
-            ("--num-layers-per-virtual-pipeline-stage", per_stage)
-            if per_stage is not None
-            else ("--num-virtual-stages-per-pipeline-rank", chunks)
-        )
-        require_positive(flag, value, 1)
-        require(
-            pp > 1,
-            flag,
-            value,
-            "the interleaved pipeline splits each pipeline rank's layers into chunks; it needs "
-            f"--pipeline-model-parallel-size > 1 (now {pp}), e.g. --pipeline-model-parallel-size 2",
-        )
-        if per_stage is not None:
-            require(
-                layers % pp == 0 and (layers // pp) % per_stage == 0,
-                flag,
-                value,
-                f"must divide the layers per pipeline stage (--num-layers={layers} / "
-                f"--pipeline-model-parallel-size={pp}), e.g. {_largest_divisor(layers // pp, per_stage)}",
-            )
-        else:
-            require(
-                layers % (pp * chunks) == 0,
-                flag,
-                value,
-                f"--num-layers={layers} must be a multiple of --pipeline-model-parallel-size x chunks = "
-                f"{pp} x {chunks}, e.g. {flag} {_largest_divisor(layers // pp if layers % pp == 0 else 1, chunks)}",
-            )
-
-    def validate(self, world_size: int, model: ModelConfig, moe: MoEConfig) -> None:
-        tp, pp, cp, ep = (
-            self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size,
-            self.context_parallel_size,
-            self.expert_model_parallel_size,
-        )
-        for flag, value in [
-            ("--tensor-model-parallel-size", tp),
-            ("--pipeline-model-parallel-size", pp),
-            ("--expert-model-parallel-size", ep),
-            ("--context-parallel-size", cp),
-            ("--expert-tensor-parallel-size", self.expert_tensor_parallel_size or 1),
-        ]:
-            require(value >= 1, flag, value, "must be >= 1")
-        require_positive("--distributed-timeout-minutes", self.distributed_timeout_minutes, 10)
-        require_positive("--ddp-bucket-size", self.ddp_bucket_size, 1_000_000)
-        self.validate_stall_seconds()
-        require(
-            world_size % (tp * pp * cp) == 0,
-            "world size",
-            world_size,
-            f"must be a multiple of TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
-            f"valid world sizes are multiples of {tp * pp * cp}, or change the parallel sizes",
-        )
-        require(
-            model.num_attention_heads % tp == 0,
-            "--tensor-model-parallel-size",
-            tp,
-            f"must divide --num-attention-heads={model.num_attention_heads}",
-        )
-        require(
-            model.make_vocab_size_divisible_by % tp == 0,
-            "--make-vocab-size-divisible-by",
-            model.make_vocab_size_divisible_by,
-            f"must be a multiple of --tensor-model-parallel-size={tp}",
-        )
-        require(
-            model.num_layers % pp == 0,
-            "--pipeline-model-parallel-size",
-            pp,
-            f"must divide --num-layers={model.num_layers}",
-        )
-        self.validate_virtual_pipeline(model)
-        if moe.is_moe:
-            etp = self.expert_tensor_parallel_size or 1
-            ffn = moe.expert_ffn_width(model)
-            require(
-                ffn % etp == 0,
-                "--expert-tensor-parallel-size",
-                etp,
-                f"must divide the experts' width --moe-ffn-hidden-size={ffn} (each expert's FFN is split over it), "
-                f"e.g. {next(d for d in range(etp, 0, -1) if ffn % d == 0)}",
-            )
-            require(
-                etp == 1 or moe.own_layer,
-                "--expert-tensor-parallel-size",
-                etp,
-                "use 1 with --moe-layer-impl mcore (expert-sharded parallelism is megatron_moe's layer's)",
-            )
-            require(
-                moe.num_experts % ep == 0,
-                "--num-experts",
-                moe.num_experts,
-                f"must be a multiple of --expert-model-parallel-size={ep} "
-                f"(e.g. --num-experts {ep * max(1, moe.num_experts // ep)})",
-            )
-            require(
-                world_size // pp % (ep * etp) == 0,
-                "--expert-model-parallel-size",
-                ep,
-                f"EP x expert-TP = {ep * etp} must divide the ranks per pipeline stage "
-                f"({world_size // pp} = world {world_size} / PP {pp})",
-            )
-            require(
-                tp == 1 or self.sequence_parallel,
-                "--sequence-parallel",
-                self.sequence_parallel,
-                f"MoE with --tensor-model-parallel-size={tp} needs --sequence-parallel",
-            )
-        elif ep > 1:
-            require(False, "--expert-model-parallel-size", ep, "needs --num-experts; use 1 for a dense model")
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    """The largest divisor of `n` that is at most `at_most` (1 at least): a valid choice to name in an error."""
-    return next(d for d in range(max(min(n, at_most), 1), 0, -1) if n % d == 0)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -675,98 +430,6 @@ class TrainingConfig:
     eval_interval: int = arg(50, "validation every N steps (0: only at the end)")
     eval_iters: int = arg(4, "validation micro-batch rounds per evaluation")
 
-    def validate(self) -> None:
-        require(not (self.bf16 and self.fp16), "--bf16/--fp16", "both", "choose one")
-        require(self.loss_scale is None or self.loss_scale > 0, "--loss-scale", self.loss_scale, "must be positive")
-        require_positive("--min-loss-scale", self.min_loss_scale, 1.0)
-        require(
-            self.initial_loss_scale >= self.min_loss_scale > 0,
-            "--initial-loss-scale",
-            self.initial_loss_scale,
-            f"must be >= --min-loss-scale={self.min_loss_scale} > 0",
-        )
-        for flag, value, example in (
-            ("--micro-batch-size", self.micro_batch_size, 4),
-            ("--global-batch-size", self.global_batch_size, 32),
-            ("--train-samples", self.train_samples, 3200),
-            ("--lr-decay-iters", self.lr_decay_iters, 1000),
-            ("--lr-decay-samples", self.lr_decay_samples, 32000),
-            ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters, 100),
-            ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples, 3200),
-            ("--adam-eps", self.adam_eps, 1e-8),
-            ("--loss-scale-window", self.loss_scale_window, 1000),
-            ("--hysteresis", self.hysteresis, 2),
-        ):
-            require_positive(flag, value, example)
-        for flag, value, example in (
-            ("--train-iters", self.train_iters, 100),
-            ("--lr", self.lr, 3e-4),
-            ("--lr-warmup-iters", self.lr_warmup_iters, 0),
-            ("--lr-warmup-samples", self.lr_warmup_samples, 0),
-            ("--weight-decay", self.weight_decay, 0.01),
-            ("--clip-grad", self.clip_grad, "1.0 (0: off)"),
-            ("--eval-interval", self.eval_interval, "50 (0: only at the end)"),
-            ("--eval-iters", self.eval_iters, 4),
-        ):
-            require_non_negative(flag, value, example)
-        require_fraction("--adam-beta1", self.adam_beta1, 0.9, below_one=True)
-        require_fraction("--adam-beta2", self.adam_beta2, 0.95, below_one=True)
-        # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
-        require(0 <= self.seed < 2**31, "--seed", self.seed, "must be in [0, 2**31), e.g. --seed 1234")
-        require(self.lr >= self.min_lr >= 0, "--min-lr", self.min_lr, f"must be in [0, --lr={self.lr}]")
-        if self.lr_warmup_fraction is not None:
-            require_fraction("--lr-warmup-fraction", self.lr_warmup_fraction, 0.01, below_one=True)
-        by_samples = self.train_samples is not None
-        unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
-        require(
-            not by_samples or self.train_iters is None,
-            "--train-iters",
-            self.train_iters,
-            "and --train-samples both set the run's length: give one",
-        )
-        for name, value, unset in (
-            ("lr-warmup", self.lr_warmup_iters, 0),
-            ("lr-decay", self.lr_decay_iters, None),
-            ("lr-wsd-decay", self.lr_wsd_decay_iters, None),
-        ) if by_samples else (
-            ("lr-warmup", self.lr_warmup_samples, 0),
-            ("lr-decay", self.lr_decay_samples, None),
-            ("lr-wsd-decay", self.lr_wsd_decay_samples, None),
-        ):  # fmt: skip
-            require(
-                value == unset,
-                f"--{name}-{other}",
-                value,
-                f"counts {other}, and this run counts {unit} (--train-{unit}): use --{name}-{unit}",
-            )
-        warmup = self.lr_warmup_samples if by_samples else self.lr_warmup_iters
-        require(
-            self.lr_warmup_fraction is None or warmup == 0,
-            "--lr-warmup-fraction",
-            self.lr_warmup_fraction,
-            f"and --lr-warmup-{unit}={warmup} both set the warm-up: give one",
-        )
-        wsd = self.lr_wsd_decay_samples if by_samples else self.lr_wsd_decay_iters
-        require(
-            self.lr_decay_style != "WSD" or wsd is not None,
-            "--lr-decay-style",
-            "WSD",
-            f"needs the length of its final decay, e.g. --lr-wsd-decay-{unit} {320 if by_samples else 10}",
-        )
-
-    def resolve_iters(self) -> None:
-        """--train-iters from --train-samples (whole global batches, Megatron-LM's rule), or its default."""
-        if self.train_samples is not None:
-            require(
-                self.train_samples >= self.global_batch_size,
-                "--train-samples",
-                self.train_samples,
-                f"must be at least one global batch (--global-batch-size={self.global_batch_size})",
-            )
-            self.train_iters = self.train_samples // self.global_batch_size
-        elif self.train_iters is None:
-            self.train_iters = 100
-
     def lr_schedule_samples(self) -> dict:
         """The scheduler's spans in samples (it counts samples, as Megatron-LM's): warm-up, decay, WSD's decay."""
         gbs = self.global_batch_size
@@ -818,23 +481,6 @@ class ActivationsConfig:
             or bool(self.recompute_modules or self.quantize_activations)
         )
 
-    def validate(self) -> None:
-        per_module = self.recompute_modules or self.quantize_activations
-        require(
-            not (self.full_recompute and (per_module or self.activation_policy == "arctic")),
-            "--recompute-granularity",
-            self.recompute_granularity,
-            "full recompute conflicts with --activation-policy arctic / --recompute-modules / "
-            "--quantize-activations; use --recompute-granularity selective for per-module control",
-        )
-        require(
-            not (self.recompute_granularity == "selective" and self.activation_policy == "none" and not per_module),
-            "--recompute-granularity",
-            "selective",
-            "name what to recompute or quantize: --activation-policy arctic, --recompute-modules or "
-            "--quantize-activations",
-        )
-
 
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
@@ -860,49 +506,6 @@ class DataConfig:
     data_cache_path: str | None = arg(None, "where dataset index files are cached (default: beside the data)")
     num_workers: int = arg(0, "data loader worker processes")
 
-    def validate(self) -> None:
-        require(
-            bool(self.data_path), "--data-path", self.data_path, "give a .bin/.idx prefix from tools/preprocess_data.py"
-        )
-        self.validate_tokenizer()
-        require_non_negative("--num-workers", self.num_workers, 2)
-        try:
-            shares = [float(part) for part in self.split.split(",")]
-        except ValueError:
-            shares = []
-        require(
-            1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0,
-            "--split",
-            self.split,
-            "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
-        )
-
-    def validate_tokenizer(self) -> None:
-        """The files the --tokenizer-type needs are named (whether they exist and fit is the tokenizer's check,
-        when it loads them; tools/preprocess_data.py calls this too)."""
-        kind = self.tokenizer_type
-        require(kind in TOKENIZER_TYPES, "--tokenizer-type", kind, f"one of {', '.join(TOKENIZER_TYPES)}")
-        if kind == "GPT2BPETokenizer":
-            for flag, value, what in (
-                ("--vocab-file", self.vocab_file, "vocab.json"),
-                ("--merge-file", self.merge_file, "merges.txt"),
-            ):
-                require(
-                    value is not None,
-                    flag,
-                    None,
-                    f"--tokenizer-type GPT2BPETokenizer needs GPT-2's {what}, e.g. {flag} data/bpe/{what} "
-                    f"(tools/train_tokenizer.py --model-type bytelevel-bpe writes both)",
-                )
-            return
-        made_by = (
-            "the sentencepiece .model the data was made with"
-            if kind == "SentencePieceTokenizer"
-            else "a directory holding tokenizer.json, or that file (tools/train_tokenizer.py --model-type "
-            "bytelevel-bpe writes one)"
-        )
-        require(self.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
-
 
 @dataclasses.dataclass(kw_only=True)
 class CheckpointConfig:
@@ -924,19 +527,6 @@ class CheckpointConfig:
     exit_duration_in_mins: float | None = arg(None, "save and exit once this run has trained this long")
     exit_signal_handler: bool = arg(True, "on SIGTERM (e.g. slurm's pre-timeout signal) save and exit")
     ckpt_format: str = arg("torch_dist", "checkpoint format: megatron-core dist_checkpointing's torch_dist")
-
-    def validate(self) -> None:
-        require(
-            self.ckpt_format == "torch_dist",
-            "--ckpt-format",
-            self.ckpt_format,
-            "this stack writes and reads megatron-core dist_checkpointing's torch_dist only (resharded at load "
-            "for another layout); use --ckpt-format torch_dist, and tools/checkpoint/ to convert to HuggingFace",
-        )
-        require_non_negative("--save-interval", self.save_interval, "1000 (0: only at the end)")
-        require_positive("--exit-interval", self.exit_interval, 1000)
-        require_positive("--exit-duration-in-mins", self.exit_duration_in_mins, 230)
-        require_positive("--keep-last-n", self.keep_last_n, 3)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -980,14 +570,6 @@ class LoggingConfig:
         "where wandb keeps its files (unset: <--save>/wandb or ./wandb); WANDB_MODE=offline works",
         applies=only.WANDB,
     )
-
-    def validate(self) -> None:
-        require_positive("--log-interval", self.log_interval, 10)
-        require_positive("--tensorboard-log-interval", self.tensorboard_log_interval, 1)
-        factor = self.loss_spike_factor
-        require(factor == 0 or factor > 1, "--loss-spike-factor", factor, "must be 0 (off) or above 1, e.g. 3")
-        window = self.loss_spike_window
-        require(window >= 1, "--loss-spike-window", window, "must be at least 1, e.g. 20")
 
 
 GROUPS: tuple[tuple[str, type], ...] = (

@@ -33,18 +33,18 @@ def initialize(cfg: RunConfig) -> Platform:
     platform = init_platform()
     tap_megatron_core()
     default_to_single_process()
-    p = cfg.parallel
     if not dist.is_initialized():
         dist.init_process_group(backend=platform.backend, timeout=process_group_timeout(cfg))
     cfg.validate(dist.get_world_size())
+    dims = cfg.dims(dist.get_world_size())
     parallel_state.initialize_model_parallel(
         distributed_timeout_minutes=process_group_timeout(cfg) / datetime.timedelta(minutes=1),
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(cfg.model.num_layers),
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.esp,
     )
     set_seed(cfg.training.seed)
     if dist.get_rank() == 0:
@@ -78,13 +78,12 @@ def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
 
 def describe_layout(cfg: RunConfig) -> str:
     world = dist.get_world_size()
-    p = cfg.parallel
-    chunks = p.virtual_pipeline_size(cfg.model.num_layers)
+    dims = cfg.dims(world)
     return (
-        f"world={world} TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
-        f"{f'VPP={chunks} ' if chunks else ''}"
-        f"CP={p.context_parallel_size} EP={p.expert_model_parallel_size} "
-        f"DP={cfg.data_parallel_size(world)} SP={p.sequence_parallel} "
+        f"world={world} TP={dims.tp} PP={dims.pp} "
+        f"{f'VPP={dims.vpp} ' if dims.vpp else ''}"
+        f"CP={dims.cp} EP={dims.ep} "
+        f"DP={dims.dp} SP={dims.sequence_parallel} "
         f"microbatches={cfg.num_microbatches(world)}"
     )
 

@@ -17,7 +17,7 @@ from megatron_moe import comm
 from megatron_moe.comm import Collective
 from megatron_moe.comm import watchdog as watchdog_module
 from megatron_moe.comm.watchdog import Watchdog
-from megatron_moe.config import parse_args
+from megatron_moe.config import parse_args, rules
 
 
 class Clock:
@@ -212,7 +212,7 @@ def test_the_default_flags_name_a_stopped_rank_within_60_s_and_end_the_job_withi
     """At the defaults a stopped rank was first named after 122 s, and the job ended at the
     10-minute --distributed-timeout-minutes."""
     p = parse_args(["--data-path", "d", "--tokenizer-model", "t.model"]).parallel
-    p.validate_stall_seconds()
+    rules.check_stall_seconds(p)
     assert (p.distributed_timeout_minutes, p.stall_report_seconds, p.dead_peer_seconds) == (10, 30, 150)
     named, ended, report = stopped_peer_run(
         monkeypatch, caplog, stall_s=p.stall_report_seconds, deadline_s=60 * p.distributed_timeout_minutes,

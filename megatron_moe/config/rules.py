@@ -1,0 +1,507 @@
+"""The run config's rules: what each flag group checks alone, and what spans groups (`check_run`).
+
+The groups' dataclasses (`groups.py`) are the schema: the flags, their defaults and help. The checks live here,
+one function per group, each error naming the flag, its value and a valid choice (`fields.require`). A few fill
+what was left unset from what was given (the watchdog's seconds from the timeout, the global batch from the
+micro-batch and DP, --train-iters from --train-samples); `check_run` runs them in the order the defaults need.
+The layout's degrees and sizes are `ParallelDims`'s (`parallel_dims.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_moe.config.fields import (
+    require,
+    require_finite_floats,
+    require_fraction,
+    require_non_negative,
+    require_positive,
+)
+from megatron_moe.config.groups import (
+    GROUPS,
+    TOKENIZER_TYPES,
+    ActivationsConfig,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+from megatron_moe.config.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from megatron_moe.config import RunConfig
+
+MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+"""megatron-core's MoE layer's --moe-router-load-balancing-type choices (as this CLI offers them)."""
+
+
+def check_run(cfg: RunConfig, world_size: int) -> None:
+    """Check every group, then what spans groups; fill derived defaults."""
+    for name, _ in GROUPS:
+        require_finite_floats(getattr(cfg, name))  # before the range checks, which NaN would slip through
+    dims = ParallelDims.from_config(cfg.parallel, world_size)  # no chunks yet: their flags are checked below
+    check_model(cfg.model)
+    check_moe(cfg.moe, cfg.model)
+    check_parallel(cfg.parallel, dims, cfg.model, cfg.moe)
+    check_training(cfg.training)
+    check_activations(cfg.activations)
+    cfg.activation_policy()  # names and formats checked before any process group exists
+    check_data(cfg.data)
+    check_checkpoint(cfg.checkpoint)
+    check_logging(cfg.logging)
+    dp = dims.dp
+    t = cfg.training
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    resolve_train_iters(t)
+    require(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        "--global-batch-size",
+        t.global_batch_size,
+        f"must be a multiple of --micro-batch-size x data-parallel size = "
+        f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}",
+    )
+    check_interleaved_microbatches(cfg, world_size)
+    require(
+        cfg.model.seq_length % dims.sequence_split == 0,
+        "--seq-length",
+        cfg.model.seq_length,
+        "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
+    )
+
+
+def check_interleaved_microbatches(cfg: RunConfig, world_size: int) -> None:
+    """megatron-core's interleaved schedule runs the micro-batches in groups of PP per model chunk: their number
+    must be a multiple of PP (at least PP)."""
+    t, dims = cfg.training, cfg.dims(world_size)
+    chunks = dims.vpp
+    if chunks is None:
+        return
+    pp, microbatches = dims.pp, cfg.num_microbatches(world_size)
+    per_step = t.micro_batch_size * dims.dp
+    require(
+        microbatches % pp == 0,
+        "--global-batch-size",
+        t.global_batch_size,
+        f"the interleaved pipeline ({chunks} model chunks per pipeline rank) needs a number of micro-batches "
+        f"that is a multiple of --pipeline-model-parallel-size={pp}, and global batch / (micro-batch x "
+        f"data-parallel size) = {t.global_batch_size} / ({t.micro_batch_size} x "
+        f"{dims.dp}) = {microbatches}; e.g. --global-batch-size "
+        f"{per_step * pp * max(1, -(-microbatches // pp))}",
+    )
+
+
+def check_model(model: ModelConfig) -> None:
+    """The transformer's shape: positive sizes, dropout fractions, heads that divide the width."""
+    for flag, value, example in (
+        ("--num-layers", model.num_layers, 4),
+        ("--hidden-size", model.hidden_size, 256),
+        ("--ffn-hidden-size", model.ffn_hidden_size, 1024),
+        ("--num-attention-heads", model.num_attention_heads, 4),
+        ("--num-query-groups", model.num_query_groups, 1),
+        ("--seq-length", model.seq_length, 256),
+        ("--max-position-embeddings", model.max_position_embeddings, model.seq_length),
+        ("--rotary-base", model.rotary_base, 10000),
+        ("--norm-epsilon", model.norm_epsilon, 1e-5),
+        ("--init-method-std", model.init_method_std, 0.02),
+        ("--make-vocab-size-divisible-by", model.make_vocab_size_divisible_by, 128),
+    ):
+        require_positive(flag, value, example)
+    require_fraction("--hidden-dropout", model.hidden_dropout, 0.1)
+    require_fraction("--attention-dropout", model.attention_dropout, 0.1)
+    if model.position_embedding_type == "learned_absolute" and model.max_position_embeddings is not None:
+        require(
+            model.seq_length <= model.max_position_embeddings,
+            "--seq-length",
+            model.seq_length,
+            f"must be <= --max-position-embeddings={model.max_position_embeddings} (the learned-position table)",
+        )
+    require(
+        model.hidden_size % model.num_attention_heads == 0,
+        "--hidden-size",
+        model.hidden_size,
+        f"must be a multiple of --num-attention-heads={model.num_attention_heads}",
+    )
+    if model.num_query_groups is not None:
+        require(
+            model.num_attention_heads % model.num_query_groups == 0,
+            "--num-query-groups",
+            model.num_query_groups,
+            f"must divide --num-attention-heads={model.num_attention_heads}",
+        )
+
+
+def check_moe(moe: MoEConfig, model: ModelConfig) -> None:
+    """The MoE flags (nothing without --num-experts), and our layer's MoELayerConfig where it is ours."""
+    if not moe.is_moe:
+        return
+    require_positive("--num-experts", moe.num_experts, 8)
+    require_positive("--moe-ffn-hidden-size", moe.moe_ffn_hidden_size, 1024)
+    require_positive("--moe-shared-expert-ffn-hidden-size", moe.moe_shared_expert_ffn_hidden_size, 1024)
+    require_positive("--moe-router-dim", moe.moe_router_dim, 16)
+    require_positive("--moe-soft-slots", moe.moe_soft_slots, 1)
+    require_non_negative("--moe-aux-loss-coeff", moe.moe_aux_loss_coeff, 0.01)
+    require_non_negative("--moe-z-loss-coeff", moe.moe_z_loss_coeff, 0.001)
+    require_non_negative("--overlap-wgrad-max-mb", moe.overlap_wgrad_max_mb, 1024)
+    require(
+        0 < moe.moe_router_topk <= moe.num_experts,
+        "--moe-router-topk",
+        moe.moe_router_topk,
+        f"must be between 1 and --num-experts={moe.num_experts}",
+    )
+    moe.layer_pattern(model.num_layers)
+    if moe.own_layer and moe.moe_router_score_function is not None:
+        picks = {"softmax": "topk", "sigmoid": "sigmoid"}[moe.moe_router_score_function]
+        require(
+            moe.moe_gate in ("topk", picks),
+            "--moe-router-score-function",
+            moe.moe_router_score_function,
+            f"selects --moe-gate {picks}, not --moe-gate {moe.moe_gate}; drop one of the two",
+        )
+    if moe.own_layer:
+        require(
+            moe.moe_token_dispatcher_type == "alltoall",
+            "--moe-token-dispatcher-type",
+            moe.moe_token_dispatcher_type,
+            "megatron_moe's layer dispatches with alltoall (allgather only with --moe-layer-impl mcore)",
+        )
+        moe.layer_config(model).validate()  # names the flag, value and a valid choice
+        return
+    require(
+        moe.moe_router_load_balancing_type in MCORE_LOAD_BALANCING,
+        "--moe-router-load-balancing-type",
+        moe.moe_router_load_balancing_type,
+        f"megatron-core's layer (--moe-layer-impl mcore) implements {', '.join(MCORE_LOAD_BALANCING)}",
+    )
+    require(
+        not moe.moe_pad_expert_input_to_capacity or (moe.moe_expert_capacity_factor or 0) > 0,
+        "--moe-pad-expert-input-to-capacity",
+        True,
+        "megatron-core's layer pads only to a positive --moe-expert-capacity-factor",
+    )
+
+
+def check_stall_seconds(parallel: ParallelConfig) -> None:
+    """The watchdog's figures (`comm/watchdog.py`); fills the unset ones from the timeout."""
+    deadline_s = 60 * parallel.distributed_timeout_minutes
+    stall_default = min(30.0, deadline_s / 4)
+    if parallel.stall_report_seconds is None:
+        parallel.stall_report_seconds = stall_default
+    require(
+        0 < parallel.stall_report_seconds < deadline_s,
+        "--stall-report-seconds",
+        parallel.stall_report_seconds,
+        f"must be > 0 and below --distributed-timeout-minutes={parallel.distributed_timeout_minutes:g} "
+        f"({deadline_s:g} s), e.g. --stall-report-seconds {stall_default:g}",
+    )
+    if parallel.dead_peer_seconds is None:
+        parallel.dead_peer_seconds = 5 * parallel.stall_report_seconds
+    require(
+        parallel.dead_peer_seconds >= parallel.stall_report_seconds,
+        "--dead-peer-seconds",
+        parallel.dead_peer_seconds,
+        f"must be at least --stall-report-seconds={parallel.stall_report_seconds:g} (the stall is named before "
+        f"the job ends for it), e.g. --dead-peer-seconds {5 * parallel.stall_report_seconds:g}",
+    )
+
+
+def check_virtual_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """The interleaved pipeline's flags (Megatron-LM's rules): one of the two, PP > 1, whole layers per chunk."""
+    per_stage, chunks = parallel.num_layers_per_virtual_pipeline_stage, parallel.num_virtual_stages_per_pipeline_rank
+    pp, layers = parallel.pipeline_model_parallel_size, model.num_layers
+    if per_stage is None and chunks is None:
+        return
+    require(
+        per_stage is None or chunks is None,
+        "--num-layers-per-virtual-pipeline-stage",
+        per_stage,
+        f"give it or --num-virtual-stages-per-pipeline-rank={chunks}, not both (they say the same thing)",
+    )
+    flag, value = (
+        ("--num-layers-per-virtual-pipeline-stage", per_stage)
+        if per_stage is not None
+        else ("--num-virtual-stages-per-pipeline-rank", chunks)
+    )
+    require_positive(flag, value, 1)
+    require(
+        pp > 1,
+        flag,
+        value,
+        "the interleaved pipeline splits each pipeline rank's layers into chunks; it needs "
+        f"--pipeline-model-parallel-size > 1 (now {pp}), e.g. --pipeline-model-parallel-size 2",
+    )
+    if per_stage is not None:
+        require(
+            layers % pp == 0 and (layers // pp) % per_stage == 0,
+            flag,
+            value,
+            f"must divide the layers per pipeline stage (--num-layers={layers} / "
+            f"--pipeline-model-parallel-size={pp}), e.g. {_largest_divisor(layers // pp, per_stage)}",
+        )
+    else:
+        require(
+            layers % (pp * chunks) == 0,
+            flag,
+            value,
+            f"--num-layers={layers} must be a multiple of --pipeline-model-parallel-size x chunks = "
+            f"{pp} x {chunks}, e.g. {flag} {_largest_divisor(layers // pp if layers % pp == 0 else 1, chunks)}",
+        )
+
+
+def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelConfig, moe: MoEConfig) -> None:
+    """The parallel flags, and the layout `dims` (their degrees on the run's world) against the model's shape."""
+    tp, pp, ep, esp = dims.tp, dims.pp, dims.ep, dims.esp
+    dims.check_degrees()
+    require_positive("--distributed-timeout-minutes", parallel.distributed_timeout_minutes, 10)
+    require_positive("--ddp-bucket-size", parallel.ddp_bucket_size, 1_000_000)
+    check_stall_seconds(parallel)
+    dims.check_world()
+    require(
+        model.num_attention_heads % tp == 0,
+        "--tensor-model-parallel-size",
+        tp,
+        f"must divide --num-attention-heads={model.num_attention_heads}",
+    )
+    require(
+        model.make_vocab_size_divisible_by % tp == 0,
+        "--make-vocab-size-divisible-by",
+        model.make_vocab_size_divisible_by,
+        f"must be a multiple of --tensor-model-parallel-size={tp}",
+    )
+    require(
+        model.num_layers % pp == 0,
+        "--pipeline-model-parallel-size",
+        pp,
+        f"must divide --num-layers={model.num_layers}",
+    )
+    check_virtual_pipeline(parallel, model)
+    if moe.is_moe:
+        ffn = moe.expert_ffn_width(model)
+        require(
+            ffn % esp == 0,
+            "--expert-tensor-parallel-size",
+            esp,
+            f"must divide the experts' width --moe-ffn-hidden-size={ffn} (each expert's FFN is split over it), "
+            f"e.g. {next(d for d in range(esp, 0, -1) if ffn % d == 0)}",
+        )
+        require(
+            esp == 1 or moe.own_layer,
+            "--expert-tensor-parallel-size",
+            esp,
+            "use 1 with --moe-layer-impl mcore (expert-sharded parallelism is megatron_moe's layer's)",
+        )
+        require(
+            moe.num_experts % ep == 0,
+            "--num-experts",
+            moe.num_experts,
+            f"must be a multiple of --expert-model-parallel-size={ep} "
+            f"(e.g. --num-experts {ep * max(1, moe.num_experts // ep)})",
+        )
+        dims.check_expert_layout()
+        require(
+            tp == 1 or dims.sequence_parallel,
+            "--sequence-parallel",
+            dims.sequence_parallel,
+            f"MoE with --tensor-model-parallel-size={tp} needs --sequence-parallel",
+        )
+    elif ep > 1:
+        require(False, "--expert-model-parallel-size", ep, "needs --num-experts; use 1 for a dense model")
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` that is at most `at_most` (1 at least): a valid choice to name in an error."""
+    return next(d for d in range(max(min(n, at_most), 1), 0, -1) if n % d == 0)
+
+
+def check_training(training: TrainingConfig) -> None:
+    """Precision, batch sizes, the optimizer and the learning-rate schedule, counted in iterations or samples."""
+    require(not (training.bf16 and training.fp16), "--bf16/--fp16", "both", "choose one")
+    require(
+        training.loss_scale is None or training.loss_scale > 0, "--loss-scale", training.loss_scale, "must be positive"
+    )
+    require_positive("--min-loss-scale", training.min_loss_scale, 1.0)
+    require(
+        training.initial_loss_scale >= training.min_loss_scale > 0,
+        "--initial-loss-scale",
+        training.initial_loss_scale,
+        f"must be >= --min-loss-scale={training.min_loss_scale} > 0",
+    )
+    for flag, value, example in (
+        ("--micro-batch-size", training.micro_batch_size, 4),
+        ("--global-batch-size", training.global_batch_size, 32),
+        ("--train-samples", training.train_samples, 3200),
+        ("--lr-decay-iters", training.lr_decay_iters, 1000),
+        ("--lr-decay-samples", training.lr_decay_samples, 32000),
+        ("--lr-wsd-decay-iters", training.lr_wsd_decay_iters, 100),
+        ("--lr-wsd-decay-samples", training.lr_wsd_decay_samples, 3200),
+        ("--adam-eps", training.adam_eps, 1e-8),
+        ("--loss-scale-window", training.loss_scale_window, 1000),
+        ("--hysteresis", training.hysteresis, 2),
+    ):
+        require_positive(flag, value, example)
+    for flag, value, example in (
+        ("--train-iters", training.train_iters, 100),
+        ("--lr", training.lr, 3e-4),
+        ("--lr-warmup-iters", training.lr_warmup_iters, 0),
+        ("--lr-warmup-samples", training.lr_warmup_samples, 0),
+        ("--weight-decay", training.weight_decay, 0.01),
+        ("--clip-grad", training.clip_grad, "1.0 (0: off)"),
+        ("--eval-interval", training.eval_interval, "50 (0: only at the end)"),
+        ("--eval-iters", training.eval_iters, 4),
+    ):
+        require_non_negative(flag, value, example)
+    require_fraction("--adam-beta1", training.adam_beta1, 0.9, below_one=True)
+    require_fraction("--adam-beta2", training.adam_beta2, 0.95, below_one=True)
+    # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
+    require(0 <= training.seed < 2**31, "--seed", training.seed, "must be in [0, 2**31), e.g. --seed 1234")
+    require(training.lr >= training.min_lr >= 0, "--min-lr", training.min_lr, f"must be in [0, --lr={training.lr}]")
+    if training.lr_warmup_fraction is not None:
+        require_fraction("--lr-warmup-fraction", training.lr_warmup_fraction, 0.01, below_one=True)
+    by_samples = training.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    require(
+        not by_samples or training.train_iters is None,
+        "--train-iters",
+        training.train_iters,
+        "and --train-samples both set the run's length: give one",
+    )
+    for name, value, unset in (
+        ("lr-warmup", training.lr_warmup_iters, 0),
+        ("lr-decay", training.lr_decay_iters, None),
+        ("lr-wsd-decay", training.lr_wsd_decay_iters, None),
+    ) if by_samples else (
+        ("lr-warmup", training.lr_warmup_samples, 0),
+        ("lr-decay", training.lr_decay_samples, None),
+        ("lr-wsd-decay", training.lr_wsd_decay_samples, None),
+    ):  # fmt: skip
+        require(
+            value == unset,
+            f"--{name}-{other}",
+            value,
+            f"counts {other}, and this run counts {unit} (--train-{unit}): use --{name}-{unit}",
+        )
+    warmup = training.lr_warmup_samples if by_samples else training.lr_warmup_iters
+    require(
+        training.lr_warmup_fraction is None or warmup == 0,
+        "--lr-warmup-fraction",
+        training.lr_warmup_fraction,
+        f"and --lr-warmup-{unit}={warmup} both set the warm-up: give one",
+    )
+    wsd = training.lr_wsd_decay_samples if by_samples else training.lr_wsd_decay_iters
+    require(
+        training.lr_decay_style != "WSD" or wsd is not None,
+        "--lr-decay-style",
+        "WSD",
+        f"needs the length of its final decay, e.g. --lr-wsd-decay-{unit} {320 if by_samples else 10}",
+    )
+
+
+def resolve_train_iters(training: TrainingConfig) -> None:
+    """Fills --train-iters: from --train-samples (whole global batches, Megatron-LM's rule), else its default."""
+    if training.train_samples is not None:
+        require(
+            training.train_samples >= training.global_batch_size,
+            "--train-samples",
+            training.train_samples,
+            f"must be at least one global batch (--global-batch-size={training.global_batch_size})",
+        )
+        training.train_iters = training.train_samples // training.global_batch_size
+    elif training.train_iters is None:
+        training.train_iters = 100
+
+
+def check_activations(activations: ActivationsConfig) -> None:
+    """Full recompute excludes per-module control; selective recompute names what it recomputes."""
+    per_module = activations.recompute_modules or activations.quantize_activations
+    require(
+        not (activations.full_recompute and (per_module or activations.activation_policy == "arctic")),
+        "--recompute-granularity",
+        activations.recompute_granularity,
+        "full recompute conflicts with --activation-policy arctic / --recompute-modules / "
+        "--quantize-activations; use --recompute-granularity selective for per-module control",
+    )
+    require(
+        not (
+            activations.recompute_granularity == "selective"
+            and activations.activation_policy == "none"
+            and not per_module
+        ),
+        "--recompute-granularity",
+        "selective",
+        "name what to recompute or quantize: --activation-policy arctic, --recompute-modules or --quantize-activations",
+    )
+
+
+def check_data(data: DataConfig) -> None:
+    """A data path, the tokenizer's files, the loader's workers and the split."""
+    require(
+        bool(data.data_path), "--data-path", data.data_path, "give a .bin/.idx prefix from tools/preprocess_data.py"
+    )
+    check_tokenizer(data)
+    require_non_negative("--num-workers", data.num_workers, 2)
+    try:
+        shares = [float(part) for part in data.split.split(",")]
+    except ValueError:
+        shares = []
+    require(
+        1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0,
+        "--split",
+        data.split,
+        "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
+    )
+
+
+def check_tokenizer(data: DataConfig) -> None:
+    """The files the --tokenizer-type needs are named (whether they exist and fit is the tokenizer's check,
+    when it loads them; tools/preprocess_data.py calls this too)."""
+    kind = data.tokenizer_type
+    require(kind in TOKENIZER_TYPES, "--tokenizer-type", kind, f"one of {', '.join(TOKENIZER_TYPES)}")
+    if kind == "GPT2BPETokenizer":
+        for flag, value, what in (
+            ("--vocab-file", data.vocab_file, "vocab.json"),
+            ("--merge-file", data.merge_file, "merges.txt"),
+        ):
+            require(
+                value is not None,
+                flag,
+                None,
+                f"--tokenizer-type GPT2BPETokenizer needs GPT-2's {what}, e.g. {flag} data/bpe/{what} "
+                f"(tools/train_tokenizer.py --model-type bytelevel-bpe writes both)",
+            )
+        return
+    made_by = (
+        "the sentencepiece .model the data was made with"
+        if kind == "SentencePieceTokenizer"
+        else "a directory holding tokenizer.json, or that file (tools/train_tokenizer.py --model-type "
+        "bytelevel-bpe writes one)"
+    )
+    require(data.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
+
+
+def check_checkpoint(checkpoint: CheckpointConfig) -> None:
+    """The checkpoint format and the save / exit intervals."""
+    require(
+        checkpoint.ckpt_format == "torch_dist",
+        "--ckpt-format",
+        checkpoint.ckpt_format,
+        "this stack writes and reads megatron-core dist_checkpointing's torch_dist only (resharded at load "
+        "for another layout); use --ckpt-format torch_dist, and tools/checkpoint/ to convert to HuggingFace",
+    )
+    require_non_negative("--save-interval", checkpoint.save_interval, "1000 (0: only at the end)")
+    require_positive("--exit-interval", checkpoint.exit_interval, 1000)
+    require_positive("--exit-duration-in-mins", checkpoint.exit_duration_in_mins, 230)
+    require_positive("--keep-last-n", checkpoint.keep_last_n, 3)
+
+
+def check_logging(logging: LoggingConfig) -> None:
+    """The log intervals and the loss-spike warning's figures."""
+    require_positive("--log-interval", logging.log_interval, 10)
+    require_positive("--tensorboard-log-interval", logging.tensorboard_log_interval, 1)
+    factor = logging.loss_spike_factor
+    require(factor == 0 or factor > 1, "--loss-spike-factor", factor, "must be 0 (off) or above 1, e.g. 3")
+    window = logging.loss_spike_window
+    require(window >= 1, "--loss-spike-window", window, "must be at least 1, e.g. 20")
