@@ -39,7 +39,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from megatron_moe.config import GROUPS, RunConfig, rules
+from megatron_moe.config import GROUPS, ParallelDims, RunConfig, rules
 from megatron_moe.config.fields import ConfigError, add_arguments, check_given_flags_apply, from_namespace, require
 from megatron_moe.overlap.cost_model import (
     BACKWARD_KINDS,
@@ -135,10 +135,10 @@ def layer_grad_bytes(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict[int
     runs reduce in fp32). Dense weights count when DP > 1, expert weights when the expert-DP group
     (DP x TP x CP / (EP x ESP)) has > 1 rank."""
     model, par = cfg.model, cfg.parallel
-    h, t, dp = model.hidden_size, par.tensor_model_parallel_size, args.data_parallel_size
+    dims = ParallelDims.from_config(par, data_parallel_size=args.data_parallel_size)
+    h, t, dp = model.hidden_size, dims.tp, dims.dp
     layer = cfg.moe.layer_config(model)
-    ep, esp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or 1
-    expert_dp = dp * t * par.context_parallel_size // (ep * esp)
+    ep, esp, expert_dp = dims.ep, dims.esp, dims.expert_dp
     dense, expert = (4.0 if dp > 1 else 0.0), (4.0 if expert_dp > 1 else 0.0)
     mats = 3 if layer.expert_type == "swiglu" else 2
     ffn = model.ffn_width
@@ -209,7 +209,8 @@ def _plan_row(cfg: RunConfig, args: argparse.Namespace, fits: ClusterFits, t_gar
 
 def _mismatches(cfg: RunConfig, fits: ClusterFits) -> list[str]:
     """Where the profile's groups differ from the model's: its lines were measured on other traffic."""
-    model = {"ep": cfg.parallel.expert_model_parallel_size, "esp": cfg.parallel.expert_tensor_parallel_size or 1}
+    dims = ParallelDims.from_config(cfg.parallel)
+    model = {"ep": dims.ep, "esp": dims.esp}
     return [
         f"the profile was measured at {name.upper()}={fits.cluster[name]}, the model runs {name.upper()}={size}"
         for name, size in model.items()

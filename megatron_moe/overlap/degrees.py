@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron_moe.config.fields import require
+from megatron_moe.config.parallel_dims import ParallelDims
 from megatron_moe.overlap.cost_model import ClusterFits, LayerSizes, Schedule, solve_degrees
 
 if TYPE_CHECKING:
@@ -18,8 +19,9 @@ if TYPE_CHECKING:
 def layer_sizes(cfg: RunConfig) -> LayerSizes:
     """One MoE layer's sizes on one rank, from the run's flags: tokens per rank = micro-batch x seq-length /
     (TP under sequence parallelism) / CP; 2-byte rows under --bf16 / --fp16, else 4."""
-    model, moe, par, training = cfg.model, cfg.moe, cfg.parallel, cfg.training
-    split = (par.tensor_model_parallel_size if par.sequence_parallel else 1) * par.context_parallel_size
+    model, moe, training = cfg.model, cfg.moe, cfg.training
+    dims = ParallelDims.from_config(cfg.parallel)
+    split = dims.token_split
     tokens = training.micro_batch_size * model.seq_length
     require(
         tokens % split == 0,
@@ -34,8 +36,8 @@ def layer_sizes(cfg: RunConfig) -> LayerSizes:
         hidden_size=layer.hidden_size,
         ffn_hidden_size=layer.ffn_hidden_size,
         num_experts=layer.num_experts,
-        ep=par.expert_model_parallel_size,
-        esp=par.expert_tensor_parallel_size or 1,
+        ep=dims.ep,
+        esp=dims.esp,
         capacity_factor=layer.capacity_factor,
         padded=layer.pad_expert_input_to_capacity,
         dtype_bytes=2 if (training.bf16 or training.fp16) else 4,

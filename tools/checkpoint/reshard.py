@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -36,7 +35,7 @@ import warnings
 
 # Only light imports at module level: torchrun runs this file, and the checkpoint writer's
 # spawned helper re-imports it; megatron-core is imported where it is used.
-from megatron_moe.config import ConfigError, RunConfig
+from megatron_moe.config import ConfigError, ParallelDims, RunConfig
 
 log = logging.getLogger("megatron_moe")
 
@@ -90,12 +89,11 @@ class Plan:
         return RunConfig.from_dict(self.target_config)
 
     def describe_target(self) -> str:
-        p = self.config().parallel
+        cfg = self.config()
+        dims = cfg.dims(self.world_size)
         return (
-            f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
-            f"VPP={p.virtual_pipeline_size(self.config().model.num_layers) or 1} "
-            f"EP={p.expert_model_parallel_size} ESP={p.expert_tensor_parallel_size or 1} SP={p.sequence_parallel} "
-            f"distributed-optimizer={p.use_distributed_optimizer}"
+            f"TP={dims.tp} PP={dims.pp} VPP={dims.vpp or 1} EP={dims.ep} ESP={dims.esp} "
+            f"SP={dims.sequence_parallel} distributed-optimizer={cfg.parallel.use_distributed_optimizer}"
         )
 
     def save(self, path: str) -> None:
@@ -117,12 +115,7 @@ def smallest_world_size(cfg: RunConfig) -> int:
     Fewer ranks means fewer processes (and copies of the non-expert weights)
     on the converting machine; data parallelism does not change what is saved.
     """
-    p = cfg.parallel
-    per_stage = math.lcm(
-        p.tensor_model_parallel_size * p.context_parallel_size,
-        p.expert_model_parallel_size * (p.expert_tensor_parallel_size or 1),
-    )
-    return p.pipeline_model_parallel_size * per_stage
+    return ParallelDims.from_config(cfg.parallel).smallest_world
 
 
 def _read_source(load: str) -> tuple[str, dict]:
@@ -187,13 +180,8 @@ def _target_config(source: RunConfig, target: Target) -> RunConfig:
 
 def _validate_layout(cfg: RunConfig) -> int:
     """The world size for `cfg`, or a ConfigError that names this tool's flags."""
-    p = cfg.parallel
-    sizes = (
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        p.expert_model_parallel_size,
-        p.expert_tensor_parallel_size or 1,
-    )
+    dims = ParallelDims.from_config(cfg.parallel)
+    sizes = (dims.tp, dims.pp, dims.ep, dims.esp)
     for flag, value in zip(list(TARGET_FLAGS.values())[:4], sizes):
         if value < 1:
             raise ConfigError(f"{flag}={value}: must be >= 1")
