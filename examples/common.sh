@@ -178,7 +178,7 @@ except ConfigError as error:
 p, m = cfg.parallel, cfg.model
 print(f"flags OK for world size {world}: TP={p.tensor_model_parallel_size} "
       f"PP={p.pipeline_model_parallel_size} CP={p.context_parallel_size} "
-      f"EP={p.expert_model_parallel_size} DP={cfg.data_parallel_size(world)} "
+      f"EP={p.expert_model_parallel_size} DP={cfg.dims(world).dp} "
       f"SP={p.sequence_parallel} micro-batch={cfg.training.micro_batch_size} "
       f"global-batch={cfg.training.global_batch_size} "
       f"microbatches={cfg.num_microbatches(world)} MoE layers="
