@@ -1,8 +1,8 @@
 """Benchmark one MoE layer, forward + backward: ours vs megatron-core 0.16.1's MoELayer vs the GEMM floor.
 
-    python tools/bench_moe_layer.py                      # every case, one JSON object per line
-    python tools/bench_moe_layer.py --cases small --repeats 10
-    python tools/bench_moe_layer.py --cluster 2x1 --link-gbit 1   # EP=2 across 2 emulated nodes (see below)
+    python -m tools.bench_moe_layer                      # every case, one JSON object per line
+    python -m tools.bench_moe_layer --cases small --repeats 10
+    python -m tools.bench_moe_layer --cluster 2x1 --link-gbit 1   # EP=2 across 2 emulated nodes (see below)
 
 On CPU the cases run in fp32 (cases small and gpt2s); on a GPU in bf16, with
 a Mixtral-sized case `large` added (`--dtype`, `--cases` override both). The
@@ -55,10 +55,7 @@ THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is impor
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchcluster import parse_cluster  # noqa: E402
-from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe.moe.grouped_gemm import (  # noqa: E402
     KERNELS,
     forced_kernel,
@@ -67,6 +64,8 @@ from megatron_moe.moe.grouped_gemm import (  # noqa: E402
     onednn_works,
 )
 from megatron_moe.platform.process import init_single_process  # noqa: E402
+from tools.benchcluster import parse_cluster  # noqa: E402
+from tools.benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 CASES = {
     # name: (hidden, ffn, tokens, [(experts, topk), ...])

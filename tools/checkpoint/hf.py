@@ -95,7 +95,7 @@ class ImportHFCommand:
         if not any(layout):
             import_hf(args.load, args.save, overwrite=args.overwrite, progress=progress)
         else:  # import in one process, then move to the asked layout with `reshard`
-            from reshard import Target, make_plan, run_plan
+            from tools.checkpoint.reshard import Target, make_plan, run_plan
 
             staging = tempfile.mkdtemp(prefix="import-hf-")
             try:

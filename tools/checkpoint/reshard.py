@@ -39,6 +39,7 @@ import warnings
 from megatron_moe.config import ConfigError, RunConfig
 
 log = logging.getLogger("megatron_moe")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Target flag of this tool -> the training flag whose value it sets (for error messages).
 TARGET_FLAGS = {
@@ -314,9 +315,10 @@ def _launch(plan_path: str, world: int, save_root: str) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # world processes share the cores
     env.setdefault("MEGATRON_MOE_FORCE_CPU", "1")  # offline: the CPU, even where GPUs exist
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))  # `-m tools...` from any cwd
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={world}", os.path.abspath(__file__), "--plan", plan_path,
+        "--standalone", f"--nproc-per-node={world}", "-m", "tools.checkpoint.reshard", "--plan", plan_path,
         "--save-root", save_root,
     ]  # fmt: skip
     print(f"reshard: launching {world} CPU process{'es' if world > 1 else ''}: {' '.join(cmd)}", flush=True)
