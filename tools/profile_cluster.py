@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _groups(world: int, rank: int, esp: int, ep: int | None):
-    """(EP group, ESP group) of `rank` in megatron-core's expert order: rank = (edp * G + ep) * P + etp."""
+    """(EP group, ESP group) of `rank` in megatron-core's expert order: rank = (edp_rank * G + ep_rank) * P + esp_rank."""
     import torch.distributed as dist
 
     ep = world // esp if ep is None else ep
@@ -57,8 +57,8 @@ def _groups(world: int, rank: int, esp: int, ep: int | None):
         if start <= rank < start + esp:
             mine["esp"] = group
     for block in range(0, world, esp * ep):
-        for etp in range(esp):
-            ranks = [block + i * esp + etp for i in range(ep)]
+        for esp_rank in range(esp):
+            ranks = [block + i * esp + esp_rank for i in range(ep)]
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine["ep"] = group
