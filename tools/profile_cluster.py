@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _groups(world: int, rank: int, esp: int, ep: int | None):
-    """(EP group, ESP group) of `rank` in megatron-core's expert order: rank = (edp_rank * G + ep_rank) * P + esp_rank."""
+    """(EP group, ESP group) of `rank` in megatron-core's expert order:
+    rank = (edp_rank * G + ep_rank) * P + esp_rank."""
     import torch.distributed as dist
 
     ep = world // esp if ep is None else ep

@@ -79,7 +79,7 @@ class ReshardCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> None:
-        from tools.checkpoint.reshard import Target, make_plan, run_plan
+        from tools.checkpoint.reshard import Target, make_reshard_job, run_reshard_job
 
         target = Target(
             tensor_parallel_size=args.target_tensor_parallel_size,
@@ -92,15 +92,15 @@ class ReshardCommand:
             drop_optimizer=args.no_optimizer,
         )
         print(f"reshard: reading {args.load}", flush=True)
-        plan = make_plan(args.load, args.save, target, overwrite=args.overwrite)
-        print(f"reshard: iteration {plan.iteration}, source layout {plan.source_layout}", flush=True)
+        job = make_reshard_job(args.load, args.save, target, overwrite=args.overwrite)
+        print(f"reshard: iteration {job.iteration}, source layout {job.source_layout}", flush=True)
         print(
-            f"reshard: target {plan.describe_target()}, optimizer state "
-            f"{'moves' if plan.with_optimizer else 'not converted'}",
+            f"reshard: target {job.describe_target()}, optimizer state "
+            f"{'moves' if job.with_optimizer else 'not converted'}",
             flush=True,
         )
-        run_plan(plan)
-        print(f"reshard: wrote {plan.destination} (iteration {plan.iteration}, {plan.describe_target()})", flush=True)
+        run_reshard_job(job)
+        print(f"reshard: wrote {job.destination} (iteration {job.iteration}, {job.describe_target()})", flush=True)
 
 
 from tools.checkpoint.hf import ExportHFCommand, ImportHFCommand, VerifyCommand  # noqa: E402
