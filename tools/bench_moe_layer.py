@@ -199,7 +199,7 @@ def build_ours(config, mcore, capacity_factor, dispatcher):
         ffn_hidden_size=config.moe_ffn_hidden_size,
         topk=config.moe_router_topk,
         capacity_factor=capacity_factor,
-        pad_expert_input_to_capacity=dispatcher == "alltoall",  # this tool's name for the padded all-to-all
+        pad_expert_input_to_capacity=dispatcher == "padded_alltoall",
         expert_type="swiglu" if config.gated_linear_unit else "gelu",
         aux_loss_coeff=config.moe_aux_loss_coeff,
     )
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
                 if args.shapes and f"{experts}x{topk}" not in args.shapes:
                     continue
                 for cf in args.capacity_factors:
-                    dispatchers = ["alltoallv"] + (["alltoall"] if cf > 0 and args.padded_too else [])
+                    dispatchers = ["alltoallv"] + (["padded_alltoall"] if cf > 0 and args.padded_too else [])
                     for dispatcher in dispatchers:
                         suffix = "" if dispatcher == "alltoallv" else "_padded"
                         name = f"{case}_e{experts}_k{topk}_cf{cf:g}{suffix}"

@@ -292,7 +292,10 @@ class AllToAllV(Dispatcher):
 
 
 def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None, esp_group=None) -> Dispatcher:
-    dispatcher = {"alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
+    """`name`: `padded_alltoall` (C rows per expert from every rank, --moe-pad-expert-input-to-capacity) or
+    `alltoallv` (exact rows); Megatron-LM's `--moe-token-dispatcher-type alltoall` is either one
+    (`MoELayerConfig.dispatcher` picks)."""
+    dispatcher = {"padded_alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
     return dispatcher(group, num_experts, layer=layer, esp_group=esp_group)
 
 
