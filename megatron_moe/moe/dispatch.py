@@ -161,9 +161,9 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def make_splits(
-        self, counts: list[int], received_D: torch.Tensor | None, received: list[int] | None
+        self, counts: list[int], received_dev: torch.Tensor | None, received: list[int] | None
     ) -> DispatchSplits:
-        """The `DispatchSplits` for rows with `counts[e]` rows per expert; `received_D` / `received`: what
+        """The `DispatchSplits` for rows with `counts[e]` rows per expert; `received_dev` / `received`: what
         `exchange_counts` returned, on the device / read on the host."""
 
     @abc.abstractmethod
@@ -180,7 +180,7 @@ class PaddedAllToAll(Dispatcher):
 
     needs_padding = True
 
-    def make_splits(self, counts, received_D=None, received=None):
+    def make_splits(self, counts, received_dev=None, received=None):
         capacity = counts[0]
         assert all(c == capacity for c in counts), "the padded all-to-all needs equal counts"
         g, l, p = self.group_size, self.num_local_experts, self.esp_size
@@ -251,7 +251,7 @@ class AllToAllV(Dispatcher):
             return counts_GL
         return comm.esp_gather_counts(counts_GL, self.esp_group, layer=self.layer)
 
-    def make_splits(self, counts, received_D, received):
+    def make_splits(self, counts, received_dev, received):
         g, l, p = self.group_size, self.num_local_experts, self.esp_size
         send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
         if not self.moves_rows:
@@ -260,7 +260,9 @@ class AllToAllV(Dispatcher):
         esp_received_PGL = [blocks[q * g : (q + 1) * g] for q in range(p)] if p > 1 else None
         received_GL = blocks if p == 1 else esp_received_PGL[self.esp_rank]
         local_counts = [sum(column) for column in zip(*blocks)]
-        to_expert, to_source = (None, None) if l == 1 else _chunk_permutation(received_D.view(-1, l), sum(local_counts))
+        to_expert, to_source = (
+            (None, None) if l == 1 else _chunk_permutation(received_dev.view(-1, l), sum(local_counts))
+        )
         return DispatchSplits(
             [sum(row) for row in send_GL],
             [sum(row) for row in received_GL],

@@ -235,10 +235,10 @@ class MoELayer(MegatronModule):
         num_experts = routing.num_experts
         if routing.is_soft:  # every expert gets exactly its slots: nothing to count, cap or drop
             row_map = make_row_map(routing, capacity=None, padded=True)
-            received_D = self.dispatcher.exchange_counts(row_map.routed_E.new_full((num_experts,), row_map.capacity))
+            received_dev = self.dispatcher.exchange_counts(row_map.routed_E.new_full((num_experts,), row_map.capacity))
             with comm.host_read("moe plan counts", layer=self.layer_number):
-                (received,) = to_host(received_D)
-            return row_map, self.dispatcher.make_splits(row_map.counts, received_D, received)
+                (received,) = to_host(received_dev)
+            return row_map, self.dispatcher.make_splits(row_map.counts, received_dev, received)
         padded = self.dispatcher.needs_padding or isinstance(self.ordering, DenseOrdering)
         routed_E = expert_counts(routing.expert_N, num_experts)
         capacity_1 = self._capacity(routing, routed_E, padded)  # 1.
@@ -246,12 +246,12 @@ class MoELayer(MegatronModule):
             sent_E = routed_E
         else:
             sent_E = capacity_1.expand(num_experts) if padded else torch.minimum(routed_E, capacity_1)
-        received_D = self.dispatcher.exchange_counts(sent_E)  # 2.
+        received_dev = self.dispatcher.exchange_counts(sent_E)  # 2.
         with comm.host_read("moe plan counts", layer=self.layer_number):
-            routed, capacity, received = to_host(routed_E, capacity_1, received_D)  # 3.
+            routed, capacity, received = to_host(routed_E, capacity_1, received_dev)  # 3.
         capacity = None if capacity is None else capacity[0]
         row_map = make_row_map(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
-        return row_map, self.dispatcher.make_splits(row_map.counts, received_D, received)
+        return row_map, self.dispatcher.make_splits(row_map.counts, received_dev, received)
 
     def _capacity(self, routing: Routing, routed_E: torch.Tensor, padded: bool) -> torch.Tensor | None:
         """Slots per expert as a long [1] on the device; None: exact rows and nothing limits them (dropless)."""

@@ -1,7 +1,7 @@
 """Order and I-Order: tokens [T, H] <-> rows grouped by expert [R, H].
 
 Legend: T = tokens, H = hidden, E = experts (global), C = capacity (slots per
-expert), N = routed pairs, R = rows of the expert-major buffer, S = soft slots.
+expert), N = routed pairs, R = rows of the expert-major buffer, Z = soft slots.
 
 `make_row_map` turns a `Routing` into a `RowMap` with ONE stable sort of the pairs
 by expert (in the gate's claim order), which gives each pair its slot in its
@@ -157,12 +157,12 @@ class Ordering(abc.ABC):
 
 
 def _soft_encode(x_TH, row_map: RowMap) -> torch.Tensor:
-    # Slot s = sum_t dispatch[t, s] * x_t; slots are expert-major (E x P), as the rows.
-    return row_map.routing.dispatch_TS.t().to(x_TH.dtype) @ x_TH
+    # Slot s = sum_t dispatch[t, s] * x_t; slots are expert-major (E x C), as the rows.
+    return row_map.routing.dispatch_TZ.t().to(x_TH.dtype) @ x_TH
 
 
 def _soft_decode(rows_RH, row_map: RowMap) -> torch.Tensor:
-    return row_map.routing.combine_TS.to(rows_RH.dtype) @ rows_RH
+    return row_map.routing.combine_TZ.to(rows_RH.dtype) @ rows_RH
 
 
 class SparseOrdering(Ordering):

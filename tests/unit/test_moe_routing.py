@@ -197,9 +197,9 @@ def test_cosine_gates_bound_their_logits(name, dim):
 def test_soft_gate_mixes_tokens_into_slots():
     gate = build_gate(cfg(gate="soft", soft_slots=3))
     r = gate(x_TH(20))
-    assert r.dispatch_TS.shape == (20, E * 3)
-    torch.testing.assert_close(r.dispatch_TS.sum(0), torch.ones(E * 3))
-    torch.testing.assert_close(r.combine_TS.sum(1), torch.ones(20))
+    assert r.dispatch_TZ.shape == (20, E * 3)
+    torch.testing.assert_close(r.dispatch_TZ.sum(0), torch.ones(E * 3))
+    torch.testing.assert_close(r.combine_TZ.sum(1), torch.ones(20))
     row_map = make_row_map(r, capacity=None, padded=True)
     assert row_map.counts == [3] * E and row_map.dropped == 0
 
