@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             result = {"fits": fits.to_json(), "measured": measured}
             if "BENCH_RESULT" in os.environ:
-                from benchcluster import write_result
+                from tools.benchcluster import write_result
 
                 write_result(result)
             else:
