@@ -367,7 +367,7 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cluster:
-        from bench_moe_layer_ep import run_cluster
+        from tools.bench_moe_layer_ep import run_cluster
 
         run_cluster(args, cluster_cases(args))
         return 0
