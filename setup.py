@@ -4,7 +4,8 @@ setup(
     name="megatron_moe",
     version="0.1.0",
     description="Megatron-style model-parallel Mixture-of-Experts pretraining on megatron-core",
-    packages=find_packages(include=["megatron_moe", "megatron_moe.*"]),
+    # tools/ is a package too: `python -m tools.NAME`, and `python tools/NAME.py` once installed.
+    packages=find_packages(include=["megatron_moe", "megatron_moe.*", "tools", "tools.*"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

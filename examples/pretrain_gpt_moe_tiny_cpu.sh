@@ -3,7 +3,7 @@
 #
 # The data is the Python standard library's own sources (real text nobody here
 # wrote). When $DATA_DIR does not hold it yet, it is built first:
-#   tools/make_stdlib_corpus.py -> tools/train_tokenizer.py -> tools/preprocess_data.py
+#   tools.make_stdlib_corpus -> tools.train_tokenizer -> tools.preprocess_data (python -m, from any directory)
 #
 #   examples/pretrain_gpt_moe_tiny_cpu.sh                  # what `make demo` runs
 #   examples/pretrain_gpt_moe_tiny_cpu.sh --train-iters 20 # extra flags override
@@ -40,6 +40,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # A CPU demo: stay on the CPU even where CUDA exists (0 to use the GPUs).
 export MEGATRON_MOE_FORCE_CPU="${MEGATRON_MOE_FORCE_CPU:-1}"
 
+# python -m tools.NAME ARGS..., whatever the current directory.
+run_tool() {
+    PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m "tools.$1" "${@:2}"
+}
+
 prepare_data() {
     if [[ -n "${DATA_PATH:-}" ]]; then
         log "data: using DATA_PATH=${DATA_PATHS[*]} with ${TOKENIZER_ARGS[*]} (given)"
@@ -48,17 +53,17 @@ prepare_data() {
     if [[ -f "$STDLIB_PREFIX.bin" && -f "$STDLIB_PREFIX.idx" && -f "$TOKENIZER_MODEL" ]]; then
         log "data: using $STDLIB_PREFIX.{bin,idx} and $TOKENIZER_MODEL"
         if [[ ! -f "$STDLIB_PREFIX.meta.json" ]]; then  # data made before the metadata sidecar existed
-            "$PYTHON" "$REPO_ROOT/tools/preprocess_data.py" --write-metadata "$STDLIB_PREFIX" \
+            run_tool preprocess_data --write-metadata "$STDLIB_PREFIX" \
                 --tokenizer-model "$TOKENIZER_MODEL"
         fi
         return
     fi
     log "data: building the stdlib corpus, tokenizer and token files in $DATA_DIR"
     mkdir -p "$DATA_DIR"
-    "$PYTHON" "$REPO_ROOT/tools/make_stdlib_corpus.py" --output "$DATA_DIR/stdlib.jsonl"
-    "$PYTHON" "$REPO_ROOT/tools/train_tokenizer.py" --input "$DATA_DIR/stdlib.jsonl" \
+    run_tool make_stdlib_corpus --output "$DATA_DIR/stdlib.jsonl"
+    run_tool train_tokenizer --input "$DATA_DIR/stdlib.jsonl" \
         --model-prefix "${TOKENIZER_MODEL%.model}" --vocab-size "$VOCAB_SIZE" --num-threads 2
-    "$PYTHON" "$REPO_ROOT/tools/preprocess_data.py" --input "$DATA_DIR/stdlib.jsonl" \
+    run_tool preprocess_data --input "$DATA_DIR/stdlib.jsonl" \
         --tokenizer-model "$TOKENIZER_MODEL" --output-prefix "$DATA_DIR/stdlib" \
         --workers 2 --append-eod
 }

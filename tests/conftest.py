@@ -23,12 +23,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def load_tool(name):
-    """Import tools/NAME.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # so worker processes can unpickle its functions
-    spec.loader.exec_module(module)
-    return module
+    """Import tools/NAME.py as a module (`tools.NAME`)."""
+    return importlib.import_module(f"tools.{name}")
 
 
 corpus_tool = load_tool("make_stdlib_corpus")

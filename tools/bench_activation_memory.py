@@ -1,6 +1,6 @@
 """Activation memory and step time of the activation policies, measured in one run.
 
-    python tools/bench_activation_memory.py [--repeats 5] [--cases layer,demo]
+    python -m tools.bench_activation_memory [--repeats 5] [--cases layer,demo]
 
 For each case (one MoE transformer layer at GPT2-S-MoE shapes; the demo
 model) and policy (`none`, `full` = megatron-core whole-layer recompute,
@@ -26,21 +26,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
-
-from megatron_moe.activations.apply import apply_activation_policy  # noqa: E402
-from megatron_moe.activations.engine import SavedBytes  # noqa: E402
-from megatron_moe.config import parse_args  # noqa: E402
-from megatron_moe.platform import current_platform, synchronize  # noqa: E402
-from megatron_moe.platform.process import init_single_process  # noqa: E402
+from megatron_moe.activations.apply import apply_activation_policy
+from megatron_moe.activations.engine import SavedBytes
+from megatron_moe.config import parse_args
+from megatron_moe.platform import current_platform, synchronize
+from megatron_moe.platform.process import init_single_process
+from tools.benchlib import measure_rounds, median_ratio, peak_bytes
 
 CASES = {
     # One MoE transformer layer, GPT2-S-MoE shapes: 1024 tokens (seq 512 x micro-batch 2).

@@ -1,7 +1,7 @@
 """The communication timers' cost: a training step with them on vs off (--no-comm-timers), and per collective.
 
-    python tools/bench_comm_timers.py                        # tiny model, 2 CPU ranks, EP=2; data in ./data
-    python tools/bench_comm_timers.py --data-dir DIR --rounds 4 --steps 12
+    python -m tools.bench_comm_timers                        # tiny model, 2 CPU ranks, EP=2; data in ./data
+    python -m tools.bench_comm_timers --data-dir DIR --rounds 4 --steps 12
 
 One torchrun job of 2 gloo ranks. Two measurements, one JSON line each:
 1. `comm_timers_step`: the same tiny training run (EP=2) repeated, timers on and off alternated round by round
@@ -26,9 +26,9 @@ import sys
 import tempfile
 import time
 
+from megatron_moe.platform.process import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from megatron_moe.platform.process import free_port  # noqa: E402
 
 TINY = (
     "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --num-experts 8 --moe-router-topk 2 "
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.jsonl")
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
-        argv += [os.path.abspath(__file__), "--worker", "--out", out, "--data-dir", args.data_dir]
+        argv += ["-m", "tools.bench_comm_timers", "--worker", "--out", out, "--data-dir", args.data_dir]
         argv += ["--rounds", str(args.rounds), "--steps", str(args.steps)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_MOE_FORCE_CPU": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))

@@ -1,8 +1,8 @@
 """Benchmark training start-up to the first iteration: the demo's ~2.5 MB dataset vs a ~2 GB one.
 
-    python tools/bench_data_startup.py                        # build both in a temporary dir, time, delete
-    python tools/bench_data_startup.py --output-dir /tmp/startup --keep     # keep the data for another run
-    python tools/bench_data_startup.py --target-bytes 500e6 --repeats 1 --nproc 2
+    python -m tools.bench_data_startup                        # build both in a temporary dir, time, delete
+    python -m tools.bench_data_startup --output-dir /tmp/startup --keep     # keep the data for another run
+    python -m tools.bench_data_startup --target-bytes 500e6 --repeats 1 --nproc 2
 
 Start-up must not grow with the corpus beyond reading the ``.idx`` (and megatron-core's cached
 index files). What runs:
@@ -41,8 +41,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 MARKER = ".bench_data_startup"
 FIRST_ITERATION = re.compile(r"iteration\s+1/")
@@ -91,9 +89,7 @@ def work_dir(args) -> str:
 
 def make_small(directory: str) -> tuple[str, str]:
     """The demo's data in `directory`; returns (prefix, tokenizer model). Skipped when present."""
-    import make_stdlib_corpus
-    import preprocess_data
-    import train_tokenizer
+    from tools import make_stdlib_corpus, preprocess_data, train_tokenizer
 
     prefix, model = os.path.join(directory, "small_text_document"), os.path.join(directory, "tokenizer.model")
     if all(os.path.exists(p) for p in (prefix + ".bin", prefix + ".idx", prefix + ".meta.json", model)):

@@ -2,8 +2,8 @@
 
 The physics tests calibrate inside the test with these functions instead of assuming tc's configured rate.
 
-    python tools/bench_link.py                               # 0.5, 1 and 2 Gbit/s, a JSON line per rate
-    python tools/bench_link.py --link-gbit 1 --sizes-mib 4 8 16 --repeats 5
+    python -m tools.bench_link                               # 0.5, 1 and 2 Gbit/s, a JSON line per rate
+    python -m tools.bench_link --link-gbit 1 --sizes-mib 4 8 16 --repeats 5
 
 Per rate: a 2-node x 1-process cluster (tools/emulated_cluster.py) runs this file in `--probe` mode on each node:
 the all-to-all of S bytes per rank that the MoE layer uses (`megatron_moe.comm.transport.all_to_all_single`: on
@@ -31,8 +31,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from emulated_cluster import EmulatedCluster  # noqa: E402
+from tools.emulated_cluster import EmulatedCluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MIB = 1 << 20
 PROBE_TIMEOUT_S = 300
@@ -70,11 +71,12 @@ def probe(sizes: list[int], repeats: int) -> dict:
 
 def run_probe(cluster: EmulatedCluster, sizes: list[int], repeats: int, master_port: int = 29500) -> dict:
     """Run the probe on every node of `cluster` (one process each); returns rank 0's result."""
-    argv = [sys.executable, os.path.abspath(__file__), "--probe", "--repeats", str(repeats)]
+    argv = [sys.executable, "-m", "tools.bench_link", "--probe", "--repeats", str(repeats)]
     argv += ["--sizes-bytes", *map(str, sizes)]
+    python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # `-m tools...` from any cwd
     procs = []
     for i in range(cluster.nodes):
-        env = {**os.environ, **cluster.node_env(i, 1, master_port), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **cluster.node_env(i, 1, master_port), "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
         procs.append(cluster.run_on(i, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [proc.communicate(timeout=PROBE_TIMEOUT_S) for proc in procs]
     for i, (proc, (_out, err)) in enumerate(zip(procs, outputs)):

@@ -1,8 +1,8 @@
 """Benchmark one MoE layer, forward + backward: ours vs megatron-core 0.16.1's MoELayer vs the GEMM floor.
 
-    python tools/bench_moe_layer.py                      # every case, one JSON object per line
-    python tools/bench_moe_layer.py --cases small --repeats 10
-    python tools/bench_moe_layer.py --cluster 2x1 --link-gbit 1   # EP=2 across 2 emulated nodes (see below)
+    python -m tools.bench_moe_layer                      # every case, one JSON object per line
+    python -m tools.bench_moe_layer --cases small --repeats 10
+    python -m tools.bench_moe_layer --cluster 2x1 --link-gbit 1   # EP=2 across 2 emulated nodes (see below)
 
 On CPU the cases run in fp32 (cases small and gpt2s); on a GPU in bf16, with
 a Mixtral-sized case `large` added (`--dtype`, `--cases` override both). The
@@ -55,10 +55,7 @@ THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is impor
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchcluster import parse_cluster  # noqa: E402
-from benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe.moe.grouped_gemm import (  # noqa: E402
     KERNELS,
     forced_kernel,
@@ -67,6 +64,8 @@ from megatron_moe.moe.grouped_gemm import (  # noqa: E402
     onednn_works,
 )
 from megatron_moe.platform.process import init_single_process  # noqa: E402
+from tools.benchcluster import parse_cluster  # noqa: E402
+from tools.benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 CASES = {
     # name: (hidden, ffn, tokens, [(experts, topk), ...])
@@ -200,7 +199,7 @@ def build_ours(config, mcore, capacity_factor, dispatcher):
         ffn_hidden_size=config.moe_ffn_hidden_size,
         topk=config.moe_router_topk,
         capacity_factor=capacity_factor,
-        pad_expert_input_to_capacity=dispatcher == "alltoall",  # this tool's name for the padded all-to-all
+        pad_expert_input_to_capacity=dispatcher == "padded_alltoall",
         expert_type="swiglu" if config.gated_linear_unit else "gelu",
         aux_loss_coeff=config.moe_aux_loss_coeff,
     )
@@ -368,7 +367,7 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cluster:
-        from bench_moe_layer_ep import run_cluster
+        from tools.bench_moe_layer_ep import run_cluster
 
         run_cluster(args, cluster_cases(args))
         return 0
@@ -386,7 +385,7 @@ def main(argv=None) -> int:
                 if args.shapes and f"{experts}x{topk}" not in args.shapes:
                     continue
                 for cf in args.capacity_factors:
-                    dispatchers = ["alltoallv"] + (["alltoall"] if cf > 0 and args.padded_too else [])
+                    dispatchers = ["alltoallv"] + (["padded_alltoall"] if cf > 0 and args.padded_too else [])
                     for dispatcher in dispatchers:
                         suffix = "" if dispatcher == "alltoallv" else "_padded"
                         name = f"{case}_e{experts}_k{topk}_cf{cf:g}{suffix}"

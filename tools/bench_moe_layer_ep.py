@@ -1,7 +1,7 @@
 """tools/bench_moe_layer.py's cluster mode: one MoE layer, forward + backward, at EP = all ranks of an emulated cluster.
 
-    python tools/bench_moe_layer.py --cluster 2x1 --link-gbit 1      # EP=2: the all-to-all crosses the link
-    python tools/bench_moe_layer.py --cluster 2x2 --link-gbit 1      # EP=4: 2 of each rank's 3 peers across it
+    python -m tools.bench_moe_layer --cluster 2x1 --link-gbit 1      # EP=2: the all-to-all crosses the link
+    python -m tools.bench_moe_layer --cluster 2x2 --link-gbit 1      # EP=4: 2 of each rank's 3 peers across it
 
 Every rank of a torchrun job per node (tools/benchcluster.py) builds megatron-core's MoELayer (alltoall
 dispatcher, SequentialMLP) and ours with megatron-core's router and local expert weights, each holding
@@ -28,8 +28,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchcluster import parse_cluster, run_job, write_result  # noqa: E402
+from tools.benchcluster import parse_cluster, run_job, write_result
 
 BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
 WGRAD_POLICY = "all-under-next-a2a"
@@ -38,14 +37,14 @@ WGRAD_POLICY = "all-under-next-a2a"
 def run_cluster(args, cases: list[tuple]) -> None:
     """Driver: one job per `--cluster` layout on a 2-node (or more) cluster at `--link-gbit`; prints a JSON line per
     case and layout. `cases`: (name, hidden, ffn, tokens, experts, topk) tuples."""
-    from emulated_cluster import EmulatedCluster
+    from tools.emulated_cluster import EmulatedCluster
 
     layouts = [parse_cluster(spec) for spec in args.cluster]
     with EmulatedCluster(max(nodes for nodes, _ in layouts), args.link_gbit) as cluster:
         for spec, (nodes, procs) in zip(args.cluster, layouts):
             if nodes != cluster.nodes:
                 raise ValueError(f"--cluster: {args.cluster} mixes node counts; give layouts of one node count")
-            script = [os.path.abspath(__file__), json.dumps(cases), str(args.warmup), str(args.repeats or 5)]
+            script = ["-m", "tools.bench_moe_layer_ep", json.dumps(cases), str(args.warmup), str(args.repeats or 5)]
             for row in run_job(cluster, procs, script):
                 ep = nodes * procs
                 overlap = {"overlap_wgrad": {"off": "layer_ms", WGRAD_POLICY: "layer_ms_wgrad"}}
@@ -74,7 +73,7 @@ def _init(ep: int):
 
 def _contenders(hidden, ffn, experts, topk, ep):
     """(ours, megatron-core's) at EP=`ep`, ours with megatron-core's router and this rank's expert weights."""
-    from bench_moe_layer import build_mcore, build_ours, transformer_config
+    from tools.bench_moe_layer import build_mcore, build_ours, transformer_config
 
     config = transformer_config(hidden, ffn, experts, topk, 0.0, False)
     config.expert_model_parallel_size = ep
@@ -171,11 +170,11 @@ def _wgrad_figures(lancet, summaries: dict) -> dict:
 def run_worker_case(name, hidden, ffn, tokens, experts, topk, warmup, repeats) -> dict:
     import torch
     import torch.distributed as dist
-    from bench_moe_layer import fwd_bwd
     from megatron.core.transformer.moe import moe_utils
 
     from megatron_moe import comm
     from megatron_moe.comm.timers import CommTimers
+    from tools.bench_moe_layer import fwd_bwd
 
     ep = dist.get_world_size()
     torch.manual_seed(1234 + dist.get_rank())  # each rank its own tokens

@@ -1,8 +1,8 @@
 """FSMoE's chunked pipeline at the layer level on an emulated cluster: the solver's degrees against r = 1,
 the Tutel-style fixed degree and the brute force.
 
-    python tools/bench_pipeline.py     # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, degrees {1,2,4,8}^2, 5 repeats
-    python tools/bench_pipeline.py --cluster 2x1 --link-gbit 1 --repeats 2 --degrees 1 2
+    python -m tools.bench_pipeline     # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, degrees {1,2,4,8}^2, 5 repeats
+    python -m tools.bench_pipeline --cluster 2x1 --link-gbit 1 --repeats 2 --degrees 1 2
 
 Layouts (2 nodes, tools/emulated_cluster.py): `2x1` = EP=2, ESP=1 (every all-to-all crosses the link); `2x2` =
 ESP=2 inside a node x EP=2 across the nodes (the all-gather / reduce-scatter stay on the node, the all-to-all
@@ -35,13 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchcluster import check_layouts_and_rates, parse_cluster, run_job, write_result  # noqa: E402
+from tools.benchcluster import check_layouts_and_rates, parse_cluster, run_job, write_result
 
 LAYOUTS = {"2x1": (2, 1), "2x2": (2, 2)}  # cluster -> (EP, ESP)
 RATES_GBIT = (0.5, 1.0, 2.5)
@@ -107,7 +105,7 @@ def summarize(grid: dict[str, dict], degrees: list[int]) -> dict:
 
 def run(args) -> list[dict]:
     """Driver: one job per layout and rate on a 2-node cluster; prints and returns one JSON row each."""
-    from emulated_cluster import EmulatedCluster
+    from tools.emulated_cluster import EmulatedCluster
 
     case = {k: getattr(args, k) for k in ("hidden", "ffn", "tokens", "experts", "topk")}
     rows = []
@@ -117,7 +115,8 @@ def run(args) -> list[dict]:
             ep, esp = LAYOUTS[layout]
             job = {**case, "ep": ep, "esp": esp, "degrees": args.degrees, "link_gbit": rate}
             job |= {"repeats": args.repeats, "warmup": args.warmup}
-            row = run_job(cluster, parse_cluster(layout)[1], [os.path.abspath(__file__), "--worker", json.dumps(job)])
+            script = ["-m", "tools.bench_pipeline", "--worker", json.dumps(job)]
+            row = run_job(cluster, parse_cluster(layout)[1], script)
             row = {"layout": f"{layout} ESP={esp} EP={ep}", "link_gbit": rate, **row}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -142,9 +141,8 @@ def _init(ep: int, esp: int):
 
 
 def _layer(job: dict):
-    from bench_moe_layer import transformer_config
-
     from megatron_moe.moe import MoELayer, MoELayerConfig
+    from tools.bench_moe_layer import transformer_config
 
     config = transformer_config(job["hidden"], job["ffn"], job["experts"], job["topk"], 0.0, False)
     config.expert_model_parallel_size, config.expert_tensor_parallel_size = job["ep"], job["esp"]

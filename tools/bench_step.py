@@ -1,7 +1,7 @@
 """Benchmark a training step on an emulated cluster: step time, communication per kind, how much of it is exposed.
 
-    python tools/bench_step.py    # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, overlap settings off, greedy and pipeline
-    python tools/bench_step.py --cluster 2x2esp --link-gbit 1 --steps 4 --overlap greedy pipeline
+    python -m tools.bench_step    # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, overlap settings off, greedy and pipeline
+    python -m tools.bench_step --cluster 2x2esp --link-gbit 1 --steps 4 --overlap greedy pipeline
 
 The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every one MoE with 8 experts
 top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so that at
@@ -72,9 +72,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result  # noqa: E402
-from emulated_cluster import EmulatedCluster  # noqa: E402
+from tools.benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result
+from tools.emulated_cluster import EmulatedCluster
 
 # layout -> (EP, ESP); the all-to-all crosses the link, but in 2x2dp (EP inside a node, DP across)
 LAYOUTS = {"2x1": (2, 1), "2x2": (4, 1), "2x2esp": (2, 2), "2x2dp": (2, 1)}
@@ -350,7 +349,7 @@ def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, a
     profile_dir = getattr(args, "profile_dir", None)  # main() makes it; without it every job measures its own
     if profile_dir and "--moe-cost-profile" not in (args.model or []):  # measured once per layout and rate
         flags += ["--moe-cost-profile", os.path.join(profile_dir, f"cost_profile_{layout}_{rate:g}gbit.json")]
-    return run_job(cluster, procs, [os.path.abspath(__file__), "--worker", *flags])
+    return run_job(cluster, procs, ["-m", "tools.bench_step", "--worker", *flags])
 
 
 def worker(flags: list[str]) -> None:

@@ -18,10 +18,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from emulated_cluster import EmulatedCluster, stop_process_group, tail  # noqa: E402
-
-from megatron_moe.files import write_json_atomic  # noqa: E402
+from megatron_moe.files import write_json_atomic
+from tools.emulated_cluster import EmulatedCluster, stop_process_group, tail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_ENV = "BENCH_RESULT"

@@ -2,7 +2,7 @@
 
 Rehearse a multi-node job on a laptop before spending cluster time:
 
-    python tools/emulated_cluster.py --nodes 2 --procs-per-node 1 --link-gbit 1 -- \\
+    python -m tools.emulated_cluster --nodes 2 --procs-per-node 1 --link-gbit 1 -- \\
         examples/pretrain_gpt_moe_tiny_cpu.sh --train-iters 20
 
 runs the command once per node, inside that node's namespace, with the multi-node variables the examples read

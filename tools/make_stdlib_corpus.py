@@ -7,7 +7,7 @@ would push the corpus past ``--max-bytes`` are skipped (smaller later files may 
 fit), so the output is deterministic for a given Python installation.
 
 Example:
-    python tools/make_stdlib_corpus.py --output data/stdlib.jsonl --max-bytes 4000000
+    python -m tools.make_stdlib_corpus --output data/stdlib.jsonl --max-bytes 4000000
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """Print each MoE layer's pipeline degrees (FSMoE Algorithm 1) for a model and a cluster, without training.
 
-    python tools/plan_schedule.py --profile fits.json --num-layers 4 --hidden-size 1024 --num-experts 8 \\
+    python -m tools.plan_schedule --profile fits.json --num-layers 4 --hidden-size 1024 --num-experts 8 \\
         --moe-ffn-hidden-size 4096 --moe-router-topk 2 --micro-batch-size 4 --seq-length 1024 \\
         --expert-model-parallel-size 2 --expert-tensor-parallel-size 2
-    python tools/plan_schedule.py --alpha-a2a 0.175 --beta-a2a 3.06e-7 --alpha-ag 0.032 --beta-ag 1.68e-7 \\
+    python -m tools.plan_schedule --alpha-a2a 0.175 --beta-a2a 3.06e-7 --alpha-ag 0.032 --beta-ag 1.68e-7 \\
         --alpha-rs 0.039 --beta-rs 1.67e-7 --alpha-ar 0.084 --beta-ar 5.99e-7 --alpha-gemm 0.092 \\
         --beta-gemm 4.42e-11 --num-experts 8 ...             # FSMoE's Testbed-B coefficients
 

@@ -15,11 +15,11 @@ The tokenizer flags are training's (``--tokenizer-type``, ``--tokenizer-model``,
 ``--merge-file``) and build the same tokenizer (``megatron_moe.data.tokenizer.build_tokenizer``).
 
 Examples:
-    python tools/preprocess_data.py --input data/stdlib.jsonl \
+    python -m tools.preprocess_data --input data/stdlib.jsonl \
         --tokenizer-model data/tokenizer.model --output-prefix data/stdlib --append-eod
-    python tools/preprocess_data.py --input data/stdlib.jsonl --tokenizer-type GPT2BPETokenizer \
+    python -m tools.preprocess_data --input data/stdlib.jsonl --tokenizer-type GPT2BPETokenizer \
         --vocab-file data/bpe/vocab.json --merge-file data/bpe/merges.txt --output-prefix data/stdlib_bpe --append-eod
-    python tools/preprocess_data.py --write-metadata data/corpus_text_document \
+    python -m tools.preprocess_data --write-metadata data/corpus_text_document \
         --tokenizer-model data/tokenizer.model
 """
 
@@ -31,8 +31,6 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from functools import lru_cache
-
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 if __name__ == "__main__":  # before megatron-core's imports: its no-TE/apex and legacy-tokenizer notices filtered
     from megatron_moe.failure import setup_logging

@@ -1,7 +1,7 @@
 """Fit the cost model's lines on a cluster and save them (megatron_moe/overlap/profiler.py), for
 tools/plan_schedule.py --profile and for training.
 
-    python tools/profile_cluster.py --cluster 2x2 --link-gbit 1 --expert-tensor-parallel-size 2 --out fits.json
+    python -m tools.profile_cluster --cluster 2x2 --link-gbit 1 --expert-tensor-parallel-size 2 --out fits.json
     torchrun --nproc-per-node 4 tools/profile_cluster.py --expert-tensor-parallel-size 2 --out fits.json
 
 With `--cluster NxK` it builds an emulated cluster (tools/emulated_cluster.py, N nodes of K processes, links at
@@ -21,7 +21,6 @@ import os
 import sys
 
 KIB = 1 << 10
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _groups(world: int, rank: int, esp: int, ep: int | None):
-    """(EP group, ESP group) of `rank` in megatron-core's expert order: rank = (edp * G + ep) * P + etp."""
+    """(EP group, ESP group) of `rank` in megatron-core's expert order:
+    rank = (edp_rank * G + ep_rank) * P + esp_rank."""
     import torch.distributed as dist
 
     ep = world // esp if ep is None else ep
@@ -58,8 +58,8 @@ def _groups(world: int, rank: int, esp: int, ep: int | None):
         if start <= rank < start + esp:
             mine["esp"] = group
     for block in range(0, world, esp * ep):
-        for etp in range(esp):
-            ranks = [block + i * esp + etp for i in range(ep)]
+        for esp_rank in range(esp):
+            ranks = [block + i * esp + esp_rank for i in range(ep)]
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine["ep"] = group
@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             result = {"fits": fits.to_json(), "measured": measured}
             if "BENCH_RESULT" in os.environ:
-                from benchcluster import write_result
+                from tools.benchcluster import write_result
 
                 write_result(result)
             else:
@@ -114,12 +114,12 @@ def _print(result: dict) -> None:
 def run_on_cluster(args: argparse.Namespace, argv: list[str], cluster=None) -> dict:
     """Run this tool's worker on an emulated cluster of shape --cluster (a new one at --link-gbit, or `cluster`,
     whose links are then set to --link-gbit), with the worker flags `argv`; the result of its rank 0."""
-    from benchcluster import parse_cluster, run_job
-    from emulated_cluster import EmulatedCluster
+    from tools.benchcluster import parse_cluster, run_job
+    from tools.emulated_cluster import EmulatedCluster
 
     nodes, procs = parse_cluster(args.cluster)
     link = args.link or f"emulated {args.cluster}, tc {args.link_gbit:g} Gbit/s"
-    script = [os.path.abspath(__file__), *argv, "--worker", "--link", link, "--out", os.path.abspath(args.out)]
+    script = ["-m", "tools.profile_cluster", *argv, "--worker", "--link", link, "--out", os.path.abspath(args.out)]
     if cluster is not None:
         cluster.set_link_gbit(args.link_gbit)
         return run_job(cluster, procs, script)

@@ -15,9 +15,9 @@ PREFIX/merges.txt``) and the same tokenizer as ``tokenizer.json`` with a ``token
 (``--tokenizer-type HuggingFaceTokenizer --tokenizer-model PREFIX``; transformers' AutoTokenizer loads it).
 
 Examples:
-    python tools/train_tokenizer.py --input data/stdlib.jsonl \
+    python -m tools.train_tokenizer --input data/stdlib.jsonl \
         --model-prefix data/tokenizer --vocab-size 4096
-    python tools/train_tokenizer.py --input data/stdlib.jsonl --model-type bytelevel-bpe \
+    python -m tools.train_tokenizer --input data/stdlib.jsonl --model-type bytelevel-bpe \
         --model-prefix data/bpe --vocab-size 4096
 """
 
@@ -29,12 +29,10 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+import sentencepiece
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import sentencepiece  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
-from megatron_moe.data import DataError, expand_input_paths, iter_documents  # noqa: E402
+from megatron_moe.data import DataError, expand_input_paths, iter_documents
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 BYTE_PIECES = 256

@@ -1,7 +1,7 @@
 """HuggingFace Mixtral <-> megatron_moe weights: names, layouts, config, and what cannot map.
 
-Legend: L = layer, E = experts, F = expert ffn width, H = hidden, V = vocab,
-G = key/value groups, Q = query heads per group, D = head dim.
+Legend (docs/shapes.md): E = experts, F = expert ffn width, H = hidden, V = vocab, A = key/value
+groups, M = query heads per group, D = head dim, R = rows.
 
 Our tensors are the single-process (TP=PP=EP=1) `GPTModel.state_dict()`;
 dist_checkpointing reshards them to any layout on load. Writes use the names
@@ -10,7 +10,7 @@ reads accept those and transformers 5's fused `mlp.experts.gate_up_proj` /
 `down_proj` as well.
 
 Layouts that differ:
-- QKV: ours is one [G x (Q+2) x D, H] matrix, per group the Q query heads'
+- QKV: ours is one [A x (M+2) x D, H] matrix, per group the M query heads'
   rows then its key rows then its value rows; Mixtral has q/k/v_proj.
 - Experts: ours `weight1` [E, 2F, H] (gate rows, then up rows) and `weight2`
   [E, H, F]; Mixtral w1 = gate [F, H], w3 = up [F, H], w2 = down [H, F].
@@ -123,17 +123,17 @@ def _qkv_shape(cfg: RunConfig) -> tuple[int, int, int]:
     return groups, m.num_attention_heads // groups, m.hidden_size // m.num_attention_heads
 
 
-def split_qkv(w_XH: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    G, Q, D = _qkv_shape(cfg)
-    w_GRH = w_XH.view(G, (Q + 2) * D, -1)
-    q, k, v = torch.split(w_GRH, [Q * D, D, D], dim=1)
-    return q.reshape(G * Q * D, -1), k.reshape(G * D, -1), v.reshape(G * D, -1)
+def split_qkv(w_RH: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    A, M, D = _qkv_shape(cfg)
+    w_ARH = w_RH.view(A, (M + 2) * D, -1)
+    q, k, v = torch.split(w_ARH, [M * D, D, D], dim=1)
+    return q.reshape(A * M * D, -1), k.reshape(A * D, -1), v.reshape(A * D, -1)
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
-    G, Q, D = _qkv_shape(cfg)
+    A, M, D = _qkv_shape(cfg)
     H = q.shape[-1]
-    return torch.cat([q.view(G, Q * D, H), k.view(G, D, H), v.view(G, D, H)], dim=1).reshape(-1, H)
+    return torch.cat([q.view(A, M * D, H), k.view(A, D, H), v.view(A, D, H)], dim=1).reshape(-1, H)
 
 
 # ----------------------------------------------------------------------------- export
@@ -161,9 +161,9 @@ def to_hf(ours: dict[str, torch.Tensor], cfg: RunConfig, vocab_size: int):
             hf_l + "post_attention_layernorm.weight": ours[ours_l + "pre_mlp_layernorm.weight"],
             hf_l + "block_sparse_moe.gate.weight": ours[ours_l + "mlp.gate.weight"],
         }
-        w1_EXH, w2_EHF = ours[ours_l + "mlp.experts.weight1"], ours[ours_l + "mlp.experts.weight2"]
-        gate_EFH, up_EFH = torch.chunk(w1_EXH, 2, dim=1)
-        for e in range(w1_EXH.shape[0]):
+        w1_EFH, w2_EHF = ours[ours_l + "mlp.experts.weight1"], ours[ours_l + "mlp.experts.weight2"]
+        gate_EFH, up_EFH = torch.chunk(w1_EFH, 2, dim=1)
+        for e in range(w1_EFH.shape[0]):
             hf_e = f"{hf_l}block_sparse_moe.experts.{e}."
             group[hf_e + "w1.weight"] = gate_EFH[e]
             group[hf_e + "w3.weight"] = up_EFH[e]

@@ -63,8 +63,9 @@ def barrier(purpose: str, group=None) -> None:
 
 
 def agree_wgrad_profile(table: torch.Tensor, group=None) -> torch.Tensor:
-    """In place: a fixed-shape table of profiled dW and all-to-all times (`megatron_moe.overlap.plan.agree`), the
-    max over `group` (None: the world), so that every rank makes the same plan.
+    """In place: a fixed-shape table of profiled dW and all-to-all times
+    (`megatron_moe.overlap.wgrad_schedule.agree`), the max over `group` (None: the world), so that every rank makes
+    the same schedule.
 
     Without torch.distributed (a single process) the table is already agreed.
     """

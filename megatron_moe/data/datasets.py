@@ -30,7 +30,7 @@ from megatron_moe.data.metadata import WRITE_HINT, TokenizerIdentity, TokenMetad
 
 DATA_PATH_FLAG = "--data-path"
 PREPROCESS_HINT = (
-    "create it with: python tools/preprocess_data.py --input CORPUS.jsonl "
+    "create it with: python -m tools.preprocess_data --input CORPUS.jsonl "
     "--tokenizer-model TOKENIZER.model --output-prefix PREFIX --append-eod "
     "(--data-path then takes PREFIX_text_document)"
 )

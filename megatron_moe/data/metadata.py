@@ -5,7 +5,7 @@ must refuse a tokenizer smaller than the data's token ids. ``tools/preprocess_da
 every id it writes, so it records the largest one here, with what identifies the tokenizer;
 start-up reads this small file instead of scanning. Data made elsewhere (Megatron-LM's own
 preprocess_data.py, older data) gets its sidecar from one scan:
-``python tools/preprocess_data.py --write-metadata PREFIX --tokenizer-model TOKENIZER.model``.
+``python -m tools.preprocess_data --write-metadata PREFIX --tokenizer-model TOKENIZER.model``.
 
 The file is one JSON object (version 1)::
 
@@ -44,7 +44,7 @@ from megatron_moe.files import write_json_atomic
 FORMAT = "megatron_moe.tokenized_data"
 VERSION = 1
 SUFFIX = ".meta.json"
-WRITE_HINT = "python tools/preprocess_data.py --write-metadata {prefix} --tokenizer-model TOKENIZER.model"
+WRITE_HINT = "python -m tools.preprocess_data --write-metadata {prefix} --tokenizer-model TOKENIZER.model"
 _SCAN_CHUNK = 1 << 24  # tokens per chunk of the one-time scan
 
 

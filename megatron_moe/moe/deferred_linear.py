@@ -7,7 +7,7 @@ gradient is bit-identical to the one autograd would have accumulated. With
 `cast_weight` the weight is used in fp32, as `F.linear(x, w.float())`, and its
 gradient is cast back to the weight's dtype as `Tensor.float()`'s backward does.
 
-Legend: T = rows (leading dims flattened), I = in features, O = out features.
+Legend: T = tokens (the input's leading dims flattened), I = in features, O = out features.
 """
 
 from __future__ import annotations

@@ -5,16 +5,16 @@ P = expert-sharded (ESP) group size, C = capacity, R = rows, H = hidden.
 
 A dispatcher sees rows grouped by global expert with `counts[e]` rows for
 expert e (expert e lives on EP rank e // L). Planning and moving are apart, so
-that the layer waits for the device once per forward (`MoELayer.plan`):
+that the layer waits for the device once per forward (`MoELayer.arrange`):
 
-1. in planning, on the device: `agree_capacity` (one C for the EP group when
+1. in arranging, on the device: `agree_capacity` (one C for the EP group when
    the layout needs it) and `exchange_counts` (what the other ranks send this
    one, and under ESP what every ESP peer received, when the layout needs it);
    neither reads anything on the host;
 2. the layer reads their results with its own counts in ONE device->host copy,
-   and `plan_dispatch` turns those host values into a `DispatchPlan` (split
+   and `make_splits` turns those host values into a `DispatchSplits` (split
    sizes, row permutations);
-3. `dispatch(rows, plan)` returns a handle whose `wait()` gives a
+3. `dispatch(rows, splits)` returns a handle whose `wait()` gives a
    `Dispatched`: the rows of this rank's L experts grouped by local expert and
    their counts; `combine` sends the expert outputs back. Neither reads the
    device. Dispatch starts its all-to-all asynchronously; the layer does
@@ -42,7 +42,7 @@ from megatron_moe import comm
 
 
 @dataclasses.dataclass(frozen=True)
-class DispatchPlan:
+class DispatchSplits:
     """One dispatch's split sizes, known on the host before any row moves."""
 
     send_splits: list[int]
@@ -77,7 +77,7 @@ class Dispatched:
     counts: list[int]
     """Rows per local expert."""
     state: object = None
-    """What `combine` needs (the `DispatchPlan`); opaque to the layer."""
+    """What `combine` needs (the `DispatchSplits`); opaque to the layer."""
 
 
 class Dispatcher(abc.ABC):
@@ -115,12 +115,13 @@ class Dispatcher(abc.ABC):
         return comm.agree_capacity(capacity_1, self.esp_group, layer=self.layer)
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor | None:
-        """Start what planning needs from the other ranks, given the rows this rank sends each expert (long [E],
-        on the device). Returns a device tensor for the layer to read, or None when there is nothing to learn."""
+        """Start what `MoELayer.arrange` needs from the other ranks, given the rows this rank sends each expert
+        (long [E], on the device). Returns a device tensor for the layer to read, or None when there is nothing to
+        learn."""
         return None
 
-    def _send(self, rows_RH: torch.Tensor, plan: DispatchPlan, regroup) -> comm.CommHandle:
-        """The dispatch of `plan`; `regroup` lays out this rank's received rows in (ESP peer, source, expert)
+    def _send(self, rows_RH: torch.Tensor, splits: DispatchSplits, regroup) -> comm.CommHandle:
+        """The dispatch of `splits`; `regroup` lays out this rank's received rows in (ESP peer, source, expert)
         order on wait().
 
         1. the EP all-to-all (none when G = 1);
@@ -131,42 +132,42 @@ class Dispatcher(abc.ABC):
         def gathered(received_RH):
             if self.esp_size == 1:
                 return regroup(received_RH)
-            handle = comm.esp_all_gather(received_RH, plan.esp_splits, self.esp_group, layer=self.layer)
+            handle = comm.esp_all_gather(received_RH, splits.esp_splits, self.esp_group, layer=self.layer)
             return regroup(handle.wait())
 
         if self.group_size == 1:  # ESP only: the all-gather starts now, under the layer's independent work
-            handle = comm.esp_all_gather(rows_RH, plan.esp_splits, self.esp_group, layer=self.layer)
+            handle = comm.esp_all_gather(rows_RH, splits.esp_splits, self.esp_group, layer=self.layer)
             return comm.CommHandle(handle, then=lambda h: regroup(h.wait()))
         return comm.dispatch_all_to_all(
             rows_RH,
-            plan.recv_splits,
-            plan.send_splits,
+            splits.recv_splits,
+            splits.send_splits,
             self.group,
             layer=self.layer,
             then=gathered,
             overlap=self.backward_overlap,
         )
 
-    def _send_back(self, rows_RH: torch.Tensor, plan: DispatchPlan) -> comm.CommHandle:
-        """The combine of `plan`, given rows in (ESP peer, source, expert) order: under ESP the reduce-scatter of
+    def _send_back(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
+        """The combine of `splits`, given rows in (ESP peer, source, expert) order: under ESP the reduce-scatter of
         the partial sums over the ESP group, then the all-to-all back to the ranks they came from."""
         if self.esp_size > 1:
-            rows_RH = comm.esp_reduce_scatter(rows_RH, plan.esp_splits, self.esp_group, layer=self.layer).wait()
+            rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_splits, self.esp_group, layer=self.layer).wait()
         if self.group_size == 1:
             return comm.CommHandle(rows_RH)
         return comm.combine_all_to_all(
-            rows_RH, plan.send_splits, plan.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
+            rows_RH, splits.send_splits, splits.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
         )
 
     @abc.abstractmethod
-    def plan_dispatch(
-        self, counts: list[int], received_D: torch.Tensor | None, received: list[int] | None
-    ) -> DispatchPlan:
-        """The `DispatchPlan` for rows with `counts[e]` rows per expert; `received_D` / `received`: what
+    def make_splits(
+        self, counts: list[int], received_dev: torch.Tensor | None, received: list[int] | None
+    ) -> DispatchSplits:
+        """The `DispatchSplits` for rows with `counts[e]` rows per expert; `received_dev` / `received`: what
         `exchange_counts` returned, on the device / read on the host."""
 
     @abc.abstractmethod
-    def dispatch(self, rows_RH: torch.Tensor, plan: DispatchPlan) -> comm.CommHandle:
+    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
         """Start sending; `wait()` returns a `Dispatched`."""
 
     @abc.abstractmethod
@@ -179,15 +180,15 @@ class PaddedAllToAll(Dispatcher):
 
     needs_padding = True
 
-    def plan_dispatch(self, counts, received_D=None, received=None):
+    def make_splits(self, counts, received_dev=None, received=None):
         capacity = counts[0]
         assert all(c == capacity for c in counts), "the padded all-to-all needs equal counts"
         g, l, p = self.group_size, self.num_local_experts, self.esp_size
-        splits = [l * capacity] * g
+        per_rank = [l * capacity] * g
         blocks_GL = [[capacity] * l for _ in range(g)]
-        return DispatchPlan(
-            splits,
-            splits,
+        return DispatchSplits(
+            per_rank,
+            per_rank,
             [capacity * g * p] * l,
             capacity=capacity,
             send_GL=blocks_GL,
@@ -195,26 +196,26 @@ class PaddedAllToAll(Dispatcher):
             esp_received_PGL=[blocks_GL] * p if p > 1 else None,
         )
 
-    def dispatch(self, rows_RH, plan):
+    def dispatch(self, rows_RH, splits):
         if not self.moves_rows:
-            return comm.CommHandle(Dispatched(rows_RH, plan.local_counts, plan))
-        x, l, h, capacity = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1], plan.capacity
+            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
+        x, l, h, capacity = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1], splits.capacity
 
         def regroup(received):
             # 1. received [X = (ESP peer, source), L, C, H]; 2. each local expert's rows from all of X together.
             rows = received.view(x, l, capacity, h).transpose(0, 1).reshape(-1, h)
-            return Dispatched(rows, plan.local_counts, plan)
+            return Dispatched(rows, splits.local_counts, splits)
 
-        return self._send(rows_RH, plan, regroup)
+        return self._send(rows_RH, splits, regroup)
 
     def combine(self, rows_RH, dispatched):
         if not self.moves_rows:
             return comm.CommHandle(rows_RH)
-        plan: DispatchPlan = dispatched.state
+        splits: DispatchSplits = dispatched.state
         x, l, h = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1]
         # 1. [L, X, C, H] -> [X = (ESP peer, destination), L, C, H]; 2. reduce-scatter and all-to-all back.
-        rows = rows_RH.view(l, x, plan.capacity, h).transpose(0, 1).reshape(-1, h)
-        return self._send_back(rows, plan)
+        rows = rows_RH.view(l, x, splits.capacity, h).transpose(0, 1).reshape(-1, h)
+        return self._send_back(rows, splits)
 
 
 def _chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +237,7 @@ def _chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Ten
 
 
 class AllToAllV(Dispatcher):
-    """Irregular all-to-all: exchange per-expert counts in planning, then send exactly the routed rows."""
+    """Irregular all-to-all: exchange per-expert counts in `MoELayer.arrange`, then send exactly the routed rows."""
 
     def exchange_counts(self, counts_E):
         if not self.moves_rows:
@@ -250,17 +251,19 @@ class AllToAllV(Dispatcher):
             return counts_GL
         return comm.esp_gather_counts(counts_GL, self.esp_group, layer=self.layer)
 
-    def plan_dispatch(self, counts, received_D, received):
+    def make_splits(self, counts, received_dev, received):
         g, l, p = self.group_size, self.num_local_experts, self.esp_size
         send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
         if not self.moves_rows:
-            return DispatchPlan([sum(counts)], [sum(counts)], list(counts), send_GL=send_GL, received_GL=send_GL)
+            return DispatchSplits([sum(counts)], [sum(counts)], list(counts), send_GL=send_GL, received_GL=send_GL)
         blocks = [received[i * l : (i + 1) * l] for i in range(p * g)]  # [(ESP peer,) source] x [L]
         esp_received_PGL = [blocks[q * g : (q + 1) * g] for q in range(p)] if p > 1 else None
         received_GL = blocks if p == 1 else esp_received_PGL[self.esp_rank]
         local_counts = [sum(column) for column in zip(*blocks)]
-        to_expert, to_source = (None, None) if l == 1 else _chunk_permutation(received_D.view(-1, l), sum(local_counts))
-        return DispatchPlan(
+        to_expert, to_source = (
+            (None, None) if l == 1 else _chunk_permutation(received_dev.view(-1, l), sum(local_counts))
+        )
+        return DispatchSplits(
             [sum(row) for row in send_GL],
             [sum(row) for row in received_GL],
             local_counts,
@@ -271,27 +274,30 @@ class AllToAllV(Dispatcher):
             esp_received_PGL=esp_received_PGL,
         )
 
-    def dispatch(self, rows_RH, plan):
+    def dispatch(self, rows_RH, splits):
         if not self.moves_rows:
-            return comm.CommHandle(Dispatched(rows_RH, plan.local_counts, plan))
+            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
 
         def regroup(received):
             # The exact rows arrive in ((ESP peer,) source, expert) chunks: regroup them into (expert, ...).
-            rows = received if plan.to_expert is None else received.index_select(0, plan.to_expert)
-            return Dispatched(rows, plan.local_counts, plan)
+            rows = received if splits.to_expert is None else received.index_select(0, splits.to_expert)
+            return Dispatched(rows, splits.local_counts, splits)
 
-        return self._send(rows_RH, plan, regroup)
+        return self._send(rows_RH, splits, regroup)
 
     def combine(self, rows_RH, dispatched):
         if not self.moves_rows:
             return comm.CommHandle(rows_RH)
-        plan: DispatchPlan = dispatched.state
-        rows = rows_RH if plan.to_source is None else rows_RH.index_select(0, plan.to_source)
-        return self._send_back(rows, plan)
+        splits: DispatchSplits = dispatched.state
+        rows = rows_RH if splits.to_source is None else rows_RH.index_select(0, splits.to_source)
+        return self._send_back(rows, splits)
 
 
 def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None, esp_group=None) -> Dispatcher:
-    dispatcher = {"alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
+    """`name`: `padded_alltoall` (C rows per expert from every rank, --moe-pad-expert-input-to-capacity) or
+    `alltoallv` (exact rows); Megatron-LM's `--moe-token-dispatcher-type alltoall` is either one
+    (`MoELayerConfig.dispatcher` picks)."""
+    dispatcher = {"padded_alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
     return dispatcher(group, num_experts, layer=layer, esp_group=esp_group)
 
 

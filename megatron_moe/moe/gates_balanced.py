@@ -1,7 +1,7 @@
 """Gates that fix every expert's load themselves, so no capacity factor applies.
 
-Legend: T = tokens, H = hidden, E = experts, C = tokens per expert, P = slots
-per expert, S = E x P soft slots.
+Legend: T = tokens, H = hidden, E = experts, C = tokens (expert choice) or
+slots (soft) per expert, Z = E x C soft slots.
 
 - `ExpertChoiceGate` (Zhou et al.): each expert picks its C = ceil(k T / E)
   highest-scoring tokens; a token may get zero or several experts.
@@ -76,17 +76,17 @@ class SoftMoEGate(Gate):
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
         num_tokens = x_TH.shape[0]
         x_TH = F.normalize(x_TH.float(), dim=-1)
-        logits_TS = self.scale.float() * router_linear(x_TH, F.normalize(self.slot_embedding.float(), dim=-1))
+        logits_TZ = self.scale.float() * router_linear(x_TH, F.normalize(self.slot_embedding.float(), dim=-1))
         if valid_T is not None:  # padding never feeds a slot
-            logits_TS = logits_TS.masked_fill(~valid_T.unsqueeze(1), float("-inf"))
-        dispatch_TS = torch.softmax(logits_TS, dim=0)
-        combine_TS = torch.softmax(logits_TS.masked_fill(torch.isinf(logits_TS), 0.0), dim=1)
-        probs_TE = combine_TS.detach().view(num_tokens, self.num_experts, self.slots).sum(-1)
+            logits_TZ = logits_TZ.masked_fill(~valid_T.unsqueeze(1), float("-inf"))
+        dispatch_TZ = torch.softmax(logits_TZ, dim=0)
+        combine_TZ = torch.softmax(logits_TZ.masked_fill(torch.isinf(logits_TZ), 0.0), dim=1)
+        probs_TE = combine_TZ.detach().view(num_tokens, self.num_experts, self.slots).sum(-1)
         return Routing(
             num_tokens=num_tokens,
             num_experts=self.num_experts,
             probs_TE=probs_TE,
             slots_per_expert=self.slots,
-            dispatch_TS=dispatch_TS,
-            combine_TS=combine_TS,
+            dispatch_TZ=dispatch_TZ,
+            combine_TZ=combine_TZ,
         )

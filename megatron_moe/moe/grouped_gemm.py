@@ -1,8 +1,8 @@
 """Grouped GEMM: rows grouped by expert times each expert's own weight, in one call.
 
-Legend: N = rows (all experts), E = experts, I = input width, O = output width.
+Legend: R = rows (all experts), E = experts, I = input width, O = output width.
 
-`GroupedLinear.apply(x_NI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
+`GroupedLinear.apply(x_RI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
 The first of `KERNELS` that fits the operands (device, dtype, layout, rows) runs:
 - `grouped_gemm`: on an accelerator with the `grouped_gemm` package installed,
   bf16 only, its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)`
@@ -80,9 +80,9 @@ def _torch_grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def onednn_linear(x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+def onednn_linear(x_RI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     """x @ w.T by oneDNN; either operand may be a transposed view."""
-    return torch.ops.mkldnn._linear_pointwise(x_NI, w_OI, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x_RI, w_OI, None, "none", [], "")
 
 
 @functools.cache
@@ -196,38 +196,38 @@ def _zero_empty_experts(dw_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor
     return dw_EOI
 
 
-def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
+def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """y = x @ w[e] per group; w_EIO may be a transposed view. With `out`, written into it."""
-    if x_NI.shape[0] == 0:  # no rows (a run of empty experts, a rank that received nothing): no kernel to run
-        return x_NI.new_empty(0, w_EIO.shape[2]) if out is None else out
-    kernel = _kernel(x_NI, w_EIO, counts, out)
+    if x_RI.shape[0] == 0:  # no rows (a run of empty experts, a rank that received nothing): no kernel to run
+        return x_RI.new_empty(0, w_EIO.shape[2]) if out is None else out
+    kernel = _kernel(x_RI, w_EIO, counts, out)
     if kernel == "grouped_gemm":
         trans_b = not w_EIO.is_contiguous()  # w_EIO as the transposed view of contiguous [E, O, I] weights
         w = w_EIO.transpose(1, 2) if trans_b else w_EIO
-        return _grouped_gemm_backend().gmm(x_NI, w, _batch_sizes(counts), trans_a=False, trans_b=trans_b, c=out)
+        return _grouped_gemm_backend().gmm(x_RI, w, _batch_sizes(counts), trans_a=False, trans_b=trans_b, c=out)
     if kernel == "bmm":
         groups, rows = len(counts), counts[0]
-        y = torch.bmm(x_NI.reshape(groups, rows, -1), w_EIO, out=None if out is None else out.view(groups, rows, -1))
+        y = torch.bmm(x_RI.reshape(groups, rows, -1), w_EIO, out=None if out is None else out.view(groups, rows, -1))
         return y.view(groups * rows, -1)
     if kernel == "torch._grouped_mm":
-        return torch._grouped_mm(x_NI, w_EIO, offs=_offsets(counts, x_NI.device))
+        return torch._grouped_mm(x_RI, w_EIO, offs=_offsets(counts, x_RI.device))
     groups = _groups(counts)
     if kernel == "onednn" and out is None and len(groups) == 1:
-        return onednn_linear(x_NI, w_EIO[groups[0][0]].t())  # one expert has all the rows: no copy
-    out = x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2]) if out is None else out
+        return onednn_linear(x_RI, w_EIO[groups[0][0]].t())  # one expert has all the rows: no copy
+    out = x_RI.new_empty(x_RI.shape[0], w_EIO.shape[2]) if out is None else out
     for e, rows in groups:
         if kernel == "onednn":
-            out[rows].copy_(onednn_linear(x_NI[rows], w_EIO[e].t()))
+            out[rows].copy_(onednn_linear(x_RI[rows], w_EIO[e].t()))
         else:
-            torch.mm(x_NI[rows], w_EIO[e], out=out[rows])
+            torch.mm(x_RI[rows], w_EIO[e], out=out[rows])
     return out
 
 
-def grouped_input_grad(grad_NO: torch.Tensor, w_EOI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
-    return grouped_mm(grad_NO, w_EOI, counts, out)
+def grouped_input_grad(grad_RO: torch.Tensor, w_EOI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
+    return grouped_mm(grad_RO, w_EOI, counts, out)
 
 
-def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
+def grouped_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """dW[e] = grad[rows of e].T @ x[rows of e]  -> [E, O, I] (zero for an expert without rows).
 
     Under `onednn` this is the mm loop: both operands are transposed views, and
@@ -237,66 +237,66 @@ def grouped_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[
     hidden 768 / ffn 3072 / 16 experts / 8192 rows, 13.5 vs 16.4 ms at 256 /
     1024 / 8 / 4096.
     """
-    if x_NI.shape[0] == 0:  # no expert has rows: zeros, without a zero-size kernel
-        return x_NI.new_zeros(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out.zero_()
-    return _zero_empty_experts(_weight_grad(grad_NO, x_NI, counts, out), counts)
+    if x_RI.shape[0] == 0:  # no expert has rows: zeros, without a zero-size kernel
+        return x_RI.new_zeros(len(counts), grad_RO.shape[1], x_RI.shape[1]) if out is None else out.zero_()
+    return _zero_empty_experts(_weight_grad(grad_RO, x_RI, counts, out), counts)
 
 
-def _weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int], out) -> torch.Tensor:
+def _weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int], out) -> torch.Tensor:
     """`grouped_weight_grad` by the chosen kernel; what it leaves in empty experts' dW is undefined."""
-    kernel = _kernel(grad_NO, x_NI, counts, out)
+    kernel = _kernel(grad_RO, x_RI, counts, out)
     if kernel == "grouped_gemm":
-        return _grouped_gemm_backend().gmm(grad_NO, x_NI, _batch_sizes(counts), trans_a=True, trans_b=False, c=out)
+        return _grouped_gemm_backend().gmm(grad_RO, x_RI, _batch_sizes(counts), trans_a=True, trans_b=False, c=out)
     if kernel == "bmm":
         groups, rows = len(counts), counts[0]
-        return torch.bmm(grad_NO.reshape(groups, rows, -1).transpose(1, 2), x_NI.reshape(groups, rows, -1), out=out)
+        return torch.bmm(grad_RO.reshape(groups, rows, -1).transpose(1, 2), x_RI.reshape(groups, rows, -1), out=out)
     if kernel == "torch._grouped_mm":
-        return torch._grouped_mm(grad_NO.t(), x_NI, offs=_offsets(counts, x_NI.device))
-    out = x_NI.new_empty(len(counts), grad_NO.shape[1], x_NI.shape[1]) if out is None else out
+        return torch._grouped_mm(grad_RO.t(), x_RI, offs=_offsets(counts, x_RI.device))
+    out = x_RI.new_empty(len(counts), grad_RO.shape[1], x_RI.shape[1]) if out is None else out
     for e, rows in _groups(counts):
-        torch.mm(grad_NO[rows].t(), x_NI[rows], out=out[e])
+        torch.mm(grad_RO[rows].t(), x_RI[rows], out=out[e])
     return out
 
 
-def linear_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int]) -> WeightGrad:
+def linear_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int]) -> WeightGrad:
     """The weight-gradient GEMM of one `GroupedLinear` as a closure over the tensors it reads: out -> (dW,)."""
 
     def weight_grad(out_w=None):
         with torch.no_grad():  # also when a store runs it after backward (x may be an input that requires grad)
-            return (grouped_weight_grad(grad_NO, x_NI, counts, out_w),)
+            return (grouped_weight_grad(grad_RO, x_RI, counts, out_w),)
 
     return weight_grad
 
 
 class GroupedLinear(torch.autograd.Function):
-    """y_NO = grouped x_NI @ w_EOI[e].T, rows of expert e contiguous (`counts[e]` of them).
+    """y_RO = grouped x_RI @ w_EOI[e].T, rows of expert e contiguous (`counts[e]` of them).
 
     Backward: dX here, dW through `store` (`megatron_moe.moe.weight_grad`).
     """
 
     @staticmethod
-    def forward(ctx, x_NI, w_EOI, counts, store: WeightGradStore = RUN_NOW):
-        ctx.save_for_backward(x_NI, w_EOI)
+    def forward(ctx, x_RI, w_EOI, counts, store: WeightGradStore = RUN_NOW):
+        ctx.save_for_backward(x_RI, w_EOI)
         ctx.counts, ctx.store = counts, store
-        return grouped_mm(x_NI, w_EOI.transpose(1, 2), counts)
+        return grouped_mm(x_RI, w_EOI.transpose(1, 2), counts)
 
     @staticmethod
-    def backward(ctx, grad_NO):
-        x_NI, w_EOI = ctx.saved_tensors
-        grad_NO = grad_NO.contiguous()
-        grad_x = grouped_input_grad(grad_NO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
+    def backward(ctx, grad_RO):
+        x_RI, w_EOI = ctx.saved_tensors
+        grad_RO = grad_RO.contiguous()
+        grad_x = grouped_input_grad(grad_RO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:  # without rows too: a zero dW, written into the store's output if it gives one
-            grads = ctx.store.put(linear_weight_grad(grad_NO, x_NI, ctx.counts), (None,))
+            grads = ctx.store.put(linear_weight_grad(grad_RO, x_RI, ctx.counts), (None,))
             grad_w = None if grads is None else grads[0]
         return grad_x, grad_w, None, None
 
 
 def grouped_linear(
-    x_NI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int], store: WeightGradStore = RUN_NOW
+    x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int], store: WeightGradStore = RUN_NOW
 ) -> torch.Tensor:
     """Differentiable grouped GEMM; picks the fastest kernel this device has."""
-    return GroupedLinear.apply(x_NI, w_EOI, counts, store)
+    return GroupedLinear.apply(x_RI, w_EOI, counts, store)
 
 
 def kernel_name(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> str:

@@ -28,12 +28,12 @@ from megatron_moe.config.fields import require
 from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
 from megatron_moe.moe.aux_loss import AuxLossAutoScaler
 from megatron_moe.moe.capacity import expert_capacity
-from megatron_moe.moe.dispatch import Dispatched, DispatchPlan, build_dispatcher
+from megatron_moe.moe.dispatch import Dispatched, DispatchSplits, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
 from megatron_moe.moe.metrics import MoEStats
-from megatron_moe.moe.ordering import DenseOrdering, Plan, build_ordering, expert_counts, make_plan
+from megatron_moe.moe.ordering import DenseOrdering, RowMap, build_ordering, expert_counts, make_row_map
 from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shared import SharedExpert
@@ -221,7 +221,7 @@ class MoELayer(MegatronModule):
     def route(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
         return self.gate(x_TH, valid_T)
 
-    def plan(self, routing: Routing) -> tuple[Plan, DispatchPlan]:
+    def arrange(self, routing: Routing) -> tuple[RowMap, DispatchSplits]:
         """Capacity, the counts exchange, every pair's row in the expert-major buffer, and the dispatch's splits.
 
         The host waits for the device once here, and nowhere else in forward or backward:
@@ -234,11 +234,11 @@ class MoELayer(MegatronModule):
         """
         num_experts = routing.num_experts
         if routing.is_soft:  # every expert gets exactly its slots: nothing to count, cap or drop
-            plan = make_plan(routing, capacity=None, padded=True)
-            received_D = self.dispatcher.exchange_counts(plan.routed_E.new_full((num_experts,), plan.capacity))
+            row_map = make_row_map(routing, capacity=None, padded=True)
+            received_dev = self.dispatcher.exchange_counts(row_map.routed_E.new_full((num_experts,), row_map.capacity))
             with comm.host_read("moe plan counts", layer=self.layer_number):
-                (received,) = to_host(received_D)
-            return plan, self.dispatcher.plan_dispatch(plan.counts, received_D, received)
+                (received,) = to_host(received_dev)
+            return row_map, self.dispatcher.make_splits(row_map.counts, received_dev, received)
         padded = self.dispatcher.needs_padding or isinstance(self.ordering, DenseOrdering)
         routed_E = expert_counts(routing.expert_N, num_experts)
         capacity_1 = self._capacity(routing, routed_E, padded)  # 1.
@@ -246,12 +246,12 @@ class MoELayer(MegatronModule):
             sent_E = routed_E
         else:
             sent_E = capacity_1.expand(num_experts) if padded else torch.minimum(routed_E, capacity_1)
-        received_D = self.dispatcher.exchange_counts(sent_E)  # 2.
+        received_dev = self.dispatcher.exchange_counts(sent_E)  # 2.
         with comm.host_read("moe plan counts", layer=self.layer_number):
-            routed, capacity, received = to_host(routed_E, capacity_1, received_D)  # 3.
+            routed, capacity, received = to_host(routed_E, capacity_1, received_dev)  # 3.
         capacity = None if capacity is None else capacity[0]
-        plan = make_plan(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
-        return plan, self.dispatcher.plan_dispatch(plan.counts, received_D, received)
+        row_map = make_row_map(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
+        return row_map, self.dispatcher.make_splits(row_map.counts, received_dev, received)
 
     def _capacity(self, routing: Routing, routed_E: torch.Tensor, padded: bool) -> torch.Tensor | None:
         """Slots per expert as a long [1] on the device; None: exact rows and nothing limits them (dropless)."""
@@ -273,11 +273,11 @@ class MoELayer(MegatronModule):
             return capacity
         return self.dispatcher.agree_capacity(largest_1 if capacity is None else capacity)
 
-    def order(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
-        return self.ordering.encode(x_TH, plan)
+    def order(self, x_TH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+        return self.ordering.encode(x_TH, row_map)
 
-    def dispatch(self, rows_RH: torch.Tensor, dispatch_plan: DispatchPlan) -> comm.CommHandle:
-        return self.dispatcher.dispatch(rows_RH, dispatch_plan)
+    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
+        return self.dispatcher.dispatch(rows_RH, splits)
 
     def compute_experts(self, dispatched: Dispatched, rows_RH: torch.Tensor) -> torch.Tensor:
         return self.experts(rows_RH, dispatched.counts)
@@ -285,18 +285,18 @@ class MoELayer(MegatronModule):
     def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         return self.dispatcher.combine(rows_RH, dispatched).wait()
 
-    def start_pipeline(self, rows_RH: torch.Tensor, plan: Plan, dispatch_plan: DispatchPlan, degrees) -> PipelineStart:
+    def start_pipeline(self, rows_RH: torch.Tensor, row_map: RowMap, splits: DispatchSplits, degrees) -> PipelineStart:
         """dispatch -> experts -> combine in chunks (`megatron_moe.moe.pipeline`): chunk 0's all-to-all starts
         here, `finish()` runs the rest."""
         d = self.dispatcher
         links = Links(d.group, d.esp_group, d.layer, d.backward_overlap)
-        received_XL = dispatch_plan.received_GL  # X = (ESP peer p, source g): every peer's under ESP
-        if dispatch_plan.esp_received_PGL is not None:
-            received_XL = [row for peer_GL in dispatch_plan.esp_received_PGL for row in peer_GL]
-        return start_pipeline(rows_RH, self.experts, plan.counts, received_XL, degrees, links, esp_rank=d.esp_rank)
+        received_XL = splits.received_GL  # X = (ESP peer p, source g): every peer's under ESP
+        if splits.esp_received_PGL is not None:
+            received_XL = [row for peer_GL in splits.esp_received_PGL for row in peer_GL]
+        return start_pipeline(rows_RH, self.experts, row_map.counts, received_XL, degrees, links, esp_rank=d.esp_rank)
 
-    def unorder(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
-        return self.ordering.decode(rows_RH, plan)
+    def unorder(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+        return self.ordering.decode(rows_RH, row_map)
 
     # ------------------------------------------------------------------ forward
 
@@ -308,34 +308,34 @@ class MoELayer(MegatronModule):
         valid_T = None if padding_mask is None else ~padding_mask.transpose(0, 1).reshape(-1).bool()
         routing = self._region("router", self.route, x_TH, valid_T)
         with self._in_region("ordering"):
-            plan, dispatch_plan = self.plan(routing)
-        rows_RH = self._region("ordering", self.order, x_TH, plan)
-        ctx.counts = plan.counts
+            row_map, splits = self.arrange(routing)
+        rows_RH = self._region("ordering", self.order, x_TH, row_map)
+        ctx.counts = row_map.counts
         rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
         degrees = self.pipeline_degrees()
         if degrees == (1, 1):
-            rows_RH, shared_TH = self._dispatch_experts_combine(rows_RH, dispatch_plan, x_TH, ctx)
+            rows_RH, shared_TH = self._dispatch_experts_combine(rows_RH, splits, x_TH, ctx)
         else:
-            pipeline = self.start_pipeline(rows_RH, plan, dispatch_plan, degrees)
+            pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
             shared_TH = self._shared(x_TH)  # runs while chunk 0's all-to-all is in flight (and the last dX's)
             rows_RH = pipeline.finish()
-        ctx.counts = plan.counts
+        ctx.counts = row_map.counts
         rows_RH = run_hooks(self.hooks, "after_combine", rows_RH, ctx)
-        out_TH = self._region("unorder", self.unorder, rows_RH, plan)
+        out_TH = self._region("unorder", self.unorder, rows_RH, row_map)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
         out_TH = run_hooks(self.hooks, "before_moe_end", out_TH, ctx)
-        out_TH = self._attach_router_losses(out_TH, routing, plan, valid_T)
+        out_TH = self._attach_router_losses(out_TH, routing, row_map, valid_T)
         return out_TH.view(shape), None
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_expert is None else self._region("shared_expert", self.shared_expert, x_TH)
 
-    def _dispatch_experts_combine(self, rows_RH, dispatch_plan: DispatchPlan, x_TH, ctx: HookContext):
+    def _dispatch_experts_combine(self, rows_RH, splits: DispatchSplits, x_TH, ctx: HookContext):
         """dispatch -> experts -> combine as separate stages, the hooks between them; the shared expert runs
         while the dispatch all-to-all is in flight. Returns (combined rows, shared expert output or None)."""
         with self._in_region("dispatch"):
-            handle = self.dispatch(rows_RH, dispatch_plan)
+            handle = self.dispatch(rows_RH, splits)
         shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
         with self._in_region("dispatch"):
             dispatched = handle.wait()
@@ -347,7 +347,7 @@ class MoELayer(MegatronModule):
             rows_RH = self.combine(rows_RH, dispatched)
         return rows_RH, shared_TH
 
-    def _attach_router_losses(self, out_TH, routing: Routing, plan: Plan, valid_T) -> torch.Tensor:
+    def _attach_router_losses(self, out_TH, routing: Routing, row_map: RowMap, valid_T) -> torch.Tensor:
         """Feed the weighted router losses to backward and record the step's statistics.
 
         Only in a training forward with grad: an evaluation pass must not count,
@@ -360,8 +360,8 @@ class MoELayer(MegatronModule):
             out_TH = AuxLossAutoScaler.apply(out_TH, routing.aux_loss, self.aux_loss_scale)
         tokens = routing.num_tokens if valid_T is None else valid_T.sum()  # a device count: no host read
         self.stats.record(
-            routed_E=plan.routed_E,
-            dropped=plan.dropped,
+            routed_E=row_map.routed_E,
+            dropped=row_map.dropped,
             tokens=tokens,
             entropy_sum=entropy_sum(routing.probs_TE, valid_T),
             losses=routing.losses,

@@ -5,7 +5,7 @@ over the step) and an `aux_loss_scale`; the training loop sets the scale with
 `set_moe_aux_loss_scale` and reads the figures with `collect_moe_metrics`. The
 router losses' gradient path itself: `megatron_moe.moe.aux_loss`.
 
-Legend: E = experts, L = layers of the whole model (all pipeline stages).
+Legend: E = experts; per-layer figures cover every layer of the model (all pipeline stages).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Order and I-Order: tokens [T, H] <-> rows grouped by expert [R, H].
 
 Legend: T = tokens, H = hidden, E = experts (global), C = capacity (slots per
-expert), N = routed pairs, R = rows of the expert-major buffer, S = soft slots.
+expert), N = routed pairs, R = rows of the expert-major buffer, Z = soft slots.
 
-`make_plan` turns a `Routing` into a `Plan` with ONE stable sort of the pairs
+`make_row_map` turns a `Routing` into a `RowMap` with ONE stable sort of the pairs
 by expert (in the gate's claim order), which gives each pair its slot in its
 expert; pairs past the capacity are dropped. Rows are either exact (only the
 kept pairs, expert after expert: `capacity` None or rows not padded) or padded
@@ -29,7 +29,7 @@ from megatron_moe.moe.routing import Routing
 
 
 @dataclasses.dataclass
-class Plan:
+class RowMap:
     """Where each kept (token, expert) pair sits in the expert-major row buffer."""
 
     num_tokens: int
@@ -84,14 +84,14 @@ def sort_pairs(routing: Routing, routed_E: torch.Tensor | None = None):
     return pair_sorted, expert_sorted, slot_sorted, routed_E
 
 
-def make_plan(
+def make_row_map(
     routing: Routing,
     *,
     capacity: int | None,
     padded: bool,
     routed_E: torch.Tensor | None = None,
     routed: list[int] | None = None,
-) -> Plan:
+) -> RowMap:
     """Lay the routed pairs out by expert: exact rows, or C padded rows per expert.
 
     `capacity` None means nothing is dropped; `padded` needs a capacity.
@@ -102,7 +102,7 @@ def make_plan(
     if routing.is_soft:
         slots = routing.slots_per_expert
         zero = torch.zeros(num_experts, dtype=torch.long, device=routing.probs_TE.device)
-        return Plan(
+        return RowMap(
             num_tokens=routing.num_tokens,
             counts=[slots] * num_experts,
             capacity=slots,
@@ -129,7 +129,7 @@ def make_plan(
     else:
         counts = [min(c, capacity) for c in routed] if capacity is not None else routed
         row_index = None
-    return Plan(
+    return RowMap(
         num_tokens=routing.num_tokens,
         counts=counts,
         capacity=capacity if padded else None,
@@ -148,69 +148,69 @@ class Ordering(abc.ABC):
     """Order (encode) tokens into expert-major rows, and I-Order (decode) them back, weighted."""
 
     @abc.abstractmethod
-    def encode(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """[T, H] -> [R, H] rows grouped by expert (`plan.counts`)."""
+    def encode(self, x_TH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+        """[T, H] -> [R, H] rows grouped by expert (`row_map.counts`)."""
 
     @abc.abstractmethod
-    def decode(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def decode(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
         """[R, H] -> [T, H]: each token's rows times their gate weights, summed."""
 
 
-def _soft_encode(x_TH, plan: Plan) -> torch.Tensor:
-    # Slot s = sum_t dispatch[t, s] * x_t; slots are expert-major (E x P), as the rows.
-    return plan.routing.dispatch_TS.t().to(x_TH.dtype) @ x_TH
+def _soft_encode(x_TH, row_map: RowMap) -> torch.Tensor:
+    # Slot s = sum_t dispatch[t, s] * x_t; slots are expert-major (E x C), as the rows.
+    return row_map.routing.dispatch_TZ.t().to(x_TH.dtype) @ x_TH
 
 
-def _soft_decode(rows_RH, plan: Plan) -> torch.Tensor:
-    return plan.routing.combine_TS.to(rows_RH.dtype) @ rows_RH
+def _soft_decode(rows_RH, row_map: RowMap) -> torch.Tensor:
+    return row_map.routing.combine_TZ.to(rows_RH.dtype) @ rows_RH
 
 
 class SparseOrdering(Ordering):
     """Index gather on the way in, weighted index-add on the way out (Tutel fast encode/decode)."""
 
-    def encode(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
-        if plan.routing.is_soft:
-            return _soft_encode(x_TH, plan)
-        kept_RH = x_TH.index_select(0, plan.token_of_row)
-        if plan.row_index is None:
+    def encode(self, x_TH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+        if row_map.routing.is_soft:
+            return _soft_encode(x_TH, row_map)
+        kept_RH = x_TH.index_select(0, row_map.token_of_row)
+        if row_map.row_index is None:
             return kept_RH
-        rows_RH = x_TH.new_zeros(plan.num_rows, x_TH.shape[1])
-        return rows_RH.index_copy(0, plan.row_index, kept_RH)
+        rows_RH = x_TH.new_zeros(row_map.num_rows, x_TH.shape[1])
+        return rows_RH.index_copy(0, row_map.row_index, kept_RH)
 
-    def decode(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
-        if plan.routing.is_soft:
-            return _soft_decode(rows_RH, plan)
-        kept_RH = rows_RH if plan.row_index is None else rows_RH.index_select(0, plan.row_index)
+    def decode(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+        if row_map.routing.is_soft:
+            return _soft_decode(rows_RH, row_map)
+        kept_RH = rows_RH if row_map.row_index is None else rows_RH.index_select(0, row_map.row_index)
         # The gate-score weighting is fused into the scatter: one pass over the rows.
-        weighted_RH = kept_RH * plan.weight_of_row.to(rows_RH.dtype).unsqueeze(1)
-        out_TH = rows_RH.new_zeros(plan.num_tokens, rows_RH.shape[1])
-        return out_TH.index_add(0, plan.token_of_row, weighted_RH)
+        weighted_RH = kept_RH * row_map.weight_of_row.to(rows_RH.dtype).unsqueeze(1)
+        out_TH = rows_RH.new_zeros(row_map.num_tokens, rows_RH.shape[1])
+        return out_TH.index_add(0, row_map.token_of_row, weighted_RH)
 
 
 class DenseOrdering(Ordering):
     """GShard: one-hot dispatch mask and combine weights [T, E, C], then einsum. Needs padded rows."""
 
-    def _masks(self, plan: Plan, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        num_experts, capacity = len(plan.counts), plan.capacity
+    def _masks(self, row_map: RowMap, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        num_experts, capacity = len(row_map.counts), row_map.capacity
         assert capacity is not None, "the dense ordering lays rows out padded to a capacity"
-        flat = (plan.token_of_row * num_experts + plan.expert_of_row) * capacity + plan.slot_of_row
-        size = plan.num_tokens * num_experts * capacity
-        device = plan.token_of_row.device
-        combine = torch.zeros(size, dtype=dtype, device=device).index_put((flat,), plan.weight_of_row.to(dtype))
+        flat = (row_map.token_of_row * num_experts + row_map.expert_of_row) * capacity + row_map.slot_of_row
+        size = row_map.num_tokens * num_experts * capacity
+        device = row_map.token_of_row.device
+        combine = torch.zeros(size, dtype=dtype, device=device).index_put((flat,), row_map.weight_of_row.to(dtype))
         dispatch = torch.zeros(size, dtype=dtype, device=device).index_fill_(0, flat, 1.0)
-        shape = (plan.num_tokens, num_experts, capacity)
+        shape = (row_map.num_tokens, num_experts, capacity)
         return dispatch.view(shape), combine.view(shape)
 
-    def encode(self, x_TH: torch.Tensor, plan: Plan) -> torch.Tensor:
-        if plan.routing.is_soft:
-            return _soft_encode(x_TH, plan)
-        dispatch_TEC, _ = self._masks(plan, x_TH.dtype)
+    def encode(self, x_TH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+        if row_map.routing.is_soft:
+            return _soft_encode(x_TH, row_map)
+        dispatch_TEC, _ = self._masks(row_map, x_TH.dtype)
         return torch.einsum("tec,th->ech", dispatch_TEC, x_TH).reshape(-1, x_TH.shape[1])
 
-    def decode(self, rows_RH: torch.Tensor, plan: Plan) -> torch.Tensor:
-        if plan.routing.is_soft:
-            return _soft_decode(rows_RH, plan)
-        _, combine_TEC = self._masks(plan, rows_RH.dtype)
+    def decode(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+        if row_map.routing.is_soft:
+            return _soft_decode(rows_RH, row_map)
+        _, combine_TEC = self._masks(row_map, rows_RH.dtype)
         rows_ECH = rows_RH.view(combine_TEC.shape[1], combine_TEC.shape[2], rows_RH.shape[1])
         return torch.einsum("tec,ech->th", combine_TEC, rows_ECH)
 

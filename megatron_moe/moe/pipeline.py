@@ -9,7 +9,7 @@ SwiGLU's gate and up rows).
 
 Chunk j of r takes part j of every (destination g, local expert l) block of the send buffer,
 `part(count, r, j)` rows at offset `count * j // r` in the block; every rank computes every chunk's splits
-from the same host counts (`DispatchPlan.received_GL`, the layer's counts), once per forward: nothing here
+from the same host counts (`DispatchSplits.received_GL`, the layer's counts), once per forward: nothing here
 reads the device.
 
 Forward, per chunk j (chunk j+1's all-to-all is started before chunk j waits for its own):

@@ -1,7 +1,7 @@
 """What a gate returns (`Routing`), the gate interface, and the router losses.
 
 Legend: T = tokens of this rank, H = hidden, E = experts (global), K = top-k,
-N = routed (token, expert) pairs, S = soft slots (E x slots per expert).
+N = routed (token, expert) pairs, Z = soft slots (E x slots per expert).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class Routing:
     claim_N: torch.Tensor | None = None
     slots_per_expert: int | None = None
     """Expert-choice and soft gates fix every expert's load to exactly this many slots."""
-    dispatch_TS: torch.Tensor | None = None
-    combine_TS: torch.Tensor | None = None
+    dispatch_TZ: torch.Tensor | None = None
+    combine_TZ: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     """Weighted sum of the router losses (scalar with grad), attached to backward by the layer."""
     losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -49,7 +49,7 @@ class Routing:
 
     @property
     def is_soft(self) -> bool:
-        return self.dispatch_TS is not None
+        return self.dispatch_TZ is not None
 
     def token_of(self, pairs: torch.Tensor) -> torch.Tensor:
         """Source token of the given pair indices."""

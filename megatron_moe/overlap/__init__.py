@@ -2,7 +2,7 @@
 
 Lancet: weight-gradient GEMMs run under the backward all-to-alls.
 
-`plan.py`: Lancet's Algorithm 1 (which dW under which all-to-all); `runtime.py`: the queue that runs it;
+`wgrad_schedule.py`: Lancet's Algorithm 1 (which dW under which all-to-all); `runtime.py`: the queue that runs it;
 `install.py`: wiring it into a model; `linears.py`: megatron-core's Column/RowParallelLinear whose weight
 gradient goes through a store.
 

@@ -52,7 +52,7 @@ def experts_defer_wgrad(cfg: RunConfig) -> bool:
 
 
 def moe_layers(cfg: RunConfig) -> list[int]:
-    """The MoE layers' numbers (from 1, as `megatron_moe.overlap.plan` keys them)."""
+    """The MoE layers' numbers (from 1, as `megatron_moe.overlap.wgrad_schedule` keys them)."""
     return [i + 1 for i, is_moe in enumerate(cfg.moe.layer_pattern(cfg.model.num_layers)) if is_moe]
 
 

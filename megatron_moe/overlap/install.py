@@ -1,7 +1,7 @@
 """Wire Lancet's weight-gradient queue into a built model, before megatron-core's DDP wraps it.
 
 Every deferrable module (`DeferrableWeights`) of every transformer layer gets
-the queue as its store and a plan key "L{layer}.{name}"; its weights are
+the queue as its store and a schedule key "L{layer}.{name}"; its weights are
 marked `skip_backward_post_hook` (DDP with `delay_wgrad_compute` then hands
 their hooks to the module); every MoE dispatcher gets the queue as the work
 to run under its backward all-to-alls. An untied LM head becomes deferrable too
@@ -23,7 +23,7 @@ from megatron_moe.overlap.runtime import WgradQueue
 from megatron_moe.platform.cpu_compat import Patch, source
 
 MOE_NAMES = {"experts": "experts", "shared_expert": "shared_expert", "gate": "router"}
-"""An MoE layer's deferrable submodules (their path in the MoE layer) and their names in the plan."""
+"""An MoE layer's deferrable submodules (their path in the MoE layer) and their names in the schedule."""
 NAMES = {
     "self_attention.linear_qkv": "attn_qkv",
     "self_attention.linear_proj": "attn_proj",
@@ -31,11 +31,11 @@ NAMES = {
     "mlp.linear_fc2": "mlp_fc2",
     **{f"mlp.{path}": name for path, name in MOE_NAMES.items()},
 }
-"""A transformer layer's deferrable submodules (their path in the layer) and their names in the plan."""
+"""A transformer layer's deferrable submodules (their path in the layer) and their names in the schedule."""
 
 
 def deferrable_modules(model: torch.nn.Module) -> list[tuple[str, DeferrableWeights]]:
-    """(plan key, module) of every deferrable module of the model's transformer layers, in model order, then the
+    """(schedule key, module) of every deferrable module of the model's transformer layers, in model order, then the
     untied LM head, made deferrable in place (`_make_head_deferrable`)."""
     found = []
     for layer in model.modules():

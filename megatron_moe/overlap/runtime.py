@@ -8,12 +8,12 @@ for megatron-core's DDP (`delay_wgrad_compute`: DDP hands the module each
 weight's hook) and gives every MoE dispatcher the queue as its
 `backward_overlap`. Then, in each micro-batch's backward:
 
-1. a module's backward computes dX and `put`s its dW closure: the plan says
+1. a module's backward computes dX and `put`s its dW closure: the schedule says
    whether it waits for an all-to-all (queued) or runs at once, its natural
-   place (the profile, no plan yet, an unplanned key); over the memory cap a
+   place (the profile, no schedule yet, an unplanned key); over the memory cap a
    queued closure's GEMMs run at once, and only DDP's hook waits (below);
 2. a backward all-to-all starts asynchronously (`comm.moe._AllToAll`), the
-   queue runs the closures the plan put under it, then the all-to-all is
+   queue runs the closures the schedule put under it, then the all-to-all is
    waited: the GEMMs ran while the bytes were on the wire;
 3. when autograd's backward of the micro-batch ends (an engine callback, so
    before a pipeline stage sends its input gradient and before
@@ -25,7 +25,7 @@ values in the same order per parameter as without deferral (bit-identical).
 
 Invariant: where DDP hears of a weight gradient (its hook: bucket readiness,
 which starts the reduction's collectives under --overlap-grad-reduce and the
-adaptive partition) follows from the policy and the plan alone, the same on
+adaptive partition) follows from the policy and the schedule alone, the same on
 every rank of a stage; nothing this rank measured at run time moves it. The
 memory cap (`--overlap-wgrad-max-mb`) bounds this rank's own bytes: with
 dropless routing an expert closure's saved rows differ from rank to rank, so
@@ -40,7 +40,7 @@ closure or per layer in backward, and a bound every rank can compute alone
 (the most rows a rank's experts could receive) is up to EP times the average
 in dropless routing, so it would refuse most experts closures a cap fits.
 
-The plan (`megatron_moe.overlap.plan`): `all-under-next-a2a` needs none (every
+The schedule (`megatron_moe.overlap.wgrad_schedule`): `all-under-next-a2a` needs none (every
 closure waits for the next all-to-all); `greedy` profiles iteration
 `PROFILE_ITERATION` (every closure and all-to-all timed, nothing overlapped),
 agrees the times over all ranks and runs Lancet's Algorithm 1 on them.
@@ -55,16 +55,16 @@ import torch
 
 from megatron_moe.comm.core import Collective, CommHandle
 from megatron_moe.moe.weight_grad import DeferrableWeights, WeightGrad
-from megatron_moe.overlap import plan as planning
+from megatron_moe.overlap import wgrad_schedule
 from megatron_moe.platform.timing import comm_stamps
 
 MIB = float(1 << 20)
 PROFILE_ITERATION = 2
-"""The iteration `greedy` times (the first warms up allocators and kernels); its plan runs from the next one."""
+"""The iteration `greedy` times (the first warms up allocators and kernels); its schedule runs from the next one."""
 
 
 def a2a_key(record: Collective) -> str:
-    """The plan's name for a backward all-to-all: "L{layer}.combine" / "L{layer}.dispatch"."""
+    """The schedule's name for a backward all-to-all: "L{layer}.combine" / "L{layer}.dispatch"."""
     return f"L{record.layer}.{record.kind.removeprefix('a2a_')}"
 
 
@@ -118,9 +118,9 @@ class WgradQueue:
     """The weight-gradient closures of one process's deferrable modules; see the module docstring."""
 
     def __init__(self, policy: str, *, max_mb: float | None, num_layers: int, report: bool = False):
-        assert policy in planning.POLICIES and policy != "off", policy
+        assert policy in wgrad_schedule.POLICIES and policy != "off", policy
         self.policy, self.max_mb, self.num_layers, self.report = policy, max_mb, num_layers, report
-        self.plan: planning.WgradPlan | None = None
+        self.schedule: wgrad_schedule.WgradSchedule | None = None
         self.iteration = 0
         self._pending: list[tuple[str, _Item]] = []  # (the all-to-all key it waits for, the item)
         self._pending_bytes = 0
@@ -140,8 +140,8 @@ class WgradQueue:
         return _ModuleStore(self, module)
 
     def first_planned_iteration(self) -> bool:
-        """True in the first iteration that ran under greedy's plan (the one the report measures)."""
-        return self.plan is not None and self.iteration == PROFILE_ITERATION + 1
+        """True in the first iteration that ran under greedy's schedule (the one the report measures)."""
+        return self.schedule is not None and self.iteration == PROFILE_ITERATION + 1
 
     @property
     def profiling(self) -> bool:
@@ -156,30 +156,32 @@ class WgradQueue:
         self._pending, self._pending_bytes, self._flush_queued = [], 0, False
 
     def stats(self) -> dict:
-        """This iteration's figures: closures per place they ran, the held-memory peak (MiB), the plan in force."""
+        """This iteration's figures: closures per place they ran, the held-memory peak (MiB), the schedule in force."""
         figures = {**self.counts, "peak_held_mb": round(self.peak_held_bytes / MIB, 3), "policy": self.policy}
-        if self.plan is not None:  # greedy's profile: what there is to hide, what dW is there, what the plan hides
-            events = self.plan.events
-            figures["planned"] = len(self.plan.under)
+        if (
+            self.schedule is not None
+        ):  # greedy's profile: what there is to hide, what dW is there, what the schedule hides
+            events = self.schedule.events
+            figures["planned"] = len(self.schedule.under)
             figures["plan_a2a_ms"] = round(sum(e.ms for e in events if e.kind == "a2a"), 3)
             figures["plan_wgrad_ms"] = round(sum(e.ms for e in events if e.kind == "wgrad"), 3)
-            figures["plan_hidden_ms"] = round(sum(self.plan.predicted_hidden_ms().values()), 3)
+            figures["plan_hidden_ms"] = round(sum(self.schedule.predicted_hidden_ms().values()), 3)
         return figures
 
     def end_iteration(self) -> None:
         """Called after each training iteration on every rank (collective after the profiled one)."""
         if self.profiling:
-            self.plan = self._plan_from_profile()
+            self.schedule = self._schedule_from_profile()
 
     # ------------------------------------------------------------------ 1. put
 
     def _waits_for(self, key: str) -> str | None:
-        """The all-to-all where DDP hears of `key`'s weight gradients, or None: now. From the policy and the plan
-        only (no plan yet, or a key it leaves out: None on every rank), never from this rank's bytes: see the
+        """The all-to-all where DDP hears of `key`'s weight gradients, or None: now. From the policy and the schedule
+        only (no schedule yet, or a key it leaves out: None on every rank), never from this rank's bytes: see the
         module docstring's invariant."""
         if self.policy == "all-under-next-a2a":
             return "next"
-        return None if self.plan is None else self.plan.under.get(key)
+        return None if self.schedule is None else self.schedule.under.get(key)
 
     def _over_cap(self, nbytes: int) -> bool:
         """Would queueing `nbytes` more pass this rank's cap? Decides only when this rank's GEMMs run."""
@@ -253,47 +255,49 @@ class WgradQueue:
             self._record("wgrad", profile_key, start, self._stamps.stamp(), item.nbytes / MIB)
         deliver(item.module, grads)
 
-    # ------------------------------------------------------------------ profile -> plan
+    # ------------------------------------------------------------------ profile -> schedule
 
     def _record(self, kind: str, key: str, start, end, held_mb: float) -> None:
         if not self._passes:
             self._passes.append([])
         self._passes[-1].append((kind, key, start, end, held_mb))
 
-    def _plan_from_profile(self) -> planning.WgradPlan:
+    def _schedule_from_profile(self) -> wgrad_schedule.WgradSchedule:
         passes = [p for p in self._passes if p]
         self._passes = []
         if passes:
             self._stamps.settle(passes[-1][-1][3])
-        events = [planning.canonical_order(_merge_repeats([self._event(*e) for e in one])) for one in passes]
+        events = [wgrad_schedule.canonical_order(_merge_repeats([self._event(*e) for e in one])) for one in passes]
         # Under the interleaved pipeline each model chunk's backward is a pass of its own layers: passes of the same
         # chunk are merged, and each chunk's dW are planned under its own all-to-alls (a pass flushes at its end).
         kinds = _passes_by_structure(events)
-        merged = [planning.merge_passes(same) for same in kinds]
-        agreed = planning.agree([event for one in merged for event in one], self.num_layers)  # one collective
-        plans, start = [], 0
+        merged = [wgrad_schedule.merge_passes(same) for same in kinds]
+        agreed = wgrad_schedule.agree([event for one in merged for event in one], self.num_layers)  # one collective
+        schedules, start = [], 0
         for one in merged:
-            plans.append(planning.make_plan(self.policy, agreed[start : start + len(one)], self.max_mb))
+            schedules.append(
+                wgrad_schedule.make_wgrad_schedule(self.policy, agreed[start : start + len(one)], self.max_mb)
+            )
             start += len(one)
-        under = {key: a2a for plan in plans for key, a2a in plan.under.items()}
-        return planning.WgradPlan(policy=self.policy, under=under, events=tuple(agreed))
+        under = {key: a2a for schedule in schedules for key, a2a in schedule.under.items()}
+        return wgrad_schedule.WgradSchedule(policy=self.policy, under=under, events=tuple(agreed))
 
-    def _event(self, kind, key, start, end, held_mb) -> planning.Event:
-        return planning.Event(kind, key, self._stamps.elapsed_ms(start, end), held_mb)
+    def _event(self, kind, key, start, end, held_mb) -> wgrad_schedule.Event:
+        return wgrad_schedule.Event(kind, key, self._stamps.elapsed_ms(start, end), held_mb)
 
 
-def _passes_by_structure(passes: list[list[planning.Event]]) -> list[list[list[planning.Event]]]:
+def _passes_by_structure(passes: list[list[wgrad_schedule.Event]]) -> list[list[list[wgrad_schedule.Event]]]:
     """Profiled passes grouped by their structure (kinds and keys in order), groups in order of first appearance:
     one group without virtual pipeline stages, one per model chunk with them."""
-    groups: dict[tuple, list[list[planning.Event]]] = {}
+    groups: dict[tuple, list[list[wgrad_schedule.Event]]] = {}
     for one in passes:
         groups.setdefault(tuple((e.kind, e.key) for e in one), []).append(one)
     return list(groups.values())
 
 
-def _merge_repeats(events: list[planning.Event]) -> list[planning.Event]:
+def _merge_repeats(events: list[wgrad_schedule.Event]) -> list[wgrad_schedule.Event]:
     """One event per key: a module whose closures came in several puts in one pass is one item (times added)."""
-    merged: dict[str, planning.Event] = {}
+    merged: dict[str, wgrad_schedule.Event] = {}
     for event in events:
         if event.key in merged:
             first = merged[event.key]

@@ -140,15 +140,16 @@ def layer_exposed_and_comm(summary: CommSummary) -> dict[int, tuple[float, float
     }
 
 
-def wgrad_report(plan, summary: CommSummary | None) -> str:
-    """Lancet's plan (`megatron_moe.overlap.plan.WgradPlan`) with each backward all-to-all's hidden time as the
-    timers measured it in this step (comm - exposed of a2a_combine_bwd / a2a_dispatch_bwd, per MoE layer)."""
+def wgrad_report(schedule, summary: CommSummary | None) -> str:
+    """Lancet's schedule (`megatron_moe.overlap.wgrad_schedule.WgradSchedule`) with each backward all-to-all's hidden
+    time as the timers measured it in this step (comm - exposed of a2a_combine_bwd / a2a_dispatch_bwd, per MoE
+    layer)."""
     if summary is None:
-        return plan.report()
+        return schedule.report()
     measured = {}
     for layer, figures in summary.per_layer.items():
         for kind in ("a2a_combine_bwd", "a2a_dispatch_bwd"):
             if kind in figures["comm_ms"]:
                 hidden = figures["comm_ms"][kind] - figures["exposed_ms"].get(kind, 0.0)
                 measured[f"L{layer}.{kind.removeprefix('a2a_').removesuffix('_bwd')}"] = max(0.0, hidden)
-    return plan.report(measured_hidden_ms=measured)
+    return schedule.report(measured_hidden_ms=measured)

@@ -380,7 +380,7 @@ class Trainer:
                 if self.hidden_check and figures["comm"] is not None:
                     self.hidden_check.observe(figures["comm"])
                 if self.wgrad_queue and self.wgrad_queue.report and self.wgrad_queue.first_planned_iteration():
-                    log.info("--overlap-wgrad-report:\n%s", wgrad_report(self.wgrad_queue.plan, figures["comm"]))
+                    log.info("--overlap-wgrad-report:\n%s", wgrad_report(self.wgrad_queue.schedule, figures["comm"]))
                 spike = self.spikes.observe(it, figures["lm loss"])
                 if spike:
                     log.warning(spike)

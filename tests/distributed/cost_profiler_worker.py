@@ -6,7 +6,7 @@ Layout of an emulated 2 nodes x 2 ranks: ESP groups {0, 1} and {2, 3} (inside a 
 - first: `load_or_measure` with no file: measures, rank 0 saves; every rank's fits and collectives;
 - second: the same call again: loads the file, measures nothing;
 - changed: other settings (the description differs): measures again;
-- parallel_state: `ProfileGroups.from_parallel_state` after megatron-core's initialize_model_parallel (EP=2, ETP=2)
+- parallel_state: `ProfileGroups.from_parallel_state` after megatron-core's initialize_model_parallel (EP=2, ESP=2)
   gives the groups tools/profile_cluster.py builds by hand.
 Rank 0 writes `{case: [every rank's result]}` to $RESULTS. argv[1]: a directory for the profile file.
 """

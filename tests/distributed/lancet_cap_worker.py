@@ -8,8 +8,8 @@ purpose: each rank's router adds `BIAS` to the logits of the experts of one EP r
 group and EP rank 1's in the second, so that each expert-data-parallel pair (the ranks that reduce the same experts'
 gradients) holds one rank that receives most rows and one that receives few.
 
-Greedy's plan is pinned (`PinnedPlan`): the last MoE layer's experts dW under the first MoE layer's dispatch
-all-to-all, past the first MoE layer's own experts dW (a plan from agreed figures may do that; Algorithm 1's
+Greedy's schedule is pinned (`pinned_schedule`): the last MoE layer's experts dW under the first MoE layer's dispatch
+all-to-all, past the first MoE layer's own experts dW (a schedule from agreed figures may do that; Algorithm 1's
 choice depends on timings). A first run without a cap measures what each rank's pinned closure holds; the capped
 runs then take a cap between the busy and the idle ranks' figures. Before the fix the busy rank ran its closure at
 its natural place and readied its bucket group there, its peer under the all-to-all: the two issued the reductions
@@ -41,14 +41,14 @@ RECORD: dict = {"starts": [], "counts": [], "held": [], "ep": None, "edp": None}
 
 
 def install() -> None:
-    """The biased router, the pinned plan and the recorders (this process, every run after)."""
+    """The biased router, the pinned schedule and the recorders (this process, every run after)."""
     from megatron.core import parallel_state
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
     import megatron_moe.training as training
     from megatron_moe.moe import routing
-    from megatron_moe.overlap.plan import parse_key
     from megatron_moe.overlap.runtime import WgradQueue
+    from megatron_moe.overlap.wgrad_schedule import parse_key
 
     def biased_logits(self, x_TH):
         logits_TE = logits(self, x_TH)
@@ -80,16 +80,16 @@ def install() -> None:
     start = _ParamAndGradBucketGroup.start_grad_sync
     _ParamAndGradBucketGroup.start_grad_sync = noted_start
 
-    def pinned_plan(self):
-        plan = make_plan(self)
-        layers = sorted(parse_key(e.key)[0] for e in plan.events if parse_key(e.key)[1] == "experts")
-        return dataclasses.replace(plan, under={f"L{layers[-1]}.experts": f"L{layers[0]}.dispatch"})
+    def pinned_schedule(self):
+        schedule = make_schedule(self)
+        layers = sorted(parse_key(e.key)[0] for e in schedule.events if parse_key(e.key)[1] == "experts")
+        return dataclasses.replace(schedule, under={f"L{layers[-1]}.experts": f"L{layers[0]}.dispatch"})
 
-    make_plan = WgradQueue._plan_from_profile
-    WgradQueue._plan_from_profile = pinned_plan
+    make_schedule = WgradQueue._schedule_from_profile
+    WgradQueue._schedule_from_profile = pinned_schedule
 
     def noted_put(self, item):
-        if self.plan is not None and item.module.store_key in self.plan.under:
+        if self.schedule is not None and item.module.store_key in self.schedule.under:
             RECORD["held"][-1] = max(RECORD["held"][-1], item.nbytes)
         return put(self, item)
 

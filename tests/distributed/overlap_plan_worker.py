@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 warnings.filterwarnings("ignore")
 
 from megatron_moe import comm  # noqa: E402
-from megatron_moe.overlap.plan import Event, agree, make_plan  # noqa: E402
+from megatron_moe.overlap.wgrad_schedule import Event, agree, make_wgrad_schedule  # noqa: E402
 from megatron_moe.platform import init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 
@@ -113,8 +113,8 @@ def run_case(case: str, rank: int, group=None) -> dict:
     return {
         "raw": [dataclasses.astuple(e) for e in events],
         "agreed": [dataclasses.astuple(e) for e in agreed],
-        "raw_plan": make_plan("greedy", events).to_json(),
-        "agreed_plan": make_plan("greedy", agreed).to_json(),
+        "raw_plan": make_wgrad_schedule("greedy", events).to_json(),
+        "agreed_plan": make_wgrad_schedule("greedy", agreed).to_json(),
         "collectives": recorder.seen,
     }
 

@@ -19,11 +19,8 @@ Scenarios:
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
-from reshard import Target  # noqa: E402 (light: the heavy imports are inside functions)
-
-from tests.distributed.launcher import finish_job, train_in_job  # noqa: E402 (light too)
+from tests.distributed.launcher import finish_job, train_in_job  # light: the heavy imports are inside functions
+from tools.checkpoint.reshard import Target  # light too
 
 SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 ITERS, SAVED_AT = 4, 2
@@ -106,15 +103,15 @@ def source() -> dict:
 
 
 def chain() -> dict:
-    from reshard import make_plan, reshard_on_this_rank
+    from tools.checkpoint.reshard import make_reshard_job, reshard_on_this_rank
 
     results = {"ep2": {"resumed": train("--load", ckpt("ep2"), *EP2_FLAGS), **facts(ckpt("ep2"))}}
     for name, (origin, target, flags) in HOPS.items():
-        plan = make_plan(ckpt(origin), ckpt(name), target)
-        reshard_on_this_rank(plan, ckpt(name), keep_process_group=True)
+        job = make_reshard_job(ckpt(origin), ckpt(name), target)
+        reshard_on_this_rank(job, ckpt(name), keep_process_group=True)
         results[name] = {
             "resumed": train("--load", ckpt(name), *flags),
-            "world_size": plan.world_size,
+            "world_size": job.world_size,
             **facts(ckpt(name)),
         }
     # PP=2 x VPP=2 on these 2 ranks, all 4 steps from the initial weights, and the source resumed there

@@ -76,7 +76,7 @@ def test_each_rank_holds_its_slice_of_every_expert(results):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_host_sync_per_layer_forward_and_backward(results, layout):
-    """Every ESP peer's received counts come with the layer's own counts in the one read of planning."""
+    """Every ESP peer's received counts come with the layer's own counts in the one read of MoELayer.arrange."""
     for case in ("topk_cap1_v", "topk_cap1_padded", "swiglu_v"):
         figures = results[f"{layout}/host_syncs/{case}"]
         assert figures["min"] == figures["max"] == 1 and figures["events"] == ["tolist"], (case, figures)

@@ -1,4 +1,5 @@
-"""`agree` of megatron_moe/overlap/plan.py on 2 gloo ranks (one torchrun job): every rank plans from the same figures.
+"""`agree` of megatron_moe/overlap/wgrad_schedule.py on 2 gloo ranks (one torchrun job): every rank schedules from
+the same figures.
 
 Each rank holds its own profile (tests/distributed/overlap_plan_worker.py `PROFILES`); the agreed figure of a key
 is the max over the ranks that hold it, indexed by global layer, so pipeline stages holding different layers (with

@@ -11,7 +11,6 @@ The refusals (existing destination, impossible layout, optimizer formats)
 are checked in-process, without starting torchrun.
 """
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from tests.conftest import ROOT
 from tests.distributed.launcher import LOSS_RTOL, assert_matches, computed, run_torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "reshard_worker.py")
-CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
+CONVERT = ["-m", "tools.checkpoint.convert"]  # run from the repository root
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -33,7 +32,7 @@ def run_convert(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     result = subprocess.run(
-        [sys.executable, CONVERT, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *CONVERT, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not leftovers, f"processes outlived convert.py: {[p.cmdline() for p in leftovers]}"
@@ -156,11 +155,10 @@ def test_cli_reports_progress_and_leaves_no_staging_directory(runs):
 
 @pytest.fixture(scope="module")
 def convert_main():
-    """convert.py's main(), imported from its file (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("convert", CONVERT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    """convert.py's main(), imported."""
+    from tools.checkpoint.convert import main
+
+    return main
 
 
 def refusal(convert_main, capsys, src, dst, *flags) -> str:

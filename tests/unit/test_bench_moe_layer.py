@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
+import pytest
+import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import bench_moe_layer as bench  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from tools import bench_moe_layer as bench
 
 
 def test_floor_per_round_takes_each_gemm_at_its_fastest_kernel():

@@ -211,7 +211,7 @@ def test_flags_become_the_layer_config_in_one_place():
         pipeline_degree="auto",  # the run's default (the training set-up resolves it); a bare layer's is 1
         bp_pipeline_degree="auto",
     )
-    assert layer.dispatcher == "alltoall" and cfg().moe.layer_config(cfg().model).dispatcher == "alltoallv"
+    assert layer.dispatcher == "padded_alltoall" and cfg().moe.layer_config(cfg().model).dispatcher == "alltoallv"
     assert moe_layer(cfg("--moe-layer-impl", "mcore")) is None
     assert moe_layer(parse_args(BASE[:4])) is None  # dense
 

@@ -69,8 +69,8 @@ def _check_weight_grad(dw_EOI: torch.Tensor, want_EOI: torch.Tensor, counts: lis
     assert error < TOL[dw_EOI.dtype], (what, error.item())
 
 
-def _loop_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    rows = zip(torch.split(grad_NO.double(), counts), torch.split(x_NI.double(), counts))
+def _loop_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    rows = zip(torch.split(grad_RO.double(), counts), torch.split(x_RI.double(), counts))
     return torch.stack([g.t() @ x for g, x in rows])
 
 
@@ -80,15 +80,15 @@ def _loop_weight_grad(grad_NO: torch.Tensor, x_NI: torch.Tensor, counts: list[in
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_grouped_weight_grad_of_an_expert_without_rows_is_zero(gpu_like, kernel, counts, dtype, into):
     g = torch.Generator().manual_seed(0)
-    grad_NO, x_NI = (torch.randn(sum(counts), n, generator=g).to(dtype) for n in (F, H))
+    grad_RO, x_RI = (torch.randn(sum(counts), n, generator=g).to(dtype) for n in (F, H))
     out = torch.full((len(counts), F, H), float("nan"), dtype=dtype) if into == "nan_buffer" else None
     gpu_like_runs = {"grouped_gemm": dtype == torch.bfloat16, "torch._grouped_mm": out is None}
     if sum(counts) and gpu_like_runs.get(kernel, False):  # the GPU-like kernel is the one tested
-        assert _runs(kernel, grad_NO, x_NI, counts, out) == kernel
+        assert _runs(kernel, grad_RO, x_RI, counts, out) == kernel
     with forced_kernel(kernel):
-        dw_EOI = grouped_weight_grad(grad_NO, x_NI, counts, out)
+        dw_EOI = grouped_weight_grad(grad_RO, x_RI, counts, out)
     assert out is None or dw_EOI is out  # written into the buffer it was given
-    _check_weight_grad(dw_EOI, _loop_weight_grad(grad_NO, x_NI, counts), counts, (kernel, into))
+    _check_weight_grad(dw_EOI, _loop_weight_grad(grad_RO, x_RI, counts), counts, (kernel, into))
 
 
 class NanOuts:

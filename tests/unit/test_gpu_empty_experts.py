@@ -33,20 +33,20 @@ def _dirty_cache(shape, dtype) -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_every_kernel_gives_an_expert_without_rows_a_zero_weight_grad(kernel, counts, dtype, into):
     g = torch.Generator(device="cuda").manual_seed(0)
-    grad_NO, x_NI = (torch.randn(sum(counts), n, generator=g, device="cuda").to(dtype) for n in (F, H))
+    grad_RO, x_RI = (torch.randn(sum(counts), n, generator=g, device="cuda").to(dtype) for n in (F, H))
     shape = (len(counts), F, H)
     out = torch.full(shape, float("nan"), dtype=dtype, device="cuda") if into == "nan_buffer" else None
     with forced_kernel(kernel):
-        ran = _choose(grad_NO, x_NI, counts, out)
+        ran = _choose(grad_RO, x_RI, counts, out)
         if out is None:
             _dirty_cache(shape, dtype)
-        dw_EOI = grouped_weight_grad(grad_NO, x_NI, counts, out)
+        dw_EOI = grouped_weight_grad(grad_RO, x_RI, counts, out)
     assert ran != "grouped_gemm" or dtype == torch.bfloat16  # the package takes bf16 only
     for e, count in enumerate(counts):
         if not count:
             assert torch.equal(dw_EOI[e], torch.zeros_like(dw_EOI[e])), (ran, e)
     if sum(counts):
-        rows = zip(torch.split(grad_NO.double(), counts), torch.split(x_NI.double(), counts))
+        rows = zip(torch.split(grad_RO.double(), counts), torch.split(x_RI.double(), counts))
         want = torch.stack([g.t() @ x for g, x in rows])
         assert ((dw_EOI.double() - want).norm() / want.norm()).item() < TOL[dtype], ran
 

@@ -135,7 +135,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_moe_layer_waits_for_the_device_once_per_forward_and_backward(name):
-    assert _syncs_of_one_step(_layer(**LAYOUTS[name])) == ["tolist"]  # to_host's one copy in planning
+    assert _syncs_of_one_step(_layer(**LAYOUTS[name])) == ["tolist"]  # to_host's one copy in MoELayer.arrange
 
 
 def test_soft_gate_layer_reads_nothing_on_one_rank():
@@ -144,12 +144,12 @@ def test_soft_gate_layer_reads_nothing_on_one_rank():
 
 def test_counter_catches_an_extra_read_in_the_layer():
     layer = _layer(capacity_factor=0.5)
-    plan = layer.plan
+    arrange = layer.arrange
 
-    def plan_and_peek(routing):
-        planned = plan(routing)
-        planned[0].routed_E.tolist()  # a second wait, as a careless change would add
-        return planned
+    def arrange_and_peek(routing):
+        arranged = arrange(routing)
+        arranged[0].routed_E.tolist()  # a second wait, as a careless change would add
+        return arranged
 
-    layer.plan = plan_and_peek
+    layer.arrange = arrange_and_peek
     assert _syncs_of_one_step(layer) == ["tolist", "tolist"]

@@ -8,7 +8,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_moe.config.moe_layer import GATES, LOAD_BALANCING
 from megatron_moe.moe import MoELayer, MoELayerConfig, build_gate, capacity_limit, expert_capacity
-from megatron_moe.moe.ordering import make_plan
+from megatron_moe.moe.ordering import make_row_map
 from megatron_moe.moe.routing import Routing, load_balancing_loss
 
 H, E = 16, 4
@@ -24,9 +24,9 @@ def x_TH(t=32, seed=0):
     return torch.randn(t, H, generator=torch.Generator().manual_seed(seed))
 
 
-def kept_pairs(plan):
+def kept_pairs(row_map):
     """{(token, expert)} of the pairs that got a slot."""
-    return set(zip(plan.token_of_row.tolist(), plan.expert_of_row.tolist()))
+    return set(zip(row_map.token_of_row.tolist(), row_map.expert_of_row.tolist()))
 
 
 # ---------------------------------------------------------------------------- capacity formula
@@ -54,10 +54,10 @@ def test_topk_may_change_between_iterations():
     )
     layer = MoELayer(config, cfg(capacity_factor=1.0, pad_expert_input_to_capacity=True, aux_loss_coeff=0.0))
     x = x_TH(40)
-    assert layer.plan(layer.route(x))[0].capacity == 20  # ceil(1.0 * 2 * 40 / 4)
+    assert layer.arrange(layer.route(x))[0].capacity == 20  # ceil(1.0 * 2 * 40 / 4)
     layer.gate.topk = 1
-    plan, _ = layer.plan(layer.route(x))
-    assert plan.capacity == 10 and int(plan.routed_E.sum()) == 40
+    row_map, _ = layer.arrange(layer.route(x))
+    assert row_map.capacity == 10 and int(row_map.routed_E.sum()) == 40
     out, _ = layer(x.view(40, 1, H))
     assert out.shape == (40, 1, H)
 
@@ -75,12 +75,12 @@ def test_gshard_order_first_choices_claim_slots_before_second_choices():
         expert_N=expert_TK.t().reshape(-1),
         weight_N=torch.full((8,), 0.5),
     )
-    plan = make_plan(routing, capacity=2, padded=False)
+    row_map = make_row_map(routing, capacity=2, padded=False)
     # Expert 0: first choices of tokens 0, 1 fill it; token 3's first and token 2's second choice drop.
     # Expert 1: token 2's first choice, then token 0's second choice; tokens 1 and 3 drop.
-    assert kept_pairs(plan) == {(0, 0), (1, 0), (2, 1), (0, 1)}
-    assert plan.dropped == 4 and plan.counts == [2, 2]
-    padded = make_plan(routing, capacity=3, padded=True)
+    assert kept_pairs(row_map) == {(0, 0), (1, 0), (2, 1), (0, 1)}
+    assert row_map.dropped == 4 and row_map.counts == [2, 2]
+    padded = make_row_map(routing, capacity=3, padded=True)
     assert padded.counts == [3, 3] and padded.row_index.tolist() == [0, 1, 2, 3, 4, 5]
     # Capacity 3: expert 0 takes the first choices of tokens 0, 1, 3 (token 2's second choice drops),
     # expert 1 token 2's first choice, then the second choices of tokens 0 and 1 (token 3's drops).
@@ -90,10 +90,10 @@ def test_gshard_order_first_choices_claim_slots_before_second_choices():
 def test_bpr_drops_the_least_important_tokens_first():
     gate = build_gate(cfg(gate="bpr", topk=1))
     routing = gate(x_TH(64))
-    plan = make_plan(routing, capacity=8, padded=False)
+    row_map = make_row_map(routing, capacity=8, padded=False)
     importance = routing.probs_TE.max(dim=-1).values
-    assert plan.dropped > 0
-    kept = kept_pairs(plan)
+    assert row_map.dropped > 0
+    kept = kept_pairs(row_map)
     for e in range(E):
         chose_e = [t for t in range(64) if routing.expert_N[t] == e]
         kept_imp = [importance[t] for t in chose_e if (t, e) in kept]
@@ -103,24 +103,24 @@ def test_bpr_drops_the_least_important_tokens_first():
     # Plain top-k keeps by token order instead: the earliest tokens win.
     gate_tok = build_gate(cfg(gate="topk", topk=1))
     gate_tok.load_state_dict(gate.state_dict())
-    plan_tok = make_plan(gate_tok(x_TH(64)), capacity=8, padded=False)
+    row_map_tok = make_row_map(gate_tok(x_TH(64)), capacity=8, padded=False)
     for e in range(E):
         chose_e = [t for t in range(64) if routing.expert_N[t] == e]
-        assert [t for t in chose_e if (t, e) in kept_pairs(plan_tok)] == chose_e[:8]
-    assert kept_pairs(plan_tok) != kept
+        assert [t for t in chose_e if (t, e) in kept_pairs(row_map_tok)] == chose_e[:8]
+    assert kept_pairs(row_map_tok) != kept
 
 
 def test_random_token_selection_randomises_claims_in_training_only():
     gate = build_gate(cfg(gate="rts", topk=1))
     x = x_TH(64)
     torch.manual_seed(1)
-    first = kept_pairs(make_plan(gate(x), capacity=8, padded=False))
+    first = kept_pairs(make_row_map(gate(x), capacity=8, padded=False))
     torch.manual_seed(2)
-    second = kept_pairs(make_plan(gate(x), capacity=8, padded=False))
+    second = kept_pairs(make_row_map(gate(x), capacity=8, padded=False))
     assert first != second and len(first) == len(second)
     gate.eval()
-    assert kept_pairs(make_plan(gate(x), capacity=8, padded=False)) == kept_pairs(
-        make_plan(gate(x), capacity=8, padded=False)
+    assert kept_pairs(make_row_map(gate(x), capacity=8, padded=False)) == kept_pairs(
+        make_row_map(gate(x), capacity=8, padded=False)
     )
 
 
@@ -128,19 +128,19 @@ def test_expert_choice_gives_each_expert_its_top_tokens():
     gate = build_gate(cfg(gate="expert_choice", topk=2))
     routing = gate(x_TH(30))
     slots = math.ceil(2 * 30 / E)
-    plan = make_plan(routing, capacity=routing.slots_per_expert, padded=False)
-    assert plan.counts == [slots] * E and plan.dropped == 0
+    row_map = make_row_map(routing, capacity=routing.slots_per_expert, padded=False)
+    assert row_map.counts == [slots] * E and row_map.dropped == 0
     for e in range(E):
-        chosen = {t for t, ex in kept_pairs(plan) if ex == e}
+        chosen = {t for t, ex in kept_pairs(row_map) if ex == e}
         assert chosen == set(torch.topk(routing.probs_TE[:, e], slots).indices.tolist())
 
 
 def test_dropless_keeps_every_pair_and_fixed_capacity_caps_each_expert():
     routing = build_gate(cfg(gate="topk", topk=2))(x_TH(50))
-    dropless = make_plan(routing, capacity=None, padded=False)
+    dropless = make_row_map(routing, capacity=None, padded=False)
     assert dropless.dropped == 0 and sum(dropless.counts) == 100
     assert dropless.counts == routing_counts(routing)
-    capped = make_plan(routing, capacity=20, padded=False)
+    capped = make_row_map(routing, capacity=20, padded=False)
     assert capped.counts == [min(c, 20) for c in routing_counts(routing)]
     assert capped.dropped == sum(max(0, c - 20) for c in routing_counts(routing))
 
@@ -197,11 +197,11 @@ def test_cosine_gates_bound_their_logits(name, dim):
 def test_soft_gate_mixes_tokens_into_slots():
     gate = build_gate(cfg(gate="soft", soft_slots=3))
     r = gate(x_TH(20))
-    assert r.dispatch_TS.shape == (20, E * 3)
-    torch.testing.assert_close(r.dispatch_TS.sum(0), torch.ones(E * 3))
-    torch.testing.assert_close(r.combine_TS.sum(1), torch.ones(20))
-    plan = make_plan(r, capacity=None, padded=True)
-    assert plan.counts == [3] * E and plan.dropped == 0
+    assert r.dispatch_TZ.shape == (20, E * 3)
+    torch.testing.assert_close(r.dispatch_TZ.sum(0), torch.ones(E * 3))
+    torch.testing.assert_close(r.combine_TZ.sum(1), torch.ones(20))
+    row_map = make_row_map(r, capacity=None, padded=True)
+    assert row_map.counts == [3] * E and row_map.dropped == 0
 
 
 def test_router_math_is_fp32_for_bf16_inputs():

@@ -1,4 +1,4 @@
-"""Lancet's Algorithm 1 (megatron_moe/overlap/plan.py) on hand-made backward traces with hand-worked answers.
+"""Lancet's Algorithm 1 (megatron_moe/overlap/wgrad_schedule.py) on hand-made backward traces with hand-worked answers.
 
 A trace is one micro-batch's backward pass in order: W(key, ms, MiB) a module's dW became runnable (its dX
 ran), A(key, ms) a backward all-to-all started. `agree` across ranks is in tests/distributed/test_overlap_plan.py.
@@ -9,16 +9,16 @@ import json
 import pytest
 
 from megatron_moe.config import ConfigError
-from megatron_moe.overlap.plan import (
+from megatron_moe.overlap.wgrad_schedule import (
     BACKWARD_NAMES,
     WGRAD_NAMES,
     Event,
-    WgradPlan,
+    WgradSchedule,
     agree,
     all_under_next_a2a,
     best_fit_greedy,
     canonical_order,
-    make_plan,
+    make_wgrad_schedule,
     merge_passes,
 )
 
@@ -56,11 +56,11 @@ def test_best_fit_picks_the_closest_item_and_may_overshoot():
     # t_u = 0.5: |0.5 - 1| = 0.5, |0.5 - 4| = 3.5 -> attn_proj, t_u = -0.5: overshoot, stop.
     # experts: no a2a left -> natural place.
     assert best_fit_greedy(events) == {"L2.shared_expert": "L2.combine", "L2.attn_proj": "L2.combine"}
-    plan = make_plan("greedy", events)
-    assert plan.items_under("L2.combine") == ["L2.attn_proj", "L2.shared_expert"]  # event order
-    assert plan.natural() == ["L2.experts"]
-    assert plan.predicted_hidden_ms() == {"L2.combine": 3.0}  # min(3.0, 1.0 + 2.5)
-    assert plan.predicted_exposed_ms() == {"L2.combine": 0.0}
+    schedule = make_wgrad_schedule("greedy", events)
+    assert schedule.items_under("L2.combine") == ["L2.attn_proj", "L2.shared_expert"]  # event order
+    assert schedule.natural() == ["L2.experts"]
+    assert schedule.predicted_hidden_ms() == {"L2.combine": 3.0}  # min(3.0, 1.0 + 2.5)
+    assert schedule.predicted_exposed_ms() == {"L2.combine": 0.0}
 
 
 def test_items_after_an_a2a_are_not_its_candidates_and_used_items_are_not_reused():
@@ -68,9 +68,9 @@ def test_items_after_an_a2a_are_not_its_candidates_and_used_items_are_not_reused
     # combine: only attn_proj is before it (experts, an exact fit, comes after) -> attn_proj, t_u = 1.5, none left.
     # dispatch: experts (attn_proj is used) -> t_u = 3.0, none left.
     assert best_fit_greedy(events) == {"L1.attn_proj": "L1.combine", "L1.experts": "L1.dispatch"}
-    plan = make_plan("greedy", events)
-    assert plan.predicted_hidden_ms() == {"L1.combine": 0.5, "L1.dispatch": 2.0}
-    assert plan.predicted_exposed_ms() == {"L1.combine": 1.5, "L1.dispatch": 3.0}
+    schedule = make_wgrad_schedule("greedy", events)
+    assert schedule.predicted_hidden_ms() == {"L1.combine": 0.5, "L1.dispatch": 2.0}
+    assert schedule.predicted_exposed_ms() == {"L1.combine": 1.5, "L1.dispatch": 3.0}
 
 
 def test_ties_go_to_the_earlier_event():
@@ -100,25 +100,35 @@ def test_greedy_on_a_two_layer_trace():
     # L2.dispatch 3.0: [experts 2.5] -> experts, t_u 0.5, none left.
     # L1.combine 2.0: [router 0.1, attn_proj 1.0, attn_qkv 2.0] (L2's) -> attn_qkv (|0|), t_u 0.
     # L1.dispatch 2.0: [L2.router 0.1, L2.attn_proj 1.0, L1.experts 2.0] -> L1.experts, t_u 0.
-    plan = make_plan("greedy", TRACE)
-    assert plan.under == {
+    schedule = make_wgrad_schedule("greedy", TRACE)
+    assert schedule.under == {
         "L2.shared_expert": "L2.combine",
         "L2.experts": "L2.dispatch",
         "L2.attn_qkv": "L1.combine",
         "L1.experts": "L1.dispatch",
     }
-    assert plan.natural() == ["L2.router", "L2.attn_proj", "L1.router", "L1.attn_proj", "L1.attn_qkv"]
-    assert plan.predicted_hidden_ms() == {"L2.combine": 1.5, "L2.dispatch": 2.5, "L1.combine": 2.0, "L1.dispatch": 2.0}
-    assert plan.predicted_exposed_ms() == {"L2.combine": 1.5, "L2.dispatch": 0.5, "L1.combine": 0.0, "L1.dispatch": 0.0}
+    assert schedule.natural() == ["L2.router", "L2.attn_proj", "L1.router", "L1.attn_proj", "L1.attn_qkv"]
+    assert schedule.predicted_hidden_ms() == {
+        "L2.combine": 1.5,
+        "L2.dispatch": 2.5,
+        "L1.combine": 2.0,
+        "L1.dispatch": 2.0,
+    }
+    assert schedule.predicted_exposed_ms() == {
+        "L2.combine": 1.5,
+        "L2.dispatch": 0.5,
+        "L1.combine": 0.0,
+        "L1.dispatch": 0.0,
+    }
     # Held: shared 4 until L2.combine; experts 8 until L2.dispatch; attn_qkv 3; L1.experts 8: never two at once.
-    assert plan.held_mb_peak() == 8.0
+    assert schedule.held_mb_peak() == 8.0
 
 
 def test_all_under_next_a2a():
     # Each dW under the first a2a after it; L1's router/attn after the last a2a: natural place.
-    plan = make_plan("all-under-next-a2a", TRACE)
-    assert plan.under == all_under_next_a2a(TRACE)
-    assert plan.under == {
+    schedule = make_wgrad_schedule("all-under-next-a2a", TRACE)
+    assert schedule.under == all_under_next_a2a(TRACE)
+    assert schedule.under == {
         "L2.shared_expert": "L2.combine",
         "L2.experts": "L2.dispatch",
         "L2.router": "L1.combine",
@@ -126,33 +136,38 @@ def test_all_under_next_a2a():
         "L2.attn_qkv": "L1.combine",
         "L1.experts": "L1.dispatch",
     }
-    assert plan.natural() == ["L1.router", "L1.attn_proj", "L1.attn_qkv"]
+    assert schedule.natural() == ["L1.router", "L1.attn_proj", "L1.attn_qkv"]
     # L1.combine: min(2.0, 0.1 + 1.0 + 2.0) = 2.0.
-    assert plan.predicted_hidden_ms() == {"L2.combine": 1.5, "L2.dispatch": 2.5, "L1.combine": 2.0, "L1.dispatch": 2.0}
+    assert schedule.predicted_hidden_ms() == {
+        "L2.combine": 1.5,
+        "L2.dispatch": 2.5,
+        "L1.combine": 2.0,
+        "L1.dispatch": 2.0,
+    }
     # L2.router 1 + attn_proj 2 + attn_qkv 3 = 6 MiB queued at once, less than an experts' 8.
-    assert plan.held_mb_peak() == 8.0
+    assert schedule.held_mb_peak() == 8.0
 
 
 def test_the_memory_cap_leaves_items_at_their_natural_place_walking_in_order():
     # all-under-next-a2a, cap 5 MiB: shared 4 (4) kept, released at L2.combine; experts 8 > 5: natural;
     # router 1 (1), attn_proj 2 (3) kept, attn_qkv 3 would make 6 > 5: natural; L1.experts 8: natural.
-    plan = make_plan("all-under-next-a2a", TRACE, max_mb=5)
-    assert plan.under == {"L2.shared_expert": "L2.combine", "L2.router": "L1.combine", "L2.attn_proj": "L1.combine"}
-    assert plan.held_mb_peak() == 4.0
-    assert plan.predicted_hidden_ms()["L1.combine"] == pytest.approx(1.1)
+    schedule = make_wgrad_schedule("all-under-next-a2a", TRACE, max_mb=5)
+    assert schedule.under == {"L2.shared_expert": "L2.combine", "L2.router": "L1.combine", "L2.attn_proj": "L1.combine"}
+    assert schedule.held_mb_peak() == 4.0
+    assert schedule.predicted_hidden_ms()["L1.combine"] == pytest.approx(1.1)
     # greedy, cap 7: shared 4 kept; experts 8: natural; attn_qkv 3 kept (shared released); L1.experts 8: natural.
-    capped = make_plan("greedy", TRACE, max_mb=7)
+    capped = make_wgrad_schedule("greedy", TRACE, max_mb=7)
     assert capped.under == {"L2.shared_expert": "L2.combine", "L2.attn_qkv": "L1.combine"}
     assert capped.held_mb_peak() == 4.0
     # A cap everything fits under changes nothing; a cap of 0 keeps only what holds nothing.
-    assert make_plan("greedy", TRACE, max_mb=8).under == make_plan("greedy", TRACE).under
-    assert make_plan("greedy", [W("L1.router", 1.0, 0), W("L1.experts", 1.0, 1), A("L1.dispatch", 2.0)], 0).under == {
-        "L1.router": "L1.dispatch"
-    }
+    assert make_wgrad_schedule("greedy", TRACE, max_mb=8).under == make_wgrad_schedule("greedy", TRACE).under
+    assert make_wgrad_schedule(
+        "greedy", [W("L1.router", 1.0, 0), W("L1.experts", 1.0, 1), A("L1.dispatch", 2.0)], 0
+    ).under == {"L1.router": "L1.dispatch"}
 
 
 def test_canonical_order_sorts_the_dw_between_two_all_to_alls_and_keeps_the_all_to_alls_in_place():
-    """The order autograd ran a rank's dW in between two all-to-alls is not the plan's to depend on: the cap's walk
+    """The order autograd ran a rank's dW in between two all-to-alls is not the schedule's to depend on: the cap's walk
     and best-fit's ties read it. TRACE is in the canonical order already."""
     assert sorted(BACKWARD_NAMES) == sorted(WGRAD_NAMES)
     shuffled = [TRACE[i] for i in (0, 1, 2, 3, 6, 4, 5, 7, 8, 9, 12, 10, 11)]
@@ -161,7 +176,7 @@ def test_canonical_order_sorts_the_dw_between_two_all_to_alls_and_keeps_the_all_
     one, other = W("L1.shared_expert", 1.0, 1), W("L1.router", 1.0, 1)
 
     def capped(window):
-        return make_plan("all-under-next-a2a", [*window, A("L1.combine", 2.0)], max_mb=1.5).under
+        return make_wgrad_schedule("all-under-next-a2a", [*window, A("L1.combine", 2.0)], max_mb=1.5).under
 
     assert capped([one, other]) != capped([other, one])
     assert (
@@ -172,16 +187,26 @@ def test_canonical_order_sorts_the_dw_between_two_all_to_alls_and_keeps_the_all_
 
 
 def test_policy_off_plans_nothing():
-    plan = make_plan("off", TRACE)
-    assert plan.under == {}
-    assert plan.natural() == [e.key for e in TRACE if e.kind == "wgrad"]
-    assert plan.predicted_hidden_ms() == {"L2.combine": 0.0, "L2.dispatch": 0.0, "L1.combine": 0.0, "L1.dispatch": 0.0}
-    assert plan.predicted_exposed_ms() == {"L2.combine": 3.0, "L2.dispatch": 3.0, "L1.combine": 2.0, "L1.dispatch": 2.0}
-    assert plan.held_mb_peak() == 0.0
+    schedule = make_wgrad_schedule("off", TRACE)
+    assert schedule.under == {}
+    assert schedule.natural() == [e.key for e in TRACE if e.kind == "wgrad"]
+    assert schedule.predicted_hidden_ms() == {
+        "L2.combine": 0.0,
+        "L2.dispatch": 0.0,
+        "L1.combine": 0.0,
+        "L1.dispatch": 0.0,
+    }
+    assert schedule.predicted_exposed_ms() == {
+        "L2.combine": 3.0,
+        "L2.dispatch": 3.0,
+        "L1.combine": 2.0,
+        "L1.dispatch": 2.0,
+    }
+    assert schedule.held_mb_peak() == 0.0
 
 
 def test_report_shows_the_plan_and_its_numbers():
-    text = make_plan("greedy", TRACE).report()
+    text = make_wgrad_schedule("greedy", TRACE).report()
     lines = text.splitlines()
     assert "greedy" in lines[0] and "4 of 9 dW" in lines[0]
     row = next(line for line in lines if line.startswith("L2.dispatch"))
@@ -192,7 +217,7 @@ def test_report_shows_the_plan_and_its_numbers():
     assert total.split() == ["total", "10.00", "8.00", "2.00"]
     assert "L2.router (0.10)" in next(line for line in lines if line.startswith("at their natural place"))
     assert lines[-1] == "held while queued: peak 8.0 MiB"
-    measured = make_plan("greedy", TRACE).report({"L2.combine": 1.25, "L2.dispatch": 2.0})
+    measured = make_wgrad_schedule("greedy", TRACE).report({"L2.combine": 1.25, "L2.dispatch": 2.0})
     row = next(line for line in measured.splitlines() if line.startswith("L2.combine"))
     assert row.split()[:5] == ["L2.combine", "3.00", "1.50", "1.50", "1.25"]
     assert next(line for line in measured.splitlines() if line.startswith("total")).split()[-1] == "3.25"
@@ -200,9 +225,9 @@ def test_report_shows_the_plan_and_its_numbers():
 
 def test_json_round_trip():
     for policy, cap in (("greedy", None), ("all-under-next-a2a", 5), ("off", None)):
-        plan = make_plan(policy, TRACE, cap)
-        back = WgradPlan.from_json(json.loads(json.dumps(plan.to_json())))
-        assert back == plan and back.report() == plan.report()
+        schedule = make_wgrad_schedule(policy, TRACE, cap)
+        back = WgradSchedule.from_json(json.loads(json.dumps(schedule.to_json())))
+        assert back == schedule and back.report() == schedule.report()
 
 
 def test_merge_passes_takes_the_median_time_and_the_largest_memory():
@@ -227,11 +252,11 @@ def test_merge_passes_names_the_first_structural_difference():
 
 def test_bad_input_is_refused_with_names():
     with pytest.raises(ConfigError, match=r"--overlap-wgrad=eager: one of off, greedy, all-under-next-a2a"):
-        make_plan("eager", TRACE)
+        make_wgrad_schedule("eager", TRACE)
     with pytest.raises(ConfigError, match=r"--overlap-wgrad-max-mb=-1"):
-        make_plan("greedy", TRACE, max_mb=-1)
+        make_wgrad_schedule("greedy", TRACE, max_mb=-1)
     with pytest.raises(ValueError, match=r"key 'L1.experts' appears twice"):
-        make_plan("greedy", [W("L1.experts", 1.0), A("L1.dispatch", 1.0), W("L1.experts", 1.0)])
+        make_wgrad_schedule("greedy", [W("L1.experts", 1.0), A("L1.dispatch", 1.0), W("L1.experts", 1.0)])
     with pytest.raises(ValueError, match=r"'L1.mlp'.*one of \('attn_qkv'"):
         W("L1.mlp", 1.0)
     with pytest.raises(ValueError, match=r"'L1.experts'.*one of \('combine', 'dispatch'\)"):
@@ -244,11 +269,11 @@ def test_bad_input_is_refused_with_names():
         W("layer1.experts", 1.0)
     with pytest.raises(ValueError, match=r"ms=-1.0"):
         W("L1.experts", -1.0)
-    # A plan read back must keep the rule: a dW under an all-to-all that comes after it.
-    data = make_plan("greedy", TRACE).to_json()
+    # A schedule read back must keep the rule: a dW under an all-to-all that comes after it.
+    data = make_wgrad_schedule("greedy", TRACE).to_json()
     data["under"]["L1.experts"] = "L2.combine"
     with pytest.raises(ValueError, match=r"'L1.experts' under 'L2.combine'"):
-        WgradPlan.from_json(data)
+        WgradSchedule.from_json(data)
 
 
 def test_agree_in_one_process_keeps_the_profile_and_checks_layers():

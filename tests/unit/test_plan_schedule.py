@@ -71,7 +71,7 @@ def test_saved_profile_end_to_end(tmp_path):
     fits.save(str(path))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "plan_schedule.py"), "--profile", str(path), *MODEL],
+        [sys.executable, "-m", "tools.plan_schedule", "--profile", str(path), *MODEL],
         capture_output=True,
         text=True,
         env=env,

@@ -13,14 +13,15 @@ pytestmark = pytest.mark.slow  # each case starts a tool in a fresh interpreter:
 
 
 def run_tool(*command, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # `-m tools.NAME` from cwd
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
     return subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
 def preprocess(tokenizer, source, out):
-    tool = os.path.join(ROOT, "tools", "preprocess_data.py")
+    tool = ["-m", "tools.preprocess_data"]
     flags = ["--input", str(source), "--tokenizer-model", tokenizer.model_path, "--output-prefix", str(out / "ds")]
-    return run_tool(tool, *flags, "--append-eod", cwd=source.parent)
+    return run_tool(*tool, *flags, "--append-eod", cwd=source.parent)
 
 
 def error_lines(stderr):
@@ -91,8 +92,7 @@ def test_import_hf_names_the_config_file_and_writes_nothing(tmp_path, config, me
     if config is not None:
         (hf / "config.json").write_text(config)
     out = tmp_path / "ckpt"
-    tool = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
-    proc = run_tool(tool, "import-hf", "--load", str(hf), "--save", str(out), cwd=tmp_path)
+    proc = run_tool("-m", "tools.checkpoint.convert", "import-hf", "--load", str(hf), "--save", str(out), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error_lines(proc.stderr) == [f"error: --load={hf}: {message.format(dir=hf)}"]
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither --save nor its .tmp

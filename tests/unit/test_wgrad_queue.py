@@ -13,7 +13,7 @@ import torch
 
 from megatron_moe.comm.core import Collective
 from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights
-from megatron_moe.overlap import plan as planning
+from megatron_moe.overlap import wgrad_schedule
 from megatron_moe.overlap.runtime import MIB, PROFILE_ITERATION, WgradQueue, deliver, held_bytes
 from megatron_moe.platform.timing import HostStamps
 
@@ -182,14 +182,14 @@ def test_all_under_next_a2a_holds_a_dw_across_other_backward_work_until_the_a2a(
 
 def test_greedy_with_a_plan_queues_only_planned_keys_and_runs_them_under_their_own_a2a():
     events = (
-        planning.Event("wgrad", "L1.router", 2.0),
-        planning.Event("a2a", "L1.combine", 2.5),
-        planning.Event("wgrad", "L1.shared_expert", 3.0),
-        planning.Event("a2a", "L1.dispatch", 3.0),
-        planning.Event("wgrad", "L1.experts", 4.0),
+        wgrad_schedule.Event("wgrad", "L1.router", 2.0),
+        wgrad_schedule.Event("a2a", "L1.combine", 2.5),
+        wgrad_schedule.Event("wgrad", "L1.shared_expert", 3.0),
+        wgrad_schedule.Event("a2a", "L1.dispatch", 3.0),
+        wgrad_schedule.Event("wgrad", "L1.experts", 4.0),
     )
     queue = WgradQueue("greedy", max_mb=None, num_layers=1)
-    queue.plan = planning.WgradPlan(policy="greedy", under={"L1.router": "L1.dispatch"}, events=events)
+    queue.schedule = wgrad_schedule.WgradSchedule(policy="greedy", under={"L1.router": "L1.dispatch"}, events=events)
     chain = Chain(queue)
     _assert_same(chain.step(_x()), _reference())
     # The router's dW skips the combine (not its a2a) and runs under the dispatch; the others at their place.
@@ -300,22 +300,22 @@ def test_greedy_profiles_iteration_2_and_plans_iteration_3_from_it():
         queue.start_iteration(iteration)
         chain.log.clear()
         _assert_same(chain.step(_x()), reference)
-        assert chain.log == natural and queue.counts["natural"] == 3 and queue.plan is None
+        assert chain.log == natural and queue.counts["natural"] == 3 and queue.schedule is None
         queue.end_iteration()
-    plan = queue.plan
-    assert plan is not None and plan.policy == "greedy"
+    schedule = queue.schedule
+    assert schedule is not None and schedule.policy == "greedy"
     # The profile, on the fake clock: each dW's and each all-to-all's time, in backward order; agree() with no
     # process group keeps the events as they are.
-    assert [(e.kind, e.key) for e in plan.events] == [
+    assert [(e.kind, e.key) for e in schedule.events] == [
         ("wgrad", "L1.router"), ("a2a", "L1.combine"), ("wgrad", "L1.shared_expert"), ("a2a", "L1.dispatch"),
         ("wgrad", "L1.experts"),
     ]  # fmt: skip
-    assert [round(e.ms, 6) for e in plan.events] == [2.0, 2.5, 3.0, 3.0, 4.0]
+    assert [round(e.ms, 6) for e in schedule.events] == [2.0, 2.5, 3.0, 3.0, 4.0]
     one = 2 * 3 * H * 4 / MIB
-    assert [e.held_mb for e in plan.events if e.kind == "wgrad"] == [one] * 3
-    assert planning.agree(list(plan.events), 1) == list(plan.events)
+    assert [e.held_mb for e in schedule.events if e.kind == "wgrad"] == [one] * 3
+    assert wgrad_schedule.agree(list(schedule.events), 1) == list(schedule.events)
     # Algorithm 1: the router (2 ms) under the combine (2.5), the shared expert (3) under the dispatch (3).
-    assert plan.under == {"L1.router": "L1.combine", "L1.shared_expert": "L1.dispatch"}
+    assert schedule.under == {"L1.router": "L1.combine", "L1.shared_expert": "L1.dispatch"}
     queue.start_iteration(PROFILE_ITERATION + 1)
     assert queue.first_planned_iteration()
     chain.log.clear()
@@ -327,7 +327,7 @@ def test_greedy_profiles_iteration_2_and_plans_iteration_3_from_it():
     assert stats["plan_a2a_ms"] == pytest.approx(5.5) and stats["plan_wgrad_ms"] == pytest.approx(9.0)
     assert queue.peak_held_bytes == 2 * 3 * H * 4  # one closure at a time: each ran under the next a2a
     queue.end_iteration()
-    assert queue.plan is plan  # planned once
+    assert queue.schedule is schedule  # planned once
 
 
 def test_greedy_plans_each_model_chunks_passes_on_their_own():
@@ -342,15 +342,15 @@ def test_greedy_plans_each_model_chunks_passes_on_their_own():
             for chain in chunks:
                 chain.step(_x())
         queue.end_iteration()
-    plan = queue.plan
-    assert [e.key for e in plan.events][:5] == [
+    schedule = queue.schedule
+    assert [e.key for e in schedule.events][:5] == [
         "L2.router",
         "L2.combine",
         "L2.shared_expert",
         "L2.dispatch",
         "L2.experts",
     ]
-    assert plan.under == {
+    assert schedule.under == {
         "L2.router": "L2.combine",
         "L2.shared_expert": "L2.dispatch",
         "L1.router": "L1.combine",
@@ -556,8 +556,8 @@ def _with_ddp_hooks(modules: list[OneWeight], log: list) -> None:
 
 
 # One micro-batch's backward through two MoE layers, the same on every rank of a stage: the all-to-alls started and
-# the dW closures put, in order. The greedy plan holds layer 2's experts past layer 1's (a plan from agreed figures
-# may do that), so where a rank runs layer 2's experts changes the order of their bucket groups.
+# the dW closures put, in order. The greedy schedule holds layer 2's experts past layer 1's (a schedule from agreed
+# figures may do that), so where a rank runs layer 2's experts changes the order of their bucket groups.
 BACKWARD = (
     ("a2a", "L2.combine"), ("put", "L2.experts"), ("a2a", "L2.dispatch"), ("put", "L2.router"),
     ("a2a", "L1.combine"), ("put", "L1.experts"), ("a2a", "L1.dispatch"), ("put", "L1.router"),
@@ -583,13 +583,13 @@ def _simulated_rank(policy: str, max_mb: float | None, held: list[dict[str, int]
     _with_ddp_hooks(list(modules.values()), log)
     queue = WgradQueue(policy, max_mb=max_mb, num_layers=2)
     if policy == "greedy":
-        events = tuple(planning.Event("wgrad" if kind == "put" else "a2a", key, 1.0) for kind, key in BACKWARD)
-        queue.plan = planning.WgradPlan(policy="greedy", under=PLAN, events=events)
+        events = tuple(wgrad_schedule.Event("wgrad" if kind == "put" else "a2a", key, 1.0) for kind, key in BACKWARD)
+        queue.schedule = wgrad_schedule.WgradSchedule(policy="greedy", under=PLAN, events=events)
     for micro_batch, sizes in enumerate(held):
         for kind, key in BACKWARD:
             if kind == "a2a":
                 log.append(("start", key))
-                layer, name = planning.parse_key(key)
+                layer, name = wgrad_schedule.parse_key(key)
                 record = Collective(f"a2a_{name}", "fake", layer=layer, backward=True)
                 queue.run_under(record, FakeHandle(None, log, key, FakeClock(), 0.0))
             else:
@@ -611,7 +611,8 @@ def test_ranks_holding_different_bytes_tell_ddp_of_their_gradients_in_the_same_o
     layer 2's rows (64 KiB, over the 8 KiB cap), rank 1 few (1 KiB); in micro-batch 2 both few. Before the fix rank
     0 ran that closure at its natural place and told DDP there, rank 1 under its all-to-all: their bucket groups
     became ready, and their reductions started, in different orders (a hang, or the wrong layers summed). Now where
-    DDP hears of each gradient is the plan's on both ranks (and without a cap); the cap moves only rank 0's GEMMs."""
+    DDP hears of each gradient is the schedule's on both ranks (and without a cap); the cap moves only rank 0's
+    GEMMs."""
     few, many, cap = 1 << 10, 64 << 10, 8 << 10
     small = dict.fromkeys(("L2.experts", "L2.router", "L1.experts", "L1.router"), few)
     rank0 = _simulated_rank(policy, cap / MIB, [{**small, "L2.experts": many}, small])
@@ -629,8 +630,8 @@ def test_ranks_holding_different_bytes_tell_ddp_of_their_gradients_in_the_same_o
             assert module.w.grad is None and module.w.grad_added_to_main_grad is False
 
 
-def _profiled_plan(order: tuple[str, ...]) -> planning.WgradPlan:
-    """greedy's plan from a profiled pass whose dW in `order` (router 2 ms, shared expert 3 ms; 96 bytes each, under
+def _profiled_schedule(order: tuple[str, ...]) -> wgrad_schedule.WgradSchedule:
+    """greedy's schedule from a profiled pass whose dW in `order` (router 2 ms, shared expert 3 ms; 96 bytes each, under
     a cap of 1.5 of them) come before the combine's all-to-all (2.5 ms), then the experts' dW."""
     clock, log = FakeClock(), []
     ms = {"L1.router": 2.0, "L1.shared_expert": 3.0, "L1.experts": 4.0}
@@ -656,12 +657,14 @@ def _profiled_plan(order: tuple[str, ...]) -> planning.WgradPlan:
     put("L1.experts")
     queue.flush()
     queue.end_iteration()
-    return queue.plan
+    return queue.schedule
 
 
 def test_ranks_that_profiled_a_window_in_different_orders_make_the_same_plan():
     """Best-fit ties (|2.5 - 2| = |2.5 - 3|) and the cap's walk read the order of the dW before the combine; two
     ranks whose autograd ran the router's and the shared expert's backward in other orders plan alike."""
-    plans = [_profiled_plan(order) for order in (("L1.router", "L1.shared_expert"), ("L1.shared_expert", "L1.router"))]
-    assert plans[0].under == plans[1].under == {"L1.shared_expert": "L1.combine"}
-    assert plans[0].events == plans[1].events
+    schedules = [
+        _profiled_schedule(order) for order in (("L1.router", "L1.shared_expert"), ("L1.shared_expert", "L1.router"))
+    ]
+    assert schedules[0].under == schedules[1].under == {"L1.shared_expert": "L1.combine"}
+    assert schedules[0].events == schedules[1].events

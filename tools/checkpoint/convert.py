@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checkpoint conversions for megatron_moe, one subcommand each.
 
-    python tools/checkpoint/convert.py reshard --load SRC --save DST \\
+    python -m tools.checkpoint.convert reshard --load SRC --save DST \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 \\
         --target-expert-parallel-size 2
 
@@ -21,14 +21,11 @@ and one line that names the flag, its value and what would work.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, however this is started
-
-from megatron_moe.config import ConfigError  # noqa: E402 (pure Python, cheap)
-from megatron_moe.failure import setup_logging  # noqa: E402 (the standard library only)
+from megatron_moe.config import ConfigError  # pure Python, cheap
+from megatron_moe.failure import setup_logging  # the standard library only
 
 
 class ReshardCommand:
@@ -82,7 +79,7 @@ class ReshardCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> None:
-        from reshard import Target, make_plan, run_plan
+        from tools.checkpoint.reshard import Target, make_reshard_job, run_reshard_job
 
         target = Target(
             tensor_parallel_size=args.target_tensor_parallel_size,
@@ -95,18 +92,18 @@ class ReshardCommand:
             drop_optimizer=args.no_optimizer,
         )
         print(f"reshard: reading {args.load}", flush=True)
-        plan = make_plan(args.load, args.save, target, overwrite=args.overwrite)
-        print(f"reshard: iteration {plan.iteration}, source layout {plan.source_layout}", flush=True)
+        job = make_reshard_job(args.load, args.save, target, overwrite=args.overwrite)
+        print(f"reshard: iteration {job.iteration}, source layout {job.source_layout}", flush=True)
         print(
-            f"reshard: target {plan.describe_target()}, optimizer state "
-            f"{'moves' if plan.with_optimizer else 'not converted'}",
+            f"reshard: target {job.describe_target()}, optimizer state "
+            f"{'moves' if job.with_optimizer else 'not converted'}",
             flush=True,
         )
-        run_plan(plan)
-        print(f"reshard: wrote {plan.destination} (iteration {plan.iteration}, {plan.describe_target()})", flush=True)
+        run_reshard_job(job)
+        print(f"reshard: wrote {job.destination} (iteration {job.iteration}, {job.describe_target()})", flush=True)
 
 
-from hf import ExportHFCommand, ImportHFCommand, VerifyCommand  # noqa: E402
+from tools.checkpoint.hf import ExportHFCommand, ImportHFCommand, VerifyCommand  # noqa: E402
 
 SUBCOMMANDS = {
     "reshard": ReshardCommand,
@@ -133,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
     setup_logging()  # megatron-core's TE/apex-absent and legacy-tokenizer notices filtered, as in training
-    from reshard import ReshardError
+    from tools.checkpoint.reshard import ReshardError
 
     try:
         SUBCOMMANDS[args.command].run(args)

@@ -95,7 +95,7 @@ class ImportHFCommand:
         if not any(layout):
             import_hf(args.load, args.save, overwrite=args.overwrite, progress=progress)
         else:  # import in one process, then move to the asked layout with `reshard`
-            from reshard import Target, make_plan, run_plan
+            from tools.checkpoint.reshard import Target, make_reshard_job, run_reshard_job
 
             staging = tempfile.mkdtemp(prefix="import-hf-")
             try:
@@ -108,9 +108,9 @@ class ImportHFCommand:
                     use_distributed_optimizer=None,
                     drop_optimizer=False,
                 )
-                plan = make_plan(imported, args.save, target, overwrite=args.overwrite)
-                progress(f"import-hf: resharding to {plan.describe_target()}")
-                run_plan(plan)
+                job = make_reshard_job(imported, args.save, target, overwrite=args.overwrite)
+                progress(f"import-hf: resharding to {job.describe_target()}")
+                run_reshard_job(job)
                 for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                     if os.path.isfile(f"{imported}/{name}"):  # the HF directory's tokenizer, as import_hf copied it
                         shutil.copyfile(f"{imported}/{name}", f"{args.save}/{name}")

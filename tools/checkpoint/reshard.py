@@ -2,7 +2,7 @@
 
 Two halves:
 
-- the planner (`make_plan`, one process, no torch.distributed): reads the
+- the job maker (`make_reshard_job`, one process, no torch.distributed): reads the
   source's saved RunConfig, derives the target config, picks the smallest
   world size that fits the target layout and refuses what cannot work
   (impossible layout, optimizer formats that cannot move, an existing
@@ -13,11 +13,11 @@ Two halves:
   saves it again, so a converted checkpoint is exactly what training in that
   layout would have saved.
 
-`run_plan` ties them together for `convert.py reshard`: it saves into a
+`run_reshard_job` ties them together for `convert.py reshard`: it saves into a
 staging directory beside the destination and renames it into place only
 when every rank succeeded, so a failure leaves no half-written destination.
 
-Run as a script this module is the torchrun worker: `reshard.py --plan PLAN.json`.
+Run as a script this module is the torchrun worker: `python -m tools.checkpoint.reshard --job JOB.json`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import warnings
 from megatron_moe.config import ConfigError, ParallelDims, RunConfig
 
 log = logging.getLogger("megatron_moe")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Target flag of this tool -> the training flag whose value it sets (for error messages).
 TARGET_FLAGS = {
@@ -72,7 +73,7 @@ class Target:
 
 
 @dataclasses.dataclass
-class Plan:
+class ReshardJob:
     """Everything a rank needs to convert; JSON-serialisable so torchrun workers can read it."""
 
     source: str  # the iteration directory that is read
@@ -101,12 +102,12 @@ class Plan:
             json.dump(dataclasses.asdict(self), f, indent=1)
 
     @classmethod
-    def load(cls, path: str) -> Plan:
+    def load(cls, path: str) -> ReshardJob:
         with open(path) as f:
             return cls(**json.load(f))
 
 
-# ---------------------------------------------------------------- planning
+# ---------------------------------------------------------------- the job
 
 
 def smallest_world_size(cfg: RunConfig) -> int:
@@ -227,7 +228,7 @@ def _check_destination(destination: str, source_root: str, overwrite: bool) -> N
         raise ReshardError(f"--save={destination}: is a file, not a directory")
 
 
-def make_plan(load: str, save: str, target: Target, *, overwrite: bool = False) -> Plan:
+def make_reshard_job(load: str, save: str, target: Target, *, overwrite: bool = False) -> ReshardJob:
     """Read the source and decide everything; no side effects. Raises ConfigError/ReshardError."""
     load, save = os.path.abspath(load), os.path.abspath(save)
     path, common = _read_source(load)
@@ -238,7 +239,7 @@ def make_plan(load: str, save: str, target: Target, *, overwrite: bool = False) 
     with_optimizer = _check_optimizer(common, cfg, target)
     cfg.checkpoint.load, cfg.checkpoint.save = load, save
     cfg.checkpoint.no_load_optim = cfg.checkpoint.no_save_optim = not with_optimizer
-    return Plan(
+    return ReshardJob(
         source=os.path.abspath(path),
         destination=save,
         iteration=common["train_state"]["iteration"],
@@ -254,8 +255,8 @@ def make_plan(load: str, save: str, target: Target, *, overwrite: bool = False) 
 # ---------------------------------------------------------------- converting (every rank)
 
 
-def reshard_on_this_rank(plan: Plan, save_root: str, *, keep_process_group: bool = False) -> str:
-    """Collective: load `plan.source` into the target layout and save it under `save_root`.
+def reshard_on_this_rank(job: ReshardJob, save_root: str, *, keep_process_group: bool = False) -> str:
+    """Collective: load `job.source` into the target layout and save it under `save_root`.
 
     Uses the same start-up, model, optimizer, scheduler, load and save code as
     training, so the result is what a run in the target layout would save.
@@ -268,17 +269,17 @@ def reshard_on_this_rank(plan: Plan, save_root: str, *, keep_process_group: bool
     from megatron_moe.training.initialize import initialize, shutdown
     from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler
 
-    cfg = plan.config()
+    cfg = job.config()
     initialize(cfg)
     try:
-        log.info("reshard: building the model and optimizer in the target layout (%s)", plan.describe_target())
-        model = build_ddp_model(cfg, transformer_config(cfg), plan.vocab_size)
+        log.info("reshard: building the model and optimizer in the target layout (%s)", job.describe_target())
+        model = build_ddp_model(cfg, transformer_config(cfg), job.vocab_size)
         optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer)
-        log.info("reshard: loading %s (layout %s)", plan.source, plan.source_layout)
-        state = load_checkpoint(plan.source, cfg, model, optimizer, scheduler)
-        if not plan.with_optimizer and plan.scheduler:
-            scheduler.load_state_dict(plan.scheduler)  # load_checkpoint restores it with the optimizer only
+        log.info("reshard: loading %s (layout %s)", job.source, job.source_layout)
+        state = load_checkpoint(job.source, cfg, model, optimizer, scheduler)
+        if not job.with_optimizer and job.scheduler:
+            scheduler.load_state_dict(job.scheduler)  # load_checkpoint restores it with the optimizer only
         log.info("reshard: saving iteration %d", state.iteration)
         return save_checkpoint(save_root, cfg, model, optimizer, scheduler, state)
     finally:
@@ -297,14 +298,15 @@ def _missing_ancestors(path: str) -> list[str]:
     return missing
 
 
-def _launch(plan_path: str, world: int, save_root: str) -> int:
+def _launch(job_path: str, world: int, save_root: str) -> int:
     """torchrun this module on `world` CPU processes; their output streams through."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # world processes share the cores
     env.setdefault("MEGATRON_MOE_FORCE_CPU", "1")  # offline: the CPU, even where GPUs exist
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))  # `-m tools...` from any cwd
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={world}", os.path.abspath(__file__), "--plan", plan_path,
+        "--standalone", f"--nproc-per-node={world}", "-m", "tools.checkpoint.reshard", "--job", job_path,
         "--save-root", save_root,
     ]  # fmt: skip
     print(f"reshard: launching {world} CPU process{'es' if world > 1 else ''}: {' '.join(cmd)}", flush=True)
@@ -334,22 +336,22 @@ def _publish(staging: str, destination: str) -> None:
         shutil.rmtree(old)
 
 
-def run_plan(plan: Plan) -> str:
+def run_reshard_job(job: ReshardJob) -> str:
     """Convert into a staging directory beside the destination, then rename it into place."""
-    created = _missing_ancestors(plan.destination)
-    os.makedirs(os.path.dirname(plan.destination), exist_ok=True)
-    name = os.path.basename(plan.destination)
-    staging = tempfile.mkdtemp(prefix=f".{name}.reshard-", dir=os.path.dirname(plan.destination))
+    created = _missing_ancestors(job.destination)
+    os.makedirs(os.path.dirname(job.destination), exist_ok=True)
+    name = os.path.basename(job.destination)
+    staging = tempfile.mkdtemp(prefix=f".{name}.reshard-", dir=os.path.dirname(job.destination))
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would become the destination's mode
     published = False
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            plan_path = os.path.join(tmp, "plan.json")
-            plan.save(plan_path)
-            code = _launch(plan_path, plan.world_size, staging)
+            job_path = os.path.join(tmp, "job.json")
+            job.save(job_path)
+            code = _launch(job_path, job.world_size, staging)
         if code != 0:
-            raise ReshardError(f"the conversion job failed (exit code {code}); {plan.destination} was not written")
-        _publish(staging, plan.destination)
+            raise ReshardError(f"the conversion job failed (exit code {code}); {job.destination} was not written")
+        _publish(staging, job.destination)
         published = True
     finally:
         if not published:
@@ -357,7 +359,7 @@ def run_plan(plan: Plan) -> str:
             for directory in created:  # parents this run created, if still empty
                 if os.path.isdir(directory) and not os.listdir(directory):
                     os.rmdir(directory)
-    return plan.destination
+    return job.destination
 
 
 def _setup_worker_logging() -> None:
@@ -373,11 +375,11 @@ def _setup_worker_logging() -> None:
 
 def worker_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="torchrun worker of `convert.py reshard` (not for direct use)")
-    parser.add_argument("--plan", required=True, help="the JSON Plan written by run_plan")
-    parser.add_argument("--save-root", required=True, help="where to save (run_plan's staging directory)")
+    parser.add_argument("--job", required=True, help="the JSON ReshardJob written by run_reshard_job")
+    parser.add_argument("--save-root", required=True, help="where to save (run_reshard_job's staging directory)")
     args = parser.parse_args(argv)
     _setup_worker_logging()
-    reshard_on_this_rank(Plan.load(args.plan), args.save_root)
+    reshard_on_this_rank(ReshardJob.load(args.job), args.save_root)
     return 0
 
 

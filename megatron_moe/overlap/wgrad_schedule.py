@@ -2,9 +2,9 @@
 
 Input: a profile of one micro-batch's backward pass, the `Event`s in the order
 they happened: a module's dW became runnable (its dX just ran), or a backward
-all-to-all started. Output: a `WgradPlan`, `under[wgrad key] = a2a key`; the
+all-to-all started. Output: a `WgradSchedule`, `under[wgrad key] = a2a key`; the
 runtime (`megatron_moe.overlap.runtime`) starts that all-to-all, runs the dW
-assigned to it, then waits. A dW not in the plan runs at its natural place
+assigned to it, then waits. A dW not in the schedule runs at its natural place
 (inside the backward that made it, as without deferral).
 
 Where this deviates from the paper (Lancet, section 4 and Algorithm 1):
@@ -21,17 +21,17 @@ Where this deviates from the paper (Lancet, section 4 and Algorithm 1):
   communication cost model: a dW's time is its GEMMs' time, an all-to-all's is
   its exposed time in a run where nothing overlaps it (the communication
   timers), each the median over profiled passes (`merge_passes`) and then the
-  max over ranks (`agree`), so every rank makes the same plan.
+  max over ranks (`agree`), so every rank makes the same schedule.
 - "While t_u > 0" treats a remainder within `COVERED_MS` of zero as covered
   (floating-point sums of measured times), and ties of |t_u - t_j| go to the
-  earlier event, so the plan is deterministic.
-- Every rank of a stage must make the same plan (the runtime tells DDP of a dW
-  where the plan says, and DDP's readiness starts the reduction's
+  earlier event, so the schedule is deterministic.
+- Every rank of a stage must make the same schedule (the runtime tells DDP of a dW
+  where the schedule says, and DDP's readiness starts the reduction's
   collectives): the dW between two all-to-alls are taken in one fixed order
   (`canonical_order`), not in the order autograd ran this rank's independent
   branches, and `agree` refuses a profile whose structure differs between the
   ranks that hold a key.
-- The paper holds no memory limit; `make_plan(max_mb=...)` leaves a dW at its
+- The paper holds no memory limit; `make_wgrad_schedule(max_mb=...)` leaves a dW at its
   natural place when keeping it queued would exceed the cap (its inputs and
   output gradient are held until its all-to-all).
 - `all-under-next-a2a` is a simpler policy beside the paper's: every dW under
@@ -106,7 +106,7 @@ def canonical_order(events: Sequence[Event]) -> list[Event]:
     Which dW a pass makes between two all-to-alls is the model's; the order
     they came in between is the order autograd ran this rank's independent
     branches in (the routed and the shared expert; a rank that received no
-    rows runs its experts as other nodes). The plan must not depend on it:
+    rows runs its experts as other nodes). The schedule must not depend on it:
     the cap's walk (`_queued_mb`) and best-fit's ties read the order."""
     ordered: list[Event] = []
     window: list[Event] = []
@@ -192,7 +192,7 @@ def _queued_mb(events: Sequence[Event], under: dict[str, str], max_mb: float | N
 
 
 @dataclasses.dataclass(frozen=True)
-class WgradPlan:
+class WgradSchedule:
     """Which dW runs under which backward all-to-all, and the profile it was made from."""
 
     policy: str
@@ -200,7 +200,7 @@ class WgradPlan:
     under: dict[str, str]
     """wgrad key -> the a2a key it runs under; a key not here runs at its natural place."""
     events: tuple[Event, ...]
-    """The (agreed) profile the plan was made from."""
+    """The (agreed) profile the schedule was made from."""
 
     def __post_init__(self):
         require(self.policy in POLICIES, "--overlap-wgrad", self.policy, f"one of {', '.join(POLICIES)}")
@@ -209,7 +209,7 @@ class WgradPlan:
         for wgrad, a2a in self.under.items():
             ok = wgrad in position and a2a in position and self.events[position[wgrad]].kind == "wgrad"
             if not (ok and self.events[position[a2a]].kind == "a2a" and position[wgrad] < position[a2a]):
-                raise ValueError(f"plan: {wgrad!r} under {a2a!r}: needs a wgrad event before an a2a event")
+                raise ValueError(f"schedule: {wgrad!r} under {a2a!r}: needs a wgrad event before an a2a event")
 
     def a2a_events(self) -> list[Event]:
         return [e for e in self.events if e.kind == "a2a"]
@@ -246,40 +246,41 @@ class WgradPlan:
         return {"policy": self.policy, "under": dict(self.under), "events": events}
 
     @classmethod
-    def from_json(cls, data: dict) -> WgradPlan:
+    def from_json(cls, data: dict) -> WgradSchedule:
         return cls(policy=data["policy"], under=dict(data["under"]), events=tuple(Event(**e) for e in data["events"]))
 
 
-def _report(plan: WgradPlan, measured: dict[str, float] | None) -> str:
-    ms = {e.key: e.ms for e in plan.events}
-    hidden, exposed = plan.predicted_hidden_ms(), plan.predicted_exposed_ms()
+def _report(schedule: WgradSchedule, measured: dict[str, float] | None) -> str:
+    ms = {e.key: e.ms for e in schedule.events}
+    hidden, exposed = schedule.predicted_hidden_ms(), schedule.predicted_exposed_ms()
     extra = f" {'measured':>9}" if measured is not None else ""
     lines = [
-        f"dW overlap plan, policy {plan.policy}: {len(plan.under)} of {len(plan.under) + len(plan.natural())} dW "
-        f"under {len(plan.a2a_events())} backward all-to-alls (predicted from the profile; ms)",
+        f"dW overlap schedule, policy {schedule.policy}: {len(schedule.under)} of "
+        f"{len(schedule.under) + len(schedule.natural())} dW "
+        f"under {len(schedule.a2a_events())} backward all-to-alls (predicted from the profile; ms)",
         f"{'all-to-all':<14} {'a2a ms':>8} {'hidden':>8} {'exposed':>8}{extra}  dW under it (ms)",
     ]
-    for a2a in plan.a2a_events():
-        items = ", ".join(f"{k} ({ms[k]:.2f})" for k in plan.items_under(a2a.key)) or "-"
+    for a2a in schedule.a2a_events():
+        items = ", ".join(f"{k} ({ms[k]:.2f})" for k in schedule.items_under(a2a.key)) or "-"
         seen = f" {measured.get(a2a.key, float('nan')):>9.2f}" if measured is not None else ""
         lines.append(f"{a2a.key:<14} {a2a.ms:>8.2f} {hidden[a2a.key]:>8.2f} {exposed[a2a.key]:>8.2f}{seen}  {items}")
-    total = math.fsum(a.ms for a in plan.a2a_events())
+    total = math.fsum(a.ms for a in schedule.a2a_events())
     seen = f" {math.fsum(measured.values()):>9.2f}" if measured is not None else ""
     lines.append(
         f"{'total':<14} {total:>8.2f} {math.fsum(hidden.values()):>8.2f} {math.fsum(exposed.values()):>8.2f}{seen}"
     )
-    natural = ", ".join(f"{k} ({ms[k]:.2f})" for k in plan.natural()) or "-"
+    natural = ", ".join(f"{k} ({ms[k]:.2f})" for k in schedule.natural()) or "-"
     lines.append(f"at their natural place: {natural}")
-    lines.append(f"held while queued: peak {plan.held_mb_peak():.1f} MiB")
+    lines.append(f"held while queued: peak {schedule.held_mb_peak():.1f} MiB")
     return "\n".join(lines)
 
 
-def make_plan(policy: str, events: Iterable[Event], max_mb: float | None = None) -> WgradPlan:
-    """The plan of `policy` (one of `POLICIES`; "off": empty) for a pass's `events`.
+def make_wgrad_schedule(policy: str, events: Iterable[Event], max_mb: float | None = None) -> WgradSchedule:
+    """The schedule of `policy` (one of `POLICIES`; "off": empty) for a pass's `events`.
 
     Memory cap: walking the events in order, a wgrad whose assignment would make
     the MiB queued at once exceed `max_mb` is left at its natural place
-    (deterministic, so every rank makes the same plan from the same events).
+    (deterministic, so every rank makes the same schedule from the same events).
     """
     require(policy in POLICIES, "--overlap-wgrad", policy, f"one of {', '.join(POLICIES)}")
     require(max_mb is None or max_mb >= 0, "--overlap-wgrad-max-mb", max_mb, "must be >= 0 (unset: no cap)")
@@ -291,7 +292,7 @@ def make_plan(policy: str, events: Iterable[Event], max_mb: float | None = None)
     else:
         under = {}
     under, _ = _queued_mb(events, under, max_mb)
-    return WgradPlan(policy=policy, under=under, events=events)
+    return WgradSchedule(policy=policy, under=under, events=events)
 
 
 def merge_passes(passes: Sequence[Sequence[Event]]) -> list[Event]:
@@ -333,7 +334,7 @@ def agree(events: Sequence[Event], num_layers: int, group=None, device: torch.de
     figure is the slowest rank's. Keys must be unique within the pass.
 
     The same reduction checks that the ranks holding a key agree on the pass's
-    structure (else their plans, and the order of their reductions, would
+    structure (else their schedules, and the order of their reductions, would
     differ): each key also carries s = (events in the pass) x 2^20 + its
     position, and -s (-inf where a rank holds nothing); max s != min s is a
     ValueError on every rank that holds the key.
@@ -360,7 +361,7 @@ def agree(events: Sequence[Event], num_layers: int, group=None, device: torch.de
             raise ValueError(
                 f"profiled pass: {event.key!r} is event {position} of {len(events)} here, not on every rank that "
                 "holds it; the ranks of a pipeline stage must profile the same dW and all-to-alls in the same "
-                "order, or their plans (and the order of their gradient reductions) would differ"
+                "order, or their schedules (and the order of their gradient reductions) would differ"
             )
     return [
         dataclasses.replace(event, ms=agreed[layer][name][0], held_mb=agreed[layer][name][1])
