@@ -3,12 +3,10 @@
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 VOCAB = 600
 TIERS = ("unit", "distributed", "faults", "slurm")  # folders under tests/, each its own pytest marker (pyproject.toml)
 

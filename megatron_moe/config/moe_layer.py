@@ -114,8 +114,8 @@ class MoELayerConfig:
 
     @property
     def dispatcher(self) -> str:
-        """The dispatcher `build_dispatcher` builds: alltoall (capacity-padded) or alltoallv (exact rows)."""
-        return "alltoall" if self.pad_expert_input_to_capacity else "alltoallv"
+        """The dispatcher `build_dispatcher` builds: padded_alltoall (capacity-padded) or alltoallv (exact rows)."""
+        return "padded_alltoall" if self.pad_expert_input_to_capacity else "alltoallv"
 
     @property
     def has_balancing_loss(self) -> bool:

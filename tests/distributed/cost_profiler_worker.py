@@ -20,7 +20,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 from megatron_moe import comm  # noqa: E402

@@ -15,15 +15,12 @@ its gathered input). rank 0 writes `{case: figures}` to $RESULTS.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state  # noqa: E402

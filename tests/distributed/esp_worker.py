@@ -25,7 +25,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state  # noqa: E402

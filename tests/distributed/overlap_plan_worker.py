@@ -13,13 +13,10 @@ gathered to rank 0, which writes `{case: [rank 0's, rank 1's]}` to $RESULTS.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import warnings
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 from megatron_moe import comm  # noqa: E402
