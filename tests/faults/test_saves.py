@@ -174,8 +174,8 @@ def test_a_full_disk_is_one_line_and_leaves_the_previous_checkpoint_alone(train_
     # five tracebacks; now it is the one error line and torch's checkpoint writers' one-line notes ("Local process N
     # encountered an error"), as many as there are writers.
     last = max(i for i, text in enumerate(job.lines) if ITERATION_LINE.search(text))
-    after = [text for text in job.lines[last + 1:] if not TORCHRUN_LINE.match(text)]
-    after = after[:next((i for i, text in enumerate(after) if text.startswith("Traceback")), len(after))]
+    after = [text for text in job.lines[last + 1 :] if not TORCHRUN_LINE.match(text)]
+    after = after[: next((i for i, text in enumerate(after) if text.startswith("Traceback")), len(after))]
     unexpected = [text for text in after if "disk full" not in text and "Local process" not in text]
     assert len(lines) == 1 and unexpected == [], after
     assert saved_names(small_disk) == [*iteration_dirs(2), POINTER]  # the partial .tmp is gone, the lock too
