@@ -104,3 +104,5 @@ def shutdown(destroy_process_group: bool = True) -> None:
         parallel_state.destroy_model_parallel()
         if destroy_process_group:
             dist.destroy_process_group()
+        else:
+            comm.destroy_groups_but_world()  # with their transport threads: the next run creates its own

@@ -114,11 +114,14 @@ def computed(steps: list[dict]) -> list[dict]:
 def train_in_job(flags: list[str]) -> list[dict]:
     """Inside a worker: one pretraining run with `flags`; every rank gets the logging rank's steps."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     from megatron_moe.config import parse_args
     from megatron_moe.training import pretrain
 
     history = pretrain(parse_args(flags), keep_process_group=True)
+    left = [group for group in distributed_c10d._world.pg_map if group is not distributed_c10d._get_default_group()]
+    assert not left, f"the run left {len(left)} process groups (and their threads) behind"
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, history)
     return gathered[-1]
