@@ -10,9 +10,7 @@ The first of `KERNELS` that fits the operands (device, dtype, layout, rows) runs
 - `bmm`: one `torch.bmm` when every group has the same rows (capacity-padded);
 - `onednn`: on CPU, oneDNN's matmul per group (`torch.ops.mkldnn._linear_pointwise`,
   the op torch's inductor emits for CPU linears) for y and dX, torch.mm per
-  group for dW. torch.mm on CPU is MKL; on the CI machine's AMD cores (fp32,
-  2 threads) one [8192, 768] x [768, 3072] GEMM runs at 105 GFLOP/s there
-  and at 145 in oneDNN (15-40% apart from run to run);
+  group for dW (why oneDNN and not torch.mm's MKL: docs/kernels.md);
 - `torch._grouped_mm`: where it runs for the dtype (checked once per device type and dtype by a probe);
 - `mm-loop`: one `torch.mm` per group into slices of one buffer.
 Each (device type, dtype, kernel) that runs is logged once.

@@ -12,47 +12,9 @@ Q1..Q7 as written there); `solve_degrees` is Algorithm 1: per case k, SLSQP mini
 max_degree; the integers around each optimum are evaluated with the model (the case that holds at that r) and the
 best wins. Forward runs with t_gar = 0, backward with the given t_gar.
 
-Where this deviates from the paper:
-- Expert time: FSMoE fits one GEMM (alpha_exp = k * alpha_gemm, beta_exp = k * beta_gemm for k equal GEMMs).
-  Here the "gemm" line is fitted on the pipeline's own chunk of expert work (`megatron_moe.overlap.profiler`:
-  every local expert's fc1, activation and fc2 on the chunk's rows, the chunk's permutation and its copies into
-  the kept activations), n = the chunk's multiply-adds, so alpha_gemm is one chunk's fixed cost (GEMM calls,
-  index work), not one GEMM's. Fitting bare matmuls left that fixed cost out and predicted 0.15-0.55 of the
-  measured layer on CPU.
-- Backward: the chunks run the input-gradient GEMMs, on their own line "gemm_bwd" (the activation's backward
-  and the r = 1 layout copies included), and the weight gradients run once over all rows when the last chunk's
-  dX is on the wire ("gemm_dw", n = the layer's multiply-adds): they hide that last all-to-all, so the backward
-  adds max(0, t_dw - t_a2a,r) to f_case(r). With Lancet deferring the experts' dW out of the layer
-  (`dw_in_backward=False`) nothing is added. FSMoE instead doubles the expert work of every backward chunk;
-  a profile without the two lines (coefficients given by hand) uses "gemm" for both.
-- Overlap is not free (the paper's model runs each step at its isolated speed when it overlaps another): a
-  pipelined layer (r > 1) costs `alpha` of the "chunk" line ("chunk_bwd" backward) more, and every chunk beyond
-  the first `beta` more, t_case(r) + alpha + (r - 1) beta; r = 1 runs no chunk machinery and costs t_case(1)
-  plus the "unchunked" line's alpha ("unchunked_bwd"; its beta is 0). The profiler fits the chunk line on the
-  pipeline itself, run with the real links at each profiled degree > 1, as its time beyond the model's: the cost
-  of overlapping a chunk's transfer with another chunk's experts on this machine (on CPU the transfer takes cores
-  from the GEMMs; a chunk's wait is woken late; on a GPU, NCCL takes SMs) and of gathering each chunk's rows into
-  the r = 1 layout; the unchunked alpha is the same run's time beyond the model at r = 1 (the permutations and
-  index work the four cases leave out; it may be negative). One line through r = 1 and the degrees > 1 (which
-  pay the gathers and copies r = 1 does not) let its alpha raise r = 1's prediction by the chunks' costs: the
-  solver then chose r = 2 or 3 where r = 1 was 4-9% faster. Without the lines (coefficients given by hand) they
-  are 0, the paper's model.
-- An absent collective costs 0, alpha included: P = 1 has no all-gather / reduce-scatter (n_ag = n_rs = 0),
-  G = 1 no all-to-all (and then nothing to pipeline: the solver returns r = 1).
-- Coefficients are >= 0: `fit_linear` holds one at 0 where noise in a short profile would make it negative (a
-  negative alpha would make more chunks look cheaper than fewer), and the model clamps hand-given ones.
-- Region boundaries as candidates: the paper's solve(f_k) ignores case k's conditions, so when f_k's optimum
-  lies where another case holds, the model's best r sits on a boundary between cases, and the integers around
-  the four optima miss it (up to 29% slower than the best integer on random fits). Every t_x,r is
-  alpha + c / r, so r * (Q_i's left side - right side) is a quadratic in r: its roots in [1, max_degree] are
-  rounded and evaluated too, and so is the degree where t_dw = t_a2a,r. The model is convex in r within each
-  region, so the result is the best integer degree by the model (tests/unit/test_cost_model.py checks it
-  against `brute_force`).
-- Ties between integer degrees go to the smaller r (fewer, larger messages), and a degree > 1 must be predicted
-  to save `MIN_GAIN` (5%) of r = 1's time in its direction, or more where the profile shows the model erring by
-  more (`ClusterFits.model_error`: its largest error on the pipeline the profile ran at degrees 1, 2, 4, 8): a
-  smaller predicted gain is within the model's error, and running it was measured slower than r = 1 as often as
-  faster.
+Where and why this deviates from the paper (the expert lines, the backward's weight gradients, overlap's own cost,
+absent collectives, non-negative coefficients, region boundaries as candidates, ties and the minimum gain):
+docs/cost-model.md.
 """
 
 from __future__ import annotations

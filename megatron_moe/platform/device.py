@@ -35,17 +35,8 @@ class Platform:
     def expert_chunk_bytes(self) -> int | None:
         """Largest [rows, F] activation of one run of experts in `GroupedMLP`; None = one run, 0 = one per expert.
 
-        On CPU every expert is its own run. Its grouped GEMMs are oneDNN's
-        per-expert GEMMs (`megatron_moe.moe.grouped_gemm`), which write fresh
-        outputs: with one expert in a run, h and dA are used as oneDNN wrote
-        them, where a run of several experts first copies them into one
-        buffer. A run's activations and gradients also stay in cache between
-        the GEMMs and the activation function, and the 100 MiB-class
-        transients of big layers do not grow the heap. Measured on the CI
-        machine, forward+backward of the expert MLP (fp32, 2 threads): per
-        expert vs runs of at most 16 MiB, 128 vs 145 ms at hidden 256 / ffn
-        1024 / 8 experts / 4096 rows, 1494 vs 1678 ms at 768 / 3072 / 16 /
-        8192. A GPU prefers one grouped GEMM over all experts.
+        A GPU runs one grouped GEMM over all experts; on CPU every expert is its own run, which measured faster
+        (docs/kernels.md says why, with the figures).
         """
         return None if self.is_accelerator else 0
 
