@@ -184,7 +184,7 @@ def test_missing_bin_names_flag_file_and_fix(data_prefix, tmp_path):
     os.remove(prefix + ".bin")
     with pytest.raises(DataError, match="--data-path") as error:
         validate_data_prefix(prefix, VOCAB)
-    assert prefix + ".bin" in str(error.value) and "preprocess_data.py" in str(error.value)
+    assert prefix + ".bin" in str(error.value) and "tools.preprocess_data" in str(error.value)
 
 
 @pytest.mark.parametrize("suffix", [".idx", ".bin"])
