@@ -188,9 +188,8 @@ def layouts() -> dict:
     results["resumed"] = train("--train-iters", "6", "--load", ckpt("resume"), "--save", ckpt("resume"), *ep)
     results |= virtual_pipeline(init)
     results["mcore_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE, *LAYOUTS["ep2"])
-    results["timeouts_default"] = process_group_timeouts()
-    train("--train-iters", "1", "--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])
-    results["timeouts_after_3_minutes"] = process_group_timeouts()
+    results["timeouts_default"] = timeouts_of_a_run(*LAYOUTS["ep2"])
+    results["timeouts_3_minutes"] = timeouts_of_a_run("--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])
     # Read by one plain model; after the timeouts are taken (its parallel state has megatron-core's own timeout).
     results["vpp_params_norm_from_checkpoint"] = params_norm_of_checkpoint(ckpt("vpp"))
     return results
@@ -211,14 +210,28 @@ def virtual_pipeline(init: list[str]) -> dict:
     return results
 
 
-def process_group_timeouts() -> list[float]:
-    """The distinct timeouts (s) of every process group this process has: the default one and every group
-    megatron-core's parallel state made (expert, data-parallel, gloo ones)."""
+def timeouts_of_a_run(*flags: str) -> list[float]:
+    """The distinct timeouts (s) of every process group a one-step run has, read at its shutdown (which then
+    destroys all but the default one): the default group and every group megatron-core's parallel state made
+    (expert, data-parallel, gloo ones)."""
+    from unittest import mock
+
     import torch
     import torch.distributed as dist
 
-    groups = dist.distributed_c10d._world.pg_map
-    return sorted({pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in groups})
+    import megatron_moe.training as training
+
+    seen = []
+
+    def shutdown(**kwargs):
+        groups = dist.distributed_c10d._world.pg_map
+        seen.extend({pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in groups})
+        shutdown_run(**kwargs)
+
+    shutdown_run = training.shutdown
+    with mock.patch.object(training, "shutdown", shutdown):
+        train("--train-iters", "1", *flags)
+    return sorted(set(seen))
 
 
 def esp() -> dict:
