@@ -7,8 +7,10 @@ upgrade has fixed it upstream.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
+import re
 import sys
 import time
 from multiprocessing import get_context
@@ -148,6 +150,38 @@ def _writer_processes_outlive_their_rank() -> bool:
     return "ctx.Manager().Queue()" in src and 'mp.get_context("fork")' in src and "PDEATHSIG" not in src
 
 
+# 5. initialize_model_parallel gives its `distributed_timeout_minutes` to every group it creates but two: the
+#    expert data-parallel gloo group (the distributed optimizer's host-side group for expert parameters) and the
+#    hybrid DP x CP groups get torch's default, 30 minutes, so a stopped peer there is waited for 30 minutes
+#    whatever --distributed-timeout-minutes says. Inside initialize_model_parallel, a group created without a
+#    timeout gets the one the call was given.
+def _apply_group_timeouts() -> None:
+    from megatron.core import parallel_state
+
+    given: dict[str, datetime.timedelta] = {}
+    create_group, initialize_model_parallel = parallel_state.create_group, parallel_state.initialize_model_parallel
+
+    @functools.wraps(create_group)
+    def create_group_with_timeout(ranks=None, timeout=None, *args, **kwargs):
+        return create_group(ranks, timeout if timeout is not None else given.get("timeout"), *args, **kwargs)
+
+    @functools.wraps(initialize_model_parallel)
+    def initialize_with_timeout(*args, distributed_timeout_minutes: int = 30, **kwargs):
+        given["timeout"] = datetime.timedelta(minutes=distributed_timeout_minutes)
+        try:
+            return initialize_model_parallel(*args, distributed_timeout_minutes=distributed_timeout_minutes, **kwargs)
+        finally:
+            given.clear()
+
+    parallel_state.create_group = create_group_with_timeout
+    parallel_state.initialize_model_parallel = initialize_with_timeout
+
+
+def _groups_made_without_the_timeout() -> bool:
+    calls = re.findall(r"create_group\((.*?)\)\n", source("megatron.core.parallel_state"), re.S)
+    return any("timeout" not in call for call in calls)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "te_general_gemm",
@@ -166,6 +200,12 @@ PATCHES: tuple[Patch, ...] = (
         "distributed optimizer fully_reshardable load: KeyError 'step' without apex/TE.",
         _apply_reshardable_step,
         _reshardable_load_copies_every_state_key,
+    ),
+    Patch(
+        "model_parallel_group_timeouts",
+        "megatron-core's expert data-parallel gloo group ignores distributed_timeout_minutes (waits 30 min).",
+        _apply_group_timeouts,
+        _groups_made_without_the_timeout,
     ),
     Patch(
         "checkpoint_writer_lifetime",

@@ -7,6 +7,7 @@ swap and copy), so after an upgrade the failing cases name every intervention
 that can be deleted or no longer fits.
 """
 
+import datetime
 import os
 import subprocess
 import sys
@@ -199,3 +200,28 @@ def test_host_allocator_bad_value_names_the_variable(monkeypatch):
             host_memory.keep_freed_host_memory()
     finally:
         host_memory.keep_freed_host_memory.cache_clear()
+
+
+def test_every_group_initialize_model_parallel_makes_gets_its_timeout():
+    """megatron-core made its expert data-parallel gloo group with torch's default (30 minutes), whatever
+    distributed_timeout_minutes said; with the upstream fix every group it makes has the given timeout."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
+
+    upstream_fixes.apply_all()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(distributed_timeout_minutes=3)
+        world = distributed_c10d._get_default_group()
+        timeouts = {
+            distributed_c10d._world.pg_names[group]: group._get_backend(torch.device("cpu")).options._timeout
+            for group in distributed_c10d._world.pg_map
+            if group is not world
+        }
+        expert_dp_gloo = parallel_state.get_expert_data_parallel_group_gloo()
+        assert expert_dp_gloo in distributed_c10d._world.pg_map  # the group the fix is for is among them
+        assert set(timeouts.values()) == {datetime.timedelta(minutes=3)}, timeouts
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
