@@ -6,11 +6,13 @@ Legend: G = EP group size, L = local experts, P = ESP group size, R = rows, H = 
 The all-to-alls are autograd functions whose backward is the reverse
 all-to-all, recorded under the same kind with `backward=True`. They can start
 asynchronously: the returned `CommHandle`'s `wait()` yields the received rows,
-so work placed between start and wait (the shared expert today, chunked
-experts later) overlaps with the transfer. The backward always starts the
-reverse asynchronously; with a `BackwardOverlap` (Lancet's weight-gradient
-queue, `megatron_moe.overlap`) the work it assigns to this all-to-all runs
-before the wait. Split sizes are Python lists (gloo
+so work placed between start and wait (the shared expert, the other pieces of
+Lancet's operator partition) overlaps with the transfer. The backward mirrors
+that: the reverse starts where the forward waited (`_Landed`) and is waited
+where the forward started (`_AllToAll`), so autograd runs the nodes made in
+between while it is in flight; with a `BackwardOverlap` (Lancet's
+weight-gradient queue, `megatron_moe.overlap`) the work it assigns to this
+all-to-all runs before the wait. Split sizes are Python lists (gloo
 rejects tensors) and are known on the host before the call: nothing here waits
 for the device.
 """
@@ -34,12 +36,42 @@ class BackwardOverlap(Protocol):
         ...
 
 
+class _Reverse:
+    """The reverse all-to-all of one forward all-to-all: the gradient of its received rows sent back.
+
+    It starts where the forward waited for the rows (`_Landed`'s backward), and the forward all-to-all's own
+    backward waits for it: autograd runs the nodes made between the forward's start and wait (the shared expert,
+    the other pieces' work under the operator partition) while it is in flight, as the forward ran them while the
+    rows were. A call whose rows were not waited for under autograd starts it in that backward instead."""
+
+    def __init__(self, group, out_splits: list[int], in_splits: list[int], record: Collective):
+        self.group, self.out_splits, self.in_splits, self.record = group, out_splits, in_splits, record
+        self.handle: CommHandle | None = None
+
+    def start(self, grad: torch.Tensor) -> None:
+        grad = grad.contiguous()
+        out = grad.new_empty((sum(self.in_splits), *grad.shape[1:]))
+        record = dataclasses.replace(self.record, backward=True, nbytes=nbytes(grad))
+        work = issue(
+            record,
+            lambda: all_to_all_single(out, grad, self.in_splits, self.out_splits, group=self.group, async_op=True),
+        )
+        self.handle = CommHandle(out, work, keepalive=(grad,), record=record)
+
+    def take(self, grad: torch.Tensor) -> CommHandle:
+        """The started reverse all-to-all (started now from `grad` when nothing started it)."""
+        if self.handle is None:
+            self.start(grad)
+        handle, self.handle = self.handle, None
+        return handle
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows [sum(in_splits), ...] -> rows [sum(out_splits), ...] over `group`."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, record: Collective, works, overlap: BackwardOverlap | None):
-        ctx.group, ctx.out_splits, ctx.in_splits, ctx.record = group, out_splits, in_splits, record
+    def forward(ctx, x, out_splits, in_splits, group, record: Collective, works, overlap, reverse: _Reverse | None):
+        ctx.reverse = reverse or _Reverse(group, out_splits, in_splits, record)
         ctx.overlap = overlap
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         async_op = works is not None
@@ -53,26 +85,48 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        reverse = dataclasses.replace(ctx.record, backward=True, nbytes=nbytes(grad))
-        # 1. start the reverse all-to-all; 2. the work assigned to it (Lancet); 3. wait.
-        work = issue(
-            reverse,
-            lambda: all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group, async_op=True),
-        )
-        handle = CommHandle(out, work, keepalive=(grad,))
-        out = handle.wait() if ctx.overlap is None else ctx.overlap.run_under(reverse, handle)
-        return out, None, None, None, None, None, None
+        # 1. the reverse all-to-all, started at the forward's wait (`_Landed`) or now; 2. the work assigned to it
+        # (Lancet); 3. wait.
+        handle = ctx.reverse.take(grad)
+        out = handle.wait() if ctx.overlap is None else ctx.overlap.run_under(handle.record, handle)
+        return out, None, None, None, None, None, None, None
+
+
+class _Landed(torch.autograd.Function):
+    """Identity on an all-to-all's received rows, applied where the forward waits for them. Its backward starts
+    the reverse all-to-all of their gradient (`_Reverse`) and hands the all-to-all's node a stand-in that costs
+    nothing (a zero expanded): the all-to-all's backward waits for the reverse."""
+
+    @staticmethod
+    def forward(ctx, rows, reverse: _Reverse):
+        ctx.reverse = reverse
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.reverse.start(grad)
+        return grad.new_zeros(()).expand_as(grad), None
 
 
 def _all_to_all(x, out_splits, in_splits, group, record: Collective, async_op: bool, then, overlap) -> CommHandle:
     x = x.contiguous()
     works = [] if async_op else None
-    out = _AllToAll.apply(x, list(out_splits), list(in_splits), group, record, works, overlap)
+    out_splits, in_splits = list(out_splits), list(in_splits)
+    reverse = _Reverse(group, out_splits, in_splits, record)
+    out = _AllToAll.apply(x, out_splits, in_splits, group, record, works, overlap, reverse)
+    if async_op and out.requires_grad:  # the reverse starts where the forward waits for the rows
+        then = _landing(reverse, then)
     # The input must outlive an asynchronous send: the handle holds it until wait().
     record = dataclasses.replace(record, nbytes=nbytes(x))
     return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then, record=record)
+
+
+def _landing(reverse: _Reverse, then: Callable | None) -> Callable:
+    def landed(rows):
+        rows = _Landed.apply(rows, reverse)
+        return rows if then is None else then(rows)
+
+    return landed
 
 
 def dispatch_all_to_all(
@@ -178,7 +232,7 @@ def esp_all_gather(
     # all_to_all_single: my rows to every peer (the copies' gradients add up in backward: the reduce part).
     p, rank = group_size(group), dist.get_rank(group)
     sent_RH = rows_RH.repeat(p, *([1] * (rows_RH.dim() - 1)))
-    out = _AllToAll.apply(sent_RH, list(sizes), [sizes[rank]] * p, group, record, works, None)
+    out = _AllToAll.apply(sent_RH, list(sizes), [sizes[rank]] * p, group, record, works, None, None)
     return CommHandle(out, works[0] if works else None, keepalive=(sent_RH,))
 
 
@@ -202,7 +256,7 @@ def esp_reduce_scatter(
         return CommHandle(out, works[0] if works else None, keepalive=(rows_RH,))
     # all_to_all_single: block p to rank p; then this rank's P received parts added up on wait().
     p, rank = group_size(group), dist.get_rank(group)
-    out = _AllToAll.apply(rows_RH, [sizes[rank]] * p, list(sizes), group, record, works, None)
+    out = _AllToAll.apply(rows_RH, [sizes[rank]] * p, list(sizes), group, record, works, None, None)
     return CommHandle(
         out, works[0] if works else None, keepalive=(rows_RH,), then=lambda parts_RH: _sum_blocks(parts_RH, p)
     )

@@ -66,6 +66,7 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
         f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}",
     )
     check_interleaved_microbatches(cfg, world_size)
+    check_partition(cfg)
     require(
         cfg.model.seq_length % dims.sequence_split == 0,
         "--seq-length",
@@ -92,6 +93,78 @@ def check_interleaved_microbatches(cfg: RunConfig, world_size: int) -> None:
         f"data-parallel size) = {t.global_batch_size} / ({t.micro_batch_size} x "
         f"{dims.dp}) = {microbatches}; e.g. --global-batch-size "
         f"{per_step * pp * max(1, -(-microbatches // pp))}",
+    )
+
+
+def partition_pieces(moe: MoEConfig) -> int:
+    """--moe-partition-pieces as an integer >= 1."""
+    text = str(moe.moe_partition_pieces).strip()
+    require(text.isdigit() and int(text) >= 1, "--moe-partition-pieces", text, "an integer >= 1 (1: off)")
+    return int(text)
+
+
+def partition_ranges(text: str, num_layers: int) -> list[tuple[int, int]] | None:
+    """--moe-partition-range: [(first, last)] layer numbers from 1, in order and apart; None for all."""
+    text = text.strip()
+    if text == "all":
+        return None
+    valid = f"all, or FIRST-LAST[,FIRST-LAST...] with 1 <= FIRST <= LAST <= {num_layers} in order, e.g. 1-{num_layers}"
+    ranges = []
+    for part in text.split(","):
+        bounds = part.strip().split("-")
+        require(len(bounds) == 2 and all(b.strip().isdigit() for b in bounds), "--moe-partition-range", text, valid)
+        first, last = (int(b) for b in bounds)
+        after = ranges[-1][1] if ranges else 0
+        require(after < first <= last <= num_layers, "--moe-partition-range", text, valid)
+        ranges.append((first, last))
+    return ranges
+
+
+def check_partition(cfg: RunConfig) -> None:
+    """Lancet's operator partition: pieces of a micro-batch route as the micro-batch only where each token routes
+    alone (no capacity, no noise), and the pieces need sequences to split and a forward that can pause."""
+    moe, t = cfg.moe, cfg.training
+    pieces = partition_pieces(moe) if moe.own_layer else 1
+    if moe.own_layer:
+        ranges = partition_ranges(moe.moe_partition_range, cfg.model.num_layers)
+        pattern = moe.layer_pattern(cfg.model.num_layers)
+        for first, last in ranges or ():
+            require(
+                any(pattern[first - 1 : last]),
+                "--moe-partition-range",
+                moe.moe_partition_range,
+                f"a range with an MoE layer in it (layers {first}-{last} have none; MoE layers: "
+                f"{[i + 1 for i, moe_layer in enumerate(pattern) if moe_layer]})",
+            )
+    if pieces == 1:
+        return
+    flag = "--moe-partition-pieces"
+    require(
+        pieces <= t.micro_batch_size,
+        flag,
+        pieces,
+        f"at most --micro-batch-size={t.micro_batch_size} (the pieces split the micro-batch's sequences)",
+    )
+    require(
+        not moe.moe_expert_capacity_factor,
+        flag,
+        pieces,
+        f"1 with --moe-expert-capacity-factor {moe.moe_expert_capacity_factor}: a piece would drop other tokens "
+        "than the micro-batch; dropless routing (no capacity factor) partitions",
+    )
+    token_alone = ("topk", "switch", "bpr", "rts", "sigmoid", "xmoe", "cosine")
+    require(
+        moe.moe_gate in token_alone,
+        flag,
+        pieces,
+        f"1 with --moe-gate {moe.moe_gate}: its routing depends on the whole batch or on noise drawn for its shape; "
+        f"one of {', '.join(token_alone)} partitions",
+    )
+    require(
+        not cfg.activations.full_recompute,
+        flag,
+        pieces,
+        "1 with full activation recompute (a recomputed layer runs whole); selective --recompute-modules partition",
     )
 
 

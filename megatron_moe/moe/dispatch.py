@@ -17,8 +17,9 @@ that the layer waits for the device once per forward (`MoELayer.arrange`):
 3. `dispatch(rows, splits)` returns a handle whose `wait()` gives a
    `Dispatched`: the rows of this rank's L experts grouped by local expert and
    their counts; `combine` sends the expert outputs back. Neither reads the
-   device. Dispatch starts its all-to-all asynchronously; the layer does
-   independent work (the shared expert) before waiting.
+   device. Both start their all-to-all asynchronously; the layer does
+   independent work (the shared expert, other pieces' under the operator
+   partition) before waiting.
 
 Expert-sharded parallelism (ESP, megatron-core's expert tensor parallelism): the
 P ranks of an ESP group (inside a node) hold the same experts, each a 1/P slice
@@ -156,7 +157,13 @@ class Dispatcher(abc.ABC):
         if self.group_size == 1:
             return comm.CommHandle(rows_RH)
         return comm.combine_all_to_all(
-            rows_RH, splits.send_splits, splits.recv_splits, self.group, layer=self.layer, overlap=self.backward_overlap
+            rows_RH,
+            splits.send_splits,
+            splits.recv_splits,
+            self.group,
+            layer=self.layer,
+            async_op=True,
+            overlap=self.backward_overlap,
         )
 
     @abc.abstractmethod

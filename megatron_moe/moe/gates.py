@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from megatron_moe.config.moe_layer import MoELayerConfig
 from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
+from megatron_moe.moe.pieces import batch_order
 from megatron_moe.moe.routing import DeferrableRouter, Gate, Routing, router_linear, router_losses
 
 PRIORITIES = ("token", "importance", "random", "probs", "position")
@@ -43,6 +44,7 @@ class _TopKGateBase(Gate):
         self.scaling = cfg.topk_scaling_factor
         self.priority = priority
         self.load_balancing, self.aux_coeff, self.z_coeff = cfg.load_balancing, cfg.aux_loss_coeff, cfg.z_loss_coeff
+        self.capacity_factor = cfg.capacity_factor
 
     def _route(self, logits_TE, scores_TE, probs_TE, valid_T) -> Routing:
         """`scores` pick the experts and are the combine weights; `probs` (sums to 1) feed the losses."""
@@ -52,16 +54,7 @@ class _TopKGateBase(Gate):
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True).clamp(min=1e-20)
         if self.scaling is not None:
             weight_TK = weight_TK * self.scaling
-        aux, parts = router_losses(
-            logits_TE,
-            probs_TE,
-            expert_TK,
-            kind=self.load_balancing,
-            aux_coeff=self.aux_coeff,
-            z_coeff=self.z_coeff,
-            valid_T=valid_T,
-            group=self.token_group,
-        )
+        aux, parts = (None, {}) if self._losses_later else self._losses(logits_TE, probs_TE, expert_TK, valid_T)
         return Routing(
             num_tokens=num_tokens,
             num_experts=self.num_experts,
@@ -71,6 +64,41 @@ class _TopKGateBase(Gate):
             claim_N=self._claim_order(scores_TE, weight_TK),
             aux_loss=aux,
             losses=parts,
+            logits_TE=logits_TE if self._losses_later else None,
+        )
+
+    def _losses(self, logits_TE, probs_TE, expert_TK, valid_T):
+        return router_losses(
+            logits_TE,
+            probs_TE,
+            expert_TK,
+            kind=self.load_balancing,
+            aux_coeff=self.aux_coeff,
+            z_coeff=self.z_coeff,
+            valid_T=valid_T,
+            group=self.token_group,
+        )
+
+    @property
+    def routes_pieces(self) -> bool:
+        """Without a capacity each token's experts are its own top-k (the claim order drops nothing); noise draws
+        differ with the batch's shape."""
+        return not self.capacity_factor and getattr(self, "noise_weight", None) is None
+
+    def batch_routing(self, pieces):
+        shapes = [shape for *_, shape in pieces]
+        routings = [routing for routing, *_ in pieces]
+
+        def batch(tensors):
+            return batch_order(tensors, shapes)
+
+        logits_TE, probs_TE = batch([r.logits_TE for r in routings]), batch([r.probs_TE for r in routings])
+        expert_TK = batch([r.expert_N.view(self.topk, -1).t() for r in routings])
+        valid_T = batch([valid_T for _, valid_T, _ in pieces])
+        aux, parts = self._losses(logits_TE, probs_TE, expert_TK, valid_T)
+        num_tokens = sum(r.num_tokens for r in routings)
+        return Routing(
+            num_tokens=num_tokens, num_experts=self.num_experts, probs_TE=probs_TE, aux_loss=aux, losses=parts
         )
 
     def _claim_order(self, scores_TE, weight_TK) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ from the constructor, else from megatron-core's `parallel_state`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -34,6 +35,7 @@ from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
 from megatron_moe.moe.metrics import MoEStats
 from megatron_moe.moe.ordering import DenseOrdering, RowMap, build_ordering, expert_counts, make_row_map
+from megatron_moe.moe.pieces import Piece, batch_order, run_to_end
 from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shared import SharedExpert
@@ -302,11 +304,23 @@ class MoELayer(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """hidden [S, B, H] -> ([S, B, H], None). `padding_mask` [B, S], True = padding (kept out of stats)."""
+        return run_to_end(self.stages(hidden_states, padding_mask))
+
+    def stages(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None, piece: Piece | None = None):
+        """The forward as a generator that yields while an all-to-all is in flight, and returns what `forward`
+        does. Lancet's operator partition (`megatron_moe.model.partition`) runs the other pieces' work at the yields;
+        `forward` runs straight through them.
+        1. route, arrange, order; the dispatch starts (pipelined: its chunk 0) -> yield;
+        2. the shared expert; the experts; the combine starts (pipelined: every chunk but waited) -> yield;
+        3. the combined rows unordered, the shared expert's output added, the router losses attached.
+        `piece`: this call is one piece of a partitioned micro-batch; the router losses and statistics are the whole
+        micro-batch's, made in the last piece's step 3."""
         shape = hidden_states.shape
         ctx = HookContext(self.layer_number)
         x_TH = run_hooks(self.hooks, "before_moe_start", hidden_states.reshape(-1, shape[-1]), ctx)
         valid_T = None if padding_mask is None else ~padding_mask.transpose(0, 1).reshape(-1).bool()
-        routing = self._region("router", self.route, x_TH, valid_T)
+        with self.gate.losses_later(piece is not None):
+            routing = self._region("router", self.route, x_TH, valid_T)
         with self._in_region("ordering"):
             row_map, splits = self.arrange(routing)
         rows_RH = self._region("ordering", self.order, x_TH, row_map)
@@ -314,9 +328,24 @@ class MoELayer(MegatronModule):
         rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
         degrees = self.pipeline_degrees()
         if degrees == (1, 1):
-            rows_RH, shared_TH = self._dispatch_experts_combine(rows_RH, splits, x_TH, ctx)
+            with self._in_region("dispatch"):
+                handle = self.dispatch(rows_RH, splits)
+            yield
+            shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
+            with self._in_region("dispatch"):
+                dispatched = handle.wait()
+            ctx.counts = dispatched.counts
+            rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
+            rows_RH = self.compute_experts(dispatched, rows_RH)
+            rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
+            with self._in_region("combine"):
+                handle = self.dispatcher.combine(rows_RH, dispatched)
+            yield
+            with self._in_region("combine"):
+                rows_RH = handle.wait()
         else:
             pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
+            yield
             shared_TH = self._shared(x_TH)  # runs while chunk 0's all-to-all is in flight (and the last dX's)
             rows_RH = pipeline.finish()
         ctx.counts = row_map.counts
@@ -325,27 +354,14 @@ class MoELayer(MegatronModule):
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
         out_TH = run_hooks(self.hooks, "before_moe_end", out_TH, ctx)
-        out_TH = self._attach_router_losses(out_TH, routing, row_map, valid_T)
+        if piece is None:
+            out_TH = self._attach_router_losses(out_TH, routing, row_map, valid_T)
+        else:
+            out_TH = self._attach_batch_router_losses(out_TH, piece, routing, row_map, valid_T, shape)
         return out_TH.view(shape), None
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_expert is None else self._region("shared_expert", self.shared_expert, x_TH)
-
-    def _dispatch_experts_combine(self, rows_RH, splits: DispatchSplits, x_TH, ctx: HookContext):
-        """dispatch -> experts -> combine as separate stages, the hooks between them; the shared expert runs
-        while the dispatch all-to-all is in flight. Returns (combined rows, shared expert output or None)."""
-        with self._in_region("dispatch"):
-            handle = self.dispatch(rows_RH, splits)
-        shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
-        with self._in_region("dispatch"):
-            dispatched = handle.wait()
-        ctx.counts = dispatched.counts
-        rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
-        rows_RH = self.compute_experts(dispatched, rows_RH)
-        rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
-        with self._in_region("combine"):
-            rows_RH = self.combine(rows_RH, dispatched)
-        return rows_RH, shared_TH
 
     def _attach_router_losses(self, out_TH, routing: Routing, row_map: RowMap, valid_T) -> torch.Tensor:
         """Feed the weighted router losses to backward and record the step's statistics.
@@ -367,3 +383,21 @@ class MoELayer(MegatronModule):
             losses=routing.losses,
         )
         return out_TH
+
+    def _attach_batch_router_losses(self, out_TH, piece: Piece, routing: Routing, row_map: RowMap, valid_T, shape):
+        """`_attach_router_losses` for one piece of a partitioned micro-batch: each piece leaves its routing here;
+        the last one's output carries the router losses of the whole micro-batch (its tokens in their unpartitioned
+        order: the same losses, and statistics recorded once)."""
+        if not (self.training and torch.is_grad_enabled()):
+            return out_TH
+        pieces = piece.routings.setdefault(self, [])
+        pieces.append((routing, row_map, valid_T, shape))
+        if len(pieces) < piece.count:
+            return out_TH
+        routing = self.gate.batch_routing([(r, v, s) for r, _, v, s in pieces])
+        valid_T = batch_order([v for _, _, v, _ in pieces], [s for *_, s in pieces])
+        routed_E = sum(m.routed_E for _, m, _, _ in pieces)
+        dropped = sum(m.dropped for _, m, _, _ in pieces)
+        row_map = dataclasses.replace(pieces[0][1], routed_E=routed_E, dropped=dropped)
+        pieces.clear()
+        return self._attach_router_losses(out_TH, routing, row_map, valid_T)

@@ -7,6 +7,7 @@ N = routed (token, expert) pairs, Z = soft slots (E x slots per expert).
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
 
@@ -44,6 +45,8 @@ class Routing:
     combine_TZ: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     """Weighted sum of the router losses (scalar with grad), attached to backward by the layer."""
+    logits_TE: torch.Tensor | None = None
+    """The router's logits, kept while the losses wait for the micro-batch's other pieces (`Gate.losses_later`)."""
     losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Unweighted losses, detached, for the log (`load_balancing`, `z_loss`)."""
 
@@ -64,9 +67,31 @@ class Gate(torch.nn.Module, abc.ABC):
     token_group = None
     """Ranks holding other shards of the same sequences (TP under sequence parallelism), for the losses."""
 
+    routes_pieces = False
+    """True when a piece of a micro-batch routes exactly as in the whole micro-batch (each token alone: no capacity,
+    no noise) and `batch_routing` is there: Lancet's operator partition may split the micro-batch."""
+    _losses_later = False
+
     @abc.abstractmethod
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
         """`valid_T` (bool, optional) marks tokens that count in losses and statistics."""
+
+    @contextlib.contextmanager
+    def losses_later(self, later: bool = True):
+        """While on, the gate routes one piece of a partitioned micro-batch: no router losses (`batch_routing` makes
+        the micro-batch's from every piece's routing)."""
+        if later and not self.routes_pieces:
+            raise TypeError(f"{type(self).__name__} cannot route a piece of a micro-batch (routes_pieces is False)")
+        previous, self._losses_later = self._losses_later, later
+        try:
+            yield
+        finally:
+            self._losses_later = previous
+
+    def batch_routing(self, pieces: list[tuple[Routing, torch.Tensor | None, torch.Size]]) -> Routing:
+        """The micro-batch's routing figures (token count, probabilities, router losses) from its pieces' routings
+        made under `losses_later`: [(routing, valid_T, the piece's [S, B_i, H] shape)] in piece order."""
+        raise NotImplementedError(f"{type(self).__name__} does not route pieces")
 
 
 def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, store: WeightGradStore = RUN_NOW) -> torch.Tensor:

@@ -34,6 +34,11 @@ Scenarios (each a list of cases run one after another in this job):
   fraction, the router flags (ours and megatron-core's layer), --overlap-param-gather, the logging flags; the
   same corpus through each --tokenizer-type (TOKENIZER_RUNS_JSON: {type: its --data-path and tokenizer flags}),
   4 steps saved at 2, and resumed from step 2.
+- `partition` (4 ranks): Lancet's operator partition (2 pieces of each micro-batch through every layer) against
+  none, from the same seed, with every overlap on (Lancet's greedy dW queue, FSMoE's pipeline at 2 x 2, the
+  adaptive gradient partition on a profile made slow, as `grad_reduce`): EP=2, EP=4, TP=2+SP+EP=2, PP=2+EP=2;
+  PP=2 x VPP=2 + EP=2 with megatron-core's overlapped reduction; EP=2 with a shared expert and every module
+  recomputed (pipeline degrees 1: the recomputed expert_fc2 keeps the pipeline off).
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -382,6 +387,40 @@ def grad_reduce() -> dict:
     return results
 
 
+ALL_ON = ["--overlap-wgrad", "greedy", *degrees(2, 2)]
+PARTITION = {
+    "ep2": ["--expert-model-parallel-size", "2"],
+    "ep4": ["--expert-model-parallel-size", "4"],
+    "tp2_ep2": LAYOUTS["tp2_ep2"],
+    "pp2_ep2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+}
+PARTITION_MEGATRON_REDUCE = {
+    "pp2_vpp2_ep2": [*VPP2, "--expert-model-parallel-size", "2", "--overlap-grad-reduce"],
+    # expert_fc2 recomputed: the pipeline runs r = 1 (MoELayer.pipeline_degrees)
+    "ep2_shared_recompute": ["--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64",
+                             *RECOMPUTE_ALL, *degrees(1, 1)],
+}  # fmt: skip
+
+
+def partition() -> dict:
+    """Each PARTITION layout with every overlap on, in 1 and 2 pieces (the adaptive partition on a profile measured
+    once per layout and made slow, `slow_link_profile`); PARTITION_MEGATRON_REDUCE's likewise with megatron-core's
+    reduction."""
+    init = ["--train-iters", str(ITERS), *ALL_ON]
+    results = {}
+    for name, args in PARTITION.items():
+        path = os.path.join(WORKDIR, f"partition_{name}.json")
+        adaptive = ["--moe-cost-profile", path, "--grad-reduce-schedule", "adaptive"]
+        train("--train-iters", "0", *args, *adaptive)
+        slow_link_profile(path)
+        for pieces in ("1", "2"):
+            results[f"{name}/{pieces}"] = train(*init, *args, *adaptive, "--moe-partition-pieces", pieces)
+    for name, args in PARTITION_MEGATRON_REDUCE.items():
+        for pieces in ("1", "2"):
+            results[f"{name}/{pieces}"] = train(*init, *args, "--moe-partition-pieces", pieces)
+    return results
+
+
 def without(flags: list[str], name: str) -> list[str]:
     """`flags` less `name` and its value."""
     i = flags.index(name)
@@ -482,5 +521,6 @@ if __name__ == "__main__":
         "pipeline": pipeline,
         "grad_reduce": grad_reduce,
         "megatron_lm": megatron_lm,
+        "partition": partition,
     }
     finish_job({**scenarios, "gpu": gpu}[SCENARIO]())
