@@ -117,3 +117,67 @@ def test_the_block_probe_reads_megatron_cores_methods(monkeypatch):
     assert probe.still_needed()
     monkeypatch.setitem(partition.UPSTREAM_SHA256, "TransformerLayer._forward_mlp", "0" * 64)
     assert not probe.still_needed()
+
+
+class _Logged(torch.autograd.Function):
+    """Identity whose backward writes `name` to `trace`."""
+
+    @staticmethod
+    def forward(ctx, x, trace, name):
+        ctx.trace, ctx.name = trace, name
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.trace.append(ctx.name)
+        return grad, None, None
+
+
+class _Trace:
+    """A comm Monitor writing each collective's issue and wait to `trace`."""
+
+    def __init__(self, trace):
+        self.trace = trace
+
+    def issued(self, collective):
+        self.trace.append(f"issued {collective.purpose}{' backward' if collective.backward else ''}")
+        return collective
+
+    def handle(self, token, work):
+        pass
+
+    def blocked(self, token):
+        pass
+
+    def unblocked(self, token, *, completed):
+        if not completed:
+            return
+        self.trace.append(f"done {token.purpose}{' backward' if token.backward else ''}")
+
+    def read_started(self, read):
+        pass
+
+    def read_ended(self, token):
+        pass
+
+
+def test_the_reverse_all_to_all_is_in_flight_under_what_the_forward_ran_in_flight(megatron_world1):
+    """The backward mirrors the forward: the reverse starts where the forward waited for the rows, and the work made
+    between the forward's start and wait (a piece's attention, the shared expert) runs before it is waited."""
+    import torch.distributed as dist
+
+    from megatron_moe import comm
+
+    trace = []
+    x = torch.randn(4, 3, requires_grad=True)
+    other = torch.randn(4, 3, requires_grad=True)
+    with comm.monitoring(_Trace(trace)):
+        handle = comm.dispatch_all_to_all(x, [4], [4], dist.group.WORLD)
+        between = _Logged.apply(other, trace, "work between start and wait")
+        rows = handle.wait()
+        trace.append("forward done")
+        (_Logged.apply(rows, trace, "work after the wait") * between).sum().backward()
+    backward = trace[trace.index("forward done") + 1 :]
+    assert backward.index("issued dispatch_all_to_all backward") < backward.index("work between start and wait")
+    assert backward.index("work between start and wait") < len(backward) - 1
+    assert torch.equal(x.grad, other.detach())  # the gradient went through the reverse all-to-all
