@@ -188,13 +188,14 @@ class _Costs:
     direction: str
 
     def dense(self, kind: str) -> float:
+        """The operator's time on this piece; backward less the deferred dW share (unroute has no weights)."""
         line = self.fits[kind if self.direction == "forward" else f"{kind}_bwd"]
         ms = max(line.alpha, 0.0) + self.stage.tokens * self.share * max(line.beta, 0.0)
-        return ms * (1 - DW_SHARE) if self.direction == "backward" and self.stage.defer_wgrad else ms
+        return ms - self.dense_dw(kind)
 
     def dense_dw(self, kind: str) -> float:
         """The deferred weight-gradient share of a dense operator's backward (0 unless deferred)."""
-        if self.direction == "forward" or not self.stage.defer_wgrad:
+        if self.direction == "forward" or not self.stage.defer_wgrad or kind == "unroute":
             return 0.0
         line = self.fits[f"{kind}_bwd"]
         return DW_SHARE * (max(line.alpha, 0.0) + self.stage.tokens * self.share * max(line.beta, 0.0))
@@ -277,17 +278,17 @@ def _piece(fits: ClusterFits, stage: StageModel, span: range, share: float, dire
     return piece, pool
 
 
-def interleave(pieces: Sequence[_Piece]) -> list[Instr]:
-    """Lancet 5.3's order: stage s of every piece (in the given piece order), then stage s + 1; local dependencies
-    become schedule indices, and each instruction is named with its piece."""
+def interleave(pieces: Sequence[tuple[int, _Piece]]) -> list[Instr]:
+    """Lancet 5.3's order: stage s of every (index, piece) in the given order, then stage s + 1; local
+    dependencies become schedule indices, and each instruction is named with its piece's index ("@p")."""
     schedule: list[Instr] = []
     where: list[dict[int, int]] = [{} for _ in pieces]
     local = [0] * len(pieces)
-    for s in range(max(len(p.stages) for p in pieces)):
-        for p, piece in enumerate(pieces):
+    for s in range(max(len(p.stages) for _, p in pieces)):
+        for p, (index, piece) in enumerate(pieces):
             for instr, deps in piece.stages[s] if s < len(piece.stages) else ():
                 where[p][local[p]] = len(schedule)
-                name = f"{instr.name}@{p}"
+                name = f"{instr.name}@{index}"
                 schedule.append(dataclasses.replace(instr, name=name, deps=tuple(where[p][d] for d in deps)))
                 local[p] += 1
     return schedule
@@ -319,8 +320,8 @@ def range_schedule(
     require(lo <= hi, RANGE_FLAG, f"{first}-{last}", "FIRST <= LAST within the stage's layers")
     batches = piece_batches(stage.micro_batch, pieces)
     built = [_piece(fits, stage, range(lo, hi + 1), b / stage.micro_batch, direction, unchunked) for b in batches]
-    order = built if direction == "forward" else built[::-1]
-    return interleave([p for p, _ in order]), math.fsum(pool for _, pool in built)
+    order = [(p, piece) for p, (piece, _) in enumerate(built)]
+    return interleave(order if direction == "forward" else order[::-1]), math.fsum(pool for _, pool in built)
 
 
 def range_times(
