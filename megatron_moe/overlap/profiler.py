@@ -16,9 +16,9 @@ shapes, t = alpha + n * beta fitted by least squares. Here, per kind:
   layer on CPU).
 - "attn", "mlp", "route", "unroute" and their "_bwd" (with `ProfileSettings.dense`, for the operator partition
   planner `megatron_moe.overlap.op_partition`), n = tokens this rank runs, one point per batch size of
-  `DenseWork`: one megatron-core TransformerLayer built as `megatron_moe.model.spec.layer_spec` builds a dense
-  layer (local backend), its `_forward_attention` ("attn") and `_forward_mlp` ("mlp"), forward and backward
-  (input and weight gradients); "route" / "unroute" are the MoE layer's operators around the all-to-alls as torch
+  `DenseWork`: one dense megatron-core TransformerLayer (its local spec, as the model's on CPU), its
+  `_forward_attention` ("attn") and `_forward_mlp` ("mlp"), forward and backward (input and weight
+  gradients); "route" / "unroute" are the MoE layer's operators around the all-to-alls as torch
   ops at the layer's widths (pre-MLP norm, the router's linear, softmax, top-k, the stable sort of the order and
   its gather; the weighted scatter-add back and the residual add), not the MoE module (it needs its process
   groups and a whole MoE config; these are its arithmetic). 2-3 s on 2 shared CPU cores at the defaults.
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import build_module
 
@@ -66,7 +66,6 @@ from megatron_moe.comm.profiling import (
     profile_barrier,
 )
 from megatron_moe.config.fields import require
-from megatron_moe.model.spec import layer_spec
 from megatron_moe.overlap.cost_model import (
     BACKWARD_KINDS,
     DENSE_KINDS,
@@ -362,8 +361,10 @@ def _expert_points(
 
 
 def _dense_layer(work: DenseWork, device):
-    """One dense megatron-core TransformerLayer as the model builds it (local backend, this run's TP group from
-    megatron-core's parallel state, which must be initialized), and the router's linear."""
+    """One dense megatron-core TransformerLayer on its local backend (megatron-core's own local spec: the model's
+    `megatron_moe.model.spec` differs in the norm class and the linears' dW store, not in the arithmetic, and
+    overlap/ sits below model/), on this run's TP group from megatron-core's parallel state (which must be
+    initialized), and the router's linear."""
     from megatron.core import parallel_state as ps
 
     config = TransformerConfig(
@@ -382,7 +383,8 @@ def _dense_layer(work: DenseWork, device):
         sequence_parallel=work.sequence_parallel,
         use_cpu_initialization=device.type == "cpu",
     )
-    layer = build_module(layer_spec(config, moe=False, backend=LocalSpecProvider()), config=config, layer_number=1)
+    spec = get_gpt_layer_local_spec(normalization=work.normalization)
+    layer = build_module(spec, config=config, layer_number=1)
     gate = torch.nn.Linear(work.hidden_size, work.num_experts, bias=False)
     return layer.to(device), gate.to(device), ps.get_tensor_model_parallel_world_size()
 
