@@ -45,12 +45,19 @@ def test_forward_of_two_pieces_by_hand():
     """Piece 1's attention and router run under piece 0's dispatch; each combine waits for the link."""
     spans, _ = _timeline("forward")
     assert spans == {
-        "L1.attn@0": (0, 2), "L1.route@0": (2, 3), "L1.dispatch.0@0": (3, 6),
-        "L1.attn@1": (3, 5), "L1.route@1": (5, 6), "L1.dispatch.0@1": (6, 9),
-        "L1.experts.0@0": (6, 7), "L1.combine.0@0": (9, 12),
-        "L1.experts.0@1": (9, 10), "L1.combine.0@1": (12, 15),
-        "L1.unroute@0": (12, 13), "L1.unroute@1": (15, 16),
-    }  # fmt: skip
+        "L1.attn@0": (0, 2),
+        "L1.route@0": (2, 3),
+        "L1.dispatch.0@0": (3, 6),
+        "L1.attn@1": (3, 5),
+        "L1.route@1": (5, 6),
+        "L1.dispatch.0@1": (6, 9),
+        "L1.experts.0@0": (6, 7),
+        "L1.combine.0@0": (9, 12),
+        "L1.experts.0@1": (9, 10),
+        "L1.combine.0@1": (12, 15),
+        "L1.unroute@0": (12, 13),
+        "L1.unroute@1": (15, 16),
+    }
 
 
 def test_backward_mirrors_the_forward_by_hand():
@@ -59,13 +66,21 @@ def test_backward_mirrors_the_forward_by_hand():
     spans, pool = _timeline("backward")
     assert pool == 0.0
     assert spans == {
-        "L1.unroute'@1": (0, 2), "L1.combine'.0@1": (2, 5),
-        "L1.unroute'@0": (2, 4), "L1.combine'.0@0": (5, 8),
-        "L1.experts'.0@1": (5, 6), "L1.dispatch'.0@1": (8, 11), "L1.experts_dw@1": (6, 7),
-        "L1.experts'.0@0": (8, 9), "L1.dispatch'.0@0": (11, 14), "L1.experts_dw@0": (9, 10),
-        "L1.route'@1": (11, 13), "L1.attn'@1": (13, 17),
-        "L1.route'@0": (17, 19), "L1.attn'@0": (19, 23),
-    }  # fmt: skip
+        "L1.unroute'@1": (0, 2),
+        "L1.combine'.0@1": (2, 5),
+        "L1.unroute'@0": (2, 4),
+        "L1.combine'.0@0": (5, 8),
+        "L1.experts'.0@1": (5, 6),
+        "L1.dispatch'.0@1": (8, 11),
+        "L1.experts_dw@1": (6, 7),
+        "L1.experts'.0@0": (8, 9),
+        "L1.dispatch'.0@0": (11, 14),
+        "L1.experts_dw@0": (9, 10),
+        "L1.route'@1": (11, 13),
+        "L1.attn'@1": (13, 17),
+        "L1.route'@0": (17, 19),
+        "L1.attn'@0": (19, 23),
+    }
 
 
 def test_range_times_by_hand():
@@ -115,9 +130,15 @@ def _stage(moe, micro_batch=4, degrees=None, **kw) -> op.StageModel:
     sizes = LayerSizes.from_layer(tokens=512, topk=2, hidden_size=64, ffn_hidden_size=128, num_experts=4, ep=2)
     layers = tuple(range(1, len(moe) + 1))
     return op.StageModel(
-        layers=layers, moe=tuple(moe), micro_batch=micro_batch, tokens=512, sizes=sizes, num_experts=4,
-        degrees=degrees or {}, **kw,
-    )  # fmt: skip
+        layers=layers,
+        moe=tuple(moe),
+        micro_batch=micro_batch,
+        tokens=512,
+        sizes=sizes,
+        num_experts=4,
+        degrees=degrees or {},
+        **kw,
+    )
 
 
 def _random_fits(rng: random.Random) -> ClusterFits:
@@ -260,9 +281,26 @@ def test_run_flags_to_the_stage_model():
     from megatron_moe.config import parse_args
     from megatron_moe.overlap.degrees import layer_sizes
 
-    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
-            "--max-position-embeddings", "128", "--micro-batch-size", "4", "--num-experts", "4",
-            "--expert-model-parallel-size", "2", "--moe-layer-freq", "2"]  # fmt: skip
+    argv = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "128",
+        "--max-position-embeddings",
+        "128",
+        "--micro-batch-size",
+        "4",
+        "--num-experts",
+        "4",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-layer-freq",
+        "2",
+    ]
     cfg = parse_args(argv)
     stage = op.stage_model(cfg, [3, 4])
     assert stage.layers == (3, 4) and stage.micro_batch == 4 and stage.tokens == 4 * 128
