@@ -9,6 +9,8 @@ gradient goes through a store.
 FSMoE: `cost_model.py`, the fitted time model and Algorithm 1 (pipeline degrees per layer);
 `profiler.py`, the micro-benchmarks that fit it on the running cluster; `degrees.py`, a run's flags -> each MoE
 layer's degrees (tools/plan_schedule.py prints them).
+
+Lancet's operator partition: `op_partition.py`, the planner (which layer ranges run in batch pieces, how many).
 """
 
 from megatron_moe.overlap import grad_reduce, install, linears

@@ -12,6 +12,10 @@ Q1..Q7 as written there); `solve_degrees` is Algorithm 1: per case k, SLSQP mini
 max_degree; the integers around each optimum are evaluated with the model (the case that holds at that r) and the
 best wins. Forward runs with t_gar = 0, backward with the given t_gar.
 
+The operators around the experts (`DENSE_KINDS`: attention block, dense MLP, the MoE layer's route and unroute)
+have lines on n = tokens this rank runs through them, for Lancet's operator partition
+(`megatron_moe.overlap.op_partition`): their alpha is what makes many small pieces cost more than one whole.
+
 Where and why this deviates from the paper (the expert lines, the backward's weight gradients, overlap's own cost,
 absent collectives, non-negative coefficients, region boundaries as candidates, ties and the minimum gain):
 docs/cost-model.md.
@@ -37,6 +41,16 @@ the data-parallel group (n: bytes reduced); gemm: one chunk of the experts' forw
 BACKWARD_KINDS = {"gemm_bwd": "gemm", "gemm_dw": "gemm"}
 """Lines a profile may add, and the line used where it has none: gemm_bwd, one chunk of the experts' input
 gradients (n: the chunk's forward multiply-adds); gemm_dw, the experts' weight gradients over n multiply-adds."""
+DENSE_KINDS = ("attn", "mlp", "route", "unroute")
+"""Lines a profile may add, n = tokens this rank runs through the operator (a micro-batch, or a piece of one):
+attn, the attention block (input norm, QKV, core attention, projection, residual add); mlp, a dense layer's MLP
+block (pre-MLP norm, fc1, activation, fc2, residual add); route, a MoE layer's pre-MLP norm, router and order
+(before the dispatch all-to-all; the count exchange is the "a2a" line's); unroute, the unorder and residual add
+(after the combine). Each has a backward line `KIND_bwd` (input and weight gradients together). A profile saved
+before these lines existed has none: `missing_dense` names them and the partition planner declines to plan."""
+DENSE_BACKWARD_FACTOR = 2.0
+"""A dense backward line a profile lacks is its forward line x this (input and weight gradients, each about the
+forward's multiply-adds)."""
 MIN_GAIN = 0.05
 """A degree > 1 must be predicted to save this share of r = 1's time, else r = 1 runs: below it the gain is inside
 the model's error (median 1-23% of the measured layer in tools/bench_pipeline.py), and r = 1 is the safe side."""
@@ -115,12 +129,27 @@ class ClusterFits:
     def __getitem__(self, kind: str) -> LinearFit:
         if kind in self.fits:
             return self.fits[kind]
-        return LinearFit(alpha=0.0, beta=0.0) if kind in OVERHEAD_KINDS else self.fits[BACKWARD_KINDS[kind]]
+        if kind in OVERHEAD_KINDS:
+            return LinearFit(alpha=0.0, beta=0.0)
+        forward = kind.removesuffix("_bwd")
+        if forward in DENSE_KINDS and kind != forward and forward in self.fits:
+            fit, factor = self.fits[forward], DENSE_BACKWARD_FACTOR
+            return LinearFit(alpha=factor * fit.alpha, beta=factor * fit.beta)
+        if forward in DENSE_KINDS:
+            raise KeyError(f"cluster fits: no {kind!r} line (a profile saved before the dense lines; re-profile)")
+        return self.fits[BACKWARD_KINDS[kind]]
+
+    def missing_dense(self) -> list[str]:
+        """The `DENSE_KINDS` this profile has no forward line for (all four for a profile saved before them)."""
+        return [kind for kind in DENSE_KINDS if kind not in self.fits]
 
     @classmethod
     def from_coefficients(cls, alpha: dict[str, float], beta: dict[str, float], cluster: dict | None = None):
-        """Fits given by hand: alpha[kind] ms, beta[kind] ms per unit (R^2 = 1, no points)."""
-        return cls(fits={k: LinearFit(alpha=alpha[k], beta=beta[k]) for k in FIT_KINDS}, cluster=dict(cluster or {}))
+        """Fits given by hand: alpha[kind] ms, beta[kind] ms per unit (R^2 = 1, no points); every `FIT_KINDS`, and
+        any optional kind (`BACKWARD_KINDS`, `OVERHEAD_KINDS`, `DENSE_KINDS` and their `_bwd`) given in both."""
+        optional = [*BACKWARD_KINDS, *OVERHEAD_KINDS, *DENSE_KINDS, *(f"{k}_bwd" for k in DENSE_KINDS)]
+        kinds = [*FIT_KINDS, *(k for k in optional if k in alpha and k in beta)]
+        return cls(fits={k: LinearFit(alpha=alpha[k], beta=beta[k]) for k in kinds}, cluster=dict(cluster or {}))
 
     def to_json(self) -> dict:
         fits = {kind: fit.to_json() for kind, fit in self.fits.items()}

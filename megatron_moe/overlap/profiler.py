@@ -14,6 +14,14 @@ shapes, t = alpha + n * beta fitted by least squares. Here, per kind:
   (its GEMM calls, permutation and copies); and the weight gradients (`mlp_weight_grads`, "gemm_dw") over the
   rows of one chunk at each degree. Bare matmuls left those costs out (predictions 0.15-0.55 of the measured
   layer on CPU).
+- "attn", "mlp", "route", "unroute" and their "_bwd" (with `ProfileSettings.dense`, for the operator partition
+  planner `megatron_moe.overlap.op_partition`), n = tokens this rank runs, one point per batch size of
+  `DenseWork`: one dense megatron-core TransformerLayer (its local spec, as the model's on CPU), its
+  `_forward_attention` ("attn") and `_forward_mlp` ("mlp"), forward and backward (input and weight
+  gradients); "route" / "unroute" are the MoE layer's operators around the all-to-alls as torch
+  ops at the layer's widths (pre-MLP norm, the router's linear, softmax, top-k, the stable sort of the order and
+  its gather; the weighted scatter-add back and the residual add), not the MoE module (it needs its process
+  groups and a whole MoE config; these are its arithmetic). 2-3 s on 2 shared CPU cores at the defaults.
 A kind whose group has one rank (no EP, no ESP, no DP) is not measured: its fit is 0 (the model never uses it).
 With an EP group, the pipeline itself runs with the real links at each degree: its time beyond the model at the
 degrees > 1 is the "chunk" / "chunk_bwd" line (`overhead_fits`), and what the model then still misses at any
@@ -43,6 +51,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import build_module
 
 from megatron_moe.comm.core import group_size
 from megatron_moe.comm.profiling import (
@@ -56,6 +68,7 @@ from megatron_moe.comm.profiling import (
 from megatron_moe.config.fields import require
 from megatron_moe.overlap.cost_model import (
     BACKWARD_KINDS,
+    DENSE_KINDS,
     FIT_KINDS,
     OVERHEAD_KINDS,
     ClusterFits,
@@ -70,7 +83,8 @@ log = logging.getLogger(__name__)
 
 KIB = 1 << 10
 PIPELINE_KINDS = ("pipeline", "pipeline_bwd")
-MEASURED_KINDS = (*FIT_KINDS, *BACKWARD_KINDS, *PIPELINE_KINDS)
+DENSE_MEASURED = tuple(kind for base in DENSE_KINDS for kind in (base, f"{base}_bwd"))
+MEASURED_KINDS = (*FIT_KINDS, *BACKWARD_KINDS, *PIPELINE_KINDS, *DENSE_MEASURED)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,6 +126,48 @@ class ExpertWork:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseWork:
+    """The operators around the experts whose lines the partition planner needs, at one run's widths."""
+
+    hidden_size: int = 128
+    """H."""
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """None: as many as heads."""
+    ffn_hidden_size: int = 256
+    """A dense layer's MLP width."""
+    gated: bool = False
+    """SwiGLU."""
+    normalization: str = "LayerNorm"
+    """"LayerNorm" or "RMSNorm" (--normalization)."""
+    seq_length: int = 64
+    """S: the pieces split the batch, not the sequence, so the attention's S^2 term is per sequence."""
+    batches: tuple[int, ...] = (1, 2, 4)
+    """Batch sizes measured: one point per size, n = batch x S / (TP under sequence parallelism)."""
+    sequence_parallel: bool = False
+    num_experts: int = 4
+    """E: the router's width."""
+    topk: int = 2
+    repeats: int = 3
+    """Timed calls per size after one warm-up (fewer than the collectives': these lines only rank pieces)."""
+
+    def validate(self) -> None:
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "seq_length",
+            "num_experts",
+            "topk",
+            "repeats",
+        ):
+            require(getattr(self, name) >= 1, f"dense.{name}", getattr(self, name), "an integer >= 1")
+        distinct = len(set(self.batches)) >= 2 and min(self.batches) >= 1
+        require(distinct, "dense.batches", self.batches, "2 or more distinct batch sizes >= 1, e.g. (1, 2, 4)")
+        require(self.topk <= self.num_experts, "dense.topk", self.topk, f"<= num_experts = {self.num_experts}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ProfileSettings:
     """What the micro-benchmarks measure (small enough for CPU CI by default; FSMoE used 1-24 MiB messages and
     2^19..12 x 2^19-element GEMMs, 5 runs each)."""
@@ -122,19 +178,33 @@ class ProfileSettings:
     """The expert work the "gemm" lines are fitted on."""
     repeats: int = 5
     """Timed calls per size, after one warm-up call."""
+    dense: DenseWork | None = None
+    """The attention / dense MLP / route / unroute lines' work (None: not measured, as before those lines)."""
 
     def validate(self) -> None:
         require(len(set(self.comm_bytes)) >= 2, "comm_bytes", self.comm_bytes, "2 or more distinct sizes")
         require(min(self.comm_bytes) >= 64, "comm_bytes", self.comm_bytes, "sizes >= 64 bytes")
         self.experts.validate()
         require(self.repeats >= 1, "repeats", self.repeats, "an integer >= 1, e.g. 5")
+        if self.dense is not None:
+            self.dense.validate()
 
     def to_json(self) -> dict:
-        return _as_json(dataclasses.asdict(self))
+        """As JSON; without "dense" when None, so that a profile saved before it still describes these settings."""
+        out = _as_json(dataclasses.asdict(self))
+        if self.dense is None:
+            del out["dense"]
+        return out
 
 
 def layer_profile_settings(
-    sizes: LayerSizes, *, hidden_size: int, ffn_hidden_size: int, num_experts: int, gated: bool = False
+    sizes: LayerSizes,
+    *,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_experts: int,
+    gated: bool = False,
+    dense: DenseWork | None = None,
 ) -> ProfileSettings:
     """Micro-benchmarks at the sizes the solver asks about for one MoE layer: messages of one chunk at degrees 1,
     2, 4, 8 of the layer's all-to-all (or all-gather under ESP alone), and the pipeline's expert work on this
@@ -152,7 +222,7 @@ def layer_profile_settings(
         sources=sizes.ep * sizes.esp,
         rows=(max(rows, 64),),
     )
-    return ProfileSettings(comm_bytes=comm_bytes, experts=experts)
+    return ProfileSettings(comm_bytes=comm_bytes, experts=experts, dense=dense)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +360,73 @@ def _expert_points(
     return points
 
 
+def _dense_layer(work: DenseWork, device):
+    """One dense megatron-core TransformerLayer on its local backend (megatron-core's own local spec: the model's
+    `megatron_moe.model.spec` differs in the norm class and the linears' dW store, not in the arithmetic, and
+    overlap/ sits below model/), on this run's TP group from megatron-core's parallel state (which must be
+    initialized), and the router's linear."""
+    from megatron.core import parallel_state as ps
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=work.hidden_size,
+        ffn_hidden_size=work.ffn_hidden_size,
+        num_attention_heads=work.num_attention_heads,
+        num_query_groups=work.num_query_groups,
+        normalization=work.normalization,
+        gated_linear_unit=work.gated,
+        activation_func=F.silu if work.gated else F.gelu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        sequence_parallel=work.sequence_parallel,
+        use_cpu_initialization=device.type == "cpu",
+    )
+    spec = get_gpt_layer_local_spec(normalization=work.normalization)
+    layer = build_module(spec, config=config, layer_number=1)
+    gate = torch.nn.Linear(work.hidden_size, work.num_experts, bias=False)
+    return layer.to(device), gate.to(device), ps.get_tensor_model_parallel_world_size()
+
+
+def _dense_points(work: DenseWork, device) -> dict[str, list[tuple[float, float]]]:
+    """(tokens, ms) points of `DENSE_MEASURED` at each batch size (module docstring)."""
+    layer, gate, tp = _dense_layer(work, device)
+    points: dict[str, list[tuple[float, float]]] = {kind: [] for kind in DENSE_MEASURED}
+    out: list[torch.Tensor] = []
+
+    def route(x_SBH):  # pre-MLP norm, router, top-k, the order's sort and gather: the rows the dispatch sends
+        h_TH = layer.pre_mlp_layernorm(x_SBH).reshape(-1, work.hidden_size)
+        probs_TE = torch.softmax(gate(h_TH), dim=-1)
+        weights_TK, experts_TK = torch.topk(probs_TE, work.topk, dim=-1)
+        order_R = torch.argsort(experts_TK.reshape(-1), stable=True)
+        return h_TH.index_select(0, order_R // work.topk) * weights_TK.reshape(-1)[order_R, None], order_R
+
+    def unroute(x_SBH, rows_RH, order_R):  # the weighted rows back to their tokens, and the residual add
+        out_TH = torch.zeros(x_SBH.numel() // work.hidden_size, work.hidden_size, device=device)
+        return out_TH.index_add(0, order_R // work.topk, rows_RH).view_as(x_SBH) + x_SBH
+
+    def pair(forward):  # the forward, then its backward from a gradient of ones (input and weight gradients)
+        return [lambda: out.append(forward()), lambda: (y := out.pop()).backward(torch.ones_like(y))]
+
+    split = tp if work.sequence_parallel else 1
+    for batch in work.batches:
+        x_SBH = torch.randn(work.seq_length // split, batch, work.hidden_size, device=device, requires_grad=True)
+        rows_RH, order_R = (t.detach() for t in route(x_SBH))
+        rows_RH.requires_grad_(True)
+        calls = [
+            *pair(lambda x=x_SBH: layer._forward_attention(x, attention_mask=None)[0]),
+            *pair(lambda x=x_SBH: layer._forward_mlp(x)),
+            *pair(lambda x=x_SBH: route(x)[0]),
+            *pair(lambda x=x_SBH, r=rows_RH, o=order_R: unroute(x, r, o)),
+        ]
+        times = _timed_ms(calls, work.repeats)
+        tokens = batch * work.seq_length // split
+        for kind, ms in zip(DENSE_MEASURED, times):
+            points[kind].append((tokens, ms))
+    return points
+
+
 def _pipeline_points(work: ExpertWork, groups: ProfileGroups, forward_backward, repeats, device):
     """ "pipeline" / "pipeline_bwd" (r, ms): every rank sends `block` rows to each expert of the EP group (so each
     expert gets `block` from every source, as in `_expert_points`), through the real links."""
@@ -351,6 +488,8 @@ def measure_fits(groups: ProfileGroups, settings: ProfileSettings, *, cluster: d
     settings.validate()
     device = current_platform().device
     points = _expert_points(settings.experts, groups, settings.repeats, device)
+    if settings.dense is not None:
+        points |= _dense_points(settings.dense, device)
     for kind in ("a2a", "ag", "rs", "ar"):
         group = _kind_group(kind, groups)
         if _size(group) > 1:  # else no such collective on this cluster: a zero fit (every rank has the same sizes)
@@ -371,6 +510,7 @@ def measure_fits(groups: ProfileGroups, settings: ProfileSettings, *, cluster: d
         kind: fit_linear(agreed[kind]) if agreed[kind] else LinearFit(alpha=0.0, beta=0.0)
         for kind in (*FIT_KINDS, *BACKWARD_KINDS)
     }
+    fits |= {kind: fit_linear(agreed[kind]) for kind in DENSE_MEASURED if agreed[kind]}
     fits = ClusterFits(fits=fits, cluster=dict(cluster or {}))
     if not agreed["pipeline"]:  # no EP group: nothing is pipelined
         return fits
@@ -395,7 +535,7 @@ def log_fits(fits: ClusterFits, source: str) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     log.info("cost-model profile (%s), t = alpha + n * beta in ms:", source)
-    for kind in (*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS):
+    for kind in (*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS, *(k for k in DENSE_MEASURED if k in fits.fits)):
         fit = fits[kind]
         points = ", ".join(f"({n:.0f}, {ms:.4g})" for n, ms in fit.points) or "not measured"
         log.info("  %-4s alpha %.4g beta %.4g R^2 %.6f points %s", kind, fit.alpha, fit.beta, fit.r2, points)
