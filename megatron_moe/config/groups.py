@@ -157,14 +157,14 @@ class MoEConfig:
         "Lancet's operator partition: each micro-batch runs a range of layers as this many pieces along the batch, "
         "interleaved so that piece i's dispatch all-to-all is in flight under piece i+1's attention and router and "
         "its combine under the next piece's experts and the next layer; the gate, capacity and router losses stay "
-        "the micro-batch's. An integer from 1 (off) to --micro-batch-size",
+        "the micro-batch's. An integer from 1 (off) to --micro-batch-size, or auto (Lancet's DP on the cost model, "
+        "--moe-cost-profile: pieces and ranges per stage, none where they are not predicted faster)",
         applies=only.OUR_MOE,
     )
     moe_partition_range: str = arg(
-        "all",
-        "the layers --moe-partition-pieces splits: all (every layer of each pipeline stage, or model chunk) or "
-        "FIRST-LAST[,FIRST-LAST...] (layer numbers from 1, each with an MoE layer; a range across pipeline stages "
-        "splits at their boundary)",
+        "auto",
+        "the layers --moe-partition-pieces splits: auto (the planner's ranges), all, or FIRST-LAST[,FIRST-LAST...] "
+        "(layer numbers from 1, each with an MoE layer; a range across pipeline stages splits at their boundary)",
         applies=only.OUR_MOE,
     )
     moe_normalize_topk: bool = arg(True, "rescale the k chosen gate scores to sum to 1", applies=only.NORMALIZING)

@@ -9,6 +9,7 @@ The layout's degrees and sizes are `ParallelDims`'s (`parallel_dims.py`).
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from megatron_moe.config.fields import (
@@ -96,76 +97,100 @@ def check_interleaved_microbatches(cfg: RunConfig, world_size: int) -> None:
     )
 
 
-def partition_pieces(moe: MoEConfig) -> int:
-    """--moe-partition-pieces as an integer >= 1."""
-    text = str(moe.moe_partition_pieces).strip()
-    require(text.isdigit() and int(text) >= 1, "--moe-partition-pieces", text, "an integer >= 1 (1: off)")
-    return int(text)
+PIECES_FLAG, RANGE_FLAG = "--moe-partition-pieces", "--moe-partition-range"
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
 
 
-def partition_ranges(text: str, num_layers: int) -> list[tuple[int, int]] | None:
-    """--moe-partition-range: [(first, last)] layer numbers from 1, in order and apart; None for all."""
+def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]] | None:
+    """--moe-partition-range: "auto" -> None (the planner picks), "all" -> [(1, num_layers)], else
+    "FIRST-LAST[,FIRST-LAST...]" -> [(first, last), ...]: 1 <= FIRST <= LAST <= num_layers, ascending, disjoint."""
     text = text.strip()
-    if text == "all":
+    if text == "auto":
         return None
-    valid = f"all, or FIRST-LAST[,FIRST-LAST...] with 1 <= FIRST <= LAST <= {num_layers} in order, e.g. 1-{num_layers}"
-    ranges = []
+    if text == "all":
+        return [(1, num_layers)]
+    example = f"auto, all, or e.g. 1-{min(2, num_layers)}"
+    out: list[tuple[int, int]] = []
     for part in text.split(","):
-        bounds = part.strip().split("-")
-        require(len(bounds) == 2 and all(b.strip().isdigit() for b in bounds), "--moe-partition-range", text, valid)
-        first, last = (int(b) for b in bounds)
-        after = ranges[-1][1] if ranges else 0
-        require(after < first <= last <= num_layers, "--moe-partition-range", text, valid)
-        ranges.append((first, last))
-    return ranges
+        match = _RANGE.match(part.strip())
+        require(match is not None, RANGE_FLAG, text, f"{part.strip()!r} is not FIRST-LAST; {example}")
+        first, last = int(match[1]), int(match[2])
+        require(
+            1 <= first <= last <= num_layers,
+            RANGE_FLAG,
+            text,
+            f"{first}-{last}: needs 1 <= FIRST <= LAST <= {num_layers} (--num-layers); {example}",
+        )
+        require(
+            not out or first > out[-1][1],
+            RANGE_FLAG,
+            text,
+            f"{first}-{last} after {out[-1][0] if out else 0}-{out[-1][1] if out else 0}: ranges ascending, disjoint",
+        )
+        out.append((first, last))
+    return out
+
+
+def parse_pieces(text: str | int, micro_batch: int) -> int | None:
+    """--moe-partition-pieces: "auto" -> None (the planner picks, at most min(MAX_PIECES, B)), else N in 1..B
+    (1: off)."""
+    if str(text).strip() == "auto":
+        return None
+    value = str(text).strip()
+    require(value.isdigit() and int(value) >= 1, PIECES_FLAG, text, "auto or an integer >= 1 (1: off), e.g. 2")
+    require(
+        int(value) <= micro_batch,
+        PIECES_FLAG,
+        text,
+        f"at most --micro-batch-size = {micro_batch} (the pieces split the batch); e.g. auto",
+    )
+    return int(value)
 
 
 def check_partition(cfg: RunConfig) -> None:
     """Lancet's operator partition: pieces of a micro-batch route as the micro-batch only where each token routes
-    alone (no capacity, no noise), and the pieces need sequences to split and a forward that can pause."""
+    alone (no capacity, no noise), and the pieces need sequences to split and a forward that can pause. auto is
+    the planner's, checked the same way where it could split."""
     moe, t = cfg.moe, cfg.training
-    pieces = partition_pieces(moe) if moe.own_layer else 1
-    if moe.own_layer:
-        ranges = partition_ranges(moe.moe_partition_range, cfg.model.num_layers)
-        pattern = moe.layer_pattern(cfg.model.num_layers)
-        for first, last in ranges or ():
-            require(
-                any(pattern[first - 1 : last]),
-                "--moe-partition-range",
-                moe.moe_partition_range,
-                f"a range with an MoE layer in it (layers {first}-{last} have none; MoE layers: "
-                f"{[i + 1 for i, moe_layer in enumerate(pattern) if moe_layer]})",
-            )
-    if pieces == 1:
+    if not moe.own_layer:
         return
-    flag = "--moe-partition-pieces"
-    require(
-        pieces <= t.micro_batch_size,
-        flag,
-        pieces,
-        f"at most --micro-batch-size={t.micro_batch_size} (the pieces split the micro-batch's sequences)",
-    )
-    require(
-        not moe.moe_expert_capacity_factor,
-        flag,
-        pieces,
-        f"1 with --moe-expert-capacity-factor {moe.moe_expert_capacity_factor}: a piece would drop other tokens "
-        "than the micro-batch; dropless routing (no capacity factor) partitions",
-    )
-    token_alone = ("topk", "switch", "bpr", "rts", "sigmoid", "xmoe", "cosine")
-    require(
-        moe.moe_gate in token_alone,
-        flag,
-        pieces,
-        f"1 with --moe-gate {moe.moe_gate}: its routing depends on the whole batch or on noise drawn for its shape; "
-        f"one of {', '.join(token_alone)} partitions",
-    )
-    require(
-        not cfg.activations.full_recompute,
-        flag,
-        pieces,
-        "1 with full activation recompute (a recomputed layer runs whole); selective --recompute-modules partition",
-    )
+    pieces = parse_pieces(moe.moe_partition_pieces, t.micro_batch_size)
+    ranges = parse_ranges(moe.moe_partition_range, cfg.model.num_layers)
+    pattern = moe.layer_pattern(cfg.model.num_layers)
+    for first, last in ranges or ():
+        require(
+            any(pattern[first - 1 : last]),
+            RANGE_FLAG,
+            moe.moe_partition_range,
+            f"a range with an MoE layer in it (layers {first}-{last} have none; MoE layers: "
+            f"{[i + 1 for i, moe_layer in enumerate(pattern) if moe_layer]})",
+        )
+    if pieces == 1 or (pieces is None and t.micro_batch_size == 1):
+        return
+    why_not = partition_blocker(cfg)
+    require(pieces is None or why_not is None, PIECES_FLAG, moe.moe_partition_pieces, f"1 with {why_not}")
+
+
+def partition_blocker(cfg: RunConfig) -> str | None:
+    """What keeps this run's micro-batches whole (a clause naming the flag), or None."""
+    moe = cfg.moe
+    if moe.moe_expert_capacity_factor:
+        return (
+            f"--moe-expert-capacity-factor {moe.moe_expert_capacity_factor}: a piece would drop other tokens than "
+            "the micro-batch; dropless routing (no capacity factor) partitions"
+        )
+    if moe.moe_gate not in TOKEN_ALONE_GATES:
+        return (
+            f"--moe-gate {moe.moe_gate}: its routing depends on the whole batch or on noise drawn for its shape; "
+            f"one of {', '.join(TOKEN_ALONE_GATES)} partitions"
+        )
+    if cfg.activations.full_recompute:
+        return "full activation recompute (a recomputed layer runs whole); selective --recompute-modules partition"
+    return None
+
+
+TOKEN_ALONE_GATES = ("topk", "switch", "bpr", "rts", "sigmoid", "xmoe", "cosine")
+"""Gates that route each token alone when nothing caps the experts (the partition may split their batch)."""
 
 
 def check_model(model: ModelConfig) -> None:

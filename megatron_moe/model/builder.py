@@ -13,9 +13,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
-from megatron_moe.config.rules import partition_pieces, partition_ranges
 from megatron_moe.model.fusions import Fusions, choose_fusions
-from megatron_moe.model.partition import install_partition
 from megatron_moe.model.spec import block_spec
 from megatron_moe.moe.experts import mark_expert_params
 from megatron_moe.platform import current_platform
@@ -206,7 +204,4 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_s
     policy = cfg.activation_policy()
     if policy is not None:
         apply_activation_policy(model, policy)
-    if cfg.moe.own_layer and getattr(model, "decoder", None) is not None:
-        ranges = partition_ranges(cfg.moe.moe_partition_range, m.num_layers)
-        install_partition(model.decoder, partition_pieces(cfg.moe), ranges)
     return model

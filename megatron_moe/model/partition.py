@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-import logging
 from contextlib import nullcontext
 
 import torch
@@ -50,8 +49,6 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.pieces import Piece, piece_sizes, run_interleaved
 from megatron_moe.platform.cpu_compat import Patch
-
-log = logging.getLogger("megatron_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,32 +169,25 @@ def moe_layer_blocker(layer) -> str | None:
     return None
 
 
-def install_partition(decoder: TransformerBlock, pieces: int, ranges: list[tuple[int, int]] | None) -> list:
-    """Give `decoder` (one model chunk's block) the partition of `pieces` over `ranges` (layer numbers from 1; None:
-    all its layers), clipped to its layers; ranges with no MoE layer of ours are left whole. Returns the installed
-    `PartitionRange`s."""
-    if pieces <= 1:
-        return []
+def install_partition(decoder: TransformerBlock, ranges: list[tuple[int, int, int]]) -> list[PartitionRange]:
+    """Give `decoder` (one model chunk's block) the partition `ranges`: (first, last, pieces), layer numbers from
+    1, clipped to its layers; a range with no MoE layer of ours here, or of 1 piece, is left whole. Returns the
+    installed `PartitionRange`s."""
     numbers = [layer.layer_number for layer in decoder.layers]
-    spans = [(numbers[0], numbers[-1])] if ranges is None and numbers else list(ranges or ())
     installed = []
-    for first, last in spans:
+    for first, last, pieces in ranges:
         local = [i for i, number in enumerate(numbers) if first <= number <= last]
-        if not local or not any(isinstance(decoder.layers[i].mlp, MoELayer) for i in local):
+        moe_layers = [i for i in local if isinstance(decoder.layers[i].mlp, MoELayer)]
+        if pieces <= 1 or not moe_layers:
             continue
-        for i in local:
-            if isinstance(decoder.layers[i].mlp, MoELayer):
-                blocker = moe_layer_blocker(decoder.layers[i])
-                if blocker is not None:
-                    raise ValueError(
-                        f"--moe-partition-pieces {pieces}: layer {numbers[i]} cannot run as pieces: {blocker}"
-                    )
+        for i in moe_layers:
+            blocker = moe_layer_blocker(decoder.layers[i])
+            if blocker is not None:
+                raise ValueError(f"--moe-partition-pieces {pieces}: layer {numbers[i]} cannot run as pieces: {blocker}")
         installed.append(PartitionRange(local[0], local[-1] + 1, pieces))
     if installed:
         decoder.__class__ = PartitionedTransformerBlock
         decoder.partition = tuple(installed)
-        spans = ", ".join(f"{numbers[r.start]}-{numbers[r.stop - 1]}" for r in installed)
-        log.info("Lancet's operator partition: layers %s run as %d pieces of each micro-batch", spans, pieces)
     return installed
 
 

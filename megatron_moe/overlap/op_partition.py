@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from megatron_moe.config.fields import require
 from megatron_moe.config.parallel_dims import ParallelDims
+from megatron_moe.config.rules import PIECES_FLAG, RANGE_FLAG
 from megatron_moe.overlap.cost_model import (
     MIN_GAIN,
     ClusterFits,
@@ -71,7 +71,6 @@ DW_SHARE = 0.5
 """The weight-gradient share of a dense operator's backward line (its dW GEMMs do the dX GEMMs' multiply-adds)."""
 COUNT_BYTES = 8
 """One expert's token count in the count exchange (int64)."""
-PIECES_FLAG, RANGE_FLAG = "--moe-partition-pieces", "--moe-partition-range"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -536,55 +535,6 @@ def partition_report(plan: PartitionPlan) -> str:
             f"(unpartitioned {hidden['unpartitioned']:.2f} of {a2a['unpartitioned']:.2f})",
         ]
     )
-
-
-_RANGE = re.compile(r"^(\d+)-(\d+)$")
-
-
-def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]] | None:
-    """--moe-partition-range: "auto" -> None (the planner picks), "all" -> [(1, num_layers)], else
-    "FIRST-LAST[,FIRST-LAST...]" -> [(first, last), ...]: 1 <= FIRST <= LAST <= num_layers, ascending, disjoint."""
-    text = text.strip()
-    if text == "auto":
-        return None
-    if text == "all":
-        return [(1, num_layers)]
-    example = f"auto, all, or e.g. 1-{min(2, num_layers)}"
-    out: list[tuple[int, int]] = []
-    for part in text.split(","):
-        match = _RANGE.match(part.strip())
-        require(match is not None, RANGE_FLAG, text, f"{part.strip()!r} is not FIRST-LAST; {example}")
-        first, last = int(match[1]), int(match[2])
-        require(
-            1 <= first <= last <= num_layers,
-            RANGE_FLAG,
-            text,
-            f"{first}-{last}: needs 1 <= FIRST <= LAST <= {num_layers} (--num-layers); {example}",
-        )
-        require(
-            not out or first > out[-1][1],
-            RANGE_FLAG,
-            text,
-            f"{first}-{last} after {out[-1][0] if out else 0}-{out[-1][1] if out else 0}: ranges ascending, disjoint",
-        )
-        out.append((first, last))
-    return out
-
-
-def parse_pieces(text: str | int, micro_batch: int) -> int | None:
-    """--moe-partition-pieces: "auto" -> None (the planner picks, at most min(MAX_PIECES, B)), else N in 1..B
-    (1: off)."""
-    if str(text).strip() == "auto":
-        return None
-    value = str(text).strip()
-    require(value.isdigit() and int(value) >= 1, PIECES_FLAG, text, "auto or an integer >= 1 (1: off), e.g. 2")
-    require(
-        int(value) <= micro_batch,
-        PIECES_FLAG,
-        text,
-        f"at most --micro-batch-size = {micro_batch} (the pieces split the batch); e.g. auto",
-    )
-    return int(value)
 
 
 def stage_model(cfg: RunConfig, layers: Sequence[int], schedules: dict[int, Schedule] | None = None) -> StageModel:

@@ -25,6 +25,7 @@ from megatron_moe.training.setup import (
     build_wgrad_queue,
     cluster_fits,
     install_grad_reduce_plan,
+    install_operator_partition,
     resolve_pipeline_degrees,
     wire_model_config,
 )
@@ -81,7 +82,8 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     model = build_ddp_model(cfg, config, tokenizer.vocab_size, wgrad_queue)
     fits, source = cluster_fits(cfg, model)
     grad_reduce = install_grad_reduce_plan(cfg, model, fits, wgrad_queue)
-    resolve_pipeline_degrees(cfg, model, fits, source, grad_reduce.partition if grad_reduce else None)
+    schedules = resolve_pipeline_degrees(cfg, model, fits, source, grad_reduce.partition if grad_reduce else None)
+    install_operator_partition(cfg, model, fits, source, schedules)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     wire_model_config(cfg, config, model, optimizer)

@@ -20,7 +20,9 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe.config import RunConfig
 from megatron_moe.config.moe_layer import AUTO
+from megatron_moe.config.rules import parse_pieces, parse_ranges, partition_blocker
 from megatron_moe.model.builder import build_model_chunks, params_dtype
+from megatron_moe.model.partition import install_partition
 from megatron_moe.moe.dispatch import set_backward_overlap
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
@@ -36,7 +38,14 @@ from megatron_moe.overlap.grad_reduce import (
     reduced_params,
     regroup,
 )
-from megatron_moe.overlap.profiler import ProfileGroups, ProfileSettings, layer_profile_settings, load_or_measure
+from megatron_moe.overlap.op_partition import plan_partition, stage_model
+from megatron_moe.overlap.profiler import (
+    DenseWork,
+    ProfileGroups,
+    ProfileSettings,
+    layer_profile_settings,
+    load_or_measure,
+)
 
 log = logging.getLogger(__name__)
 PROFILE_FILE = "cost_profile.json"
@@ -220,7 +229,8 @@ def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str]:
     nothing needs them."""
     moe = cfg.moe
     auto = AUTO in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree)
-    if not (moe.is_moe and moe.own_layer) or not (auto or adaptive_grad_reduce(cfg)):
+    planned = partition_planned(cfg)
+    if not (moe.is_moe and moe.own_layer) or not (auto or adaptive_grad_reduce(cfg) or planned):
         return None, "no choice needs the cost model"
     sizes = layer_sizes(cfg)
     if sizes.ep * sizes.esp == 1:
@@ -228,8 +238,80 @@ def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str]:
     path = moe.moe_cost_profile or (os.path.join(cfg.checkpoint.save, PROFILE_FILE) if cfg.checkpoint.save else None)
     if path is not None and os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    fits, measured = load_or_measure(path, ProfileGroups.from_parallel_state(), profile_settings(sizes, cfg))
+    settings = profile_settings(sizes, cfg, dense=planned)
+    fits, measured = load_or_measure(path, ProfileGroups.from_parallel_state(), settings)
     return fits, "measured" if measured else f"loaded from {path}"
+
+
+def partition_planned(cfg: RunConfig) -> bool:
+    """Whether Lancet's DP picks the operator partition (--moe-partition-pieces or --moe-partition-range auto where
+    the micro-batch could split): the cost model then needs its attention / dense lines."""
+    moe, b = cfg.moe, cfg.training.micro_batch_size
+    if not (moe.is_moe and moe.own_layer) or b == 1 or partition_blocker(cfg) is not None:
+        return False
+    pieces = parse_pieces(moe.moe_partition_pieces, b)
+    ranges = parse_ranges(moe.moe_partition_range, cfg.model.num_layers)
+    return pieces is None or (pieces > 1 and ranges is None)
+
+
+def install_operator_partition(
+    cfg: RunConfig, model, fits: ClusterFits | None, source: str = "", schedules: dict[int, Schedule] | None = None
+) -> dict[int, list[tuple[int, int, int]]]:
+    """Lancet's operator partition on each model chunk's block: the flags' pieces and ranges, or where either is
+    auto Lancet's DP on `fits` (`op_partition.plan_partition`, with the solved pipeline `schedules`). Every rank
+    plans from the same agreed profile and flags, so every rank of a stage runs the same pieces. Returns model chunk
+    -> its installed (first, last, pieces); the plan is logged (rank 0 of each pipeline stage)."""
+    moe, b = cfg.moe, cfg.training.micro_batch_size
+    if not (moe.is_moe and moe.own_layer):
+        return {}
+    pieces = parse_pieces(moe.moe_partition_pieces, b)
+    ranges = parse_ranges(moe.moe_partition_range, cfg.model.num_layers)
+    if pieces == 1 or (pieces is None and b == 1) or (pieces is None and partition_blocker(cfg) is not None):
+        return {}
+    report = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    installed = {}
+    for index, chunk in enumerate(model):
+        decoder = _unwrap_chunk(chunk).decoder
+        layers = [layer.layer_number for layer in decoder.layers]
+        if not layers:
+            continue
+        if not partition_planned(cfg):  # N pieces over the given ranges (or all layers): no planner
+            plan_ranges = [(first, last, pieces) for first, last in ranges or [(layers[0], layers[-1])]]
+        elif fits is None or fits.missing_dense():
+            why = source if fits is None else f"the profile has no {', '.join(fits.missing_dense())} lines"
+            if report:
+                log.info("operator partition: auto is off (%s)", why)
+            continue
+        else:
+            plan = plan_partition(fits, stage_model(cfg, layers, schedules), pieces=pieces, ranges=ranges)
+            plan_ranges = plan.as_tuples()
+            _unchunk(decoder, plan)
+            if report:
+                log.info("operator partition, layers %d-%d (Lancet's DP, profile %s):\n%s", layers[0], layers[-1],
+                         source, plan.report())  # fmt: skip
+        installed[index] = [(r.start, r.stop, r.pieces) for r in install_partition(decoder, plan_ranges)]
+        if report and installed[index]:
+            spans = ", ".join(f"{decoder.layers[s].layer_number}-{decoder.layers[e - 1].layer_number} in {k} pieces"
+                              for s, e, k in installed[index])  # fmt: skip
+            log.info("operator partition: layers %s of each micro-batch", spans)
+    return installed
+
+
+def _unchunk(decoder, plan) -> None:
+    """The plan's ranges that run their MoE layers' pieces unchunked (r = 1 predicted faster in pieces)."""
+    for span in plan.ranges:
+        if not span.unchunked:
+            continue
+        for layer in decoder.layers:
+            if span.first <= layer.layer_number <= span.last and isinstance(layer.mlp, MoELayer):
+                layer.mlp.set_pipeline_degrees(*_degrees(layer.mlp, 1, 1))
+
+
+def _unwrap_chunk(chunk):
+    """The GPTModel inside a DDP (and Float16Module) wrapper."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def resolve_pipeline_degrees(
@@ -315,13 +397,30 @@ def _degrees(layer: MoELayer, forward: int, backward: int) -> tuple[int, int]:
     return tuple(solved if flag == AUTO else flag for flag, solved in zip(configured, (forward, backward)))
 
 
-def profile_settings(sizes: LayerSizes, cfg: RunConfig) -> ProfileSettings:
-    """`megatron_moe.overlap.profiler.layer_profile_settings` at this run's MoE layer widths."""
-    layer = cfg.moe.layer_config(cfg.model)
+def profile_settings(sizes: LayerSizes, cfg: RunConfig, *, dense: bool = False) -> ProfileSettings:
+    """`megatron_moe.overlap.profiler.layer_profile_settings` at this run's MoE layer widths; `dense`: with the
+    attention / dense MLP / router lines the partition planner needs, at this run's model widths."""
+    layer, m = cfg.moe.layer_config(cfg.model), cfg.model
+    work = None
+    if dense:
+        work = DenseWork(
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_width,
+            gated=m.swiglu,
+            normalization=m.normalization,
+            seq_length=m.seq_length,
+            batches=tuple(sorted({1, max(1, cfg.training.micro_batch_size // 2), cfg.training.micro_batch_size})),
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            num_experts=layer.num_experts,
+            topk=layer.topk,
+        )
     return layer_profile_settings(
         sizes,
         hidden_size=layer.hidden_size,
         ffn_hidden_size=layer.ffn_hidden_size,
         num_experts=layer.num_experts,
         gated=layer.expert_type == "swiglu",
+        dense=work,
     )

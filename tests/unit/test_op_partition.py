@@ -8,6 +8,7 @@ import random
 import pytest
 
 from megatron_moe.config.fields import ConfigError
+from megatron_moe.config.rules import parse_pieces, parse_ranges
 from megatron_moe.overlap import op_partition as op
 from megatron_moe.overlap.cost_model import (
     DENSE_KINDS,
@@ -261,20 +262,20 @@ def test_dense_lines_fit_and_round_trip():
     [("auto", None), ("all", [(1, 6)]), ("2-3", [(2, 3)]), ("1-1, 3-6", [(1, 1), (3, 6)])],
 )
 def test_parse_ranges(text, expected):
-    assert op.parse_ranges(text, 6) == expected
+    assert parse_ranges(text, 6) == expected
 
 
 @pytest.mark.parametrize("text", ["3-2", "0-1", "1-7", "a-b", "2", "1-3,3-4", "4-5,1-2", ""])
 def test_parse_ranges_names_the_flag_value_and_a_choice(text):
     with pytest.raises(ConfigError, match=rf"--moe-partition-range={text}: .*(auto|ascending)"):
-        op.parse_ranges(text, 6)
+        parse_ranges(text, 6)
 
 
 def test_parse_pieces():
-    assert op.parse_pieces("auto", 4) is None and op.parse_pieces("1", 4) == 1 and op.parse_pieces(4, 4) == 4
+    assert parse_pieces("auto", 4) is None and parse_pieces("1", 4) == 1 and parse_pieces(4, 4) == 4
     for bad in ("0", "x", "-2", "5"):
         with pytest.raises(ConfigError, match=rf"--moe-partition-pieces={bad}: "):
-            op.parse_pieces(bad, 4)
+            parse_pieces(bad, 4)
 
 
 def test_run_flags_to_the_stage_model():

@@ -22,9 +22,9 @@ def validated(*flags):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--moe-partition-pieces", "0"], r"--moe-partition-pieces=0: an integer >= 1"),
-        (["--moe-partition-pieces", "two"], r"--moe-partition-pieces=two: an integer >= 1"),
-        (["--moe-partition-pieces", "8"], r"--moe-partition-pieces=8: at most --micro-batch-size=4"),
+        (["--moe-partition-pieces", "0"], r"--moe-partition-pieces=0: auto or an integer >= 1"),
+        (["--moe-partition-pieces", "two"], r"--moe-partition-pieces=two: auto or an integer >= 1"),
+        (["--moe-partition-pieces", "8"], r"--moe-partition-pieces=8: at most --micro-batch-size = 4"),
         (
             ["--moe-partition-pieces", "2", "--moe-expert-capacity-factor", "1.25"],
             r"--moe-partition-pieces=2: 1 with --moe-expert-capacity-factor 1.25: .* dropless",
@@ -32,9 +32,10 @@ def validated(*flags):
         (["--moe-partition-pieces", "2", "--moe-gate", "expert_choice"], r"1 with --moe-gate expert_choice"),
         (["--moe-partition-pieces", "2", "--moe-gate", "noisy_topk"], r"1 with --moe-gate noisy_topk"),
         (["--moe-partition-pieces", "2", "--recompute-granularity", "full"], r"1 with full activation recompute"),
-        (["--moe-partition-range", "3-2"], r"--moe-partition-range=3-2: all, or FIRST-LAST"),
+        (["--moe-partition-range", "3-2"], r"--moe-partition-range=3-2: 3-2: needs 1 <= FIRST <= LAST"),
         (["--moe-partition-range", "1-5"], r"LAST <= 4"),
-        (["--moe-partition-range", "2-3,1-4"], r"in order"),
+        (["--moe-partition-range", "2-3,1-4"], r"ascending, disjoint"),
+        (["--moe-partition-range", "one"], r"'one' is not FIRST-LAST; auto, all"),
         (["--moe-partition-range", "2-2", "--moe-layer-freq", "2"], r"a range with an MoE layer in it .* \[1, 3\]"),
     ],
 )
