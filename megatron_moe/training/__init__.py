@@ -83,7 +83,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     fits, source = cluster_fits(cfg, model)
     grad_reduce = install_grad_reduce_plan(cfg, model, fits, wgrad_queue)
     schedules = resolve_pipeline_degrees(cfg, model, fits, source, grad_reduce.partition if grad_reduce else None)
-    install_operator_partition(cfg, model, fits, source, schedules)
+    partition = install_operator_partition(cfg, model, fits, source, schedules)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     wire_model_config(cfg, config, model, optimizer)
@@ -98,6 +98,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
         "datasets": data.sizes,
         "tokenizer": tokenizer.description,
         "fusions": fusions.on(),
+        "operator_partition": partition,
     }
     return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, **overlap).train()
 

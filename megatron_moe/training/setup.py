@@ -256,25 +256,28 @@ def partition_planned(cfg: RunConfig) -> bool:
 
 def install_operator_partition(
     cfg: RunConfig, model, fits: ClusterFits | None, source: str = "", schedules: dict[int, Schedule] | None = None
-) -> dict[int, list[tuple[int, int, int]]]:
+) -> list[dict]:
     """Lancet's operator partition on each model chunk's block: the flags' pieces and ranges, or where either is
     auto Lancet's DP on `fits` (`op_partition.plan_partition`, with the solved pipeline `schedules`). Every rank
-    plans from the same agreed profile and flags, so every rank of a stage runs the same pieces. Returns model chunk
-    -> its installed (first, last, pieces); the plan is logged (rank 0 of each pipeline stage)."""
+    plans from the same agreed profile and flags, so every rank of a stage runs the same pieces. Returns, per model
+    chunk that runs pieces or was planned, {"layers", "ranges": [[first, last, pieces]], and with a plan "predicted_ms",
+    "a2a_ms", "hidden_ms" (partitioned / unpartitioned, one micro-batch forward + backward)}; logged by the first
+    rank of each pipeline stage."""
     moe, b = cfg.moe, cfg.training.micro_batch_size
     if not (moe.is_moe and moe.own_layer):
-        return {}
+        return []
     pieces = parse_pieces(moe.moe_partition_pieces, b)
     ranges = parse_ranges(moe.moe_partition_range, cfg.model.num_layers)
     if pieces == 1 or (pieces is None and b == 1) or (pieces is None and partition_blocker(cfg) is not None):
-        return {}
+        return []
     report = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
-    installed = {}
-    for index, chunk in enumerate(model):
+    figures = []
+    for chunk in model:
         decoder = _unwrap_chunk(chunk).decoder
         layers = [layer.layer_number for layer in decoder.layers]
         if not layers:
             continue
+        entry: dict = {"layers": [layers[0], layers[-1]]}
         if not partition_planned(cfg):  # N pieces over the given ranges (or all layers): no planner
             plan_ranges = [(first, last, pieces) for first, last in ranges or [(layers[0], layers[-1])]]
         elif fits is None or fits.missing_dense():
@@ -286,15 +289,17 @@ def install_operator_partition(
             plan = plan_partition(fits, stage_model(cfg, layers, schedules), pieces=pieces, ranges=ranges)
             plan_ranges = plan.as_tuples()
             _unchunk(decoder, plan)
+            entry |= {"predicted_ms": plan.predicted_ms, "a2a_ms": plan.a2a_ms, "hidden_ms": plan.hidden_ms}
             if report:
                 log.info("operator partition, layers %d-%d (Lancet's DP, profile %s):\n%s", layers[0], layers[-1],
                          source, plan.report())  # fmt: skip
-        installed[index] = [(r.start, r.stop, r.pieces) for r in install_partition(decoder, plan_ranges)]
-        if report and installed[index]:
-            spans = ", ".join(f"{decoder.layers[s].layer_number}-{decoder.layers[e - 1].layer_number} in {k} pieces"
-                              for s, e, k in installed[index])  # fmt: skip
+        installed = install_partition(decoder, plan_ranges)
+        entry["ranges"] = [[layers[r.start], layers[r.stop - 1], r.pieces] for r in installed]
+        figures.append(entry)
+        if report and installed:
+            spans = ", ".join(f"{first}-{last} in {k} pieces" for first, last, k in entry["ranges"])
             log.info("operator partition: layers %s of each micro-batch", spans)
-    return installed
+    return figures
 
 
 def _unchunk(decoder, plan) -> None:
