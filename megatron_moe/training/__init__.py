@@ -90,7 +90,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     counts = parameter_counts(cfg, model)
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes, fusions)
-    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce}
+    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce, "fits": fits}
     startup = {
         "parameters": counts,
         "datasets": data.sizes,
