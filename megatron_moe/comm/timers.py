@@ -18,16 +18,18 @@ Issued -> done is no measure of what overlap could hide: it includes waiting for
 issued early and waited for late (the adaptive gradient reduction spans the whole backward) counts its whole
 span. So the hidden share is taken against the time the bytes need on the link:
 
-    wire_ms       per collective: its line's alpha + ms per byte x the bytes that cross (`WireLine`, from the
-                  cost model's fitted line, training/comm_report.py `wire_lines`), or, for a kind without a
-                  line, crossing bytes x the fastest ms per crossing byte any complete collective of its family
-                  (`WIRE_FAMILIES`) showed in the window, issued -> done
+    wire_ms       per collective: its line's alpha + ms per byte x the bytes that cross (`WireLine`: the cost
+                  model's fitted line, or the start-up link probe's where no choice needed the cost model;
+                  training/setup.py `link_fits`, comm_report.py `wire_lines`); for a kind without a line
+                  (tp, pp_p2p, other, ESP without a profile), crossing bytes x the fastest ms per crossing byte
+                  any complete collective of its family (`WIRE_FAMILIES`) showed in the window, issued -> done
     peer_wait_ms  per kind: max(0, exposed - wire): blocked beyond the link's time, waiting for a peer
     hidden_frac   1 - exposed / wire over every kind, clamped to [0, 1]: waiting counts as not hidden
 
-The timers' estimate is the one that needs nothing measured beforehand: a span is at least its transfer, so the
-window's fastest per byte is the closest to the link's rate it saw (too slow by that collective's own overhead:
-the hidden share is then a little high, never inflated by peers' waiting, which the fastest one had least of).
+The window's estimate is a last resort, not a measure of the link: a rank's span is short when its peer issued
+first (the bytes had arrived) or when its sends fit the socket buffers, so the fastest one can be much faster than
+the link (on the emulated cluster at 0.2 Gbit/s it priced the backward all-to-alls at 14 ms, a 16th of what the
+bytes need): it then calls too little hidden and too much peer wait, never the reverse.
 Bytes: `bytes` is this rank's send buffers (an all-to-all's block for itself included), `wire_bytes` what left
 it (core.py `Collective.wire_bytes`); only the latter is link time.
 """
