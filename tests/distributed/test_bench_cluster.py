@@ -86,9 +86,9 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     for kind in A2A:  # EP=2: this rank's own block of every all-to-all stays; about half crosses
         assert 0 < row["wire_bytes"][kind] < row["bytes"][kind], (kind, row["wire_bytes"], row["bytes"])
         assert row["wire_ms"][kind] > 0 and row["wire_from"][kind] == "fit", (kind, row)  # the link probe's line
-    for kind in KINDS:  # exposed = the transfer's part (at most the wire time) + waiting for peers
-        transfer = min(row["exposed_ms"][kind], row["wire_ms"][kind])
-        assert abs(transfer + row["peer_wait_ms"][kind] - row["exposed_ms"][kind]) < 0.01, (kind, row)
+    for kind in KINDS:  # per step exposed = transfer (at most wire) + peer wait; over the steps' means, bounds
+        waited, exposed, wire = (row[field][kind] for field in ("peer_wait_ms", "exposed_ms", "wire_ms"))
+        assert max(0.0, exposed - wire) - 0.01 <= waited <= exposed + 0.01, (kind, row)
     for kind in A2A:  # EP=2 across the link: every MoE all-to-all sends bytes and blocks the step
         assert row["bytes"][kind] > 0 and row["exposed_ms"][kind] > 0 and row["calls"][kind] >= 1, (kind, row)
     assert row["bytes"]["dp_grad_reduce"] > 0  # DP=2: the dense gradients are all-reduced
