@@ -1,7 +1,8 @@
 """Benchmark a training step on an emulated cluster: step time, communication per kind, how much of it is exposed.
 
-    python -m tools.bench_step    # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, overlap settings off, greedy and pipeline
+    python -m tools.bench_step    # 2x1 and 2x2, at 0.5, 1 and 2.5 Gbit/s, every overlap setting
     python -m tools.bench_step --cluster 2x2esp --link-gbit 1 --steps 4 --overlap greedy pipeline
+    python -m tools.bench_step --cluster 2x1 --link-gbit 0.5 --overlap all-off all-on    # the headline pair
 
 The model is GPT2-S-MoE-shaped, cut down to fit two CPU cores (`MODEL`: 4 layers, every one MoE with 8 experts
 top-2; hidden 384, half GPT2-S's, FFN 768, sequences of 256, 1,024 tokens per rank and step), sized so that at
@@ -26,8 +27,9 @@ profile at start-up, later ones load it (--moe-cost-profile, one file per layout
 solves the degrees); these three with megatron-core's gradient reduction after backward. Then, as `pipeline`:
 `grad_overlap` (megatron-core's --overlap-grad-reduce, default buckets), `grad_small` (the same with
 --ddp-bucket-size `SMALL_BUCKET`, small buckets by hand) and `adaptive` (FSMoE's adaptive gradient partition,
---grad-reduce-schedule adaptive). The `2x2dp` layout (asked for by name) keeps EP=2 inside each node and
-puts the data-parallel reduction on the link.
+--grad-reduce-schedule adaptive). `all-off` and `all-on` name `off` and `adaptive`: every overlap feature off,
+and each at its default-on setting (Lancet greedy, pipeline degrees auto, the adaptive gradient partition). The
+`2x2dp` layout (asked for by name) keeps EP=2 inside each node and puts the data-parallel reduction on the link.
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
 interleaved, rates rotated round by round, each overlap setting right after the other, in turn first), so
@@ -37,18 +39,26 @@ are pooled into one JSON object per case, printed once every case has run:
 
 - `case`, `layout` (e.g. "2x2 EP=4 DP=4"), `link_gbit` (tc's rate; gloo's all-to-all gets about half of it,
   tools/bench_link.py), `step_ms` (median), `step_ms_all`;
-- `comm_ms`, `exposed_ms` (kind -> ms per step, mean over the timed steps: issued -> completed, and the time the
-  compute thread was blocked on it), `bytes` (kind -> bytes sent per step), `calls` (kind -> collectives issued
-  per step), `hidden_frac` (1 - exposed / comm over
-  all kinds), `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
+- `comm_ms`, `exposed_ms`, `wire_ms`, `peer_wait_ms` (kind -> ms per step, mean over the timed steps: issued ->
+  completed, raw, waiting for peers included; the time the compute thread was blocked on it; the time its
+  crossing bytes need on the link, from the cost model's fitted line where the job fitted one, else the timers'
+  estimate; exposed beyond wire, waiting for a slower peer: megatron_moe/comm/timers.py), `wire_from` (kind ->
+  "fit" or "timers"), `bytes` (kind -> bytes of this rank's send buffers per step, the all-to-alls' own blocks
+  included), `wire_bytes` (kind -> bytes that left this rank per step: only these cross a link), `calls` (kind
+  -> collectives issued per step), `hidden_frac` (1 - exposed / wire over all kinds, clamped to [0, 1]: waiting
+  counts as exposed, not hidden), `exposed_ms_total`, `wire_ms_total`, `peer_wait_ms_total`,
+  `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
 - the options in force: `overlap_wgrad` (Lancet), `pipeline_degree`, `bp_pipeline_degree` (FSMoE:
   "auto" or the number) and `overlap` (all of them), `pipeline_degrees` (MoE layer -> [forward, backward] in
   force, auto resolved: the Trainer's first history entry), the model flags, steps; `wgrad`: the queue's figures
   (closures under an all-to-all / at their natural place, peak MiB held, and the greedy plan's profile: backward
   all-to-all ms, dW ms available, predicted hidden ms).
 
-After the cases, one `overlap_wgrad` row per layout and rate compares greedy with off: `bwd_a2a_exposed_ms`
-(off, on), `bwd_a2a_exposed_cut` (1 - on / off), `step_ratio` (on / off, median step times), `peak_held_mb`; then
+After the cases, first one `headline` row per layout and rate, all-on against all-off: `step_ms` (off, on),
+`step_ratio` (off / on: above 1 is faster), `hidden_frac`, `exposed_ms`, `wire_ms` and `peer_wait_ms` of all
+communication (off, on), `exposed_frac_of_step` (off, on), all-on's options and pipeline degrees. Then one
+`overlap_wgrad` row per layout and rate compares greedy with off: `bwd_a2a_exposed_ms` (off, on),
+`bwd_a2a_exposed_cut` (1 - on / off), `step_ratio` (on / off, median step times), `peak_held_mb`; then
 one `pipeline` row per layout and rate compares pipeline (on) with greedy (off): `step_ms`, `step_ratio`,
 `exposed_ms` and `comm_ms` per a2a_* / esp_* kind (off, on), the solver's `pipeline_degrees`; then one
 `grad_reduce` row per layout and rate compares adaptive with megatron-core's three (`pipeline`, `grad_overlap`,
@@ -72,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_moe.comm.timers import hidden_share
 from tools.benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result
 from tools.emulated_cluster import EmulatedCluster
 
@@ -100,6 +111,8 @@ SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pip
     # ... + FSMoE's adaptive gradient partition
     "adaptive": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive")),
 }
+ALIASES = {"all-off": "off", "all-on": "adaptive"}
+"""The headline pair: every overlap feature off, and each at its default-on setting."""
 GRAD_BASELINES = ("pipeline", "grad_overlap", "grad_small")
 """megatron-core's reduction in the `grad_reduce` rows: after backward, overlapped in default and small buckets."""
 PIPELINE_KINDS = ("a2a_", "esp_")
@@ -129,12 +142,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
     p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
-    p.add_argument("--overlap", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="overlap settings")
+    choices = [*SETTINGS, *ALIASES]
+    p.add_argument("--overlap", nargs="+", default=list(SETTINGS), choices=choices, help="overlap settings")
     p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
     p.add_argument(
         "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
     )
     args = p.parse_args(argv)
+    args.overlap = list(dict.fromkeys(ALIASES.get(name, name) for name in args.overlap))  # all-on: adaptive
     check_layouts_and_rates(p, args.cluster, args.link_gbit, LAYOUTS)
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup: {args.warmup} must leave timed steps of --steps {args.steps}; give 0..{args.steps - 1}")
@@ -221,8 +236,8 @@ def summarize(
 
     step_ms = statistics.median(h["step_ms"] for h in timed)
     mean_step = statistics.fmean(h["step_ms"] for h in timed)
-    comm, exposed = mean("comm_ms"), mean("exposed_ms")
-    total_comm, total_exposed = sum(comm.values()), sum(exposed.values())
+    comm, exposed, wire, waited = mean("comm_ms"), mean("exposed_ms"), mean("wire_ms"), mean("peer_wait_ms")
+    total_exposed, total_wire = sum(exposed.values()), sum(wire.values())
     wgrad = [h.get("wgrad") for h in timed if h.get("wgrad")]
     policy, degree, bp_degree, grad = SETTINGS[setting]
     overlap = {"overlap_wgrad": policy, "pipeline_degree": degree, "bp_pipeline_degree": bp_degree}
@@ -237,10 +252,16 @@ def summarize(
         "step_ms": round(step_ms, 1),
         "comm_ms": comm,
         "exposed_ms": exposed,
-        "hidden_frac": round(max(0.0, 1 - total_exposed / total_comm), 4) if total_comm > 0 else 0.0,
+        "wire_ms": wire,
+        "peer_wait_ms": waited,
+        "wire_from": {k: timed[-1]["comm"]["wire_from"][k] for k in kinds},
+        "hidden_frac": round(hidden_share(total_exposed, total_wire), 4),
         "bytes": {k: round(statistics.fmean(h["comm"]["bytes"][k] for h in timed)) for k in kinds},
+        "wire_bytes": {k: round(statistics.fmean(h["comm"]["wire_bytes"][k] for h in timed)) for k in kinds},
         "calls": {k: round(statistics.fmean(h["comm"]["calls"][k] for h in timed), 1) for k in kinds},
         "exposed_ms_total": round(total_exposed, 1),
+        "wire_ms_total": round(total_wire, 1),
+        "peer_wait_ms_total": round(sum(waited.values()), 1),
         "exposed_frac_of_step": {k: round(v / mean_step, 4) for k, v in exposed.items()},
         "a2a_exposed_frac_of_step": round(sum(exposed[k] for k in A2A_KINDS if k in exposed) / mean_step, 4),
         "step_ms_all": [[round(h["step_ms"], 1) for h in history] for history in histories],
@@ -274,6 +295,32 @@ def _wgrad_figures(steps: list[dict]) -> dict | None:
     figures = {k: round(statistics.fmean(s[k] for s in steps), 1) for k in places}
     figures["peak_held_mb"] = max(s["peak_held_mb"] for s in steps)
     return {**figures, **{k: v for k, v in steps[-1].items() if k.startswith("plan")}}
+
+
+def headline(off: dict, on: dict) -> dict:
+    """The `headline` row of one layout and rate: all-on (each overlap feature at its default-on setting) against
+    all-off. `step_ratio` is off / on (1.2: all-on 1.2x as fast); hidden shares are of all communication, against
+    its wire time (megatron_moe/comm/timers.py)."""
+
+    def pair(field: str) -> dict:
+        return {"off": off[field], "on": on[field]}
+
+    return {
+        "case": f"headline_{off['case'].removeprefix('step_')}",
+        "layout": off["layout"],
+        "link_gbit": off["link_gbit"],
+        "all_on": on["overlap"],
+        "step_ms": pair("step_ms"),
+        "step_ratio": round(off["step_ms"] / on["step_ms"], 3),
+        "hidden_frac": pair("hidden_frac"),
+        "exposed_ms": pair("exposed_ms_total"),
+        "wire_ms": pair("wire_ms_total"),
+        "peer_wait_ms": pair("peer_wait_ms_total"),
+        "exposed_frac_of_step": {
+            name: round(row["exposed_ms_total"] / row["step_ms"], 4) for name, row in (("off", off), ("on", on))
+        },
+        "pipeline_degrees": on["pipeline_degrees"],
+    }
 
 
 def compare(off: dict, on: dict) -> dict:
@@ -385,6 +432,9 @@ def main(argv=None) -> int:
         flags = trainer_flags(layout, args.steps, data, args.model, policy)
         rows[layout, rate, policy] = summarize(layout, rate, runs, args.warmup, flags, policy)
         print(json.dumps(rows[layout, rate, policy]), flush=True)
+    for (layout, rate, policy), row in rows.items():
+        if policy == ALIASES["all-on"] and (layout, rate, ALIASES["all-off"]) in rows:
+            print(json.dumps(headline(rows[layout, rate, ALIASES["all-off"]], row)), flush=True)
     for (layout, rate, policy), row in rows.items():
         if policy == "greedy" and (layout, rate, "off") in rows:
             print(json.dumps(compare(rows[layout, rate, "off"], row)), flush=True)

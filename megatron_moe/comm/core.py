@@ -51,7 +51,14 @@ class Collective:
     backward: bool = False
     """True for the reverse collective a differentiable call issues in the backward pass."""
     nbytes: int = 0
-    """Bytes this rank contributes (sends)."""
+    """Bytes of this rank's send buffer, its own block included (an all-to-all's rows for itself stay here)."""
+    wire_bytes: int | None = None
+    """Bytes that leave this rank: `nbytes` less what it keeps for itself (an all-to-all's own block; the ring's
+    share for an all-gather / reduce-scatter / all-reduce: `ring_wire_bytes`). None: all of `nbytes` leaves."""
+
+    @property
+    def crossing_bytes(self) -> int:
+        return self.nbytes if self.wire_bytes is None else self.wire_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +238,14 @@ class MonitoredWork:
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def ring_wire_bytes(n: int, p: int, *, all_reduce: bool = False) -> int:
+    """Bytes that leave each rank in a bandwidth-optimal all-gather or reduce-scatter of `n` bytes (the whole
+    buffer: P blocks) over `p` ranks: (p - 1) / p x n, its P - 1 foreign blocks; an all-reduce is both, twice that.
+    What a ring sends; gloo and NCCL pick other algorithms at some sizes, none sends less."""
+    share = n * (p - 1) // p if p > 1 else 0
+    return 2 * share if all_reduce else share
 
 
 def group_size(group) -> int:

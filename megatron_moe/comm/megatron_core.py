@@ -33,7 +33,15 @@ import inspect
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_moe.comm.core import Collective, MonitoredWork, host_read, is_issuing, issue, nbytes
+from megatron_moe.comm.core import (
+    Collective,
+    MonitoredWork,
+    host_read,
+    is_issuing,
+    issue,
+    nbytes,
+    ring_wire_bytes,
+)
 from megatron_moe.platform.cpu_compat import Patch, source
 
 TAPPED_FUNCTIONS = (
@@ -103,7 +111,11 @@ def _tap_sync(original, handle_attr: str, kind: str, data_attr: str):
             return getattr(self, handle_attr)
 
         purpose = f"megatron-core/{original.__name__}"
-        record = Collective(kind, purpose, _sync_group(self), nbytes=_bucket_bytes(self, data_attr))
+        sent, p = _bucket_bytes(self, data_attr), dist.get_world_size(_sync_group(self))
+        # The gradients: reduce-scatter (distributed optimizer) or all-reduce; the parameters: all-gather.
+        all_reduce = kind == "dp_grad_reduce" and not self.ddp_config.use_distributed_optimizer
+        wire = ring_wire_bytes(sent, p, all_reduce=all_reduce)
+        record = Collective(kind, purpose, _sync_group(self), nbytes=sent, wire_bytes=wire)
         handle = issue(record, start)
         if handle is not None:
             setattr(self, handle_attr, handle)

@@ -26,8 +26,17 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_moe.comm.core import Collective, CommHandle, group_size, issue, nbytes
+from megatron_moe.comm.core import Collective, CommHandle, group_size, issue, nbytes, ring_wire_bytes
 from megatron_moe.comm.transport import all_to_all_single
+
+
+def _sent(record: Collective, x: torch.Tensor, splits: list[int], group) -> Collective:
+    """`record` with the bytes of an all-to-all that sends `splits[g]` rows of `x` to rank g: `nbytes` the whole
+    buffer, `wire_bytes` less the block this rank sends itself (it never leaves the rank)."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    row_bytes = nbytes(x[:1]) if x.shape[0] else 0
+    own = splits[rank] * row_bytes if rank < len(splits) else 0
+    return dataclasses.replace(record, nbytes=nbytes(x), wire_bytes=nbytes(x) - own)
 
 
 class BackwardOverlap(Protocol):
@@ -51,7 +60,7 @@ class _Reverse:
     def start(self, grad: torch.Tensor) -> None:
         grad = grad.contiguous()
         out = grad.new_empty((sum(self.in_splits), *grad.shape[1:]))
-        record = dataclasses.replace(self.record, backward=True, nbytes=nbytes(grad))
+        record = _sent(dataclasses.replace(self.record, backward=True), grad, self.out_splits, self.group)
         work = issue(
             record,
             lambda: all_to_all_single(out, grad, self.in_splits, self.out_splits, group=self.group, async_op=True),
@@ -76,7 +85,7 @@ class _AllToAll(torch.autograd.Function):
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         async_op = works is not None
         work = issue(
-            dataclasses.replace(record, nbytes=nbytes(x)),
+            _sent(record, x, in_splits, group),
             lambda: all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op),
         )
         if async_op:
@@ -117,7 +126,7 @@ def _all_to_all(x, out_splits, in_splits, group, record: Collective, async_op: b
     if async_op and out.requires_grad:  # the reverse starts where the forward waits for the rows
         then = _landing(reverse, then)
     # The input must outlive an asynchronous send: the handle holds it until wait().
-    record = dataclasses.replace(record, nbytes=nbytes(x))
+    record = _sent(record, x, in_splits, group)
     return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then, record=record)
 
 
@@ -191,7 +200,9 @@ def _native(x, group, record: Collective, works, gather: bool) -> torch.Tensor:
     """all_gather_into_tensor (`gather`) or reduce_scatter_tensor; asynchronous when `works` is a list."""
     p = group_size(group)
     out = x.new_empty((x.shape[0] * p if gather else x.shape[0] // p, *x.shape[1:]))
-    async_op, record = works is not None, dataclasses.replace(record, nbytes=nbytes(x))
+    # all-gather: this rank's block to each of the P - 1 peers; reduce-scatter: the P - 1 blocks not its own.
+    wire = (p - 1) * nbytes(x) if gather else ring_wire_bytes(nbytes(x), p)
+    async_op, record = works is not None, dataclasses.replace(record, nbytes=nbytes(x), wire_bytes=wire)
     if gather:
         work = issue(record, lambda: dist.all_gather_into_tensor(out, x, group=group, async_op=async_op))
     else:
@@ -267,7 +278,8 @@ def esp_gather_counts(counts_GL: torch.Tensor, group, *, layer: int | None = Non
     counts_GL = counts_GL.contiguous()
     p = group_size(group)
     out = counts_GL.new_empty((p, *counts_GL.shape))
-    record = Collective("esp_ag", "esp_gather_counts", group, layer, nbytes=nbytes(counts_GL))
+    wire = (p - 1) * nbytes(counts_GL)  # one copy to each peer
+    record = Collective("esp_ag", "esp_gather_counts", group, layer, nbytes=nbytes(counts_GL), wire_bytes=wire)
     issue(record, lambda: all_to_all_single(out, counts_GL.expand(p, *counts_GL.shape).contiguous(), group=group))
     return out
 
@@ -280,7 +292,7 @@ def exchange_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None)
     counts_GL = counts_GL.contiguous()
     out = torch.empty_like(counts_GL)
     issue(
-        Collective("a2a_dispatch", "exchange_counts", group, layer, nbytes=nbytes(counts_GL)),
+        _sent(Collective("a2a_dispatch", "exchange_counts", group, layer), counts_GL, [1] * len(counts_GL), group),
         lambda: all_to_all_single(out, counts_GL, group=group),
     )
     return out

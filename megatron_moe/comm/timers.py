@@ -12,14 +12,33 @@ finishes the transfer), or by the end of the wait that saw it complete, whicheve
 accelerator the stamps are CUDA events on the compute stream (platform/timing.py): a blocked span is how
 long the stream waited for the collective, `done` is where the stream had it (an upper bound when the
 wait found it finished), and nothing waits for the device before `summary()`, which the Trainer calls
-once the step's loss has been read anyway. Bytes are what this rank sent.
+once the step's loss has been read anyway.
+
+Issued -> done is no measure of what overlap could hide: it includes waiting for a slower peer, and a collective
+issued early and waited for late (the adaptive gradient reduction spans the whole backward) counts its whole
+span. So the hidden share is taken against the time the bytes need on the link:
+
+    wire_ms       per collective: its line's alpha + ms per byte x the bytes that cross (`WireLine`: the cost
+                  model's fitted line, or the start-up link probe's where no choice needed the cost model;
+                  training/setup.py `link_fits`, comm_report.py `wire_lines`); for a kind without a line
+                  (tp, pp_p2p, other, ESP without a profile), crossing bytes x the fastest ms per crossing byte
+                  any complete collective of its family (`WIRE_FAMILIES`) showed in the window, issued -> done
+    peer_wait_ms  per kind: max(0, exposed - wire): blocked beyond the link's time, waiting for a peer
+    hidden_frac   1 - exposed / wire over every kind, clamped to [0, 1]: waiting counts as not hidden
+
+The window's estimate is a last resort, not a measure of the link: a rank's span is short when its peer issued
+first (the bytes had arrived) or when its sends fit the socket buffers, so the fastest one can be much faster than
+the link (on the emulated cluster at 0.2 Gbit/s it priced the backward all-to-alls at 14 ms, a 16th of what the
+bytes need): it then calls too little hidden and too much peer wait, never the reverse.
+Bytes: `bytes` is this rank's send buffers (an all-to-all's block for itself included), `wire_bytes` what left
+it (core.py `Collective.wire_bytes`); only the latter is link time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from megatron_moe.comm.core import KINDS, Collective, HostRead
@@ -44,6 +63,28 @@ of the expert-sharded all-gather / reduce-scatter apart."""
 assert set(KINDS) <= set(SUMMARY_KINDS)
 
 
+WIRE_FAMILIES = {
+    **dict.fromkeys(("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd"), "a2a"),
+    **dict.fromkeys(("esp_ag", "esp_ag_bwd", "esp_rs", "esp_rs_bwd"), "esp"),
+    **{kind: kind for kind in ("dp_grad_reduce", "tp", "pp_p2p", "other")},
+}
+"""Summary kind -> the kinds whose collectives share one link rate in the timers' wire-time estimate (the MoE
+all-to-alls forward and backward cross the same links with the same pattern; so do the ESP ones)."""
+assert set(WIRE_FAMILIES) == set(SUMMARY_KINDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLine:
+    """A kind's time on the link per collective: alpha_ms + ms_per_byte x its crossing bytes."""
+
+    alpha_ms: float
+    ms_per_byte: float
+    """Per byte that leaves this rank (`Collective.wire_bytes`)."""
+
+    def time_ms(self, wire_bytes: int) -> float:
+        return self.alpha_ms + self.ms_per_byte * wire_bytes if wire_bytes > 0 else 0.0
+
+
 def summary_kind(collective: Collective) -> str:
     """`a2a_dispatch` -> `a2a_dispatch_bwd` for the reverse all-to-all of the backward pass (`esp_ag`,
     `esp_rs` likewise)."""
@@ -58,6 +99,7 @@ class _Timed:
     kind: str
     layer: int | None
     nbytes: int
+    wire_bytes: int
     issued: Any
     spans: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     """(blocked, unblocked) stamps: the compute thread/stream waiting for it."""
@@ -68,21 +110,31 @@ class _Timed:
 
 @dataclasses.dataclass(kw_only=True)
 class CommSummary:
-    """A measurement window's communication (one step in training), this rank's view."""
+    """A measurement window's communication (one step in training), this rank's view (module docstring: wire
+    time, peer wait and the hidden share). Every dict has every kind of `SUMMARY_KINDS`."""
 
     comm_ms: dict[str, float]
-    """Kind -> ms from issue to completion, summed over its collectives (every kind of `SUMMARY_KINDS`)."""
+    """Kind -> ms from issue to completion, summed over its collectives: raw, waiting for peers included; the
+    denominator of no hidden share."""
     exposed_ms: dict[str, float]
     """Kind -> ms the calling thread (CPU) / compute stream (GPU) was blocked on it."""
     bytes: dict[str, int]
-    """Kind -> bytes this rank sent."""
+    """Kind -> bytes of this rank's send buffers, its own all-to-all blocks included (not what crossed)."""
+    wire_bytes: dict[str, int]
+    """Kind -> bytes that left this rank (`Collective.wire_bytes`)."""
+    wire_ms: dict[str, float]
+    """Kind -> ms its crossing bytes need on the link (fitted line, or the timers' estimate)."""
+    wire_from: dict[str, str]
+    """Kind -> "fit" (a `WireLine`), "timers" (the window's fastest per byte) or "" (no bytes crossed)."""
+    peer_wait_ms: dict[str, float]
+    """Kind -> max(0, exposed - wire): the exposed time beyond the link's, waiting for a peer."""
     calls: dict[str, int]
     """Kind -> collectives issued."""
     per_layer: dict[int, dict]
-    """MoE layer -> {"comm_ms": {kind: ms}, "exposed_ms": {...}, "bytes": {...}, "calls": {...}}, kinds seen
-    on that layer."""
+    """MoE layer -> {figure: {kind: value}} for comm_ms, exposed_ms, bytes, wire_bytes, wire_ms, peer_wait_ms,
+    calls: the kinds seen on that layer."""
     hidden_frac: float
-    """1 - sum(exposed_ms) / sum(comm_ms), at least 0; 0.0 when there was no communication."""
+    """1 - sum(exposed_ms) / sum(wire_ms), clamped to [0, 1]; 0.0 when nothing crossed."""
 
     @property
     def total_comm_ms(self) -> float:
@@ -92,18 +144,45 @@ class CommSummary:
     def total_exposed_ms(self) -> float:
         return sum(self.exposed_ms.values())
 
+    @property
+    def total_wire_ms(self) -> float:
+        return sum(self.wire_ms.values())
+
+    @property
+    def total_peer_wait_ms(self) -> float:
+        return sum(self.peer_wait_ms.values())
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def hidden_share(exposed_ms: float, wire_ms: float) -> float:
+    """1 - exposed / wire, clamped to [0, 1]; 0.0 when nothing needed the link."""
+    return min(1.0, max(0.0, 1.0 - exposed_ms / wire_ms)) if wire_ms > 0 else 0.0
+
+
+def peer_wait(exposed_ms: dict[str, float], wire_ms: dict[str, float]) -> dict[str, float]:
+    """Kind -> max(0, exposed - wire)."""
+    return {kind: max(0.0, ms - wire_ms.get(kind, 0.0)) for kind, ms in exposed_ms.items()}
 
 
 class CommTimers:
     """A `Monitor` that times every collective; `summary()` of the window since `reset()`.
 
     `clock` is the host clock on CPU (replaceable in tests); `stamps` overrides the platform's choice.
+    `wire_lines`: summary kind -> its `WireLine` (training/comm_report.py `wire_lines` from the cost model's fits);
+    a kind without one gets the timers' estimate.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, stamps: Stamps | None = None):
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        stamps: Stamps | None = None,
+        wire_lines: Mapping[str, WireLine] | None = None,
+    ):
         self.stamps = stamps if stamps is not None else comm_stamps(clock)
+        self.wire_lines = dict(wire_lines or {})
         self._timed: list[_Timed] = []
         self._last = None  # the latest stamp the compute thread took (GPU: settled before reading)
 
@@ -115,7 +194,8 @@ class CommTimers:
 
     def issued(self, collective: Collective) -> _Timed:
         self._last = self.stamps.stamp()
-        timed = _Timed(summary_kind(collective), collective.layer, collective.nbytes, self._last)
+        kind, layer = summary_kind(collective), collective.layer
+        timed = _Timed(kind, layer, collective.nbytes, collective.crossing_bytes, self._last)
         self._timed.append(timed)  # list.append: atomic, autograd's threads may issue too
         return timed
 
@@ -155,27 +235,47 @@ class CommTimers:
     def summary(self) -> CommSummary:
         """The window's figures; collectives not yet complete count their blocked time only."""
         timed = list(self._timed)
-        zeros = dict.fromkeys(SUMMARY_KINDS, 0.0)
-        counts = dict.fromkeys(SUMMARY_KINDS, 0)
-        totals = {"comm_ms": dict(zeros), "exposed_ms": dict(zeros), "bytes": dict(counts), "calls": dict(counts)}
-        per_layer: dict[int, dict] = {}
         if self._last is not None:
             self.stamps.settle(self._last)
-        for t in timed:
-            figures = self._figures(t)
+        figures = [self._figures(t) for t in timed]
+        wire = self._wire_ms(timed, figures)
+        names = ("comm_ms", "exposed_ms", "bytes", "wire_bytes", "wire_ms", "calls")
+        totals = {name: dict.fromkeys(SUMMARY_KINDS, 0.0 if name.endswith("_ms") else 0) for name in names}
+        per_layer: dict[int, dict] = {}
+        for t, values, wire_ms in zip(timed, figures, wire):
+            values = {**values, "wire_ms": wire_ms}
             tables = [totals]
             if t.layer is not None:
-                empty = {"comm_ms": {}, "exposed_ms": {}, "bytes": {}, "calls": {}}
-                tables.append(per_layer.setdefault(t.layer, empty))
+                tables.append(per_layer.setdefault(t.layer, {name: {} for name in names}))
             for table in tables:
-                for name, value in figures.items():
+                for name, value in values.items():
                     table[name][t.kind] = table[name].get(t.kind, 0) + value
-        comm, exposed = sum(totals["comm_ms"].values()), sum(totals["exposed_ms"].values())
-        hidden = max(0.0, 1.0 - exposed / comm) if comm > 0 else 0.0
-        return CommSummary(**totals, per_layer=per_layer, hidden_frac=hidden)
+        for table in (totals, *per_layer.values()):
+            table["peer_wait_ms"] = peer_wait(table["exposed_ms"], table["wire_ms"])
+        wire_from = {
+            kind: ("fit" if kind in self.wire_lines else "timers") if totals["wire_bytes"][kind] > 0 else ""
+            for kind in SUMMARY_KINDS
+        }
+        hidden = hidden_share(sum(totals["exposed_ms"].values()), sum(totals["wire_ms"].values()))
+        return CommSummary(**totals, wire_from=wire_from, per_layer=per_layer, hidden_frac=hidden)
 
     def _figures(self, t: _Timed) -> dict:
         elapsed = self.stamps.elapsed_ms
         exposed = sum(elapsed(start, end) for start, end in t.spans if start is not None)
         comm = elapsed(t.issued, t.done) if t.done is not None else exposed
-        return {"comm_ms": comm, "exposed_ms": exposed, "bytes": t.nbytes, "calls": 1}
+        return {"comm_ms": comm, "exposed_ms": exposed, "bytes": t.nbytes, "wire_bytes": t.wire_bytes, "calls": 1}
+
+    def _wire_ms(self, timed: list[_Timed], figures: list[dict]) -> list[float]:
+        """Each collective's wire time: its kind's `WireLine`, else its crossing bytes at the fastest ms per
+        crossing byte of a complete collective of its family in the window (module docstring)."""
+        fastest: dict[str, float] = {}
+        for t, values in zip(timed, figures):
+            if t.kind not in self.wire_lines and t.done is not None and t.wire_bytes > 0:
+                family, per_byte = WIRE_FAMILIES[t.kind], values["comm_ms"] / t.wire_bytes
+                fastest[family] = min(fastest.get(family, per_byte), per_byte)
+        return [
+            self.wire_lines[t.kind].time_ms(t.wire_bytes)
+            if t.kind in self.wire_lines
+            else t.wire_bytes * fastest.get(WIRE_FAMILIES[t.kind], 0.0)
+            for t in timed
+        ]

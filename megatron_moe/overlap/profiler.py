@@ -276,7 +276,7 @@ def _as_json(value):
     return json.loads(json.dumps(value))
 
 
-def _timed_ms(calls: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
+def timed_ms(calls: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
     """One warm-up round, then `repeats` rounds of the calls in order, each call between world barriers with the
     device synchronized: the median of each call's times."""
     times: list[list[float]] = [[] for _ in calls]
@@ -292,7 +292,7 @@ def _timed_ms(calls: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
     return [statistics.median(kept) for kept in times]
 
 
-def _comm_calls(kind: str, group, nbytes: int, device) -> tuple[int, Callable[[], Any]]:
+def comm_calls(kind: str, group, nbytes: int, device) -> tuple[int, Callable[[], Any]]:
     """(the bytes actually moved, the call) for one message size of `kind`."""
     p = group_size(group)
     numel = max(1, nbytes // 4 // p) * p
@@ -350,7 +350,7 @@ def _expert_points(
             dy, x, a, dh = (t[: sum(chunk_counts)] for t in operands)
             weight_grads = mlp_weight_grads(dy, x, a, dh, chunk_counts, (True, True))
             calls = [*forward_backward(x_QH, counts, received_XL, r, alone), weight_grads]
-            forward_ms, backward_ms, dw_ms = _timed_ms(calls, repeats)
+            forward_ms, backward_ms, dw_ms = timed_ms(calls, repeats)
             chunk_macs = q // r * macs
             points["gemm"].append((chunk_macs, forward_ms / r))
             points["gemm_bwd"].append((chunk_macs, backward_ms / r))
@@ -420,7 +420,7 @@ def _dense_points(work: DenseWork, device) -> dict[str, list[tuple[float, float]
             *pair(lambda x=x_SBH: route(x)[0]),
             *pair(lambda x=x_SBH, r=rows_RH, o=order_R: unroute(x, r, o)),
         ]
-        times = _timed_ms(calls, work.repeats)
+        times = timed_ms(calls, work.repeats)
         tokens = batch * work.seq_length // split
         for kind, ms in zip(DENSE_MEASURED, times):
             points[kind].append((tokens, ms))
@@ -442,7 +442,7 @@ def _pipeline_points(work: ExpertWork, groups: ProfileGroups, forward_backward, 
     esp_rank = dist.get_rank(esp) if esp is not None else 0
     points = {"pipeline": [], "pipeline_bwd": []}
     for r in work.degrees:
-        forward_ms, backward_ms = _timed_ms(forward_backward(rows_RH, counts, received_XL, r, links, esp_rank), repeats)
+        forward_ms, backward_ms = timed_ms(forward_backward(rows_RH, counts, received_XL, r, links, esp_rank), repeats)
         points["pipeline"].append((r, forward_ms))
         points["pipeline_bwd"].append((r, backward_ms))
     return points
@@ -493,8 +493,8 @@ def measure_fits(groups: ProfileGroups, settings: ProfileSettings, *, cluster: d
     for kind in ("a2a", "ag", "rs", "ar"):
         group = _kind_group(kind, groups)
         if _size(group) > 1:  # else no such collective on this cluster: a zero fit (every rank has the same sizes)
-            calls = [_comm_calls(kind, group, n, device) for n in settings.comm_bytes]
-            times = _timed_ms([call for _, call in calls], settings.repeats)
+            calls = [comm_calls(kind, group, n, device) for n in settings.comm_bytes]
+            times = timed_ms([call for _, call in calls], settings.repeats)
             points[kind] = [(n, ms) for (n, _), ms in zip(calls, times)]
     width = max(len(p) for p in points.values())
     table = torch.zeros(len(MEASURED_KINDS), width, dtype=torch.float64)  # ms per (kind, size), this rank's

@@ -26,6 +26,7 @@ from megatron_moe.training.setup import (
     cluster_fits,
     install_grad_reduce_plan,
     install_operator_partition,
+    link_fits,
     resolve_pipeline_degrees,
     wire_model_config,
 )
@@ -92,7 +93,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     counts = parameter_counts(cfg, model)
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes, fusions)
-    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce}
+    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce, "fits": link_fits(cfg, fits)}
     startup = {
         "parameters": counts,
         "datasets": data.sizes,

@@ -1,5 +1,8 @@
-"""What the communication timers report in training: TensorBoard scalars, the log line's figures, and the
-warning for an overlap option that hides nothing.
+"""What the communication timers report in training: TensorBoard scalars, the log line's figures, the
+warning for an overlap option that hides nothing, and the timers' wire-time lines from the cost model's fits.
+
+Every hidden share here is 1 - exposed / wire time (comm/timers.py): against the time the bytes that cross need
+on the link, not against issued -> done spans, which count waiting for a slower peer as hidden.
 
 `OVERLAP_OPTIONS` is the table of options that promise to hide communication: a description naming the
 flags, when it is in force, and the kinds it should hide: overlap_wgrad (Lancet), the pipeline degrees (FSMoE's
@@ -12,8 +15,9 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from megatron_moe.comm.timers import CommSummary
+from megatron_moe.comm.timers import CommSummary, WireLine, hidden_share
 from megatron_moe.config import RunConfig
+from megatron_moe.overlap.cost_model import ClusterFits
 
 log = logging.getLogger("megatron_moe")
 
@@ -79,17 +83,47 @@ OVERLAP_OPTIONS: tuple[OverlapOption, ...] = (
 )
 
 
+WIRE_FITS = {
+    **dict.fromkeys(("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd"), ("a2a", "ep", 1)),
+    **dict.fromkeys(("esp_ag", "esp_rs_bwd"), ("ag", "esp", 1)),  # esp_rs's backward is an all-gather
+    **dict.fromkeys(("esp_rs", "esp_ag_bwd"), ("rs", "esp", 1)),
+    "dp_grad_reduce": ("ar", "dp", 2),
+}
+"""Summary kind -> (the cost model's line, the group it was measured on, the ring factor f): the profile's n
+counts the whole buffer of equal blocks (a2a: what this rank sends, its own block included; ag: the gathered
+output; rs: the input; ar: the bytes reduced), of which f x (P - 1) / P crosses (overlap/profiler.py
+`comm_calls`); so a byte that crosses costs beta x P / (f x (P - 1)). The other kinds have no line."""
+
+
+def wire_lines(fits: ClusterFits | None) -> dict[str, WireLine]:
+    """The timers' `WireLine` per summary kind from the cost model's fits (training/setup.py `cluster_fits`): the
+    fitted start-up time and the fitted ms per byte converted to ms per crossing byte (`WIRE_FITS`). Kinds whose
+    group had one rank, or no size in the profile's description, get none (the timers' estimate then)."""
+    if fits is None:
+        return {}
+    lines = {}
+    for kind, (fit_kind, group, factor) in WIRE_FITS.items():
+        p = int(fits.cluster.get(group) or 0)
+        if p > 1 and fit_kind in fits.fits:
+            fit = fits[fit_kind]
+            lines[kind] = WireLine(alpha_ms=fit.alpha, ms_per_byte=fit.beta * p / (factor * (p - 1)))
+    return lines
+
+
 class HiddenCheck:
     """Warns once per run for each overlap option in force that hides less than `min_hidden` of its kinds'
     communication over the first `window` steps (users' complaint #12: options that silently overlap nothing).
+    Hidden is 1 - exposed / wire time: an option whose collectives are exposed for as long as they need the link,
+    or longer (waiting for peers), hides nothing.
     """
 
     def __init__(self, cfg: RunConfig, *, window: int = 20, min_hidden: float = 0.05, options=OVERLAP_OPTIONS):
         self.window, self.min_hidden = window, min_hidden
         self._pending = [option for option in options if option.enabled(cfg)]
         self._steps = 0
-        self._comm_ms = [0.0] * len(self._pending)
+        self._wire_ms = [0.0] * len(self._pending)
         self._exposed_ms = [0.0] * len(self._pending)
+        self._peer_wait_ms = [0.0] * len(self._pending)
 
     def observe(self, summary: CommSummary) -> list[str]:
         """Add one step; returns the warnings logged now (at the end of the window, at most once)."""
@@ -97,18 +131,22 @@ class HiddenCheck:
             return []
         self._steps += 1
         for i, option in enumerate(self._pending):
-            self._comm_ms[i] += sum(summary.comm_ms.get(kind, 0.0) for kind in option.hides)
+            self._wire_ms[i] += sum(summary.wire_ms.get(kind, 0.0) for kind in option.hides)
             self._exposed_ms[i] += sum(summary.exposed_ms.get(kind, 0.0) for kind in option.hides)
+            self._peer_wait_ms[i] += sum(summary.peer_wait_ms.get(kind, 0.0) for kind in option.hides)
         if self._steps < self.window:
             return []
         warnings = []
-        for option, comm_ms, exposed_ms in zip(self._pending, self._comm_ms, self._exposed_ms):
-            hidden = 1.0 - exposed_ms / comm_ms if comm_ms > 0 else None
+        for i, option in enumerate(self._pending):
+            wire_ms, exposed_ms = self._wire_ms[i], self._exposed_ms[i]
+            hidden = hidden_share(exposed_ms, wire_ms) if wire_ms > 0 else None  # None: nothing crossed
             if hidden is not None and hidden < self.min_hidden:
                 warnings.append(
                     f"overlap option {option.description} hides nothing: {100 * hidden:.1f}% of "
                     f"{'+'.join(option.hides)} communication hidden over {self._steps} steps "
-                    f"({exposed_ms:.1f} of {comm_ms:.1f} ms exposed); expected at least {100 * self.min_hidden:.0f}%"
+                    f"({exposed_ms:.1f} ms exposed against {wire_ms:.1f} ms on the link, "
+                    f"{self._peer_wait_ms[i]:.1f} ms of it waiting for peers); "
+                    f"expected at least {100 * self.min_hidden:.0f}%"
                 )
         for warning in warnings:
             log.warning("%s", warning)
@@ -116,40 +154,49 @@ class HiddenCheck:
         return warnings
 
 
+SCALAR_FIGURES = ("comm_ms", "exposed_ms", "wire_ms", "peer_wait_ms", "bytes", "wire_bytes", "calls")
+"""The per-kind figures TensorBoard gets (comm/timers.py `CommSummary`)."""
+
+
 def tensorboard_scalars(summary: CommSummary) -> dict[str, float]:
-    """`comm/<figure>/<kind>`, `comm/layer_NNN/<figure>/<kind>` (figures: comm_ms, exposed_ms, bytes, calls; NNN
-    the transformer layer's number from 1, as in `moe/layer_NNN`) and `comm/hidden_frac`."""
-    scalars: dict[str, float] = {"comm/hidden_frac": summary.hidden_frac}
-    for figure in ("comm_ms", "exposed_ms", "bytes", "calls"):
+    """`comm/<figure>/<kind>`, `comm/layer_NNN/<figure>/<kind>` (figures: `SCALAR_FIGURES`; NNN the transformer
+    layer's number from 1, as in `moe/layer_NNN`), `comm/hidden_frac` (1 - exposed / wire over every kind),
+    `comm/wire_ms` and `comm/peer_wait_ms` (their totals), `comm/layer_NNN/hidden_frac`."""
+    scalars: dict[str, float] = {
+        "comm/hidden_frac": summary.hidden_frac,
+        "comm/wire_ms": summary.total_wire_ms,
+        "comm/peer_wait_ms": summary.total_peer_wait_ms,
+    }
+    for figure in SCALAR_FIGURES:
         for kind, value in getattr(summary, figure).items():
             scalars[f"comm/{figure}/{kind}"] = value
     for layer, figures in sorted(summary.per_layer.items()):
         for figure, values in figures.items():
             for kind, value in values.items():
                 scalars[f"comm/layer_{layer:03d}/{figure}/{kind}"] = value
-        exposed, total = layer_exposed_and_comm(summary)[layer]
-        scalars[f"comm/layer_{layer:03d}/hidden_frac"] = max(0.0, 1.0 - exposed / total) if total > 0 else 0.0
+        exposed, wire = layer_exposed_and_wire(summary)[layer]
+        scalars[f"comm/layer_{layer:03d}/hidden_frac"] = hidden_share(exposed, wire)
     return scalars
 
 
-def layer_exposed_and_comm(summary: CommSummary) -> dict[int, tuple[float, float]]:
-    """MoE layer -> (exposed ms, comm ms) over its kinds (its all-to-alls, forward and backward)."""
+def layer_exposed_and_wire(summary: CommSummary) -> dict[int, tuple[float, float]]:
+    """MoE layer -> (exposed ms, wire ms) over its kinds (its all-to-alls, forward and backward)."""
     return {
-        layer: (sum(figures["exposed_ms"].values()), sum(figures["comm_ms"].values()))
+        layer: (sum(figures["exposed_ms"].values()), sum(figures.get("wire_ms", {}).values()))
         for layer, figures in summary.per_layer.items()
     }
 
 
 def wgrad_report(schedule, summary: CommSummary | None) -> str:
     """Lancet's schedule (`megatron_moe.overlap.wgrad_schedule.WgradSchedule`) with each backward all-to-all's hidden
-    time as the timers measured it in this step (comm - exposed of a2a_combine_bwd / a2a_dispatch_bwd, per MoE
-    layer)."""
+    time as the timers measured it in this step (wire - exposed of a2a_combine_bwd / a2a_dispatch_bwd, at least 0,
+    per MoE layer)."""
     if summary is None:
         return schedule.report()
     measured = {}
     for layer, figures in summary.per_layer.items():
         for kind in ("a2a_combine_bwd", "a2a_dispatch_bwd"):
-            if kind in figures["comm_ms"]:
-                hidden = figures["comm_ms"][kind] - figures["exposed_ms"].get(kind, 0.0)
+            if kind in figures["wire_ms"]:
+                hidden = figures["wire_ms"][kind] - figures["exposed_ms"].get(kind, 0.0)
                 measured[f"L{layer}.{kind.removeprefix('a2a_').removesuffix('_bwd')}"] = max(0.0, hidden)
     return schedule.report(measured_hidden_ms=measured)

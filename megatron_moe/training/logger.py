@@ -7,6 +7,7 @@ import math
 import os
 import time
 
+from megatron_moe.comm.timers import hidden_share
 from megatron_moe.platform import memory_in_use_bytes
 
 log = logging.getLogger("megatron_moe")
@@ -81,8 +82,8 @@ class TrainingLogger:
         self._skipped = 0
         self._params_norm: float | None = None
         self._num_zeros: int | None = None
-        self._comm = {"steps": 0, "step_ms": 0.0, "exposed_ms": 0.0, "comm_ms": 0.0}
-        self._layers: dict[int, list[float]] = {}  # MoE layer -> [exposed ms, comm ms] over the interval
+        self._comm = {"steps": 0, "step_ms": 0.0, "exposed_ms": 0.0, "wire_ms": 0.0, "peer_wait_ms": 0.0}
+        self._layers: dict[int, list[float]] = {}  # MoE layer -> [exposed ms, wire ms] over the interval
         self._kinds: dict[str, float] = {}  # "a2a" / "esp" / "dp_grad_reduce" -> exposed ms over the interval
         self._t0 = time.perf_counter()
 
@@ -96,7 +97,7 @@ class TrainingLogger:
         skipped: bool,
         tensorboard_only: dict[str, float] | None = None,
         params_norm: float | None = None,
-        comm: tuple[float, float, float] | None = None,
+        comm: tuple[float, float, float, float] | None = None,
         comm_layers: dict[int, tuple[float, float]] | None = None,
         comm_kinds: dict[str, float] | None = None,
         num_zeros: int | None = None,
@@ -106,20 +107,20 @@ class TrainingLogger:
     ) -> None:
         """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
         per-layer MoE figures) to TensorBoard alone. `params_norm` (--log-params-norm): this step's, as
-        Megatron-LM shows it. `comm`: the step's (step ms, exposed comm ms, total comm ms) from the
-        communication timers (None: timers off); `comm_layers`: MoE layer -> its (exposed ms, comm ms);
+        Megatron-LM shows it. `comm`: the step's (step ms, exposed comm ms, wire ms, peer-wait ms) from the
+        communication timers (None: timers off); `comm_layers`: MoE layer -> its (exposed ms, wire ms);
         `comm_kinds`: the step's exposed ms of the all-to-alls, the ESP collectives and the gradient reduction;
         `num_zeros` (--log-num-zeros-in-grad): the step's zero gradient entries; `consumed_samples` after the
         step; `loss_scale` (fp16's); `expert_counts`: each MoE layer's tokens per expert over the step."""
         self._steps += 1
         for kind, exposed in (comm_kinds or {}).items():
             self._kinds[kind] = self._kinds.get(kind, 0.0) + exposed
-        for layer, (exposed, total) in (comm_layers or {}).items():
+        for layer, (exposed, wire) in (comm_layers or {}).items():
             sums = self._layers.setdefault(layer, [0.0, 0.0])
-            sums[0], sums[1] = sums[0] + exposed, sums[1] + total
+            sums[0], sums[1] = sums[0] + exposed, sums[1] + wire
         if comm is not None:
             self._comm["steps"] += 1
-            for name, value in zip(("step_ms", "exposed_ms", "comm_ms"), comm):
+            for name, value in zip(("step_ms", "exposed_ms", "wire_ms", "peer_wait_ms"), comm, strict=True):
                 self._comm[name] += value
         self._params_norm = params_norm
         self._skipped += int(skipped)
@@ -226,13 +227,18 @@ def _figure(name: str, value: float) -> str:
     return f"{name}: {value:.6E}" if "loss" in name else f"{name}: {value:.4f}"
 
 
-def _comm_parts(*, steps: int, step_ms: float, exposed_ms: float, comm_ms: float) -> list[str]:
-    """`exposed comm: X ms (Y% of step)` (per step, over the interval) and `hidden: Z%`."""
+def _comm_parts(*, steps: int, step_ms: float, exposed_ms: float, wire_ms: float, peer_wait_ms: float) -> list[str]:
+    """`exposed comm: X ms (Y% of step)`, `of it peer wait: W ms` and `on the wire: V ms` (per step, over the
+    interval), and `hidden: Z%` of all communication: 1 - exposed / wire (comm/timers.py)."""
     if steps == 0:
         return []
     share = 100.0 * exposed_ms / step_ms if step_ms > 0 else 0.0
-    hidden = 100.0 * max(0.0, 1.0 - exposed_ms / comm_ms) if comm_ms > 0 else 0.0
-    return [f"exposed comm: {exposed_ms / steps:.1f} ms ({share:.1f}% of step)", f"hidden: {hidden:.1f}%"]
+    return [
+        f"exposed comm: {exposed_ms / steps:.1f} ms ({share:.1f}% of step)",
+        f"of it peer wait: {peer_wait_ms / steps:.1f} ms",
+        f"on the wire: {wire_ms / steps:.1f} ms",
+        f"hidden: {100.0 * hidden_share(exposed_ms, wire_ms):.1f}%",
+    ]
 
 
 EXPERT_SCALAR_LAYERS = 4
@@ -260,10 +266,11 @@ def _kind_parts(kinds: dict[str, float], steps: int) -> list[str]:
 
 
 def _layer_parts(layers: dict[int, list[float]]) -> list[str]:
-    """`hidden by MoE layer: 2: 41% 4: 57%` (each layer's all-to-alls over the interval), or nothing."""
+    """`hidden by MoE layer: 2: 41% 4: 57%` (each layer's all-to-alls over the interval, 1 - exposed / wire), or
+    nothing."""
     if not layers:
         return []
-    hidden = (f"{n}: {100.0 * max(0.0, 1.0 - e / c) if c > 0 else 0.0:.0f}%" for n, (e, c) in sorted(layers.items()))
+    hidden = (f"{n}: {100.0 * hidden_share(e, w):.0f}%" for n, (e, w) in sorted(layers.items()))
     return ["hidden by MoE layer: " + " ".join(hidden)]
 
 

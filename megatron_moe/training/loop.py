@@ -23,7 +23,13 @@ from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.platform import peak_flops_per_s
-from megatron_moe.training.comm_report import HiddenCheck, layer_exposed_and_comm, tensorboard_scalars, wgrad_report
+from megatron_moe.training.comm_report import (
+    HiddenCheck,
+    layer_exposed_and_wire,
+    tensorboard_scalars,
+    wgrad_report,
+    wire_lines,
+)
 from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.flops import flops_per_token
 from megatron_moe.training.logger import TrainingLogger, exposed_by_group, wandb_run_for
@@ -87,6 +93,7 @@ class Trainer:
         wgrad_queue=None,
         grad_reduce=None,
         startup: dict | None = None,
+        fits=None,
     ):
         self.cfg = cfg
         self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
@@ -132,7 +139,9 @@ class Trainer:
         # On the logging rank only: its history and log line are the only readers, so elsewhere they would
         # be per-collective work (and on GPU an event wait per step) that nothing uses.
         timed = self.is_logging_rank and not cfg.logging.no_comm_timers
-        self.comm_timers = CommTimers() if timed else None
+        # The cost model's fits (None when no choice needed them): the link's time for the bytes that cross, the
+        # denominator of the hidden share (comm/timers.py); without them the timers estimate it.
+        self.comm_timers = CommTimers(wire_lines=wire_lines(fits)) if timed else None
         self.hidden_check = HiddenCheck(cfg) if timed else None
         self.logger = None
         if self.is_logging_rank:
@@ -311,8 +320,9 @@ class Trainer:
         comm_figures = comm_layers = comm_kinds = None
         tensorboard_only = {k: v for k, v in aux.items() if "/" in k}
         if summary is not None:
-            comm_figures = (figures["step_ms"], summary.total_exposed_ms, summary.total_comm_ms)
-            comm_layers = layer_exposed_and_comm(summary)
+            exposed, wire, waited = summary.total_exposed_ms, summary.total_wire_ms, summary.total_peer_wait_ms
+            comm_figures = (figures["step_ms"], exposed, wire, waited)
+            comm_layers = layer_exposed_and_wire(summary)
             comm_kinds = exposed_by_group(summary.exposed_ms)
             tensorboard_only.update(tensorboard_scalars(summary))
         lr = self.optimizer.param_groups[0]["lr"]

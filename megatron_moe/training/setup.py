@@ -27,7 +27,7 @@ from megatron_moe.moe.dispatch import set_backward_overlap
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.overlap import WgradQueue, install_wgrad_overlap
-from megatron_moe.overlap.cost_model import ClusterFits, LayerSizes, Schedule
+from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits, LayerSizes, LinearFit, Schedule, fit_linear
 from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, olp_dense_ms, plan_degrees
 from megatron_moe.overlap.grad_partition import GradPartition, t_ar_ms
 from megatron_moe.overlap.grad_partition import partition as grad_partition
@@ -43,9 +43,12 @@ from megatron_moe.overlap.profiler import (
     DenseWork,
     ProfileGroups,
     ProfileSettings,
+    comm_calls,
     layer_profile_settings,
     load_or_measure,
+    timed_ms,
 )
+from megatron_moe.platform import current_platform
 
 log = logging.getLogger(__name__)
 PROFILE_FILE = "cost_profile.json"
@@ -317,6 +320,36 @@ def _unwrap_chunk(chunk):
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
+
+
+LINK_PROBE_BYTES = (256 << 10, 1 << 20)
+"""Message sizes per rank of the link probe (`link_fits`): the profile's smallest and largest."""
+LINK_PROBE_REPEATS = 3
+
+
+def link_fits(cfg: RunConfig, fits: ClusterFits | None) -> ClusterFits | None:
+    """The lines the communication timers price the crossing bytes with (training/comm_report.py `wire_lines`):
+    the cost model's `fits` when this run has them; else, with the timers on, a link probe: the all-to-all over
+    the EP group and the all-reduce over the DP group timed alone, between barriers, at `LINK_PROBE_BYTES` (the
+    profiler's calls, a second or less even on a slow link), fitted as the profile fits them. A probe because no
+    window of the timers can tell the link's rate: a rank's issued -> done span of an all-to-all is short when
+    its peer issued first (the bytes had arrived) or when its sends fit the socket buffers. Every rank calls it
+    (collective); None with the timers off or no group of more than one rank."""
+    if fits is not None or cfg.logging.no_comm_timers:
+        return fits
+    groups = ProfileGroups.from_parallel_state()
+    probed = {"a2a": ("ep", groups.ep), "ar": ("dp", groups.dp)}
+    sizes = {name: size for name, size in groups.sizes().items() if name in ("ep", "dp") and size > 1}
+    if not sizes:
+        return None
+    lines = {kind: LinearFit(alpha=0.0, beta=0.0) for kind in FIT_KINDS}
+    device = current_platform().device
+    for kind, (name, group) in probed.items():
+        if name in sizes:
+            calls = [comm_calls(kind, group, n, device) for n in LINK_PROBE_BYTES]
+            times = timed_ms([call for _, call in calls], LINK_PROBE_REPEATS)
+            lines[kind] = fit_linear([(n, ms) for (n, _), ms in zip(calls, times)])
+    return ClusterFits(fits=lines, cluster=sizes)
 
 
 def resolve_pipeline_degrees(

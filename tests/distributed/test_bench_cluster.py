@@ -45,6 +45,7 @@ def test_the_baseline_plan_alternates_layouts_rates_and_policies():
     assert bench_step.layout_name("2x2esp") == "2x2esp EP=2 DP=4 ESP=2"
     defaults = bench_step.parse_args([])
     assert defaults.cluster == ["2x1", "2x2"] and defaults.overlap == list(bench_step.SETTINGS)
+    assert bench_step.parse_args(["--overlap", "all-off", "all-on", "off"]).overlap == ["off", "adaptive"]
     small = bench_step.trainer_flags("2x2dp", 3, ("DATA", "TOK"), None, "grad_small")
     assert bench_step._flag(small, "--expert-model-parallel-size") == "2" and "--overlap-grad-reduce" in small
     assert bench_step._flag(small, "--ddp-bucket-size") == str(bench_step.SMALL_BUCKET)
@@ -78,9 +79,16 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert row["steps"] == 4 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 4
     # Pooled rounds: the mean over [history, history] is the mean over the one history's timed steps.
     assert row["bytes"] == bench_step.summarize("2x1", 0.5, [history], args.warmup, flags)["bytes"]
-    for field in ("comm_ms", "exposed_ms", "bytes", "calls", "exposed_frac_of_step"):
+    for field in ("comm_ms", "exposed_ms", "wire_ms", "peer_wait_ms", "bytes", "wire_bytes", "calls"):
         assert set(row[field]) == set(KINDS), (field, row[field])
+    assert set(row["exposed_frac_of_step"]) == set(KINDS)
     assert row["step_ms"] > 0 and 0.0 <= row["hidden_frac"] <= 1.0
+    for kind in A2A:  # EP=2: this rank's own block of every all-to-all stays; about half crosses
+        assert 0 < row["wire_bytes"][kind] < row["bytes"][kind], (kind, row["wire_bytes"], row["bytes"])
+        assert row["wire_ms"][kind] > 0 and row["wire_from"][kind] == "fit", (kind, row)  # the link probe's line
+    for kind in KINDS:  # per step exposed = transfer (at most wire) + peer wait; over the steps' means, bounds
+        waited, exposed, wire = (row[field][kind] for field in ("peer_wait_ms", "exposed_ms", "wire_ms"))
+        assert max(0.0, exposed - wire) - 0.01 <= waited <= exposed + 0.01, (kind, row)
     for kind in A2A:  # EP=2 across the link: every MoE all-to-all sends bytes and blocks the step
         assert row["bytes"][kind] > 0 and row["exposed_ms"][kind] > 0 and row["calls"][kind] >= 1, (kind, row)
     assert row["bytes"]["dp_grad_reduce"] > 0  # DP=2: the dense gradients are all-reduced
@@ -110,6 +118,13 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     planned = bench_step.summarize("2x1", 0.5, [adaptive], args.warmup, flags, "adaptive")
     assert planned["case"] == "step_2x1_0.5gbit_grad_adaptive" and planned["grad_reduce_schedule"] == "adaptive"
     assert planned["bytes"]["dp_grad_reduce"] == piped["bytes"]["dp_grad_reduce"] > 0  # the same bytes reduced
+    assert planned["wire_from"]["a2a_dispatch"] == planned["wire_from"]["dp_grad_reduce"] == "fit"  # the profile's
+    top = bench_step.headline(row, planned)  # all-off against all-on
+    json.dumps(top)
+    assert top["case"] == "headline_2x1_0.5gbit" and top["all_on"]["grad_reduce_schedule"] == "adaptive"
+    assert top["step_ratio"] == round(row["step_ms"] / planned["step_ms"], 3)
+    assert top["hidden_frac"] == {"off": row["hidden_frac"], "on": planned["hidden_frac"]}
+    assert top["peer_wait_ms"] == {"off": row["peer_wait_ms_total"], "on": planned["peer_wait_ms_total"]}
     grad_row = bench_step.compare_grad_reduce({"pipeline": piped}, planned)
     json.dumps(grad_row)
     assert grad_row["case"] == "grad_reduce_2x1_0.5gbit" and grad_row["best_megatron"] == "pipeline"

@@ -11,7 +11,8 @@ tc limits to 0.5 Gbit/s (tools/emulated_cluster.py; needs root, `ip` and `tc`).
     is the comm time alone (within 15%) when the wait sees the end, and is stamped by the work's future, long
     before the wait, under the longer compute.
 (c) A short training run (EP=2 across the nodes, through pretrain()): every step's exposed time, summed over the
-    kinds, is no more than the step time, and the MoE all-to-alls (forward and backward) took time.
+    kinds, is no more than the step time, and the MoE all-to-alls (forward and backward) took time; less than
+    their send buffers crossed, and what was exposed beyond their wire time is peer wait.
 
 Each call is timed between barriers, on the slowest rank. (a)'s figures are the common time of 9 calls (the median
 of the largest cluster within 10%: a call that waited for a busy core is left out), (b)'s medians of 9 rounds,
@@ -112,4 +113,8 @@ def test_a_training_step_exposes_no_more_than_it_takes(measured):
         for kind in ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd", "dp_grad_reduce"):
             assert c["comm_ms"][kind] > 0 and c["bytes"][kind] > 0, (kind, c)
         assert 0.0 <= c["hidden_frac"] <= 1.0
+        for kind in ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd"):
+            # EP=2: the block for itself stays on the rank; the probe's line prices what crosses.
+            assert 0 < c["wire_bytes"][kind] < c["bytes"][kind] and c["wire_ms"][kind] > 0, (kind, c)
+            assert c["peer_wait_ms"][kind] == pytest.approx(max(0.0, c["exposed_ms"][kind] - c["wire_ms"][kind]))
         assert c["per_layer"], c  # the MoE layers' own figures

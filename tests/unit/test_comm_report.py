@@ -1,27 +1,53 @@
 """What training reports from the communication timers: the overlap warning (once per run, naming the
-option), the TensorBoard scalars and the log line's figures."""
+option), the TensorBoard scalars, the log line's figures, and the wire-time lines from the cost model's fits. Every
+hidden share is 1 - exposed / wire time (comm/timers.py)."""
 
 import logging
 
 import pytest
 
-from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary
+from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, peer_wait
 from megatron_moe.config import parse_args
 from megatron_moe.config.fields import ConfigError
-from megatron_moe.training.comm_report import OVERLAP_OPTIONS, HiddenCheck, OverlapOption, tensorboard_scalars
+from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits
+from megatron_moe.training.comm_report import (
+    OVERLAP_OPTIONS,
+    SCALAR_FIGURES,
+    HiddenCheck,
+    OverlapOption,
+    tensorboard_scalars,
+    wire_lines,
+)
 from megatron_moe.training.logger import _comm_parts, _kind_parts, _layer_parts, exposed_by_group
 
 BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "4"]
 SHARED = [*BASE, "--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"]
 
 
-def summary(*, dispatch_comm: float, dispatch_exposed: float, other: float = 0.0) -> CommSummary:
+def summary(
+    *, dispatch_comm: float, dispatch_exposed: float, other: float = 0.0, dispatch_wire: float | None = None
+) -> CommSummary:
+    """A step whose dispatch took `dispatch_comm` issued -> done, `dispatch_wire` on the link (default: the
+    same, no peer waited) and was exposed `dispatch_exposed`; `other`: all exposed, as long as its wire time."""
+    wire_ms = dispatch_comm if dispatch_wire is None else dispatch_wire
     comm = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_comm, "other": other}
     exposed = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_exposed, "other": other}
-    total = dispatch_comm + other
-    hidden = 1 - (dispatch_exposed + other) / total if total else 0.0
+    wire = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": wire_ms, "other": other}
+    total = wire_ms + other
+    hidden = max(0.0, 1 - (dispatch_exposed + other) / total) if total else 0.0
     zeros = dict.fromkeys(SUMMARY_KINDS, 0)
-    return CommSummary(comm_ms=comm, exposed_ms=exposed, bytes=zeros, calls=zeros, per_layer={}, hidden_frac=hidden)
+    return CommSummary(
+        comm_ms=comm,
+        exposed_ms=exposed,
+        bytes=zeros,
+        wire_bytes=zeros,
+        wire_ms=wire,
+        wire_from=dict.fromkeys(SUMMARY_KINDS, ""),
+        peer_wait_ms=peer_wait(exposed, wire),
+        calls=zeros,
+        per_layer={},
+        hidden_frac=hidden,
+    )
 
 
 def test_the_shared_expert_is_an_overlap_option_only_with_ep():
@@ -78,28 +104,32 @@ def test_rows_added_to_the_table_are_checked_on_their_own_kinds():
 
 
 def test_tensorboard_gets_every_kind_and_every_moe_layer():
-    s = summary(dispatch_comm=4.0, dispatch_exposed=1.0)
-    s.per_layer = {2: {"comm_ms": {"a2a_combine_bwd": 3.0}, "exposed_ms": {"a2a_combine_bwd": 2.0}, "calls": {}}}
+    s = summary(dispatch_comm=9.0, dispatch_exposed=2.0, dispatch_wire=4.0, other=1.0)
+    layer = {"comm_ms": {"a2a_combine_bwd": 8.0}, "exposed_ms": {"a2a_combine_bwd": 2.0}, "calls": {}}
+    s.per_layer = {2: {**layer, "wire_ms": {"a2a_combine_bwd": 3.0}}}
     scalars = tensorboard_scalars(s)
-    assert scalars["comm/hidden_frac"] == pytest.approx(0.75)
-    assert scalars["comm/comm_ms/a2a_dispatch"] == 4.0 and scalars["comm/exposed_ms/a2a_dispatch"] == 1.0
-    figures = ("comm_ms", "exposed_ms", "bytes", "calls")
-    assert {f"comm/{f}/{k}" for f in figures for k in SUMMARY_KINDS} < set(scalars)
-    assert scalars["comm/layer_002/comm_ms/a2a_combine_bwd"] == 3.0
+    assert scalars["comm/hidden_frac"] == pytest.approx(1 - 3.0 / 5.0)  # against the wire, not the 10 ms issued
+    assert scalars["comm/wire_ms"] == 5.0 and scalars["comm/peer_wait_ms"] == 0.0
+    assert scalars["comm/comm_ms/a2a_dispatch"] == 9.0 and scalars["comm/exposed_ms/a2a_dispatch"] == 2.0
+    assert scalars["comm/wire_ms/a2a_dispatch"] == 4.0 and scalars["comm/peer_wait_ms/a2a_dispatch"] == 0.0
+    assert {f"comm/{f}/{k}" for f in SCALAR_FIGURES for k in SUMMARY_KINDS} < set(scalars)
+    assert scalars["comm/layer_002/comm_ms/a2a_combine_bwd"] == 8.0
     assert scalars["comm/layer_002/exposed_ms/a2a_combine_bwd"] == 2.0
     assert scalars["comm/layer_002/hidden_frac"] == pytest.approx(1 / 3)
-    assert len(scalars) == 1 + 4 * len(SUMMARY_KINDS) + 3
+    assert len(scalars) == 3 + len(SCALAR_FIGURES) * len(SUMMARY_KINDS) + 4
 
 
 def test_the_log_line_figures():
-    """Two steps of 100 ms, 30 ms exposed out of 120 ms of communication in all."""
-    parts = _comm_parts(steps=2, step_ms=200.0, exposed_ms=30.0, comm_ms=120.0)
-    assert parts == ["exposed comm: 15.0 ms (15.0% of step)", "hidden: 75.0%"]
-    assert _comm_parts(steps=0, step_ms=0.0, exposed_ms=0.0, comm_ms=0.0) == []  # timers off: nothing shown
-    assert _comm_parts(steps=1, step_ms=10.0, exposed_ms=0.0, comm_ms=0.0) == [
-        "exposed comm: 0.0 ms (0.0% of step)",
-        "hidden: 0.0%",
+    """Two steps of 100 ms, 30 ms exposed (4 of them waiting for peers) against 120 ms on the wire in all."""
+    parts = _comm_parts(steps=2, step_ms=200.0, exposed_ms=30.0, wire_ms=120.0, peer_wait_ms=4.0)
+    assert parts == [
+        "exposed comm: 15.0 ms (15.0% of step)",
+        "of it peer wait: 2.0 ms",
+        "on the wire: 60.0 ms",
+        "hidden: 75.0%",
     ]
+    assert _comm_parts(steps=0, step_ms=0.0, exposed_ms=0.0, wire_ms=0.0, peer_wait_ms=0.0) == []  # timers off
+    assert _comm_parts(steps=1, step_ms=10.0, exposed_ms=3.0, wire_ms=1.0, peer_wait_ms=2.0)[-1] == "hidden: 0.0%"
 
 
 def test_the_log_line_shows_exposed_all_to_all_esp_and_gradient_reduce_apart():
@@ -134,3 +164,35 @@ def test_explicit_pipeline_degrees_are_overlap_options_with_ep():
     assert backward.enabled(parse_args(ep2 + ["--moe-bp-pipeline-degree", "2"]))
     assert not forward.enabled(parse_args(ep2))  # auto: the solver's degrees, judged after set-up
     assert not forward.enabled(parse_args(BASE + ["--moe-pipeline-degree", "4"]))  # EP=1: nothing to pipeline
+
+
+def test_waiting_for_peers_hides_nothing_on_loopback_or_a_fast_link_and_a_slow_link_hides():
+    """The warning of the issue, which never fired: on loopback (no link: the wire time is the copy's, ~1 ms) and on
+    a fast link (3 ms) the dispatch is issued early, waited for late and exposed longer than it needs the link (the
+    peer is late); `1 - exposed / comm` called that 82% hidden. On a slow link (40 ms on the wire) the same 9 ms
+    exposed is 78% hidden: no warning."""
+    for wire_ms, fires in ((1.0, True), (3.0, True), (40.0, False)):
+        check = HiddenCheck(parse_args(SHARED), window=3)
+        step = summary(dispatch_comm=50.0, dispatch_exposed=9.0, dispatch_wire=wire_ms)
+        said = [check.observe(step) for _ in range(3)]
+        assert bool(said[-1]) is fires, (wire_ms, said)
+        if fires:
+            assert "0.0% of a2a_dispatch communication hidden over 3 steps" in said[-1][0]
+            assert f"27.0 ms exposed against {3 * wire_ms:.1f} ms on the link" in said[-1][0]
+            assert f"{3 * (9.0 - wire_ms):.1f} ms of it waiting for peers" in said[-1][0]
+
+
+def test_wire_lines_price_the_crossing_bytes_through_the_fitted_lines():
+    """The profile fits a2a on this rank's whole send buffer of equal blocks (1 / P stays), ar on the bytes reduced
+    (a ring sends 2 (P - 1) / P of them): per crossing byte, beta x P / (P - 1) and beta x P / (2 (P - 1))."""
+    alpha = {kind: 0.5 for kind in FIT_KINDS}
+    beta = {kind: 1e-6 for kind in FIT_KINDS}
+    fits = ClusterFits.from_coefficients(alpha, beta, cluster={"ep": 4, "esp": 1, "dp": 2})
+    lines = wire_lines(fits)
+    assert set(lines) == {"a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd", "dp_grad_reduce"}
+    assert lines["a2a_combine"].alpha_ms == 0.5 and lines["a2a_combine"].ms_per_byte == pytest.approx(4e-6 / 3)
+    # 3 MB of a 4 MB equal-split buffer cross: the fitted line at n = 4 MB.
+    assert lines["a2a_combine"].time_ms(3_000_000) == pytest.approx(fits["a2a"].time_ms(4_000_000))
+    assert lines["dp_grad_reduce"].time_ms(2_000_000) == pytest.approx(fits["ar"].time_ms(2_000_000))
+    assert lines["a2a_dispatch"].time_ms(0) == 0.0  # nothing crossed: nothing on the link
+    assert wire_lines(None) == {} and wire_lines(ClusterFits.from_coefficients(alpha, beta)) == {}

@@ -7,7 +7,7 @@ import torch
 
 from megatron_moe import comm
 from megatron_moe.comm import Collective
-from megatron_moe.comm.timers import SUMMARY_KINDS, CommTimers
+from megatron_moe.comm.timers import SUMMARY_KINDS, CommTimers, WireLine
 
 
 class Clock:
@@ -75,13 +75,17 @@ def test_synchronous_collective_is_all_exposed():
     assert s.comm_ms["dp_grad_reduce"] == pytest.approx(12.0)
     assert s.exposed_ms["dp_grad_reduce"] == pytest.approx(12.0)
     assert s.bytes["dp_grad_reduce"] == 1000 and s.calls["dp_grad_reduce"] == 2
+    # No fitted line: the wire time is the bytes at the window's fastest rate (7 ms / 800 B), the rest waiting.
+    assert s.wire_ms["dp_grad_reduce"] == pytest.approx(1000 * 7.0 / 800) and s.wire_from["dp_grad_reduce"] == "timers"
+    assert s.peer_wait_ms["dp_grad_reduce"] == pytest.approx(12.0 - 8.75)
     assert s.hidden_frac == pytest.approx(0.0)
     assert set(s.comm_ms) == set(SUMMARY_KINDS) and s.comm_ms["tp"] == 0.0
     assert s.per_layer == {}
 
 
 def test_asynchronous_collective_finished_under_compute_is_hidden():
-    """Issued, 1 ms to start, completes (future) after 6 ms while 10 ms of compute run, waited: 0.5 ms."""
+    """Issued, 1 ms to start, completes (future) after 6 ms while 10 ms of compute run, waited: 0.5 ms. The only
+    collective of its family: its span is the link's rate, 6 ms on the wire, no peer wait."""
     clock = Clock()
     timers = CommTimers(clock=clock)
     token, work = start_async(timers, clock, Collective("a2a_dispatch", "dispatch", layer=2, nbytes=64), 1.0)
@@ -92,6 +96,7 @@ def test_asynchronous_collective_finished_under_compute_is_hidden():
     s = timers.summary()
     assert s.comm_ms["a2a_dispatch"] == pytest.approx(6.0)
     assert s.exposed_ms["a2a_dispatch"] == pytest.approx(1.5)
+    assert s.wire_ms["a2a_dispatch"] == pytest.approx(6.0) and s.peer_wait_ms["a2a_dispatch"] == 0.0
     assert s.hidden_frac == pytest.approx(1 - 1.5 / 6.0)
     assert s.per_layer[2]["comm_ms"] == {"a2a_dispatch": pytest.approx(6.0)}
     assert s.per_layer[2]["bytes"] == {"a2a_dispatch": 64}
@@ -101,13 +106,14 @@ def test_asynchronous_collective_longer_than_compute_exposes_the_rest():
     """No future callback before the wait: completion is where the wait ended; exposed = comm - compute."""
     clock = Clock()
     timers = CommTimers(clock=clock)
-    token, work = start_async(timers, clock, Collective("a2a_combine", "combine", layer=0))
+    token, work = start_async(timers, clock, Collective("a2a_combine", "combine", layer=0, nbytes=100))
     clock.advance(4.0)  # compute
     wait(timers, clock, token, 6.0)
     work.future.finish()  # the callback that comes after the wait does not move the completion
     s = timers.summary()
     assert s.comm_ms["a2a_combine"] == pytest.approx(10.0)
     assert s.exposed_ms["a2a_combine"] == pytest.approx(6.0)
+    assert s.wire_ms["a2a_combine"] == pytest.approx(10.0)  # the only one: its span at its own rate
     assert s.hidden_frac == pytest.approx(0.4)
 
 
@@ -207,3 +213,91 @@ def test_real_collectives_through_issue(megatron_world1):
     assert s.exposed_ms["a2a_dispatch"] > 0
     assert s.calls == {**dict.fromkeys(SUMMARY_KINDS, 0), "other": 1, "a2a_dispatch": 1}
     assert s.per_layer[0]["bytes"] == {"a2a_dispatch": 4 << 16}
+
+
+def test_a_peer_that_waited_counts_as_exposed_not_hidden():
+    """The issue's complaint: an all-to-all issued before 90 ms of compute whose peer came late, waited for 12 ms;
+    its bytes need 10 ms on the link (the fitted line). Issued -> done is 102 ms, so `1 - exposed / comm` said 88%
+    hidden; against the link's 10 ms nothing was hidden and 2 ms were waiting for the peer."""
+    clock = Clock()
+    timers = CommTimers(clock=clock, wire_lines={"a2a_dispatch": WireLine(alpha_ms=1.0, ms_per_byte=0.009)})
+    token, _ = start_async(timers, clock, Collective("a2a_dispatch", "dispatch", layer=1, nbytes=2000, wire_bytes=1000))
+    clock.advance(90.0)  # compute; the peer has not sent yet
+    wait(timers, clock, token, 12.0)
+    s = timers.summary()
+    assert s.comm_ms["a2a_dispatch"] == pytest.approx(102.0) and s.exposed_ms["a2a_dispatch"] == pytest.approx(12.0)
+    assert s.wire_ms["a2a_dispatch"] == pytest.approx(1.0 + 9.0) and s.wire_from["a2a_dispatch"] == "fit"
+    assert s.peer_wait_ms["a2a_dispatch"] == pytest.approx(2.0)
+    assert s.hidden_frac == 0.0
+    assert s.per_layer[1]["wire_ms"] == {"a2a_dispatch": pytest.approx(10.0)}
+    assert s.per_layer[1]["peer_wait_ms"] == {"a2a_dispatch": pytest.approx(2.0)}
+
+
+def test_only_the_bytes_that_cross_count_on_the_wire():
+    """`bytes`: the send buffer; `wire_bytes`: what left the rank (an all-to-all's own block stays). The fitted
+    line prices the crossing bytes only."""
+    clock = Clock()
+    timers = CommTimers(clock=clock, wire_lines={"a2a_combine": WireLine(alpha_ms=0.0, ms_per_byte=0.01)})
+    sync(timers, clock, Collective("a2a_combine", "combine", layer=0, nbytes=1000, wire_bytes=500), 6.0)
+    sync(timers, clock, Collective("other", "loss", nbytes=8), 1.0)  # wire_bytes None: all of it leaves
+    s = timers.summary()
+    assert s.bytes["a2a_combine"] == 1000 and s.wire_bytes["a2a_combine"] == 500
+    assert s.wire_bytes["other"] == s.bytes["other"] == 8
+    assert s.wire_ms["a2a_combine"] == pytest.approx(5.0)  # not 10: half the buffer never leaves
+    assert s.peer_wait_ms["a2a_combine"] == pytest.approx(1.0)
+    assert s.wire_from == {**dict.fromkeys(SUMMARY_KINDS, ""), "a2a_combine": "fit", "other": "timers"}
+
+
+def test_without_a_fitted_line_the_fastest_rate_of_the_family_prices_the_bytes():
+    """The four MoE all-to-all kinds share one rate: the fastest complete collective's ms per crossing byte
+    (a dispatch of 1,000 B in 4 ms); a collective still in flight does not set it, a zero-byte one costs nothing."""
+    clock = Clock()
+    timers = CommTimers(clock=clock)
+    sync(timers, clock, Collective("a2a_dispatch", "dispatch", layer=0, nbytes=2000, wire_bytes=1000), 4.0)
+    sync(timers, clock, Collective("a2a_combine", "combine", layer=0, backward=True, wire_bytes=1000), 9.0)
+    sync(timers, clock, Collective("a2a_combine", "counts", layer=0, wire_bytes=0), 3.0)
+    start_async(timers, clock, Collective("a2a_dispatch", "dispatch", layer=0, backward=True, wire_bytes=1000))
+    s = timers.summary()
+    assert s.wire_ms["a2a_dispatch"] == pytest.approx(4.0)
+    assert s.wire_ms["a2a_combine_bwd"] == pytest.approx(4.0)
+    assert s.peer_wait_ms["a2a_combine_bwd"] == pytest.approx(5.0)
+    assert s.wire_ms["a2a_combine"] == 0.0 and s.peer_wait_ms["a2a_combine"] == pytest.approx(3.0)
+    assert s.wire_ms["a2a_dispatch_bwd"] == pytest.approx(4.0)  # priced, though its own span is not a rate
+    transfer = sum(min(s.exposed_ms[k], s.wire_ms[k]) for k in SUMMARY_KINDS)
+    assert s.total_exposed_ms == pytest.approx(transfer + s.total_peer_wait_ms)  # exposed = transfer + waiting
+    assert s.hidden_frac == pytest.approx(0.0)  # everything synchronous: exposed (16 ms) > wire (12 ms)
+
+
+def test_a_hidden_transfer_is_hidden_against_its_wire_time():
+    """Issued, the transfer completes under compute, the wait finds it done: fully hidden, whatever the span."""
+    clock = Clock()
+    timers = CommTimers(clock=clock, wire_lines={"a2a_dispatch_bwd": WireLine(alpha_ms=0.5, ms_per_byte=0.001)})
+    collective = Collective("a2a_dispatch", "dispatch", layer=0, backward=True, nbytes=8000, wire_bytes=4000)
+    token, work = start_async(timers, clock, collective)
+    clock.advance(20.0)
+    work.future.finish()
+    clock.advance(5.0)
+    wait(timers, clock, token, 0.0)
+    s = timers.summary()
+    assert s.wire_ms["a2a_dispatch_bwd"] == pytest.approx(4.5) and s.hidden_frac == pytest.approx(1.0)
+
+
+def test_an_all_to_all_records_the_block_it_keeps_as_not_crossing(megatron_world1):
+    """comm/moe.py's all-to-alls: `bytes` the whole send buffer, `wire_bytes` without this rank's own block (in a
+    world of one, all of it), forward and backward."""
+    from megatron_moe.comm.moe import dispatch_all_to_all
+
+    rows_RH = torch.ones(6, 4, requires_grad=True)
+    with comm.monitoring(CommTimers()) as timers:
+        out_RH = dispatch_all_to_all(rows_RH, [6], [6], None, layer=0).wait()
+        out_RH.sum().backward()
+    s = timers.summary()
+    assert s.bytes["a2a_dispatch"] == s.bytes["a2a_dispatch_bwd"] == 6 * 4 * 4
+    assert s.wire_bytes["a2a_dispatch"] == s.wire_bytes["a2a_dispatch_bwd"] == 0
+    assert s.wire_ms["a2a_dispatch"] == 0.0 and s.hidden_frac == 0.0
+
+
+def test_ring_collectives_send_their_foreign_blocks():
+    assert comm.core.ring_wire_bytes(1000, 4) == 750  # all-gather / reduce-scatter: 3 of 4 blocks
+    assert comm.core.ring_wire_bytes(1000, 4, all_reduce=True) == 1500
+    assert comm.core.ring_wire_bytes(1000, 1) == 0
