@@ -92,6 +92,8 @@ DEFAULT_LAYOUTS = ("2x1", "2x2")
 RATES_GBIT = (0.5, 1.0, 2.5)
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
+PARTITION_AUTO = ("--moe-partition-pieces", "auto", "--moe-partition-range", "auto")
+PARTITION_2 = ("--moe-partition-pieces", "2", "--moe-partition-range", "all")
 SMALL_BUCKET = 250_000
 """--ddp-bucket-size of `grad_small`: megatron-core's buckets made small by hand (~1 MB of fp32 gradients, 10-20
 buckets in MODEL; its default is 40M parameters, one bucket here)."""
@@ -110,7 +112,26 @@ SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pip
     ),  # fmt: skip
     # ... + FSMoE's adaptive gradient partition
     "adaptive": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive")),
+    # each feature alone (greedy is Lancet's dW queue alone)
+    "pipeline_alone": ("off", "auto", "auto", ("--grad-reduce-schedule", "megatron")),
+    "adaptive_alone": ("off", "1", "1", ("--grad-reduce-schedule", "adaptive")),
+    "partition_alone": ("off", "1", "1", ("--grad-reduce-schedule", "megatron", *PARTITION_AUTO)),
+    # all on + Lancet's operator partition: as its planner picks, and 2 pieces through every layer
+    "partition": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive", *PARTITION_AUTO)),
+    "partition2": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive", *PARTITION_2)),
 }
+DEFAULT_SETTINGS = ("off", "greedy", "pipeline", "grad_overlap", "grad_small", "adaptive")
+FEATURES = (
+    "off",
+    "greedy",
+    "pipeline_alone",
+    "adaptive_alone",
+    "partition_alone",
+    "adaptive",
+    "partition",
+    "partition2",
+)
+"""The `features` table (`--overlap features`): all off, each feature alone, all on, all on + the partition."""
 ALIASES = {"all-off": "off", "all-on": "adaptive"}
 """The headline pair: every overlap feature off, and each at its default-on setting."""
 GRAD_BASELINES = ("pipeline", "grad_overlap", "grad_small")
@@ -123,6 +144,11 @@ CASE_SUFFIX = {
     "grad_overlap": "_grad_overlap",
     "grad_small": "_grad_small",
     "adaptive": "_grad_adaptive",
+    "pipeline_alone": "_pipeline_alone",
+    "adaptive_alone": "_grad_adaptive_alone",
+    "partition_alone": "_partition_alone",
+    "partition": "_partition",
+    "partition2": "_partition2",
 }
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
@@ -142,14 +168,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
     p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
-    choices = [*SETTINGS, *ALIASES]
-    p.add_argument("--overlap", nargs="+", default=list(SETTINGS), choices=choices, help="overlap settings")
+    choices = [*SETTINGS, *ALIASES, "features"]
+    p.add_argument("--overlap", nargs="+", default=list(DEFAULT_SETTINGS), choices=choices, help="overlap settings")
     p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
     p.add_argument(
         "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
     )
     args = p.parse_args(argv)
-    args.overlap = list(dict.fromkeys(ALIASES.get(name, name) for name in args.overlap))  # all-on: adaptive
+    named = [setting for name in args.overlap for setting in (FEATURES if name == "features" else (name,))]
+    args.overlap = list(dict.fromkeys(ALIASES.get(name, name) for name in named))  # all-on: adaptive
     check_layouts_and_rates(p, args.cluster, args.link_gbit, LAYOUTS)
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup: {args.warmup} must leave timed steps of --steps {args.steps}; give 0..{args.steps - 1}")
@@ -245,6 +272,8 @@ def summarize(
     overlap["grad_reduce_schedule"] = _flag(list(grad), "--grad-reduce-schedule")
     overlap["overlap_grad_reduce"] = "--overlap-grad-reduce" in grad
     overlap["ddp_bucket_size"] = int(_flag(list(grad), "--ddp-bucket-size")) if "--ddp-bucket-size" in grad else None
+    pieces = _flag(list(grad), "--moe-partition-pieces") if "--moe-partition-pieces" in grad else "1"
+    overlap["partition_pieces"] = int(pieces) if pieces.isdigit() else pieces
     return {
         "case": f"step_{layout}_{rate:g}gbit" + CASE_SUFFIX[setting],
         "layout": layout_name(layout),
@@ -270,6 +299,7 @@ def summarize(
         **overlap,
         "overlap": overlap,
         "pipeline_degrees": histories[0][0].get("pipeline_degrees"),
+        "operator_partition": (histories[0][0].get("startup") or {}).get("operator_partition"),
         "wgrad": _wgrad_figures(wgrad),
         "grad_reduce_floor_ms": _floor_ms(timed),
         "steps": len(histories[0]),
@@ -395,8 +425,40 @@ def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, a
     flags = trainer_flags(layout, args.steps, data, args.model, setting)
     profile_dir = getattr(args, "profile_dir", None)  # main() makes it; without it every job measures its own
     if profile_dir and "--moe-cost-profile" not in (args.model or []):  # measured once per layout and rate
-        flags += ["--moe-cost-profile", os.path.join(profile_dir, f"cost_profile_{layout}_{rate:g}gbit.json")]
+        dense = "_dense" if PARTITION_AUTO[0] in SETTINGS[setting][3] else ""  # the planner's lines too
+        name = f"cost_profile_{layout}_{rate:g}gbit{dense}.json"
+        flags += ["--moe-cost-profile", os.path.join(profile_dir, name)]
     return run_job(cluster, procs, ["-m", "tools.bench_step", "--worker", *flags])
+
+
+def features(rows: dict[str, dict]) -> dict:
+    """The `features` row of one layout and rate: each measured setting of `FEATURES` against all off: step ms,
+    step ratio (off / setting: above 1 is faster), hidden share of all communication, exposed, wire and peer-wait
+    ms; the partition settings with the planner's ranges and its predicted micro-batch ms (forward + backward of
+    the logging rank's stage, partitioned / unpartitioned) and hidden all-to-all ms."""
+    off = rows["off"]
+    table = {}
+    for name, row in rows.items():
+        figures = {
+            "step_ms": row["step_ms"],
+            "step_ratio": round(off["step_ms"] / row["step_ms"], 3),
+            "hidden_frac": row["hidden_frac"],
+            "exposed_ms": row["exposed_ms_total"],
+            "wire_ms": row["wire_ms_total"],
+            "peer_wait_ms": row["peer_wait_ms_total"],
+            "a2a_exposed_frac_of_step": row["a2a_exposed_frac_of_step"],
+            "pipeline_degrees": row["pipeline_degrees"],
+        }
+        if row.get("operator_partition"):
+            figures["operator_partition"] = row["operator_partition"]
+        table[name] = figures
+    return {
+        "case": f"features_{off['case'].removeprefix('step_')}",
+        "layout": off["layout"],
+        "link_gbit": off["link_gbit"],
+        "comm_frac_of_off_step": round(off["wire_ms_total"] / off["step_ms"], 4),
+        "settings": table,
+    }
 
 
 def worker(flags: list[str]) -> None:
@@ -435,6 +497,10 @@ def main(argv=None) -> int:
     for (layout, rate, policy), row in rows.items():
         if policy == ALIASES["all-on"] and (layout, rate, ALIASES["all-off"]) in rows:
             print(json.dumps(headline(rows[layout, rate, ALIASES["all-off"]], row)), flush=True)
+    for layout, rate in dict.fromkeys((layout, rate) for layout, rate, _ in rows):
+        measured = {name: rows[layout, rate, name] for name in FEATURES if (layout, rate, name) in rows}
+        if len(measured) > 2 and "off" in measured:
+            print(json.dumps(features(measured)), flush=True)
     for (layout, rate, policy), row in rows.items():
         if policy == "greedy" and (layout, rate, "off") in rows:
             print(json.dumps(compare(rows[layout, rate, "off"], row)), flush=True)
