@@ -284,11 +284,45 @@ def esp_gather_counts(counts_GL: torch.Tensor, group, *, layer: int | None = Non
     return out
 
 
+_PLANNING: dict = {}
+"""EP group -> its planning twin (`make_planning_groups`)."""
+
+
+def make_planning_groups(group, timeout=None) -> None:
+    """For every EP group (this rank's: `group`), a twin of the same ranks that carries the MoE layers' planning
+    collectives (the counts exchange, the capacity agreement). On the EP group itself they would queue behind an
+    all-to-all in flight (gloo and NCCL run one group's collectives in order), and under Lancet's operator
+    partition piece i+1 plans while piece i's dispatch is on the wire: its host read of the counts would then wait
+    for piece i's transfer. Collective: every rank calls it, with its own EP group; the twins go with the other
+    groups (`destroy_groups_but_world`, `forget_planning_groups`)."""
+    if group is None or group_size(group) == 1 or group in _PLANNING:
+        return
+    everyone = [None] * dist.get_world_size()
+    mine = dist.get_process_group_ranks(group)
+    issue(Collective("other", "planning_groups"), lambda: dist.all_gather_object(everyone, mine))
+    for ranks in sorted({tuple(r) for r in everyone}):  # every rank makes every twin, in one order
+        twin = dist.new_group(list(ranks), timeout=timeout)
+        if dist.get_rank() in ranks:
+            _PLANNING[group] = twin
+
+
+def forget_planning_groups() -> None:
+    """The run's twins are gone (its groups destroyed)."""
+    _PLANNING.clear()
+
+
+def planning_group(group):
+    """The planning twin of `group` (itself when it has none: one rank, or no twins made)."""
+    return _PLANNING.get(group, group)
+
+
 def exchange_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:
-    """Dispatch planning: row g of [G, L] goes to rank g; returns what each rank sent this one [G, L].
+    """Dispatch planning: row g of [G, L] goes to rank g; returns what each rank sent this one [G, L]. On the EP
+    group's planning twin (`make_planning_groups`): not behind an all-to-all in flight.
 
     Stays on the device: the caller reads the result with its other counts in one transfer.
     """
+    group = planning_group(group)
     counts_GL = counts_GL.contiguous()
     out = torch.empty_like(counts_GL)
     issue(
@@ -299,9 +333,11 @@ def exchange_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None)
 
 
 def agree_capacity(capacity_1: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:
-    """Dispatch planning: the EP group's largest capacity (long [1], on the device; not read here)."""
+    """Dispatch planning: the EP group's largest capacity (long [1], on the device; not read here); on its
+    planning twin, as `exchange_counts`."""
     if group_size(group) == 1:
         return capacity_1
+    group = planning_group(group)
     capacity_1 = capacity_1.clone()
     issue(
         Collective("a2a_dispatch", "agree_capacity", group, layer, nbytes=nbytes(capacity_1)),

@@ -46,6 +46,8 @@ def initialize(cfg: RunConfig) -> Platform:
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.esp,
     )
+    if cfg.moe.is_moe and cfg.moe.own_layer:  # the MoE layers' planning beside their all-to-alls
+        comm.make_planning_groups(parallel_state.get_expert_model_parallel_group(), process_group_timeout(cfg))
     set_seed(cfg.training.seed)
     if dist.get_rank() == 0:
         log.info("platform: device=%s backend=%s", platform.device, platform.backend)
@@ -102,6 +104,7 @@ def shutdown(destroy_process_group: bool = True) -> None:
     if dist.is_initialized():
         comm.barrier("shutdown")
         parallel_state.destroy_model_parallel()
+        comm.forget_planning_groups()
         if destroy_process_group:
             dist.destroy_process_group()
         else:

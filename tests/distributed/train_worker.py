@@ -402,6 +402,11 @@ PARTITION_MEGATRON_REDUCE = {
 }  # fmt: skip
 
 
+def partition_flags(pieces: str) -> list[str]:
+    """`pieces` pieces through every layer (not the planner's choice)."""
+    return ["--moe-partition-pieces", pieces, "--moe-partition-range", "all"]
+
+
 def partition() -> dict:
     """Each PARTITION layout with every overlap on, in 1 and 2 pieces (the adaptive partition on a profile measured
     once per layout and made slow, `slow_link_profile`); PARTITION_MEGATRON_REDUCE's likewise with megatron-core's
@@ -414,10 +419,10 @@ def partition() -> dict:
         train("--train-iters", "0", *args, *adaptive)
         slow_link_profile(path)
         for pieces in ("1", "2"):
-            results[f"{name}/{pieces}"] = train(*init, *args, *adaptive, "--moe-partition-pieces", pieces)
+            results[f"{name}/{pieces}"] = train(*init, *args, *adaptive, *partition_flags(pieces))
     for name, args in PARTITION_MEGATRON_REDUCE.items():
         for pieces in ("1", "2"):
-            results[f"{name}/{pieces}"] = train(*init, *args, "--moe-partition-pieces", pieces)
+            results[f"{name}/{pieces}"] = train(*init, *args, *partition_flags(pieces))
     return results
 
 
