@@ -119,6 +119,9 @@ SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pip
     # all on + Lancet's operator partition: as its planner picks, and 2 pieces through every layer
     "partition": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive", *PARTITION_AUTO)),
     "partition2": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive", *PARTITION_2)),
+    # the same two without FSMoE's pipeline (degrees 1 / 1): the partition's pieces against whole micro-batches
+    "unchunked": ("greedy", "1", "1", ("--grad-reduce-schedule", "adaptive")),
+    "unchunked_partition2": ("greedy", "1", "1", ("--grad-reduce-schedule", "adaptive", *PARTITION_2)),
 }
 DEFAULT_SETTINGS = ("off", "greedy", "pipeline", "grad_overlap", "grad_small", "adaptive")
 FEATURES = (
@@ -149,6 +152,8 @@ CASE_SUFFIX = {
     "partition_alone": "_partition_alone",
     "partition": "_partition",
     "partition2": "_partition2",
+    "unchunked": "_unchunked",
+    "unchunked_partition2": "_unchunked_partition2",
 }
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",

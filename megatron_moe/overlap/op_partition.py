@@ -7,10 +7,10 @@ runs through an operator, G = the most layers one range may span (Lancet's iota)
 What is planned (what the executor runs): a *range* [first, last] of a stage's layers (global numbers from 1) whose
 input [S, B, H] is split along B into k pieces (`piece_batches`) and concatenated after `last`; layers outside every
 range run whole (k = 1). One piece's work in one layer, forward, as instructions on two resources, compute and
-link (the all-to-alls):
+link (the all-to-alls), and the counts exchange on the EP group's planning twin (p: not behind the link's queue):
 
     dense layer:  attn (c) -> mlp (c)
-    MoE layer:    attn (c) -> route (c) -> counts (l, host read) -> dispatch_1..r (l)  | stage ends
+    MoE layer:    attn (c) -> route (c) -> counts (p, host read) -> dispatch_1..r (l)  | stage ends
                   experts_1 (c) -> combine_1 (l) -> ... experts_r (c) -> combine_r (l)  | stage ends
                   unroute (c) -> the next layer ...
 
@@ -62,7 +62,9 @@ from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
 
-COMPUTE, LINK = "compute", "link"
+COMPUTE, LINK, PLAN = "compute", "link", "plan"
+"""The resources: the compute, the link (the EP group's all-to-alls, in order), and the planning twin of the EP
+group that carries the counts exchange beside them (`comm.make_planning_groups`)."""
 MAX_PIECES = 8
 """K: Lancet's rho (the paper never saw more than 4 pieces win)."""
 MAX_RANGE = 4
@@ -122,7 +124,7 @@ class Instr:
 def simulate(schedule: Sequence[Instr]) -> list[tuple[float, float]]:
     """(start, end) of each instruction (Lancet 5.3): start = max(its dependencies' ends, the previous instruction
     of its resource in schedule order, a host read's end for the next compute instruction)."""
-    free = {COMPUTE: 0.0, LINK: 0.0}
+    free = {COMPUTE: 0.0, LINK: 0.0, PLAN: 0.0}
     host = 0.0
     spans: list[tuple[float, float]] = []
     for instr in schedule:
@@ -220,7 +222,7 @@ def _moe_forward(piece: _Piece, costs: _Costs, layer: int, r: int) -> None:
     piece.add(Instr(f"L{layer}.route", COMPUTE, costs.dense("route")))
     if sizes.ep > 1:
         counts = costs.a2a(costs.stage.num_experts * COUNT_BYTES)
-        piece.add(Instr(f"L{layer}.counts", LINK, counts, holds_host=True))
+        piece.add(Instr(f"L{layer}.counts", PLAN, counts, holds_host=True))
     dispatch = [piece.add(Instr(f"L{layer}.dispatch.{j}", LINK, t.a2a)) for j in range(r)]
     piece.end_stage()
     combine = []
