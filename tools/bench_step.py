@@ -28,7 +28,14 @@ solves the degrees); these three with megatron-core's gradient reduction after b
 `grad_overlap` (megatron-core's --overlap-grad-reduce, default buckets), `grad_small` (the same with
 --ddp-bucket-size `SMALL_BUCKET`, small buckets by hand) and `adaptive` (FSMoE's adaptive gradient partition,
 --grad-reduce-schedule adaptive). `all-off` and `all-on` name `off` and `adaptive`: every overlap feature off,
-and each at its default-on setting (Lancet greedy, pipeline degrees auto, the adaptive gradient partition). The
+and each at its default-on setting (Lancet greedy, pipeline degrees auto, the adaptive gradient partition).
+`--overlap features` runs `FEATURES`: all off; each feature alone (`greedy`, `pipeline_alone`, `adaptive_alone`,
+`partition_alone`: Lancet's operator partition as its planner picks, --moe-partition-pieces auto); all on
+(`adaptive`); all on + the operator partition as planned (`partition`) and in 2 pieces through every layer
+(`partition2`, whose MoE layers then run unchunked: auto degrees are solved for whole micro-batches), and prints a
+`features` row per layout and rate (step ratio against all off, hidden share, exposed / wire / peer-wait ms, the
+planner's ranges and predicted ms). `unchunked` and `unchunked_partition2` (asked for by name) are all on and 2
+pieces with degrees 1 / 1. The
 `2x2dp` layout (asked for by name) keeps EP=2 inside each node and puts the data-parallel reduction on the link.
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts

@@ -301,7 +301,7 @@ def make_planning_groups(group, timeout=None) -> None:
     mine = dist.get_process_group_ranks(group)
     issue(Collective("other", "planning_groups"), lambda: dist.all_gather_object(everyone, mine))
     for ranks in sorted({tuple(r) for r in everyone}):  # every rank makes every twin, in one order
-        twin = dist.new_group(list(ranks), timeout=timeout)
+        twin = dist.new_group(list(ranks), timeout=timeout, group_desc="EXPERT_MODEL_PARALLEL_PLANNING_GROUP")
         if dist.get_rank() in ranks:
             _PLANNING[group] = twin
 
