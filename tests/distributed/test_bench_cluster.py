@@ -44,8 +44,15 @@ def test_the_baseline_plan_alternates_layouts_rates_and_policies():
     assert bench_step._flag(esp, "--overlap-wgrad") == "greedy"
     assert bench_step.layout_name("2x2esp") == "2x2esp EP=2 DP=4 ESP=2"
     defaults = bench_step.parse_args([])
-    assert defaults.cluster == ["2x1", "2x2"] and defaults.overlap == list(bench_step.SETTINGS)
+    assert defaults.cluster == ["2x1", "2x2"] and defaults.overlap == list(bench_step.DEFAULT_SETTINGS)
     assert bench_step.parse_args(["--overlap", "all-off", "all-on", "off"]).overlap == ["off", "adaptive"]
+    assert bench_step.parse_args(["--overlap", "features", "off"]).overlap == list(bench_step.FEATURES)
+    pieces = bench_step.trainer_flags("2x1", 3, ("D", "T"), None, "partition2")
+    assert (
+        bench_step._flag(pieces, "--moe-partition-pieces") == "2"
+        and bench_step._flag(pieces, "--moe-partition-range") == "all"
+    )
+    assert bench_step._flag(pieces, "--moe-pipeline-degree") == "auto"
     small = bench_step.trainer_flags("2x2dp", 3, ("DATA", "TOK"), None, "grad_small")
     assert bench_step._flag(small, "--expert-model-parallel-size") == "2" and "--overlap-grad-reduce" in small
     assert bench_step._flag(small, "--ddp-bucket-size") == str(bench_step.SMALL_BUCKET)
@@ -63,6 +70,7 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
         greedy = bench_step.run_case(cluster, "2x1", 0.5, "greedy", args, train_data)
         pipeline = bench_step.run_case(cluster, "2x1", 0.5, "pipeline", args, train_data)
         adaptive = bench_step.run_case(cluster, "2x1", 0.5, "adaptive", args, train_data)
+        pieces = bench_step.run_case(cluster, "2x1", 0.5, "partition2", args, train_data)
     flags = bench_step.trainer_flags("2x1", 4, train_data, args.model)
     row = bench_step.summarize("2x1", 0.5, [history, history], args.warmup, flags)
     json.dumps(row)  # a JSON line
@@ -74,6 +82,7 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
         "grad_reduce_schedule": "megatron",
         "overlap_grad_reduce": False,
         "ddp_bucket_size": None,
+        "partition_pieces": 1,
     }
     assert row["wgrad"] is None and row["pipeline_degrees"] == {"1": [1, 1], "2": [1, 1]}, row["pipeline_degrees"]
     assert row["steps"] == 4 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 4
@@ -134,6 +143,19 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert piped["grad_reduce_floor_ms"] is None and planned["grad_reduce_floor_ms"] > 0  # the plan's, adaptive only
     assert grad_row["floor_ms"] == planned["grad_reduce_floor_ms"]
     assert grad_row["floor_cut_vs_best_megatron"] == round(1 - grad_row["floor_ms"] / exposed["pipeline"], 3)
+    # Lancet's operator partition, 2 pieces through both layers: the history's start-up entry says where they ran
+    # (unchunked: auto degrees are solved for whole micro-batches), and every all-to-all runs once per piece.
+    split = bench_step.summarize("2x1", 0.5, [pieces], args.warmup, flags, "partition2")
+    assert split["case"] == "step_2x1_0.5gbit_partition2" and split["partition_pieces"] == 2
+    assert split["operator_partition"] == [{"layers": [1, 2], "ranges": [[1, 2, 2]]}], split["operator_partition"]
+    assert split["pipeline_degrees"] == {"1": [1, 1], "2": [1, 1]}, split["pipeline_degrees"]
+    for kind in A2A:  # all off ran degrees 1 / 1 too
+        assert split["calls"][kind] == 2 * row["calls"][kind], (kind, split["calls"], row["calls"])
+    table = bench_step.features({"off": row, "adaptive": planned, "partition2": split})
+    json.dumps(table)
+    assert table["case"] == "features_2x1_0.5gbit" and set(table["settings"]) == {"off", "adaptive", "partition2"}
+    assert table["settings"]["partition2"]["step_ratio"] == round(row["step_ms"] / split["step_ms"], 3)
+    assert table["settings"]["partition2"]["operator_partition"] == split["operator_partition"]
 
 
 def test_bench_moe_layer_cluster_mode_runs_both_layers_at_ep2(capsys):
