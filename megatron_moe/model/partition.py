@@ -41,7 +41,6 @@ import inspect
 from contextlib import nullcontext
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
@@ -49,6 +48,7 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.pieces import Piece, piece_sizes, run_interleaved
 from megatron_moe.platform.cpu_compat import Patch
+from megatron_moe.platform.rng import rng_tracker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +67,14 @@ class PartitionedTransformerBlock(TransformerBlock):
     partition: tuple[PartitionRange, ...] = ()
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
-        if not self._partitions(hidden_states, args, kwargs):
+        if not self._partitions(args, kwargs):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         # megatron-core's forward, its training path without fp8, CPU offloading or cross-attention:
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         sequence_parallel = self.config.sequence_parallel
-        with tensor_parallel.get_cuda_rng_tracker().fork() if sequence_parallel else nullcontext():
+        with rng_tracker().fork() if sequence_parallel else nullcontext():
             hidden_states = self._run_layers(hidden_states, attention_mask, kwargs)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
@@ -83,7 +83,7 @@ class PartitionedTransformerBlock(TransformerBlock):
             hidden_states = hidden_states.clone()
         return hidden_states
 
-    def _partitions(self, hidden_states, args, kwargs) -> bool:
+    def _partitions(self, args, kwargs) -> bool:
         if not self.partition or not (self.training and torch.is_grad_enabled()) or args:
             return False
         if kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None:

@@ -284,8 +284,9 @@ class MoELayer(MegatronModule):
     def compute_experts(self, dispatched: Dispatched, rows_RH: torch.Tensor) -> torch.Tensor:
         return self.experts(rows_RH, dispatched.counts)
 
-    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        return self.dispatcher.combine(rows_RH, dispatched).wait()
+    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
+        """Start sending the experts' outputs back; `wait()` gives them in the pre-dispatch layout."""
+        return self.dispatcher.combine(rows_RH, dispatched)
 
     def start_pipeline(self, rows_RH: torch.Tensor, row_map: RowMap, splits: DispatchSplits, degrees) -> PipelineStart:
         """dispatch -> experts -> combine in chunks (`megatron_moe.moe.pipeline`): chunk 0's all-to-all starts
@@ -339,7 +340,7 @@ class MoELayer(MegatronModule):
             rows_RH = self.compute_experts(dispatched, rows_RH)
             rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
             with self._in_region("combine"):
-                handle = self.dispatcher.combine(rows_RH, dispatched)
+                handle = self.combine(rows_RH, dispatched)
             yield
             with self._in_region("combine"):
                 rows_RH = handle.wait()

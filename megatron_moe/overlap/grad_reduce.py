@@ -122,7 +122,7 @@ def completion_order(module: torch.nn.Module, num_layers: int) -> list[tuple[tor
     before the backward of every MoE layer numbered below b (b = its transformer layer's number; the final norm and
     output layer num_layers + 1; the embedding 0, after everything). Within a layer: megatron-core's buffer order
     (registration reversed)."""
-    decoder = getattr(_unwrap(module), "decoder", None)
+    decoder = getattr(unwrap(module), "decoder", None)
     numbers = {str(local): layer.layer_number for local, layer in enumerate(getattr(decoder, "layers", ()))}
     located = []
     for position, (name, param) in enumerate(module.named_parameters()):
@@ -138,7 +138,8 @@ def completion_order(module: torch.nn.Module, num_layers: int) -> list[tuple[tor
     return [(param, -negative) for negative, _, param in sorted(located, key=lambda x: x[:2])]
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside its wrappers (megatron-core DDP, Float16Module)."""
     while hasattr(module, "module"):
         module = module.module
     return module

@@ -37,6 +37,7 @@ from megatron_moe.overlap.grad_reduce import (
     generalized_layers,
     reduced_params,
     regroup,
+    unwrap,
 )
 from megatron_moe.overlap.op_partition import plan_partition, stage_model
 from megatron_moe.overlap.profiler import (
@@ -276,7 +277,7 @@ def install_operator_partition(
     report = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
     figures = []
     for chunk in model:
-        decoder = _unwrap_chunk(chunk).decoder
+        decoder = unwrap(chunk).decoder
         layers = [layer.layer_number for layer in decoder.layers]
         if not layers:
             continue
@@ -316,13 +317,6 @@ def _unchunk(decoder, spans: list[tuple[int, int]]) -> None:
         for layer in decoder.layers:
             if first <= layer.layer_number <= last and isinstance(layer.mlp, MoELayer):
                 layer.mlp.set_pipeline_degrees(*_degrees(layer.mlp, 1, 1))
-
-
-def _unwrap_chunk(chunk):
-    """The GPTModel inside a DDP (and Float16Module) wrapper."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 LINK_PROBE_BYTES = (256 << 10, 1 << 20)
