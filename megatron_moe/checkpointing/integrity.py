@@ -153,8 +153,8 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
-def disk_full_error(root: str, tmp: str, needed: int) -> CheckpointError:
+def disk_full_error(root: str, tmp: str, needed: int, free: int) -> CheckpointError:
     return CheckpointError(
         f"--save={root}: disk full while writing {os.path.basename(tmp)}: about {needed} bytes needed, "
-        f"{free_bytes(root)} free; the previous checkpoint is intact. Free space or point --save elsewhere"
+        f"{free} free; the previous checkpoint is intact. Free space or point --save elsewhere"
     )

@@ -157,20 +157,22 @@ def _save_failure(root: str, tmp: str, error: BaseException, estimate: Callable[
 
     The writers' ENOSPC may reach this process only as text, or not at all (torch.save's "unexpected pos"), and a
     rank other than dist_checkpointing's coordinator gets no details: a failure with (almost) no space left where
-    the checkpoint goes counts as a full disk too, and with `agree` the ranks agree on it (one collective: torch
-    raised the CheckpointException on every rank at the same point).
+    the checkpoint goes counts as a full disk too, and with `agree` the ranks agree on it and on the figures their
+    line prints (one collective: torch raised the CheckpointException on every rank at the same point). Identical
+    lines are printed once per host; figures measured by each rank at its own moment were not identical.
     """
     written = integrity.dir_bytes(tmp) if os.path.isdir(tmp) else 0
     needed = max(estimate(), written)
     full = integrity.is_disk_full(error) or integrity.free_bytes(root) < min(needed, integrity.NEARLY_FULL)
     shutil.rmtree(tmp, ignore_errors=True)
+    free = integrity.free_bytes(root)  # a writer's file unlinked while still open frees its space late: agreed below
     if agree:
-        table = torch.tensor([int(full), needed], dtype=torch.int64, device=current_platform().device)
+        table = torch.tensor([int(full), needed, free], dtype=torch.int64, device=current_platform().device)
         comm.agree_save_failure(table)
         with comm.host_read("save failure"):
-            full, needed = table.tolist()
+            full, needed, free = table.tolist()
     if full:
-        return integrity.disk_full_error(root, tmp, needed)
+        return integrity.disk_full_error(root, tmp, needed, free)
     if isinstance(error, CheckpointException):  # an Exception, so that the fail-fast handler reports it
         return RuntimeError(f"--save={root}: writing {os.path.basename(tmp)} failed: {integrity.describe(error)}")
     return error

@@ -84,8 +84,9 @@ def count_parameters(counts: torch.Tensor) -> torch.Tensor:
 
 
 def agree_save_failure(table: torch.Tensor) -> torch.Tensor:
-    """In place: after a checkpoint save failed on every rank at once, [disk full, bytes needed] as the most any rank
-    found (max over the world), so that every rank reports the same line. A single process: already agreed."""
+    """In place: after a checkpoint save failed on every rank at once, [disk full, bytes needed, bytes free] as the
+    most any rank found (max over the world), so that every rank reports the same line. A single process: already
+    agreed."""
     if is_distributed():
         record = Collective("other", "agree_save_failure", nbytes=nbytes(table))
         issue(record, lambda: dist.all_reduce(table, op=dist.ReduceOp.MAX))

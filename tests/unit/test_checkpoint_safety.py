@@ -331,3 +331,29 @@ def test_checkpoint_exception_is_one_line_and_drops_the_partial_copy(
             error.value
         )
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", TRACKER]
+
+
+def test_every_rank_prints_the_same_full_disk_line(megatron_world1, tmp_path, monkeypatch):
+    """A full disk fails the save on every rank; each measures what is free at its own moment (a writer's file,
+    unlinked while still open, frees its space late). The line is printed once per host only when it is the same
+    on every rank, so its figures are the agreed ones: here a peer found more bytes free than this rank."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_moe import comm
+
+    run = Run(tmp_path)
+    run.save(1)
+
+    def failing(state, path):
+        raise checkpoint_exception({1: worker_failure("[Errno 28] No space left on device")})
+
+    def with_a_peer(table):  # the max over this rank and a peer that saw 1 MB more free
+        peer = table.clone()
+        peer[-1] += 2**20
+        return table.copy_(torch.maximum(table, peer))
+
+    monkeypatch.setattr(dist_checkpointing, "save", failing)
+    monkeypatch.setattr(comm, "agree_save_failure", with_a_peer)
+    monkeypatch.setattr(integrity, "free_bytes", lambda root: 5000)
+    with pytest.raises(CheckpointError, match=rf"bytes needed, {5000 + 2**20} free; the previous checkpoint is intact"):
+        run.save(2)
