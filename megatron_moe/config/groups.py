@@ -213,6 +213,13 @@ class MoEConfig:
         "--overlap-wgrad greedy: log the plan (which dW under which all-to-all, predicted hidden time)",
         applies=only.EXPERT_PARALLEL,
     )
+    overlap_report: bool = arg(
+        False,
+        "log, once every overlap plan is in force (iterations 3-12), each planner's choice and prediction beside "
+        "what the communication timers measured: per kind wire / exposed / peer-wait time and hidden share, per "
+        "MoE layer its degrees and all-to-alls, the operator partition's and the gradient partition's hidden time",
+        applies=only.OUR_MOE,
+    )
     moe_layer_impl: str = arg(
         "megatron_moe",
         "MoE layer: ours or megatron-core's (the layer benchmark's reference)",

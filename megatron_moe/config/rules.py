@@ -69,6 +69,12 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
     check_interleaved_microbatches(cfg, world_size)
     check_partition(cfg)
     require(
+        not (cfg.moe.overlap_report and cfg.logging.no_comm_timers),
+        "--overlap-report",
+        True,
+        "without --no-comm-timers (the report sets the timers' figures beside the plans)",
+    )
+    require(
         cfg.model.seq_length % dims.sequence_split == 0,
         "--seq-length",
         cfg.model.seq_length,

@@ -18,6 +18,7 @@ from megatron_moe.model import run_fusions, transformer_config
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
+from megatron_moe.training.overlap_report import OverlapPlans
 from megatron_moe.training.setup import (
     build_ddp_model,
     build_optimizer,
@@ -93,7 +94,13 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     counts = parameter_counts(cfg, model)
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes, fusions)
-    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce, "fits": link_fits(cfg, fits)}
+    plans = OverlapPlans(
+        degrees=schedules or {},
+        partition=partition,
+        grad_reduce=grad_reduce.partition if grad_reduce else None,
+        micro_batches=cfg.num_microbatches(dist.get_world_size()),
+    )
+    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce, "fits": link_fits(cfg, fits), "plans": plans}
     startup = {
         "parameters": counts,
         "datasets": data.sizes,

@@ -34,6 +34,8 @@ from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetect
 from megatron_moe.training.flops import flops_per_token
 from megatron_moe.training.logger import TrainingLogger, exposed_by_group, wandb_run_for
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
+from megatron_moe.training.overlap_report import OverlapPlans, OverlapReport
+from megatron_moe.training.overlap_report import as_text as overlap_report_text
 from megatron_moe.training.preemption import ExitRequest
 from megatron_moe.training.setup import params_norm
 from megatron_moe.training.step import forward_step
@@ -94,6 +96,7 @@ class Trainer:
         grad_reduce=None,
         startup: dict | None = None,
         fits=None,
+        plans: OverlapPlans | None = None,
     ):
         self.cfg = cfg
         self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
@@ -143,6 +146,9 @@ class Trainer:
         # denominator of the hidden share (comm/timers.py); without them the timers estimate it.
         self.comm_timers = CommTimers(wire_lines=wire_lines(fits)) if timed else None
         self.hidden_check = HiddenCheck(cfg) if timed else None
+        self.overlap_report = None  # --overlap-report: the planners' predictions beside the timers' figures
+        if timed and cfg.moe.is_moe and cfg.moe.overlap_report:
+            self.overlap_report = OverlapReport(plans or OverlapPlans(), train_iters=cfg.training.train_iters)
         self.logger = None
         if self.is_logging_rank:
             lg = cfg.logging
@@ -389,6 +395,10 @@ class Trainer:
                 history.append(self._log_step(it, figures))
                 if self.hidden_check and figures["comm"] is not None:
                     self.hidden_check.observe(figures["comm"])
+                if self.overlap_report and figures["comm"] is not None:
+                    if (report := self.overlap_report.observe(it, figures["comm"])) is not None:
+                        history[-1]["overlap_report"] = report
+                        log.info("%s", overlap_report_text(report))
                 if self.wgrad_queue and self.wgrad_queue.report and self.wgrad_queue.first_planned_iteration():
                     log.info("--overlap-wgrad-report:\n%s", wgrad_report(self.wgrad_queue.schedule, figures["comm"]))
                 spike = self.spikes.observe(it, figures["lm loss"])

@@ -106,8 +106,9 @@ def computed(steps: list[dict]) -> list[dict]:
     `comm`), where Lancet's queue ran each dW (`wgrad`: its plan comes from timings), which bucket groups the
     adaptive gradient partition launched (`grad_reduce`), which differ from run to run, and the pipeline degrees a
     run started with and its start-up summary (`pipeline_degrees`, `startup`: in its first entry only, per-rank
-    counts differ between layouts), for comparisons that must be bit-identical."""
-    skip = ("step_ms", "comm", "wgrad", "grad_reduce", "pipeline_degrees", "startup")
+    counts differ between layouts) and --overlap-report's timings (`overlap_report`), for comparisons that must be
+    bit-identical."""
+    skip = ("step_ms", "comm", "wgrad", "grad_reduce", "pipeline_degrees", "startup", "overlap_report")
     return [{k: v for k, v in step.items() if k not in skip} for step in steps]
 
 

@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from megatron_moe.comm.timers import hidden_share
 from tests.distributed.launcher import computed, run_torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
@@ -43,3 +44,29 @@ def test_each_piece_runs_its_own_all_to_alls(runs, layout):
     whole, pieces = runs[f"{layout}/1"][-1]["comm"]["calls"], runs[f"{layout}/2"][-1]["comm"]["calls"]
     for kind in A2A_KINDS:
         assert whole[kind] > 0 and pieces[kind] == 2 * whole[kind], (kind, whole, pieces)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_overlap_report_sets_the_plans_beside_the_timers(runs, layout):
+    """--overlap-report (the pieces' runs): iterations 3-4, every all-to-all kind on the wire, the partition as
+    installed with its measured hidden time, the gradient partition's prediction where this rank launched it (the
+    adaptive schedule on the first pipeline stage: not under PP, whose logging rank is the last stage). Under
+    PP=2 x VPP=2 the logging rank's layers (2 and 4) are dense: no all-to-all to report."""
+    history = runs[f"{layout}/2"]
+    assert [i for i, entry in enumerate(history) if "overlap_report" in entry] == [3]
+    report = history[3]["overlap_report"]
+    assert report["iterations"] == [3, 4]
+    assert report["hidden"] == hidden_share(report["exposed_ms"], report["wire_ms"])
+    chunks = report["partition"]
+    if layout == "pp2_vpp2_ep2":
+        assert report["layers"] == {} and all(chunk["a2a_wire_ms"] == 0 for chunk in chunks), report
+    else:
+        for kind in ("a2a_dispatch", *A2A_KINDS):
+            assert report["kinds"][kind]["wire_ms"] > 0, (kind, report["kinds"])
+        assert report["layers"] and all(entry["a2a_wire_ms"] > 0 for entry in report["layers"].values())
+    assert chunks and all(pieces == 2 for chunk in chunks for _, _, pieces in chunk["ranges"]), chunks
+    assert all(0 <= chunk["a2a_hidden_ms"] <= chunk["a2a_wire_ms"] for chunk in chunks), chunks
+    adaptive = layout in ("ep2", "ep4", "tp2_ep2")
+    assert ("grad_reduce" in report) == adaptive, report.keys()
+    if adaptive:
+        assert report["grad_reduce"]["predicted_exposed_ms"] >= 0 and report["grad_reduce"]["wire_ms"] > 0

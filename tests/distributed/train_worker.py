@@ -403,8 +403,9 @@ PARTITION_MEGATRON_REDUCE = {
 
 
 def partition_flags(pieces: str) -> list[str]:
-    """`pieces` pieces through every layer (not the planner's choice)."""
-    return ["--moe-partition-pieces", pieces, "--moe-partition-range", "all"]
+    """`pieces` pieces through every layer (not the planner's choice); the pieces' runs with --overlap-report."""
+    report = ["--overlap-report"] if pieces != "1" else []
+    return ["--moe-partition-pieces", pieces, "--moe-partition-range", "all", *report]
 
 
 def partition() -> dict:

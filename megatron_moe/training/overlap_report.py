@@ -1,0 +1,181 @@
+"""`--overlap-report`: what the overlap planners chose and predicted at start-up, beside what the communication
+timers measured once every plan is in force.
+
+The planners (training/setup.py) each log their choice at start-up: FSMoE's pipeline degrees per MoE layer,
+Lancet's operator partition per model chunk, FSMoE's gradient partition, Lancet's dW plan (from iteration 3).
+Their predictions are of different things, so each is set beside the measured figure of the same thing:
+
+  - the whole step: per kind, the link time of the bytes that crossed (wire), the time the step waited on them
+    (exposed) and the part of that spent waiting for a slower peer; hidden = 1 - exposed / wire (comm/timers.py);
+  - per MoE layer: its degrees and the cost model's forward / backward times, and its all-to-alls' wire and
+    exposed time;
+  - the operator partition: the all-to-all time a micro-batch hides (cost model) against wire - exposed of the
+    chunk's all-to-alls per micro-batch;
+  - the gradient partition: the reduction left exposed after backward (cost model) against dp_grad_reduce's
+    exposed time.
+
+The report covers `STEPS` steps from `FIRST_ITERATION` (Lancet's dW plan is in force from there; earlier steps
+profile and warm up), or the steps the run has. Figures are this rank's (the logging rank, the only one timed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, hidden_share
+
+FIRST_ITERATION = 3
+"""Lancet's greedy plan runs from here (overlap/runtime.py `PROFILE_ITERATION` + 1); the steps before warm up."""
+STEPS = 10
+A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapPlans:
+    """The start-up planners' choices on this rank, as training/__init__.py collects them."""
+
+    degrees: dict = dataclasses.field(default_factory=dict)
+    """MoE layer -> cost_model.Schedule (auto degrees); empty when the degrees were given."""
+    partition: list = dataclasses.field(default_factory=list)
+    """setup.install_operator_partition's figures, one per model chunk that runs pieces or was planned."""
+    grad_reduce: object | None = None
+    """grad_partition.GradPartition of the adaptive schedule; None with megatron-core's buckets."""
+    micro_batches: int = 1
+    """Micro-batches per step on this rank (the partition's figures are per micro-batch)."""
+
+
+class OverlapReport:
+    """Accumulates the timers' step summaries over the report's window; `observe` returns the report once."""
+
+    def __init__(self, plans: OverlapPlans, *, train_iters: int, first: int = FIRST_ITERATION, steps: int = STEPS):
+        self.plans = plans
+        self.first = min(first, train_iters)
+        self.last = min(train_iters, self.first + steps - 1)
+        self._kinds = {figure: dict.fromkeys(SUMMARY_KINDS, 0.0) for figure in ("wire_ms", "exposed_ms", "peer_wait")}
+        self._layers: dict[int, dict[str, float]] = {}
+        self._steps = 0
+        self.done = False
+
+    def observe(self, iteration: int, summary: CommSummary) -> dict | None:
+        """Add one step's summary (iteration 1-based); the report (`as_text` renders it) after the window's last."""
+        if self.done or iteration < self.first:
+            return None
+        self._steps += 1
+        for kind in SUMMARY_KINDS:
+            self._kinds["wire_ms"][kind] += summary.wire_ms.get(kind, 0.0)
+            self._kinds["exposed_ms"][kind] += summary.exposed_ms.get(kind, 0.0)
+            self._kinds["peer_wait"][kind] += summary.peer_wait_ms.get(kind, 0.0)
+        for layer, figures in summary.per_layer.items():
+            into = self._layers.setdefault(layer, {"wire_ms": 0.0, "exposed_ms": 0.0})
+            for figure in into:
+                into[figure] += sum(figures.get(figure, {}).get(kind, 0.0) for kind in A2A_KINDS)
+        if iteration < self.last:
+            return None
+        self.done = True
+        return self._report(iteration)
+
+    def _report(self, iteration: int) -> dict:
+        n, plans = self._steps, self.plans
+        per_step = {figure: {k: v / n for k, v in values.items()} for figure, values in self._kinds.items()}
+        kinds = {
+            kind: {
+                "wire_ms": per_step["wire_ms"][kind],
+                "exposed_ms": per_step["exposed_ms"][kind],
+                "peer_wait_ms": per_step["peer_wait"][kind],
+                "hidden": hidden_share(per_step["exposed_ms"][kind], per_step["wire_ms"][kind]),
+            }
+            for kind in SUMMARY_KINDS
+            if per_step["wire_ms"][kind] > 0 or per_step["exposed_ms"][kind] > 0
+        }
+        wire, exposed = math.fsum(per_step["wire_ms"].values()), math.fsum(per_step["exposed_ms"].values())
+        layers = {}
+        for layer, figures in sorted(self._layers.items()):
+            entry = {"a2a_wire_ms": figures["wire_ms"] / n, "a2a_exposed_ms": figures["exposed_ms"] / n}
+            entry["hidden"] = hidden_share(entry["a2a_exposed_ms"], entry["a2a_wire_ms"])
+            if (schedule := plans.degrees.get(layer)) is not None:
+                entry |= {"degrees": [schedule.forward, schedule.backward], "predicted_ms": schedule.predicted_ms}
+            layers[layer] = entry
+        report = {
+            "iterations": [iteration - n + 1, iteration],
+            "kinds": kinds,
+            "wire_ms": wire,
+            "exposed_ms": exposed,
+            "peer_wait_ms": math.fsum(per_step["peer_wait"].values()),
+            "hidden": hidden_share(exposed, wire),
+            "layers": layers,
+            "partition": [self._partition(chunk, layers) for chunk in plans.partition],
+        }
+        if plans.grad_reduce is not None:
+            report["grad_reduce"] = {
+                "predicted_exposed_ms": plans.grad_reduce.predicted_ms["tail"],
+                "exposed_ms": per_step["exposed_ms"]["dp_grad_reduce"],
+                "wire_ms": per_step["wire_ms"]["dp_grad_reduce"],
+            }
+        return report
+
+    def _partition(self, chunk: dict, layers: dict[int, dict]) -> dict:
+        """A chunk's ranges and, where planned, its predicted hidden all-to-all time a micro-batch beside the
+        measured one (wire - exposed of its layers' all-to-alls, per micro-batch)."""
+        first, last = chunk["layers"]
+        mine = [entry for layer, entry in layers.items() if first <= layer <= last]
+        wire = math.fsum(e["a2a_wire_ms"] for e in mine) / self.plans.micro_batches
+        exposed = math.fsum(e["a2a_exposed_ms"] for e in mine) / self.plans.micro_batches
+        entry = {"layers": chunk["layers"], "ranges": chunk["ranges"], "a2a_wire_ms": wire}
+        entry["a2a_hidden_ms"] = max(0.0, wire - exposed)
+        if "hidden_ms" in chunk:
+            entry |= {
+                "predicted_a2a_ms": chunk["a2a_ms"]["partitioned"],
+                "predicted_hidden_ms": chunk["hidden_ms"]["partitioned"],
+                "predicted_ms": chunk["predicted_ms"],
+            }
+        return entry
+
+
+def as_text(report: dict) -> str:
+    """The report as the log shows it (ms a step unless said otherwise)."""
+    first, last = report["iterations"]
+    lines = [
+        f"--overlap-report, iterations {first}-{last} (this rank, ms a step; wire: the crossing bytes' link time, "
+        f"hidden: 1 - exposed / wire):",
+        f"  {'kind':<18} {'wire':>9} {'exposed':>9} {'peer wait':>9} {'hidden':>7}",
+    ]
+    for kind, k in report["kinds"].items():
+        lines.append(
+            f"  {kind:<18} {k['wire_ms']:>9.1f} {k['exposed_ms']:>9.1f} {k['peer_wait_ms']:>9.1f} {k['hidden']:>7.1%}"
+        )
+    lines.append(
+        f"  {'all':<18} {report['wire_ms']:>9.1f} {report['exposed_ms']:>9.1f} {report['peer_wait_ms']:>9.1f} "
+        f"{report['hidden']:>7.1%}"
+    )
+    for layer, entry in report["layers"].items():
+        planned = ""
+        if "degrees" in entry:
+            forward, backward = entry["degrees"]
+            predicted = entry["predicted_ms"]
+            planned = (
+                f"degrees {forward}/{backward} (predicted forward {predicted['forward']:.1f}, "
+                f"backward {predicted['backward']:.1f} ms a micro-batch); "
+            )
+        lines.append(
+            f"  MoE layer {layer}: {planned}all-to-alls {entry['a2a_exposed_ms']:.1f} exposed of "
+            f"{entry['a2a_wire_ms']:.1f} on the wire, {entry['hidden']:.1%} hidden"
+        )
+    for chunk in report["partition"]:
+        ranges = ", ".join(f"{a}-{b} in {k}" for a, b, k in chunk["ranges"]) or "none"
+        measured = f"{chunk['a2a_hidden_ms']:.1f} of {chunk['a2a_wire_ms']:.1f}"
+        if "predicted_hidden_ms" in chunk:
+            predicted = f"{chunk['predicted_hidden_ms']:.1f} of {chunk['predicted_a2a_ms']:.1f}"
+            compared = f"predicted {predicted}, measured {measured}"
+        else:
+            compared = f"measured {measured} (no plan: pieces given)"
+        lines.append(
+            f"  operator partition, layers {chunk['layers'][0]}-{chunk['layers'][1]} ({ranges} pieces): "
+            f"all-to-all ms hidden a micro-batch: {compared}"
+        )
+    if (grad := report.get("grad_reduce")) is not None:
+        lines.append(
+            f"  gradient partition: exposed reduction predicted {grad['predicted_exposed_ms']:.1f}, measured "
+            f"{grad['exposed_ms']:.1f} (of {grad['wire_ms']:.1f} on the wire)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""--overlap-report: the planners' predictions beside the timers' figures over iterations 3-12 (the run's end when
+it is shorter), per kind, per MoE layer, for the operator partition (per micro-batch) and the gradient partition."""
+
+import pytest
+
+from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, peer_wait
+from megatron_moe.config import ConfigError, parse_args
+from megatron_moe.overlap.cost_model import Schedule
+from megatron_moe.overlap.grad_partition import GradPartition
+from megatron_moe.training.overlap_report import OverlapPlans, OverlapReport, as_text
+
+BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "4", "--expert-model-parallel-size", "2"]
+
+
+def step(dispatch_wire: float, dispatch_exposed: float, grad_wire: float, grad_exposed: float) -> CommSummary:
+    """One step: layer 2's forward dispatch and the DP gradient reduction (the other kinds: nothing)."""
+    wire = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_wire, "dp_grad_reduce": grad_wire}
+    exposed = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_exposed, "dp_grad_reduce": grad_exposed}
+    zeros = dict.fromkeys(SUMMARY_KINDS, 0)
+    layer = {"wire_ms": {"a2a_dispatch": dispatch_wire}, "exposed_ms": {"a2a_dispatch": dispatch_exposed}}
+    return CommSummary(
+        comm_ms=exposed,
+        exposed_ms=exposed,
+        bytes=zeros,
+        wire_bytes=zeros,
+        wire_ms=wire,
+        wire_from=dict.fromkeys(SUMMARY_KINDS, "fit"),
+        peer_wait_ms=peer_wait(exposed, wire),
+        calls=zeros,
+        per_layer={2: layer},
+        hidden_frac=0.0,
+    )
+
+
+PLANS = OverlapPlans(
+    degrees={2: Schedule(forward=2, backward=1, predicted_ms={"forward": 3.0, "backward": 5.0}, case={})},
+    partition=[
+        {
+            "layers": [1, 2],
+            "ranges": [[1, 2, 2]],
+            "predicted_ms": {"partitioned": 30.0, "unpartitioned": 34.0},
+            "a2a_ms": {"partitioned": 8.0, "unpartitioned": 8.0},
+            "hidden_ms": {"partitioned": 6.0, "unpartitioned": 2.0},
+        }
+    ],
+    grad_reduce=GradPartition(
+        first={}, assigned={}, tail_bytes=0.0, olp_ms={}, predicted_ms={"tail": 4.0, "total": 40.0, "megatron": 50.0}
+    ),
+    micro_batches=2,
+)
+
+
+def test_the_report_averages_iterations_3_to_12_and_sets_each_plan_beside_its_measurement():
+    report = OverlapReport(PLANS, train_iters=100)
+    figures = {1: (99, 99, 99, 99), 2: (99, 99, 99, 99)}  # warm-up: not counted
+    figures |= {i: (10.0, 2.0 + (i % 2) * 2, 20.0, 6.0) for i in range(3, 14)}  # exposed dispatch 2 / 4 alternating
+    out = [report.observe(i, step(*figures[i])) for i in range(1, 14)]
+    assert [i + 1 for i, r in enumerate(out) if r is not None] == [12]  # once, at the window's end
+    r = out[11]
+    assert r["iterations"] == [3, 12]
+    assert r["kinds"].keys() == {"a2a_dispatch", "dp_grad_reduce"}
+    assert r["kinds"]["a2a_dispatch"] == {"wire_ms": 10.0, "exposed_ms": 3.0, "peer_wait_ms": 0.0, "hidden": 0.7}
+    assert (r["wire_ms"], r["exposed_ms"]) == (30.0, 9.0) and r["hidden"] == pytest.approx(0.7)
+    assert r["layers"][2] == {
+        "a2a_wire_ms": 10.0,
+        "a2a_exposed_ms": 3.0,
+        "hidden": 0.7,
+        "degrees": [2, 1],
+        "predicted_ms": {"forward": 3.0, "backward": 5.0},
+    }
+    (chunk,) = r["partition"]  # per micro-batch: 2 a step
+    assert (chunk["a2a_wire_ms"], chunk["a2a_hidden_ms"]) == (5.0, 3.5)
+    assert (chunk["predicted_a2a_ms"], chunk["predicted_hidden_ms"]) == (8.0, 6.0)
+    assert r["grad_reduce"] == {"predicted_exposed_ms": 4.0, "exposed_ms": 6.0, "wire_ms": 20.0}
+    text = as_text(r)
+    assert "iterations 3-12" in text
+    assert "MoE layer 2: degrees 2/1 (predicted forward 3.0, backward 5.0 ms a micro-batch)" in text
+    assert "operator partition, layers 1-2 (1-2 in 2 pieces): all-to-all ms hidden a micro-batch: predicted 6.0 of " \
+        "8.0, measured 3.5 of 5.0" in text  # fmt: skip
+    assert "gradient partition: exposed reduction predicted 4.0, measured 6.0 (of 20.0 on the wire)" in text
+
+
+def test_a_short_run_reports_at_its_last_step_and_pieces_without_a_plan_say_so():
+    plans = OverlapPlans(partition=[{"layers": [1, 2], "ranges": [[1, 2, 2]]}])
+    report = OverlapReport(plans, train_iters=2)
+    assert report.observe(1, step(10.0, 10.0, 0.0, 0.0)) is None
+    r = report.observe(2, step(10.0, 4.0, 0.0, 0.0))
+    assert r["iterations"] == [2, 2] and "grad_reduce" not in r
+    assert "degrees" not in r["layers"][2]
+    assert "measured 6.0 of 10.0 (no plan: pieces given)" in as_text(r)
+
+
+def test_the_report_needs_the_timers():
+    cfg = parse_args([*BASE, "--overlap-report", "--no-comm-timers"])
+    with pytest.raises(ConfigError, match=r"--overlap-report=True: without --no-comm-timers"):
+        cfg.validate(2)
+    parse_args([*BASE, "--overlap-report"]).validate(2)
