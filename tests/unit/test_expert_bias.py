@@ -223,3 +223,19 @@ def test_the_bias_is_saved_and_loaded(megatron_world1, tmp_path):
     assert float(gate.expert_bias.abs().sum()) == 0
     loaded.load()
     assert torch.equal(gate.expert_bias, bias) and gate.expert_bias.dtype == torch.float32
+
+
+def test_the_pieces_of_a_partitioned_micro_batch_count_the_micro_batchs_load(megatron_world1):
+    from megatron_moe.moe.pieces import Piece, piece_sizes, run_interleaved
+
+    layer, _, _ = both("sigmoid, bias, groups")
+    layer.gate.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
+    x_SBH = torch.randn(S, B, H, generator=torch.Generator().manual_seed(7))
+    whole_SBH = layer(x_SBH)[0]
+    whole_E = layer.gate.local_tokens_per_expert.clone()
+    layer.gate.local_tokens_per_expert.zero_()
+    pieces, routings = torch.split(x_SBH, piece_sizes(B, 2), dim=1), {}
+    outs = run_interleaved([layer.stages(p, piece=Piece(i, 2, routings)) for i, p in enumerate(pieces)])
+    assert torch.equal(layer.gate.local_tokens_per_expert, whole_E)
+    assert float(whole_E.sum()) == S * B * 4
+    torch.testing.assert_close(torch.cat([o for o, _ in outs], dim=1), whole_SBH, rtol=0, atol=1e-6)
