@@ -12,6 +12,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_moe.config import ConfigError, parse_args
 from megatron_moe.config.megatron_lm import REFUSED
+from megatron_moe.model.builder import transformer_config
 from megatron_moe.moe import MoELayer, MoELayerConfig, group_limited_topk, update_expert_biases
 
 H, E, S, B = 16, 8, 6, 4
@@ -207,6 +208,11 @@ def test_megatron_lm_launch_lines_with_these_flags_pass():
             layer = c.moe.layer_config(c.model)
             assert (layer.gate, layer.expert_bias, layer.bias_update_rate) == ("sigmoid", True, 1e-3)
             assert (layer.num_groups, layer.group_topk) == (4, 2)
+            assert not transformer_config(c).moe_router_enable_expert_bias  # ours moves it, not megatron-core's
+        else:  # megatron-core's layer: its router and finalize_model_grads do it all
+            t = transformer_config(c)
+            assert (t.moe_router_enable_expert_bias, t.moe_router_bias_update_rate) == (True, 1e-3)
+            assert (t.moe_router_num_groups, t.moe_router_group_topk, t.moe_router_score_function) == (4, 2, "sigmoid")
 
 
 def test_the_bias_is_saved_and_loaded(megatron_world1, tmp_path):
