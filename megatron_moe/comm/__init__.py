@@ -8,7 +8,7 @@
   (kinds `esp_ag` / `esp_rs`, likewise differentiable), their planning
   `exchange_counts`, `esp_gather_counts` and `agree_capacity`, and
   `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
-- training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `agree_exit`
+- training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `sum_expert_loads` (the expert bias's loads), `agree_exit`
   (preemption), `agree_nonfinite` (which ranks' own values went non-finite),
   `agree_startup_refusal` (rank 0's `--save` lock), `agree_save_failure` (a full
   disk on any rank), `barrier(purpose)`
@@ -68,6 +68,7 @@ from megatron_moe.comm.training import (
     count_parameters,
     reduce_lm_loss,
     reduce_moe_metrics,
+    sum_expert_loads,
 )
 
 __all__ = [
@@ -105,4 +106,5 @@ __all__ = [
     "reduce_lm_loss",
     "reduce_moe_metrics",
     "sum_across_shards",
+    "sum_expert_loads",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_moe.comm.core import Collective, is_distributed, issue, nbytes
+from megatron_moe.comm.core import Collective, group_size, is_distributed, issue, nbytes
 
 
 def reduce_lm_loss(total: torch.Tensor, group) -> torch.Tensor:
@@ -28,6 +28,16 @@ def reduce_moe_metrics(table: torch.Tensor, group=None) -> torch.Tensor:
         record = Collective("other", "reduce_moe_metrics", group, nbytes=nbytes(table))
         issue(record, lambda: dist.all_reduce(table, group=group))
     return table
+
+
+def sum_expert_loads(load_LE: torch.Tensor, group) -> torch.Tensor:
+    """In place: the step's tokens per expert of each MoE layer with an expert bias [L, E], summed over `group`
+    (megatron-core's TP x CP x DP group), so that every rank of it moves the bias alike (`moe.expert_bias`). One
+    rank (or no group): already complete."""
+    if group_size(group) > 1:
+        record = Collective("other", "sum_expert_loads", group, nbytes=nbytes(load_LE))
+        issue(record, lambda: dist.all_reduce(load_LE, group=group))
+    return load_LE
 
 
 def agree_exit(flags: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,16 @@ DROPPING = When(
     ),
     "with a positive --moe-expert-capacity-factor (tokens dropped), not with --moe-gate " + "/".join(OWN_ORDER_GATES),
 )
+EXPERT_BIAS = When(
+    lambda c: c.moe.is_moe and c.moe.moe_router_enable_expert_bias, "with --moe-router-enable-expert-bias"
+)
+GROUP_TOPK = When(
+    lambda c: c.moe.is_moe and (not c.moe.own_layer or c.moe.gate in ("topk", "sigmoid")),
+    "with --num-experts and a top-k gate: --moe-gate topk or sigmoid (or --moe-layer-impl mcore)",
+)
+GROUP_LIMITED = When(
+    lambda c: GROUP_TOPK.test(c) and c.moe.moe_router_group_topk is not None, "with --moe-router-group-topk"
+)
 PROJECTING = When(lambda c: _our_gate(c, ("xmoe", "cosine")), "with --moe-gate xmoe or cosine")
 SOFT = When(lambda c: _our_gate(c, ("soft",)), "with --moe-gate soft")
 

@@ -183,6 +183,28 @@ class MoEConfig:
     moe_router_topk_scaling_factor: float | None = arg(
         None, "multiply the k combine weights by this (DeepSeek-V3: 2.5)", applies=only.TOKEN_CHOICE
     )
+    moe_router_enable_expert_bias: bool = arg(
+        False,
+        "DeepSeek-V3's aux-loss-free balancing: a per-layer expert bias (fp32, replicated, checkpointed) added to "
+        "the sigmoid scores only to choose the top-k (the combine weights stay unbiased); after each step every "
+        "bias moves by --moe-router-bias-update-rate toward the mean load (the step's tokens per expert summed "
+        "over the TP x CP x DP ranks). Needs --moe-router-score-function sigmoid and, in our layer, no capacity",
+        applies=only.MOE,
+    )
+    moe_router_bias_update_rate: float = arg(
+        1e-3, "the expert bias's step: bias += rate x sign(mean load - load)", applies=only.EXPERT_BIAS
+    )
+    moe_router_num_groups: int | None = arg(
+        None,
+        "group-limited routing: the experts in this many equal groups (device-limited: EP; node-limited: nodes)",
+        applies=only.GROUP_LIMITED,
+    )
+    moe_router_group_topk: int | None = arg(
+        None,
+        "group-limited routing: each token's top-k among the experts of its best this-many groups (a group's "
+        "score: the sum of its top topk/group-topk scores); needs --moe-router-num-groups",
+        applies=only.GROUP_TOPK,
+    )
     moe_token_drop_policy: str | None = arg(
         None,
         "over capacity, which pairs an expert keeps: probs (the highest weights) or position (the earliest "
@@ -290,6 +312,10 @@ class MoEConfig:
             z_loss_coeff=self.moe_z_loss_coeff or 0.0,
             normalize_topk=self.moe_normalize_topk and not self.moe_router_pre_softmax,
             topk_scaling_factor=self.moe_router_topk_scaling_factor,
+            expert_bias=self.moe_router_enable_expert_bias,
+            bias_update_rate=self.moe_router_bias_update_rate,
+            num_groups=self.moe_router_num_groups if self.moe_router_group_topk else None,
+            group_topk=self.moe_router_group_topk,
             drop_policy=self.moe_token_drop_policy,
             router_dim=self.moe_router_dim,
             soft_slots=self.moe_soft_slots,

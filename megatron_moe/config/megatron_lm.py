@@ -29,11 +29,6 @@ _DEEPEP = (
     "DeepEP's dispatch kernels are not supported: tokens move by torch.distributed all-to-all "
     "(--moe-token-dispatcher-type alltoall), overlapped by --overlap-wgrad and --moe-pipeline-degree"
 )
-_EXPERT_BIAS = (
-    "aux-loss-free balancing by a learned expert bias is not supported yet: use --moe-router-load-balancing-type "
-    "aux_loss, or --moe-gate expert_choice for loads balanced by construction"
-)
-_GROUP_LIMITED = "group-limited (device- or node-limited) routing is not supported yet; drop it"
 _UPCYCLING = "upcycling a dense checkpoint into MoE is not supported yet; drop it"
 
 RENAMED: dict[str, tuple[bool, tuple[str, ...]]] = {
@@ -143,10 +138,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
     ),
     "--moe-use-upcycling": (False, _UPCYCLING),
     "--moe-upcycling-granularity": (True, _UPCYCLING),
-    "--moe-router-num-groups": (True, _GROUP_LIMITED),
-    "--moe-router-group-topk": (True, _GROUP_LIMITED),
-    "--moe-router-enable-expert-bias": (False, _EXPERT_BIAS),
-    "--moe-router-bias-update-rate": (True, _EXPERT_BIAS),
     "--moe-router-force-load-balancing": (
         False,
         "use --moe-gate expert_choice for benchmarks with balanced loads (every expert gets exactly its capacity)",

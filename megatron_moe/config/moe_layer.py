@@ -45,6 +45,28 @@ def parse_degree(text: str | int) -> int | str:
     return text
 
 
+def group_limited_error(num_experts, topk, num_groups, group_topk, error=ConfigError) -> None:
+    """Raise `error` naming the flag when group-limited routing cannot work (megatron-core's rules, and the two it
+    leaves to chance: a group's score needs topk // group_topk >= 1 experts, the chosen groups >= topk experts)."""
+    if group_topk is None:
+        return
+    choice = "e.g. --moe-router-num-groups 8 --moe-router-group-topk 4 for 64 experts and top-8"
+    if not num_groups:
+        raise error(f"--moe-router-group-topk={group_topk}: needs --moe-router-num-groups ({choice})")
+    if num_groups <= 0 or num_experts % num_groups:
+        raise error(f"--moe-router-num-groups={num_groups}: must divide --num-experts={num_experts} ({choice})")
+    if not 1 <= group_topk <= min(num_groups, topk):
+        raise error(
+            f"--moe-router-group-topk={group_topk}: must be between 1 and --moe-router-num-groups={num_groups} "
+            f"and at most --moe-router-topk={topk} ({choice})"
+        )
+    if group_topk * (num_experts // num_groups) < topk:
+        raise error(
+            f"--moe-router-group-topk={group_topk}: {group_topk} groups of {num_experts // num_groups} experts "
+            f"hold fewer than --moe-router-topk={topk}; choose at least {-(-topk // (num_experts // num_groups))}"
+        )
+
+
 def _flag(flag: str, default: Any = dataclasses.MISSING):
     """A field set by the run flag `flag` (named in validation errors)."""
     return dataclasses.field(default=default, metadata={"flag": flag})
@@ -90,6 +112,15 @@ class MoELayerConfig:
     """Rescale the k chosen gate scores to sum to 1 (GShard) when k > 1."""
     topk_scaling_factor: float | None = _flag("--moe-router-topk-scaling-factor", None)
     """Multiply the k combine weights by this after normalising (Megatron-LM, DeepSeek-V3's 2.5; None: 1)."""
+    expert_bias: bool = _flag("--moe-router-enable-expert-bias", False)
+    """Aux-loss-free balancing (DeepSeek-V3): an fp32 bias per expert added to the scores only to choose the top-k,
+    moved after each step toward the mean load (`megatron_moe.moe.expert_bias`). Sigmoid gate, dropless."""
+    bias_update_rate: float = _flag("--moe-router-bias-update-rate", 1e-3)
+    """The bias's step per training step: bias += rate * sign(mean load - load)."""
+    num_groups: int | None = _flag("--moe-router-num-groups", None)
+    """Group-limited routing: the experts in this many equal groups (None: off)."""
+    group_topk: int | None = _flag("--moe-router-group-topk", None)
+    """Group-limited routing: groups each token may use, ranked by the sum of their top topk/group_topk scores."""
     drop_policy: str | None = _flag("--moe-token-drop-policy", None)
     """Over capacity, which pairs an expert keeps, one of `DROP_POLICIES`: probs (the highest combine
     weights), position (the earliest tokens); None: the gate's claim order (k-major: every first choice
@@ -160,6 +191,27 @@ class MoELayerConfig:
             "topk_scaling_factor",
             "must be > 0, e.g. 2.5",
         )
+        if self.expert_bias:
+            r(
+                self.gate == "sigmoid",
+                "expert_bias",
+                f"biases sigmoid scores only, as megatron-core (not --moe-gate={self.gate}); add "
+                "--moe-router-score-function sigmoid",
+            )
+            r(
+                not self.capacity_factor,
+                "capacity_factor",
+                "the expert bias counts every routed pair (dropless); leave the capacity factor unset with "
+                "--moe-router-enable-expert-bias",
+            )
+        r(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0, e.g. 1e-3")
+        if self.group_topk is not None:
+            r(
+                self.gate in ("topk", "sigmoid"),
+                "group_topk",
+                f"group-limited routing needs a top-k gate: --moe-gate topk or sigmoid, not {self.gate}",
+            )
+        group_limited_error(self.num_experts, self.topk, self.num_groups, self.group_topk, MoEConfigError)
         if self.gate in BALANCED_GATES:
             r(
                 self.capacity_factor is None,

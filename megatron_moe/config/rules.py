@@ -31,6 +31,7 @@ from megatron_moe.config.groups import (
     ParallelConfig,
     TrainingConfig,
 )
+from megatron_moe.config.moe_layer import group_limited_error
 from megatron_moe.config.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -266,6 +267,17 @@ def check_moe(moe: MoEConfig, model: ModelConfig) -> None:
             moe.moe_router_score_function,
             f"selects --moe-gate {picks}, not --moe-gate {moe.moe_gate}; drop one of the two",
         )
+    require_non_negative("--moe-router-bias-update-rate", moe.moe_router_bias_update_rate, 1e-3)
+    require_positive("--moe-router-num-groups", moe.moe_router_num_groups, 8)
+    require_positive("--moe-router-group-topk", moe.moe_router_group_topk, 4)
+    if moe.moe_router_enable_expert_bias:  # megatron-core's rule, for either layer
+        require(
+            moe.gate == "sigmoid" if moe.own_layer else moe.moe_router_score_function == "sigmoid",
+            "--moe-router-enable-expert-bias",
+            True,
+            "aux-loss-free balancing biases sigmoid scores only; add --moe-router-score-function sigmoid",
+        )
+    group_limited_error(moe.num_experts, moe.moe_router_topk, moe.moe_router_num_groups, moe.moe_router_group_topk)
     if moe.own_layer:
         require(
             moe.moe_token_dispatcher_type == "alltoall",

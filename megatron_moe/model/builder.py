@@ -146,6 +146,11 @@ def _mcore_moe_settings(cfg: RunConfig) -> dict:
         moe_router_pre_softmax=moe.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor,
         moe_token_drop_policy=moe.moe_token_drop_policy or "probs",  # megatron-core's own default
+        # Its finalize_model_grads moves the bias after each step (megatron-core's own all-reduce of the loads).
+        moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=moe.moe_router_bias_update_rate,
+        moe_router_num_groups=moe.moe_router_num_groups if moe.moe_router_group_topk else None,
+        moe_router_group_topk=moe.moe_router_group_topk,
     )
 
 

@@ -11,6 +11,7 @@ config, `MoELayerConfig`, lives in the config layer (megatron_moe.config.moe_lay
 from megatron_moe.config.moe_layer import MoEConfigError, MoELayerConfig
 from megatron_moe.moe.capacity import capacity_limit, expert_capacity
 from megatron_moe.moe.dispatch import AllToAllV, Dispatcher, PaddedAllToAll
+from megatron_moe.moe.expert_bias import group_limited_topk, update_expert_biases
 from megatron_moe.moe.experts import Experts, FFNExperts, ModuleListExperts
 from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HOOK_POINTS, Bf16OnTheWire, HookContext, MoEHook
@@ -43,6 +44,8 @@ __all__ = [
     "capacity_limit",
     "collect_moe_metrics",
     "expert_capacity",
+    "group_limited_topk",
     "moe_layer_spec",
     "set_moe_aux_loss_scale",
+    "update_expert_biases",
 ]

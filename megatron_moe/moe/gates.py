@@ -9,7 +9,9 @@ Legend: T = tokens, H = hidden, E = experts, K = top-k, D = router projection wi
 - Every token-choice gate drops over capacity in its claim order: k-major
   (GShard), or Megatron-LM's `--moe-token-drop-policy` probs (the lowest
   combine weights go first) or position (the latest tokens go first).
-- `SigmoidGate`: independent sigmoid score per expert (BASE/StableMoE style).
+- `SigmoidGate`: independent sigmoid score per expert (BASE/StableMoE style); with an expert bias,
+  DeepSeek-V3's aux-loss-free balancing (`expert_bias.py`).
+- The top-k gates may be group-limited (`--moe-router-num-groups`, `--moe-router-group-topk`).
 - `CosineGate`: cosine between a low-rank projection of the token and
   learned expert embeddings, scaled by a learned temperature: X-MoE and
   Tutel's cosine router differ only in width and initial scale.
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.moe_layer import MoELayerConfig
+from megatron_moe.moe.expert_bias import group_limited_topk
 from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
 from megatron_moe.moe.pieces import batch_order
 from megatron_moe.moe.routing import DeferrableRouter, Gate, Routing, router_linear, router_losses
@@ -45,11 +48,50 @@ class _TopKGateBase(Gate):
         self.priority = priority
         self.load_balancing, self.aux_coeff, self.z_coeff = cfg.load_balancing, cfg.aux_loss_coeff, cfg.z_loss_coeff
         self.capacity_factor = cfg.capacity_factor
+        self.num_groups, self.group_topk = cfg.num_groups, cfg.group_topk
+        self.bias_update_rate = cfg.bias_update_rate
+        # Aux-loss-free balancing (`megatron_moe.moe.expert_bias`): the bias is state (checkpointed, replicated);
+        # the load is this step's and is not.
+        zeros_E = torch.zeros(cfg.num_experts, dtype=torch.float32) if cfg.expert_bias else None
+        self.register_buffer("expert_bias", zeros_E)
+        self.register_buffer("local_tokens_per_expert", None if zeros_E is None else zeros_E.clone(), persistent=False)
 
-    def _route(self, logits_TE, scores_TE, probs_TE, valid_T) -> Routing:
-        """`scores` pick the experts and are the combine weights; `probs` (sums to 1) feed the losses."""
+    def _apply(self, fn, *args, **kwargs):
+        """The bias and load stay fp32 whatever the model's dtype (`.to(bf16)`, Float16Module), as megatron-core."""
+        super()._apply(fn, *args, **kwargs)
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            if self._buffers.get(name) is not None:
+                self._buffers[name] = self._buffers[name].float()
+        return self
+
+    def _choose(self, scores_TE, select_TE) -> tuple[torch.Tensor, torch.Tensor]:
+        """(combine weights [T, K], experts [T, K]): the top-k of `select_TE` (+ the expert bias; within the best
+        groups when group-limited), weighted by `scores_TE` at those experts, as megatron-core's
+        `topk_routing_with_score_function`."""
+        if self.expert_bias is None and self.group_topk is None:
+            return torch.topk(scores_TE, self.topk, dim=-1)
+        if self.expert_bias is not None:
+            select_TE = select_TE + self.expert_bias
+        if self.group_topk is None:
+            expert_TK = torch.topk(select_TE, self.topk, dim=-1)[1]
+        else:
+            expert_TK = group_limited_topk(select_TE, self.topk, self.num_groups, self.group_topk)
+        return torch.gather(scores_TE, 1, expert_TK), expert_TK
+
+    @torch.no_grad()
+    def record_load(self, routing: Routing, valid_T: torch.Tensor | None) -> None:
+        """A training micro-batch's (or piece's) pairs per expert, valid tokens only, added to the step's load."""
+        if self.local_tokens_per_expert is None:
+            return
+        expert_N = routing.expert_N  # k-major: pair n is token n % T
+        valid_N = torch.ones(expert_N.shape, device=expert_N.device) if valid_T is None else valid_T.repeat(self.topk)
+        self.local_tokens_per_expert.scatter_add_(0, expert_N, valid_N.float())
+
+    def _route(self, logits_TE, scores_TE, probs_TE, valid_T, select_TE=None) -> Routing:
+        """`scores` are the combine weights; `select` (default `scores`) picks the experts; `probs` (sums to 1)
+        feed the losses."""
         num_tokens = logits_TE.shape[0]
-        weight_TK, expert_TK = torch.topk(scores_TE, self.topk, dim=-1)
+        weight_TK, expert_TK = self._choose(scores_TE, scores_TE if select_TE is None else select_TE)
         if self.normalize:
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True).clamp(min=1e-20)
         if self.scaling is not None:
@@ -137,7 +179,9 @@ class SoftmaxTopKGate(_TopKGateBase, DeferrableRouter):
             noise_std_TE = F.softplus(router_linear(x_TH, self.noise_weight))
             logits_TE = logits_TE + torch.randn_like(logits_TE) * noise_std_TE
         probs_TE = torch.softmax(logits_TE, dim=-1)
-        return self._route(logits_TE, probs_TE, probs_TE, valid_T)
+        # megatron-core picks groups by the logits unless the weights are the softmax over all experts (pre-softmax)
+        select_TE = logits_TE if self.normalize and self.group_topk is not None else None
+        return self._route(logits_TE, probs_TE, probs_TE, valid_T, select_TE)
 
 
 class SigmoidGate(_TopKGateBase, DeferrableRouter):

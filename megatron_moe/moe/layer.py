@@ -355,6 +355,8 @@ class MoELayer(MegatronModule):
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
         out_TH = run_hooks(self.hooks, "before_moe_end", out_TH, ctx)
+        if self.training and torch.is_grad_enabled():  # the expert bias's load: each piece adds its own pairs
+            self.gate.record_load(routing, valid_T)
         if piece is None:
             out_TH = self._attach_router_losses(out_TH, routing, row_map, valid_T)
         else:

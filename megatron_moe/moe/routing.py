@@ -88,6 +88,10 @@ class Gate(torch.nn.Module, abc.ABC):
         finally:
             self._losses_later = previous
 
+    def record_load(self, routing: Routing, valid_T: torch.Tensor | None) -> None:
+        """Count a training micro-batch's routed pairs for the expert bias (`megatron_moe.moe.expert_bias`); a gate
+        without one counts nothing."""
+
     def batch_routing(self, pieces: list[tuple[Routing, torch.Tensor | None, torch.Size]]) -> Routing:
         """The micro-batch's routing figures (token count, probabilities, router losses) from its pieces' routings
         made under `losses_later`: [(routing, valid_T, the piece's [S, B_i, H] shape)] in piece order."""

@@ -20,7 +20,7 @@ from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
 from megatron_moe.model.builder import params_dtype
-from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale
+from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale, update_expert_biases
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.platform import peak_flops_per_s
 from megatron_moe.training.comm_report import (
@@ -237,6 +237,8 @@ class Trainer:
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
         if self.wgrad_queue:
             self.wgrad_queue.end_iteration()
+        if self.own_moe and self.cfg.moe.moe_router_enable_expert_bias:
+            update_expert_biases(self.model)  # where megatron-core's finalize_model_grads moves its own
         with comm.host_read("optimizer step (found-inf, grad norm)"):  # megatron-core reads them inside
             update_successful, grad_norm, num_zeros = self.optimizer.step()
         # Megatron-LM's --log-params-norm: after the update, on every rank (a collective).

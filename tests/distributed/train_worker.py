@@ -39,6 +39,9 @@ Scenarios (each a list of cases run one after another in this job):
   adaptive gradient partition on a profile made slow, as `grad_reduce`): EP=2, EP=4, TP=2+SP+EP=2, PP=2+EP=2;
   PP=2 x VPP=2 + EP=2 with megatron-core's overlapped reduction; EP=2 with a shared expert and every module
   recomputed (pipeline degrees 1: the recomputed expert_fc2 keeps the pipeline off).
+- `expert_bias` (4 ranks): aux-loss-free balancing with group-limited routing at EP=2 and EP=4 from the same
+  seed, EP=2's step-2 checkpoint resumed at EP=4, the same run without the bias; the checkpoints' biases read at
+  EP=1.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -481,6 +484,40 @@ def megatron_lm() -> dict:
     return results
 
 
+GROUP_LIMITED = ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]
+SIGMOID = ["--train-iters", str(ITERS), "--moe-router-score-function", "sigmoid", *GROUP_LIMITED]
+BIAS = [*SIGMOID, "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"]
+
+
+def expert_biases_of_checkpoint(path: str) -> list[list[float]]:
+    """Each MoE layer's expert bias in a checkpoint, loaded into one plain model (EP=1)."""
+    from megatron.core import parallel_state
+
+    from megatron_moe.checkpointing.hf_convert import load_single
+
+    _, model, _ = load_single(path)
+    biases = [m.expert_bias.tolist() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    parallel_state.destroy_model_parallel()
+    return biases
+
+
+def expert_bias() -> dict:
+    """Aux-loss-free balancing with group-limited routing (sigmoid scores, 2 groups of 2 experts, 1 per token) at
+    EP=2 and EP=4 (DP=4 both) from the same seed, saved at step 2 and 4; EP=2's step-2 checkpoint resumed at EP=4;
+    the same sigmoid run without the bias; each checkpoint's biases read back at EP=1."""
+    ep2, ep4 = (["--expert-model-parallel-size", n, "--overlap-wgrad", "off"] for n in ("2", "4"))
+    results = {
+        "ep2": train(*BIAS, *ep2, "--save", ckpt("bias_ep2"), "--save-interval", "2"),
+        "ep4": train(*BIAS, *ep4, "--save", ckpt("bias_ep4")),
+        "ep2_no_bias": train(*SIGMOID, *ep2),
+        "resumed_ep4": train(*BIAS, *ep4, "--load", ckpt("bias_ep2/iter_0000002"), "--save", ckpt("bias_resumed")),
+    }
+    for name in ("bias_ep2", "bias_ep4", "bias_resumed"):
+        results[f"{name}/biases"] = expert_biases_of_checkpoint(ckpt(name))
+    results["bias_ep2_step2/biases"] = expert_biases_of_checkpoint(ckpt("bias_ep2/iter_0000002"))
+    return results
+
+
 def tokenizer_runs(base: list[str], iters: list[str]) -> dict:
     """The same corpus through each --tokenizer-type: 4 steps (with dropout: per-rank RNG) saving at step 2, and
     step 2's checkpoint resumed to step 4."""
@@ -528,5 +565,6 @@ if __name__ == "__main__":
         "grad_reduce": grad_reduce,
         "megatron_lm": megatron_lm,
         "partition": partition,
+        "expert_bias": expert_bias,
     }
     finish_job({**scenarios, "gpu": gpu}[SCENARIO]())

@@ -1,0 +1,40 @@
+"""Aux-loss-free balancing with group-limited routing in training (`train_worker.py expert_bias`, 4 gloo ranks, one
+torchrun job): EP=2 and EP=4 agree, the bias is the same on every rank and survives a checkpoint resumed at another
+EP size."""
+
+import os
+
+import pytest
+
+from tests.distributed.launcher import assert_matches, run_torchrun
+
+WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
+RATE = 0.01
+
+
+@pytest.fixture(scope="module")
+def runs(train_data, tmp_path_factory):
+    data, tokenizer = train_data
+    workdir = str(tmp_path_factory.mktemp("expert_bias"))
+    return run_torchrun(WORKER, 4, ["expert_bias", data, tokenizer, workdir], timeout=900)
+
+
+def test_ep2_and_ep4_train_alike_and_move_the_bias_alike(runs):
+    assert len(runs["ep2"]) == len(runs["ep4"]) == 4
+    assert_matches(runs["ep4"], runs["ep2"])
+    biases = runs["bias_ep2/biases"]
+    assert len(biases) == 2 and all(len(layer) == 4 for layer in biases)  # 2 MoE layers of 4 experts, at EP=1
+    assert biases == runs["bias_ep4/biases"]
+    # 4 steps of +-rate (or 0 at the mean): each bias a multiple of the rate within 4 of it, and some moved
+    for bias in (b for layer in biases for b in layer):
+        assert abs(bias) <= 4 * RATE + 1e-7 and abs(bias / RATE - round(bias / RATE)) < 1e-4
+    assert any(abs(b) > 0 for layer in biases for b in layer)
+    # the bias changed the routing: the run without it differs
+    assert [s["lm loss"] for s in runs["ep2_no_bias"]] != [s["lm loss"] for s in runs["ep2"]]
+
+
+def test_the_bias_resumes_at_another_ep_size(runs):
+    assert runs["bias_ep2_step2/biases"] != runs["bias_ep2/biases"]  # it moved after step 2
+    assert [s["iteration"] for s in runs["resumed_ep4"]] == [3, 4]
+    assert_matches(runs["resumed_ep4"], runs["ep2"])
+    assert runs["bias_resumed/biases"] == runs["bias_ep2/biases"]
