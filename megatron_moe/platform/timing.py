@@ -33,14 +33,19 @@ class Stamps(Protocol):
     def settle(self, last: Any) -> None:
         """Make every stamp up to `last` readable (GPU: wait for that event; CPU: nothing)."""
 
+    def host_seconds(self, stamps: list) -> list[float]:
+        """Host wall-clock seconds (`time.time()`'s scale) of each settled stamp: the communication timers'
+        arrival stamps, compared across ranks (comm/skew.py)."""
+
 
 class HostStamps:
-    """The host clock (seconds), e.g. `time.perf_counter`; a fake clock in tests."""
+    """The host clock (seconds), e.g. `time.perf_counter`; a fake clock in tests. `wall`: the wall clock its
+    stamps convert to (`host_seconds`), read beside `clock` at conversion; a fake clock passes itself."""
 
     completes_on_host = True
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time):
+        self.clock, self.wall = clock, wall
 
     def stamp(self) -> float:
         return self.clock()
@@ -50,6 +55,11 @@ class HostStamps:
 
     def settle(self, last: float) -> None:
         pass
+
+    def host_seconds(self, stamps: list[float]) -> list[float]:
+        """`clock`'s stamps moved to `wall`'s scale by their difference now (microseconds of drift a step)."""
+        offset = self.wall() - self.clock()
+        return [stamp + offset for stamp in stamps]
 
 
 class DeviceStamps:
@@ -67,6 +77,14 @@ class DeviceStamps:
 
     def settle(self, last: torch.cuda.Event) -> None:
         last.synchronize()
+
+    def host_seconds(self, stamps: list[torch.cuda.Event]) -> list[float]:
+        """One event recorded now and waited for (the stream has reached it: the step synchronized before), the
+        host clock read at once; each stamp is placed before it by `elapsed_time`. Error: the wait's latency."""
+        anchor = self.stamp()
+        anchor.synchronize()
+        now = time.time()
+        return [now - stamp.elapsed_time(anchor) / 1000.0 for stamp in stamps]
 
 
 def comm_stamps(clock: Callable[[], float] = time.perf_counter) -> Stamps:
