@@ -33,8 +33,8 @@ and each at its default-on setting (Lancet greedy, pipeline degrees auto, the ad
 `partition_alone`: Lancet's operator partition as its planner picks, --moe-partition-pieces auto); all on
 (`adaptive`); all on + the operator partition as planned (`partition`) and in 2 pieces through every layer
 (`partition2`, whose MoE layers then run unchunked: auto degrees are solved for whole micro-batches), and prints a
-`features` row per layout and rate (step ratio against all off, hidden share, exposed / wire / peer-wait ms, the
-planner's ranges and predicted ms). `unchunked` and `unchunked_partition2` (asked for by name) are all on and 2
+`features` row per layout and rate (step ratio against all off, hidden share, exposed / wire / skew / transfer ms,
+the planner's ranges and predicted ms). `unchunked` and `unchunked_partition2` (asked for by name) are all on and 2
 pieces with degrees 1 / 1. The
 `2x2dp` layout (asked for by name) keeps EP=2 inside each node and puts the data-parallel reduction on the link.
 
@@ -46,15 +46,17 @@ are pooled into one JSON object per case, printed once every case has run:
 
 - `case`, `layout` (e.g. "2x2 EP=4 DP=4"), `link_gbit` (tc's rate; gloo's all-to-all gets about half of it,
   tools/bench_link.py), `step_ms` (median), `step_ms_all`;
-- `comm_ms`, `exposed_ms`, `wire_ms`, `peer_wait_ms` (kind -> ms per step, mean over the timed steps: issued ->
-  completed, raw, waiting for peers included; the time the compute thread was blocked on it; the time its
-  crossing bytes need on the link, from the cost model's fitted line where the job fitted one, else the timers'
-  estimate; exposed beyond wire, waiting for a slower peer: megatron_moe/comm/timers.py), `wire_from` (kind ->
-  "fit" or "timers"), `bytes` (kind -> bytes of this rank's send buffers per step, the all-to-alls' own blocks
-  included), `wire_bytes` (kind -> bytes that left this rank per step: only these cross a link), `calls` (kind
-  -> collectives issued per step), `hidden_frac` (1 - exposed / wire over all kinds, clamped to [0, 1]: waiting
-  counts as exposed, not hidden), `exposed_ms_total`, `wire_ms_total`, `peer_wait_ms_total`,
-  `exposed_frac_of_step` (kind -> exposed / step), `a2a_exposed_frac_of_step`;
+- `comm_ms`, `exposed_ms`, `wire_ms`, `skew_ms`, `transfer_ms` (kind -> ms per step, mean over the timed steps:
+  issued -> completed, raw, waiting for peers included; the time the compute thread was blocked on it; the time
+  its crossing bytes need on the link, from the cost model's fitted line where the job fitted one, else the
+  timers' estimate; of the exposed time, the part before the last rank of the group arrived, measured from every
+  rank's arrival stamp, and the rest: megatron_moe/comm/timers.py, skew.py), `wire_from` (kind -> "fit" or
+  "timers"), `skew_from` (kind -> "arrivals" where measured, "" where not split), `bytes` (kind -> bytes of this
+  rank's send buffers per step, the all-to-alls' own blocks included), `wire_bytes` (kind -> bytes that left this
+  rank per step: only these cross a link), `calls` (kind -> collectives issued per step), `hidden_frac`
+  (1 - exposed / wire over all kinds, clamped to [0, 1]: waiting counts as exposed, not hidden), `exposed_ms_total`,
+  `wire_ms_total`, `skew_ms_total`, `transfer_ms_total`, `exposed_frac_of_step` (kind -> exposed / step),
+  `a2a_exposed_frac_of_step`;
 - the options in force: `overlap_wgrad` (Lancet), `pipeline_degree`, `bp_pipeline_degree` (FSMoE:
   "auto" or the number) and `overlap` (all of them), `pipeline_degrees` (MoE layer -> [forward, backward] in
   force, auto resolved: the Trainer's first history entry), the model flags, steps; `wgrad`: the queue's figures
@@ -62,8 +64,8 @@ are pooled into one JSON object per case, printed once every case has run:
   all-to-all ms, dW ms available, predicted hidden ms).
 
 After the cases, first one `headline` row per layout and rate, all-on against all-off: `step_ms` (off, on),
-`step_ratio` (off / on: above 1 is faster), `hidden_frac`, `exposed_ms`, `wire_ms` and `peer_wait_ms` of all
-communication (off, on), `exposed_frac_of_step` (off, on), all-on's options and pipeline degrees. Then one
+`step_ratio` (off / on: above 1 is faster), `hidden_frac`, `exposed_ms`, `wire_ms`, `skew_ms` and `transfer_ms` of
+all communication (off, on), `exposed_frac_of_step` (off, on), all-on's options and pipeline degrees. Then one
 `overlap_wgrad` row per layout and rate compares greedy with off: `bwd_a2a_exposed_ms` (off, on),
 `bwd_a2a_exposed_cut` (1 - on / off), `step_ratio` (on / off, median step times), `peak_held_mb`; then
 one `pipeline` row per layout and rate compares pipeline (on) with greedy (off): `step_ms`, `step_ratio`,
@@ -275,7 +277,8 @@ def summarize(
 
     step_ms = statistics.median(h["step_ms"] for h in timed)
     mean_step = statistics.fmean(h["step_ms"] for h in timed)
-    comm, exposed, wire, waited = mean("comm_ms"), mean("exposed_ms"), mean("wire_ms"), mean("peer_wait_ms")
+    comm, exposed, wire = mean("comm_ms"), mean("exposed_ms"), mean("wire_ms")
+    skew, transfer = mean("skew_ms"), mean("transfer_ms")
     total_exposed, total_wire = sum(exposed.values()), sum(wire.values())
     wgrad = [h.get("wgrad") for h in timed if h.get("wgrad")]
     policy, degree, bp_degree, grad = SETTINGS[setting]
@@ -294,15 +297,18 @@ def summarize(
         "comm_ms": comm,
         "exposed_ms": exposed,
         "wire_ms": wire,
-        "peer_wait_ms": waited,
+        "skew_ms": skew,
+        "transfer_ms": transfer,
         "wire_from": {k: timed[-1]["comm"]["wire_from"][k] for k in kinds},
+        "skew_from": {k: timed[-1]["comm"]["skew_from"][k] for k in kinds},
         "hidden_frac": round(hidden_share(total_exposed, total_wire), 4),
         "bytes": {k: round(statistics.fmean(h["comm"]["bytes"][k] for h in timed)) for k in kinds},
         "wire_bytes": {k: round(statistics.fmean(h["comm"]["wire_bytes"][k] for h in timed)) for k in kinds},
         "calls": {k: round(statistics.fmean(h["comm"]["calls"][k] for h in timed), 1) for k in kinds},
         "exposed_ms_total": round(total_exposed, 1),
         "wire_ms_total": round(total_wire, 1),
-        "peer_wait_ms_total": round(sum(waited.values()), 1),
+        "skew_ms_total": round(sum(skew.values()), 1),
+        "transfer_ms_total": round(sum(transfer.values()), 1),
         "exposed_frac_of_step": {k: round(v / mean_step, 4) for k, v in exposed.items()},
         "a2a_exposed_frac_of_step": round(sum(exposed[k] for k in A2A_KINDS if k in exposed) / mean_step, 4),
         "step_ms_all": [[round(h["step_ms"], 1) for h in history] for history in histories],
@@ -357,7 +363,8 @@ def headline(off: dict, on: dict) -> dict:
         "hidden_frac": pair("hidden_frac"),
         "exposed_ms": pair("exposed_ms_total"),
         "wire_ms": pair("wire_ms_total"),
-        "peer_wait_ms": pair("peer_wait_ms_total"),
+        "skew_ms": pair("skew_ms_total"),
+        "transfer_ms": pair("transfer_ms_total"),
         "exposed_frac_of_step": {
             name: round(row["exposed_ms_total"] / row["step_ms"], 4) for name, row in (("off", off), ("on", on))
         },
@@ -445,9 +452,9 @@ def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, a
 
 def features(rows: dict[str, dict]) -> dict:
     """The `features` row of one layout and rate: each measured setting of `FEATURES` against all off: step ms,
-    step ratio (off / setting: above 1 is faster), hidden share of all communication, exposed, wire and peer-wait
-    ms; the partition settings with the planner's ranges and its predicted micro-batch ms (forward + backward of
-    the logging rank's stage, partitioned / unpartitioned) and hidden all-to-all ms."""
+    step ratio (off / setting: above 1 is faster), hidden share of all communication, exposed, wire, skew and
+    transfer ms; the partition settings with the planner's ranges and its predicted micro-batch ms (forward +
+    backward of the logging rank's stage, partitioned / unpartitioned) and hidden all-to-all ms."""
     off = rows["off"]
     table = {}
     for name, row in rows.items():
@@ -457,7 +464,8 @@ def features(rows: dict[str, dict]) -> dict:
             "hidden_frac": row["hidden_frac"],
             "exposed_ms": row["exposed_ms_total"],
             "wire_ms": row["wire_ms_total"],
-            "peer_wait_ms": row["peer_wait_ms_total"],
+            "skew_ms": row["skew_ms_total"],
+            "transfer_ms": row["transfer_ms_total"],
             "a2a_exposed_frac_of_step": row["a2a_exposed_frac_of_step"],
             "pipeline_degrees": row["pipeline_degrees"],
         }

@@ -27,7 +27,8 @@ collectives (TP layers, DDP buckets, the distributed optimizer, pipeline p2p,
 checkpointing) are routed to it by the taps in megatron_core.py (README.md in
 this folder lists them). A `Monitor` installed with `monitoring(...)` sees every
 one: watchdog.py (stalls and deadlines, named), timers.py (`CommTimers`: per kind and MoE layer, time
-from issue to completion, time blocked on it, bytes).
+from issue to completion, time blocked on it, bytes; its exposed time split into skew and transfer by skew.py's
+arrival stamps, which every rank takes).
 """
 
 from megatron_moe.comm.core import (

@@ -23,13 +23,15 @@ span. So the hidden share is taken against the time the bytes need on the link:
                   training/setup.py `link_fits`, comm_report.py `wire_lines`); for a kind without a line
                   (tp, pp_p2p, other, ESP without a profile), crossing bytes x the fastest ms per crossing byte
                   any complete collective of its family (`WIRE_FAMILIES`) showed in the window, issued -> done
-    peer_wait_ms  per kind: max(0, exposed - wire): blocked beyond the link's time, waiting for a peer
+    skew_ms       per collective of comm/skew.py's `SKEW_KINDS`: its blocked time before the last rank of its group
+                  arrived, measured from every rank's arrival stamp (exchanged once a step: `summary(reader=...)`)
+    transfer_ms   exposed - skew: blocked while the transfer could run (other kinds: all their exposed time)
     hidden_frac   1 - exposed / wire over every kind, clamped to [0, 1]: waiting counts as not hidden
 
 The window's estimate is a last resort, not a measure of the link: a rank's span is short when its peer issued
 first (the bytes had arrived) or when its sends fit the socket buffers, so the fastest one can be much faster than
 the link (on the emulated cluster at 0.2 Gbit/s it priced the backward all-to-alls at 14 ms, a 16th of what the
-bytes need): it then calls too little hidden and too much peer wait, never the reverse.
+bytes need): it then calls too little hidden, never the reverse. Skew and transfer do not depend on it.
 Bytes: `bytes` is this rank's send buffers (an all-to-all's block for itself included), `wire_bytes` what left
 it (core.py `Collective.wire_bytes`); only the latter is link time.
 """
@@ -42,6 +44,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from megatron_moe.comm.core import KINDS, Collective, HostRead
+from megatron_moe.comm.skew import Arrivals, ClockOffset, GroupKey, last_arrival_wait_ms, split_exposed
 from megatron_moe.platform.timing import Stamps, comm_stamps
 
 SUMMARY_KINDS = (
@@ -101,6 +104,8 @@ class _Timed:
     nbytes: int
     wire_bytes: int
     issued: Any
+    arrival: tuple[GroupKey, int] | None = None
+    """(its group, its index among the group's collectives of the window) for a kind whose skew is measured."""
     spans: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     """(blocked, unblocked) stamps: the compute thread/stream waiting for it."""
     since: Any = None
@@ -111,7 +116,7 @@ class _Timed:
 @dataclasses.dataclass(kw_only=True)
 class CommSummary:
     """A measurement window's communication (one step in training), this rank's view (module docstring: wire
-    time, peer wait and the hidden share). Every dict has every kind of `SUMMARY_KINDS`."""
+    time, skew, transfer and the hidden share). Every dict has every kind of `SUMMARY_KINDS`."""
 
     comm_ms: dict[str, float]
     """Kind -> ms from issue to completion, summed over its collectives: raw, waiting for peers included; the
@@ -126,13 +131,18 @@ class CommSummary:
     """Kind -> ms its crossing bytes need on the link (fitted line, or the timers' estimate)."""
     wire_from: dict[str, str]
     """Kind -> "fit" (a `WireLine`), "timers" (the window's fastest per byte) or "" (no bytes crossed)."""
-    peer_wait_ms: dict[str, float]
-    """Kind -> max(0, exposed - wire): the exposed time beyond the link's, waiting for a peer."""
+    skew_ms: dict[str, float]
+    """Kind -> the exposed ms spent before the last rank of the group arrived (comm/skew.py), measured."""
+    transfer_ms: dict[str, float]
+    """Kind -> exposed - skew: the exposed ms once every rank had arrived."""
+    skew_from: dict[str, str]
+    """Kind -> "arrivals" (split by every rank's arrival stamps) or "" (not split: no collective, a kind outside
+    `SKEW_KINDS`, or a window summarized without the exchange: skew 0, all exposed time counted as transfer)."""
     calls: dict[str, int]
     """Kind -> collectives issued."""
     per_layer: dict[int, dict]
-    """MoE layer -> {figure: {kind: value}} for comm_ms, exposed_ms, bytes, wire_bytes, wire_ms, peer_wait_ms,
-    calls: the kinds seen on that layer."""
+    """MoE layer -> {figure: {kind: value}} for comm_ms, exposed_ms, bytes, wire_bytes, wire_ms, skew_ms,
+    transfer_ms, calls: the kinds seen on that layer."""
     hidden_frac: float
     """1 - sum(exposed_ms) / sum(wire_ms), clamped to [0, 1]; 0.0 when nothing crossed."""
 
@@ -149,8 +159,12 @@ class CommSummary:
         return sum(self.wire_ms.values())
 
     @property
-    def total_peer_wait_ms(self) -> float:
-        return sum(self.peer_wait_ms.values())
+    def total_skew_ms(self) -> float:
+        return sum(self.skew_ms.values())
+
+    @property
+    def total_transfer_ms(self) -> float:
+        return sum(self.transfer_ms.values())
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -161,17 +175,13 @@ def hidden_share(exposed_ms: float, wire_ms: float) -> float:
     return min(1.0, max(0.0, 1.0 - exposed_ms / wire_ms)) if wire_ms > 0 else 0.0
 
 
-def peer_wait(exposed_ms: dict[str, float], wire_ms: dict[str, float]) -> dict[str, float]:
-    """Kind -> max(0, exposed - wire)."""
-    return {kind: max(0.0, ms - wire_ms.get(kind, 0.0)) for kind, ms in exposed_ms.items()}
-
-
 class CommTimers:
     """A `Monitor` that times every collective; `summary()` of the window since `reset()`.
 
     `clock` is the host clock on CPU (replaceable in tests); `stamps` overrides the platform's choice.
     `wire_lines`: summary kind -> its `WireLine` (training/comm_report.py `wire_lines` from the cost model's fits);
-    a kind without one gets the timers' estimate.
+    a kind without one gets the timers' estimate. `clock_offset`: this rank's (comm/skew.py
+    `estimate_clock_offset`), for the arrival stamps `arrivals` keeps.
     """
 
     def __init__(
@@ -180,15 +190,18 @@ class CommTimers:
         clock: Callable[[], float] = time.perf_counter,
         stamps: Stamps | None = None,
         wire_lines: Mapping[str, WireLine] | None = None,
+        clock_offset: ClockOffset | None = None,
     ):
         self.stamps = stamps if stamps is not None else comm_stamps(clock)
         self.wire_lines = dict(wire_lines or {})
+        self.arrivals = Arrivals(self.stamps, clock_offset)
         self._timed: list[_Timed] = []
         self._last = None  # the latest stamp the compute thread took (GPU: settled before reading)
 
     def reset(self) -> None:
         """Start a new window: collectives issued before it are no longer reported."""
         self._timed, self._last = [], None
+        self.arrivals.reset()
 
     # -- the Monitor protocol ---------------------------------------------------------------------------------
 
@@ -196,6 +209,7 @@ class CommTimers:
         self._last = self.stamps.stamp()
         kind, layer = summary_kind(collective), collective.layer
         timed = _Timed(kind, layer, collective.nbytes, collective.crossing_bytes, self._last)
+        timed.arrival = self.arrivals.record(collective, self._last)
         self._timed.append(timed)  # list.append: atomic, autograd's threads may issue too
         return timed
 
@@ -232,14 +246,20 @@ class CommTimers:
 
     # -- the figures ------------------------------------------------------------------------------------------
 
-    def summary(self) -> CommSummary:
-        """The window's figures; collectives not yet complete count their blocked time only."""
-        timed = list(self._timed)
+    def summary(self, *, reader: int | None = None) -> CommSummary:
+        """The window's figures; collectives not yet complete count their blocked time only.
+
+        `reader`: the global rank that reads the figures (the logging rank). Given, this is a collective: the
+        window's arrival stamps are exchanged over the groups that hold `reader` (comm/skew.py `Arrivals.exchange`;
+        every rank of them calls this or that at the same point) and the skew is measured. Not given: no skew."""
+        timed = list(self._timed)  # before the exchange, whose own collective is not the window's
         if self._last is not None:
             self.stamps.settle(self._last)
-        figures = [self._figures(t) for t in timed]
+        peers = self.arrivals.exchange(reader) if reader is not None else {}
+        waits = [last_arrival_wait_ms(peers, t.arrival, self.arrivals.rank) for t in timed]
+        figures = [self._figures(t, wait_ms) for t, wait_ms in zip(timed, waits)]
         wire = self._wire_ms(timed, figures)
-        names = ("comm_ms", "exposed_ms", "bytes", "wire_bytes", "wire_ms", "calls")
+        names = ("comm_ms", "exposed_ms", "bytes", "wire_bytes", "wire_ms", "skew_ms", "transfer_ms", "calls")
         totals = {name: dict.fromkeys(SUMMARY_KINDS, 0.0 if name.endswith("_ms") else 0) for name in names}
         per_layer: dict[int, dict] = {}
         for t, values, wire_ms in zip(timed, figures, wire):
@@ -250,20 +270,31 @@ class CommTimers:
             for table in tables:
                 for name, value in values.items():
                     table[name][t.kind] = table[name].get(t.kind, 0) + value
-        for table in (totals, *per_layer.values()):
-            table["peer_wait_ms"] = peer_wait(table["exposed_ms"], table["wire_ms"])
         wire_from = {
             kind: ("fit" if kind in self.wire_lines else "timers") if totals["wire_bytes"][kind] > 0 else ""
             for kind in SUMMARY_KINDS
         }
+        split = {t.kind for t, wait_ms in zip(timed, waits) if wait_ms is not None}
+        skew_from = {kind: "arrivals" if kind in split else "" for kind in SUMMARY_KINDS}
         hidden = hidden_share(sum(totals["exposed_ms"].values()), sum(totals["wire_ms"].values()))
-        return CommSummary(**totals, wire_from=wire_from, per_layer=per_layer, hidden_frac=hidden)
+        return CommSummary(**totals, wire_from=wire_from, skew_from=skew_from, per_layer=per_layer, hidden_frac=hidden)
 
-    def _figures(self, t: _Timed) -> dict:
+    def _figures(self, t: _Timed, wait_ms: float | None) -> dict:
+        """One collective's figures; `wait_ms`: from its arrival to its group's last (None: not known, no skew)."""
         elapsed = self.stamps.elapsed_ms
-        exposed = sum(elapsed(start, end) for start, end in t.spans if start is not None)
+        spans = [(elapsed(t.issued, start), elapsed(t.issued, end)) for start, end in t.spans if start is not None]
+        exposed = sum(end - start for start, end in spans)
         comm = elapsed(t.issued, t.done) if t.done is not None else exposed
-        return {"comm_ms": comm, "exposed_ms": exposed, "bytes": t.nbytes, "wire_bytes": t.wire_bytes, "calls": 1}
+        skew, transfer = split_exposed(spans, wait_ms) if wait_ms is not None else (0.0, exposed)
+        return {
+            "comm_ms": comm,
+            "exposed_ms": exposed,
+            "bytes": t.nbytes,
+            "wire_bytes": t.wire_bytes,
+            "skew_ms": skew,
+            "transfer_ms": transfer,
+            "calls": 1,
+        }
 
     def _wire_ms(self, timed: list[_Timed], figures: list[dict]) -> list[float]:
         """Each collective's wire time: its kind's `WireLine`, else its crossing bytes at the fastest ms per

@@ -123,7 +123,7 @@ class HiddenCheck:
         self._steps = 0
         self._wire_ms = [0.0] * len(self._pending)
         self._exposed_ms = [0.0] * len(self._pending)
-        self._peer_wait_ms = [0.0] * len(self._pending)
+        self._skew_ms = [0.0] * len(self._pending)
 
     def observe(self, summary: CommSummary) -> list[str]:
         """Add one step; returns the warnings logged now (at the end of the window, at most once)."""
@@ -133,7 +133,7 @@ class HiddenCheck:
         for i, option in enumerate(self._pending):
             self._wire_ms[i] += sum(summary.wire_ms.get(kind, 0.0) for kind in option.hides)
             self._exposed_ms[i] += sum(summary.exposed_ms.get(kind, 0.0) for kind in option.hides)
-            self._peer_wait_ms[i] += sum(summary.peer_wait_ms.get(kind, 0.0) for kind in option.hides)
+            self._skew_ms[i] += sum(summary.skew_ms.get(kind, 0.0) for kind in option.hides)
         if self._steps < self.window:
             return []
         warnings = []
@@ -145,7 +145,7 @@ class HiddenCheck:
                     f"overlap option {option.description} hides nothing: {100 * hidden:.1f}% of "
                     f"{'+'.join(option.hides)} communication hidden over {self._steps} steps "
                     f"({exposed_ms:.1f} ms exposed against {wire_ms:.1f} ms on the link, "
-                    f"{self._peer_wait_ms[i]:.1f} ms of it waiting for peers); "
+                    f"{self._skew_ms[i]:.1f} ms of it skew: waiting for the last rank to arrive); "
                     f"expected at least {100 * self.min_hidden:.0f}%"
                 )
         for warning in warnings:
@@ -154,18 +154,19 @@ class HiddenCheck:
         return warnings
 
 
-SCALAR_FIGURES = ("comm_ms", "exposed_ms", "wire_ms", "peer_wait_ms", "bytes", "wire_bytes", "calls")
+SCALAR_FIGURES = ("comm_ms", "exposed_ms", "wire_ms", "skew_ms", "transfer_ms", "bytes", "wire_bytes", "calls")
 """The per-kind figures TensorBoard gets (comm/timers.py `CommSummary`)."""
 
 
 def tensorboard_scalars(summary: CommSummary) -> dict[str, float]:
     """`comm/<figure>/<kind>`, `comm/layer_NNN/<figure>/<kind>` (figures: `SCALAR_FIGURES`; NNN the transformer
     layer's number from 1, as in `moe/layer_NNN`), `comm/hidden_frac` (1 - exposed / wire over every kind),
-    `comm/wire_ms` and `comm/peer_wait_ms` (their totals), `comm/layer_NNN/hidden_frac`."""
+    `comm/wire_ms`, `comm/skew_ms` and `comm/transfer_ms` (their totals), `comm/layer_NNN/hidden_frac`."""
     scalars: dict[str, float] = {
         "comm/hidden_frac": summary.hidden_frac,
         "comm/wire_ms": summary.total_wire_ms,
-        "comm/peer_wait_ms": summary.total_peer_wait_ms,
+        "comm/skew_ms": summary.total_skew_ms,
+        "comm/transfer_ms": summary.total_transfer_ms,
     }
     for figure in SCALAR_FIGURES:
         for kind, value in getattr(summary, figure).items():

@@ -82,7 +82,7 @@ class TrainingLogger:
         self._skipped = 0
         self._params_norm: float | None = None
         self._num_zeros: int | None = None
-        self._comm = {"steps": 0, "step_ms": 0.0, "exposed_ms": 0.0, "wire_ms": 0.0, "peer_wait_ms": 0.0}
+        self._comm = dict.fromkeys(COMM_FIGURES, 0.0) | {"steps": 0}
         self._layers: dict[int, list[float]] = {}  # MoE layer -> [exposed ms, wire ms] over the interval
         self._kinds: dict[str, float] = {}  # "a2a" / "esp" / "dp_grad_reduce" -> exposed ms over the interval
         self._t0 = time.perf_counter()
@@ -97,7 +97,7 @@ class TrainingLogger:
         skipped: bool,
         tensorboard_only: dict[str, float] | None = None,
         params_norm: float | None = None,
-        comm: tuple[float, float, float, float] | None = None,
+        comm: tuple[float, float, float, float, float] | None = None,
         comm_layers: dict[int, tuple[float, float]] | None = None,
         comm_kinds: dict[str, float] | None = None,
         num_zeros: int | None = None,
@@ -107,10 +107,10 @@ class TrainingLogger:
     ) -> None:
         """`figures` go to the console line (averaged) and TensorBoard; `tensorboard_only` (e.g. the
         per-layer MoE figures) to TensorBoard alone. `params_norm` (--log-params-norm): this step's, as
-        Megatron-LM shows it. `comm`: the step's (step ms, exposed comm ms, wire ms, peer-wait ms) from the
-        communication timers (None: timers off); `comm_layers`: MoE layer -> its (exposed ms, wire ms);
-        `comm_kinds`: the step's exposed ms of the all-to-alls, the ESP collectives and the gradient reduction;
-        `num_zeros` (--log-num-zeros-in-grad): the step's zero gradient entries; `consumed_samples` after the
+        Megatron-LM shows it. `comm`: the step's (step ms, exposed comm ms, wire ms, skew ms, transfer ms) from
+        the communication timers (`COMM_FIGURES`; None: timers off); `comm_layers`: MoE layer -> its (exposed ms,
+        wire ms); `comm_kinds`: the step's exposed ms of the all-to-alls, the ESP collectives and the gradient
+        reduction; `num_zeros` (--log-num-zeros-in-grad): the step's zero gradient entries; `consumed_samples` after the
         step; `loss_scale` (fp16's); `expert_counts`: each MoE layer's tokens per expert over the step."""
         self._steps += 1
         for kind, exposed in (comm_kinds or {}).items():
@@ -120,7 +120,7 @@ class TrainingLogger:
             sums[0], sums[1] = sums[0] + exposed, sums[1] + wire
         if comm is not None:
             self._comm["steps"] += 1
-            for name, value in zip(("step_ms", "exposed_ms", "wire_ms", "peer_wait_ms"), comm, strict=True):
+            for name, value in zip(COMM_FIGURES, comm, strict=True):
                 self._comm[name] += value
         self._params_norm = params_norm
         self._skipped += int(skipped)
@@ -227,20 +227,25 @@ def _figure(name: str, value: float) -> str:
     return f"{name}: {value:.6E}" if "loss" in name else f"{name}: {value:.4f}"
 
 
-def _comm_parts(*, steps: int, step_ms: float, exposed_ms: float, wire_ms: float, peer_wait_ms: float) -> list[str]:
-    """`exposed comm: X ms (Y% of step)`, `of it peer wait: W ms` and `on the wire: V ms` (per step, over the
-    interval), and `hidden: Z%` of all communication: 1 - exposed / wire (comm/timers.py)."""
+def _comm_parts(
+    *, steps: int, step_ms: float, exposed_ms: float, wire_ms: float, skew_ms: float, transfer_ms: float
+) -> list[str]:
+    """`exposed comm: X ms (Y% of step)`, `of it skew / transfer: S / T ms` (waiting for the last rank to arrive,
+    then for the bytes) and `on the wire: V ms` (per step, over the interval), and `hidden: Z%` of all
+    communication: 1 - exposed / wire (comm/timers.py)."""
     if steps == 0:
         return []
     share = 100.0 * exposed_ms / step_ms if step_ms > 0 else 0.0
     return [
         f"exposed comm: {exposed_ms / steps:.1f} ms ({share:.1f}% of step)",
-        f"of it peer wait: {peer_wait_ms / steps:.1f} ms",
+        f"of it skew / transfer: {skew_ms / steps:.1f} / {transfer_ms / steps:.1f} ms",
         f"on the wire: {wire_ms / steps:.1f} ms",
         f"hidden: {100.0 * hidden_share(exposed_ms, wire_ms):.1f}%",
     ]
 
 
+COMM_FIGURES = ("step_ms", "exposed_ms", "wire_ms", "skew_ms", "transfer_ms")
+"""The communication timers' figures a step gives the log line (`TrainingLogger.step`'s `comm`), in order."""
 EXPERT_SCALAR_LAYERS = 4
 """MoE layers whose tokens per expert also go to TensorBoard as one scalar per expert (the first ones; every
 layer has its histogram)."""

@@ -17,12 +17,14 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, save_checkpoint
+from megatron_moe.comm.skew import Arrivals, ClockOffset, estimate_clock_offset
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale, update_expert_biases
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.platform import peak_flops_per_s
+from megatron_moe.platform.timing import comm_stamps
 from megatron_moe.training.comm_report import (
     HiddenCheck,
     layer_exposed_and_wire,
@@ -115,7 +117,8 @@ class Trainer:
         # Router losses the MoE layers compute: only those are logged (a loss not computed is not a 0).
         self.logged_losses = cfg.moe.logged_router_losses(cfg.model)
         self.rank = dist.get_rank()
-        self.is_logging_rank = self.rank == self.world - 1  # a last-stage rank
+        self.logging_rank = self.world - 1  # a last-stage rank
+        self.is_logging_rank = self.rank == self.logging_rank
         self._raise_at = injected_failure_step(self.rank)
         self._nan_at = injected_failure_step(self.rank, NAN_AT_ENV)
         self.check_finite = not cfg.training.fp16  # fp16: the loss scaler handles inf/NaN (skips the step)
@@ -140,11 +143,18 @@ class Trainer:
         self._degrees_logged = False
         # Always on (--no-comm-timers only to measure their cost): reset at each step start, read at its end.
         # On the logging rank only: its history and log line are the only readers, so elsewhere they would
-        # be per-collective work (and on GPU an event wait per step) that nothing uses.
-        timed = self.is_logging_rank and not cfg.logging.no_comm_timers
+        # be per-collective work (and on GPU an event wait per step) that nothing uses. The other ranks stamp
+        # their arrival at each MoE collective (`Arrivals`), exchanged with the logging rank's EP groups after
+        # the step: its skew is measured (comm/skew.py).
+        timers_on = not cfg.logging.no_comm_timers
+        timed = self.is_logging_rank and timers_on
+        clock_offset = self._clock_offset() if timers_on else ClockOffset()
         # The cost model's fits (None when no choice needed them): the link's time for the bytes that cross, the
         # denominator of the hidden share (comm/timers.py); without them the timers estimate it.
-        self.comm_timers = CommTimers(wire_lines=wire_lines(fits)) if timed else None
+        self.comm_timers = CommTimers(wire_lines=wire_lines(fits), clock_offset=clock_offset) if timed else None
+        self.arrivals: Arrivals | None = None
+        if timers_on:
+            self.arrivals = self.comm_timers.arrivals if timed else Arrivals(comm_stamps(), clock_offset)
         self.hidden_check = HiddenCheck(cfg) if timed else None
         self.overlap_report = None  # --overlap-report: the planners' predictions beside the timers' figures
         if timed and cfg.moe.is_moe and cfg.moe.overlap_report:
@@ -221,6 +231,8 @@ class Trainer:
         started = time.perf_counter()
         if self.comm_timers:
             self.comm_timers.reset()
+        elif self.arrivals:
+            self.arrivals.reset()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -254,9 +266,14 @@ class Trainer:
             check_loss(lm_loss, iteration=self.state.iteration, rank=self.rank, origin=self.forward_flags.describe)
         aux = self._aux_figures()
         step_ms = 1000.0 * (time.perf_counter() - started)
-        # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for.
+        # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for. Every
+        # rank with the timers on takes part: the arrival stamps go to the logging rank's groups (comm/skew.py).
+        summary = None
         with comm.host_read("comm timers"):
-            summary = self.comm_timers.summary() if self.comm_timers else None
+            if self.comm_timers:
+                summary = self.comm_timers.summary(reader=self.logging_rank)
+            elif self.arrivals:
+                self.arrivals.exchange(reader=self.logging_rank)
         return {
             "lm loss": lm_loss,
             "aux": aux,
@@ -328,8 +345,8 @@ class Trainer:
         comm_figures = comm_layers = comm_kinds = None
         tensorboard_only = {k: v for k, v in aux.items() if "/" in k}
         if summary is not None:
-            exposed, wire, waited = summary.total_exposed_ms, summary.total_wire_ms, summary.total_peer_wait_ms
-            comm_figures = (figures["step_ms"], exposed, wire, waited)
+            exposed, wire = summary.total_exposed_ms, summary.total_wire_ms
+            comm_figures = (figures["step_ms"], exposed, wire, summary.total_skew_ms, summary.total_transfer_ms)
             comm_layers = layer_exposed_and_wire(summary)
             comm_kinds = exposed_by_group(summary.exposed_ms)
             tensorboard_only.update(tensorboard_scalars(summary))
@@ -367,6 +384,19 @@ class Trainer:
             entry["startup"] = self.startup
         return entry
 
+    def _clock_offset(self) -> ClockOffset:
+        """This rank's clock against rank 0's, for the skew (collective on the world; comm/skew.py)."""
+        offset = estimate_clock_offset()
+        if not offset.shared:
+            log.info(
+                "rank %d: host clock %+.3f ms from rank 0's (estimated at start-up, +-%.3f ms): skew figures carry "
+                "that error",
+                self.rank,
+                1000.0 * offset.seconds,
+                1000.0 * offset.error_s,
+            )
+        return offset
+
     def _loss_scale(self) -> float:
         with comm.host_read("loss scale"):
             return self.optimizer.get_loss_scale().item()
@@ -376,7 +406,8 @@ class Trainer:
         grad norm, params norm with --log-params-norm, skip flag, `step_ms`, and `comm`: the communication
         timers' summary as a dict, None with --no-comm-timers) on the logging rank, its own rank's figures (the
         only rank that times its collectives)."""
-        timing = comm.monitoring(self.comm_timers) if self.comm_timers else contextlib.nullcontext()
+        monitor = self.comm_timers or self.arrivals
+        timing = comm.monitoring(monitor) if monitor else contextlib.nullcontext()
         with timing:
             return self._train()
 

@@ -6,9 +6,10 @@ Lancet's operator partition per model chunk, FSMoE's gradient partition, Lancet'
 Their predictions are of different things, so each is set beside the measured figure of the same thing:
 
   - the whole step: per kind, the link time of the bytes that crossed (wire), the time the step waited on them
-    (exposed) and the part of that spent waiting for a slower peer; hidden = 1 - exposed / wire (comm/timers.py);
-  - per MoE layer: its degrees and the cost model's forward / backward times, and its all-to-alls' wire and
-    exposed time;
+    (exposed), split into skew (waiting for the last rank to arrive, measured: comm/skew.py) and transfer;
+    hidden = 1 - exposed / wire (comm/timers.py);
+  - per MoE layer: its degrees and the cost model's forward / backward times, and its all-to-alls' wire,
+    exposed and skew time;
   - the operator partition: the all-to-all time a micro-batch hides (cost model) against wire - exposed of the
     chunk's all-to-alls per micro-batch;
   - the gradient partition: the reduction left exposed after backward (cost model) against dp_grad_reduce's
@@ -29,6 +30,8 @@ FIRST_ITERATION = 3
 """Lancet's greedy plan runs from here (overlap/runtime.py `PROFILE_ITERATION` + 1); the steps before warm up."""
 STEPS = 10
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
+KIND_FIGURES = ("wire_ms", "exposed_ms", "skew_ms", "transfer_ms")
+"""The per-kind figures the report sums (comm/timers.py `CommSummary`), in its table's column order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,7 @@ class OverlapReport:
         self.plans = plans
         self.first = min(first, train_iters)
         self.last = min(train_iters, self.first + steps - 1)
-        self._kinds = {figure: dict.fromkeys(SUMMARY_KINDS, 0.0) for figure in ("wire_ms", "exposed_ms", "peer_wait")}
+        self._kinds = {figure: dict.fromkeys(SUMMARY_KINDS, 0.0) for figure in KIND_FIGURES}
         self._layers: dict[int, dict[str, float]] = {}
         self._steps = 0
         self.done = False
@@ -62,12 +65,11 @@ class OverlapReport:
         if self.done or iteration < self.first:
             return None
         self._steps += 1
-        for kind in SUMMARY_KINDS:
-            self._kinds["wire_ms"][kind] += summary.wire_ms.get(kind, 0.0)
-            self._kinds["exposed_ms"][kind] += summary.exposed_ms.get(kind, 0.0)
-            self._kinds["peer_wait"][kind] += summary.peer_wait_ms.get(kind, 0.0)
+        for figure, sums in self._kinds.items():
+            for kind in SUMMARY_KINDS:
+                sums[kind] += getattr(summary, figure).get(kind, 0.0)
         for layer, figures in summary.per_layer.items():
-            into = self._layers.setdefault(layer, {"wire_ms": 0.0, "exposed_ms": 0.0})
+            into = self._layers.setdefault(layer, {"wire_ms": 0.0, "exposed_ms": 0.0, "skew_ms": 0.0})
             for figure in into:
                 into[figure] += sum(figures.get(figure, {}).get(kind, 0.0) for kind in A2A_KINDS)
         if iteration < self.last:
@@ -79,19 +81,15 @@ class OverlapReport:
         n, plans = self._steps, self.plans
         per_step = {figure: {k: v / n for k, v in values.items()} for figure, values in self._kinds.items()}
         kinds = {
-            kind: {
-                "wire_ms": per_step["wire_ms"][kind],
-                "exposed_ms": per_step["exposed_ms"][kind],
-                "peer_wait_ms": per_step["peer_wait"][kind],
-                "hidden": hidden_share(per_step["exposed_ms"][kind], per_step["wire_ms"][kind]),
-            }
+            kind: {figure: per_step[figure][kind] for figure in KIND_FIGURES}
+            | {"hidden": hidden_share(per_step["exposed_ms"][kind], per_step["wire_ms"][kind])}
             for kind in SUMMARY_KINDS
             if per_step["wire_ms"][kind] > 0 or per_step["exposed_ms"][kind] > 0
         }
         wire, exposed = math.fsum(per_step["wire_ms"].values()), math.fsum(per_step["exposed_ms"].values())
         layers = {}
         for layer, figures in sorted(self._layers.items()):
-            entry = {"a2a_wire_ms": figures["wire_ms"] / n, "a2a_exposed_ms": figures["exposed_ms"] / n}
+            entry = {f"a2a_{figure}": value / n for figure, value in figures.items()}
             entry["hidden"] = hidden_share(entry["a2a_exposed_ms"], entry["a2a_wire_ms"])
             if (schedule := plans.degrees.get(layer)) is not None:
                 entry |= {"degrees": [schedule.forward, schedule.backward], "predicted_ms": schedule.predicted_ms}
@@ -101,7 +99,8 @@ class OverlapReport:
             "kinds": kinds,
             "wire_ms": wire,
             "exposed_ms": exposed,
-            "peer_wait_ms": math.fsum(per_step["peer_wait"].values()),
+            "skew_ms": math.fsum(per_step["skew_ms"].values()),
+            "transfer_ms": math.fsum(per_step["transfer_ms"].values()),
             "hidden": hidden_share(exposed, wire),
             "layers": layers,
             "partition": [self._partition(chunk, layers) for chunk in plans.partition],
@@ -138,16 +137,11 @@ def as_text(report: dict) -> str:
     lines = [
         f"--overlap-report, iterations {first}-{last} (this rank, ms a step; wire: the crossing bytes' link time, "
         f"hidden: 1 - exposed / wire):",
-        f"  {'kind':<18} {'wire':>9} {'exposed':>9} {'peer wait':>9} {'hidden':>7}",
+        f"  {'kind':<18} {'wire':>9} {'exposed':>9} {'skew':>9} {'transfer':>9} {'hidden':>7}",
     ]
-    for kind, k in report["kinds"].items():
-        lines.append(
-            f"  {kind:<18} {k['wire_ms']:>9.1f} {k['exposed_ms']:>9.1f} {k['peer_wait_ms']:>9.1f} {k['hidden']:>7.1%}"
-        )
-    lines.append(
-        f"  {'all':<18} {report['wire_ms']:>9.1f} {report['exposed_ms']:>9.1f} {report['peer_wait_ms']:>9.1f} "
-        f"{report['hidden']:>7.1%}"
-    )
+    for name, k in [*report["kinds"].items(), ("all", report)]:
+        figures = "".join(f" {k[figure]:>9.1f}" for figure in KIND_FIGURES)
+        lines.append(f"  {name:<18}{figures} {k['hidden']:>7.1%}")
     for layer, entry in report["layers"].items():
         planned = ""
         if "degrees" in entry:
@@ -158,8 +152,8 @@ def as_text(report: dict) -> str:
                 f"backward {predicted['backward']:.1f} ms a micro-batch); "
             )
         lines.append(
-            f"  MoE layer {layer}: {planned}all-to-alls {entry['a2a_exposed_ms']:.1f} exposed of "
-            f"{entry['a2a_wire_ms']:.1f} on the wire, {entry['hidden']:.1%} hidden"
+            f"  MoE layer {layer}: {planned}all-to-alls {entry['a2a_exposed_ms']:.1f} exposed "
+            f"({entry['a2a_skew_ms']:.1f} skew) of {entry['a2a_wire_ms']:.1f} on the wire, {entry['hidden']:.1%} hidden"
         )
     for chunk in report["partition"]:
         ranges = ", ".join(f"{a}-{b} in {k}" for a, b, k in chunk["ranges"]) or "none"

@@ -88,16 +88,19 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert row["steps"] == 4 and row["rounds"] == 2 and len(row["step_ms_all"][0]) == 4
     # Pooled rounds: the mean over [history, history] is the mean over the one history's timed steps.
     assert row["bytes"] == bench_step.summarize("2x1", 0.5, [history], args.warmup, flags)["bytes"]
-    for field in ("comm_ms", "exposed_ms", "wire_ms", "peer_wait_ms", "bytes", "wire_bytes", "calls"):
+    for field in ("comm_ms", "exposed_ms", "wire_ms", "skew_ms", "transfer_ms", "bytes", "wire_bytes", "calls"):
         assert set(row[field]) == set(KINDS), (field, row[field])
     assert set(row["exposed_frac_of_step"]) == set(KINDS)
     assert row["step_ms"] > 0 and 0.0 <= row["hidden_frac"] <= 1.0
     for kind in A2A:  # EP=2: this rank's own block of every all-to-all stays; about half crosses
         assert 0 < row["wire_bytes"][kind] < row["bytes"][kind], (kind, row["wire_bytes"], row["bytes"])
         assert row["wire_ms"][kind] > 0 and row["wire_from"][kind] == "fit", (kind, row)  # the link probe's line
-    for kind in KINDS:  # per step exposed = transfer (at most wire) + peer wait; over the steps' means, bounds
-        waited, exposed, wire = (row[field][kind] for field in ("peer_wait_ms", "exposed_ms", "wire_ms"))
-        assert max(0.0, exposed - wire) - 0.01 <= waited <= exposed + 0.01, (kind, row)
+    for kind in KINDS:  # exposed = skew + transfer, per step and so in the steps' means (each rounded to 0.001)
+        skew, transfer, exposed = (row[field][kind] for field in ("skew_ms", "transfer_ms", "exposed_ms"))
+        assert skew >= 0.0 and transfer >= 0.0 and abs(skew + transfer - exposed) <= 0.01, (kind, row)
+    for kind in A2A:  # measured from every rank's arrival stamps (EP=2: the two ranks' stamps exchanged)
+        assert row["skew_from"][kind] == "arrivals", (kind, row["skew_from"])
+    assert row["skew_from"]["dp_grad_reduce"] == "" and row["skew_ms"]["dp_grad_reduce"] == 0.0
     for kind in A2A:  # EP=2 across the link: every MoE all-to-all sends bytes and blocks the step
         assert row["bytes"][kind] > 0 and row["exposed_ms"][kind] > 0 and row["calls"][kind] >= 1, (kind, row)
     assert row["bytes"]["dp_grad_reduce"] > 0  # DP=2: the dense gradients are all-reduced
@@ -133,7 +136,8 @@ def test_bench_step_on_two_nodes_reports_every_kind_and_exposed_all_to_alls(trai
     assert top["case"] == "headline_2x1_0.5gbit" and top["all_on"]["grad_reduce_schedule"] == "adaptive"
     assert top["step_ratio"] == round(row["step_ms"] / planned["step_ms"], 3)
     assert top["hidden_frac"] == {"off": row["hidden_frac"], "on": planned["hidden_frac"]}
-    assert top["peer_wait_ms"] == {"off": row["peer_wait_ms_total"], "on": planned["peer_wait_ms_total"]}
+    assert top["skew_ms"] == {"off": row["skew_ms_total"], "on": planned["skew_ms_total"]}
+    assert top["transfer_ms"] == {"off": row["transfer_ms_total"], "on": planned["transfer_ms_total"]}
     grad_row = bench_step.compare_grad_reduce({"pipeline": piped}, planned)
     json.dumps(grad_row)
     assert grad_row["case"] == "grad_reduce_2x1_0.5gbit" and grad_row["best_megatron"] == "pipeline"

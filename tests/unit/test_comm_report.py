@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, peer_wait
+from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary
 from megatron_moe.config import parse_args
 from megatron_moe.config.fields import ConfigError
 from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits
@@ -25,10 +25,16 @@ SHARED = [*BASE, "--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-h
 
 
 def summary(
-    *, dispatch_comm: float, dispatch_exposed: float, other: float = 0.0, dispatch_wire: float | None = None
+    *,
+    dispatch_comm: float,
+    dispatch_exposed: float,
+    other: float = 0.0,
+    dispatch_wire: float | None = None,
+    dispatch_skew: float = 0.0,
 ) -> CommSummary:
     """A step whose dispatch took `dispatch_comm` issued -> done, `dispatch_wire` on the link (default: the
-    same, no peer waited) and was exposed `dispatch_exposed`; `other`: all exposed, as long as its wire time."""
+    same) and was exposed `dispatch_exposed`, `dispatch_skew` of it waiting for the last rank to arrive; `other`:
+    all exposed, as long as its wire time, not split."""
     wire_ms = dispatch_comm if dispatch_wire is None else dispatch_wire
     comm = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_comm, "other": other}
     exposed = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_exposed, "other": other}
@@ -36,6 +42,7 @@ def summary(
     total = wire_ms + other
     hidden = max(0.0, 1 - (dispatch_exposed + other) / total) if total else 0.0
     zeros = dict.fromkeys(SUMMARY_KINDS, 0)
+    skew = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_skew}
     return CommSummary(
         comm_ms=comm,
         exposed_ms=exposed,
@@ -43,7 +50,9 @@ def summary(
         wire_bytes=zeros,
         wire_ms=wire,
         wire_from=dict.fromkeys(SUMMARY_KINDS, ""),
-        peer_wait_ms=peer_wait(exposed, wire),
+        skew_ms=skew,
+        transfer_ms={kind: exposed[kind] - skew[kind] for kind in SUMMARY_KINDS},
+        skew_from={**dict.fromkeys(SUMMARY_KINDS, ""), "a2a_dispatch": "arrivals"},
         calls=zeros,
         per_layer={},
         hidden_frac=hidden,
@@ -104,32 +113,41 @@ def test_rows_added_to_the_table_are_checked_on_their_own_kinds():
 
 
 def test_tensorboard_gets_every_kind_and_every_moe_layer():
-    s = summary(dispatch_comm=9.0, dispatch_exposed=2.0, dispatch_wire=4.0, other=1.0)
+    s = summary(dispatch_comm=9.0, dispatch_exposed=2.0, dispatch_wire=4.0, other=1.0, dispatch_skew=0.5)
     layer = {"comm_ms": {"a2a_combine_bwd": 8.0}, "exposed_ms": {"a2a_combine_bwd": 2.0}, "calls": {}}
+    layer |= {"skew_ms": {"a2a_combine_bwd": 1.5}, "transfer_ms": {"a2a_combine_bwd": 0.5}}
     s.per_layer = {2: {**layer, "wire_ms": {"a2a_combine_bwd": 3.0}}}
     scalars = tensorboard_scalars(s)
     assert scalars["comm/hidden_frac"] == pytest.approx(1 - 3.0 / 5.0)  # against the wire, not the 10 ms issued
-    assert scalars["comm/wire_ms"] == 5.0 and scalars["comm/peer_wait_ms"] == 0.0
+    assert scalars["comm/wire_ms"] == 5.0
+    assert scalars["comm/skew_ms"] == 0.5 and scalars["comm/transfer_ms"] == 2.5
     assert scalars["comm/comm_ms/a2a_dispatch"] == 9.0 and scalars["comm/exposed_ms/a2a_dispatch"] == 2.0
-    assert scalars["comm/wire_ms/a2a_dispatch"] == 4.0 and scalars["comm/peer_wait_ms/a2a_dispatch"] == 0.0
+    assert scalars["comm/wire_ms/a2a_dispatch"] == 4.0
+    assert scalars["comm/skew_ms/a2a_dispatch"] == 0.5 and scalars["comm/transfer_ms/a2a_dispatch"] == 1.5
+    assert scalars["comm/transfer_ms/other"] == 1.0
     assert {f"comm/{f}/{k}" for f in SCALAR_FIGURES for k in SUMMARY_KINDS} < set(scalars)
     assert scalars["comm/layer_002/comm_ms/a2a_combine_bwd"] == 8.0
     assert scalars["comm/layer_002/exposed_ms/a2a_combine_bwd"] == 2.0
+    assert scalars["comm/layer_002/skew_ms/a2a_combine_bwd"] == 1.5
+    assert scalars["comm/layer_002/transfer_ms/a2a_combine_bwd"] == 0.5
     assert scalars["comm/layer_002/hidden_frac"] == pytest.approx(1 / 3)
-    assert len(scalars) == 3 + len(SCALAR_FIGURES) * len(SUMMARY_KINDS) + 4
+    assert len(scalars) == 4 + len(SCALAR_FIGURES) * len(SUMMARY_KINDS) + 6
 
 
 def test_the_log_line_figures():
-    """Two steps of 100 ms, 30 ms exposed (4 of them waiting for peers) against 120 ms on the wire in all."""
-    parts = _comm_parts(steps=2, step_ms=200.0, exposed_ms=30.0, wire_ms=120.0, peer_wait_ms=4.0)
+    """Two steps of 100 ms, 30 ms exposed (4 of them waiting for the last rank, 26 transfer) against 120 ms on the
+    wire in all."""
+    parts = _comm_parts(steps=2, step_ms=200.0, exposed_ms=30.0, wire_ms=120.0, skew_ms=4.0, transfer_ms=26.0)
     assert parts == [
         "exposed comm: 15.0 ms (15.0% of step)",
-        "of it peer wait: 2.0 ms",
+        "of it skew / transfer: 2.0 / 13.0 ms",
         "on the wire: 60.0 ms",
         "hidden: 75.0%",
     ]
-    assert _comm_parts(steps=0, step_ms=0.0, exposed_ms=0.0, wire_ms=0.0, peer_wait_ms=0.0) == []  # timers off
-    assert _comm_parts(steps=1, step_ms=10.0, exposed_ms=3.0, wire_ms=1.0, peer_wait_ms=2.0)[-1] == "hidden: 0.0%"
+    off = _comm_parts(steps=0, step_ms=0.0, exposed_ms=0.0, wire_ms=0.0, skew_ms=0.0, transfer_ms=0.0)
+    assert off == []  # timers off
+    one = _comm_parts(steps=1, step_ms=10.0, exposed_ms=3.0, wire_ms=1.0, skew_ms=2.0, transfer_ms=1.0)
+    assert one[-1] == "hidden: 0.0%"
 
 
 def test_the_log_line_shows_exposed_all_to_all_esp_and_gradient_reduce_apart():
@@ -173,13 +191,13 @@ def test_waiting_for_peers_hides_nothing_on_loopback_or_a_fast_link_and_a_slow_l
     exposed is 78% hidden: no warning."""
     for wire_ms, fires in ((1.0, True), (3.0, True), (40.0, False)):
         check = HiddenCheck(parse_args(SHARED), window=3)
-        step = summary(dispatch_comm=50.0, dispatch_exposed=9.0, dispatch_wire=wire_ms)
+        step = summary(dispatch_comm=50.0, dispatch_exposed=9.0, dispatch_wire=wire_ms, dispatch_skew=6.0)
         said = [check.observe(step) for _ in range(3)]
         assert bool(said[-1]) is fires, (wire_ms, said)
         if fires:
             assert "0.0% of a2a_dispatch communication hidden over 3 steps" in said[-1][0]
             assert f"27.0 ms exposed against {3 * wire_ms:.1f} ms on the link" in said[-1][0]
-            assert f"{3 * (9.0 - wire_ms):.1f} ms of it waiting for peers" in said[-1][0]
+            assert "18.0 ms of it skew: waiting for the last rank to arrive" in said[-1][0]
 
 
 def test_wire_lines_price_the_crossing_bytes_through_the_fitted_lines():

@@ -3,7 +3,7 @@ it is shorter), per kind, per MoE layer, for the operator partition (per micro-b
 
 import pytest
 
-from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, peer_wait
+from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary
 from megatron_moe.config import ConfigError, parse_args
 from megatron_moe.overlap.cost_model import Schedule
 from megatron_moe.overlap.grad_partition import GradPartition
@@ -13,11 +13,14 @@ BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "4"
 
 
 def step(dispatch_wire: float, dispatch_exposed: float, grad_wire: float, grad_exposed: float) -> CommSummary:
-    """One step: layer 2's forward dispatch and the DP gradient reduction (the other kinds: nothing)."""
+    """One step: layer 2's forward dispatch (a quarter of its exposed time skew) and the DP gradient reduction
+    (not split; the other kinds: nothing)."""
     wire = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_wire, "dp_grad_reduce": grad_wire}
     exposed = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_exposed, "dp_grad_reduce": grad_exposed}
     zeros = dict.fromkeys(SUMMARY_KINDS, 0)
+    skew = {**dict.fromkeys(SUMMARY_KINDS, 0.0), "a2a_dispatch": dispatch_exposed / 4}
     layer = {"wire_ms": {"a2a_dispatch": dispatch_wire}, "exposed_ms": {"a2a_dispatch": dispatch_exposed}}
+    layer |= {"skew_ms": {"a2a_dispatch": dispatch_exposed / 4}}
     return CommSummary(
         comm_ms=exposed,
         exposed_ms=exposed,
@@ -25,7 +28,9 @@ def step(dispatch_wire: float, dispatch_exposed: float, grad_wire: float, grad_e
         wire_bytes=zeros,
         wire_ms=wire,
         wire_from=dict.fromkeys(SUMMARY_KINDS, "fit"),
-        peer_wait_ms=peer_wait(exposed, wire),
+        skew_ms=skew,
+        transfer_ms={kind: exposed[kind] - skew[kind] for kind in SUMMARY_KINDS},
+        skew_from={**dict.fromkeys(SUMMARY_KINDS, ""), "a2a_dispatch": "arrivals"},
         calls=zeros,
         per_layer={2: layer},
         hidden_frac=0.0,
@@ -59,11 +64,15 @@ def test_the_report_averages_iterations_3_to_12_and_sets_each_plan_beside_its_me
     r = out[11]
     assert r["iterations"] == [3, 12]
     assert r["kinds"].keys() == {"a2a_dispatch", "dp_grad_reduce"}
-    assert r["kinds"]["a2a_dispatch"] == {"wire_ms": 10.0, "exposed_ms": 3.0, "peer_wait_ms": 0.0, "hidden": 0.7}
+    dispatch = {"wire_ms": 10.0, "exposed_ms": 3.0, "skew_ms": 0.75, "transfer_ms": 2.25, "hidden": 0.7}
+    assert r["kinds"]["a2a_dispatch"] == pytest.approx(dispatch)
+    assert r["kinds"]["dp_grad_reduce"]["skew_ms"] == 0.0 and r["kinds"]["dp_grad_reduce"]["transfer_ms"] == 6.0
+    assert (r["skew_ms"], r["transfer_ms"]) == pytest.approx((0.75, 8.25))
     assert (r["wire_ms"], r["exposed_ms"]) == (30.0, 9.0) and r["hidden"] == pytest.approx(0.7)
     assert r["layers"][2] == {
         "a2a_wire_ms": 10.0,
         "a2a_exposed_ms": 3.0,
+        "a2a_skew_ms": 0.75,
         "hidden": 0.7,
         "degrees": [2, 1],
         "predicted_ms": {"forward": 3.0, "backward": 5.0},
@@ -75,6 +84,10 @@ def test_the_report_averages_iterations_3_to_12_and_sets_each_plan_beside_its_me
     text = as_text(r)
     assert "iterations 3-12" in text
     assert "MoE layer 2: degrees 2/1 (predicted forward 3.0, backward 5.0 ms a micro-batch)" in text
+    assert "all-to-alls 3.0 exposed (0.8 skew) of 10.0 on the wire, 70.0% hidden" in text
+    header, *rows = text.splitlines()[1:4]
+    assert header.split() == ["kind", "wire", "exposed", "skew", "transfer", "hidden"]
+    assert rows[0].split() == ["a2a_dispatch", "10.0", "3.0", "0.8", "2.2", "70.0%"]
     assert "operator partition, layers 1-2 (1-2 in 2 pieces): all-to-all ms hidden a micro-batch: predicted 6.0 of " \
         "8.0, measured 3.5 of 5.0" in text  # fmt: skip
     assert "gradient partition: exposed reduction predicted 4.0, measured 6.0 (of 20.0 on the wire)" in text
