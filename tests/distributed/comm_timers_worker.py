@@ -2,9 +2,10 @@
 
     ip netns exec NODE python comm_timers_worker.py OUT_JSON CASES [DATA_PREFIX TOKENIZER]
 
-CASES: `sync` (a), `async` (b), `train` (c), comma-separated. The node's launch variables (NNODES, NODE_RANK,
-MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME) come from tools/emulated_cluster.py. Every timed figure is the
-slowest rank's (all-reduced MAX), each call between barriers, as tools/bench_link.py times its calls.
+CASES: `sync` (a), `async` (b), `train` (c), `skew` (d), comma-separated. The node's launch variables (NNODES,
+NODE_RANK, MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME) come from tools/emulated_cluster.py. Every timed figure
+of (a) and (b) is the slowest rank's (all-reduced MAX), each call between barriers, as tools/bench_link.py times its
+calls; (d)'s are each rank's own.
 """
 
 import json
@@ -17,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe import comm
-from megatron_moe.comm import Collective, CommTimers
+from megatron_moe.comm import Collective, CommTimers, skew
 from megatron_moe.comm.transport import all_to_all_single
 
 MIB = 1 << 20
 SIZE_BYTES = 4 * MIB  # B: crosses the link
 REPEATS = 9
+DELAY_MS = 200.0  # (d): how late the late rank issues
 
 
 def slowest(value: float) -> float:
@@ -145,6 +147,46 @@ def case_async() -> dict:
     return {"per_gemm_ms": per_gemm_ms, "cases": cases}
 
 
+def late(size: int, sleeper: int | None) -> dict:
+    """(d) one all-to-all (rank 0 sends `size` bytes to rank 1) that rank `sleeper` (None: no one) issues `DELAY_MS`
+    after the barrier; every rank's timers, then the arrival stamps exchanged (`summary(reader=1)`, as the training
+    loop's logging rank, the last): this rank's skew, transfer and exposed ms."""
+    start = exchange(size)
+    timers = CommTimers()
+    dist.barrier()
+    with comm.monitoring(timers):
+        if dist.get_rank() == sleeper:
+            time.sleep(DELAY_MS / 1000)
+        comm.issue(Collective("a2a_dispatch", "physics", layer=0, nbytes=size), start)
+    s = timers.summary(reader=1)
+    figures = ("skew_ms", "transfer_ms", "exposed_ms")
+    return {figure: getattr(s, figure)["a2a_dispatch"] for figure in figures} | {"from": s.skew_from["a2a_dispatch"]}
+
+
+def estimated_offset() -> dict:
+    """(d) the start-up clock offset estimate as on two hosts (each rank given its own boot id), on one clock in
+    truth: its offset (ms) is its error."""
+    shared = skew._boot_id
+    skew._boot_id = lambda: f"{shared()}-node{dist.get_rank()}"
+    try:
+        offset = skew.estimate_clock_offset()
+    finally:
+        skew._boot_id = shared
+    return {"offset_ms": 1000 * offset.seconds, "error_ms": 1000 * offset.error_s, "shared": offset.shared}
+
+
+def case_skew() -> dict:
+    """(d) rank 0 (the sender) late, and no one late, alternated round by round (round 0 warms up); then the
+    clock offset estimate."""
+    runs: dict = {"late": [], "on_time": []}
+    for round_ in range(REPEATS + 1):
+        for name, sleeper in (("late", 0), ("on_time", None)):
+            figures = late(SIZE_BYTES, sleeper)
+            if round_ > 0:
+                runs[name].append(figures)
+    return runs | {"clock": estimated_offset()}
+
+
 def case_train(data: str, tokenizer: str) -> list[dict]:
     """(c) a short training run through pretrain(): EP=2 across the two nodes."""
     from megatron_moe.config import parse_args
@@ -170,6 +212,8 @@ def main() -> None:
         results["sync"] = case_sync()
     if "async" in cases:
         results["async"] = case_async()
+    if "skew" in cases:
+        results["skew"] = case_skew()
     if "train" in cases:
         results["train"] = case_train(*sys.argv[3:5])
     dist.destroy_process_group()
