@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import itertools
 import os
 import re
@@ -413,4 +414,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where every thread of the tool is (a stuck stop)
     sys.exit(main())

@@ -2,7 +2,7 @@
 timers measured once every plan is in force.
 
 The planners (training/setup.py) each log their choice at start-up: FSMoE's pipeline degrees per MoE layer,
-Lancet's operator partition per model chunk, FSMoE's gradient partition, Lancet's dW plan (from iteration 3).
+Lancet's operator partition per model chunk, FSMoE's gradient partition, Lancet's dW plan (from the job's step 3).
 Their predictions are of different things, so each is set beside the measured figure of the same thing:
 
   - the whole step: per kind, the link time of the bytes that crossed (wire), the time the step waited on them
@@ -14,8 +14,9 @@ Their predictions are of different things, so each is set beside the measured fi
   - the gradient partition: the reduction left exposed after backward (cost model) against dp_grad_reduce's
     exposed time.
 
-The report covers `STEPS` steps from `FIRST_ITERATION` (Lancet's dW plan is in force from there; earlier steps
-profile and warm up), or the steps the run has. Figures are this rank's (the logging rank, the only one timed).
+The report covers `STEPS` steps from the job's `FIRST_STEP`-th (Lancet's dW plan is in force from there: a job,
+resumed or not, profiles in its own second step; earlier steps warm up), or the steps the job has. Figures are
+this rank's (the logging rank, the only one timed).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import math
 
 from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, hidden_share
 
-FIRST_ITERATION = 3
-"""Lancet's greedy plan runs from here (overlap/runtime.py `PROFILE_ITERATION` + 1); the steps before warm up."""
+FIRST_STEP = 3
+"""The job's step from which Lancet's greedy plan runs (overlap/runtime.py `PROFILE_ITERATION` + 1)."""
 STEPS = 10
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 
@@ -48,18 +49,22 @@ class OverlapPlans:
 class OverlapReport:
     """Accumulates the timers' step summaries over the report's window; `observe` returns the report once."""
 
-    def __init__(self, plans: OverlapPlans, *, train_iters: int, first: int = FIRST_ITERATION, steps: int = STEPS):
+    def __init__(self, plans: OverlapPlans, *, job_steps: int, first: int = FIRST_STEP, steps: int = STEPS):
+        """`job_steps`: the steps this job will run (--train-iters less the iteration it resumed from)."""
         self.plans = plans
-        self.first = min(first, train_iters)
-        self.last = min(train_iters, self.first + steps - 1)
+        self.first = min(first, job_steps)
+        self.last = min(job_steps, self.first + steps - 1)
+        self._job_step = 0
         self._kinds = {figure: dict.fromkeys(SUMMARY_KINDS, 0.0) for figure in ("wire_ms", "exposed_ms", "peer_wait")}
         self._layers: dict[int, dict[str, float]] = {}
         self._steps = 0
         self.done = False
 
     def observe(self, iteration: int, summary: CommSummary) -> dict | None:
-        """Add one step's summary (iteration 1-based); the report (`as_text` renders it) after the window's last."""
-        if self.done or iteration < self.first:
+        """Add the job's next step's summary (`iteration`: its global number, for the report); the report (`as_text`
+        renders it) after the window's last step."""
+        self._job_step += 1
+        if self.done or self._job_step < self.first:
             return None
         self._steps += 1
         for kind in SUMMARY_KINDS:
@@ -70,7 +75,7 @@ class OverlapReport:
             into = self._layers.setdefault(layer, {"wire_ms": 0.0, "exposed_ms": 0.0})
             for figure in into:
                 into[figure] += sum(figures.get(figure, {}).get(kind, 0.0) for kind in A2A_KINDS)
-        if iteration < self.last:
+        if self._job_step < self.last:
             return None
         self.done = True
         return self._report(iteration)
