@@ -42,16 +42,17 @@ class OverlapPlans:
     """setup.install_operator_partition's figures, one per model chunk that runs pieces or was planned."""
     grad_reduce: object | None = None
     """grad_partition.GradPartition of the adaptive schedule; None with megatron-core's buckets."""
-    micro_batches: int = 1
-    """Micro-batches per step on this rank (the partition's figures are per micro-batch)."""
 
 
 class OverlapReport:
     """Accumulates the timers' step summaries over the report's window; `observe` returns the report once."""
 
-    def __init__(self, plans: OverlapPlans, *, job_steps: int, first: int = FIRST_STEP, steps: int = STEPS):
-        """`job_steps`: the steps this job will run (--train-iters less the iteration it resumed from)."""
-        self.plans = plans
+    def __init__(
+        self, plans: OverlapPlans, *, job_steps: int, micro_batches: int, first: int = FIRST_STEP, steps: int = STEPS
+    ):
+        """`job_steps`: the steps this job will run (--train-iters less the iteration it resumed from);
+        `micro_batches`: a step's on this rank (the partition's figures are per micro-batch)."""
+        self.plans, self.micro_batches = plans, micro_batches
         self.first = min(first, job_steps)
         self.last = min(job_steps, self.first + steps - 1)
         self._job_step = 0
@@ -124,8 +125,8 @@ class OverlapReport:
         measured one (wire - exposed of its layers' all-to-alls, per micro-batch)."""
         first, last = chunk["layers"]
         mine = [entry for layer, entry in layers.items() if first <= layer <= last]
-        wire = math.fsum(e["a2a_wire_ms"] for e in mine) / self.plans.micro_batches
-        exposed = math.fsum(e["a2a_exposed_ms"] for e in mine) / self.plans.micro_batches
+        wire = math.fsum(e["a2a_wire_ms"] for e in mine) / self.micro_batches
+        exposed = math.fsum(e["a2a_exposed_ms"] for e in mine) / self.micro_batches
         entry = {"layers": chunk["layers"], "ranges": chunk["ranges"], "a2a_wire_ms": wire}
         entry["a2a_hidden_ms"] = max(0.0, wire - exposed)
         if "hidden_ms" in chunk:
