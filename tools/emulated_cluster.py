@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import itertools
 import os
 import re
@@ -236,14 +237,16 @@ class EmulatedCluster:
         atexit.unregister(self.close)
 
     def _install_handlers(self) -> None:
-        """SIGTERM/SIGHUP unwind the `with` block (SystemExit), so teardown runs; SIGINT already raises."""
+        """SIGTERM/SIGHUP unwind the `with` block (SystemExit), so teardown runs; SIGINT raises KeyboardInterrupt,
+        also where this process inherited it ignored (started by `nohup ... &` or any shell's background job: Python
+        then leaves it ignored, and a SIGINT would leave the nodes running)."""
         if threading.current_thread() is not threading.main_thread():
             return
 
         def unwind(signum, _frame):
             raise SystemExit(128 + signum)
 
-        self._old_handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)  # kept; ignored during close()
+        self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, unwind)
 
@@ -413,4 +416,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where every thread of the tool is (a stuck stop)
     sys.exit(main())

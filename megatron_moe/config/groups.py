@@ -237,7 +237,7 @@ class MoEConfig:
     )
     overlap_report: bool = arg(
         False,
-        "log, once every overlap plan is in force (iterations 3-12), each planner's choice and prediction beside "
+        "log, once every overlap plan is in force (the job's steps 3-12), each planner's choice and prediction beside "
         "what the communication timers measured: per kind wire / exposed / skew / transfer time and hidden share, "
         "per MoE layer its degrees and all-to-alls, the operator partition's and the gradient partition's hidden time",
         applies=only.OUR_MOE,

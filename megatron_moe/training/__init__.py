@@ -98,7 +98,6 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
         degrees=schedules or {},
         partition=partition,
         grad_reduce=grad_reduce.partition if grad_reduce else None,
-        micro_batches=cfg.num_microbatches(dist.get_world_size()),
     )
     overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce, "fits": link_fits(cfg, fits), "plans": plans}
     startup = {

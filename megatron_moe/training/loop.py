@@ -158,7 +158,10 @@ class Trainer:
         self.hidden_check = HiddenCheck(cfg) if timed else None
         self.overlap_report = None  # --overlap-report: the planners' predictions beside the timers' figures
         if timed and cfg.moe.is_moe and cfg.moe.overlap_report:
-            self.overlap_report = OverlapReport(plans or OverlapPlans(), train_iters=cfg.training.train_iters)
+            job_steps = cfg.training.train_iters - state.iteration
+            self.overlap_report = OverlapReport(
+                plans or OverlapPlans(), job_steps=job_steps, micro_batches=self.num_microbatches
+            )
         self.logger = None
         if self.is_logging_rank:
             lg = cfg.logging

@@ -2,7 +2,7 @@
 timers measured once every plan is in force.
 
 The planners (training/setup.py) each log their choice at start-up: FSMoE's pipeline degrees per MoE layer,
-Lancet's operator partition per model chunk, FSMoE's gradient partition, Lancet's dW plan (from iteration 3).
+Lancet's operator partition per model chunk, FSMoE's gradient partition, Lancet's dW plan (from the job's step 3).
 Their predictions are of different things, so each is set beside the measured figure of the same thing:
 
   - the whole step: per kind, the link time of the bytes that crossed (wire), the time the step waited on them
@@ -15,8 +15,9 @@ Their predictions are of different things, so each is set beside the measured fi
   - the gradient partition: the reduction left exposed after backward (cost model) against dp_grad_reduce's
     exposed time.
 
-The report covers `STEPS` steps from `FIRST_ITERATION` (Lancet's dW plan is in force from there; earlier steps
-profile and warm up), or the steps the run has. Figures are this rank's (the logging rank, the only one timed).
+The report covers `STEPS` steps from the job's `FIRST_STEP`-th (Lancet's dW plan is in force from there: a job,
+resumed or not, profiles in its own second step; earlier steps warm up), or the steps the job has. Figures are
+this rank's (the logging rank, the only one timed).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import math
 
 from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, hidden_share
 
-FIRST_ITERATION = 3
-"""Lancet's greedy plan runs from here (overlap/runtime.py `PROFILE_ITERATION` + 1); the steps before warm up."""
+FIRST_STEP = 3
+"""The job's step from which Lancet's greedy plan runs (overlap/runtime.py `PROFILE_ITERATION` + 1)."""
 STEPS = 10
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 KIND_FIGURES = ("wire_ms", "exposed_ms", "skew_ms", "transfer_ms")
@@ -44,25 +45,30 @@ class OverlapPlans:
     """setup.install_operator_partition's figures, one per model chunk that runs pieces or was planned."""
     grad_reduce: object | None = None
     """grad_partition.GradPartition of the adaptive schedule; None with megatron-core's buckets."""
-    micro_batches: int = 1
-    """Micro-batches per step on this rank (the partition's figures are per micro-batch)."""
 
 
 class OverlapReport:
     """Accumulates the timers' step summaries over the report's window; `observe` returns the report once."""
 
-    def __init__(self, plans: OverlapPlans, *, train_iters: int, first: int = FIRST_ITERATION, steps: int = STEPS):
-        self.plans = plans
-        self.first = min(first, train_iters)
-        self.last = min(train_iters, self.first + steps - 1)
+    def __init__(
+        self, plans: OverlapPlans, *, job_steps: int, micro_batches: int, first: int = FIRST_STEP, steps: int = STEPS
+    ):
+        """`job_steps`: the steps this job will run (--train-iters less the iteration it resumed from);
+        `micro_batches`: a step's on this rank (the partition's figures are per micro-batch)."""
+        self.plans, self.micro_batches = plans, micro_batches
+        self.first = min(first, job_steps)
+        self.last = min(job_steps, self.first + steps - 1)
+        self._job_step = 0
         self._kinds = {figure: dict.fromkeys(SUMMARY_KINDS, 0.0) for figure in KIND_FIGURES}
         self._layers: dict[int, dict[str, float]] = {}
         self._steps = 0
         self.done = False
 
     def observe(self, iteration: int, summary: CommSummary) -> dict | None:
-        """Add one step's summary (iteration 1-based); the report (`as_text` renders it) after the window's last."""
-        if self.done or iteration < self.first:
+        """Add the job's next step's summary (`iteration`: its global number, for the report); the report (`as_text`
+        renders it) after the window's last step."""
+        self._job_step += 1
+        if self.done or self._job_step < self.first:
             return None
         self._steps += 1
         for figure, sums in self._kinds.items():
@@ -72,7 +78,7 @@ class OverlapReport:
             into = self._layers.setdefault(layer, {"wire_ms": 0.0, "exposed_ms": 0.0, "skew_ms": 0.0})
             for figure in into:
                 into[figure] += sum(figures.get(figure, {}).get(kind, 0.0) for kind in A2A_KINDS)
-        if iteration < self.last:
+        if self._job_step < self.last:
             return None
         self.done = True
         return self._report(iteration)
@@ -118,8 +124,8 @@ class OverlapReport:
         measured one (wire - exposed of its layers' all-to-alls, per micro-batch)."""
         first, last = chunk["layers"]
         mine = [entry for layer, entry in layers.items() if first <= layer <= last]
-        wire = math.fsum(e["a2a_wire_ms"] for e in mine) / self.plans.micro_batches
-        exposed = math.fsum(e["a2a_exposed_ms"] for e in mine) / self.plans.micro_batches
+        wire = math.fsum(e["a2a_wire_ms"] for e in mine) / self.micro_batches
+        exposed = math.fsum(e["a2a_exposed_ms"] for e in mine) / self.micro_batches
         entry = {"layers": chunk["layers"], "ranges": chunk["ranges"], "a2a_wire_ms": wire}
         entry["a2a_hidden_ms"] = max(0.0, wire - exposed)
         if "hidden_ms" in chunk:

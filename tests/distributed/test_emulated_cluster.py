@@ -40,10 +40,36 @@ def running(cmdline: list[str]) -> list[int]:
     return found
 
 
-def start_tool(*args: str, env: dict | None = None) -> subprocess.Popen:
+def start_tool(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, TOOL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        [sys.executable, TOOL, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        **popen,
     )
+
+
+def ended_or_fail(tool: subprocess.Popen, sleeper: list[str], after: str, timeout_s: float = 30.0) -> None:
+    """Wait for `tool` to end; else fail saying where its threads are (its SIGUSR1 dump), whether it is still
+    alive and which of its nodes' `sleeper`s are left (one left holds the tool's pipes open)."""
+    try:
+        tool.communicate(timeout=timeout_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    alive, left = tool.poll() is None, running(sleeper)
+    if alive:
+        tool.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    tool.kill()
+    _, err = tool.communicate(timeout=10)
+    pytest.fail(f"the tool did not end {timeout_s:.0f} s after {after}: alive {alive}, sleepers left {left}; "
+                f"its stderr:\n{err[-6000:]}")  # fmt: skip
 
 
 def wait_until(condition, timeout_s: float = 20.0) -> None:
@@ -103,15 +129,22 @@ def test_a_failing_node_stops_the_others_and_its_exit_code_is_returned():
     assert namespaces(rf"{cluster_tool.PREFIX}-{tool.pid}-") == []
 
 
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
-def test_a_signal_to_the_tool_stops_the_nodes_and_tears_down(sig, code):
+def test_a_signal_to_the_tool_stops_the_nodes_and_tears_down(sig, code, inherited):
+    """Also where the tool inherits SIGINT ignored, as every command a shell starts in the background does
+    (`nohup make test &` left the tool running 30 s after a SIGINT, its nodes with it)."""
     sleeper = ["sleep", f"62.{int(sig)}"]
-    tool = start_tool("--nodes", "2", "--procs-per-node", "1", "--link-gbit", "1", "--", *sleeper)
+    disposition = signal.SIG_DFL if inherited == "default" else signal.SIG_IGN
+    tool = start_tool(
+        "--nodes", "2", "--procs-per-node", "1", "--link-gbit", "1", "--", *sleeper,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, disposition),
+    )  # fmt: skip
     wait_until(lambda: len(running(sleeper)) == 2)
     assert len(namespaces(rf"{cluster_tool.PREFIX}-{tool.pid}-")) == 3  # switch + 2 nodes
     signalled = time.monotonic()
     tool.send_signal(sig)
-    tool.communicate(timeout=30)
+    ended_or_fail(tool, sleeper, f"{sig.name}")
     assert time.monotonic() - signalled < STOPPED_WITHIN_S
     assert tool.returncode == code
     assert running(sleeper) == []

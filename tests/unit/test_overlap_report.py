@@ -1,5 +1,5 @@
-"""--overlap-report: the planners' predictions beside the timers' figures over iterations 3-12 (the run's end when
-it is shorter), per kind, per MoE layer, for the operator partition (per micro-batch) and the gradient partition."""
+"""--overlap-report: the planners' predictions beside the timers' figures over the job's steps 3-12 (its end when it
+is shorter), per kind, per MoE layer, for the operator partition (per micro-batch) and the gradient partition."""
 
 import pytest
 
@@ -51,12 +51,11 @@ PLANS = OverlapPlans(
     grad_reduce=GradPartition(
         first={}, assigned={}, tail_bytes=0.0, olp_ms={}, predicted_ms={"tail": 4.0, "total": 40.0, "megatron": 50.0}
     ),
-    micro_batches=2,
 )
 
 
 def test_the_report_averages_iterations_3_to_12_and_sets_each_plan_beside_its_measurement():
-    report = OverlapReport(PLANS, train_iters=100)
+    report = OverlapReport(PLANS, job_steps=100, micro_batches=2)
     figures = {1: (99, 99, 99, 99), 2: (99, 99, 99, 99)}  # warm-up: not counted
     figures |= {i: (10.0, 2.0 + (i % 2) * 2, 20.0, 6.0) for i in range(3, 14)}  # exposed dispatch 2 / 4 alternating
     out = [report.observe(i, step(*figures[i])) for i in range(1, 14)]
@@ -95,7 +94,7 @@ def test_the_report_averages_iterations_3_to_12_and_sets_each_plan_beside_its_me
 
 def test_a_short_run_reports_at_its_last_step_and_pieces_without_a_plan_say_so():
     plans = OverlapPlans(partition=[{"layers": [1, 2], "ranges": [[1, 2, 2]]}])
-    report = OverlapReport(plans, train_iters=2)
+    report = OverlapReport(plans, job_steps=2, micro_batches=1)
     assert report.observe(1, step(10.0, 10.0, 0.0, 0.0)) is None
     r = report.observe(2, step(10.0, 4.0, 0.0, 0.0))
     assert r["iterations"] == [2, 2] and "grad_reduce" not in r
@@ -108,3 +107,12 @@ def test_the_report_needs_the_timers():
     with pytest.raises(ConfigError, match=r"--overlap-report=True: without --no-comm-timers"):
         cfg.validate(2)
     parse_args([*BASE, "--overlap-report"]).validate(2)
+
+
+def test_a_resumed_job_reports_its_own_steps_3_to_12():
+    """Resumed at iteration 100: Lancet's plan is in force from the job's third step (it profiles the job's cluster
+    in its second), so the window is iterations 103-112, not the run's 3-12."""
+    report = OverlapReport(PLANS, job_steps=50, micro_batches=2)
+    out = {i: report.observe(i, step(10.0, 2.0, 20.0, 6.0)) for i in range(101, 121)}
+    assert [i for i, r in out.items() if r is not None] == [112]
+    assert out[112]["iterations"] == [103, 112]
