@@ -30,9 +30,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-KINDS = ("a2a_dispatch", "a2a_combine", "esp_ag", "esp_rs", "dp_grad_reduce", "tp", "pp_p2p", "other")
-"""What a collective is for, as the timers group them. MoE dispatch/combine and the expert-sharded all-gather
-(`esp_ag`) / reduce-scatter (`esp_rs`) are counted forward and backward separately (`Collective.backward`);
+KINDS = ("a2a_dispatch", "a2a_combine", "esp_ag", "esp_rs", "shadow", "dp_grad_reduce", "tp", "pp_p2p", "other")
+"""What a collective is for, as the timers group them. MoE dispatch/combine, the expert-sharded all-gather
+(`esp_ag`) / reduce-scatter (`esp_rs`) and the shadow experts' weight broadcast / gradient reduce (`shadow`,
+moe/shadow.py) are counted forward and backward separately (`Collective.backward`);
 `dp_grad_reduce` and `pp_p2p` are issued by megatron-core (README.md in this folder)."""
 
 

@@ -332,6 +332,20 @@ def exchange_counts(counts_GL: torch.Tensor, group, *, layer: int | None = None)
     return out
 
 
+def gather_counts(counts_E: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:
+    """Dispatch planning with shadow experts (moe/shadow.py): every rank's rows per expert [G, E], the same on
+    every rank (the shadowing decision's agreed figures; a rank's received [G, L] is its block of columns). On
+    the planning twin, as `exchange_counts`; stays on the device."""
+    group = planning_group(group)
+    counts_E = counts_E.contiguous()
+    g = group_size(group)
+    out = counts_E.new_empty((g, counts_E.numel()))
+    wire = (g - 1) * nbytes(counts_E)  # one copy to each peer
+    record = Collective("a2a_dispatch", "gather_counts", group, layer, nbytes=g * nbytes(counts_E), wire_bytes=wire)
+    issue(record, lambda: all_to_all_single(out, counts_E.expand(g, -1).contiguous(), group=group))
+    return out
+
+
 def agree_capacity(capacity_1: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:
     """Dispatch planning: the EP group's largest capacity (long [1], on the device; not read here); on its
     planning twin, as `exchange_counts`."""

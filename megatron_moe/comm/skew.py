@@ -50,9 +50,9 @@ from megatron_moe.comm.core import Collective, HostRead, host_read, is_distribut
 from megatron_moe.platform.device import current_platform
 from megatron_moe.platform.timing import Stamps
 
-SKEW_KINDS = ("a2a_dispatch", "a2a_combine", "esp_ag", "esp_rs")
-"""Collective kinds (`core.KINDS`, forward and backward) whose skew is measured: comm/moe.py issues them on
-explicit groups, every rank of the group the same ones in one order. The others (megatron-core's gradient
+SKEW_KINDS = ("a2a_dispatch", "a2a_combine", "esp_ag", "esp_rs", "shadow")
+"""Collective kinds (`core.KINDS`, forward and backward) whose skew is measured: comm/moe.py and moe/shadow.py
+issue them on explicit groups, every rank of the group the same ones in one order. The others (megatron-core's gradient
 reduction, TP, pipeline send/recv, `other`) are not split: their exposed time counts as transfer."""
 
 GroupKey = tuple[tuple[int, ...], str]

@@ -56,6 +56,8 @@ SUMMARY_KINDS = (
     "esp_ag_bwd",
     "esp_rs",
     "esp_rs_bwd",
+    "shadow",
+    "shadow_bwd",
     "dp_grad_reduce",
     "tp",
     "pp_p2p",
@@ -69,6 +71,7 @@ assert set(KINDS) <= set(SUMMARY_KINDS)
 WIRE_FAMILIES = {
     **dict.fromkeys(("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd"), "a2a"),
     **dict.fromkeys(("esp_ag", "esp_ag_bwd", "esp_rs", "esp_rs_bwd"), "esp"),
+    **dict.fromkeys(("shadow", "shadow_bwd"), "shadow"),
     **{kind: kind for kind in ("dp_grad_reduce", "tp", "pp_p2p", "other")},
 }
 """Summary kind -> the kinds whose collectives share one link rate in the timers' wire-time estimate (the MoE
@@ -90,8 +93,8 @@ class WireLine:
 
 def summary_kind(collective: Collective) -> str:
     """`a2a_dispatch` -> `a2a_dispatch_bwd` for the reverse all-to-all of the backward pass (`esp_ag`,
-    `esp_rs` likewise)."""
-    backward = collective.backward and collective.kind.startswith(("a2a_", "esp_"))
+    `esp_rs` and `shadow` likewise)."""
+    backward = collective.backward and collective.kind.startswith(("a2a_", "esp_", "shadow"))
     return f"{collective.kind}_bwd" if backward else collective.kind
 
 

@@ -14,7 +14,7 @@ import dataclasses
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require
-from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree
+from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree, parse_shadow
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 """Megatron-LM's --tokenizer-type names this stack builds (megatron_moe/data/tokenizer/)."""
@@ -143,6 +143,14 @@ class MoEConfig:
     moe_bp_pipeline_degree: str = arg(
         "auto",
         "the pipeline's chunks in backward (its own schedule): an integer >= 1 or auto",
+        applies=only.OUR_MOE,
+    )
+    moe_shadow_experts: str = arg(
+        "off",
+        "FasterMoE's shadow experts: per MoE layer and forward, the hottest experts' weights are broadcast to every "
+        "EP rank, which computes its own rows for them, and their gradients are reduced to the owner; auto (the cost "
+        "model's greedy choice from the agreed counts, FasterMoE's policy), off, or N (always the N most loaded). "
+        "Dropless, EP > 1, built-in unsharded experts",
         applies=only.OUR_MOE,
     )
     moe_cost_profile: str | None = arg(
@@ -321,6 +329,7 @@ class MoEConfig:
             soft_slots=self.moe_soft_slots,
             pipeline_degree=parse_degree(self.moe_pipeline_degree),
             bp_pipeline_degree=parse_degree(self.moe_bp_pipeline_degree),
+            shadow_experts=parse_shadow(self.moe_shadow_experts),
             init_method_std=model.init_method_std,
         )
 

@@ -45,6 +45,13 @@ def parse_degree(text: str | int) -> int | str:
     return text
 
 
+def parse_shadow(text: str | int) -> int | str:
+    """--moe-shadow-experts: "off", "auto", or the integer it spells (0: off; left as given when it spells none,
+    for `validate()` to name)."""
+    value = parse_degree(text.strip().lower() if isinstance(text, str) else text)
+    return "off" if value == 0 else value
+
+
 def group_limited_error(num_experts, topk, num_groups, group_topk, error=ConfigError) -> None:
     """Raise `error` naming the flag when group-limited routing cannot work (megatron-core's rules, and the two it
     leaves to chance: a group's score needs topk // group_topk >= 1 experts, the chosen groups >= topk experts)."""
@@ -134,6 +141,9 @@ class MoELayerConfig:
     >= 1 (1: not pipelined) or "auto" (the training set-up's choice; 1 until one is made)."""
     bp_pipeline_degree: int | str = _flag("--moe-bp-pipeline-degree", 1)
     """Backward chunks r_b of the pipeline, its own schedule: an int >= 1 or "auto"."""
+    shadow_experts: int | str = _flag("--moe-shadow-experts", "off")
+    """FasterMoE's shadow experts (`megatron_moe.moe.shadow`): "off", "auto" (the cost model's greedy choice per
+    layer and forward; nothing until the training set-up gives the layer its costs) or N (the N most loaded)."""
     init_method_std: float = 0.02
     """Std of the normal init of router and expert weights (output projections scaled by the caller)."""
     init_seed: int = _flag("--seed", 1234)
@@ -239,4 +249,17 @@ class MoELayerConfig:
         for field in ("pipeline_degree", "bp_pipeline_degree"):
             value = getattr(self, field)
             r(value == AUTO or (type(value) is int and value >= 1), field, f'"{AUTO}" or an integer >= 1, e.g. 2')
+        shadow = self.shadow_experts
+        r(shadow in ("off", AUTO) or (type(shadow) is int and shadow >= 1), "shadow_experts", "off, auto or N >= 1")
+        if type(shadow) is int:  # asked for by number: what cannot shadow is an error (auto: off, said in the log)
+            r(shadow <= self.num_experts, "shadow_experts", f"at most --num-experts={self.num_experts}")
+            r(ep_size > 1, "shadow_experts", "off: one EP rank (--expert-model-parallel-size 1) has every expert")
+            r(
+                not self.pad_expert_input_to_capacity and self.capacity_factor is None,
+                "shadow_experts",
+                "off: shadowing is dropless only (a shadowed expert's rows would escape its capacity); unset "
+                "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity",
+            )
+            r(esp_size == 1, "shadow_experts", "off: expert-sharded experts (--expert-tensor-parallel-size > 1)")
+            r(self.gate not in BALANCED_GATES, "shadow_experts", f"off: --moe-gate={self.gate} fixes every load")
         return self

@@ -64,6 +64,9 @@ class DispatchSplits:
     """Rows this rank receives from each (source g, local expert l) [G][L] (padded: all C)."""
     esp_received_PGL: list[list[list[int]]] | None = None
     """Every ESP peer's `received_GL` [P][G][L]; None without ESP."""
+    shadow: object = None
+    """moe/shadow.py `ShadowSplit` when the layer shadows experts in this forward (their rows are not in these
+    splits: computed on this rank); None otherwise."""
 
     @property
     def esp_splits(self) -> list[int]:

@@ -38,8 +38,10 @@ from megatron_moe.moe.ordering import DenseOrdering, RowMap, build_ordering, exp
 from megatron_moe.moe.pieces import Piece, batch_order, run_to_end
 from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
+from megatron_moe.moe.shadow import AUTO as SHADOW_AUTO
+from megatron_moe.moe.shadow import ShadowBroadcast, ShadowCosts, ShadowPolicy, ShadowSplit, shadow_forward
 from megatron_moe.moe.shared import SharedExpert
-from megatron_moe.platform import to_host
+from megatron_moe.platform import from_host, to_host
 from megatron_moe.platform.rng import expert_parallel_stream, host_rng_keyed, rng_tracker
 
 log = logging.getLogger("megatron_moe")
@@ -118,6 +120,15 @@ class MoELayer(MegatronModule):
         """Set by `set_pipeline_degrees` (the resolved "auto"); None: the config's ints, "auto" as 1."""
         self._pipeline_notes: set[str] = set()
         """Why "auto" runs r = 1 here, each said once in the log."""
+        self.shadow = ShadowPolicy(self.cfg.shadow_experts, self.num_local_experts)
+        """FasterMoE's shadow experts (`megatron_moe.moe.shadow`): which experts each forward replicates."""
+        self.last_shadowed: tuple[int, ...] = ()
+        """The experts the last forward shadowed (the same on every rank of the EP group)."""
+        blocker = self._shadow_blocker()
+        if self.shadow.active and blocker is not None:
+            require(self.shadow.mode == SHADOW_AUTO, "--moe-shadow-experts", self.cfg.shadow_experts, f"off: {blocker}")
+            self._note(f"shadow experts auto is off: {blocker}")
+            self.shadow = ShadowPolicy("off", self.num_local_experts)
 
     def use_activation_scope(self, scope) -> None:
         """Run the stages as named regions of an activation policy (`megatron_moe.activations`):
@@ -200,11 +211,43 @@ class MoELayer(MegatronModule):
             return f"custom experts ({type(self.experts).__name__}) do not run in the pipeline's chunks"
         if self.experts.keeping is None:
             return "the activation policy runs expert_fc1/act/fc2 as separate regions (expert_fc2 recomputed)"
+        return self._hooks_blocker()
+
+    def _shadow_blocker(self) -> str | None:
+        """Why this layer cannot shadow experts (module docstring of `megatron_moe.moe.shadow`), or None."""
+        d = self.dispatcher
+        if d.group_size == 1:
+            return "one EP rank: every expert is local already"
+        if d.needs_padding or self.cfg.capacity_factor is not None:
+            return "a capacity limits each expert's rows (a shadowed expert's rows would escape it): dropless only"
+        if d.esp_size > 1:
+            return "expert-sharded experts (--expert-tensor-parallel-size > 1) are sliced over their ESP group"
+        if type(self.experts) is not FFNExperts:
+            return f"custom experts ({type(self.experts).__name__}) have no weight1 / weight2 to broadcast"
+        return None
+
+    def _hooks_blocker(self) -> str | None:
         for hook in self.hooks:
             for point in ("after_dispatch", "before_combine"):
                 if getattr(type(hook), point) is not getattr(MoEHook, point):
                     return f"the hook {type(hook).__name__}.{point} needs the whole dispatched rows"
         return None
+
+    def set_shadow_costs(self, costs: ShadowCosts) -> None:
+        """The cluster's fitted lines and this layer's sizes, for --moe-shadow-experts auto (the training set-up
+        gives them where it has a cost-model profile; auto shadows nothing until then)."""
+        self.shadow.costs = costs
+
+    def _shadows(self, routing: Routing) -> bool:
+        """Whether this forward gathers the [G, E] counts and may shadow experts."""
+        if not self.shadow.active or routing.is_soft or routing.slots_per_expert is not None:
+            return False
+        blocker = self._hooks_blocker()
+        if blocker is not None:
+            require(self.shadow.mode == SHADOW_AUTO, "--moe-shadow-experts", self.cfg.shadow_experts, f"off: {blocker}")
+            self._note(f"shadow experts auto shadows nothing: {blocker}")
+            return False
+        return True
 
     def _note(self, text: str) -> None:
         if text not in self._pipeline_notes:
@@ -235,6 +278,8 @@ class MoELayer(MegatronModule):
            and the watchdog names this read and the exchange.
         """
         num_experts = routing.num_experts
+        if self._shadows(routing):
+            return self._arrange_shadowed(routing)
         if routing.is_soft:  # every expert gets exactly its slots: nothing to count, cap or drop
             row_map = make_row_map(routing, capacity=None, padded=True)
             received_dev = self.dispatcher.exchange_counts(row_map.routed_E.new_full((num_experts,), row_map.capacity))
@@ -254,6 +299,28 @@ class MoELayer(MegatronModule):
         capacity = None if capacity is None else capacity[0]
         row_map = make_row_map(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
         return row_map, self.dispatcher.make_splits(row_map.counts, received_dev, received)
+
+    def _arrange_shadowed(self, routing: Routing) -> tuple[RowMap, DispatchSplits]:
+        """`arrange` with shadow experts (dropless, exact rows): the same one host wait.
+        1. on the device: pairs per expert;
+        2. on the device: every rank's pairs per expert [G, E] (`comm.gather_counts`, in place of the counts
+           exchange: a rank's received counts are its columns);
+        3. ONE device->host copy; the shadowed experts chosen from the gathered counts (the same on every rank);
+           the splits of the rows still dispatched (the shadowed experts' counts 0) and the `ShadowSplit`."""
+        d, num_experts, local = self.dispatcher, routing.num_experts, self.num_local_experts
+        routed_E = expert_counts(routing.expert_N, num_experts)  # 1.
+        gathered_GE = comm.gather_counts(routed_E, d.group, layer=self.layer_number)  # 2.
+        with comm.host_read("moe plan counts", layer=self.layer_number):
+            routed, gathered = to_host(routed_E, gathered_GE)  # 3.
+        counts_GE = [gathered[g * num_experts : (g + 1) * num_experts] for g in range(d.group_size)]
+        row_map = make_row_map(routing, capacity=None, padded=False, routed_E=routed_E, routed=routed)
+        shadow = ShadowSplit(self.shadow.choose(counts_GE), row_map.counts, local)
+        self.last_shadowed = shadow.experts
+        shadowed, first = set(shadow.experts), comm.group_rank(d.group) * local
+        received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(first, first + local)]
+        received_dev = from_host(received, torch.long, routed_E.device)
+        splits = d.make_splits(shadow.sent_counts, received_dev, received)
+        return row_map, dataclasses.replace(splits, shadow=shadow if shadow.experts else None)
 
     def _capacity(self, routing: Routing, routed_E: torch.Tensor, padded: bool) -> torch.Tensor | None:
         """Slots per expert as a long [1] on the device; None: exact rows and nothing limits them (dropless)."""
@@ -296,7 +363,8 @@ class MoELayer(MegatronModule):
         received_XL = splits.received_GL  # X = (ESP peer p, source g): every peer's under ESP
         if splits.esp_received_PGL is not None:
             received_XL = [row for peer_GL in splits.esp_received_PGL for row in peer_GL]
-        return start_pipeline(rows_RH, self.experts, row_map.counts, received_XL, degrees, links, esp_rank=d.esp_rank)
+        counts = row_map.counts if splits.shadow is None else splits.shadow.sent_counts
+        return start_pipeline(rows_RH, self.experts, counts, received_XL, degrees, links, esp_rank=d.esp_rank)
 
     def unorder(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
         return self.ordering.decode(rows_RH, row_map)
@@ -327,10 +395,14 @@ class MoELayer(MegatronModule):
         rows_RH = self._region("ordering", self.order, x_TH, row_map)
         ctx.counts = row_map.counts
         rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
+        shadow, broadcast = splits.shadow, None
+        if shadow is not None:  # the shadowed experts' rows stay here
+            rows_RH, shadow_RH = shadow.split(rows_RH)
         degrees = self.pipeline_degrees()
         if degrees == (1, 1):
             with self._in_region("dispatch"):
                 handle = self.dispatch(rows_RH, splits)
+            broadcast = self._broadcast_shadows(shadow)
             yield
             shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
             with self._in_region("dispatch"):
@@ -341,14 +413,19 @@ class MoELayer(MegatronModule):
             rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
             with self._in_region("combine"):
                 handle = self.combine(rows_RH, dispatched)
+            shadow_RH = self._compute_shadows(broadcast, shadow_RH) if shadow is not None else None  # under it
             yield
             with self._in_region("combine"):
                 rows_RH = handle.wait()
         else:
             pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
+            broadcast = self._broadcast_shadows(shadow)
             yield
             shared_TH = self._shared(x_TH)  # runs while chunk 0's all-to-all is in flight (and the last dX's)
             rows_RH = pipeline.finish()
+            shadow_RH = self._compute_shadows(broadcast, shadow_RH) if shadow is not None else None
+        if shadow is not None:
+            rows_RH = shadow.merge(rows_RH, shadow_RH)
         ctx.counts = row_map.counts
         rows_RH = run_hooks(self.hooks, "after_combine", rows_RH, ctx)
         out_TH = self._region("unorder", self.unorder, rows_RH, row_map)
@@ -362,6 +439,18 @@ class MoELayer(MegatronModule):
         else:
             out_TH = self._attach_batch_router_losses(out_TH, piece, routing, row_map, valid_T, shape)
         return out_TH.view(shape), None
+
+    def _broadcast_shadows(self, shadow: ShadowSplit | None) -> ShadowBroadcast | None:
+        """Start the shadowed experts' weights from their owners (after the dispatch: a group's collectives run in
+        issue order, and the dispatch is needed first)."""
+        if shadow is None:
+            return None
+        return ShadowBroadcast(self.experts, shadow, self.dispatcher.group, self.layer_number)
+
+    def _compute_shadows(self, broadcast: ShadowBroadcast, rows_RH: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the shadowed experts, made after its own experts' node (moe/shadow.py: why the
+        owner's gradient is whole before its hook runs)."""
+        return shadow_forward(self.experts, broadcast, rows_RH, self.dispatcher.group, self.layer_number)
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_expert is None else self._region("shared_expert", self.shared_expert, x_TH)

@@ -1,0 +1,294 @@
+"""FasterMoE's dynamic shadowing: the hottest experts' weights go to the tokens instead of the tokens to them.
+
+Legend: G = EP group size, E = experts (global), L = local experts (E / G), K = shadowed experts this forward,
+H = hidden, F = this rank's expert width (2F for SwiGLU's gate and up rows), R = rows.
+
+FasterMoE (PPoPP '22; ../shared/papers/fastermoe-notes.zh.txt, section 03.1): a popular expert receives more
+rows than its peers, its owner computes longest, and every other rank waits for it at the combine. When sending
+an expert's rows costs more than sending its weights, broadcast the weights ("shadow" the expert) to every rank,
+compute each rank's own rows for it there, and in backward reduce the shadows' weight gradients to the owner,
+whose optimizer updates the one copy. Per MoE layer and forward:
+
+1. the decision (`ShadowPolicy.choose`), from agreed figures only: the [G, E] routed counts, every rank's rows
+   per expert, all-gathered in the layer's one counts exchange (`comm.gather_counts`, read with the layer's
+   other counts in its one host read): every rank shadows the same experts, so every rank issues the same
+   collectives in the same order;
+2. `ShadowSplit`: the expert-major send buffer split into the rows that are dispatched (the experts not
+   shadowed; the shadowed ones' counts are 0 in the dispatch's splits) and the rows computed here (the shadowed
+   experts', in `experts` order);
+3. `broadcast_weights`: one broadcast per shadowed expert from its owner over the EP group, issued after the
+   dispatch's all-to-all (on NCCL a group's collectives run in issue order: the dispatch is not delayed);
+4. `ShadowExperts.forward`: after this rank's own experts ran, while the combine's all-to-all is in flight, the
+   shadowed experts' rows through the received weights (`GroupedMLP`, the same arithmetic as the owner's);
+5. backward (`_ShadowWeights`): the shadows' weight gradients reduced (summed) to each owner, one reduce per
+   expert, and returned to autograd as the owner's weight gradient: megatron-core's DDP (its hook on the
+   parameter's gradient accumulator) or Lancet's store (which adds to `.grad`, experts.py) sees one sum.
+
+Why the owner's gradient is whole before its DDP hook runs: autograd accumulates a leaf's gradient once every
+node with an edge to it has run, and both this node and the owner's `GroupedMLP` have one. Under Lancet the
+owner's node returns no weight gradient and its closure is queued; the accumulation (a leaf's node runs first
+when ready) then happens right after the owner's node, before any queued closure can run, and the closure adds
+its gradient to what is there (overlap/runtime.py `deliver`, `accumulate_now`). The shadow nodes are made after
+the owner's (step 4), so autograd runs them first in backward: the reduce is issued while the combine's reverse
+all-to-all is in flight.
+
+The policy ("auto") is FasterMoE's greedy one (its `global_policy`): experts in order of load; each is shadowed
+while the predicted layer time falls, and the first that does not lower it stops the search. The prediction is
+the paper's latency model on this cluster's fitted lines (overlap/cost_model.py `ClusterFits`) instead of its
+hand-given bandwidth and throughput:
+
+    T(S) = max_w gemm(R_w) + max_w gemm_bwd(R_w) + max_w gemm_dw(R_w)
+           + 4 a2a(max_w max(sent_w, received_w)) + |S| (a2a(W') + a2a(W'))
+
+R_w: the multiply-adds rank w runs (its own experts' rows from every rank, less the shadowed ones, plus its own
+rows of every shadowed expert); sent_w / received_w: its all-to-all bytes (dispatch; combine is the same, and both
+again in backward: the paper's factor 4); W' = W G / (G - 1), the all-to-all line's n at which the W bytes of one
+expert's weights cross one link (the profile's n counts the rank's own block: (G - 1) / G of it crosses), for the
+broadcast and again for the reduce. The paper's two conditions (the rows cost more to send than the weights; the
+compute saved outweighs the added reduction) are the two halves of T's change. Deviations, and why: the compute is
+the three fitted GEMM lines, not 3x the forward (the profile has them); the all-to-all term takes the busier of
+send and receive (a hot owner receives more than it sends; the paper's B_w is one figure); nothing here models
+overlap (neither does the paper's policy).
+
+Not shadowed (refused when asked for by number, "auto" off with the reason in the log): one EP rank; the padded
+(capacity) dispatcher and capacity limits (a shadowed expert's rows would escape its capacity); expert-sharded
+experts (ESP: the weights are sliced over the ESP group); custom experts; hooks that need the dispatched rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe import comm
+from megatron_moe.activations.engine import SAVE_ALL
+from megatron_moe.comm.core import Collective, nbytes
+from megatron_moe.moe.experts import FFNExperts, GroupedMLP
+from megatron_moe.moe.weight_grad import RUN_NOW
+
+log = logging.getLogger("megatron_moe")
+
+OFF, AUTO = "off", "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowCosts:
+    """One MoE layer's figures for the "auto" policy: the cluster's fitted lines and the layer's sizes."""
+
+    fits: object
+    """overlap/cost_model.py `ClusterFits` (lines a2a, gemm, gemm_bwd, gemm_dw)."""
+    macs_per_row: int
+    """Multiply-adds of one row through one expert's forward (H x F x 2, SwiGLU 3)."""
+    row_bytes: int
+    """Bytes of one dispatched row (H x the element size)."""
+    weight_bytes: int
+    """Bytes of one expert's weights (weight1 and weight2), what a broadcast and a reduce move."""
+
+
+def loads(counts_GE: Sequence[Sequence[int]]) -> list[int]:
+    """Rows routed to each expert over the EP group [E]."""
+    return [sum(column) for column in zip(*counts_GE)]
+
+
+def by_load(counts_GE: Sequence[Sequence[int]]) -> list[int]:
+    """Experts from the most loaded down; ties: the lower index (the same order on every rank)."""
+    total = loads(counts_GE)
+    return sorted(range(len(total)), key=lambda e: (-total[e], e))
+
+
+def rank_rows(counts_GE: Sequence[Sequence[int]], shadowed: set[int], local: int) -> list[int]:
+    """Rows each EP rank's experts compute [G]: its own experts' rows from every rank, less the shadowed ones',
+    plus its own rows of every shadowed expert."""
+    g_size = len(counts_GE)
+    out = []
+    for w in range(g_size):
+        owned = [e for e in range(w * local, (w + 1) * local) if e not in shadowed]
+        out.append(sum(counts_GE[g][e] for g in range(g_size) for e in owned) + sum(counts_GE[w][e] for e in shadowed))
+    return out
+
+
+def a2a_rows(counts_GE: Sequence[Sequence[int]], shadowed: set[int], local: int) -> list[int]:
+    """Per EP rank, the larger of the rows it sends (its own block included: the a2a line's n) and the rows it
+    receives, over the experts not shadowed [G]."""
+    g_size, num_experts = len(counts_GE), len(counts_GE[0])
+    kept = [e for e in range(num_experts) if e not in shadowed]
+    sent = [sum(counts_GE[w][e] for e in kept) for w in range(g_size)]
+    received = [sum(counts_GE[g][e] for g in range(g_size) for e in kept if e // local == w) for w in range(g_size)]
+    return [max(s, r) for s, r in zip(sent, received)]
+
+
+def predicted_ms(counts_GE: Sequence[Sequence[int]], shadowed: set[int], local: int, costs: ShadowCosts) -> float:
+    """FasterMoE's layer time T(S) on the fitted lines (module docstring)."""
+    fits, g_size = costs.fits, len(counts_GE)
+    macs = [rows * costs.macs_per_row for rows in rank_rows(counts_GE, shadowed, local)]
+    compute = sum(max(fits[kind].time_ms(n) for n in macs) for kind in ("gemm", "gemm_bwd", "gemm_dw"))
+    a2a = fits["a2a"]
+    moved = 4 * a2a.time_ms(max(a2a_rows(counts_GE, shadowed, local)) * costs.row_bytes)
+    crossing = costs.weight_bytes * g_size / (g_size - 1)
+    return compute + moved + len(shadowed) * 2 * a2a.time_ms(crossing)
+
+
+def greedy_shadows(counts_GE: Sequence[Sequence[int]], local: int, costs: ShadowCosts) -> tuple[int, ...]:
+    """FasterMoE's policy: the most loaded experts, each while T falls; the first that does not lower it stops."""
+    shadowed: set[int] = set()
+    best = predicted_ms(counts_GE, shadowed, local, costs)
+    for e in by_load(counts_GE):
+        t = predicted_ms(counts_GE, shadowed | {e}, local, costs)
+        if t >= best:
+            break
+        shadowed.add(e)
+        best = t
+    return tuple(sorted(shadowed))
+
+
+class ShadowPolicy:
+    """Which experts one MoE layer shadows, from the agreed [G, E] counts: "off", "auto" (`greedy_shadows` on
+    `costs`; off until the training set-up gives them) or N (the N most loaded)."""
+
+    def __init__(self, mode: str | int, local: int, costs: ShadowCosts | None = None):
+        self.mode, self.local, self.costs = mode, local, costs
+
+    @property
+    def active(self) -> bool:
+        """Whether the layer gathers the [G, E] counts and may shadow."""
+        return self.mode != OFF
+
+    def choose(self, counts_GE: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        if self.mode == OFF or (self.mode == AUTO and self.costs is None):
+            return ()
+        if self.mode == AUTO:
+            return greedy_shadows(counts_GE, self.local, self.costs)
+        return tuple(sorted(by_load(counts_GE)[: self.mode]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowSplit:
+    """One forward's shadowing: which experts, and how the expert-major send buffer splits."""
+
+    experts: tuple[int, ...]
+    """Shadowed global experts, ascending (the broadcasts' and the reduces' order on every rank)."""
+    counts: list[int]
+    """This rank's rows per global expert in the send buffer [E] (the layer's row map)."""
+    local: int
+    """L: expert e lives on EP rank e // L, local index e % L."""
+
+    @property
+    def sent_counts(self) -> list[int]:
+        """The dispatch's counts [E]: the shadowed experts' rows stay here."""
+        shadowed = set(self.experts)
+        return [0 if e in shadowed else c for e, c in enumerate(self.counts)]
+
+    @property
+    def shadow_counts(self) -> list[int]:
+        """Rows of each shadowed expert computed here [K]."""
+        return [self.counts[e] for e in self.experts]
+
+    def split(self, rows_RH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows to dispatch, in expert order without the shadowed; rows computed here, in `experts` order)."""
+        parts = torch.split(rows_RH, self.counts)
+        shadowed = set(self.experts)
+        sent = [part for e, part in enumerate(parts) if e not in shadowed]
+        return torch.cat(sent) if sent else rows_RH[:0], torch.cat([parts[e] for e in self.experts])
+
+    def merge(self, sent_RH: torch.Tensor, shadow_RH: torch.Tensor) -> torch.Tensor:
+        """The inverse of `split`: both results back in the send buffer's expert-major order."""
+        sent = torch.split(sent_RH, self.sent_counts)  # E parts, the shadowed experts' empty
+        shadow = dict(zip(self.experts, torch.split(shadow_RH, self.shadow_counts)))
+        return torch.cat([shadow.get(e, part) for e, part in enumerate(sent)])
+
+
+def _owner(split: ShadowSplit, e: int, group) -> tuple[int, int]:
+    """(expert e's owner as a global rank, e's local index there)."""
+    return dist.get_global_rank(group, e // split.local), e % split.local
+
+
+def _flat(w1_FH: torch.Tensor, w2_HF: torch.Tensor) -> torch.Tensor:
+    return torch.cat([w1_FH.reshape(-1), w2_HF.reshape(-1)])
+
+
+class ShadowBroadcast:
+    """The shadowed experts' weights on their way from the owners (step 3); `wait()` gives them [K, ...]."""
+
+    def __init__(self, experts: FFNExperts, split: ShadowSplit, group, layer: int | None):
+        self.split, self.group = split, group
+        w1, w2 = experts.weight1, experts.weight2
+        self.shapes = (w1.shape[1:], w2.shape[1:])
+        size = w1[0].numel() + w2[0].numel()
+        me = dist.get_rank()
+        self.buffers, self.works = [], []
+        for e in split.experts:
+            owner, index = _owner(split, e, group)
+            mine = owner == me
+            buffer = _flat(w1[index].detach(), w2[index].detach()) if mine else w1.new_empty(size)
+            crossing = nbytes(buffer) if mine else 0  # what leaves this rank (a tree's relays: the owner's)
+            record = Collective("shadow", "shadow_broadcast", group, layer, nbytes=crossing, wire_bytes=crossing)
+            self.buffers.append(buffer)
+            self.works.append(
+                comm.issue(record, lambda b=buffer, o=owner: dist.broadcast(b, src=o, group=group, async_op=True))
+            )
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        (f1, h1), (h2, f2) = self.shapes
+        w1 = torch.stack([b[: f1 * h1].view(f1, h1) for b in self.buffers])
+        w2 = torch.stack([b[f1 * h1 :].view(h2, f2) for b in self.buffers])
+        return w1, w2
+
+
+class _ShadowWeights(torch.autograd.Function):
+    """Forward: the received shadow weights, tied to the owner's parameters. Backward: each shadow's gradient
+    reduced to its owner (step 5), returned as the owner's weight gradient (None on a rank that owns none)."""
+
+    @staticmethod
+    def forward(ctx, weight1, weight2, w1_KFH, w2_KHF, split: ShadowSplit, group, layer):
+        ctx.split, ctx.group, ctx.layer = split, group, layer
+        ctx.weights = (weight1.shape, weight2.shape, weight1.dtype, weight1.device)
+        return w1_KFH.view_as(w1_KFH), w2_KHF.view_as(w2_KHF)
+
+    @staticmethod
+    def backward(ctx, grad_w1_KFH, grad_w2_KHF):
+        split, group = ctx.split, ctx.group
+        shape1, shape2, dtype, device = ctx.weights
+        me = dist.get_rank()
+        works, mine = [], []
+        for k, e in enumerate(split.experts):
+            owner, index = _owner(split, e, group)
+            flat = _flat(grad_w1_KFH[k], grad_w2_KHF[k]).contiguous()
+            crossing = 0 if owner == me else nbytes(flat)
+            record = Collective(
+                "shadow", "shadow_reduce", group, ctx.layer, backward=True, nbytes=crossing, wire_bytes=crossing
+            )
+            works.append(comm.issue(record, lambda f=flat, o=owner: dist.reduce(f, dst=o, group=group, async_op=True)))
+            if owner == me:
+                mine.append((index, flat))
+        for work in works:
+            work.wait()
+        if not mine:
+            return None, None, None, None, None, None, None
+        grad1 = torch.zeros(shape1, dtype=dtype, device=device)
+        grad2 = torch.zeros(shape2, dtype=dtype, device=device)
+        for index, flat in mine:
+            n1 = grad1[index].numel()
+            grad1[index] = flat[:n1].view_as(grad1[index])
+            grad2[index] = flat[n1:].view_as(grad2[index])
+        return grad1, grad2, None, None, None, None, None
+
+
+def shadow_forward(
+    experts: FFNExperts, broadcast: ShadowBroadcast, rows_RH: torch.Tensor, group, layer: int | None
+) -> torch.Tensor:
+    """Step 4: this rank's rows of the shadowed experts through their received weights (the owner's arithmetic:
+    `GroupedMLP`, its weight gradients now, for the reduce)."""
+    w1_KFH, w2_KHF = broadcast.wait()
+    w1_KFH, w2_KHF = _ShadowWeights.apply(
+        experts.weight1, experts.weight2, w1_KFH, w2_KHF, broadcast.split, group, layer
+    )
+    keeping = experts.keeping or SAVE_ALL  # None: the policy runs fc1/act/fc2 apart; the shadows keep everything
+    counts = broadcast.split.shadow_counts
+    return GroupedMLP.apply(rows_RH, w1_KFH, w2_KHF, counts, experts.gated, experts.chunk_bytes, keeping, RUN_NOW)
