@@ -251,15 +251,14 @@ class MoELayerConfig:
             r(value == AUTO or (type(value) is int and value >= 1), field, f'"{AUTO}" or an integer >= 1, e.g. 2')
         shadow = self.shadow_experts
         r(shadow in ("off", AUTO) or (type(shadow) is int and shadow >= 1), "shadow_experts", "off, auto or N >= 1")
-        if type(shadow) is int:  # asked for by number: what cannot shadow is an error (auto: off, said in the log)
+        if type(shadow) is int:  # asked for by number, what cannot shadow is an error (auto: off, said in the log);
+            # EP = 1 and ESP: the layer (MoELayer._shadow_blocker), and the run's flags before start-up (rules.py)
             r(shadow <= self.num_experts, "shadow_experts", f"at most --num-experts={self.num_experts}")
-            r(ep_size > 1, "shadow_experts", "off: one EP rank (--expert-model-parallel-size 1) has every expert")
             r(
                 not self.pad_expert_input_to_capacity and self.capacity_factor is None,
                 "shadow_experts",
                 "off: shadowing is dropless only (a shadowed expert's rows would escape its capacity); unset "
                 "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity",
             )
-            r(esp_size == 1, "shadow_experts", "off: expert-sharded experts (--expert-tensor-parallel-size > 1)")
             r(self.gate not in BALANCED_GATES, "shadow_experts", f"off: --moe-gate={self.gate} fixes every load")
         return self

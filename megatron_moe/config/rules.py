@@ -47,7 +47,7 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
         require_finite_floats(getattr(cfg, name))  # before the range checks, which NaN would slip through
     dims = ParallelDims.from_config(cfg.parallel, world_size)  # no chunks yet: their flags are checked below
     check_model(cfg.model)
-    check_moe(cfg.moe, cfg.model)
+    check_moe(cfg.moe, cfg.model, cfg.parallel)
     check_parallel(cfg.parallel, dims, cfg.model, cfg.moe)
     check_training(cfg.training)
     check_activations(cfg.activations)
@@ -240,8 +240,9 @@ def check_model(model: ModelConfig) -> None:
         )
 
 
-def check_moe(moe: MoEConfig, model: ModelConfig) -> None:
-    """The MoE flags (nothing without --num-experts), and our layer's MoELayerConfig where it is ours."""
+def check_moe(moe: MoEConfig, model: ModelConfig, parallel=None) -> None:
+    """The MoE flags (nothing without --num-experts), and our layer's MoELayerConfig where it is ours (at the run's
+    EP and ESP sizes, `parallel`'s, where given)."""
     if not moe.is_moe:
         return
     require_positive("--num-experts", moe.num_experts, 8)
@@ -285,6 +286,14 @@ def check_moe(moe: MoEConfig, model: ModelConfig) -> None:
             moe.moe_token_dispatcher_type,
             "megatron_moe's layer dispatches with alltoall (allgather only with --moe-layer-impl mcore)",
         )
+        if parallel is not None and moe.moe_shadow_experts not in ("off", "auto", "0"):
+            require(
+                parallel.expert_model_parallel_size > 1 and (parallel.expert_tensor_parallel_size or 1) == 1,
+                "--moe-shadow-experts",
+                moe.moe_shadow_experts,
+                "off or auto: shadowing needs --expert-model-parallel-size > 1 (one EP rank has every expert) and "
+                "unsharded experts (--expert-tensor-parallel-size 1)",
+            )
         moe.layer_config(model).validate()  # names the flag, value and a valid choice
         return
     require(

@@ -39,7 +39,15 @@ from megatron_moe.moe.pieces import Piece, batch_order, run_to_end
 from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shadow import AUTO as SHADOW_AUTO
-from megatron_moe.moe.shadow import ShadowBroadcast, ShadowCosts, ShadowPolicy, ShadowSplit, shadow_forward
+from megatron_moe.moe.shadow import (
+    ShadowBroadcast,
+    ShadowCosts,
+    ShadowGrads,
+    ShadowPolicy,
+    ShadowSplit,
+    WithShadowGrads,
+    shadow_forward,
+)
 from megatron_moe.moe.shared import SharedExpert
 from megatron_moe.platform import from_host, to_host
 from megatron_moe.platform.rng import expert_parallel_stream, host_rng_keyed, rng_tracker
@@ -243,6 +251,8 @@ class MoELayer(MegatronModule):
         if not self.shadow.active or routing.is_soft or routing.slots_per_expert is not None:
             return False
         blocker = self._hooks_blocker()
+        if self.experts.keeping is None:
+            blocker = "the activation policy runs expert_fc1/act/fc2 as separate regions"
         if blocker is not None:
             require(self.shadow.mode == SHADOW_AUTO, "--moe-shadow-experts", self.cfg.shadow_experts, f"off: {blocker}")
             self._note(f"shadow experts auto shadows nothing: {blocker}")
@@ -395,9 +405,10 @@ class MoELayer(MegatronModule):
         rows_RH = self._region("ordering", self.order, x_TH, row_map)
         ctx.counts = row_map.counts
         rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
-        shadow, broadcast = splits.shadow, None
+        shadow, broadcast, slot = splits.shadow, None, None
         if shadow is not None:  # the shadowed experts' rows stay here
             rows_RH, shadow_RH = shadow.split(rows_RH)
+            slot = ShadowGrads() if self.experts.weight_grad_store.defers else None
         degrees = self.pipeline_degrees()
         if degrees == (1, 1):
             with self._in_region("dispatch"):
@@ -409,21 +420,23 @@ class MoELayer(MegatronModule):
                 dispatched = handle.wait()
             ctx.counts = dispatched.counts
             rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
-            rows_RH = self.compute_experts(dispatched, rows_RH)
+            with self._owner_store(slot):
+                rows_RH = self.compute_experts(dispatched, rows_RH)
             rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
             with self._in_region("combine"):
                 handle = self.combine(rows_RH, dispatched)
-            shadow_RH = self._compute_shadows(broadcast, shadow_RH) if shadow is not None else None  # under it
+            shadow_RH = self._compute_shadows(broadcast, shadow_RH, slot) if shadow is not None else None  # under it
             yield
             with self._in_region("combine"):
                 rows_RH = handle.wait()
         else:
-            pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
+            with self._owner_store(slot):
+                pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
             broadcast = self._broadcast_shadows(shadow)
             yield
             shared_TH = self._shared(x_TH)  # runs while chunk 0's all-to-all is in flight (and the last dX's)
             rows_RH = pipeline.finish()
-            shadow_RH = self._compute_shadows(broadcast, shadow_RH) if shadow is not None else None
+            shadow_RH = self._compute_shadows(broadcast, shadow_RH, slot) if shadow is not None else None
         if shadow is not None:
             rows_RH = shadow.merge(rows_RH, shadow_RH)
         ctx.counts = row_map.counts
@@ -447,10 +460,24 @@ class MoELayer(MegatronModule):
             return None
         return ShadowBroadcast(self.experts, shadow, self.dispatcher.group, self.layer_number)
 
-    def _compute_shadows(self, broadcast: ShadowBroadcast, rows_RH: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the shadowed experts, made after its own experts' node (moe/shadow.py: why the
-        owner's gradient is whole before its hook runs)."""
-        return shadow_forward(self.experts, broadcast, rows_RH, self.dispatcher.group, self.layer_number)
+    def _compute_shadows(self, broadcast: ShadowBroadcast, rows_RH: torch.Tensor, slot) -> torch.Tensor:
+        """This rank's rows of the shadowed experts, made after its own experts' node (moe/shadow.py step 5: why
+        the owner's gradient is whole before DDP hears of it)."""
+        return shadow_forward(self.experts, broadcast, rows_RH, self.dispatcher.group, self.layer_number, slot)
+
+    @contextlib.contextmanager
+    def _owner_store(self, slot: ShadowGrads | None):
+        """The experts' node made in the block hands its dW closure to a store that adds the shadows' reduced
+        gradients (`slot`; None: the store as it is)."""
+        if slot is None:
+            yield
+            return
+        store = self.experts.weight_grad_store
+        self.experts.weight_grad_store = WithShadowGrads(store, slot)
+        try:
+            yield
+        finally:
+            self.experts.weight_grad_store = store
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_expert is None else self._region("shared_expert", self.shared_expert, x_TH)

@@ -21,16 +21,17 @@ whose optimizer updates the one copy. Per MoE layer and forward:
 4. `ShadowExperts.forward`: after this rank's own experts ran, while the combine's all-to-all is in flight, the
    shadowed experts' rows through the received weights (`GroupedMLP`, the same arithmetic as the owner's);
 5. backward (`_ShadowWeights`): the shadows' weight gradients reduced (summed) to each owner, one reduce per
-   expert, and returned to autograd as the owner's weight gradient: megatron-core's DDP (its hook on the
-   parameter's gradient accumulator) or Lancet's store (which adds to `.grad`, experts.py) sees one sum.
-
-Why the owner's gradient is whole before its DDP hook runs: autograd accumulates a leaf's gradient once every
-node with an edge to it has run, and both this node and the owner's `GroupedMLP` have one. Under Lancet the
-owner's node returns no weight gradient and its closure is queued; the accumulation (a leaf's node runs first
-when ready) then happens right after the owner's node, before any queued closure can run, and the closure adds
-its gradient to what is there (overlap/runtime.py `deliver`, `accumulate_now`). The shadow nodes are made after
-the owner's (step 4), so autograd runs them first in backward: the reduce is issued while the combine's reverse
-all-to-all is in flight.
+   expert, and added to the owner's weight gradient before megatron-core's DDP hears of it, so that its bucket
+   reduces the whole gradient once:
+   - with the experts' weight gradients computed in their node (`RUN_NOW`), returned to autograd: it
+     accumulates a leaf's gradient once every node with an edge to it has run (this one and the owner's), and
+     DDP's hook on the accumulation sees the sum;
+   - with a deferring store (Lancet: DDP's hook is the store's to call, when the owner's dW closure has run),
+     held in the forward's `ShadowGrads` and added to what the owner's closure returns (`WithShadowGrads`, the
+     store the owner's node was given in that forward). The shadow nodes are made after the owner's node
+     (step 4), so autograd runs them first in backward (the later-made ready node first; its reduce is issued
+     while the combine's reverse all-to-all is in flight), and so before the owner's closure can run, whether
+     at once or queued. A closure that found no reduced gradient would raise, not lose it.
 
 The policy ("auto") is FasterMoE's greedy one (its `global_policy`): experts in order of load; each is shadowed
 while the predicted layer time falls, and the first that does not lower it stops the search. The prediction is
@@ -241,13 +242,54 @@ class ShadowBroadcast:
         return w1, w2
 
 
+class ShadowGrads:
+    """One forward's shadow gradients reduced to this rank, for the owner's deferred dW closure (step 5)."""
+
+    def __init__(self):
+        self.grads: tuple | None = None
+        """(dW1, dW2) of this rank's experts from the shadows, None where it owns no shadowed expert."""
+        self.reduced = False
+
+    def put(self, grads: tuple | None) -> None:
+        self.grads, self.reduced = grads, True
+
+    def added(self, grads: tuple) -> tuple:
+        """The owner's closure's (dW1, dW2) plus the shadows' (once)."""
+        if not self.reduced:
+            raise RuntimeError(
+                "shadow experts: the owner's weight-gradient closure ran before the shadows' gradients were reduced "
+                "to it (their backward must run first, moe/shadow.py step 5); run with --moe-shadow-experts off"
+            )
+        extra, self.grads = self.grads, None
+        if extra is None:
+            return grads
+        return tuple(e if g is None else g + e for g, e in zip(grads, extra))
+
+
+class WithShadowGrads:
+    """A deferring `WeightGradStore` around the experts' own for one forward: each closure it is given returns the
+    shadows' gradients (`ShadowGrads`) added to its own."""
+
+    defers = True
+
+    def __init__(self, store, slot: ShadowGrads):
+        self.store, self.slot = store, slot
+
+    def put(self, weight_grad, outs: tuple):
+        def plus(*outs):
+            return self.slot.added(weight_grad(*outs))
+
+        return self.store.put(plus, outs)
+
+
 class _ShadowWeights(torch.autograd.Function):
     """Forward: the received shadow weights, tied to the owner's parameters. Backward: each shadow's gradient
-    reduced to its owner (step 5), returned as the owner's weight gradient (None on a rank that owns none)."""
+    reduced to its owner (step 5): returned as the owner's weight gradient, or into `slot` for a deferred owner's
+    closure (None on a rank that owns none)."""
 
     @staticmethod
-    def forward(ctx, weight1, weight2, w1_KFH, w2_KHF, split: ShadowSplit, group, layer):
-        ctx.split, ctx.group, ctx.layer = split, group, layer
+    def forward(ctx, weight1, weight2, w1_KFH, w2_KHF, split: ShadowSplit, group, layer, slot):
+        ctx.split, ctx.group, ctx.layer, ctx.slot = split, group, layer, slot
         ctx.weights = (weight1.shape, weight2.shape, weight1.dtype, weight1.device)
         return w1_KFH.view_as(w1_KFH), w2_KHF.view_as(w2_KHF)
 
@@ -269,25 +311,35 @@ class _ShadowWeights(torch.autograd.Function):
                 mine.append((index, flat))
         for work in works:
             work.wait()
-        if not mine:
-            return None, None, None, None, None, None, None
-        grad1 = torch.zeros(shape1, dtype=dtype, device=device)
-        grad2 = torch.zeros(shape2, dtype=dtype, device=device)
-        for index, flat in mine:
-            n1 = grad1[index].numel()
-            grad1[index] = flat[:n1].view_as(grad1[index])
-            grad2[index] = flat[n1:].view_as(grad2[index])
-        return grad1, grad2, None, None, None, None, None
+        grads = None
+        if mine:
+            grad1 = torch.zeros(shape1, dtype=dtype, device=device)
+            grad2 = torch.zeros(shape2, dtype=dtype, device=device)
+            for index, flat in mine:
+                n1 = grad1[index].numel()
+                grad1[index] = flat[:n1].view_as(grad1[index])
+                grad2[index] = flat[n1:].view_as(grad2[index])
+            grads = (grad1, grad2)
+        if ctx.slot is not None:  # the owner's deferred closure adds them
+            ctx.slot.put(grads)
+            grads = None
+        return *(grads or (None, None)), None, None, None, None, None, None
 
 
 def shadow_forward(
-    experts: FFNExperts, broadcast: ShadowBroadcast, rows_RH: torch.Tensor, group, layer: int | None
+    experts: FFNExperts,
+    broadcast: ShadowBroadcast,
+    rows_RH: torch.Tensor,
+    group,
+    layer: int | None,
+    slot: ShadowGrads | None = None,
 ) -> torch.Tensor:
     """Step 4: this rank's rows of the shadowed experts through their received weights (the owner's arithmetic:
-    `GroupedMLP`, its weight gradients now, for the reduce)."""
+    `GroupedMLP`, its weight gradients now, for the reduce). `slot`: where the reduced gradients wait for the
+    owner's deferred closure (None: the owner's node computes its dW itself)."""
     w1_KFH, w2_KHF = broadcast.wait()
     w1_KFH, w2_KHF = _ShadowWeights.apply(
-        experts.weight1, experts.weight2, w1_KFH, w2_KHF, broadcast.split, group, layer
+        experts.weight1, experts.weight2, w1_KFH, w2_KHF, broadcast.split, group, layer, slot
     )
     keeping = experts.keeping or SAVE_ALL  # None: the policy runs fc1/act/fc2 apart; the shadows keep everything
     counts = broadcast.split.shadow_counts

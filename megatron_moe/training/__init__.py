@@ -27,6 +27,7 @@ from megatron_moe.training.setup import (
     cluster_fits,
     install_grad_reduce_plan,
     install_operator_partition,
+    install_shadow_costs,
     link_fits,
     resolve_pipeline_degrees,
     wire_model_config,
@@ -86,6 +87,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     grad_reduce = install_grad_reduce_plan(cfg, model, fits, wgrad_queue)
     schedules = resolve_pipeline_degrees(cfg, model, fits, source, grad_reduce.partition if grad_reduce else None)
     partition = install_operator_partition(cfg, model, fits, source, schedules)
+    install_shadow_costs(cfg, model, fits, source)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     wire_model_config(cfg, config, model, optimizer)

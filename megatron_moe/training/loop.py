@@ -381,6 +381,9 @@ class Trainer:
         entry["grad_reduce"] = figures["grad_reduce"]  # the adaptive partition's bucket groups MoE layers released
         if figures["params_norm"] is not None:
             entry["params norm"] = figures["params_norm"]
+        shadowed = moe_shadowed(self.model)
+        if shadowed:
+            entry["shadowed"] = shadowed
         if not self._degrees_logged:  # the first logged step: the pipeline degrees in force (auto resolved)
             self._degrees_logged = True
             entry["pipeline_degrees"] = moe_pipeline_degrees(self.model)
@@ -472,3 +475,11 @@ def moe_pipeline_degrees(model) -> dict[str, list[int]]:
     """Our MoE layers' pipeline degrees in force: layer number -> [forward, backward] (FSMoE pipeline;
     "auto" is resolved at set-up). Empty without our MoE layers."""
     return {str(layer.layer_number): list(layer.pipeline_degrees()) for layer in moe_layer_modules(model)}
+
+
+def moe_shadowed(model) -> dict[str, list[int]]:
+    """The experts each of our MoE layers shadowed in its last forward (FasterMoE, moe/shadow.py; the same on every
+    rank of its EP group): layer number -> experts. Empty where no layer may shadow."""
+    return {
+        str(layer.layer_number): list(layer.last_shadowed) for layer in moe_layer_modules(model) if layer.shadow.active
+    }

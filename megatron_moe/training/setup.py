@@ -26,6 +26,7 @@ from megatron_moe.model.partition import install_partition
 from megatron_moe.moe.dispatch import set_backward_overlap
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
+from megatron_moe.moe.shadow import ShadowCosts
 from megatron_moe.overlap import WgradQueue, install_wgrad_overlap
 from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits, LayerSizes, LinearFit, Schedule, fit_linear
 from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, olp_dense_ms, plan_degrees
@@ -232,7 +233,7 @@ def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str]:
     this run's EP / ESP / DP groups and saved. Every rank calls it (the profile is collective). (None, why) when
     nothing needs them."""
     moe = cfg.moe
-    auto = AUTO in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree)
+    auto = AUTO in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree, moe.moe_shadow_experts)
     planned = partition_planned(cfg)
     if not (moe.is_moe and moe.own_layer) or not (auto or adaptive_grad_reduce(cfg) or planned):
         return None, "no choice needs the cost model"
@@ -383,6 +384,31 @@ def resolve_pipeline_degrees(
         ),
     )
     return schedules
+
+
+def install_shadow_costs(cfg: RunConfig, model, fits: ClusterFits | None, source: str = "") -> None:
+    """--moe-shadow-experts auto (FasterMoE's policy, moe/shadow.py): each MoE layer gets the cluster's `fits`
+    and its sizes; without fits (EP = 1, no profile) auto shadows nothing, said once."""
+    if not (cfg.moe.is_moe and cfg.moe.own_layer) or cfg.moe.moe_shadow_experts != AUTO:
+        return
+    layers = [layer for layer in moe_layer_modules(model) if layer.shadow.active]
+    if fits is None or not layers:
+        if dist.get_rank() == 0:
+            log.info("shadow experts: auto shadows nothing (%s)", source if fits is None else "no layer can shadow")
+        return
+    for layer in layers:
+        w1, w2 = layer.experts.weight1, layer.experts.weight2
+        size = w1.element_size()
+        layer.set_shadow_costs(
+            ShadowCosts(
+                fits=fits,
+                macs_per_row=w1.shape[2] * w2.shape[2] * (3 if layer.cfg.gated else 2),
+                row_bytes=w1.shape[2] * size,
+                weight_bytes=(w1[0].numel() + w2[0].numel()) * size,
+            )
+        )
+    if dist.get_rank() == 0:
+        log.info("shadow experts: auto, FasterMoE's greedy policy on the cost model (profile %s)", source)
 
 
 def install_grad_reduce_plan(

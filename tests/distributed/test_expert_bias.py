@@ -1,6 +1,8 @@
 """Aux-loss-free balancing with group-limited routing in training (`train_worker.py expert_bias`, 4 gloo ranks, one
 torchrun job): EP=2 and EP=4 agree, the bias is the same on every rank and survives a checkpoint resumed at another
-EP size."""
+EP size. In the same job, FasterMoE's shadow experts (`train_worker.shadow_runs`): training with N experts shadowed
+per layer, under Lancet's greedy dW plan and the chunked pipeline, matches training without, at EP=2 and EP=4, and
+--moe-shadow-experts auto decides on the profile measured at start-up."""
 
 import os
 
@@ -38,3 +40,21 @@ def test_the_bias_resumes_at_another_ep_size(runs):
     assert [s["iteration"] for s in runs["resumed_ep4"]] == [3, 4]
     assert_matches(runs["resumed_ep4"], runs["ep2"])
     assert runs["bias_resumed/biases"] == runs["bias_ep2/biases"]
+
+
+@pytest.mark.parametrize("ep", ["2", "4"])
+def test_shadow_experts_train_as_without_them_with_lancet_and_the_pipeline(runs, ep):
+    off, on = runs[f"shadow/ep{ep}_off"], runs[f"shadow/ep{ep}_on"]
+    assert len(off) == len(on) == 4
+    assert_matches(on, off)  # fp32: the same sums in another order (losses 1e-5, grad norms 1e-4 relative)
+    n = 2 if ep == "2" else 1
+    for step in on:  # every MoE layer shadowed n experts in every step, and the queue deferred dW from step 3
+        assert [len(experts) for experts in step["shadowed"].values()] == [n, n], step["shadowed"]
+    assert all("shadowed" not in step for step in off)
+    assert on[-1]["wgrad"]["under_a2a"] > 0, on[-1]["wgrad"]
+
+
+def test_shadow_experts_auto_decides_from_the_profile_and_trains_as_without(runs):
+    auto = runs["shadow/ep2_auto"]
+    assert_matches(auto, runs["shadow/ep2_off"])
+    assert all(len(step["shadowed"]) == 2 for step in auto), auto  # both MoE layers decided, whatever they chose

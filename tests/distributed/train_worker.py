@@ -515,6 +515,23 @@ def expert_bias() -> dict:
     for name in ("bias_ep2", "bias_ep4", "bias_resumed"):
         results[f"{name}/biases"] = expert_biases_of_checkpoint(ckpt(name))
     results["bias_ep2_step2/biases"] = expert_biases_of_checkpoint(ckpt("bias_ep2/iter_0000002"))
+    return results | shadow_runs()
+
+
+def shadow_runs() -> dict:
+    """FasterMoE's shadow experts in training (in `expert_bias`'s job): EP=2 (DP=2 over the experts) and EP=4 with
+    Lancet's greedy dW plan (in force from step 3) and the chunked pipeline (2 / 2), without and with 2 and 1
+    experts shadowed; and --moe-shadow-experts auto on the cost model's profile (measured at start-up)."""
+    overlap = ["--train-iters", str(ITERS), "--overlap-wgrad", "greedy", *degrees(2, 2)]
+    results = {}
+    for ep, n in (("2", "2"), ("4", "1")):
+        flags = [*overlap, "--expert-model-parallel-size", ep]
+        results[f"shadow/ep{ep}_off"] = train(*flags, "--moe-shadow-experts", "off")
+        results[f"shadow/ep{ep}_on"] = train(*flags, "--moe-shadow-experts", n)
+    profile = ["--moe-cost-profile", ckpt("shadow_profile.json")]
+    results["shadow/ep2_auto"] = train(
+        *overlap, "--expert-model-parallel-size", "2", "--moe-shadow-experts", "auto", *profile
+    )
     return results
 
 
