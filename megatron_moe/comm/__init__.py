@@ -58,6 +58,8 @@ from megatron_moe.comm.moe import (
     gather_counts,
     make_planning_groups,
     planning_group,
+    shadow_broadcast,
+    shadow_reduce,
     sum_across_shards,
 )
 from megatron_moe.comm.timers import CommSummary, CommTimers
@@ -106,6 +108,8 @@ __all__ = [
     "issue",
     "monitoring",
     "planning_group",
+    "shadow_broadcast",
+    "shadow_reduce",
     "reduce_lm_loss",
     "reduce_moe_metrics",
     "sum_across_shards",

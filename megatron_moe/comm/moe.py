@@ -346,6 +346,22 @@ def gather_counts(counts_E: torch.Tensor, group, *, layer: int | None = None) ->
     return out
 
 
+def shadow_broadcast(flat: torch.Tensor, owner: int, group, *, layer: int | None = None):
+    """One shadowed expert's weights (flat) from its owner (a global rank) to every rank of the EP group
+    (moe/shadow.py), asynchronously: the returned work's `wait()` lands them in `flat`."""
+    crossing = nbytes(flat) if dist.get_rank() == owner else 0  # what leaves this rank (a tree's relays aside)
+    record = Collective("shadow", "shadow_broadcast", group, layer, nbytes=crossing, wire_bytes=crossing)
+    return issue(record, lambda: dist.broadcast(flat, src=owner, group=group, async_op=True))
+
+
+def shadow_reduce(flat: torch.Tensor, owner: int, group, *, layer: int | None = None):
+    """The shadows' weight gradients of one expert (flat) summed into `flat` on its owner (a global rank),
+    asynchronously (moe/shadow.py, backward)."""
+    crossing = 0 if dist.get_rank() == owner else nbytes(flat)
+    record = Collective("shadow", "shadow_reduce", group, layer, backward=True, nbytes=crossing, wire_bytes=crossing)
+    return issue(record, lambda: dist.reduce(flat, dst=owner, group=group, async_op=True))
+
+
 def agree_capacity(capacity_1: torch.Tensor, group, *, layer: int | None = None) -> torch.Tensor:
     """Dispatch planning: the EP group's largest capacity (long [1], on the device; not read here); on its
     planning twin, as `exchange_counts`."""

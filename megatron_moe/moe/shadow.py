@@ -67,7 +67,6 @@ import torch.distributed as dist
 
 from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL
-from megatron_moe.comm.core import Collective, nbytes
 from megatron_moe.moe.experts import FFNExperts, GroupedMLP
 from megatron_moe.moe.weight_grad import RUN_NOW
 
@@ -225,12 +224,8 @@ class ShadowBroadcast:
             owner, index = _owner(split, e, group)
             mine = owner == me
             buffer = _flat(w1[index].detach(), w2[index].detach()) if mine else w1.new_empty(size)
-            crossing = nbytes(buffer) if mine else 0  # what leaves this rank (a tree's relays: the owner's)
-            record = Collective("shadow", "shadow_broadcast", group, layer, nbytes=crossing, wire_bytes=crossing)
             self.buffers.append(buffer)
-            self.works.append(
-                comm.issue(record, lambda b=buffer, o=owner: dist.broadcast(b, src=o, group=group, async_op=True))
-            )
+            self.works.append(comm.shadow_broadcast(buffer, owner, group, layer=layer))
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         for work in self.works:
@@ -302,11 +297,7 @@ class _ShadowWeights(torch.autograd.Function):
         for k, e in enumerate(split.experts):
             owner, index = _owner(split, e, group)
             flat = _flat(grad_w1_KFH[k], grad_w2_KHF[k]).contiguous()
-            crossing = 0 if owner == me else nbytes(flat)
-            record = Collective(
-                "shadow", "shadow_reduce", group, ctx.layer, backward=True, nbytes=crossing, wire_bytes=crossing
-            )
-            works.append(comm.issue(record, lambda f=flat, o=owner: dist.reduce(f, dst=o, group=group, async_op=True)))
+            works.append(comm.shadow_reduce(flat, owner, group, layer=ctx.layer))
             if owner == me:
                 mine.append((index, flat))
         for work in works:

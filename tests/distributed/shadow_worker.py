@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore")
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
-from megatron_moe import comm  # noqa: E402
+from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
 from megatron_moe.overlap.runtime import deliver  # noqa: E402
 from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
@@ -63,18 +63,18 @@ class _Deferring:
 
 def _recorded(fn) -> tuple[object, list]:
     """fn()'s result and the shadow collectives it issued: (purpose, backward)."""
-    seen, issue = [], comm.issue
+    seen, issue = [], comm_moe.issue
 
     def tap(record, start):
         if record.kind == "shadow":
             seen.append([record.purpose, record.backward])
         return issue(record, start)
 
-    comm.issue = tap  # moe/shadow.py calls comm.issue
+    comm_moe.issue = tap
     try:
         return fn(), seen
     finally:
-        comm.issue = issue
+        comm_moe.issue = issue
 
 
 def _agreed(values: list[int]) -> bool:
