@@ -43,7 +43,7 @@ def test_split_exposed_cuts_the_blocked_spans_at_the_last_arrival():
 def test_arrivals_stamp_only_the_kinds_whose_skew_is_measured_and_reset():
     clock = Clock()
     arrivals = Arrivals(HostStamps(clock, wall=clock))
-    assert set(SKEW_KINDS) == {"a2a_dispatch", "a2a_combine", "esp_ag", "esp_rs"}
+    assert set(SKEW_KINDS) == {"a2a_dispatch", "a2a_combine", "esp_ag", "esp_rs", "shadow"}
     arrivals.issued(Collective("dp_grad_reduce", "grads"))
     arrivals.issued(Collective("a2a_dispatch", "dispatch", layer=0))
     clock.advance(3.0)

@@ -167,6 +167,8 @@ def test_backward_all_to_alls_and_layers_are_apart():
         "esp_ag_bwd": 0.0,
         "esp_rs": 0.0,
         "esp_rs_bwd": 0.0,
+        "shadow": 0.0,
+        "shadow_bwd": 0.0,
         "dp_grad_reduce": 0.0,
         "tp": 0.0,
         "pp_p2p": 0.0,
