@@ -16,7 +16,7 @@ bench_pipeline = load_tool("bench_pipeline")
 
 A2A = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 ESP = ("esp_ag", "esp_ag_bwd", "esp_rs", "esp_rs_bwd")
-KINDS = (*A2A, *ESP, "dp_grad_reduce", "tp", "pp_p2p", "other")  # the timers' SUMMARY_KINDS
+KINDS = (*A2A, *ESP, "shadow", "shadow_bwd", "dp_grad_reduce", "tp", "pp_p2p", "other")  # the timers' SUMMARY_KINDS
 TINY_MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
     "--ffn-hidden-size", "128", "--num-experts", "4", "--micro-batch-size", "2",
