@@ -42,11 +42,19 @@ def test_the_bias_resumes_at_another_ep_size(runs):
     assert runs["bias_resumed/biases"] == runs["bias_ep2/biases"]
 
 
+def assert_within(steps: list[dict], reference: list[dict], rel: float = 1e-6) -> None:
+    """fp32: the same sums, some in another order (an owner adds the shadows' reduced gradients to its own)."""
+    assert len(steps) == len(reference)
+    for got, want in zip(steps, reference):
+        for figure in ("lm loss", "grad norm", "params norm"):
+            assert got[figure] == pytest.approx(want[figure], rel=rel, abs=0), (figure, got[figure], want[figure])
+
+
 @pytest.mark.parametrize("ep", ["2", "4"])
 def test_shadow_experts_train_as_without_them_with_lancet_and_the_pipeline(runs, ep):
     off, on = runs[f"shadow/ep{ep}_off"], runs[f"shadow/ep{ep}_on"]
     assert len(off) == len(on) == 4
-    assert_matches(on, off)  # fp32: the same sums in another order (losses 1e-5, grad norms 1e-4 relative)
+    assert_within(on, off)
     n = 2 if ep == "2" else 1
     for step in on:  # every MoE layer shadowed n experts in every step, and the queue deferred dW from step 3
         assert [len(experts) for experts in step["shadowed"].values()] == [n, n], step["shadowed"]
@@ -56,5 +64,5 @@ def test_shadow_experts_train_as_without_them_with_lancet_and_the_pipeline(runs,
 
 def test_shadow_experts_auto_decides_from_the_profile_and_trains_as_without(runs):
     auto = runs["shadow/ep2_auto"]
-    assert_matches(auto, runs["shadow/ep2_off"])
+    assert_within(auto, runs["shadow/ep2_off"])
     assert all(len(step["shadowed"]) == 2 for step in auto), auto  # both MoE layers decided, whatever they chose
