@@ -179,22 +179,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", nargs="+", default=list(DEFAULT_LAYOUTS), help=f"layouts of {list(LAYOUTS)}")
     p.add_argument("--link-gbit", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
-    p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
-    p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
-    p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
     choices = [*SETTINGS, *ALIASES, "features"]
     p.add_argument("--overlap", nargs="+", default=list(DEFAULT_SETTINGS), choices=choices, help="overlap settings")
-    p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
-    p.add_argument(
-        "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
-    )
+    add_case_arguments(p)
     args = p.parse_args(argv)
     named = [setting for name in args.overlap for setting in (FEATURES if name == "features" else (name,))]
     args.overlap = list(dict.fromkeys(ALIASES.get(name, name) for name in named))  # all-on: adaptive
     check_layouts_and_rates(p, args.cluster, args.link_gbit, LAYOUTS)
+    check_case_arguments(p, args)
+    return args
+
+
+def add_case_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a benchmark of alternated training cases (this one, tools/bench_balance.py): steps per case,
+    warm-up steps dropped, rounds, the demo data, and `--model` (trainer flags after MODEL's)."""
+    p.add_argument("--steps", type=int, default=5, help="training steps per case, warm-up included")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each case left out of the figures")
+    p.add_argument("--rounds", type=int, default=2, help="times each case runs (alternated), steps pooled")
+    p.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="the demo data (built when missing)")
+    p.add_argument(
+        "--model", nargs=argparse.REMAINDER, default=None, help="trainer flags after MODEL's, overriding them (last)"
+    )
+
+
+def check_case_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`parser.error` unless `--warmup` leaves timed steps of `--steps`."""
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup: {args.warmup} must leave timed steps of --steps {args.steps}; give 0..{args.steps - 1}")
-    return args
 
 
 def plan(layouts: list[str], rates: list[float], rounds: int, policies=("off",)) -> list[tuple[str, float, str]]:
@@ -437,11 +448,14 @@ def compare_grad_reduce(baselines: dict[str, dict], adaptive: dict) -> dict:
     }
 
 
-def run_case(cluster: EmulatedCluster, layout: str, rate: float, setting: str, args, data) -> list[dict]:
-    """One round of a case: the logging rank's per-step history."""
+def run_case(
+    cluster: EmulatedCluster, layout: str, rate: float, setting: str, args, data, extra: list[str] | None = None
+) -> list[dict]:
+    """One round of a case: the logging rank's per-step history. `extra`: trainer flags after `--model`'s, overriding
+    them (tools/bench_balance.py's balancing method, starting checkpoint and iterations)."""
     _, procs = cluster_of(layout)
     cluster.set_link_gbit(rate)
-    flags = trainer_flags(layout, args.steps, data, args.model, setting)
+    flags = trainer_flags(layout, args.steps, data, [*(args.model or []), *(extra or [])], setting)
     profile_dir = getattr(args, "profile_dir", None)  # main() makes it; without it every job measures its own
     if profile_dir and "--moe-cost-profile" not in (args.model or []):  # measured once per layout and rate
         dense = "_dense" if PARTITION_AUTO[0] in SETTINGS[setting][3] else ""  # the planner's lines too

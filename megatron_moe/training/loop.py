@@ -139,6 +139,7 @@ class Trainer:
             initial=math.log(unwrap_model(model[0]).vocab_size),  # padded: the output layer's width
         )
         self._validated_at = None
+        self._validation_losses: dict[int, float] = {}  # iteration -> validation lm loss (logging rank): history
         self._expert_counts: dict[int, list[float]] = {}  # the step's tokens per expert per MoE layer (our layer)
         self._degrees_logged = False
         # Always on (--no-comm-timers only to measure their cost): reset at each step start, read at its end.
@@ -333,6 +334,7 @@ class Trainer:
             loss = self.evaluate()
         if self.logger and loss is not None:
             self.logger.validation(self.state.iteration, {"lm loss": loss})
+            self._validation_losses[self.state.iteration] = loss
 
     def _save(self) -> None:
         if self.cfg.checkpoint.save:
@@ -384,6 +386,8 @@ class Trainer:
         shadowed = moe_shadowed(self.model)
         if shadowed:
             entry["shadowed"] = shadowed
+        if self._expert_counts:  # our layer: the step's routed pairs per expert of every MoE layer, whole model
+            entry["tokens_per_expert"] = {number: list(counts) for number, counts in self._expert_counts.items()}
         if not self._degrees_logged:  # the first logged step: the pipeline degrees in force (auto resolved)
             self._degrees_logged = True
             entry["pipeline_degrees"] = moe_pipeline_degrees(self.model)
@@ -410,8 +414,9 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run to `--train-iters`; returns each step's logged figures (lm loss, MoE losses and figures,
         grad norm, params norm with --log-params-norm, skip flag, `step_ms`, and `comm`: the communication
-        timers' summary as a dict, None with --no-comm-timers) on the logging rank, its own rank's figures (the
-        only rank that times its collectives)."""
+        timers' summary as a dict, None with --no-comm-timers; with our MoE layer `tokens_per_expert`, {layer
+        number: the step's routed pairs per expert, every rank's}; `validation lm loss` at the steps validated)
+        on the logging rank, its own rank's figures (the only rank that times its collectives)."""
         monitor = self.comm_timers or self.arrivals
         timing = comm.monitoring(monitor) if monitor else contextlib.nullcontext()
         with timing:
@@ -462,6 +467,9 @@ class Trainer:
             self._validate_and_log()
         if saved_at != self.state.iteration:
             self._save()
+        for entry in history:  # the validations of the steps the history holds (the last one's included)
+            if entry["iteration"] in self._validation_losses:
+                entry["validation lm loss"] = self._validation_losses[entry["iteration"]]
         exit_request.restore_default_handler()
         if self.logger:
             log.info(

@@ -335,5 +335,12 @@ def test_every_host_read_of_a_training_run_is_inside_a_span(megatron_world1):
         syncs.events = reads = Reads(spans)
         history = trainer.train()
     assert len(history) == 2 and len(reads) > 20
+    # The history carries what benchmarks read (tools/bench_balance.py): each step's routed pairs per expert of
+    # every MoE layer (the step's 4 x 32 tokens, top-k each) and the validation loss of each validated step.
+    topk = cfg.moe.moe_router_topk
+    for step in history:
+        assert set(step["tokens_per_expert"]) == {1, 2} and all(len(c) == 4 for c in step["tokens_per_expert"].values())
+        assert all(sum(c) == 4 * 32 * topk for c in step["tokens_per_expert"].values()), step["tokens_per_expert"]
+        assert step["validation lm loss"] > 0  # --eval-interval 1: after either step
     assert reads.outside == [], "\n".join(reads.outside)
     assert spans.seen >= EXPECTED_SPANS, EXPECTED_SPANS - spans.seen
