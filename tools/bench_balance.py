@@ -95,6 +95,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm-steps", type=int, default=DEFAULT_WARM_STEPS, help="steps of the starting checkpoints")
     p.add_argument("--quality-steps", type=int, default=200, help="steps of the demo's quality runs (0: none)")
     p.add_argument("--quality-seeds", type=int, nargs="+", default=[1234, 1235], help="seeds of the quality runs")
+    p.add_argument(
+        "--bias-update-rate",
+        type=float,
+        default=None,
+        help="--moe-router-bias-update-rate of bias and both (unset: the trainer's 1e-3, Megatron-LM's and "
+        "DeepSeek-V3's over long runs; the warm-up here is 100 steps)",
+    )
     choices = [*bench_step.SETTINGS, *bench_step.ALIASES]
     p.add_argument("--overlap", default="off", choices=choices, help="bench_step's overlap setting of every case")
     bench_step.add_case_arguments(p)
@@ -320,6 +327,9 @@ def run_cases(cluster, args, data, checkpoints: dict[str, str]) -> dict[tuple[st
 def main(argv=None) -> int:
     started = time.monotonic()
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.bias_update_rate is not None:  # the methods with the expert bias move it at this rate
+        rate = ("--moe-router-bias-update-rate", str(args.bias_update_rate))
+        METHODS.update({method: (*flags, *rate) for method, flags in METHODS.items() if BIAS_FLAGS[0] in flags})
     data = bench_step.prepare_data(args.data_dir)
     for method in args.methods:  # refused flags (e.g. --moe-shadow-experts on a tree without it) end the tool now
         flags = bench_step.trainer_flags(WARM_LAYOUT, 1, data, [*(args.model or []), *METHODS[method]], args.overlap)
