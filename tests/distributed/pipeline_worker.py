@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
+from megatron_moe.overlap.runtime import deliver  # noqa: E402
 from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 from tests.distributed.moe_worker import _inputs, global_weights, layer_config, tconfig  # noqa: E402
@@ -86,7 +87,8 @@ def equivalence(fields: dict, rank: int) -> dict:
 
 class _Deferring:
     """Lancet's protocol in small: the store keeps each dW closure; the overlap runs them under the next backward
-    all-to-all it is given (recording which), then waits."""
+    all-to-all it is given (recording which) and hands the gradients over as the Trainer's queue does (`deliver`:
+    added to `.grad`), then waits."""
 
     defers = True
 
@@ -98,8 +100,7 @@ class _Deferring:
 
     def run_under(self, record, handle):
         for weight_grad in self.pending:
-            w1, w2 = weight_grad()
-            self.layer.experts.weight1.grad, self.layer.experts.weight2.grad = w1, w2
+            deliver(self.layer.experts, weight_grad())
             self.ran_under.append([record.kind, record.backward])
         self.pending = []
         return handle.wait()

@@ -25,11 +25,10 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
-from megatron_moe.overlap.runtime import deliver  # noqa: E402
 from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 from tests.distributed.moe_worker import _inputs, global_weights, layer_config, tconfig  # noqa: E402
-from tests.distributed.pipeline_worker import differences, run  # noqa: E402
+from tests.distributed.pipeline_worker import _Deferring, differences, run  # noqa: E402
 
 CASES = {
     "gelu": dict(gate="topk"),
@@ -39,26 +38,6 @@ CASES = {
 }
 SHADOWED = (1, 2, 3)
 DEGREES = ((1, 1), (2, 2))
-
-
-class _Deferring:
-    """Lancet's protocol in small: the store keeps the experts' dW closure, the overlap runs it under the next
-    backward all-to-all and hands the gradients over as the Trainer's queue does (`deliver`: added to `.grad`)."""
-
-    defers = True
-
-    def __init__(self, layer: MoELayer):
-        self.layer, self.pending, self.ran_under = layer, [], []
-
-    def put(self, weight_grad, outs):
-        self.pending.append(weight_grad)
-
-    def run_under(self, record, handle):
-        for weight_grad in self.pending:
-            deliver(self.layer.experts, weight_grad())
-            self.ran_under.append(record.kind)
-        self.pending = []
-        return handle.wait()
 
 
 def _recorded(fn) -> tuple[object, list]:

@@ -14,17 +14,7 @@ from megatron_moe.comm.skew import (
     split_exposed,
 )
 from megatron_moe.platform.timing import HostStamps
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, ms: float):
-        self.now += ms / 1000.0
+from tests.unit.test_comm_timers import Clock
 
 
 def test_split_exposed_cuts_the_blocked_spans_at_the_last_arrival():
