@@ -34,6 +34,11 @@ def test_two_pieces_train_as_one_within_fp32_rounding(runs, layout):
     for one, two in zip(computed(whole), computed(pieces)):  # losses (lm and the routers'), norms, MoE metrics
         assert one.keys() == two.keys() and {"lm loss", "grad norm", "params norm"} <= one.keys()
         for figure, value in one.items():
+            if isinstance(value, dict):  # tokens_per_expert: {MoE layer: routed pairs per expert}
+                assert two[figure].keys() == value.keys(), (figure, one, two)
+                for layer, counts in value.items():
+                    assert two[figure][layer] == pytest.approx(counts, rel=1e-6, abs=1e-12), (figure, one, two)
+                continue
             assert two[figure] == pytest.approx(value, rel=1e-6, abs=1e-12), (figure, one, two)
     assert whole[0]["lm loss"] == pieces[0]["lm loss"]  # the first forward: the same weights, per-sequence math
 

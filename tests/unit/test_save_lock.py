@@ -185,6 +185,24 @@ def snapshot(root):
     }
 
 
+def suspend_all(pid: int) -> None:
+    """SIGSTOP to `pid` and every process under it, listed again until no new one appears: a save starts its
+    writer processes (megatron-core's file writer forks them) while they are being listed, and one left running
+    wrote into iter_N.tmp after the snapshot (once in CI)."""
+    stopped: set[int] = set()
+    while True:
+        procs = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        new = [proc for proc in procs if proc.pid not in stopped]
+        if not new:
+            return
+        for proc in new:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.suspend()
+            stopped.add(proc.pid)
+
+
 def resume_all(pid: int) -> None:
     """SIGCONT to `pid` and every process under it, those still alive."""
     with contextlib.suppress(psutil.NoSuchProcess):
@@ -206,8 +224,7 @@ def test_two_launches_on_one_directory_the_second_refused_the_first_intact(train
             time.sleep(0.5)
         # Nothing of the first job runs meanwhile, its checkpoint writers included (a save in progress would add
         # files to its iter_N.tmp): its files stay as they are.
-        for proc in [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]:
-            proc.suspend()
+        suspend_all(first.pid)
         before = snapshot(save)
         second = launch(data, tokenizer, save, "--train-iters", "4", "--save-interval", "1")
         _, err = second.communicate(timeout=240)
