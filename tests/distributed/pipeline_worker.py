@@ -123,6 +123,11 @@ def host_syncs(degrees, rank: int) -> dict:
     layer = MoELayer(tconfig(2), layer_config(gate="topk", capacity_factor=1.0), layer_number=1)
     global_weights(layer)
     layer.set_pipeline_degrees(*degrees)
+    return host_syncs_of(layer, rank)
+
+
+def host_syncs_of(layer: MoELayer, rank: int) -> dict:
+    """The most and fewest host waits over ranks in one training forward+backward of `layer` (after a warm-up)."""
     x, grad = _inputs(rank)
     run(layer, x, grad)
     with count_host_syncs(torch.device("cpu")) as syncs:

@@ -25,10 +25,10 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
-from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
+from megatron_moe.platform import init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 from tests.distributed.moe_worker import _inputs, global_weights, layer_config, tconfig  # noqa: E402
-from tests.distributed.pipeline_worker import _Deferring, differences, run  # noqa: E402
+from tests.distributed.pipeline_worker import _Deferring, differences, host_syncs_of, run  # noqa: E402
 
 CASES = {
     "gelu": dict(gate="topk"),
@@ -97,13 +97,7 @@ def equivalence(ep: int, fields: dict, rank: int) -> dict:
 def host_syncs(ep: int, rank: int) -> dict:
     layer = MoELayer(tconfig(ep), layer_config(gate="topk", shadow_experts=2), layer_number=1)
     global_weights(layer)
-    x, grad = _inputs(rank)
-    run(layer, x, grad)
-    with count_host_syncs(torch.device("cpu")) as syncs:
-        run(layer, x, grad)
-    t = torch.tensor([syncs.count, -syncs.count])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"max": int(t[0]), "min": -int(t[1])}
+    return host_syncs_of(layer, rank)
 
 
 def main() -> None:
