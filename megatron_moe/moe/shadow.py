@@ -59,7 +59,6 @@ experts (ESP: the weights are sliced over the ESP group); custom experts; hooks 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -69,8 +68,6 @@ from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL
 from megatron_moe.moe.experts import FFNExperts, GroupedMLP
 from megatron_moe.moe.weight_grad import RUN_NOW
-
-log = logging.getLogger("megatron_moe")
 
 OFF, AUTO = "off", "auto"
 
