@@ -359,10 +359,14 @@ def build_gpt_datasets(
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    # A split asked for no samples (--eval-iters 0: no validation) is not built, as Megatron-LM leaves it unused:
+    # its documents may be none at all (megatron-core 0.16.1 would loop forever on them), which is no error then.
+    # The other splits keep their documents.
+    sizes = [train_samples, valid_samples, test_samples]
+    config.split_matrix = [bookends if size > 0 else None for bookends, size in zip(config.split_matrix, sizes)]
     identity = TokenizerIdentity.of(tokenizer)
     for prefix in prefixes:
         summary = validate_data_prefix(prefix, tokenizer.vocab_size, identity)
         _check_split_coverage(summary, config, split)
-    sizes = [train_samples, valid_samples, test_samples]
     train, valid, test = _Builder(GPTDataset, sizes, is_built_on_rank, config).build()
     return train, valid, test

@@ -138,7 +138,14 @@ def _zero(*args, **kwargs) -> int:
     return 0
 
 
+def _false(*args, **kwargs) -> bool:
+    return False
+
+
 _TORCH_CUDA_STANDINS: dict[str, object] = {
+    # A CPU process on a host with GPUs (MEGATRON_MOE_FORCE_CPU=1) answers as a CPU-only host does.
+    "is_available": _false,
+    "device_count": _zero,
     "current_device": _cpu_device,
     "Stream": CpuStream,
     "Event": CpuEvent,
@@ -158,6 +165,13 @@ _TORCH_CUDA_STANDINS: dict[str, object] = {
 def _apply_torch_cuda_standins() -> None:
     for name, standin in _TORCH_CUDA_STANDINS.items():
         setattr(torch.cuda, name, standin)
+    # torch.compile (megatron-core's `jit_fuser`: the router's expert bias, the fused activations) asks dynamo's
+    # CUDA interface, which took torch.cuda.is_available at import, whether to read the GPU's properties. With the
+    # CPU forced on a GPU host it said yes, then indexed the properties by the stand-in current device (a
+    # torch.device) and failed: "list indices must be integers or slices, not torch.device" (seen on an H200).
+    from torch._dynamo import device_interface
+
+    device_interface.CudaInterface.is_available = staticmethod(_false)
 
 
 def _uses_torch_cuda_runtime() -> bool:

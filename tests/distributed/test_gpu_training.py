@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed.launcher import assert_matches, run_torchrun
+from tests.distributed.launcher import assert_matches, computed, run_torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -62,4 +62,4 @@ def test_fp16_on_gpu_stays_close(runs):
 def test_resume_on_gpu_is_exact(runs):
     _, gpu = runs
     assert [s["iteration"] for s in gpu["resumed"]] == [4, 5, 6]
-    assert gpu["resumed"] == gpu["straight"][3:]
+    assert computed(gpu["resumed"]) == computed(gpu["straight"][3:])  # timings differ (failed so on an H200)

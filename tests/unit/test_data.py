@@ -290,6 +290,16 @@ def test_split_without_documents_is_refused(tokenizer, tmp_path):
         build([prefix], tokenizer, None, split="a,b")
 
 
+def test_a_split_asked_for_no_samples_is_not_built(tokenizer, tmp_path):
+    """--eval-iters 0 asks the valid split for nothing: its share may hold no document (seen on a GPU host, whose
+    Python's stdlib corpus has fewer, larger files), and the train split keeps its own documents."""
+    prefix = preprocess(write_jsonl(tmp_path / "few.jsonl", ["x = 1\n"] * 5), tokenizer, str(tmp_path / "few"))
+    train, valid, test = build([prefix], tokenizer, None, split="98,2,0", train=4, valid=0, seq=4)
+    assert valid is None and test is None and len(train) >= 4
+    whole = build([prefix], tokenizer, None, split="100,0,0", train=4, valid=0, seq=4)[0]
+    assert torch.equal(train[0]["tokens"], whole[0]["tokens"])
+
+
 # ----------------------------------------------------------------------------- samplers
 
 

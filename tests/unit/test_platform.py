@@ -88,6 +88,42 @@ def test_init_platform_is_idempotent():
     assert torch.cuda.current_device() == torch.device("cpu")
 
 
+# A process with the CPU forced on a host with GPUs, imitated on this one: torch and dynamo's CUDA interface say
+# CUDA is there, and triton is installed with its CUDA backend only, as on the H200 where megatron-core's
+# torch.compile'd expert bias failed. dynamo asks `has_triton()` first when it compiles (cached from then on).
+_FORCED_CPU_ON_A_GPU_HOST = """
+import sys, types
+import torch, torch.utils._triton as triton_utils
+from torch._dynamo import device_interface
+torch.cuda.is_available = lambda: True
+device_interface.CudaInterface.is_available = staticmethod(lambda: True)
+from megatron_moe.platform import init_platform
+from megatron.core.jit import jit_fuser
+platform = init_platform()
+triton = types.ModuleType("triton")
+triton.backends = types.ModuleType("triton.backends")
+triton.backends.backends = {"nvidia": None}
+sys.modules.update({"triton": triton, "triton.backends": triton.backends})
+has_package, triton_utils.has_triton_package = triton_utils.has_triton_package, lambda: True
+has_triton = triton_utils.has_triton()
+del sys.modules["triton"], sys.modules["triton.backends"]
+triton_utils.has_triton_package = has_package
+scaled = jit_fuser(lambda x, bias: torch.sigmoid(x) + bias)
+out = scaled(torch.zeros(4), torch.ones(4))
+print(platform.device, torch.cuda.is_available(), has_triton, out.tolist())
+"""
+
+
+@cpu_only
+def test_a_cpu_process_on_a_gpu_host_runs_megatron_cores_compiled_fusions():
+    env = {**os.environ, "MEGATRON_MOE_FORCE_CPU": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _FORCED_CPU_ON_A_GPU_HOST], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "cpu False False [1.5, 1.5, 1.5, 1.5]", out.stdout
+
+
 @cpu_only
 def test_device_literals_map_to_cpu_only_in_patched_modules():
     init_platform()
