@@ -371,6 +371,17 @@ class ParallelConfig:
         "experts and reduce-scattered after, the EP all-to-all runs between these groups (default 1)",
         applies=only.MOE,
     )
+    expert_placement: str = arg(
+        "e+d",
+        "where the expert-parallel groups sit (Snowflake Arctic's names; torchrun numbers ranks node by node): e+d "
+        "keeps an EP group on consecutive ranks (inside a node; the experts' gradient reduction crosses nodes), d+e "
+        "keeps an expert's expert-DP replicas on consecutive ranks and spreads the EP group across nodes (the "
+        "all-to-all crosses); auto picks the one that sends fewer bytes across nodes per step, from the run's "
+        "shapes and torchrun's ranks per node. Same computation, summed in another grouping; checkpoints load "
+        "under either (docs/placement.md)",
+        choices=("e+d", "d+e", "auto"),
+        applies=only.EXPERT_GROUPS,
+    )
     context_parallel_size: int = arg(1, "CP: ranks that split the sequence in attention")
     sequence_parallel: bool = arg(
         False, "shard norms/dropout activations over TP (needed for MoE with TP>1)", applies=only.TENSOR_PARALLEL
