@@ -15,6 +15,7 @@ from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require
 from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree, parse_shadow
+from megatron_moe.config.placement import PLACEMENTS
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 """Megatron-LM's --tokenizer-type names this stack builds (megatron_moe/data/tokenizer/)."""
@@ -379,7 +380,7 @@ class ParallelConfig:
         "all-to-all crosses); auto picks the one that sends fewer bytes across nodes per step, from the run's "
         "shapes and torchrun's ranks per node. Same computation, summed in another grouping; checkpoints load "
         "under either (docs/placement.md)",
-        choices=("e+d", "d+e", "auto"),
+        choices=(*PLACEMENTS, "auto"),
         applies=only.EXPERT_GROUPS,
     )
     context_parallel_size: int = arg(1, "CP: ranks that split the sequence in attention")
