@@ -36,7 +36,10 @@ and each at its default-on setting (Lancet greedy, pipeline degrees auto, the ad
 `features` row per layout and rate (step ratio against all off, hidden share, exposed / wire / skew / transfer ms,
 the planner's ranges and predicted ms). `unchunked` and `unchunked_partition2` (asked for by name) are all on and 2
 pieces with degrees 1 / 1. The
-`2x2dp` layout (asked for by name) keeps EP=2 inside each node and puts the data-parallel reduction on the link.
+`2x2dp` layout (asked for by name) keeps EP=2 inside each node and puts the data-parallel reduction on the link
+(--expert-placement e+d); `2x2de` (by name) is the same run under d+e: each EP group spans the two nodes, each
+expert's expert-DP pair shares a node. Given both (`--cluster 2x2dp 2x2de`, alternated as any two layouts), a
+`placement` row per rate and overlap setting compares them (`compare_placement`; docs/placement.md).
 
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
 interleaved, rates rotated round by round, each overlap setting right after the other, in turn first), so
@@ -84,6 +87,7 @@ communication timers (megatron_moe/comm/timers.py) saw them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -92,11 +96,16 @@ import sys
 import tempfile
 
 from megatron_moe.comm.timers import hidden_share
+from megatron_moe.config import parse_args as parse_run_args
+from megatron_moe.config import placement
 from tools.benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result
 from tools.emulated_cluster import EmulatedCluster
 
 # layout -> (EP, ESP); the all-to-all crosses the link, but in 2x2dp (EP inside a node, DP across)
-LAYOUTS = {"2x1": (2, 1), "2x2": (4, 1), "2x2esp": (2, 2), "2x2dp": (2, 1)}
+LAYOUTS = {"2x1": (2, 1), "2x2": (4, 1), "2x2esp": (2, 2), "2x2dp": (2, 1), "2x2de": (2, 1)}
+PLACEMENT_LAYOUTS = {"2x2dp": "e+d", "2x2de": "d+e"}
+"""The layouts run with --expert-placement (the `placement` rows compare them): EP=2 x expert-DP=2 on 2 nodes of 2,
+each EP group inside a node (e+d) or across the two (d+e)."""
 DEFAULT_LAYOUTS = ("2x1", "2x2")
 RATES_GBIT = (0.5, 1.0, 2.5)
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
@@ -242,8 +251,8 @@ def prepare_data(data_dir: str) -> tuple[str, str]:
 
 
 def cluster_of(layout: str) -> tuple[int, int]:
-    """(nodes, processes per node) of a layout ("2x2esp" and "2x2dp" run on 2x2)."""
-    return parse_cluster(layout.removesuffix("esp").removesuffix("dp"))
+    """(nodes, processes per node) of a layout ("2x2esp", "2x2dp" and "2x2de" run on 2x2)."""
+    return parse_cluster(layout.removesuffix("esp").removesuffix("dp").removesuffix("de"))
 
 
 def trainer_flags(
@@ -260,6 +269,7 @@ def trainer_flags(
         "--global-batch-size", str(micro * world),
         "--train-iters", str(steps), "--data-path", data[0], "--tokenizer-model", data[1],
         "--overlap-wgrad", wgrad, "--moe-pipeline-degree", degree, "--moe-bp-pipeline-degree", bp_degree, *grad,
+        *(["--expert-placement", PLACEMENT_LAYOUTS[layout]] if layout in PLACEMENT_LAYOUTS else []),
         *(model or []),
     ]  # fmt: skip
 
@@ -271,7 +281,8 @@ def _flag(flags: list[str], name: str) -> str:
 def layout_name(layout: str) -> str:
     nodes, procs = cluster_of(layout)
     ep, esp = LAYOUTS[layout]
-    return f"{layout} EP={ep} DP={nodes * procs}" + (f" ESP={esp}" if esp > 1 else "")
+    placed = f" {PLACEMENT_LAYOUTS[layout]}" if layout in PLACEMENT_LAYOUTS else ""
+    return f"{layout} EP={ep} DP={nodes * procs}" + (f" ESP={esp}" if esp > 1 else "") + placed
 
 
 def summarize(
@@ -495,9 +506,50 @@ def features(rows: dict[str, dict]) -> dict:
     }
 
 
+def compare_placement(ed: dict, de: dict) -> dict:
+    """The `placement` row of one rate and overlap setting: 2x2dp (e+d) against 2x2de (d+e), EP=2 x expert-DP=2 on
+    2 nodes of 2. Measured (the logging rank's): step ms, exposed and issued-to-completed all-to-all (its four
+    kinds) and dp_grad_reduce ms, the wire bytes of each, and the all-to-all's bytes to peers on the other node
+    (its wire bytes x the share of its EP peers there: uniform routing). Modelled (`placement.crossing_bytes`, what
+    --expert-placement auto weighs, per rank and step): the all-to-all's and the experts' gradient reduction's
+    bytes across nodes; the dense gradients' reduction (DP=4 over both nodes) crosses the same under both and is
+    left out. `auto`: what the rule picks for this model."""
+    cfg = parse_run_args(ed["flags"])
+    nodes, procs = cluster_of("2x2dp")
+    cfg.validate(nodes * procs)
+    dims, volumes = cfg.dims(nodes * procs), placement.StepVolumes.of(cfg, cfg.dims(nodes * procs))
+    logging_rank = nodes * procs - 1
+    figures = {}
+    for row, p in ((ed, "e+d"), (de, "d+e")):
+        peers = next(g for g in placement.groups(dims, p)["ep"] if logging_rank in g)
+        away = sum(q // procs != logging_rank // procs for q in peers) / (len(peers) - 1)
+        a2a_wire = sum(row["wire_bytes"].get(k, 0) for k in A2A_KINDS)
+        figures[p] = {
+            "step_ms": row["step_ms"],
+            "a2a_exposed_ms": round(sum(row["exposed_ms"].get(k, 0.0) for k in A2A_KINDS), 3),
+            "dp_grad_reduce_exposed_ms": row["exposed_ms"].get("dp_grad_reduce", 0.0),
+            "a2a_comm_ms": round(sum(row["comm_ms"].get(k, 0.0) for k in A2A_KINDS), 3),
+            "dp_grad_reduce_comm_ms": row["comm_ms"].get("dp_grad_reduce", 0.0),
+            "a2a_wire_bytes": a2a_wire,
+            "a2a_link_bytes": round(a2a_wire * away),
+            "dp_grad_reduce_wire_bytes": row["wire_bytes"].get("dp_grad_reduce", 0),
+            "model_link_bytes": {k: round(v) for k, v in placement.crossing_bytes(dims, p, procs, volumes).items()},
+        }
+    pick, why = placement.choose(dims, procs, volumes)
+    return {
+        "case": f"placement_{ed['case'].removeprefix('step_2x2dp_')}",
+        "layout": "2x2 EP=2 expert-DP=2 DP=4",
+        "link_gbit": ed["link_gbit"],
+        "overlap": ed["overlap"],
+        "placements": figures,
+        "step_ratio_de_over_ed": round(de["step_ms"] / ed["step_ms"], 3),
+        "model_volumes": dataclasses.asdict(volumes),
+        "auto": {"picks": pick, "why": why},
+    }
+
+
 def worker(flags: list[str]) -> None:
     """One rank of a case: train; the logging rank (the one with a history) writes it."""
-    from megatron_moe.config import parse_args as parse_run_args
     from megatron_moe.failure import setup_logging
     from megatron_moe.training import pretrain
 
@@ -535,6 +587,9 @@ def main(argv=None) -> int:
         measured = {name: rows[layout, rate, name] for name in FEATURES if (layout, rate, name) in rows}
         if len(measured) > 2 and "off" in measured:
             print(json.dumps(features(measured)), flush=True)
+    for (layout, rate, policy), row in rows.items():
+        if layout == "2x2dp" and ("2x2de", rate, policy) in rows:
+            print(json.dumps(compare_placement(row, rows["2x2de", rate, policy])), flush=True)
     for (layout, rate, policy), row in rows.items():
         if policy == "greedy" and (layout, rate, "off") in rows:
             print(json.dumps(compare(rows[layout, rate, "off"], row)), flush=True)

@@ -71,3 +71,13 @@ def gather_host_names(name: str, group=None) -> list[str]:
     record = Collective("other", "profile/host_names", group, nbytes=len(name))
     issue(record, lambda: dist.all_gather_object(names, name, group=group))
     return names
+
+
+def gather_group_ranks(group) -> list[list[int]]:
+    """Every group of the kind of `group` (each rank gives its own, e.g. its EP group), as sorted lists of global
+    ranks, sorted: the same answer on every rank. None (no such group): []."""
+    mine = [] if group is None else sorted(dist.get_process_group_ranks(group))
+    everyone: list = [None] * dist.get_world_size()
+    record = Collective("other", "profile/group_ranks", None, nbytes=8 * len(mine))
+    issue(record, lambda: dist.all_gather_object(everyone, mine))
+    return [list(ranks) for ranks in sorted({tuple(ranks) for ranks in everyone if ranks})]

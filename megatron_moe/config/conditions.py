@@ -16,6 +16,10 @@ EXPERT_PARALLEL = When(
     lambda c: c.moe.own_layer and c.parallel.expert_model_parallel_size > 1,
     "with our MoE layer and --expert-model-parallel-size > 1 (no all-to-all otherwise)",
 )
+EXPERT_GROUPS = When(
+    lambda c: c.moe.is_moe and c.parallel.expert_model_parallel_size > 1,
+    "with --num-experts and --expert-model-parallel-size > 1 (no expert-parallel groups to place otherwise)",
+)
 MCORE_MOE = When(lambda c: c.moe.is_moe and not c.moe.own_layer, "with --num-experts and --moe-layer-impl mcore")
 
 

@@ -15,6 +15,7 @@ from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require
 from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree, parse_shadow
+from megatron_moe.config.placement import PLACEMENTS
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 """Megatron-LM's --tokenizer-type names this stack builds (megatron_moe/data/tokenizer/)."""
@@ -370,6 +371,17 @@ class ParallelConfig:
         "expert's FFN width, consecutive ranks (inside a node); tokens are all-gathered over them before the "
         "experts and reduce-scattered after, the EP all-to-all runs between these groups (default 1)",
         applies=only.MOE,
+    )
+    expert_placement: str = arg(
+        "e+d",
+        "where the expert-parallel groups sit (Snowflake Arctic's names; torchrun numbers ranks node by node): e+d "
+        "keeps an EP group on consecutive ranks (inside a node; the experts' gradient reduction crosses nodes), d+e "
+        "keeps an expert's expert-DP replicas on consecutive ranks and spreads the EP group across nodes (the "
+        "all-to-all crosses); auto picks the one that sends fewer bytes across nodes per step, from the run's "
+        "shapes and torchrun's ranks per node. Same computation, summed in another grouping; checkpoints load "
+        "under either (docs/placement.md)",
+        choices=(*PLACEMENTS, "auto"),
+        applies=only.EXPERT_GROUPS,
     )
     context_parallel_size: int = arg(1, "CP: ranks that split the sequence in attention")
     sequence_parallel: bool = arg(

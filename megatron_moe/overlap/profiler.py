@@ -60,6 +60,7 @@ from megatron_moe.comm.core import group_size
 from megatron_moe.comm.profiling import (
     agree_profile,
     esp_traffic,
+    gather_group_ranks,
     gather_host_names,
     profile_all_reduce,
     profile_all_to_all,
@@ -256,7 +257,8 @@ def _size(group) -> int:
 
 
 def describe_cluster(groups: ProfileGroups, settings: ProfileSettings, link: str | None = None) -> dict:
-    """What a saved profile must match to be reused: world size, group sizes, every rank's host name, backend,
+    """What a saved profile must match to be reused: world size, group sizes, every rank's host name, the EP
+    groups' ranks (--expert-placement moves them between nodes), backend,
     device type, the link (e.g. "tc 1 Gbit/s", given by the caller), the settings. As JSON reads it back (lists,
     not tuples), so that it compares equal to a saved one."""
     return _as_json(
@@ -264,6 +266,7 @@ def describe_cluster(groups: ProfileGroups, settings: ProfileSettings, link: str
             "world": dist.get_world_size(),
             **groups.sizes(),
             "hosts": gather_host_names(socket.gethostname()),
+            "ep_groups": gather_group_ranks(groups.ep),  # --expert-placement: which all-to-alls cross nodes
             "backend": dist.get_backend(),
             "device": current_platform().device.type,
             "link": link,

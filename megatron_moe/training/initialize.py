@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import random
 
 import numpy as np
@@ -14,7 +15,7 @@ from megatron.core import parallel_state
 from megatron_moe import comm
 from megatron_moe.comm.megatron_core import tap_megatron_core
 from megatron_moe.comm.watchdog import HeartbeatStore, Watchdog, job_prefix
-from megatron_moe.config import RunConfig
+from megatron_moe.config import RunConfig, placement
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe.grouped_gemm import kernel_name
 from megatron_moe.platform import Platform, init_platform, kernels_in_use
@@ -37,6 +38,7 @@ def initialize(cfg: RunConfig) -> Platform:
         dist.init_process_group(backend=platform.backend, timeout=process_group_timeout(cfg))
     cfg.validate(dist.get_world_size())
     dims = cfg.dims(dist.get_world_size())
+    expert_placement, placement_line = placement.resolve(cfg, dims.world, ranks_per_node(dims.world))
     parallel_state.initialize_model_parallel(
         distributed_timeout_minutes=process_group_timeout(cfg) / datetime.timedelta(minutes=1),
         tensor_model_parallel_size=dims.tp,
@@ -45,6 +47,7 @@ def initialize(cfg: RunConfig) -> Platform:
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.esp,
+        order=placement.ORDERS[expert_placement],
     )
     if cfg.moe.is_moe and cfg.moe.own_layer:  # the MoE layers' planning beside their all-to-alls
         comm.make_planning_groups(parallel_state.get_expert_model_parallel_group(), process_group_timeout(cfg))
@@ -53,7 +56,9 @@ def initialize(cfg: RunConfig) -> Platform:
         log.info("platform: device=%s backend=%s", platform.device, platform.backend)
         kernels = kernels_in_use() | {"expert_gemm": kernel_name(platform.device.type, params_dtype(cfg))}
         log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernels.items()))
-        log.info("layout: %s", describe_layout(cfg))
+        if cfg.moe.is_moe and dims.ep > 1:
+            log.info("%s", placement_line)
+        log.info("layout: %s", describe_layout(cfg, expert_placement))
     return platform
 
 
@@ -78,15 +83,22 @@ def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
     ).start()
 
 
-def describe_layout(cfg: RunConfig) -> str:
+def ranks_per_node(world: int) -> int:
+    """Ranks on this rank's node: torchrun's LOCAL_WORLD_SIZE (its --nproc-per-node; ranks are numbered node by
+    node), the whole world where it is not set (one process, or a launcher that does not say)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def describe_layout(cfg: RunConfig, expert_placement: str = "e+d") -> str:
     world = dist.get_world_size()
     dims = cfg.dims(world)
+    where = f" {placement.describe(dims, expert_placement, ranks_per_node(world))}" if dims.ep > 1 else ""
     return (
         f"world={world} TP={dims.tp} PP={dims.pp} "
         f"{f'VPP={dims.vpp} ' if dims.vpp else ''}"
         f"CP={dims.cp} EP={dims.ep} "
         f"DP={dims.dp} SP={dims.sequence_parallel} "
-        f"microbatches={cfg.num_microbatches(world)}"
+        f"microbatches={cfg.num_microbatches(world)}{where}"
     )
 
 

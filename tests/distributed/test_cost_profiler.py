@@ -35,6 +35,7 @@ def test_every_rank_fits_the_same_lines_and_the_file_is_saved(results):
     cluster = fits.cluster
     assert (cluster["world"], cluster["ep"], cluster["esp"], cluster["dp"]) == (4, 2, 2, 4)
     assert len(cluster["hosts"]) == 4 and cluster["link"] == "loopback" and cluster["backend"] == "gloo"
+    assert cluster["ep_groups"] == [[0, 2], [1, 3]]  # a profile is of one placement's all-to-all (--expert-placement)
     assert set(fits.fits) == {*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS}
     for kind in set(fits.fits) - set(OVERHEAD_KINDS):  # degrees 1, 2, 4
         fit = fits[kind]
@@ -84,7 +85,8 @@ def test_collectives_go_through_comm_on_their_groups(results):
 def test_a_second_call_loads_instead_of_measuring(results):
     for first, second in zip(results["first"], results["second"]):
         assert not second["measured"] and second["fits"] == first["fits"]
-        timed = [p for _, p, _ in second["collectives"] if p not in ("profile/host_names", "profile/agree")]
+        described = ("profile/host_names", "profile/group_ranks", "profile/agree")  # the description and its check
+        timed = [p for _, p, _ in second["collectives"] if p not in described]
         assert timed == [], timed  # no benchmark ran
     changed = results["changed"]
     assert all(r["measured"] for r in changed)  # other settings: the saved profile does not match
