@@ -43,6 +43,7 @@ from megatron_moe.planning.hardware import (
     GPUS,
     INTER_ALPHA_MS,
     INTRA_ALPHA_MS,
+    Cluster,
     Measured,
     build_cluster,
     compute_for,
@@ -68,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("--gpu", choices=tuple(GPUS), default="h100", help="a data-sheet preset (default h100)")
     cluster.add_argument("--gpu-memory-gib", type=float, help="the GPU's memory (default the preset's)")
     cluster.add_argument(
-        "--gemm-tflops", type=float, help="the rate of large GEMMs in the run's dtype (default 0.805 x the peak)"
+        "--gemm-tflops",
+        help="the rate of large GEMMs in the run's dtype (default 0.805 x the preset's peak); with --gpu cpu, "
+        "'measure': a one-thread matmul here, shared as the cluster's processes share this host's cores",
     )
     cluster.add_argument(
         "--compute-overhead",
@@ -164,12 +167,62 @@ def cluster_and_compute(args: argparse.Namespace, dtype: str):
         intra_alpha_ms=args.intra_node_alpha_ms,
         inter_alpha_ms=args.inter_node_alpha_ms,
     )
-    rate = args.gemm_tflops if measured is None or args.gemm_tflops is not None else measured.gemm_tflops
+    rate = gemm_tflops(args, dtype)
+    if rate is None and measured is not None:
+        rate = measured.gemm_tflops
     compute = compute_for(cluster.gpu, dtype, rate, args.compute_overhead)
     if measured is not None:
         cluster = dataclasses.replace(cluster, measured=measured)
         compute = dataclasses.replace(compute, flat=True)
     return cluster, compute
+
+
+def gemm_tflops(args: argparse.Namespace, dtype: str) -> float | None:
+    """--gemm-tflops as a rate (None: not given); 'measure' on --gpu cpu (`measure_cpu_tflops`)."""
+    if args.gemm_tflops is None:
+        return None
+    if args.gemm_tflops == "measure":
+        require(args.gpu == "cpu", "--gemm-tflops", "measure", "a rate in TFLOP/s for a GPU preset (measure: cpu)")
+        return measure_cpu_tflops(dtype, args.nodes * args.gpus_per_node)
+    try:
+        return float(args.gemm_tflops)
+    except ValueError:
+        raise ConfigError(f"--gemm-tflops={args.gemm_tflops}: a rate in TFLOP/s, e.g. 700, or measure") from None
+
+
+def measure_cpu_tflops(dtype: str, processes: int, size: int = 1024, repeats: int = 5) -> float:
+    """One thread's rate of a [size x size] x [size x size] matmul in `dtype` here (torchrun gives each process one
+    thread), times min(1, cores / processes): the emulated cluster's processes share this host's cores."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kind = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+        a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
+        a @ b
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size**3 * repeats / seconds / 1e12 * min(1.0, (os.cpu_count() or 1) / processes)
+
+
+def profile_warnings(cluster: Cluster, best: list[Prediction]) -> list[str]:
+    """Where the profile's groups differ from the best layout's: its lines were measured on other traffic."""
+    if cluster.measured is None or not best:
+        return []
+    lay = best[0].layout
+    sizes = {"ep": lay.ep, "esp": lay.esp, "dp": lay.dp}
+    return [
+        f"the profile was measured at {name.upper()}={size}, #1 runs {name.upper()}={sizes[name]}"
+        for name, size in cluster.measured.groups
+        if size not in (sizes[name], 0)
+    ]
 
 
 def _setting(cfg: RunConfig, name: str, default: str) -> str:
@@ -310,11 +363,11 @@ def explain(pred: Prediction, compute_tflops: float) -> dict[str, str]:
         f"{moe.exposed_backward_ms:.3f} backward beyond its experts' {moe.experts_forward_ms:.3f} + "
         f"{moe.experts_backward_ms:.3f} ms (pipeline degrees {moe.degrees[0]}/{moe.degrees[1]})"
         if moe
-        else "no MoE layer on the last stage"
+        else "no MoE layer"
     )
     return {
         "step": f"{pred.step_ms:.1f} ms = m t + (PP - 1) / VPP x t + dp + optimizer, m = {m}, t = {t:.2f} ms "
-        "(the last stage's compute + ep + tp + pp per micro-batch)",
+        "(the slowest stage's compute + ep + tp + pp per micro-batch)",
         "compute": f"{b['compute']:.1f} ms = {m} x {per['compute']:.2f} ms (GEMMs at up to {compute_tflops:.4g} "
         "TFLOP/s by size, x the overhead; backward 2x forward"
         + (", a second forward for full recompute)" if lay.activations == "full" else ")"),
@@ -363,6 +416,7 @@ def plan(args: argparse.Namespace, trainer_argv: list[str]) -> tuple[dict, list[
         "gemm_tflops": compute.large_gemm_tflops,
         "model": {"flops_per_token": fpt, "global_batch": shape.global_batch, "seq_length": shape.seq},
         "memory_limit_gib": limit,
+        "given_only": args.given_only,
         "searched": result.searched if result else 0,
         "too_big": result.too_big if result else 0,
         "layouts": [row(p) for p in best],
@@ -373,6 +427,7 @@ def plan(args: argparse.Namespace, trainer_argv: list[str]) -> tuple[dict, list[
         "best_flags": flags,
         "best_command": " ".join([*command, *flags]),
         "notes": notes,
+        "warnings": profile_warnings(cluster, best),
         "explain": explain(shown, compute.large_gemm_tflops) if shown else {},
     }
     return document, best, given_pred
@@ -397,10 +452,14 @@ def _print(document: dict, best: list[Prediction], given: Prediction | None) -> 
     limit = document["memory_limit_gib"]
     print(f"cluster: {document['cluster']}; large GEMMs at {document['gemm_tflops']:.4g} TFLOP/s")
     model = document["model"]
+    searched = (
+        f"{document['searched']} valid layouts, {document['too_big']} over {limit:.1f} GiB"
+        if not document["given_only"]
+        else "not searched (--given-only)"
+    )
     print(
-        f"model: {model['flops_per_token'] / 1e9:.1f} GFLOP per token, global batch {model['global_batch']} x "
-        f"{model['seq_length']} tokens; {document['searched']} valid layouts, {document['too_big']} over "
-        f"{limit:.1f} GiB"
+        f"model: {model['flops_per_token'] / 1e9:.3g} GFLOP per token, global batch {model['global_batch']} x "
+        f"{model['seq_length']} tokens; {searched}"
     )
     print(LEGEND)
     print(HEADER)
@@ -423,6 +482,8 @@ def _print(document: dict, best: list[Prediction], given: Prediction | None) -> 
         print("  " + " ".join(document["best_flags"]))
     for note in document["notes"]:
         print(f"  and {note}")
+    for warning in document["warnings"]:
+        print(f"warning: {warning}")
     print("\nwhere #1's step goes:")
     for name, text in document["explain"].items():
         print(f"  {name:<9} {text}")

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from megatron_moe.config import build_parser, parse_args
-from megatron_moe.planning.hardware import GIB, GroupShape, build_cluster, compute_for, efficiency_shape
+from megatron_moe.overlap.cost_model import ClusterFits
+from megatron_moe.planning.hardware import GIB, GroupShape, Measured, build_cluster, compute_for, efficiency_shape
 from megatron_moe.planning.model import Layout, Shape, memory_per_gpu
 from megatron_moe.planning.search import check_layout, search
 from megatron_moe.planning.step import groups, moe_times, predict_step
@@ -57,10 +58,10 @@ def test_memory_of_a_tiny_model_worked_by_hand():
     dense, expert = 2 * 16_640 + 128 * 64 + 64, 2 * 32_768
     weights = (dense + expert) * 12
     # Activations of one layer, one micro-batch (32 tokens), fp32: input 32 x 64, input norm's output 32 x 64, QKV
-    # 32 x 192, softmax probabilities 4 heads x 32 x 32, attention output 32 x 64, residual 32 x 64, pre-MLP norm's
-    # output 32 x 64, the 32 dispatched rows 32 x 64, fc1 32 x 128, activation 32 x 128, combined 32 x 64; and the
-    # router's scores 32 x 2 x 4 B.
-    elements = 2048 + 2048 + 6144 + 4096 + 2048 + 2048 + 2048 + 2048 + 4096 + 4096 + 2048
+    # 32 x 192, the rotated Q and K 32 x 128, softmax probabilities 4 heads x 32 x 32, attention output 32 x 64,
+    # residual 32 x 64, pre-MLP norm's output 32 x 64, the 32 dispatched rows 32 x 64, fc1 32 x 128, activation
+    # 32 x 128, the combined rows and their gate-weighted copy 2 x 32 x 64; and the router's scores 32 x 2 x 4 B.
+    elements = 2048 + 2048 + 6144 + 4096 + 4096 + 2048 + 2048 + 2048 + 2048 + 4096 + 4096 + 2 * 2048
     layer = elements * 4 + 32 * 2 * 4
     logits = 32 * 128 * (4 + 4)  # the output layer's and the loss's fp32 copy
     memory = memory_per_gpu(shape, DATA_PARALLEL, microbatches=2)
@@ -231,3 +232,39 @@ def test_the_tool_refuses_what_it_cannot_plan(capsys):
     assert plan_tool.main([*cpu, "--given-only", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["layouts"] == [] and document["given"]["dp"] == 2
+
+
+def test_a_profile_replaces_the_links_and_the_gemm_rate(tmp_path, capsys):
+    alpha = {"a2a": 0.5, "ag": 0.2, "rs": 0.2, "ar": 0.3, "gemm": 0.05}
+    beta = {"a2a": 2e-6, "ag": 1e-6, "rs": 1e-6, "ar": 4e-6, "gemm": 2e-9}
+    fits = ClusterFits.from_coefficients(alpha, beta, cluster={"ep": 4, "esp": 1, "dp": 2})
+    path = str(tmp_path / "fits.json")
+    fits.save(path)
+    measured = Measured.from_fits(ClusterFits.load(path))
+    assert measured.gemm_tflops == pytest.approx(2 / 2e-9 * 1e3 / 1e12)  # 2 FLOPs per multiply-add
+    _, _, cluster, _ = _tiny(nodes=2, gpus=4)
+    cluster = dataclasses.replace(cluster, measured=measured)
+    for shape in (GroupShape(size=4, per_node=4, nodes=1), GroupShape(size=8, per_node=4, nodes=2)):
+        assert cluster.a2a_line(shape, "linear") == (0.5, 2e-6)  # measured, wherever the group lies
+        assert cluster.ring_ms(shape, 1000) == pytest.approx(0.2 + 1e-3)
+        assert cluster.dp_ring_ms(shape, 1000) == pytest.approx((0.3 + 4e-3) / 2)
+    tiny = ["--nodes", "1", "--gpus-per-node", "2", "--gpu", "cpu", *TINY]
+    assert plan_tool.main([*tiny, "--profile", path, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["gemm_tflops"] == pytest.approx(measured.gemm_tflops)
+    best = document["layouts"][0]
+    assert document["warnings"] == [
+        f"the profile was measured at {name.upper()}={size}, #1 runs {name.upper()}={best[name]}"
+        for name, size in (("ep", 4), ("esp", 1), ("dp", 2))
+        if best[name] != size
+    ]
+    assert plan_tool.main([*tiny, "--profile", str(tmp_path / "missing.json")]) == 2
+    assert "--profile=" in capsys.readouterr().err
+
+
+def test_a_cpu_cluster_measures_its_rate(capsys):
+    tiny = ["--nodes", "1", "--gpus-per-node", "2", *TINY, "--given-only", "--json"]
+    assert plan_tool.main([*tiny, "--gpu", "cpu", "--gemm-tflops", "measure"]) == 0
+    assert json.loads(capsys.readouterr().out)["gemm_tflops"] > 0
+    assert plan_tool.main([*tiny, "--gpu", "h100", "--gemm-tflops", "measure"]) == 2
+    assert "--gemm-tflops=measure" in capsys.readouterr().err
