@@ -242,8 +242,11 @@ def given_layout(cfg: RunConfig, world: int) -> tuple[Layout | None, str | None]
     model = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if world % model:
         return None, f"TP x PP = {model} does not divide {world} GPUs"
-    a = cfg.activations
+    a, moe = cfg.activations, cfg.moe
     policy = "full" if a.full_recompute else "arctic" if a.activation_policy == "arctic" else "none"
+    degrees = (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree)
+    fixed = moe.own_layer and all(str(r).isdigit() for r in degrees)
+    adaptive = p.grad_reduce_schedule == "adaptive" and moe.own_layer and p.expert_model_parallel_size > 1
     lay = Layout(
         tp=p.tensor_model_parallel_size,
         pp=p.pipeline_model_parallel_size,
@@ -255,6 +258,9 @@ def given_layout(cfg: RunConfig, world: int) -> tuple[Layout | None, str | None]
         placement=_setting(cfg, "expert_placement", "e+d"),
         a2a=_setting(cfg, "moe_a2a_algorithm", "linear"),
         activations=policy,
+        degrees=tuple(int(r) for r in degrees) if fixed else None,
+        overlap_dp=p.overlap_grad_reduce or adaptive,
+        distributed_optimizer=p.use_distributed_optimizer,
     )
     return lay, None
 

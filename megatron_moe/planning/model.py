@@ -145,6 +145,12 @@ class Layout:
     placement: str = "e+d"
     a2a: str = "linear"
     activations: str = "none"
+    degrees: tuple[int, int] | None = None
+    """The MoE pipeline's degrees (forward, backward); None: the ones the cost model picks (as the runtime's auto)."""
+    overlap_dp: bool = True
+    """The data-parallel reduction runs under backward (--overlap-grad-reduce, or the adaptive schedule)."""
+    distributed_optimizer: bool = True
+    """Optimizer state sharded over DP and the gradients reduce-scattered (else all-reduced, the state whole)."""
 
     @property
     def world(self) -> int:
@@ -205,7 +211,8 @@ def stage_params(shape: Shape, lay: Layout, stage: int) -> tuple[float, float]:
 def param_bytes(shape: Shape, lay: Layout, dense: float, expert: float) -> float:
     """Weight, gradient and sharded optimizer state (module docstring)."""
     state = 8 if shape.dtype == "fp32" else 12
-    return dense * (shape.d + 4 + state / lay.dp) + expert * (shape.d + 4 + state / lay.expert_dp)
+    dp, expert_dp = (lay.dp, lay.expert_dp) if lay.distributed_optimizer else (1, 1)
+    return dense * (shape.d + 4 + state / dp) + expert * (shape.d + 4 + state / expert_dp)
 
 
 def activation_bytes(shape: Shape, lay: Layout, moe: bool, policy: str) -> float:

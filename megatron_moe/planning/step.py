@@ -119,15 +119,21 @@ def _best_degree(fits: ClusterFits, sizes: LayerSizes, direction: str) -> tuple[
 def moe_times(shape: Shape, lay: Layout, cluster: Cluster, compute: Compute) -> MoETimes:
     """One MoE layer's forward and backward with the weight gradients in it (the cost model's `dw_in_backward`:
     Lancet's deferral moves them under other all-to-alls, which this leaves out)."""
-    return _moe_times(shape, dataclasses.replace(lay, pp=1, vpp=1, activations="none"), cluster, compute)
+    unused = {"pp": 1, "vpp": 1, "activations": "none", "overlap_dp": True, "distributed_optimizer": True}
+    return _moe_times(shape, dataclasses.replace(lay, **unused), cluster, compute)
 
 
 @functools.lru_cache(maxsize=4096)
 def _moe_times(shape: Shape, lay: Layout, cluster: Cluster, compute: Compute) -> MoETimes:
     sizes = moe_sizes(shape, lay)
     fits = layer_fits(shape, lay, cluster, compute, sizes)
-    forward, forward_ms = _best_degree(fits, sizes, "forward")
-    backward, backward_ms = _best_degree(fits, sizes, "backward")
+    if lay.degrees is None:
+        forward, forward_ms = _best_degree(fits, sizes, "forward")
+        backward, backward_ms = _best_degree(fits, sizes, "backward")
+    else:
+        forward, backward = lay.degrees
+        times = predict(fits, sizes, forward, backward).predicted_ms
+        forward_ms, backward_ms = times["forward"], times["backward"]
     experts = fits["gemm"].time_ms(sizes.n_exp)
     return MoETimes(
         forward_ms=forward_ms,
@@ -198,12 +204,16 @@ def per_microbatch(shape: Shape, lay: Layout, cluster: Cluster, compute: Compute
 
 
 def dp_ms(shape: Shape, lay: Layout, cluster: Cluster, window_bwd_ms: float, window_fwd_ms: float) -> float:
-    """The exposed reduce-scatter of the gradients and all-gather of the weights (distributed optimizer) over DP
-    and expert-DP, for the stage with the most weights (module docstring of `model`)."""
+    """The exposed reduce-scatter of the gradients and all-gather of the weights (distributed optimizer; without
+    it an all-reduce of the gradients, a reduce-scatter and an all-gather of fp32) over DP and expert-DP, for the
+    stage with the most weights (module docstring of `model`); all of it without overlap."""
     shapes = groups(lay, cluster.gpus_per_node)
     dense, expert = max((stage_params(shape, lay, s) for s in range(lay.pp)), key=sum)
+    d = shape.d if lay.distributed_optimizer else 4
     scatter = cluster.dp_ring_ms(shapes["dp"], dense * 4) + cluster.dp_ring_ms(shapes["edp"], expert * 4)
-    gather = cluster.dp_ring_ms(shapes["dp"], dense * shape.d) + cluster.dp_ring_ms(shapes["edp"], expert * shape.d)
+    gather = cluster.dp_ring_ms(shapes["dp"], dense * d) + cluster.dp_ring_ms(shapes["edp"], expert * d)
+    if not lay.overlap_dp:
+        return scatter + gather
     share = 1.0 / (shape.layers // lay.pp)
     return max(scatter - window_bwd_ms, scatter * share) + max(gather - window_fwd_ms, gather * share)
 
@@ -225,7 +235,7 @@ def predict_step(
     backward_share = 2 / (3 if lay.activations != "full" else 4)
     dp = dp_ms(shape, lay, cluster, parts["compute"] * backward_share, parts["compute"] / 3)
     dense, expert = max((stage_params(shape, lay, s) for s in range(lay.pp)), key=sum)
-    local = dense / lay.dp + expert / lay.expert_dp
+    local = dense / lay.dp + expert / lay.expert_dp if lay.distributed_optimizer else dense + expert
     optimizer = compute.memory_ms(local * OPTIMIZER_BYTES)
     breakdown = {
         "compute": m * parts["compute"],

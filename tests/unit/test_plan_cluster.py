@@ -105,6 +105,21 @@ def test_step_time_of_a_tiny_model_worked_by_hand():
     assert pred.tokens_per_s_per_gpu == pytest.approx(4 * 32 / (pred.step_ms / 1e3) / 2)
 
 
+def test_a_given_layout_keeps_its_degrees_and_its_unoverlapped_reduction():
+    cfg, shape, cluster, compute = _tiny()
+    plain = dataclasses.replace(DATA_PARALLEL, overlap_dp=False, distributed_optimizer=False)
+    pred = predict_step(shape, plain, cluster, compute, flops_per_token(cfg, 128))
+    params = 2 * 16_640 + 128 * 64 + 64 + 2 * 32_768
+    # The whole fp32 all-reduce of the gradients (a reduce-scatter and an all-gather, half the bytes each way on 2
+    # ranks), none of it under backward; Adam's state whole on each rank: 4 + 4 + 8 B per parameter.
+    assert pred.breakdown["dp"] == pytest.approx(2 * 0.5 * params * 4 * 1e-6)
+    assert pred.memory["weights"] == pytest.approx(params * 16)
+    expert_parallel = Layout(tp=1, pp=1, vpp=1, ep=2, esp=1, dp=2, micro_batch=1)
+    for degrees in ((2, 3), (1, 1)):
+        times = moe_times(shape, dataclasses.replace(expert_parallel, degrees=degrees), cluster, compute)
+        assert times.degrees == degrees
+
+
 def test_the_bubble_is_p_minus_1_over_m_v_of_the_work():
     cfg, shape, cluster, compute = _tiny(gpus=4, num_layers=8, global_batch_size=8)
     fpt = flops_per_token(cfg, 128)
