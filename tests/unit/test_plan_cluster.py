@@ -205,6 +205,7 @@ def test_the_efficiency_curve_follows_the_measured_gemms():
 MIXTRAL = ["--model-script", "examples/pretrain_mixtral_8x7b.sh", "--nodes", "8", "--gpus-per-node", "8"]
 
 
+@pytest.mark.slow  # runs the example's dry run twice and searches ~11,000 layouts twice: ~30 s
 def test_the_tool_plans_mixtral_on_64_h100s(capsys):
     assert plan_tool.main([*MIXTRAL, "--gpu", "h100", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
