@@ -85,6 +85,7 @@ LAYERS = (
     ("comm", "data", "activations"),
     ("moe",),
     ("overlap",),
+    ("planning",),
     ("model",),
     ("checkpointing",),
     ("training",),
