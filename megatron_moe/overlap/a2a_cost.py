@@ -15,8 +15,11 @@ inter-node start-ups and pays an intra-node phase and two copies, so it wins bel
 that grows with alpha_inter and N (Tutel, Figure 20: 2DH wins at small sizes and large scale).
 
 The defaults are assumed, not measured here (this project's emulated links have no per-message latency: no netem):
-an NVLink-class node (alpha 5 us, 150 GB/s) and one 200 Gbit/s NIC per GPU (alpha 20 us with its proxy and the
-switch, 25 GB/s), copies at 1 TB/s. `LinkCosts` takes others.
+an NVLink-class node (alpha 2 us, 150 GB/s), one 200 Gbit/s NIC per GPU (25 GB/s), copies at 1 TB/s, and alpha 5 us
+per inter-node message, the figure that puts 8 x 8 GPUs' crossover (28 MiB per rank) between 1 MiB, where
+Tutel's Figure 20 measured 2DH faster on 64 A100s, and 32 MiB, where its NCCL implementation was slower. The model
+knows no synchronisation between 2DH's phases nor the overlap of linear's start-ups inside NCCL's proxy: both make
+its crossovers optimistic for 2DH. `LinkCosts` takes other figures.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ A2A_ALGORITHMS = ("linear", "2dh")
 class LinkCosts:
     """Per-message start-up (ms) and per-byte time (ms / byte) of the two link kinds, and the device's copy."""
 
-    alpha_intra: float = 0.005
+    alpha_intra: float = 0.002
     beta_intra: float = 1e3 / 150e9
-    alpha_inter: float = 0.020
+    alpha_inter: float = 0.005
     beta_inter: float = 1e3 / 25e9
     beta_copy: float = 1e3 / 1000e9
     """One stride copy: ms per byte of the buffer (read and written once)."""

@@ -8,12 +8,15 @@ the same inputs at pipeline degrees (1, 1) and (2, 2), with a deferring weight-g
 `pipeline_worker._Deferring`) at (1, 1) and (2, 2), and (dropless) with 2 shadow experts. The figures are
 `pipeline_worker.differences` (bit-identical flags per output, input gradient, expert and router/shared gradients),
 the dispatch/combine records' messages and bytes across nodes, forward and backward, and the host waits per
-forward+backward under 2DH. Rank 0 writes `{case: figures}` to $RESULTS.
+forward+backward under 2DH. Then training (pretrain, 2 steps at EP=4, the pipeline at 2 / 2) with
+--moe-a2a-algorithm linear, 2dh and auto: the steps' computed figures and the EP groups start-up made 2DH groups
+for. Rank 0 writes `{case: figures}` to $RESULTS. Arguments: DATA_PREFIX TOKENIZER.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -28,7 +31,7 @@ from megatron_moe import comm  # noqa: E402
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
 from megatron_moe.platform import init_platform  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
+from tests.distributed.launcher import computed, finish_job, train_in_job  # noqa: E402
 from tests.distributed.moe_worker import _inputs, global_weights, layer_config, tconfig  # noqa: E402
 from tests.distributed.pipeline_worker import _Deferring, differences, host_syncs_of, run  # noqa: E402
 
@@ -118,6 +121,39 @@ def equivalence(ep: int, fields: dict, rank: int, shadows: bool) -> dict:
     return results
 
 
+def _train_flags(data: str, tokenizer: str, algorithm: str) -> list[str]:
+    """A tiny MoE at EP=4 over the 8 ranks (DP 2): each EP group 2 emulated nodes x 2 ranks."""
+    return [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "2",
+        "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1", "--data-path", data,
+        "--tokenizer-model", tokenizer, "--split", "98,2,0", "--seed", "7", "--moe-pipeline-degree", "2",
+        "--moe-bp-pipeline-degree", "2", "--grad-reduce-schedule", "megatron", "--moe-a2a-algorithm", algorithm,
+    ]  # fmt: skip
+
+
+def training(data: str, tokenizer: str) -> dict:
+    """Training steps (pretrain: start-up's `make_a2a_groups`) with linear, 2dh and auto: their computed figures,
+    and the EP groups each run's start-up made 2DH groups for."""
+    made, make = [], comm.make_hierarchy_groups
+
+    def recording(group, timeout=None):
+        made.append(dist.get_process_group_ranks(group))
+        return make(group, timeout)
+
+    comm.make_hierarchy_groups = recording
+    results = {}
+    try:
+        for algorithm in ("linear", "2dh", "auto"):
+            made.clear()
+            steps = computed(train_in_job(_train_flags(data, tokenizer, algorithm)))
+            results[algorithm] = {"steps": steps, "made": list(made)}
+    finally:
+        comm.make_hierarchy_groups = make
+    return results
+
+
 def main() -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(RANKS_PER_NODE)  # emulated nodes: what torchrun says on a real cluster
     init_platform()
@@ -135,6 +171,8 @@ def main() -> None:
         results[f"{name}/host_syncs"] = host_syncs_of(two_level, rank)
         parallel_state.destroy_model_parallel()
         comm.forget_hierarchies()
+    comm.destroy_groups_but_world()
+    results["training"] = training(*sys.argv[1:3])
     finish_job(results)
 
 

@@ -3,7 +3,9 @@ job, emulated nodes of 2 ranks): at 2x2 (EP=4) and 4x2 (EP=8) nodes x ranks, for
 capped layers, unpipelined and in FSMoE's chunked pipeline (2, 2), with Lancet's deferring weight-gradient store and
 with shadow experts, the layer's output and every gradient are bit-identical to the linear all-to-all's. Each
 rank's dispatch/combine records show N - 1 messages across nodes where linear sends G - g (every pair has rows in the
-padded case), the same bytes crossing in total, and the host still waits once per forward+backward.
+padded case), the same bytes crossing in total, and the host still waits once per forward+backward. Training
+through `pretrain` (start-up makes the 2DH groups: `initialize.make_a2a_groups`) with 2dh and auto gives the
+linear run's losses and norms, bit for bit.
 """
 
 import os
@@ -19,8 +21,8 @@ GROUPS = ("output", "input_grad", "expert_grads", "router_and_shared_grads")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=8, timeout=600)
+def results(train_data):
+    return run_torchrun(WORKER, nproc=8, args=list(train_data), timeout=900)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -56,3 +58,13 @@ def test_2dh_sends_one_message_per_remote_node(results, layout, case):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_host_waits_once_per_forward_and_backward_with_2dh(results, layout):
     assert results[f"{layout}/host_syncs"] == {"max": 1, "min": 1}
+
+
+def test_training_with_2dh_is_bit_identical_and_start_up_makes_the_groups(results):
+    runs = results["training"]
+    assert len(runs["linear"]["steps"]) == 2 and runs["linear"]["made"] == []
+    assert runs["2dh"]["steps"] == runs["linear"]["steps"]
+    assert runs["auto"]["steps"] == runs["linear"]["steps"]
+    # every rank makes the groups of its own EP group (2 nodes x 2 ranks); rank 0's is [0, 1, 2, 3]
+    assert runs["2dh"]["made"] == [[0, 1, 2, 3]]
+    assert runs["auto"]["made"] == [[0, 1, 2, 3]]  # a few KiB per rank: the start-ups dominate, auto runs 2DH
