@@ -6,7 +6,8 @@ Per `--cluster` layout (NODESxRANKS, EP = every rank) one torchrun job per node 
 (bytes each rank sends, spread evenly over the G ranks), `--repeats` rounds alternating linear and 2DH, each call
 between barriers, synchronous. Rank 0 reports per algorithm the median of the slowest rank's call (`ms`), the
 messages and bytes each rank sends across nodes and inside its node (from the plan and `Collective.inter_node`),
-and whether the two outputs are bit-identical. The emulated links have bandwidth only (no per-message latency, no
+and whether the two outputs are bit-identical; for 2DH also its phase 2 (inside the node) and phase 4 (along the
+rail) timed alone (`intra_ms`, `inter_ms`). The emulated links have bandwidth only (no per-message latency, no
 netem): 2DH's saving, (N - 1)(g - 1) inter-node start-ups per rank, cannot show here; its cost (a phase inside the
 node and two copies) can. overlap/a2a_cost.py predicts where it pays on links with a start-up cost.
 """
@@ -66,6 +67,26 @@ def _call(x, splits, group, route):
     return out, (time.perf_counter() - start) * 1e3
 
 
+def _phases(x, route) -> dict:
+    """2DH's two all-to-alls timed alone (each between barriers, the slowest rank's ms): phase 2 inside the node and
+    phase 4 along the rail, on the plan's sizes (the copies are what the whole call adds)."""
+    import torch.distributed as dist
+
+    from megatron_moe.comm.transport import all_to_all_single
+
+    plan, hierarchy, ms = route.plan, route.hierarchy, {}
+    for name, group, send, recv in (
+        ("intra_ms", hierarchy.intra, plan.intra_send, plan.intra_recv),
+        ("inter_ms", hierarchy.inter, plan.inter_send, plan.inter_recv),
+    ):
+        out = x.new_empty((sum(recv), x.shape[1]))
+        dist.barrier()
+        start = time.perf_counter()
+        all_to_all_single(out, x[: sum(send)], recv, send, group=group)
+        ms[name] = _slowest((time.perf_counter() - start) * 1e3)
+    return ms
+
+
 def _slowest(ms: float) -> float:
     import torch
     import torch.distributed as dist
@@ -118,14 +139,17 @@ def worker(sizes_kib: list[int], repeats: int) -> None:
         }
         x = torch.randn(per_rank * g_size, HIDDEN)
         times = {name: [] for name in routes}
-        outs = {}
+        outs, phases = {}, []
         for _ in range(repeats + 1):  # the first round warms up
             for name, route in routes.items():
                 outs[name], ms = _call(x, splits, group, route)
                 times[name].append(_slowest(ms))
+            phases.append(_phases(x, routes["2dh"]))
         row = {"kib_per_rank": per_rank * g_size * HIDDEN * 4 // 1024, "identical": torch.equal(*outs.values())}
         for name, route in routes.items():
             row[name] = {"ms": round(statistics.median(times[name][1:]), 2), **_traffic(route, splits, 4 * HIDDEN)}
+        for phase in ("intra_ms", "inter_ms"):
+            row["2dh"][phase] = round(statistics.median(p[phase] for p in phases[1:]), 2)
         rows.append(row)
     if dist.get_rank() == 0:
         write_result(rows)
