@@ -16,8 +16,9 @@ ranks' chunks for one remote rank into one message on the link:
    this local index gets the g chunks for it in one message. They arrive in (source node, source local) order,
    which is source rank order: the linear all-to-all's output, with no copy after.
 Each rank sends g - 1 intra-node messages of ~S / g bytes and N - 1 inter-node messages of ~S / N bytes (g x the
-linear message); the bytes crossing nodes are the same as linear's, those inside a node g x... N times more (each
-chunk crosses the node once in phase 2 unless it stays on its rank), plus two copies of S.
+linear message); the bytes crossing nodes are the same as linear's ((N - 1) S / N), those moved inside the node N
+times linear's ((g - 1) S / g against (g - 1) S / G: every chunk bound for another rail moves in phase 2, whatever
+its node), plus two copies of S.
 
 Deviations from the paper, and why:
 - Uneven splits. Algorithm 3 moves equal chunks (`chunksize`); here every (source, destination) pair has its own
