@@ -57,6 +57,10 @@ class Collective:
     """Bytes that leave this rank: `nbytes` less what it keeps for itself (an all-to-all's own block; the ring's
     share for an all-gather / reduce-scatter / all-reduce: `ring_wire_bytes`). None: all of `nbytes` leaves."""
 
+    inter_node: tuple[int, int] | None = None
+    """(messages, bytes) this rank sends to other nodes, for an all-to-all whose EP group's node layout is known
+    (comm/hierarchy.py: linear sends one message per remote rank, 2DH one per remote node); None: not known."""
+
     @property
     def crossing_bytes(self) -> int:
         return self.nbytes if self.wire_bytes is None else self.wire_bytes

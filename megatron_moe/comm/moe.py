@@ -20,6 +20,7 @@ for the device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -27,16 +28,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.comm.core import Collective, CommHandle, group_size, issue, nbytes, ring_wire_bytes
-from megatron_moe.comm.transport import all_to_all_single
+from megatron_moe.comm.hierarchy import Route
+from megatron_moe.comm.transport import all_to_all_routed, all_to_all_single
 
 
-def _sent(record: Collective, x: torch.Tensor, splits: list[int], group) -> Collective:
+def _sent(record: Collective, x: torch.Tensor, splits: list[int], group, route: Route | None = None) -> Collective:
     """`record` with the bytes of an all-to-all that sends `splits[g]` rows of `x` to rank g: `nbytes` the whole
-    buffer, `wire_bytes` less the block this rank sends itself (it never leaves the rank)."""
+    buffer, `wire_bytes` less the block this rank sends itself (it never leaves the rank); with a `route`, the
+    messages and bytes that cross nodes (`Collective.inter_node`)."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    row_bytes = nbytes(x[:1]) if x.shape[0] else 0
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()  # from the shape: 2DH forwards rows where x has none
     own = splits[rank] * row_bytes if rank < len(splits) else 0
-    return dataclasses.replace(record, nbytes=nbytes(x), wire_bytes=nbytes(x) - own)
+    inter = None
+    if route is not None:
+        messages, rows = route.crossing(splits)
+        inter = (messages, rows * row_bytes)
+    return dataclasses.replace(record, nbytes=nbytes(x), wire_bytes=nbytes(x) - own, inter_node=inter)
 
 
 class BackwardOverlap(Protocol):
@@ -53,17 +60,20 @@ class _Reverse:
     the other pieces' work under the operator partition) while it is in flight, as the forward ran them while the
     rows were. A call whose rows were not waited for under autograd starts it in that backward instead."""
 
-    def __init__(self, group, out_splits: list[int], in_splits: list[int], record: Collective):
+    def __init__(self, group, out_splits: list[int], in_splits: list[int], record: Collective, route=None):
         self.group, self.out_splits, self.in_splits, self.record = group, out_splits, in_splits, record
+        self.route: Route | None = route
+        """The forward's route (reversed when started)."""
         self.handle: CommHandle | None = None
 
     def start(self, grad: torch.Tensor) -> None:
         grad = grad.contiguous()
         out = grad.new_empty((sum(self.in_splits), *grad.shape[1:]))
-        record = _sent(dataclasses.replace(self.record, backward=True), grad, self.out_splits, self.group)
+        route = None if self.route is None else self.route.reversed()
+        record = _sent(dataclasses.replace(self.record, backward=True), grad, self.out_splits, self.group, route)
         work = issue(
             record,
-            lambda: all_to_all_single(out, grad, self.in_splits, self.out_splits, group=self.group, async_op=True),
+            lambda: all_to_all_routed(out, grad, self.in_splits, self.out_splits, self.group, route, async_op=True),
         )
         self.handle = CommHandle(out, work, keepalive=(grad,), record=record)
 
@@ -83,10 +93,10 @@ class _AllToAll(torch.autograd.Function):
         ctx.reverse = reverse or _Reverse(group, out_splits, in_splits, record)
         ctx.overlap = overlap
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        async_op = works is not None
+        async_op, route = works is not None, ctx.reverse.route
         work = issue(
-            _sent(record, x, in_splits, group),
-            lambda: all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op),
+            _sent(record, x, in_splits, group, route),
+            lambda: all_to_all_routed(out, x, out_splits, in_splits, group, route, async_op=async_op),
         )
         if async_op:
             works.append(work)
@@ -117,16 +127,18 @@ class _Landed(torch.autograd.Function):
         return grad.new_zeros(()).expand_as(grad), None
 
 
-def _all_to_all(x, out_splits, in_splits, group, record: Collective, async_op: bool, then, overlap) -> CommHandle:
+def _all_to_all(
+    x, out_splits, in_splits, group, record: Collective, async_op: bool, then, overlap, route
+) -> CommHandle:
     x = x.contiguous()
     works = [] if async_op else None
     out_splits, in_splits = list(out_splits), list(in_splits)
-    reverse = _Reverse(group, out_splits, in_splits, record)
+    reverse = _Reverse(group, out_splits, in_splits, record, route)
     out = _AllToAll.apply(x, out_splits, in_splits, group, record, works, overlap, reverse)
     if async_op and out.requires_grad:  # the reverse starts where the forward waits for the rows
         then = _landing(reverse, then)
     # The input must outlive an asynchronous send: the handle holds it until wait().
-    record = _sent(record, x, in_splits, group)
+    record = _sent(record, x, in_splits, group, route)
     return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then, record=record)
 
 
@@ -149,13 +161,15 @@ def dispatch_all_to_all(
     then: Callable | None = None,
     overlap: BackwardOverlap | None = None,
     backward: bool = False,
+    route: Route | None = None,
 ) -> CommHandle:
     """Send rows to the EP ranks that own their experts (`in_splits[g]` rows to rank g, `out_splits[g]`
     from it); differentiable; `then` post-processes the received rows on wait(); `overlap` runs work under
     the backward's reverse all-to-all. `backward=True`: the call is a hand-written backward schedule's (inside
-    an autograd Function's backward, no graph made), recorded as the backward pass's."""
+    an autograd Function's backward, no graph made), recorded as the backward pass's. `route`: the EP group's
+    nodes, and 2DH's hierarchy and pairs (comm/hierarchy.py; the backward runs it reversed); None: linear."""
     record = Collective("a2a_dispatch", "dispatch_all_to_all", group, layer, backward=backward)
-    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap)
+    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap, route)
 
 
 def combine_all_to_all(
@@ -169,11 +183,12 @@ def combine_all_to_all(
     then: Callable | None = None,
     overlap: BackwardOverlap | None = None,
     backward: bool = False,
+    route: Route | None = None,
 ) -> CommHandle:
-    """Send expert outputs back to the ranks their tokens came from; differentiable. `backward`: as for
+    """Send expert outputs back to the ranks their tokens came from; differentiable. `backward`, `route`: as for
     `dispatch_all_to_all`."""
     record = Collective("a2a_combine", "combine_all_to_all", group, layer, backward=backward)
-    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap)
+    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap, route)
 
 
 def _native_esp(group, sizes: list[int]) -> bool:

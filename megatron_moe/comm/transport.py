@@ -16,6 +16,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from megatron_moe.comm.hierarchy import transpose_blocks
+
 
 def _offsets(splits: list[int]) -> list[int]:
     out, total = [], 0
@@ -46,6 +48,29 @@ def all_to_all_single(out, inp, out_splits=None, in_splits=None, *, group=None, 
         return handle
     handle.wait()
     return None
+
+
+def all_to_all_2dh(out, inp, route, *, async_op: bool = False):
+    """`all_to_all_single(out, inp, out_splits, in_splits)` over the EP group of `route` (a `hierarchy.Route` with
+    its hierarchy and pairs), as Tutel's 2DH all-to-all (phases in comm/hierarchy.py): the same rows land in the
+    same places. Phase 2 is waited inside the call (on NCCL a stream wait); phase 4 is returned (`async_op`)."""
+    plan, hierarchy = route.plan, route.hierarchy
+    staged = inp
+    if hierarchy.layout.per_node > 1:
+        staged = transpose_blocks(inp, plan.out_NL)  # 1.
+        mid = inp.new_empty((sum(plan.intra_recv), *inp.shape[1:]))
+        all_to_all_single(mid, staged, plan.intra_recv, plan.intra_send, group=hierarchy.intra)  # 2.
+        staged = transpose_blocks(mid, plan.mid_LN)  # 3.
+    return all_to_all_single(out, staged, plan.inter_recv, plan.inter_send, group=hierarchy.inter, async_op=async_op)
+
+
+def all_to_all_routed(out, inp, out_splits, in_splits, group, route, *, async_op: bool = False):
+    """The dispatch/combine all-to-all: `all_to_all_single`, or `all_to_all_2dh` when `route` (a `hierarchy.Route`
+    or None) has a hierarchy; the same rows land in the same places."""
+    if route is not None and route.two_level:
+        route.check(out_splits, in_splits)
+        return all_to_all_2dh(out, inp, route, async_op=async_op)
+    return all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
 class PointToPointWork:

@@ -14,7 +14,15 @@ import dataclasses
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg, require
-from megatron_moe.config.moe_layer import DROP_POLICIES, GATES, ORDERINGS, MoELayerConfig, parse_degree, parse_shadow
+from megatron_moe.config.moe_layer import (
+    A2A_ALGORITHMS,
+    DROP_POLICIES,
+    GATES,
+    ORDERINGS,
+    MoELayerConfig,
+    parse_degree,
+    parse_shadow,
+)
 from megatron_moe.config.placement import PLACEMENTS
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
@@ -153,6 +161,16 @@ class MoEConfig:
         "model's greedy choice from the agreed counts, FasterMoE's policy), off, or N (always the N most loaded). "
         "Dropless, EP > 1, built-in unsharded experts",
         applies=only.OUR_MOE,
+    )
+    moe_a2a_algorithm: str = arg(
+        "linear",
+        "the dispatch/combine all-to-all: linear (one message per rank pair), 2dh (Tutel's two-dimensional "
+        "hierarchical all-to-all: the node's ranks exchange first, then one message per rank of each other node "
+        "on the same local index, bit-identical results; needs an EP group over several nodes with the same "
+        "ranks on each, LOCAL_WORLD_SIZE) or auto (2dh where the cost model with per-message costs predicts it "
+        "faster, said at start-up)",
+        choices=A2A_ALGORITHMS,
+        applies=only.EXPERT_PARALLEL,
     )
     moe_cost_profile: str | None = arg(
         None,
@@ -331,6 +349,7 @@ class MoEConfig:
             pipeline_degree=parse_degree(self.moe_pipeline_degree),
             bp_pipeline_degree=parse_degree(self.moe_bp_pipeline_degree),
             shadow_experts=parse_shadow(self.moe_shadow_experts),
+            a2a_algorithm=self.moe_a2a_algorithm,
             init_method_std=model.init_method_std,
         )
 

@@ -29,6 +29,8 @@ LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "none")
 """Our layer's --moe-router-load-balancing-type choices (megatron-core's seq_aux_loss is not implemented)."""
 AUTO = "auto"
 """A pipeline degree the training set-up chooses (the cost model's solver)."""
+A2A_ALGORITHMS = ("linear", "2dh", AUTO)
+"""--moe-a2a-algorithm: the dispatch/combine all-to-all's transport (comm/hierarchy.py)."""
 
 
 class MoEConfigError(ConfigError):
@@ -144,6 +146,10 @@ class MoELayerConfig:
     shadow_experts: int | str = _flag("--moe-shadow-experts", "off")
     """FasterMoE's shadow experts (`megatron_moe.moe.shadow`): "off", "auto" (the cost model's greedy choice per
     layer and forward; nothing until the training set-up gives the layer its costs) or N (the N most loaded)."""
+    a2a_algorithm: str = _flag("--moe-a2a-algorithm", "linear")
+    """The dispatch/combine all-to-all: linear (one message per rank pair), 2dh (Tutel's two-dimensional
+    hierarchical all-to-all, comm/hierarchy.py: the EP group's groups made at start-up) or auto (2dh where the
+    start-up's cost model chose it and made the groups, else linear). The same rows either way."""
     init_method_std: float = 0.02
     """Std of the normal init of router and expert weights (output projections scaled by the caller)."""
     init_seed: int = _flag("--seed", 1234)
@@ -249,6 +255,7 @@ class MoELayerConfig:
         for field in ("pipeline_degree", "bp_pipeline_degree"):
             value = getattr(self, field)
             r(value == AUTO or (type(value) is int and value >= 1), field, f'"{AUTO}" or an integer >= 1, e.g. 2')
+        r(self.a2a_algorithm in A2A_ALGORITHMS, "a2a_algorithm", f"choose one of {', '.join(A2A_ALGORITHMS)}")
         shadow = self.shadow_experts
         r(shadow in ("off", AUTO) or (type(shadow) is int and shadow >= 1), "shadow_experts", "off, auto or N >= 1")
         if type(shadow) is int:  # asked for by number, what cannot shadow is an error (auto: off, said in the log);

@@ -9,8 +9,9 @@ that the layer waits for the device once per forward (`MoELayer.arrange`):
 
 1. in arranging, on the device: `agree_capacity` (one C for the EP group when
    the layout needs it) and `exchange_counts` (what the other ranks send this
-   one, and under ESP what every ESP peer received, when the layout needs it);
-   neither reads anything on the host;
+   one, and under ESP what every ESP peer received, when the layout needs it;
+   under 2DH, --moe-a2a-algorithm, every rank's counts [G, E]: the transport
+   needs every pair's rows); neither reads anything on the host;
 2. the layer reads their results with its own counts in ONE device->host copy,
    and `make_splits` turns those host values into a `DispatchSplits` (split
    sizes, row permutations);
@@ -40,6 +41,7 @@ import dataclasses
 import torch
 
 from megatron_moe import comm
+from megatron_moe.config.fields import require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,14 @@ class DispatchSplits:
     shadow: object = None
     """moe/shadow.py `ShadowSplit` when the layer shadows experts in this forward (their rows are not in these
     splits: computed on this rank); None otherwise."""
+    sent_GE: list[list[int]] | None = None
+    """Every EP rank's rows to each global expert [G][E] (row g: rank g's `send_GL`, flattened), when the transport
+    needs every pair's rows (2DH, comm/hierarchy.py); None otherwise."""
+
+    def pairs_GG(self, num_local_experts: int) -> tuple[tuple[int, ...], ...]:
+        """Rows from each EP rank to each EP rank [G][G] (from `sent_GE`)."""
+        l = num_local_experts
+        return tuple(tuple(sum(row[d * l : (d + 1) * l]) for d in range(len(row) // l)) for row in self.sent_GE)
 
     @property
     def esp_splits(self) -> list[int]:
@@ -91,7 +101,7 @@ class Dispatcher(abc.ABC):
     needs_padding: bool = False
     """True when every expert must get the same number of rows from every rank (capacity-padded)."""
 
-    def __init__(self, group, num_experts: int, *, layer: int | None = None, esp_group=None):
+    def __init__(self, group, num_experts: int, *, layer: int | None = None, esp_group=None, a2a: str = "linear"):
         self.group = group
         self.group_size = comm.group_size(group)
         assert num_experts % self.group_size == 0, (num_experts, self.group_size)
@@ -103,6 +113,41 @@ class Dispatcher(abc.ABC):
         """The MoE layer's number, named in its collectives' records (timers, watchdog)."""
         self.backward_overlap: comm.BackwardOverlap | None = None
         """Work to run under the backward all-to-alls (Lancet's weight-gradient queue, `megatron_moe.overlap`)."""
+        self.layout = comm.layout_of(group) if self.group_size > 1 else None
+        """The EP group on the nodes (the all-to-alls' records count what crosses them); None: not known."""
+        self.hierarchy = self._hierarchy(a2a)
+        """2DH's groups (`--moe-a2a-algorithm`, comm/hierarchy.py); None: the linear all-to-all."""
+
+    def _hierarchy(self, a2a: str) -> comm.Hierarchy | None:
+        """2dh: the EP group's hierarchy, made at start-up (`comm.make_hierarchy_groups`), else an error naming the
+        flag; auto: the hierarchy where start-up chose 2DH (it made the groups), else linear."""
+        if a2a == "linear" or self.group_size == 1:
+            return None
+        hierarchy = comm.hierarchy_of(self.group)
+        if a2a == "2dh":
+            require(
+                hierarchy is not None,
+                "--moe-a2a-algorithm",
+                a2a,
+                "linear or auto: this EP group has no 2DH groups (made at start-up where the EP group spans several "
+                "nodes with the same number of ranks on each: comm.make_hierarchy_groups)",
+            )
+            require(self.esp_size == 1, "--moe-a2a-algorithm", a2a, "linear: 2DH does not run under ESP (> 1)")
+        return hierarchy if self.esp_size == 1 else None
+
+    def route(self) -> comm.Route | None:
+        """The all-to-alls' route without pairs (`comm.Route`): linear with the node layout, or 2DH's hierarchy;
+        None: the layout is not known."""
+        if self.hierarchy is not None:
+            return comm.Route(self.hierarchy.layout, self.hierarchy)
+        return None if self.layout is None else comm.Route(self.layout)
+
+    def _route(self, splits: DispatchSplits) -> comm.Route | None:
+        """The dispatch's route: with 2DH, the pairs of `splits`."""
+        route = self.route()
+        if route is None or not route.two_level:
+            return route
+        return dataclasses.replace(route, pairs=splits.pairs_GG(self.num_local_experts))
 
     @property
     def moves_rows(self) -> bool:
@@ -150,6 +195,7 @@ class Dispatcher(abc.ABC):
             layer=self.layer,
             then=gathered,
             overlap=self.backward_overlap,
+            route=self._route(splits),
         )
 
     def _send_back(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
@@ -159,6 +205,7 @@ class Dispatcher(abc.ABC):
             rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_splits, self.esp_group, layer=self.layer).wait()
         if self.group_size == 1:
             return comm.CommHandle(rows_RH)
+        route = self._route(splits)
         return comm.combine_all_to_all(
             rows_RH,
             splits.send_splits,
@@ -167,6 +214,7 @@ class Dispatcher(abc.ABC):
             layer=self.layer,
             async_op=True,
             overlap=self.backward_overlap,
+            route=None if route is None else route.reversed(),
         )
 
     @abc.abstractmethod
@@ -204,6 +252,7 @@ class PaddedAllToAll(Dispatcher):
             send_GL=blocks_GL,
             received_GL=blocks_GL,
             esp_received_PGL=[blocks_GL] * p if p > 1 else None,
+            sent_GE=[[capacity] * (g * l)] * g if self.hierarchy is not None else None,
         )
 
     def dispatch(self, rows_RH, splits):
@@ -254,6 +303,8 @@ class AllToAllV(Dispatcher):
             return None
         # 1. rank r learns how many rows each source sends to each of its experts [G, L];
         # 2. under ESP, every ESP peer's [G, L] as well [P, G, L] (the all-gather's and the permutation's sizes).
+        if self.hierarchy is not None:  # 2DH: every rank's rows per expert [G, E] (a rank's received: its columns)
+            return comm.gather_counts(counts_E, self.group, layer=self.layer)
         counts_GL = counts_E.view(self.group_size, self.num_local_experts)
         if self.group_size > 1:
             counts_GL = comm.exchange_counts(counts_GL, self.group, layer=self.layer)
@@ -266,12 +317,18 @@ class AllToAllV(Dispatcher):
         send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
         if not self.moves_rows:
             return DispatchSplits([sum(counts)], [sum(counts)], list(counts), send_GL=send_GL, received_GL=send_GL)
+        sent_GE = None
+        if self.hierarchy is not None:  # `exchange_counts` gathered [G, E]: this rank's columns are its received
+            e, mine = g * l, slice(self.hierarchy.layout.rank * l, (self.hierarchy.layout.rank + 1) * l)
+            sent_GE = [received[i * e : (i + 1) * e] for i in range(g)]
+            received = [c for row in sent_GE for c in row[mine]]
+            received_dev = received_dev.view(g, e)[:, mine]
         blocks = [received[i * l : (i + 1) * l] for i in range(p * g)]  # [(ESP peer,) source] x [L]
         esp_received_PGL = [blocks[q * g : (q + 1) * g] for q in range(p)] if p > 1 else None
         received_GL = blocks if p == 1 else esp_received_PGL[self.esp_rank]
         local_counts = [sum(column) for column in zip(*blocks)]
         to_expert, to_source = (
-            (None, None) if l == 1 else _chunk_permutation(received_dev.view(-1, l), sum(local_counts))
+            (None, None) if l == 1 else _chunk_permutation(received_dev.reshape(-1, l), sum(local_counts))
         )
         return DispatchSplits(
             [sum(row) for row in send_GL],
@@ -282,6 +339,7 @@ class AllToAllV(Dispatcher):
             send_GL=send_GL,
             received_GL=received_GL,
             esp_received_PGL=esp_received_PGL,
+            sent_GE=sent_GE,
         )
 
     def dispatch(self, rows_RH, splits):
@@ -303,12 +361,14 @@ class AllToAllV(Dispatcher):
         return self._send_back(rows, splits)
 
 
-def build_dispatcher(name: str, group, num_experts: int, *, layer: int | None = None, esp_group=None) -> Dispatcher:
+def build_dispatcher(
+    name: str, group, num_experts: int, *, layer: int | None = None, esp_group=None, a2a: str = "linear"
+) -> Dispatcher:
     """`name`: `padded_alltoall` (C rows per expert from every rank, --moe-pad-expert-input-to-capacity) or
     `alltoallv` (exact rows); Megatron-LM's `--moe-token-dispatcher-type alltoall` is either one
-    (`MoELayerConfig.dispatcher` picks)."""
+    (`MoELayerConfig.dispatcher` picks). `a2a`: --moe-a2a-algorithm (linear, 2dh, auto)."""
     dispatcher = {"padded_alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
-    return dispatcher(group, num_experts, layer=layer, esp_group=esp_group)
+    return dispatcher(group, num_experts, layer=layer, esp_group=esp_group, a2a=a2a)
 
 
 def set_backward_overlap(model: torch.nn.Module, overlap) -> None:

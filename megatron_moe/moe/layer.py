@@ -94,7 +94,12 @@ class MoELayer(MegatronModule):
                 "experts (FFNExperts); use --expert-tensor-parallel-size 1"
             )
         self.dispatcher = build_dispatcher(
-            self.cfg.dispatcher, ep_group, self.cfg.num_experts, layer=layer_number, esp_group=esp_group
+            self.cfg.dispatcher,
+            ep_group,
+            self.cfg.num_experts,
+            layer=layer_number,
+            esp_group=esp_group,
+            a2a=self.cfg.a2a_algorithm,
         )
         self.layer_number = layer_number
         self.num_local_experts = self.dispatcher.num_local_experts
@@ -328,6 +333,8 @@ class MoELayer(MegatronModule):
         self.last_shadowed = shadow.experts
         shadowed, first = set(shadow.experts), comm.group_rank(d.group) * local
         received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(first, first + local)]
+        if d.hierarchy is not None:  # 2DH's dispatcher takes every rank's counts [G, E] (its columns: received)
+            received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(num_experts)]
         received_dev = from_host(received, torch.long, routed_E.device)
         splits = d.make_splits(shadow.sent_counts, received_dev, received)
         return row_map, dataclasses.replace(splits, shadow=shadow if shadow.experts else None)
@@ -369,12 +376,14 @@ class MoELayer(MegatronModule):
         """dispatch -> experts -> combine in chunks (`megatron_moe.moe.pipeline`): chunk 0's all-to-all starts
         here, `finish()` runs the rest."""
         d = self.dispatcher
-        links = Links(d.group, d.esp_group, d.layer, d.backward_overlap)
+        links = Links(d.group, d.esp_group, d.layer, d.backward_overlap, route=d.route())
         received_XL = splits.received_GL  # X = (ESP peer p, source g): every peer's under ESP
         if splits.esp_received_PGL is not None:
             received_XL = [row for peer_GL in splits.esp_received_PGL for row in peer_GL]
         counts = row_map.counts if splits.shadow is None else splits.shadow.sent_counts
-        return start_pipeline(rows_RH, self.experts, counts, received_XL, degrees, links, esp_rank=d.esp_rank)
+        return start_pipeline(
+            rows_RH, self.experts, counts, received_XL, degrees, links, esp_rank=d.esp_rank, sent_GE=splits.sent_GE
+        )
 
     def unorder(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
         return self.ordering.decode(rows_RH, row_map)

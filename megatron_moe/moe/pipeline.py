@@ -90,6 +90,8 @@ class Chunk:
     to_source: torch.Tensor | None
     expert_rows: torch.Tensor
     """Where the chunk's rows, in (l, x) order, lie in the r = 1 layout [Q_j]."""
+    pairs: tuple[tuple[int, ...], ...] | None = None
+    """Rows from each EP rank to each in this chunk [G][G], for 2DH (comm/hierarchy.py); None: not needed."""
     whole: bool = False
     """The only chunk (r = 1): `send_rows` and `expert_rows` are the identity, so its rows are the buffers
     themselves, with no gather or copy (`_rows_of`, `_into`): r = 1 here costs what the unpipelined path does."""
@@ -100,11 +102,18 @@ class Chunk:
 
 
 def plan_chunks(
-    send_GL: list[list[int]], received_XL: list[list[int]], r: int, *, esp_rank: int = 0, device=None
+    send_GL: list[list[int]],
+    received_XL: list[list[int]],
+    r: int,
+    *,
+    esp_rank: int = 0,
+    device=None,
+    sent_GE: list[list[int]] | None = None,
 ) -> list[Chunk]:
     """The r chunks of one forward (or backward): `send_GL` rows this rank sends to (g, l), `received_XL` rows
     each source x = (p, g) sends to this rank's ESP group for local expert l (P = 1: this rank's received_GL);
-    the index tensors on `device` (None: the host)."""
+    the index tensors on `device` (None: the host). `sent_GE`: every rank's rows per expert, for each chunk's
+    pairs (2DH); None: no pairs."""
     device = torch.device("cpu") if device is None else device
     g_size, l_size, x_size = len(send_GL), len(send_GL[0]), len(received_XL)
     p_size = x_size // g_size
@@ -136,10 +145,20 @@ def plan_chunks(
                     [parts_XL[x][l] for l, x in lx],
                     device,
                 ),
+                pairs=None if sent_GE is None else _chunk_pairs(sent_GE, l_size, r, j),
                 whole=r == 1,
             )
         )
     return chunks
+
+
+def _chunk_pairs(sent_GE: list[list[int]], l_size: int, r: int, j: int) -> tuple[tuple[int, ...], ...]:
+    """Chunk j's rows from each EP rank to each [G][G]: part j of every (source, expert) block, summed over the
+    destination's local experts (the splits every rank computes for its own row and column, for all pairs)."""
+    return tuple(
+        tuple(sum(part(c, r, j) for c in row[d * l_size : (d + 1) * l_size]) for d in range(len(row) // l_size))
+        for row in sent_GE
+    )
 
 
 def _rows_of(rows: torch.Tensor, index: torch.Tensor, whole: bool) -> torch.Tensor:
@@ -158,25 +177,36 @@ class Links:
     """The pipeline's collectives for one layer: the EP all-to-alls and, with P > 1, the ESP all-gather and
     reduce-scatter (every one through `megatron_moe.comm`)."""
 
-    def __init__(self, ep_group, esp_group, layer: int | None, overlap: comm.BackwardOverlap | None):
+    def __init__(self, ep_group, esp_group, layer: int | None, overlap: comm.BackwardOverlap | None, route=None):
         self.ep_group, self.esp_group, self.layer, self.overlap = ep_group, esp_group, layer, overlap
         self.ep_size, self.esp_size = comm.group_size(ep_group), comm.group_size(esp_group)
+        self.route: comm.Route | None = route
+        """The dispatcher's route without pairs (`Dispatcher.route`); each chunk adds its own pairs (2DH)."""
+
+    def _route(self, chunk: Chunk, *, reverse: bool) -> comm.Route | None:
+        """The route of the chunk's all-to-all to the expert owners, or back (`reverse`)."""
+        route = self.route
+        if route is None:
+            return None
+        if route.two_level:
+            route = dataclasses.replace(route, pairs=chunk.pairs)
+        return route.reversed() if reverse else route
 
     def to_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
         """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners."""
         if self.ep_size == 1:
             return comm.CommHandle(rows_RH)
         send = comm.combine_all_to_all if backward else comm.dispatch_all_to_all  # backward: the combine's reverse
-        splits = (chunk.recv_splits, chunk.send_splits)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward)
+        splits, route = (chunk.recv_splits, chunk.send_splits), self._route(chunk, reverse=False)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
 
     def from_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
         """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
         if self.ep_size == 1:
             return comm.CommHandle(rows_RH)
         send = comm.dispatch_all_to_all if backward else comm.combine_all_to_all
-        splits = (chunk.send_splits, chunk.recv_splits)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward)
+        splits, route = (chunk.send_splits, chunk.recv_splits), self._route(chunk, reverse=True)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
 
     def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
         """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
@@ -411,19 +441,21 @@ def start_pipeline(
     links: Links,
     *,
     esp_rank: int = 0,
+    sent_GE: list[list[int]] | None = None,
 ) -> PipelineStart:
     """The built-in `experts` (`FFNExperts`) on the send buffer `rows_RH` (`counts[e]` rows for global expert
     e), through the EP (and ESP) groups of `links`, in degrees[0] chunks forward and degrees[1] backward;
-    `received_XL`: rows each source x = (p, g) sends this rank's ESP group for each local expert. Every chunk's
-    splits and indices are computed here, and chunk 0's all-to-all starts."""
+    `received_XL`: rows each source x = (p, g) sends this rank's ESP group for each local expert; `sent_GE`: every
+    rank's rows per expert where the transport needs every pair (2DH). Every chunk's splits and indices are
+    computed here, and chunk 0's all-to-all starts."""
     g, l = links.ep_size, experts.num_local_experts
     send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
     forward, backward = degrees
     device = rows_RH.device
-    chunks_f = plan_chunks(send_GL, received_XL, forward, esp_rank=esp_rank, device=device)
+    chunks_f = plan_chunks(send_GL, received_XL, forward, esp_rank=esp_rank, device=device, sent_GE=sent_GE)
     chunks_b = chunks_f
     if backward != forward:
-        chunks_b = plan_chunks(send_GL, received_XL, backward, esp_rank=esp_rank, device=device)
+        chunks_b = plan_chunks(send_GL, received_XL, backward, esp_rank=esp_rank, device=device, sent_GE=sent_GE)
     local_counts = [sum(row[e] for row in received_XL) for e in range(l)]
     run = PipelineRun(
         chunks_f, chunks_b, local_counts, links, experts.gated, experts.keeping, experts.weight_grad_store

@@ -13,11 +13,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_moe import comm
+from megatron_moe.comm.hierarchy import NotHierarchical, node_layout, ranks_per_node
 from megatron_moe.comm.megatron_core import tap_megatron_core
 from megatron_moe.comm.watchdog import HeartbeatStore, Watchdog, job_prefix
 from megatron_moe.config import RunConfig, placement
+from megatron_moe.config.fields import require
+from megatron_moe.config.moe_layer import AUTO
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe.grouped_gemm import kernel_name
+from megatron_moe.overlap import a2a_cost
+from megatron_moe.overlap.degrees import layer_sizes
 from megatron_moe.platform import Platform, init_platform, kernels_in_use
 from megatron_moe.platform.process import default_to_single_process
 from megatron_moe.platform.rng import seed_model_parallel
@@ -51,6 +56,7 @@ def initialize(cfg: RunConfig) -> Platform:
     )
     if cfg.moe.is_moe and cfg.moe.own_layer:  # the MoE layers' planning beside their all-to-alls
         comm.make_planning_groups(parallel_state.get_expert_model_parallel_group(), process_group_timeout(cfg))
+        make_a2a_groups(cfg)
     set_seed(cfg.training.seed)
     if dist.get_rank() == 0:
         log.info("platform: device=%s backend=%s", platform.device, platform.backend)
@@ -60,6 +66,43 @@ def initialize(cfg: RunConfig) -> Platform:
             log.info("%s", placement_line)
         log.info("layout: %s", describe_layout(cfg, expert_placement))
     return platform
+
+
+def make_a2a_groups(cfg: RunConfig) -> None:
+    """--moe-a2a-algorithm 2dh or auto: `choose_a2a`, then the EP group's 2DH groups (comm/hierarchy.py) where 2DH
+    runs. Before the model is built; every rank decides from the same figures (its EP group's layout, the same on
+    every EP group, and the flags), so every rank makes the groups or none does."""
+    algorithm, dims = cfg.moe.moe_a2a_algorithm, cfg.dims(dist.get_world_size())
+    if algorithm == "linear" or dims.ep == 1:
+        return
+    group = parallel_state.get_expert_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    chosen, why = choose_a2a(algorithm, ranks, ranks_per_node(), dims.esp, lambda: layer_sizes(cfg).n_a2a)
+    if dist.get_rank() == 0:
+        log.info("all-to-all: %s runs %s: %s", algorithm, chosen, why)
+    if chosen == "2dh":
+        comm.make_hierarchy_groups(group, process_group_timeout(cfg))
+
+
+def choose_a2a(algorithm: str, ranks: list[int], per_node: int, esp: int, n_a2a) -> tuple[str, str]:
+    """(linear or 2dh, why) for --moe-a2a-algorithm `algorithm` on an EP group of global `ranks` with `per_node`
+    ranks per node (LOCAL_WORLD_SIZE) and ESP `esp`; `n_a2a()`: bytes one rank sends per all-to-all (auto's cost
+    model, overlap/a2a_cost.py). 2dh where it cannot run is refused, naming the flag: an EP group in one node (2DH
+    would change nothing), not node-major with the same ranks on each node, or expert-sharded experts; auto runs
+    linear there."""
+    try:
+        layout = node_layout(ranks, per_node, ranks[0])
+        blocker = None if layout.nodes > 1 else f"the EP group {ranks} lies in one node: 2DH would change nothing"
+    except NotHierarchical as error:
+        layout, blocker = None, str(error)
+    if esp > 1:
+        blocker = f"expert-sharded experts (--expert-tensor-parallel-size={esp}) run the linear all-to-all"
+    if blocker is not None:
+        require(algorithm == AUTO, "--moe-a2a-algorithm", algorithm, f"linear or auto: {blocker}")
+        return "linear", blocker
+    if algorithm == AUTO:
+        return a2a_cost.choose(n_a2a(), layout.nodes, layout.per_node)
+    return "2dh", f"{layout.nodes} nodes x {layout.per_node} ranks"
 
 
 def process_group_timeout(cfg: RunConfig) -> datetime.timedelta:
@@ -81,12 +124,6 @@ def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
         store=HeartbeatStore(job_prefix()),
         rank=dist.get_rank(),
     ).start()
-
-
-def ranks_per_node(world: int) -> int:
-    """Ranks on this rank's node: torchrun's LOCAL_WORLD_SIZE (its --nproc-per-node; ranks are numbered node by
-    node), the whole world where it is not set (one process, or a launcher that does not say)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def describe_layout(cfg: RunConfig, expert_placement: str = "e+d") -> str:
@@ -117,6 +154,7 @@ def shutdown(destroy_process_group: bool = True) -> None:
         comm.barrier("shutdown")
         parallel_state.destroy_model_parallel()
         comm.forget_planning_groups()
+        comm.forget_hierarchies()
         if destroy_process_group:
             dist.destroy_process_group()
         else:
