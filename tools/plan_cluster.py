@@ -49,14 +49,13 @@ from megatron_moe.planning.hardware import (
     compute_for,
 )
 from megatron_moe.planning.model import POLICIES, Layout, Shape
-from megatron_moe.planning.search import check_layout, search
+from megatron_moe.planning.search import check_layout, search, variants
 from megatron_moe.planning.step import Prediction, predict_step
 from megatron_moe.training.flops import flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PENDING_FLAGS = ("--expert-placement", "--moe-a2a-algorithm")
-"""Flags the planner prints for layouts with EP > 1 that the trainer takes from issue 30's placement and
-all-to-all work (e+d and linear are what runs without them)."""
+PLACEMENT_FLAGS = ("--expert-placement", "--moe-a2a-algorithm")
+"""The flags the planner prints for layouts with EP > 1 (docs/placement.md; docs/overlap.md, 2DH)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -225,15 +224,6 @@ def profile_warnings(cluster: Cluster, best: list[Prediction]) -> list[str]:
     ]
 
 
-def _setting(cfg: RunConfig, name: str, default: str) -> str:
-    """A flag of the placement / all-to-all work where the trainer has it, else what runs without it."""
-    for group in ("parallel", "moe"):
-        value = getattr(getattr(cfg, group), name, None)
-        if value is not None:
-            return str(value)
-    return default
-
-
 def given_layout(cfg: RunConfig, world: int) -> tuple[Layout | None, str | None]:
     """The layout the model's own flags ask for on `world` ranks, or None and why not."""
     p = cfg.parallel
@@ -255,14 +245,28 @@ def given_layout(cfg: RunConfig, world: int) -> tuple[Layout | None, str | None]
         esp=p.expert_tensor_parallel_size or 1,
         dp=world // model,
         micro_batch=cfg.training.micro_batch_size,
-        placement=_setting(cfg, "expert_placement", "e+d"),
-        a2a=_setting(cfg, "moe_a2a_algorithm", "linear"),
+        placement=p.expert_placement,  # auto: resolved by `resolve_auto`
+        a2a=moe.moe_a2a_algorithm,
         activations=policy,
         degrees=tuple(int(r) for r in degrees) if fixed else None,
         overlap_dp=p.overlap_grad_reduce or adaptive,
         distributed_optimizer=p.use_distributed_optimizer,
     )
     return lay, None
+
+
+def resolve_auto(given: Layout, predict, gpus_per_node: int) -> Layout:
+    """The model's own layout with --expert-placement / --moe-a2a-algorithm auto taken as the faster of the
+    choices they leave open, by the planner's prediction (`predict`: layout -> Prediction). The runtime's auto
+    rules are simpler (placement: bytes across nodes; 2DH: messages and bytes), so this is what auto could reach."""
+    if "auto" not in (given.placement, given.a2a):
+        return given
+    options = [
+        v
+        for v in variants(given, gpus_per_node, [given.activations])
+        if given.placement in ("auto", v.placement) and given.a2a in ("auto", v.a2a)
+    ]
+    return min(options, key=lambda v: predict(v).step_ms)
 
 
 def layout_flags(cfg: RunConfig, pred: Prediction, variables: Sequence[str] = ()) -> tuple[dict, list[str], list[str]]:
@@ -285,7 +289,7 @@ def layout_flags(cfg: RunConfig, pred: Prediction, variables: Sequence[str] = ()
         env[name] = flags[at + 1]
         del flags[at : at + 2]
     if lay.ep > 1:
-        flags += [PENDING_FLAGS[0], lay.placement, PENDING_FLAGS[1], lay.a2a]
+        flags += [PLACEMENT_FLAGS[0], lay.placement, PLACEMENT_FLAGS[1], lay.a2a]
         if cfg.moe.own_layer and pred.moe is not None:
             forward, backward = pred.moe.degrees
             flags += ["--moe-pipeline-degree", str(forward), "--moe-bp-pipeline-degree", str(backward)]
@@ -406,6 +410,7 @@ def plan(args: argparse.Namespace, trainer_argv: list[str]) -> tuple[dict, list[
     fpt = flops_per_token(cfg, shape.padded_vocab(1))
     given, why_not = given_layout(cfg, cluster.world)
     if given is not None:
+        given = resolve_auto(given, lambda v: predict_step(shape, v, cluster, compute, fpt), cluster.gpus_per_node)
         why_not = check_layout(cfg, shape, given)
     given_pred = predict_step(shape, given, cluster, compute, fpt) if why_not is None else None
     require(not args.given_only or given_pred is not None, "--given-only", True, f"a valid layout ({why_not})")

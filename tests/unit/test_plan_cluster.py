@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from megatron_moe.config import build_parser, parse_args
+from megatron_moe.config import parse_args
 from megatron_moe.overlap.cost_model import ClusterFits
 from megatron_moe.planning.hardware import GIB, GroupShape, Measured, build_cluster, compute_for, efficiency_shape
 from megatron_moe.planning.model import Layout, Shape, memory_per_gpu
@@ -221,15 +222,13 @@ def test_the_tool_plans_mixtral_on_64_h100s(capsys):
     flags = document["best_flags"]
     assert document["best_env"]["TP"] == str(layouts[0]["tp"])
     assert flags[flags.index("--expert-tensor-parallel-size") + 1] == str(layouts[0]["esp"])
-    # The flags start the trainer's checks on 64 ranks (the placement / all-to-all flags where it has them).
-    known = build_parser()._option_string_actions
-    pending = [i for i, f in enumerate(flags) if f in plan_tool.PENDING_FLAGS and f not in known]
-    kept = [f for i, f in enumerate(flags) if i not in pending and i - 1 not in pending]
+    # The flags pass the trainer's checks on 64 ranks, the placement and all-to-all algorithm included.
     script = plan_tool.script_flags("examples/pretrain_mixtral_8x7b.sh", 8, 8, document["best_env"])
     assert set(document["best_env"]) == {"TP", "PP", "EP"}  # the example reads them (and sets SP from TP)
-    cfg = parse_args([*script, *kept])
+    cfg = parse_args([*script, *flags])
     cfg.validate(64)
     assert cfg.parallel.expert_model_parallel_size == layouts[0]["ep"]
+    assert (cfg.parallel.expert_placement, cfg.moe.moe_a2a_algorithm) == (layouts[0]["placement"], layouts[0]["a2a"])
 
     assert plan_tool.main([*MIXTRAL, "--gpu", "h100", "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -284,3 +283,22 @@ def test_a_cpu_cluster_measures_its_rate(capsys):
     assert json.loads(capsys.readouterr().out)["gemm_tflops"] > 0
     assert plan_tool.main([*tiny, "--gpu", "h100", "--gemm-tflops", "measure"]) == 2
     assert "--gemm-tflops=measure" in capsys.readouterr().err
+
+
+def test_auto_in_the_models_own_flags_is_the_faster_of_the_choices_it_leaves_open():
+    """2 nodes x 2: EP=2, expert-DP=2 leaves e+d and d+e open; under d+e the EP group crosses with one rank per
+    node, so 2DH changes nothing there and only linear is costed."""
+    lay = Layout(tp=1, pp=1, vpp=1, ep=2, esp=1, dp=4, micro_batch=1, placement="auto", a2a="auto")
+    costed = []
+
+    def predict(v):
+        costed.append((v.placement, v.a2a))
+        return SimpleNamespace(step_ms={"e+d": 2.0, "d+e": 1.0}[v.placement])
+
+    chosen = plan_tool.resolve_auto(lay, predict, gpus_per_node=2)
+    assert (chosen.placement, chosen.a2a) == ("d+e", "linear") and sorted(costed) == [
+        ("d+e", "linear"),
+        ("e+d", "linear"),
+    ]
+    fixed = dataclasses.replace(lay, placement="e+d", a2a="linear")
+    assert plan_tool.resolve_auto(fixed, predict, gpus_per_node=2) is fixed
