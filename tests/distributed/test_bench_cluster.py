@@ -58,7 +58,7 @@ def test_the_baseline_plan_alternates_layouts_rates_and_policies():
     assert bench_step._flag(small, "--ddp-bucket-size") == str(bench_step.SMALL_BUCKET)
     assert bench_step._flag(small, "--grad-reduce-schedule") == "megatron"
     assert bench_step._flag(bench_step.trainer_flags("2x1", 3, ("D", "T"), None, "adaptive"), "--grad-reduce-schedule")
-    assert bench_step.cluster_of("2x2dp") == (2, 2) and bench_step.layout_name("2x2dp") == "2x2dp EP=2 DP=4"
+    assert bench_step.cluster_of("2x2dp") == (2, 2) and bench_step.layout_name("2x2dp") == "2x2dp EP=2 DP=4 e+d"
     assert bench_step._flag(flags, "--expert-model-parallel-size") == "4"
     assert bench_step._flag(flags, "--global-batch-size") == str(4 * int(bench_step._flag(flags, "--micro-batch-size")))
 
