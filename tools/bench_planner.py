@@ -3,6 +3,7 @@
     python -m tools.bench_planner --data-dir data                     # every configuration of `CONFIGS`
     python -m tools.bench_planner --only 2x1_ep2_1g 2x2_esp2_1g --steps 4 --warmup 2
     python -m tools.bench_planner --ranking 2x2@1                     # also the planner's top 3 on 2x2 at 1 Gbit/s
+    python -m tools.bench_planner --replay out.jsonl                  # a saved run's measurements, re-predicted
 
 Each configuration of `CONFIGS` (2x1, 2x2, 4x1 and 4x2 emulated nodes; EP, ESP, PP and DP across the link; at 0.5
 and 1 Gbit/s) trains the small model of `MODEL` (tools/bench_step.py's, micro-batches of 2) for `--steps` steps on
@@ -16,8 +17,11 @@ calibrated once at the start, nothing per configuration:
 
 1. the GEMM rate: one thread's 1024^3 matmul (`measure_cpu_tflops`, the median of `GEMM_SAMPLES`), each cluster
    getting it times min(1, cores / processes), as `--gemm-tflops measure` does;
-2. `--compute-overhead` (the layer's time over its GEMMs', 1.25 on an H200): fitted to one process training the
-   model here (`CALIBRATION`, no communication; `calibrate_overhead`). The rows also give the prediction at 1.25.
+2. `--compute-overhead` (the layer's time over its GEMMs', 1.25 on an H200): fitted to one node's two processes
+   training the model here (`CALIBRATION`, no shaped link; `calibrate_overhead`). The rows also give the
+   prediction at 1.25;
+3. `--host-cores`: this host's cores, which every emulated node's processes share (a pipeline stage waiting in
+   the bubble lends its core to the busy one).
 
 Output, one JSON line per configuration (`row`): `config`, `cluster`, `link_gbit`, `layout`, `predicted_ms`,
 `measured_ms`, `ratio` (predicted / measured), `within` (|ratio - 1| <= `TOLERANCE`), `predicted_breakdown_ms`
@@ -27,6 +31,11 @@ prediction at the default overhead. Then a `summary` line (`summary`): rows with
 rate and the overhead. With `--ranking NxK@GBIT`, the planner's top `RANKED` distinct layouts for that cluster are
 run with the flags it prints for them (the trainer's overlap defaults) and a `ranking` line (`ranking`) says
 whether its #1 is within `RANK_TOLERANCE` of the best measured.
+
+`--replay FILE` trains nothing: it reads a saved run's lines (its calibration, rows and ranking) and predicts them
+again with the planner as it is now (the overhead refitted to the saved calibration job), printing the same lines.
+The ranking is replayed only where the planner's top `RANKED` are still the layouts that run measured (`replay`).
+A model change is judged on measurements it did not see; a new run is still what a claim rests on.
 """
 
 from __future__ import annotations
@@ -57,8 +66,12 @@ OFF = [
 ]  # fmt: skip
 DEFAULT_OVERHEAD = 1.25
 """The planner's --compute-overhead default (measured on an H200)."""
-CALIBRATION = "1x1"
-"""The host's calibration job: one process, no communication (`calibrate_overhead`)."""
+CALIBRATION = "1x2"
+CALIBRATION_PARALLEL = ("--expert-model-parallel-size", "2")
+"""The host's calibration job (`calibrate_overhead`): one node's two processes, EP = DP = 2 over its loopback, no
+shaped link. Every core busy and the parallel code paths (dispatch, gradient buffers) taken, as in the
+configurations; one process alone leaves a core idle and skips them (its overhead, 1.68, predicted these jobs'
+compute 0.70x)."""
 SMALL = ["--micro-batch-size", "2"]
 """MODEL at half its micro-batch: 512 tokens per rank and micro-batch, so 8 processes on 2 cores stay short."""
 EXPOSED_TERMS = {"ep": ("a2a_", "esp_", "shadow"), "dp": ("dp_",), "tp": ("tp",), "pp": ("pp_",)}
@@ -122,6 +135,7 @@ def planner_argv(
 ) -> list[str]:
     nodes, procs = parse_cluster(cluster)
     argv = ["--nodes", str(nodes), "--gpus-per-node", str(procs), "--gpu", "cpu", "--gemm-tflops", repr(rate)]
+    argv += ["--host-cores", str(os.cpu_count() or 1)]  # every emulated node's processes share this host
     argv += ["--compute-overhead", repr(overhead)]
     # tc shapes a node's link, which its processes share; the planner's rate is per GPU
     argv += ["--inter-node-gbit", repr(link_gbit / procs), "--vocab-size", str(VOCAB), "--policies", "none"]
@@ -141,7 +155,7 @@ def predict(
 
 
 def calibrate_overhead(measured_ms: float, predicted: dict, overhead: float = DEFAULT_OVERHEAD) -> float:
-    """The --compute-overhead that makes the planner's step of the one-process job (`predicted`, its `row` at
+    """The --compute-overhead that makes the planner's step of the calibration job (`predicted`, its `row` at
     `overhead`) equal the measured one: the compute term scales with it, the rest (the optimizer) does not. One
     figure for the host (its layer time over its GEMMs' at the measured GEMM rate), fitted once, outside the
     validated configurations."""
@@ -229,6 +243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     names = [c.name for c in CONFIGS]
     p.add_argument("--only", nargs="+", choices=names, default=names, help="configurations to run")
     p.add_argument("--ranking", nargs="*", default=[], help="clusters NxK@GBIT whose planner top 3 to run")
+    p.add_argument("--replay", help="a saved run's JSON lines: re-predict them, train nothing")
     add_case_arguments(p)
     p.set_defaults(steps=4, warmup=2, rounds=1)
     args = p.parse_args(argv)
@@ -255,6 +270,10 @@ def run(cluster: EmulatedCluster, spec: str, link_gbit: float, flags: list[str],
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replay:
+        for line in replay(args.replay, args.steps):
+            print(json.dumps(line), flush=True)
+        return 0
     data = prepare_data(args.data_dir)
     cores = os.cpu_count() or 1
     gemm = measure_gemm_tflops()
@@ -278,13 +297,15 @@ def main(argv=None) -> int:
 
 
 def calibrate(gemm: float, args, data) -> dict:
-    """Run the model on one process (`CALIBRATION`) and fit the host's --compute-overhead to it."""
-    flags = model_flags(CALIBRATION, args.steps, data, [], off=False)  # nothing to overlap on one process
-    document, _, _ = predict(CALIBRATION, 1.0, gemm, flags)
+    """Run the model on `CALIBRATION` and fit the host's --compute-overhead to it."""
+    flags = model_flags(CALIBRATION, args.steps, data, list(CALIBRATION_PARALLEL))
+    n, procs = parse_cluster(CALIBRATION)
+    document, _, _ = predict(CALIBRATION, 1.0, cluster_rate(gemm, n * procs, os.cpu_count() or 1), flags)
     with EmulatedCluster(1, 1.0) as cluster:
         history = run(cluster, CALIBRATION, 1.0, flags, args.rounds)
     measured = statistics.median(h["step_ms"] for h in history[args.warmup :])
     return {
+        "calibration": calibration_job(),
         "calibration_measured_ms": round(measured, 1),
         "calibration_predicted_ms_default_overhead": round(document["given"]["step_ms"], 1),
         "compute_overhead": round(calibrate_overhead(measured, document["given"]), 3),
@@ -348,6 +369,78 @@ def rank_cluster(cluster: EmulatedCluster, spec: str, link_gbit: float, gemm: fl
                 "measured_step_ms_all": [round(s, 1) for s in steps],
             }
         )
+    return ranking(spec, link_gbit, candidates)
+
+
+def replay(path: str, steps: int) -> list[dict]:
+    """The lines of the saved run at `path` (its calibration line first), predicted by the planner as it is now."""
+    with open(path) as f:
+        saved = [json.loads(line) for line in f if line.strip()]
+    head = saved[0]
+    require_keys = ("gemm_tflops_one_thread", "cores", "calibration", "calibration_measured_ms")
+    if not all(k in head for k in require_keys):
+        raise SystemExit(f"--replay={path}: its first line lacks {', '.join(require_keys)}; give a bench_planner run")
+    if head["calibration"] != calibration_job():
+        raise SystemExit(f"--replay={path}: calibrated on {head['calibration']}, this planner on {calibration_job()}")
+    gemm, cores = head["gemm_tflops_one_thread"], head["cores"]
+    data = ("data_text_document", "tokenizer.model")  # the planner reads the flags, not the files
+    n, procs = parse_cluster(CALIBRATION)
+    flags = model_flags(CALIBRATION, steps, data, list(CALIBRATION_PARALLEL))
+    calibration = predict(CALIBRATION, 1.0, cluster_rate(gemm, n * procs, cores), flags)[0]["given"]
+    overhead = calibrate_overhead(head["calibration_measured_ms"], calibration)
+    out = [{**head, "compute_overhead": round(overhead, 3), "replayed": path}]
+    rows = []
+    configs = {c.name: c for c in CONFIGS}
+    for line in saved[1:]:
+        if line.get("config") in configs and "measured_ms" in line:
+            config = configs[line["config"]]
+            n, procs = parse_cluster(config.cluster)
+            rate = cluster_rate(gemm, n * procs, cores)
+            flags = model_flags(config.cluster, steps, data, list(config.parallel))
+            given = predict(config.cluster, config.link_gbit, rate, flags, overhead=overhead)[0]["given"]
+            rows.append(replayed_row(line, given))
+            out.append(rows[-1])
+        elif "ranking" in line:
+            out.append(replay_ranking(line, gemm, cores, steps, overhead))
+    if rows:
+        out.insert(len(rows) + 1, summary(rows, gemm, cores, overhead))
+    return out
+
+
+def calibration_job() -> str:
+    return " ".join([CALIBRATION, *CALIBRATION_PARALLEL])
+
+
+def replayed_row(saved: dict, predicted: dict) -> dict:
+    """A saved `row` with the prediction made again; the measured fields are the saved ones."""
+    ratio = predicted["step_ms"] / saved["measured_ms"]
+    return {
+        **saved,
+        "predicted_ms": round(predicted["step_ms"], 1),
+        "ratio": round(ratio, 3),
+        "within": abs(ratio - 1) <= TOLERANCE,
+        "predicted_breakdown_ms": {k: round(v, 1) for k, v in predicted["breakdown_ms"].items()},
+    }
+
+
+def replay_ranking(saved: dict, gemm: float, cores: int, steps: int, overhead: float) -> dict:
+    """The saved ranking, where the planner's top `RANKED` (labels and flags) are still the layouts it measured."""
+    from megatron_moe.config import parse_args as parse_run_args
+    from tools.plan_cluster import layout_flags
+    from tools.plan_cluster import row as plan_row
+
+    spec, _, rest = saved["ranking"].partition(" at ")
+    link_gbit = float(rest.split()[0])
+    n, procs = parse_cluster(spec)
+    base = model_flags(spec, steps, ("data_text_document", "tokenizer.model"), [], off=False)
+    rate = cluster_rate(gemm, n * procs, cores)
+    _, best, _ = predict(spec, link_gbit, rate, base, given_only=False, overhead=overhead)
+    cfg = parse_run_args(base)
+    now = [(label(plan_row(pred)), layout_flags(cfg, pred)[1], pred.step_ms) for pred in best]
+    was = [(c["label"], c["flags"]) for c in saved["candidates"]]
+    if [(lab, flags) for lab, flags, _ in now] != was:
+        return {"ranking": saved["ranking"], "within": None, "replayed": "the planner's top 3 changed: run it again"}
+    candidates = [{**c, "predicted_ms": round(ms, 1)} for c, (_, _, ms) in zip(saved["candidates"], now)]
     return ranking(spec, link_gbit, candidates)
 
 

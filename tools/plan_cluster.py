@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1.25,
         help="a layer's time over its GEMMs' (norms, routing, permutes; 1.25 measured on an H200)",
     )
+    cluster.add_argument(
+        "--host-cores",
+        type=int,
+        default=0,
+        help="with --gpu cpu: the cores the emulated cluster's processes share (a stage waiting in the pipeline's "
+        "bubble lends them to the busy one); 0: this host's with --gemm-tflops measure, else none shared",
+    )
     cluster.add_argument("--intra-node-gbit", type=float, help="NVLink per GPU per direction (default the preset's)")
     cluster.add_argument("--inter-node-gbit", type=float, help="the NIC per GPU per direction (default the preset's)")
     cluster.add_argument("--intra-node-alpha-ms", type=float, default=INTRA_ALPHA_MS, help="one message's start-up")
@@ -169,7 +176,8 @@ def cluster_and_compute(args: argparse.Namespace, dtype: str):
     rate = gemm_tflops(args, dtype)
     if rate is None and measured is not None:
         rate = measured.gemm_tflops
-    compute = compute_for(cluster.gpu, dtype, rate, args.compute_overhead)
+    cores = args.host_cores or (os.cpu_count() or 1 if args.gemm_tflops == "measure" else 0)
+    compute = compute_for(cluster.gpu, dtype, rate, args.compute_overhead, cores)
     if measured is not None:
         cluster = dataclasses.replace(cluster, measured=measured)
         compute = dataclasses.replace(compute, flat=True)
@@ -367,6 +375,7 @@ def explain(pred: Prediction, compute_tflops: float) -> dict[str, str]:
     """Each term of the step with how it was made (`megatron_moe.planning.model`'s formula)."""
     lay, b, per, m = pred.layout, pred.breakdown, pred.per_microbatch, pred.microbatches
     t = sum(per.values())
+    speedup = (lay.pp - 1) / lay.vpp * t / b["bubble"] if b["bubble"] > 0 else 1.0
     moe = pred.moe
     ep = (
         f"{m} micro-batches x {per['ep']:.2f} ms: per MoE layer {moe.exposed_forward_ms:.3f} forward + "
@@ -381,7 +390,8 @@ def explain(pred: Prediction, compute_tflops: float) -> dict[str, str]:
         "compute": f"{b['compute']:.1f} ms = {m} x {per['compute']:.2f} ms (GEMMs at up to {compute_tflops:.4g} "
         "TFLOP/s by size, x the overhead; backward 2x forward"
         + (", a second forward for full recompute)" if lay.activations == "full" else ")"),
-        "bubble": f"{b['bubble']:.1f} ms = ({lay.pp} - 1) / {lay.vpp} x {t:.2f}",
+        "bubble": f"{b['bubble']:.1f} ms = ({lay.pp} - 1) / {lay.vpp} x {t:.2f}"
+        + (f" / {speedup:.3g} (the busy stage on the waiting ones' cores)" if abs(speedup - 1.0) > 1e-9 else ""),
         "ep": f"{b['ep']:.1f} ms = {ep}",
         "tp": f"{b['tp']:.1f} ms = {m} x {per['tp']:.2f} ms (SP all-gather + reduce-scatter, not overlapped)",
         "pp": f"{b['pp']:.1f} ms = {m} x {per['pp']:.2f} ms (a send each way per model chunk)",

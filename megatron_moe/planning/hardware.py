@@ -156,6 +156,16 @@ class Compute:
     layer at Mixtral shapes (hidden 4096, FFN 14336, 8 experts top-2, 16384 tokens, bf16) ran forward + backward
     in 40.6 ms on one H200 against a 32.5 ms floor of its GEMMs at the measured rates (1.25)."""
     hbm_tbps: float = 3.35
+    host_cores: int = 0
+    """0: every GPU computes on its own. Else the processes of the whole cluster share this many cores of one host
+    (the `cpu` entry, an emulated cluster): `large_gemm_tflops` is a process's rate with all of them busy."""
+
+    def busy_rate(self, processes: int, busy: int) -> float:
+        """A busy process's speed-up when only `busy` of the cluster's `processes` compute, the others waiting (a
+        pipeline stage in the bubble): the waiting ones give their cores to the busy ones (1.0 on GPUs)."""
+        if not self.host_cores:
+            return 1.0
+        return min(1.0, self.host_cores / busy) / min(1.0, self.host_cores / processes)
 
     def gemm_ms(self, flops: float, call_flops: float | None = None) -> float:
         """ms of `flops` of GEMM work done in calls of `call_flops` each (default: one call), overhead included."""
@@ -168,8 +178,9 @@ class Compute:
         return nbytes / (self.hbm_tbps * 1e12) * 1e3
 
 
-def compute_for(gpu: GpuSpec, dtype: str, gemm_tflops: float | None, overhead: float) -> Compute:
-    """The preset's rate for `dtype` ("bf16", "fp16", "fp32"), or `gemm_tflops` where given (needed for cpu)."""
+def compute_for(gpu: GpuSpec, dtype: str, gemm_tflops: float | None, overhead: float, host_cores: int = 0) -> Compute:
+    """The preset's rate for `dtype` ("bf16", "fp16", "fp32"), or `gemm_tflops` where given (needed for cpu);
+    `host_cores`: the cores an emulated cluster's processes share (`Compute.host_cores`, cpu only)."""
     require(dtype in ("bf16", "fp16", "fp32"), "dtype", dtype, "bf16, fp16 or fp32")
     if gemm_tflops is None:
         require(not gpu.flat_rate, "--gemm-tflops", None, f"--gpu {gpu.name} has no data sheet: give its rate")
@@ -177,7 +188,15 @@ def compute_for(gpu: GpuSpec, dtype: str, gemm_tflops: float | None, overhead: f
         gemm_tflops = peak * BEST_EFFICIENCY
     require(gemm_tflops > 0, "--gemm-tflops", gemm_tflops, "a rate > 0 in TFLOP/s, e.g. 700")
     require(overhead >= 1.0, "--compute-overhead", overhead, "a factor >= 1, e.g. 1.25")
-    return Compute(large_gemm_tflops=gemm_tflops, flat=gpu.flat_rate, overhead=overhead, hbm_tbps=gpu.hbm_tbps)
+    require(host_cores >= 0, "--host-cores", host_cores, "the host's cores, e.g. 2 (0: each GPU its own)")
+    require(not host_cores or gpu.flat_rate, "--host-cores", host_cores, "0 with a GPU preset (cpu only)")
+    return Compute(
+        large_gemm_tflops=gemm_tflops,
+        flat=gpu.flat_rate,
+        overhead=overhead,
+        hbm_tbps=gpu.hbm_tbps,
+        host_cores=host_cores,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -197,10 +197,16 @@ def stage_microbatch(
 
 
 def per_microbatch(shape: Shape, lay: Layout, cluster: Cluster, compute: Compute) -> tuple[dict, MoETimes | None]:
-    """The slowest stage's `stage_microbatch` (every stage runs at its pace), and the MoE layer's times."""
+    """The slowest stage's `stage_microbatch` (every stage runs at its pace), and the MoE layer's times. On a
+    host whose cores all the processes share (`Compute.host_cores`, fewer than the processes), a stage with less
+    work waits for its neighbours and lends them its core time: the pipeline computes at the stages' mean pace
+    (its waits on links do not pool)."""
     moe = moe_times(shape, lay, cluster, compute) if any(shape.moe_pattern) else None
     stages = [stage_microbatch(shape, lay, cluster, compute, s, moe) for s in range(lay.pp)]
-    return max(stages, key=lambda parts: sum(parts.values())), moe
+    slowest = max(stages, key=lambda parts: sum(parts.values()))
+    if 0 < compute.host_cores < lay.world:
+        slowest = {**slowest, "compute": sum(s["compute"] for s in stages) / lay.pp}
+    return slowest, moe
 
 
 def dp_ms(shape: Shape, lay: Layout, cluster: Cluster, window_bwd_ms: float, window_fwd_ms: float) -> float:
@@ -231,7 +237,8 @@ def predict_step(
     m = shape.global_batch // (lay.micro_batch * lay.dp)
     parts, moe = per_microbatch(shape, lay, cluster, compute)
     t = sum(parts.values())
-    bubble = (lay.pp - 1) / lay.vpp * t
+    # in the bubble one stage's processes compute; on a shared host (cpu) they run faster on the idle ones' cores
+    bubble = (lay.pp - 1) / lay.vpp * t / compute.busy_rate(lay.world, lay.world // lay.pp)
     backward_share = 2 / (3 if lay.activations != "full" else 4)
     dp = dp_ms(shape, lay, cluster, parts["compute"] * backward_share, parts["compute"] / 3)
     dense, expert = max((stage_params(shape, lay, s) for s in range(lay.pp)), key=sum)

@@ -1,5 +1,7 @@
 """tools/bench_planner.py's row, summary and ranking logic, and its configurations (no training)."""
 
+import json
+
 import pytest
 
 from tools import bench_planner as bp
@@ -90,3 +92,44 @@ def test_calibrated_overhead_reproduces_the_measured_one_process_step():
 def test_the_node_link_is_shared_by_its_processes():
     argv = bp.planner_argv("2x2", 1.0, 0.05)
     assert argv[argv.index("--inter-node-gbit") + 1] == "0.5"
+
+
+def test_replay_predicts_a_saved_run_again_and_keeps_its_measurements(tmp_path):
+    config = bp.CONFIGS[2]
+    head = {"gemm_tflops_one_thread": 0.05, "cores": 2, "calibration": bp.calibration_job()}
+    head["calibration_measured_ms"] = 900.0
+    measured = {"measured_ms": 2000.0, "measured_exposed_ms": {"ep": 1.0}, "measured_step_ms_all": [1990.0, 2010.0]}
+    saved_row = {"config": config.name, "predicted_ms": 1.0, "ratio": 0.0005, "within": False, **measured}
+    stale = {"ranking": "2x2 at 1 Gbit/s", "candidates": [{"label": "TP9", "flags": [], "measured_ms": 1.0}]}
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in (head, saved_row, stale)) + "\n")
+
+    out = bp.replay(str(path), steps=4)
+    assert [line.get("config") or line.get("summary") or line.get("ranking") for line in out[1:]] == [
+        config.name, "planner vs measured step", "2x2 at 1 Gbit/s",
+    ]  # fmt: skip
+    # the overhead refitted to the saved calibration job, the row predicted as a fresh run would
+    data = ("data_text_document", "tokenizer.model")
+    calibration = bp.predict(
+        bp.CALIBRATION, 1.0, 0.05, bp.model_flags(bp.CALIBRATION, 4, data, list(bp.CALIBRATION_PARALLEL))
+    )[0]["given"]
+    overhead = bp.calibrate_overhead(900.0, calibration)
+    assert out[0]["compute_overhead"] == round(overhead, 3)
+    nodes, procs = bp.parse_cluster(config.cluster)
+    flags = bp.model_flags(config.cluster, 4, data, list(config.parallel))
+    rate = bp.cluster_rate(0.05, nodes * procs, 2)
+    fresh = bp.predict(config.cluster, config.link_gbit, rate, flags, overhead=overhead)
+    row = out[1]
+    assert row["predicted_ms"] == round(fresh[0]["given"]["step_ms"], 1) != 1.0
+    assert row["ratio"] == round(row["predicted_ms"] / 2000.0, 3)
+    assert {k: row[k] for k in measured} == measured
+    assert out[2]["within"] == row["within"] and out[2]["rows"] == 1
+    assert out[3]["within"] is None  # the planner's top 3 are not the saved candidates: not replayed
+
+
+def test_replay_refuses_a_run_calibrated_otherwise(tmp_path):
+    path = tmp_path / "run.jsonl"
+    head = {"gemm_tflops_one_thread": 0.05, "cores": 2, "calibration": "1x1", "calibration_measured_ms": 600.0}
+    path.write_text(json.dumps(head) + "\n")
+    with pytest.raises(SystemExit, match="calibrated on 1x1"):
+        bp.replay(str(path), steps=4)

@@ -14,7 +14,7 @@ from megatron_moe.overlap.cost_model import ClusterFits
 from megatron_moe.planning.hardware import GIB, GroupShape, Measured, build_cluster, compute_for, efficiency_shape
 from megatron_moe.planning.model import Layout, Shape, memory_per_gpu
 from megatron_moe.planning.search import check_layout, search
-from megatron_moe.planning.step import groups, moe_times, predict_step
+from megatron_moe.planning.step import groups, moe_times, predict_step, stage_microbatch
 from megatron_moe.training.flops import flops_per_token
 from tests.conftest import load_tool
 
@@ -132,6 +132,27 @@ def test_the_bubble_is_p_minus_1_over_m_v_of_the_work():
         work = m * t
         assert pred.breakdown["bubble"] == pytest.approx((pp - 1) / (m * vpp) * work)
         assert pred.per_microbatch["pp"] == pytest.approx(2 * vpp * 32 * 64 * 4 * 1e-6)  # a send each way per chunk
+
+
+def test_on_a_shared_host_the_bubble_runs_on_the_waiting_stages_cores():
+    # 4 processes on 2 cores (an emulated cluster): all busy, each runs at half a core, so t is twice one core's;
+    # in the bubble one stage's 2 processes compute, a core each: the bubble takes half of (p - 1) t.
+    cfg, shape, cluster, compute = _tiny(gpus=4, num_layers=8, global_batch_size=8)
+    shared = dataclasses.replace(compute, host_cores=2)
+    assert compute.busy_rate(4, 2) == 1.0 and shared.busy_rate(4, 2) == 2.0 and shared.busy_rate(4, 1) == 2.0
+    assert shared.busy_rate(2, 1) == 1.0  # a core each already
+    fpt = flops_per_token(cfg, 128)
+    lay = Layout(tp=1, pp=2, vpp=1, ep=1, esp=1, dp=2, micro_batch=1)
+    own, lent = (predict_step(shape, lay, cluster, c, fpt) for c in (compute, shared))
+    t = sum(lent.per_microbatch.values())
+    assert lent.breakdown["bubble"] == pytest.approx(t / 2) and own.breakdown["bubble"] > 0
+    # the last stage also runs the output layer: its own GPUs wait on it, a shared host's cores run the mean stage
+    first, last = (stage_microbatch(shape, lay, cluster, compute, s, own.moe) for s in (0, 1))
+    assert last["compute"] > first["compute"]
+    assert own.per_microbatch == last
+    assert lent.per_microbatch == {**last, "compute": pytest.approx((first["compute"] + last["compute"]) / 2)}
+    with pytest.raises(Exception, match="--host-cores"):
+        compute_for(build_cluster(nodes=1, gpus_per_node=8, gpu="h100").gpu, "bf16", None, 1.25, host_cores=2)
 
 
 def test_a_layout_that_does_not_fit_in_memory_is_left_out():
