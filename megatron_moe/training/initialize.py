@@ -42,7 +42,8 @@ def initialize(cfg: RunConfig) -> Platform:
         dist.init_process_group(backend=platform.backend, timeout=process_group_timeout(cfg))
     cfg.validate(dist.get_world_size())
     dims = cfg.dims(dist.get_world_size())
-    expert_placement, placement_line = placement.resolve(cfg, dims.world, ranks_per_node(dims.world))
+    per_node = ranks_per_node(dims.world)
+    expert_placement, placement_line = placement.resolve(cfg, dims.world, per_node)
     parallel_state.initialize_model_parallel(
         distributed_timeout_minutes=process_group_timeout(cfg) / datetime.timedelta(minutes=1),
         tensor_model_parallel_size=dims.tp,
@@ -61,8 +62,8 @@ def initialize(cfg: RunConfig) -> Platform:
         log.info("platform: device=%s backend=%s", platform.device, platform.backend)
         kernels = kernels_in_use() | {"expert_gemm": kernel_name(platform.device.type, params_dtype(cfg))}
         log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernels.items()))
-        if cfg.moe.is_moe and dims.ep > 1:
-            log.info("%s", placement_line)
+        if cfg.moe.is_moe and dims.ep > 1 and (per_node < dims.world or cfg.parallel.expert_placement != "e+d"):
+            log.info("%s", placement_line)  # on one node the layout line says it, unless asked for otherwise
         log.info("layout: %s", describe_layout(cfg, expert_placement))
     return platform
 
