@@ -10,7 +10,7 @@ before parsing, never silently ignored:
 
 A flag that is neither ours nor Megatron-LM's gets one line naming the closest flags and the group they live in
 (`unknown_flag`), not argparse's usage dump. Megatron-LM's whole MoE group is answered here or is ours; the
-README's flag-mapping table lists them.
+flag-mapping table in docs/flags.md lists them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CPU compatibility layer: what megatron-core 0.16.1 needs to train without CUDA.
 
 megatron-core is written for CUDA. Each `Patch` below fixes one measured
-breakage (README.md, "The CPU platform layer", lists them), is applied only when CUDA
+breakage (docs/platform.md lists them), is applied only when CUDA
 is absent, exactly once per process, and carries a `still_needed()` probe that
 inspects megatron-core's source for the construct it works around. The unit
 test `tests/unit/test_platform.py` asserts every probe is still true, so an

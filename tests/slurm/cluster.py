@@ -5,7 +5,7 @@ spool, logs, pid files, its own munge socket and key) and listens on free
 ports, so it neither needs nor disturbs a cluster already running here.
 Clients reach it through $SLURM_CONF (see `env()`); daemons run in the
 foreground as children of this process and are stopped by PID.
-Debian's slurmctld, slurmd and munge, installed when missing (`install`); see README.md, "Tests".
+Debian's slurmctld, slurmd and munge, installed when missing (`install`); see docs/testing.md.
 """
 
 from __future__ import annotations

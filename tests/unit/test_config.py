@@ -23,20 +23,20 @@ def parser_flags_by_group() -> dict[str, set[str]]:
     return {g.title: {a.option_strings[0] for a in g._group_actions} for g in groups}
 
 
-def readme_flags_by_group() -> dict[str, set[str]]:
-    """{group: flags} from the table of README.md's "## Flags" section."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        section = f.read().split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|") for line in section.splitlines() if re.match(r"\| `\w+` \|", line)]
+def docs_flags_by_group() -> dict[str, set[str]]:
+    """{group: flags} from the group table of docs/flags.md (the README's former "## Flags" section)."""
+    with open(os.path.join(ROOT, "docs", "flags.md"), encoding="utf-8") as f:
+        page = f.read()
+    rows = [line.split("|") for line in page.splitlines() if re.match(r"\| `\w+` \|", line)]
     return {row[1].strip(" `"): set(re.findall(r"`(--[\w-]+)`", row[3])) for row in rows}
 
 
-def test_readme_flag_table_matches_help_both_ways():
-    readme, parser = readme_flags_by_group(), parser_flags_by_group()
-    assert set(readme) == set(parser)
+def test_docs_flag_table_matches_help_both_ways():
+    docs, parser = docs_flags_by_group(), parser_flags_by_group()
+    assert set(docs) == set(parser)
     for group in parser:
-        assert readme[group] - parser[group] == set(), f"README lists flags that --help does not have ({group})"
-        assert parser[group] - readme[group] == set(), f"--help has flags the README does not list ({group})"
+        assert docs[group] - parser[group] == set(), f"docs/flags.md lists flags that --help does not have ({group})"
+        assert parser[group] - docs[group] == set(), f"--help has flags docs/flags.md does not list ({group})"
 
 
 def test_defaults_fill_global_batch():

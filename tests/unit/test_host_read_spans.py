@@ -31,7 +31,7 @@ READ_METHODS = frozenset({"item", "tolist", "cpu", "numpy"})
 READ_FUNCTIONS = frozenset({"to_host", "synchronize"})
 EXEMPT = {
     "platform/": "the layer below the spans: `to_host`, `synchronize` and the CUDA stand-ins are what they wrap",
-    "checkpointing/": "between steps (save, load, conversion); on NCCL left to its own timeout (README)",
+    "checkpointing/": "between steps (save, load, conversion); on NCCL left to its own timeout (docs/troubleshooting)",
     "data/": "the tokenizer's and the datasets' values are host data",
     "overlap/profiler.py": "the cost-model profiler runs before the first step, timed with `synchronize()`",
     "training/summary.py": "the start-up summary's parameter count, before the first step",

@@ -1,4 +1,4 @@
-"""The package's layering: imports go down the layers (README.md, "Project layout"), no import cycle between
+"""The package's layering: imports go down the layers (docs/project-layout.md), no import cycle between
 megatron_moe's subpackages, a light config layer.
 
 Every import statement counts, at module level or inside a function: an import
@@ -98,7 +98,9 @@ def upward_imports(edges: dict[str, dict[str, str]]) -> list[str]:
     """Each import of a layer's member from its own layer or one above, as a line naming both and the place."""
     level = {name: i for i, layer in enumerate(LAYERS) for name in layer}
     members = set(edges) | {b for targets in edges.values() for b in targets}
-    assert members <= set(level), f"not in a layer: {sorted(members - set(level))}; add it to LAYERS and the README"
+    assert members <= set(level), (
+        f"not in a layer: {sorted(members - set(level))}; add it to LAYERS and docs/project-layout.md"
+    )
     return [
         f"{a} (layer {level[a]}) imports {b} (layer {level[b]}) at {where}"
         for a, targets in sorted(edges.items())
