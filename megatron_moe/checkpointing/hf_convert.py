@@ -34,6 +34,8 @@ SINGLE = dict(
     sequence_parallel=False,
     use_distributed_optimizer=False,
 )
+DROPLESS = dict(moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False, moe_token_drop_policy=None)
+"""HF Mixtral drops no token: a run trained with a capacity is compared with it (and served) dropless."""
 
 
 def build_single(cfg: RunConfig, vocab_size: int):
@@ -41,6 +43,8 @@ def build_single(cfg: RunConfig, vocab_size: int):
 
     for name, value in SINGLE.items():
         setattr(cfg.parallel, name, value)
+    for name, value in DROPLESS.items():
+        setattr(cfg.moe, name, value)
     cfg.training.bf16 = cfg.training.fp16 = False
     cfg.validate(world_size=1)
     return build_model(cfg, transformer_config(cfg), vocab_size).eval()
