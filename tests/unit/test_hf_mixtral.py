@@ -258,14 +258,23 @@ def test_the_export_rules_name_each_routing_mixtral_cannot_express(tokenizer):
         assert named in problem, (extra, problem)
 
 
-def test_a_model_trained_with_a_capacity_exports_as_the_dropless_mixtral_it_is(megatron_world1, tokenizer, tmp_path):
-    """A capacity factor is a training choice, not a weight: export and its logit check run our model dropless, as
-    transformers runs Mixtral (a capacity of half the tokens would drop some of the probe's)."""
-    cfg = mixtral_cfg(tokenizer, "--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "probs")
+@pytest.mark.parametrize(
+    "training",
+    [
+        "--moe-expert-capacity-factor 0.5 --moe-token-drop-policy probs",
+        "--expert-model-parallel-size 2 --moe-shadow-experts auto --moe-pipeline-degree 2 --moe-a2a-algorithm 2dh",
+    ],
+    ids=["capacity", "ep2_overlaps"],
+)
+def test_how_a_model_was_trained_does_not_stop_its_export(megatron_world1, tokenizer, tmp_path, training):
+    """A capacity factor and the overlaps of a layout are training choices, not weights: export and its logit check
+    run our model in one process as transformers runs Mixtral, dropless (a capacity of half the tokens would drop
+    some of the probe's)."""
+    cfg = mixtral_cfg(tokenizer, *training.split())
     assert hf_mixtral.incompatibilities(cfg) == []
     torch.manual_seed(3)
     model = build_single(copy.deepcopy(cfg), tokenizer.vocab_size)
-    save_single(str(tmp_path / "ckpt"), cfg, model)  # the run's config: its capacity recorded
+    save_single(str(tmp_path / "ckpt"), cfg, model)  # the run's config recorded
     out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     _, model, _ = load_single(str(tmp_path / "ckpt"))
     assert max_logit_difference(model, out, probe_tokens(tokenizer.vocab_size)) < TOLERANCE
