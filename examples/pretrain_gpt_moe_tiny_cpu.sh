@@ -68,18 +68,23 @@ prepare_data() {
         --workers 2 --append-eod
 }
 
+# Mixtral's shape, shrunk: every layer MoE, SwiGLU experts, RMSNorm, RoPE, no biases, untied output layer,
+# softmax top-2 routing; so the checkpoint exports to HuggingFace (tools/checkpoint/convert.py export-hf).
 MODEL_ARGS=(
     --num-layers 4
     --hidden-size 256
+    --ffn-hidden-size 512            # each expert's SwiGLU width (gate and up projections 512 wide each)
     --num-attention-heads 4
     --seq-length 256
     --position-embedding-type rope
-    --normalization LayerNorm
+    --normalization RMSNorm
+    --swiglu
+    --disable-bias-linear
+    --untie-embeddings-and-output-weights
 )
 MOE_ARGS=(
-    --num-experts 8
+    --num-experts 8                  # in every layer, as Mixtral
     --moe-router-topk 2
-    --moe-layer-freq 2              # layers 1 and 3 are MoE, 2 and 4 dense (numbered from 1)
     --moe-aux-loss-coeff 0.01
 )
 DATA_ARGS=(

@@ -34,6 +34,15 @@ SINGLE = dict(
     sequence_parallel=False,
     use_distributed_optimizer=False,
 )
+SINGLE_MOE = dict(
+    moe_expert_capacity_factor=None,
+    moe_pad_expert_input_to_capacity=False,
+    moe_token_drop_policy=None,
+    moe_pipeline_degree="1",
+    moe_bp_pipeline_degree="1",
+)
+"""Our MoE layer as HF Mixtral runs it: dropless (a run trained with a capacity is compared with it, and served,
+without one); not pipelined (one process has no all-to-all to hide; "auto" would say so once per layer)."""
 
 
 def build_single(cfg: RunConfig, vocab_size: int):
@@ -41,6 +50,8 @@ def build_single(cfg: RunConfig, vocab_size: int):
 
     for name, value in SINGLE.items():
         setattr(cfg.parallel, name, value)
+    for name, value in SINGLE_MOE.items():
+        setattr(cfg.moe, name, value)
     cfg.training.bf16 = cfg.training.fp16 = False
     cfg.validate(world_size=1)
     return build_model(cfg, transformer_config(cfg), vocab_size).eval()

@@ -26,13 +26,20 @@ from megatron_moe.config import ConfigError, RunConfig
 
 
 def incompatibilities(cfg: RunConfig) -> list[str]:
-    """Every feature of `cfg` that a Mixtral checkpoint cannot express (empty: exportable)."""
+    """Every feature of `cfg` that a Mixtral checkpoint cannot express (empty: exportable), each with what export
+    needs instead. The one home of these rules: `export-hf` refuses by them (`check_exportable`) and a run that
+    saves says them at start-up (`startup_note`)."""
     m, moe = cfg.model, cfg.moe
     checks = [
         (moe.is_moe, "a dense model (no --num-experts); Mixtral is all-MoE"),
         (
             not moe.is_moe or moe.layer_pattern(m.num_layers) == [1] * m.num_layers,
-            f"--moe-layer-freq={moe.moe_layer_freq}: Mixtral has an MoE block in every layer",
+            f"--moe-layer-freq={moe.moe_layer_freq}: Mixtral has an MoE block in every layer (--moe-layer-freq 1)",
+        ),
+        (
+            not moe.is_moe or moe.own_layer,
+            f"--moe-layer-impl={moe.moe_layer_impl}: export reads our MoE layer's weights (--moe-layer-impl "
+            "megatron_moe)",
         ),
         (m.swiglu, "GELU experts/MLPs (Mixtral experts are SwiGLU: add --swiglu)"),
         (m.normalization == "RMSNorm", f"--normalization={m.normalization} (Mixtral uses RMSNorm)"),
@@ -41,32 +48,48 @@ def incompatibilities(cfg: RunConfig) -> list[str]:
             f"--position-embedding-type={m.position_embedding_type} (Mixtral uses RoPE)",
         ),
         (m.disable_bias_linear, "biases in linear layers (Mixtral has none: --disable-bias-linear)"),
-        (m.untie_embeddings_and_output_weights, "tied input/output embeddings (Mixtral unties them)"),
         (
-            getattr(moe, "moe_gate", "topk") in ("topk", None),
-            f"--moe-gate={getattr(moe, 'moe_gate', None)} (Mixtral routes with softmax top-k)",
+            m.untie_embeddings_and_output_weights,
+            "tied input/output embeddings (Mixtral unties them: --untie-embeddings-and-output-weights)",
         ),
-        (not getattr(moe, "moe_shared_expert_ffn_hidden_size", None), "a shared expert (Mixtral has none)"),
+        (moe.moe_gate == "topk", f"--moe-gate={moe.moe_gate} (Mixtral routes with softmax top-k: --moe-gate topk)"),
+        (not moe.moe_shared_expert_ffn_hidden_size, "a shared expert (Mixtral has none)"),
         (
-            getattr(moe, "moe_router_score_function", None) != "sigmoid",
+            moe.moe_router_score_function != "sigmoid",
             "--moe-router-score-function=sigmoid (Mixtral routes with softmax top-k)",
         ),
         (
-            not getattr(moe, "moe_router_pre_softmax", False) and getattr(moe, "moe_normalize_topk", True),
-            "top-k weights not renormalised (Mixtral renormalises them: drop --moe-router-pre-softmax)",
+            not moe.moe_router_pre_softmax and moe.moe_normalize_topk,
+            "top-k weights not renormalised (Mixtral renormalises them: drop --moe-router-pre-softmax and "
+            "--no-moe-normalize-topk)",
         ),
         (
-            getattr(moe, "moe_router_topk_scaling_factor", None) in (None, 1.0),
-            "--moe-router-topk-scaling-factor (Mixtral does not scale its weights)",
+            moe.moe_router_topk_scaling_factor in (None, 1.0),
+            f"--moe-router-topk-scaling-factor={moe.moe_router_topk_scaling_factor} (Mixtral does not scale its "
+            "weights)",
+        ),
+        (
+            moe.moe_router_group_topk is None,
+            f"--moe-router-group-topk={moe.moe_router_group_topk} (Mixtral picks its top-k among all experts)",
         ),
     ]
-    return [message for ok, message in checks if not ok and message]
+    return [message for ok, message in checks if not ok]
 
 
 def check_exportable(cfg: RunConfig) -> None:
     problems = incompatibilities(cfg)
     if problems:
         raise ConfigError("this model cannot be written as Mixtral:\n  - " + "\n  - ".join(problems))
+
+
+def startup_note(cfg: RunConfig) -> str | None:
+    """The start-up line of a run that saves a model `export-hf` would refuse (None: it exports, or nothing is
+    saved), so that the run's owner learns it when the run starts, not when its checkpoint is exported. A note,
+    not a refusal: such a model is a legal run."""
+    problems = incompatibilities(cfg) if cfg.checkpoint.save else []
+    if not problems:
+        return None
+    return "note: this model cannot be exported to HuggingFace Mixtral (convert.py export-hf): " + "; ".join(problems)
 
 
 def hf_config(cfg: RunConfig, vocab_size: int, bos_id: int, eos_id: int) -> dict:

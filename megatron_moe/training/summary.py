@@ -10,6 +10,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe import comm
+from megatron_moe.checkpointing.hf_mixtral import startup_note
 from megatron_moe.config import RunConfig
 from megatron_moe.model.fusions import Fusions
 from megatron_moe.platform import current_platform
@@ -52,7 +53,7 @@ def dataset_sizes(dataset) -> tuple[int, int] | None:
 
 def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, splits: dict, fusions: Fusions) -> None:
     """The summary lines (rank 0): parameters, megatron-core's fusions on and off, data and tokenizer, split sizes,
-    the plan in steps and samples."""
+    the plan in steps and samples; with --save, a note when HuggingFace export would refuse the model."""
     t = cfg.training
     log.info(
         "parameters: %d total, %d active per token, %d on this rank",
@@ -78,3 +79,6 @@ def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, split
         t.train_iters * t.global_batch_size,
         t.train_iters * t.global_batch_size * cfg.model.seq_length,
     )
+    note = startup_note(cfg)
+    if note:
+        log.info("%s", note)

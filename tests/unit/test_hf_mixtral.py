@@ -1,6 +1,8 @@
 """HuggingFace Mixtral export and import, checked against transformers' own model by logits."""
 
+import copy
 import json
+import logging
 import os
 
 import pytest
@@ -171,3 +173,108 @@ def test_export_carries_the_runs_tokenizer_and_import_reads_it_back(
     assert cfg_back.data.tokenizer_type == "HuggingFaceTokenizer"
     assert theirs.files == (os.path.join(imported, "tokenizer.json"),)
     assert theirs.tokenize(corpus[1][0]) == ours.tokenize(corpus[1][0]) and theirs.eod == ours.eod
+
+
+@torch.no_grad()
+def _greedy(model, tokens_BS: torch.Tensor, steps: int) -> torch.Tensor:
+    """Our model's greedy continuation of `tokens_BS` by `steps` tokens, recomputing the whole prefix each step."""
+    for _ in range(steps):
+        positions = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
+        next_B = model(tokens_BS, positions, None)[:, -1].argmax(dim=-1)
+        tokens_BS = torch.cat([tokens_BS, next_B[:, None]], dim=1)
+    return tokens_BS
+
+
+def test_the_demo_model_exports_and_transformers_generates_from_it(megatron_world1, tokenizer, tmp_path, capsys):
+    """`make demo`, then the README's export command: the demo script's own model (its flags, DRY_RUN) is one
+    export-hf writes (the real command, its logit check included); transformers' AutoModelForCausalLM loads it with
+    our logits (fp32, 1e-4) and its generate (KV cache) continues a prompt greedily as our model does."""
+    from tests.unit.test_examples import dry_run
+    from tools.checkpoint import convert
+
+    flags = dry_run("pretrain_gpt_moe_tiny_cpu", 1, 2, TOKENIZER_MODEL=tokenizer.model_path, RUN_DIR=str(tmp_path))
+    cfg = parse_args(flags)
+    assert cfg.moe.layer_pattern(cfg.model.num_layers) == [1, 1, 1, 1] and cfg.checkpoint.save
+    assert hf_mixtral.incompatibilities(cfg) == [] and hf_mixtral.startup_note(cfg) is None
+    torch.manual_seed(5)
+    model = build_single(cfg, tokenizer.vocab_size)
+    with torch.no_grad():  # non-trivial norms, so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.uniform_(0.5, 1.5)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    save_single(ckpt, cfg, model)
+    assert convert.main(["export-hf", "--load", ckpt, "--save", out]) == 0
+    assert "verify: max |logits(megatron_moe) - logits(transformers)|" in capsys.readouterr().out
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == "MixtralForCausalLM"
+    _, ours, _ = load_single(ckpt)
+    prompt_BS = torch.tensor([tokenizer.tokenize("def main(argv):\n    parser = argparse.ArgumentParser(")])
+    with torch.no_grad():
+        theirs_BSV = hf_model(prompt_BS).logits
+        ours_BSV = ours(prompt_BS, torch.arange(prompt_BS.shape[1])[None], None)[..., : theirs_BSV.shape[-1]]
+    assert (ours_BSV - theirs_BSV).abs().max().item() < TOLERANCE
+    generated = hf_model.generate(prompt_BS, max_new_tokens=6, do_sample=False)
+    steps = generated.shape[1] - prompt_BS.shape[1]  # fewer than 6 where it ended at the end-of-document token
+    assert steps >= 1 and torch.equal(generated, _greedy(ours, prompt_BS, steps))
+
+
+def test_a_run_that_saves_a_model_export_would_refuse_is_told_at_start_up(tokenizer, caplog):
+    """The rules export-hf refuses by (`incompatibilities`), said in one line of the start-up summary of a run with
+    --save (a note: the run goes on); nothing for an exportable model or a run that saves nothing."""
+    from megatron_moe.model import run_fusions
+    from megatron_moe.training.summary import log_startup_summary
+
+    counts = {"total": 1, "active_per_token": 1, "this_rank": 1}
+    old_demo = "--num-experts 8 --moe-layer-freq 2 --normalization LayerNorm --data-path x --tokenizer-model x".split()
+    old_demo += ["--train-iters", "3", "--global-batch-size", "2"]
+
+    def summary(cfg) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_moe"):
+            log_startup_summary(cfg, counts, tokenizer, {}, run_fusions(cfg))
+        return [r.getMessage() for r in caplog.records if "HuggingFace" in r.getMessage()]
+
+    cfg = parse_args([*old_demo, "--save", "s"])
+    (note,) = summary(cfg)
+    assert note.startswith("note: this model cannot be exported to HuggingFace Mixtral (convert.py export-hf): ")
+    assert "\n" not in note and note.endswith("; ".join(hf_mixtral.incompatibilities(cfg)))
+    for feature in ("--moe-layer-freq=2", "--swiglu", "--normalization=LayerNorm", "--disable-bias-linear"):
+        assert feature in note, (feature, note)
+    assert summary(parse_args(old_demo)) == []  # nothing saved, nothing to export
+    assert summary(mixtral_cfg(tokenizer, "--save", "s", *old_demo[-4:])) == []
+
+
+def test_the_export_rules_name_each_routing_mixtral_cannot_express(tokenizer):
+    for extra, named in [
+        (["--moe-layer-impl", "mcore"], "--moe-layer-impl=mcore"),
+        (["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"], "--moe-router-group-topk=1"),
+        (["--moe-router-topk-scaling-factor", "2.5"], "--moe-router-topk-scaling-factor=2.5"),
+        (["--moe-router-pre-softmax"], "not renormalised"),
+        (["--moe-gate", "noisy_topk"], "--moe-gate=noisy_topk"),
+    ]:
+        (problem,) = hf_mixtral.incompatibilities(mixtral_cfg(tokenizer, *extra))
+        assert named in problem, (extra, problem)
+
+
+@pytest.mark.parametrize(
+    "training",
+    [
+        "--moe-expert-capacity-factor 0.5 --moe-token-drop-policy probs",
+        "--expert-model-parallel-size 2 --moe-shadow-experts auto --moe-pipeline-degree 2 --moe-a2a-algorithm 2dh",
+    ],
+    ids=["capacity", "ep2_overlaps"],
+)
+def test_how_a_model_was_trained_does_not_stop_its_export(megatron_world1, tokenizer, tmp_path, training):
+    """A capacity factor and the overlaps of a layout are training choices, not weights: export and its logit check
+    run our model in one process as transformers runs Mixtral, dropless (a capacity of half the tokens would drop
+    some of the probe's)."""
+    cfg = mixtral_cfg(tokenizer, *training.split())
+    assert hf_mixtral.incompatibilities(cfg) == []
+    torch.manual_seed(3)
+    model = build_single(copy.deepcopy(cfg), tokenizer.vocab_size)
+    save_single(str(tmp_path / "ckpt"), cfg, model)  # the run's config recorded
+    out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    _, model, _ = load_single(str(tmp_path / "ckpt"))
+    assert max_logit_difference(model, out, probe_tokens(tokenizer.vocab_size)) < TOLERANCE
