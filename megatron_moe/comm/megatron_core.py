@@ -14,7 +14,9 @@ collectives happen. Four taps, each a `Patch` probed against the shipped source:
 3. Everything else (TP/SP gathers and reductions, grad norm, found-inf, checkpoint
    exchanges): torch.distributed's collective functions, and megatron-core's aliases of
    them bound at import time, classified by process group: TP groups `tp`, the pipeline
-   group `pp_p2p`, any other `other`.
+   group `pp_p2p`, any other `other`. On a group of one rank they are not issued at all
+   (`ON_ONE_RANK`): megatron-core's cross-entropy all-reduces over the TP group even at
+   TP=1, and a TP=1 run showed `tp` traffic.
 4. The language-model loss: megatron-core's vocab-parallel cross-entropy indexes with
    boolean masks of the targets (`masked_target[target_mask] = 0`), which on a GPU
    counts the mask on the host. `LanguageModule.compute_language_model_loss` runs
@@ -29,7 +31,9 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import pickle
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -240,17 +244,96 @@ def group_kind(group) -> str:
     return "other"
 
 
+def _copy(out: str, source: str):
+    """The one-rank result of a gather, scatter or all-to-all: argument `out` <- argument `source` (a list: its
+    only entry)."""
+
+    def local(a: dict) -> None:
+        target, value = a[out], a[source]
+        if isinstance(target, list | tuple):
+            if not target:  # gather / scatter: only the root passes the list
+                return
+            target = target[0]
+        if isinstance(value, list | tuple):
+            value = value[0]
+        target.copy_(value.reshape(target.shape))
+
+    return local
+
+
+def _gather_object(a: dict) -> None:
+    a["object_list"][0] = pickle.loads(pickle.dumps(a["obj"]))  # a copy, as the real exchange makes
+
+
+def _nothing(a: dict) -> None:
+    pass
+
+
+ON_ONE_RANK = {
+    **dict.fromkeys(("all_reduce", "broadcast", "reduce", "barrier", "broadcast_object_list"), _nothing),
+    "all_gather_into_tensor": _copy("output_tensor", "input_tensor"),
+    "_all_gather_base": _copy("output_tensor", "input_tensor"),
+    "reduce_scatter_tensor": _copy("output", "input"),
+    "_reduce_scatter_base": _copy("output", "input"),
+    "all_gather": _copy("tensor_list", "tensor"),
+    "all_to_all": _copy("output_tensor_list", "input_tensor_list"),
+    "all_to_all_single": _copy("output", "input"),
+    "gather": _copy("gather_list", "tensor"),
+    "scatter": _copy("tensor", "scatter_list"),
+    "all_gather_object": _gather_object,
+}
+"""Each tapped function's result on a group of one rank, done locally: a reduction or broadcast leaves its tensor
+as it is; a gather, scatter or all-to-all copies its input to its output."""
+assert set(ON_ONE_RANK) == set(TAPPED_FUNCTIONS)
+
+
+class _Done:
+    """The work handle of a collective done locally (async_op=True): already complete."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def one_rank(group) -> bool:
+    """True for a group of one rank (None: the world) outside a coalescing block (megatron-core's bucket syncs
+    start their collectives inside one: there each must be issued, or the block ends without them)."""
+    from torch.distributed import distributed_c10d
+
+    if dist.get_world_size(group) != 1:
+        return False
+    group = distributed_c10d._get_default_group() if group is None else group
+    return group not in distributed_c10d._world.pg_coalesce_state
+
+
 def _tap_function(original):
-    names = list(inspect.signature(original).parameters)
+    signature = inspect.signature(original)
+    names = list(signature.parameters)
     group_at = names.index("group") if "group" in names else None
     sent = next((n for n in ("tensor", "input_tensor", "input") if n in names), None)
     sent_at = names.index(sent) if sent else None
+    local = ON_ONE_RANK[original.__name__]
 
     @functools.wraps(original)
     def collective(*args, **kwargs):
         if is_issuing():
             return original(*args, **kwargs)
         group = kwargs.get("group", args[group_at] if group_at is not None and len(args) > group_at else None)
+        if one_rank(group):  # nothing to exchange: not issued, not timed
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            local(bound.arguments)
+            return _Done() if bound.arguments.get("async_op") else None
         tensor = kwargs.get(sent, args[sent_at] if sent_at is not None and len(args) > sent_at else None)
         size = nbytes(tensor) if hasattr(tensor, "element_size") else 0
         record = Collective(group_kind(group), f"torch.distributed.{original.__name__}", group, nbytes=size)

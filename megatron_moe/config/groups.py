@@ -622,6 +622,14 @@ class LoggingConfig:
     """Console log and TensorBoard."""
 
     log_interval: int = arg(10, "log a line every N steps")
+    log_format: str = arg(
+        "text",
+        "the console's iteration line: text, a short one (iteration, lm loss, grad norm, step ms, tokens/s, "
+        "exposed comm %%, ETA), or json, each logged iteration's full record as one JSON object (after the "
+        "timestamp). Either way every record is appended to log.jsonl in --tensorboard-dir (none without it), "
+        "beside the event files, which get every figure",
+        choices=("text", "json"),
+    )
     tensorboard_dir: str | None = arg(None, "write TensorBoard event files here")
     log_params_norm: bool = arg(
         False, "log the L2 norm of all parameters (each counted once) after each step, as Megatron-LM does"
@@ -634,7 +642,7 @@ class LoggingConfig:
     loss_spike_window: int = arg(20, "steps in the rolling median --loss-spike-factor compares with")
     no_comm_timers: bool = arg(
         False,
-        "turn off the communication timers (exposed comm per kind and MoE layer in the log line and "
+        "turn off the communication timers (exposed comm per kind and MoE layer in the log record and "
         "TensorBoard); only to measure their cost, which is under 1%% of a step",
     )
     verbose: bool = arg(
@@ -642,15 +650,15 @@ class LoggingConfig:
     )
     log_throughput: bool = arg(
         True,
-        "model TFLOP/s per device in the log line (6 x active weights per token + attention, x tokens / devices / "
-        "step time, as Megatron-LM counts them) and MFU: of the GPU's data-sheet 16-bit peak, on CPU of the "
-        "measured GEMM rate",
+        "model TFLOP/s per device in the log record (6 x active weights per token + attention, x tokens / devices / "
+        "step time, as Megatron-LM counts them) and MFU: of the GPU's data-sheet 16-bit peak, on CPU of "
+        "the measured GEMM rate (best of 5 probes, measured again when a run passes it; never above 100%%)",
     )
     tensorboard_log_interval: int = arg(1, "write the step scalars to TensorBoard every N steps")
     log_validation_ppl_to_tensorboard: bool = arg(
         False, "write the validation perplexity to TensorBoard beside the loss", applies=only.TENSORBOARD
     )
-    log_num_zeros_in_grad: bool = arg(False, "count the zero entries of the gradients (log line and TensorBoard)")
+    log_num_zeros_in_grad: bool = arg(False, "count the zero entries of the gradients (the log record and TensorBoard)")
     wandb_project: str | None = arg(None, "also log to Weights & Biases, this project (needs the wandb package)")
     wandb_exp_name: str | None = arg(None, "the Weights & Biases run name", applies=only.WANDB)
     wandb_save_dir: str | None = arg(

@@ -9,11 +9,13 @@ instead of naming one.
 """
 
 from megatron_moe.platform.device import (
+    PeakRate,
     Platform,
     current_platform,
     from_host,
     init_platform,
     kernels_in_use,
+    measure_gemm_rate,
     memory_in_use_bytes,
     peak_flops_per_s,
     peak_memory_bytes,
@@ -23,12 +25,14 @@ from megatron_moe.platform.host_sync import HostSyncs, count_host_syncs, table_t
 
 __all__ = [
     "HostSyncs",
+    "PeakRate",
     "Platform",
     "count_host_syncs",
     "current_platform",
     "from_host",
     "init_platform",
     "kernels_in_use",
+    "measure_gemm_rate",
     "memory_in_use_bytes",
     "peak_flops_per_s",
     "peak_memory_bytes",

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import resource
 import time
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -130,23 +131,44 @@ PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendors
 }
 
 
-def peak_flops_per_s(dtype: torch.dtype) -> tuple[float, str]:
-    """The denominator of MFU and what it is: a known GPU's data-sheet peak for 16-bit (fp32 runs are held to
-    it too, as Megatron-LM's MFU is), else this device's measured fp32 GEMM rate (1024^3, best of 3), which is
-    what a CPU can reach, stated as such."""
-    platform = current_platform()
-    if platform.is_accelerator:
-        name = torch.cuda.get_device_name()
-        for model, tflops in PEAK_TFLOPS.items():
-            if model in name:
-                return tflops * 1e12, f"{name} peak"
-    n = 1024
-    a = torch.full((n, n), 0.5, device=platform.device)  # no random numbers: the run's RNG streams stay as they are
+GEMM_PROBES = 5
+"""Timed GEMMs of the rate probe, after one untimed warm-up: the best one counts. A probe that shares its cores
+with another process's start-up reads slow; the best of several seldom does (`PeakRate.remeasure` covers the
+rest: training/flops.py `Mfu`)."""
+
+
+@dataclasses.dataclass
+class PeakRate:
+    """The denominator of MFU: a device's FLOP/s and what that figure is."""
+
+    flops_per_s: float
+    what: str
+    """"H100 SXM peak", "measured GEMM rate": the log names it."""
+    remeasure: Callable[[], float] | None = None
+    """Measures the rate again (a measured rate); None: a data-sheet figure, nothing to re-measure."""
+
+
+def measure_gemm_rate(probes: int = GEMM_PROBES, n: int = 1024) -> float:
+    """This device's fp32 GEMM rate, FLOP/s: an n^3 matmul, the best of `probes` after a warm-up."""
+    a = torch.full((n, n), 0.5, device=current_platform().device)  # no random numbers: the RNG streams stay as they are
     best = float("inf")
-    for _ in range(3):
+    for probe in range(probes + 1):
         synchronize()
         started = time.perf_counter()
         a @ a
         synchronize()
-        best = min(best, time.perf_counter() - started)
-    return 2 * n**3 / best, "measured GEMM rate"
+        if probe > 0:  # the first one pays for the kernel's and the pages' first use
+            best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best
+
+
+def peak_flops_per_s(dtype: torch.dtype) -> PeakRate:
+    """The denominator of MFU and what it is: a known GPU's data-sheet peak for 16-bit (fp32 runs are held to
+    it too, as Megatron-LM's MFU is), else this device's measured fp32 GEMM rate (`measure_gemm_rate`), which is
+    what a CPU can reach, stated as such, and measured again when a run goes faster."""
+    if current_platform().is_accelerator:
+        name = torch.cuda.get_device_name()
+        for model, tflops in PEAK_TFLOPS.items():
+            if model in name:
+                return PeakRate(tflops * 1e12, f"{name} peak")
+    return PeakRate(measure_gemm_rate(), "measured GEMM rate", remeasure=measure_gemm_rate)

@@ -1,4 +1,4 @@
-"""The Megatron-style console line and the TensorBoard event files."""
+"""The console's iteration line, the run's JSON-lines records and the TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import os
 import time
 
-from megatron_moe.comm.timers import hidden_share
-from megatron_moe.platform import memory_in_use_bytes
+from megatron_moe.platform import PeakRate, memory_in_use_bytes
+from megatron_moe.training.flops import Mfu
+from megatron_moe.training.log_line import COMM_FIGURES, as_json, breakdown_text, comm_record, short_line
 
 log = logging.getLogger("megatron_moe")
 
@@ -25,21 +26,39 @@ class TrainingLogger:
         tensorboard_dir: str | None,
         tensorboard_log_interval: int = 1,
         flops_per_step: float | None = None,
-        peak_flops: tuple[float, str] | None = None,
+        peak_flops: PeakRate | None = None,
         devices: int = 1,
         global_batch_size: int | None = None,
         validation_ppl: bool = False,
         wandb_run=None,
+        log_format: str = "text",
+        jsonl_path: str | None = None,
     ):
         """`flops_per_step` (--log-throughput): the model FLOPs of one step over all `devices`, `peak_flops` a
-        device's (FLOP/s, what it is: `platform.peak_flops_per_s`) for MFU;
+        device's (`platform.peak_flops_per_s`) for MFU (`flops.Mfu`: never above 100%);
         `validation_ppl`: the validation perplexity to TensorBoard too; `wandb_run`: a wandb run that gets every
-        TensorBoard scalar (`wandb_run_for`)."""
+        TensorBoard scalar (`wandb_run_for`). `log_format` (--log-format): "text", the short line, or "json", the
+        full record, on the console; `jsonl_path`: the file each record is appended to (log_line.py; None: none)."""
         self.train_iters = train_iters
         self.log_interval = log_interval
         self.tokens_per_step = tokens_per_step
         self.tensorboard_log_interval = tensorboard_log_interval
-        self.flops_per_step, self.peak_flops, self.devices = flops_per_step, peak_flops, devices
+        self.flops_per_step, self.devices = flops_per_step, devices
+        self.mfu = Mfu(peak_flops) if peak_flops is not None else None
+        self.log_format = log_format
+        self.jsonl = None
+        if jsonl_path:
+            os.makedirs(os.path.dirname(jsonl_path) or ".", exist_ok=True)
+            self.jsonl = open(jsonl_path, "a", buffering=1)  # a resumed run appends; a line is a record
+            log.info(
+                "log: %s line every %d iterations; each one's full record in %s (JSON lines)%s",
+                "a short" if log_format == "text" else "a JSON",
+                log_interval,
+                jsonl_path,
+                " and TensorBoard" if tensorboard_dir else "",
+            )
+        self._run_comm = dict.fromkeys(COMM_FIGURES, 0.0) | {"steps": 0}  # over the whole run: the closing summary
+        self._run_kinds: dict[str, float] = {}
         self.global_batch_size = global_batch_size
         self.consumed_samples: int | None = None
         self.loss_scale: float | None = None
@@ -147,36 +166,36 @@ class TrainingLogger:
         elapsed = time.perf_counter() - self._t0
         ms_per_iter = 1000.0 * elapsed / max(self._steps, 1)
         tokens_per_s = self.tokens_per_step * self._steps / max(elapsed, 1e-9)
-        eta_s = (self.train_iters - iteration) * ms_per_iter / 1000.0
         memory = memory_in_use_bytes()
-        parts = [f"iteration {iteration:8d}/{self.train_iters:8d}"]
+        record = {"iteration": iteration, "train_iters": self.train_iters}
         if self.consumed_samples is not None:
             tokens = self.consumed_samples * self.tokens_per_step // max(self.global_batch_size or 1, 1)
-            parts += [f"consumed samples: {self.consumed_samples:d}", f"consumed tokens: {tokens:d}"]
-        parts += [f"ms/iteration: {ms_per_iter:.1f}", f"tokens/s: {tokens_per_s:.0f}"]
+            record |= {"consumed_samples": self.consumed_samples, "consumed_tokens": tokens}
+        record |= {"ms_per_iteration": ms_per_iter, "tokens_per_s": tokens_per_s}
         if self.flops_per_step is not None:
             tflops = self.flops_per_step * self._steps / max(elapsed, 1e-9) / self.devices / 1e12
-            parts.append(f"throughput per device: {tflops:.3f} TFLOP/s")
-            if self.peak_flops is not None:
-                peak, what = self.peak_flops
-                parts.append(f"MFU: {100.0 * tflops * 1e12 / peak:.1f}% (of the {what})")
-        parts += [f"ETA: {_hms(eta_s)}", f"learning rate: {lr:.3E}"]
+            record["tflops_per_device"] = tflops
+            if self.mfu is not None:
+                record |= {"mfu_percent": self.mfu.percent(tflops * 1e12), "mfu_of": self.mfu.what}
+        record |= {"eta_s": (self.train_iters - iteration) * ms_per_iter / 1000.0, "learning_rate": lr}
         if self.global_batch_size is not None:
-            parts.append(f"global batch size: {self.global_batch_size:d}")
-        parts += [_figure(name, total / self._steps) for name, total in self._sums.items()]
-        if self.loss_scale is not None:
-            parts.append(f"loss scale: {self.loss_scale:.1f}")
-        if grad_norm is not None:
-            parts.append(f"grad norm: {grad_norm:.4f}")
-        if self._params_norm is not None:
-            parts.append(f"params norm: {self._params_norm:.3f}")
-        if self._num_zeros is not None:
-            parts.append(f"num zeros: {self._num_zeros}")
-        parts += [f"skipped iterations: {self._skipped}", f"memory: {memory / 2**20:.0f} MiB"]
-        parts += _comm_parts(**self._comm)
-        parts += _kind_parts(self._kinds, self._comm["steps"])
-        parts += _layer_parts(self._layers)
-        log.info(" | ".join(parts))
+            record["global_batch_size"] = self.global_batch_size
+        record |= {name: total / self._steps for name, total in self._sums.items()}
+        optional = {
+            "loss_scale": self.loss_scale,
+            "grad_norm": grad_norm,
+            "params_norm": self._params_norm,
+            "num_zeros": self._num_zeros,
+        }
+        record |= {name: value for name, value in optional.items() if value is not None}
+        record |= {"skipped_iterations": self._skipped, "memory_bytes": memory}
+        record["comm"] = comm_record(self._comm, self._kinds, self._layers)
+        for name in COMM_FIGURES + ("steps",):
+            self._run_comm[name] += self._comm[name]
+        for kind, exposed in self._kinds.items():
+            self._run_kinds[kind] = self._run_kinds.get(kind, 0.0) + exposed
+        log.info("%s", short_line(record) if self.log_format == "text" else as_json(record))
+        self._write(record)
         scalars = {"iteration-time": ms_per_iter / 1000.0, "tokens-per-sec": tokens_per_s, "mem-bytes": memory}
         if self.flops_per_step is not None:
             scalars["throughput"] = tflops  # TFLOP/s per device, Megatron-LM's tag
@@ -185,11 +204,20 @@ class TrainingLogger:
             self.writer.flush()
         self._reset()
 
+    def _write(self, record: dict) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(as_json(record) + "\n")
+
     def validation(self, iteration: int, figures: dict[str, float]) -> None:
         text = " | ".join(
             f"{name}: {value:.6E} | {name} PPL: {math.exp(min(value, 20)):.3f}" for name, value in figures.items()
         )
-        log.info(f"validation loss at iteration {iteration} | {text}")
+        if self.log_format == "text":
+            log.info(f"validation loss at iteration {iteration} | {text}")
+        record = {"iteration": iteration, "validation": dict(figures)}
+        if self.log_format == "json":
+            log.info("%s", as_json(record))
+        self._write(record)
         scalars = {f"{name} validation": value for name, value in figures.items()}
         if self.validation_ppl:
             scalars |= {f"{name} validation ppl": math.exp(min(v, 20)) for name, v in figures.items()}
@@ -198,6 +226,13 @@ class TrainingLogger:
             self.writer.flush()
 
     def close(self) -> None:
+        """The run's exposed communication per kind (every kind that waited; they add up to the total), then the
+        files closed."""
+        if (comm := comm_record(self._run_comm, self._run_kinds, {})) is not None:
+            log.info("over the run's %d timed steps, %s", self._run_comm["steps"], breakdown_text(comm))
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
         if self.writer:
             self.writer.close()
         if self.wandb_run is not None:
@@ -221,64 +256,6 @@ def wandb_run_for(project: str | None, name: str | None, save_dir: str | None, c
     return wandb.init(project=project, name=name, dir=save_dir, config=config)
 
 
-def _figure(name: str, value: float) -> str:
-    """A loss as Megatron-LM shows it (6 significant digits, E-notation); a ratio or other figure as a plain
-    decimal (a count would be printed as an integer by its caller)."""
-    return f"{name}: {value:.6E}" if "loss" in name else f"{name}: {value:.4f}"
-
-
-def _comm_parts(
-    *, steps: int, step_ms: float, exposed_ms: float, wire_ms: float, skew_ms: float, transfer_ms: float
-) -> list[str]:
-    """`exposed comm: X ms (Y% of step)`, `of it skew / transfer: S / T ms` (waiting for the last rank to arrive,
-    then for the bytes) and `on the wire: V ms` (per step, over the interval), and `hidden: Z%` of all
-    communication: 1 - exposed / wire (comm/timers.py)."""
-    if steps == 0:
-        return []
-    share = 100.0 * exposed_ms / step_ms if step_ms > 0 else 0.0
-    return [
-        f"exposed comm: {exposed_ms / steps:.1f} ms ({share:.1f}% of step)",
-        f"of it skew / transfer: {skew_ms / steps:.1f} / {transfer_ms / steps:.1f} ms",
-        f"on the wire: {wire_ms / steps:.1f} ms",
-        f"hidden: {100.0 * hidden_share(exposed_ms, wire_ms):.1f}%",
-    ]
-
-
-COMM_FIGURES = ("step_ms", "exposed_ms", "wire_ms", "skew_ms", "transfer_ms")
-"""The communication timers' figures a step gives the log line (`TrainingLogger.step`'s `comm`), in order."""
 EXPERT_SCALAR_LAYERS = 4
 """MoE layers whose tokens per expert also go to TensorBoard as one scalar per expert (the first ones; every
 layer has its histogram)."""
-EXPOSED_GROUPS = {"a2a": ("a2a_",), "esp": ("esp_",), "dp_grad_reduce": ("dp_grad_reduce",)}
-"""The log line's exposed figures per group of timer kinds (name -> kind prefixes)."""
-
-
-def exposed_by_group(exposed_ms: dict[str, float]) -> dict[str, float]:
-    """A step's exposed ms per `EXPOSED_GROUPS` entry from the timers' exposed ms per kind."""
-    return {
-        name: sum(ms for kind, ms in exposed_ms.items() if kind.startswith(prefixes))
-        for name, prefixes in EXPOSED_GROUPS.items()
-    }
-
-
-def _kind_parts(kinds: dict[str, float], steps: int) -> list[str]:
-    """`exposed a2a / esp / dp_grad_reduce: X / Y / Z ms` (per step, over the interval), or nothing."""
-    if steps == 0 or not kinds:
-        return []
-    names = [name for name in EXPOSED_GROUPS if name in kinds]
-    values = " / ".join(f"{kinds[name] / steps:.1f}" for name in names)
-    return [f"exposed {' / '.join(names)}: {values} ms"]
-
-
-def _layer_parts(layers: dict[int, list[float]]) -> list[str]:
-    """`hidden by MoE layer: 2: 41% 4: 57%` (each layer's all-to-alls over the interval, 1 - exposed / wire), or
-    nothing."""
-    if not layers:
-        return []
-    hidden = (f"{n}: {100.0 * hidden_share(e, w):.0f}%" for n, (e, w) in sorted(layers.items()))
-    return ["hidden by MoE layer: " + " ".join(hidden)]
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

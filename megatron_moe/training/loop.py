@@ -34,7 +34,8 @@ from megatron_moe.training.comm_report import (
 )
 from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetector, check_grads_then, check_loss
 from megatron_moe.training.flops import flops_per_token
-from megatron_moe.training.logger import TrainingLogger, exposed_by_group, wandb_run_for
+from megatron_moe.training.log_line import exposed_by_group, jsonl_path
+from megatron_moe.training.logger import TrainingLogger, wandb_run_for
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.overlap_report import OverlapPlans, OverlapReport
 from megatron_moe.training.overlap_report import as_text as overlap_report_text
@@ -185,6 +186,8 @@ class Trainer:
                     lg.wandb_save_dir or os.path.join(cfg.checkpoint.save or ".", "wandb"),
                     cfg.to_dict(),
                 ),
+                log_format=lg.log_format,
+                jsonl_path=jsonl_path(lg.tensorboard_dir),
             )
 
     def _run_microbatches(self, data_iterator, *, forward_only: bool) -> list[dict]:

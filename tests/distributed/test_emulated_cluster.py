@@ -242,13 +242,14 @@ def test_a_two_node_all_to_all_sees_both_ranks_and_takes_the_time_the_link_needs
         assert 2 * 0.8 < slow_ms / fast_ms < 2 * 1.2, f"half the rate took {slow_ms / fast_ms:.2f}x: {full} {half}"
 
 
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+)")
+# --log-format json: each logged iteration's record, its losses and norms at full precision
+ITERATION = re.compile(r'\{"iteration": (\d+), "train_iters".*?"lm loss": ([^,}]+).*?"grad_norm": ([^,}]+)')
 
 
 def test_training_across_the_emulated_nodes_gives_the_losses_of_loopback(train_data):
     """The same 2-rank EP=2 run, on loopback and across 2 nodes' shaped link: the same losses
     and grad norms, bit for bit (the wire changes nothing but time)."""
-    loopback = tiny_pretrain_command(train_data, "--train-iters", "10")
+    loopback = tiny_pretrain_command(train_data, "--train-iters", "10", "--log-format", "json")
     script = next(i for i, word in enumerate(loopback) if word.endswith("pretrain_gpt_moe.py"))
     on_node = [
         "sh",

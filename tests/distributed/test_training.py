@@ -57,6 +57,15 @@ def test_checkpoint_resumes_in_another_layout(runs, case):
     assert_matches(layouts[case], reference)
 
 
+def test_only_tensor_parallel_layouts_show_tp_traffic(runs):
+    """At TP=1 megatron-core's collectives over the TP group (one rank) are done locally: the timers see no `tp`
+    kind; at TP=2 they do."""
+    _, layouts, _ = runs
+    for layout in ("ep2", "pp2", "ep4_distopt"):
+        assert all(step["comm"]["calls"]["tp"] == 0 for step in layouts[layout]), (layout, layouts[layout][0]["comm"])
+    assert all(step["comm"]["calls"]["tp"] > 0 for step in layouts["tp2"])
+
+
 def test_arctic_activation_policy_under_tp_pp(runs):
     """int8 activations touch only the backward: step 1's loss is exact, later steps within 1%."""
     reference, layouts, _ = runs

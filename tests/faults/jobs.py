@@ -20,7 +20,15 @@ import psutil
 from tests.conftest import ROOT
 from tests.distributed.launcher import tiny_pretrain_command
 
-STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+)")
+STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+)")  # the short line (--log-format text)
+RECORD = re.compile(r'\{"iteration": (\d+), "train_iters".*?"lm loss": ([^,}]+)')  # --log-format json: full precision
+
+
+def step_match(line: str) -> re.Match | None:
+    """A logged iteration's line: [1] its iteration, [2] its lm loss as printed."""
+    return STEP.search(line) or RECORD.search(line)
+
+
 RANK_ERROR = re.compile(r"\] rank (\d+): ")  # our error line: "[time] rank R: message"
 POINTER = "latest_checkpointed_iteration.txt"
 
@@ -76,10 +84,10 @@ class Job:
         return next((t for line, t in zip(self.lines, self.times) if pattern.search(line)), None)
 
     def step(self, iteration: int, timeout: float = 120) -> re.Match:
-        """Wait until the job has logged `iteration` or a later one; that line's match of `STEP`."""
+        """Wait until the job has logged `iteration` or a later one; that line's `step_match`."""
 
         def reached(line: str) -> re.Match | None:
-            m = STEP.search(line)
+            m = step_match(line)
             return m if m and int(m[1]) >= iteration else None
 
         return self._wait(reached, f"iteration {iteration}", timeout)
@@ -107,7 +115,7 @@ class Job:
 
     def losses(self) -> dict[int, str]:
         """{iteration: its lm loss as printed}."""
-        return {int(m[1]): m[2] for m in map(STEP.search, self.lines) if m}
+        return {int(m[1]): m[2] for m in map(step_match, self.lines) if m}
 
     def processes(self) -> list[psutil.Process]:
         """The launcher and every live process under it (torchrun's workers and their checkpoint writers)."""

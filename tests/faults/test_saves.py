@@ -39,6 +39,7 @@ from tests.faults.jobs import POINTER, Job, error_lines, job, pointer, rank_trac
 
 ITERS = 12
 FLAGS = ("--train-iters", str(ITERS), "--lr", "1e-3", "--hidden-dropout", "0.1", "--save-interval", "2")
+LOSSES = ("--log-format", "json")  # the losses at full precision: a resume continues them exactly
 PHASES = {  # job: (how its save is paused, the line that says it is, the iteration of that save)
     "P1": ({SAVE_PAUSE_ENV: "begin@2"}, rf"{SAVE_PAUSE_ENV}: rank \d pauses", 2),
     "P2": ({WRITER_PAUSE_ENV: "3"}, rf"{WRITER_PAUSE_ENV}: writer \d+ pauses", 4),
@@ -59,10 +60,10 @@ def iteration_dirs(*iterations: int) -> list[str]:
 def chain(train_data, tmp_path_factory):
     """Runs the chain; {name: (ended Job, what was observed)}."""
     save = str(tmp_path_factory.mktemp("chain") / "ckpt")
-    flags = (*FLAGS, "--save", save, "--load", save)
+    flags = (*FLAGS, *LOSSES, "--save", save, "--load", save)
     runs: dict[str, tuple[Job, dict]] = {"save": save}
 
-    with tiny_job(train_data, *FLAGS[:6]) as uninterrupted:  # alongside P1: its start-up overlaps P1's pauses
+    with tiny_job(train_data, *FLAGS[:6], *LOSSES) as uninterrupted:  # alongside P1: its start-up overlaps P1's pauses
         run_chain(train_data, save, flags, runs)
         uninterrupted.finish(timeout=300)
     runs["uninterrupted"] = (uninterrupted, {})

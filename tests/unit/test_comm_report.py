@@ -18,7 +18,7 @@ from megatron_moe.training.comm_report import (
     tensorboard_scalars,
     wire_lines,
 )
-from megatron_moe.training.logger import _comm_parts, _kind_parts, _layer_parts, exposed_by_group
+from megatron_moe.training.log_line import EXPOSED_GROUPS, breakdown_text, comm_record, exposed_by_group
 
 BASE = ["--data-path", "d", "--tokenizer-model", "t.model", "--num-experts", "4"]
 SHARED = [*BASE, "--expert-model-parallel-size", "2", "--moe-shared-expert-ffn-hidden-size", "64"]
@@ -134,34 +134,60 @@ def test_tensorboard_gets_every_kind_and_every_moe_layer():
     assert len(scalars) == 4 + len(SCALAR_FIGURES) * len(SUMMARY_KINDS) + 6
 
 
-def test_the_log_line_figures():
+def interval(*, steps: int, step_ms: float, exposed_ms: float, wire_ms: float, skew_ms: float, transfer_ms: float):
+    """The logger's sums over an interval (`comm_record`'s first argument)."""
+    return {
+        "steps": steps,
+        "step_ms": step_ms,
+        "exposed_ms": exposed_ms,
+        "wire_ms": wire_ms,
+        "skew_ms": skew_ms,
+        "transfer_ms": transfer_ms,
+    }
+
+
+def test_the_log_records_communication_figures():
     """Two steps of 100 ms, 30 ms exposed (4 of them waiting for the last rank, 26 transfer) against 120 ms on the
     wire in all."""
-    parts = _comm_parts(steps=2, step_ms=200.0, exposed_ms=30.0, wire_ms=120.0, skew_ms=4.0, transfer_ms=26.0)
-    assert parts == [
-        "exposed comm: 15.0 ms (15.0% of step)",
-        "of it skew / transfer: 2.0 / 13.0 ms",
-        "on the wire: 60.0 ms",
-        "hidden: 75.0%",
-    ]
-    off = _comm_parts(steps=0, step_ms=0.0, exposed_ms=0.0, wire_ms=0.0, skew_ms=0.0, transfer_ms=0.0)
-    assert off == []  # timers off
-    one = _comm_parts(steps=1, step_ms=10.0, exposed_ms=3.0, wire_ms=1.0, skew_ms=2.0, transfer_ms=1.0)
-    assert one[-1] == "hidden: 0.0%"
+    sums = interval(steps=2, step_ms=200.0, exposed_ms=30.0, wire_ms=120.0, skew_ms=4.0, transfer_ms=26.0)
+    record = comm_record(sums, {"a2a": 20.0, "dp_grad_reduce": 10.0, "tp": 0.0}, {2: [5.0, 10.0], 4: [3.0, 10.0]})
+    assert record == {
+        "exposed_ms": 15.0,
+        "exposed_percent": 15.0,
+        "skew_ms": 2.0,
+        "transfer_ms": 13.0,
+        "wire_ms": 60.0,
+        "hidden_percent": 75.0,
+        "exposed_ms_by_kind": {"a2a": 10.0, "dp_grad_reduce": 5.0},  # a kind that never waited is left out
+        "hidden_percent_by_moe_layer": {"2": 50.0, "4": 70.0},
+    }
+    off = interval(steps=0, step_ms=0.0, exposed_ms=0.0, wire_ms=0.0, skew_ms=0.0, transfer_ms=0.0)
+    assert comm_record(off, {}, {}) is None  # timers off
+    one = interval(steps=1, step_ms=10.0, exposed_ms=3.0, wire_ms=1.0, skew_ms=2.0, transfer_ms=1.0)
+    assert comm_record(one, {}, {})["hidden_percent"] == 0.0
 
 
-def test_the_log_line_shows_exposed_all_to_all_esp_and_gradient_reduce_apart():
-    step = {"a2a_dispatch": 3.0, "a2a_combine_bwd": 1.0, "esp_ag": 0.5, "dp_grad_reduce": 2.0, "tp": 7.0, "other": 1.0}
+def test_the_exposed_breakdown_names_every_kind_and_adds_up_to_the_total():
+    """Every summary kind is in one group (tp, pp_p2p and other too: an H200 run said 19.2 ms exposed with a2a /
+    esp / dp_grad_reduce 0.0 / 0.0 / 0.2 and the rest unlisted); the printed parts add up to the printed total."""
+    step = {kind: 0.37 * (i + 1) for i, kind in enumerate(SUMMARY_KINDS)}
     kinds = exposed_by_group(step)
-    assert kinds == {"a2a": 4.0, "esp": 0.5, "dp_grad_reduce": 2.0}  # tp and other are in the total only
-    two_steps = {k: 2 * v for k, v in kinds.items()}
-    assert _kind_parts(two_steps, steps=2) == ["exposed a2a / esp / dp_grad_reduce: 4.0 / 0.5 / 2.0 ms"]
-    assert _kind_parts({}, steps=2) == [] and _kind_parts(kinds, steps=0) == []
-
-
-def test_the_log_line_names_each_moe_layers_hidden_share():
-    assert _layer_parts({4: [3.0, 10.0], 2: [5.0, 10.0], 6: [0.0, 0.0]}) == ["hidden by MoE layer: 2: 50% 4: 70% 6: 0%"]
-    assert _layer_parts({}) == []
+    assert set(kinds) == set(EXPOSED_GROUPS) and sum(kinds.values()) == pytest.approx(sum(step.values()))
+    assert kinds["tp"] == step["tp"] and kinds["pp_p2p"] == step["pp_p2p"] and kinds["other"] == step["other"]
+    total = sum(step.values())
+    sums = interval(steps=3, step_ms=3000.0, exposed_ms=3 * total, wire_ms=0.0, skew_ms=0.0, transfer_ms=3 * total)
+    text = breakdown_text(comm_record(sums, {k: 3 * v for k, v in kinds.items()}, {}))
+    head, parts = text.split(" = ")
+    printed_total = float(head.split("exposed comm: ")[1].split(" ms")[0])
+    names = [part.rsplit(" ", 1)[0] for part in parts.split(" ms")[0].split(" + ")]
+    values = [float(part.rsplit(" ", 1)[1]) for part in parts.split(" ms")[0].split(" + ")]
+    assert set(names) == set(EXPOSED_GROUPS), text
+    assert sum(values) == pytest.approx(printed_total, abs=0.05 * (len(values) + 1)), text
+    assert values == sorted(values, reverse=True)  # largest first
+    only_dp = comm_record(sums, {"a2a": 0.0, "dp_grad_reduce": 3 * total}, {})
+    assert breakdown_text(only_dp).startswith(f"exposed comm: {total:.1f} ms per step (") and " = dp_grad_reduce " in (
+        breakdown_text(only_dp)
+    )
 
 
 def test_the_flag_that_turns_them_off():

@@ -342,5 +342,7 @@ def test_every_host_read_of_a_training_run_is_inside_a_span(megatron_world1):
         assert set(step["tokens_per_expert"]) == {1, 2} and all(len(c) == 4 for c in step["tokens_per_expert"].values())
         assert all(sum(c) == 4 * 32 * topk for c in step["tokens_per_expert"].values()), step["tokens_per_expert"]
         assert step["validation lm loss"] > 0  # --eval-interval 1: after either step
+        # TP=1: megatron-core's collectives over the TP group (its cross-entropy's) are done locally, not issued
+        assert step["comm"]["calls"]["tp"] == 0, step["comm"]["calls"]
     assert reads.outside == [], "\n".join(reads.outside)
     assert spans.seen >= EXPECTED_SPANS, EXPECTED_SPANS - spans.seen

@@ -1,7 +1,9 @@
 """A Megatron-LM user's flags parse as Megatron-LM means them, or say in one line why not."""
 
+import json
 import logging
 import math
+import re
 import sys
 import types
 
@@ -14,6 +16,7 @@ from megatron_moe.config.megatron_lm import NOT_NEEDED, NOT_NEEDED_WITH, REFUSED
 from megatron_moe.model.builder import transformer_config
 from megatron_moe.moe import MoELayerConfig, build_gate, capacity_limit
 from megatron_moe.moe.ordering import sort_pairs
+from megatron_moe.platform import PeakRate
 from megatron_moe.training.flops import flops_per_token, matmul_params_per_token
 from megatron_moe.training.logger import TrainingLogger, wandb_run_for
 
@@ -303,24 +306,27 @@ def test_wandb_gets_what_tensorboard_gets(monkeypatch, tmp_path):
     assert logged[-1] == (2, {"lm loss validation": 2.0, "lm loss validation ppl": pytest.approx(math.exp(2.0))})
 
 
-def test_the_log_line_reads_as_megatron_lms(caplog):
+def test_the_log_record_holds_megatron_lms_figures(caplog, tmp_path):
+    """The full record (--log-format json; log.jsonl either way) holds what Megatron-LM's line shows; the short
+    line keeps its `iteration N/ M` and `lm loss:` / `grad norm:` labels."""
+    path = tmp_path / "tb" / "log.jsonl"
     logger = TrainingLogger(
         train_iters=10, log_interval=2, tokens_per_step=8 * 32, tensorboard_dir=None, flops_per_step=4e9,
-        peak_flops=(1e12, "measured GEMM rate"), devices=2, global_batch_size=8,
+        peak_flops=PeakRate(1e18, "measured GEMM rate"), devices=2, global_batch_size=8, jsonl_path=str(path),
     )  # fmt: skip
     with caplog.at_level("INFO", logger="megatron_moe"):
         for it in (1, 2):
             figures = {"lm loss": 3.5, "moe dropped fraction": 0.125, "moe tokens cv": 0.5}
             logger.step(it, figures, lr=1e-3, grad_norm=1.0, skipped=False, consumed_samples=8 * it, loss_scale=4096.0)
     line = caplog.records[-1].getMessage()
-    assert "consumed samples: 16 | consumed tokens: 512 |" in line
-    assert "global batch size: 8 |" in line and "loss scale: 4096.0" in line
-    assert "lm loss: 3.500000E+00" in line  # a loss as Megatron-LM prints it
-    assert "moe dropped fraction: 0.1250" in line and "moe tokens cv: 0.5000" in line  # ratios: plain decimals
-    tflops = float(line.split("throughput per device: ")[1].split(" TFLOP/s")[0])
-    mfu = float(line.split("MFU: ")[1].split("%")[0])
-    assert tflops > 0 and mfu == pytest.approx(100 * tflops / 1.0, abs=0.06)  # of 1 TFLOP/s
-    assert "(of the measured GEMM rate)" in line
+    assert re.match(r"iteration +2/10 \| lm loss: 3\.5000 \| grad norm: 1 \|", line), line
+    (record,) = [json.loads(text) for text in path.read_text().splitlines()]
+    assert record["consumed_samples"] == 16 and record["consumed_tokens"] == 512
+    assert record["global_batch_size"] == 8 and record["loss_scale"] == 4096.0 and record["learning_rate"] == 1e-3
+    assert record["lm loss"] == 3.5 and record["moe dropped fraction"] == 0.125 and record["moe tokens cv"] == 0.5
+    tflops, mfu = record["tflops_per_device"], record["mfu_percent"]
+    assert tflops > 0 and mfu == pytest.approx(100 * tflops / 1e6)  # of 1 EFLOP/s
+    assert record["mfu_of"] == "measured GEMM rate"
 
 
 def test_megatron_cores_noise_is_filtered_in_one_place_and_shown_once_with_verbose():

@@ -322,11 +322,47 @@ def test_megatron_core_collectives_reach_the_monitor_unchanged(megatron_world1):
     issued = {(e[1], e[2]) for e in recorder.events if e[0] == "issued"}
     assert ("dp_grad_reduce", "megatron-core/start_grad_sync") in issued, issued
     assert ("other", "megatron-core/start_param_sync") in issued, issued
-    assert ("other", "torch.distributed.all_reduce") in issued, issued  # the grad norm
+    # The grad norm's all-reduce is over a group of one rank here: done locally, not issued (test below).
+    assert ("other", "torch.distributed.all_reduce") not in issued, issued
     assert recorder.bytes["megatron-core/start_grad_sync"] == 0  # a data-parallel group of one sends nothing
     blocked = [e for e in recorder.events if e[0] == "blocked"]
     assert len(blocked) == len([e for e in recorder.events if e[0] == "unblocked"])
     assert norm == plain_norm and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+
+
+def test_a_group_of_one_rank_issues_no_collective(megatron_world1):
+    """At TP=1 megatron-core's cross-entropy still all-reduces over the TP group (3 times a micro-batch), and a
+    TP=1 run showed `tp` traffic. A tapped collective on a group of one rank is done locally: nothing issued,
+    nothing recorded, the same result."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_moe.comm.megatron_core import tap_megatron_core
+
+    tap_megatron_core()
+    tp = parallel_state.get_tensor_model_parallel_group()
+    x = torch.arange(6.0)
+    gathered, scattered, exchanged, listed, objects = torch.empty(6), torch.empty(6), torch.empty(6), [None], [None]
+    listed[0] = torch.empty(6)
+    recorder = Recorder()
+    with comm.monitoring(recorder):
+        dist.all_reduce(x, group=tp)
+        dist.all_gather_into_tensor(gathered, x, group=tp, async_op=True).wait()
+        dist.reduce_scatter_tensor(scattered, x * 2, group=tp)
+        dist.all_to_all_single(exchanged, x * 3, group=tp)
+        dist.all_gather(listed, x * 4, group=tp)
+        dist.all_gather_object(objects, {"rank": 0}, group=tp)
+        dist.broadcast(x, 0, group=tp)
+        dist.barrier(group=tp)
+        logits, target = torch.randn(4, 2, 16), torch.randint(0, 16, (4, 2))
+        loss = vocab_parallel_cross_entropy(logits.clone(), target)
+    assert recorder.events == []
+    assert torch.equal(x, torch.arange(6.0)) and torch.equal(gathered, x) and torch.equal(scattered, 2 * x)
+    assert torch.equal(exchanged, 3 * x) and torch.equal(listed[0], 4 * x) and objects == [{"rank": 0}]
+    expected = F.cross_entropy(logits.view(-1, 16), target.view(-1), reduction="none").view(4, 2)
+    assert torch.allclose(loss, expected, atol=1e-6)
 
 
 class _null:
