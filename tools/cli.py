@@ -19,7 +19,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         text = action.help or ""
         if not shows_default(action) or "default" in text.lower():
             return text
-        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+        value = "%(default)s"
+        if isinstance(action.default, (list, tuple)):  # as typed on the command line: `a b`, not `['a', 'b']`
+            value = " ".join(map(str, action.default)).replace("%", "%%")
+        return f"{text} (default: {value})" if text else f"(default: {value})"
 
 
 def shows_default(action: argparse.Action) -> bool:

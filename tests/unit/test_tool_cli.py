@@ -133,9 +133,10 @@ def test_the_formatter_shows_defaults_but_not_none_or_off_switches():
     parser.add_argument("--name", help="unset by default")
     parser.add_argument("--fast", action="store_true", help="go fast")
     parser.add_argument("--size", type=int, default=3, help="size (default: three)")
+    parser.add_argument("--keys", nargs="+", default=["text", "100%"], help="keys")
     text = parser.format_help()
-    assert "how many (default: 7)" in text
+    assert "how many (default: 7)" in text and "keys (default: text 100%)" in text
     assert "go fast\n" in text and "(default: False)" not in text and "(default: None)" not in text
     assert "size (default: three)\n" in text
     assert "  kept as is" in text
-    assert [shows_default(a) for a in parser._actions] == [False, True, False, False, True]
+    assert [shows_default(a) for a in parser._actions] == [False, True, False, False, True, True]
