@@ -30,3 +30,19 @@ def write_atomic(path: str, text: str) -> None:
 def write_json_atomic(path: str, value, **dump_kwargs) -> None:
     """`write_atomic` of `value` as JSON (`json.dumps`' keyword arguments), ending in a newline."""
     write_atomic(path, json.dumps(value, **dump_kwargs) + "\n")
+
+
+def umask() -> int:
+    """The process's umask (read by setting it and setting it back: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_usual_permissions(directory: str) -> None:
+    """Each file under `directory` gets the mode a plain `open(path, "w")` would give it (0644 under umask 022):
+    some writers create theirs 0600 (safetensors' `save_file`), which would keep a shared model from its readers."""
+    mode = 0o666 & ~umask()
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            os.chmod(os.path.join(folder, name), mode)

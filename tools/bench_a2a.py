@@ -21,6 +21,7 @@ import sys
 import time
 
 from tools.benchcluster import check_layouts_and_rates, parse_cluster, run_job, write_result
+from tools.cli import HelpFormatter
 
 LAYOUTS = ("2x2", "4x2", "2x4")
 HIDDEN = 256
@@ -28,11 +29,11 @@ HIDDEN = 256
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--cluster", nargs="+", default=["2x2", "4x2"], help=f"layouts, of {', '.join(LAYOUTS)}")
     p.add_argument("--link-gbit", type=float, default=1.0, help="each node's link rate, Gbit/s")
     p.add_argument("--sizes-kib", nargs="+", type=int, default=[64, 1024, 8192], help="KiB each rank sends")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="timed all-to-alls per size")
     args = p.parse_args(argv)
     check_layouts_and_rates(p, args.cluster, [args.link_gbit], LAYOUTS)
     if any(s < 1 for s in args.sizes_kib) or args.repeats < 1:

@@ -28,14 +28,31 @@ import functools
 import json
 import statistics
 
-import torch
+from tools.cli import HelpFormatter
 
-from megatron_moe.activations.apply import apply_activation_policy
-from megatron_moe.activations.engine import SavedBytes
-from megatron_moe.config import parse_args
-from megatron_moe.platform import current_platform, synchronize
-from megatron_moe.platform.process import init_single_process
-from tools.benchlib import measure_rounds, median_ratio, peak_bytes
+CASE_NAMES = ("layer_gpt2s_moe", "demo_model")
+"""`CASES`' names, for the command line (built before torch loads)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per case and policy")
+    parser.add_argument("--cases", default=",".join(CASE_NAMES), help="comma-separated, of " + ", ".join(CASE_NAMES))
+    parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a bad flag answer before torch and megatron-core load (seconds)
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+
+from megatron_moe.activations.apply import apply_activation_policy  # noqa: E402
+from megatron_moe.activations.engine import SavedBytes  # noqa: E402
+from megatron_moe.config import parse_args  # noqa: E402
+from megatron_moe.platform import current_platform, synchronize  # noqa: E402
+from megatron_moe.platform.process import init_single_process  # noqa: E402
+from tools.benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 CASES = {
     # One MoE transformer layer, GPT2-S-MoE shapes: 1024 tokens (seq 512 x micro-batch 2).
@@ -57,6 +74,7 @@ CASES = {
         micro_batch=8,
     ),
 }
+assert tuple(CASES) == CASE_NAMES, "CASE_NAMES lists CASES for the command line"
 POLICIES = {
     "none": [],
     "full": ["--recompute-granularity", "full"],
@@ -156,11 +174,10 @@ def _step(model, cfg, case):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    unknown = sorted(set(args.cases.split(",")) - set(CASES))
+    if unknown:
+        build_parser().error(f"--cases {args.cases}: no case {unknown[0]!r}; choose from {','.join(CASES)}")
     torch.set_num_threads(args.threads)
     init_single_process(seed=1234)
     for case_name in args.cases.split(","):

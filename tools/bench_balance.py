@@ -65,6 +65,7 @@ from megatron_moe.config import ConfigError
 from megatron_moe.config import parse_args as parse_run_args
 from tools import bench_step
 from tools.benchcluster import ROOT, check_layouts_and_rates, run_job
+from tools.cli import HelpFormatter
 from tools.emulated_cluster import EmulatedCluster
 
 BIAS_FLAGS = (
@@ -88,7 +89,7 @@ DEMO_SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt_moe_tiny_cpu.sh")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="balancing methods")
     p.add_argument("--cluster", nargs="+", default=list(LAYOUTS), help=f"layouts of {list(LAYOUTS)}")
     p.add_argument("--link-gbit", type=float, default=1.0, help="the link's rate, Gbit/s")

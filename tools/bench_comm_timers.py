@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from megatron_moe.platform.process import free_port
+from tools.cli import HelpFormatter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,7 +151,7 @@ def worker(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="stdlib_text_document + tokenizer")
     parser.add_argument("--rounds", type=int, default=3, help="runs with timers on, and off, alternated")
     parser.add_argument("--steps", type=int, default=10, help="training steps per run")
@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(os.path.join(args.data_dir, "tokenizer.model")):
         parser.error(f"--data-dir: {args.data_dir} has no tokenizer.model; run examples/pretrain_gpt_moe_tiny_cpu.sh")
     with tempfile.TemporaryDirectory() as tmp:
+        from megatron_moe.platform.process import free_port  # torch: only once the flags are good
+
         out = os.path.join(tmp, "out.jsonl")
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
         argv += ["-m", "tools.bench_comm_timers", "--worker", "--out", out, "--data-dir", args.data_dir]

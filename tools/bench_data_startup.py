@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from tools.cli import HelpFormatter
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MARKER = ".bench_data_startup"
@@ -51,7 +53,7 @@ MODEL = (
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument(
         "--output-dir",
         default=None,

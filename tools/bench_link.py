@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 
+from tools.cli import HelpFormatter
 from tools.emulated_cluster import EmulatedCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +126,7 @@ def calibrate(link_gbit: float, sizes_mib=(4, 8, 16), repeats: int = 5, cluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--link-gbit", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="tc rates to measure")
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 8, 16], help="all-to-all MiB per rank")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per size (after one warm-up)")

@@ -51,21 +51,10 @@ import os
 import statistics
 import sys
 
+from tools.benchcluster import parse_cluster
+from tools.cli import HelpFormatter
+
 THREADS = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before torch is imported
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron_moe.moe.grouped_gemm import (  # noqa: E402
-    KERNELS,
-    forced_kernel,
-    kernel_name,
-    onednn_linear,
-    onednn_works,
-)
-from megatron_moe.platform.process import init_single_process  # noqa: E402
-from tools.benchcluster import parse_cluster  # noqa: E402
-from tools.benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
 
 CASES = {
     # name: (hidden, ffn, tokens, [(experts, topk), ...])
@@ -74,11 +63,12 @@ CASES = {
     # GPU only (by default): a Mixtral-like layer, 16k tokens.
     "large": (4096, 14336, 16384, [(8, 2)]),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KERNEL_NAMES = ("grouped_gemm", "bmm", "onednn", "torch._grouped_mm", "mm-loop")
+"""megatron_moe.moe.grouped_gemm's KERNELS, for the command line (built before torch loads)."""
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument(
         "--cases",
         nargs="+",
@@ -86,7 +76,7 @@ def parse_args(argv=None):
         choices=sorted(CASES),
         help="default: small gpt2s on CPU; small gpt2s large on a GPU",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on a GPU")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: fp32 on CPU, bf16 on a GPU")
     p.add_argument(
         "--shapes",
         nargs="+",
@@ -96,11 +86,13 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--grouped-kernel",
-        choices=KERNELS,
+        choices=KERNEL_NAMES,
         default=None,
         help="pin our experts' grouped GEMM kernel (default: the fastest that fits)",
     )
-    p.add_argument("--capacity-factors", nargs="+", type=float, default=[0.0, 1.25])
+    p.add_argument(
+        "--capacity-factors", nargs="+", type=float, default=[0.0, 1.25], help="expert capacity factors (0: dropless)"
+    )
     p.add_argument(
         "--padded-too",
         action=argparse.BooleanOptionalAction,
@@ -110,9 +102,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="fewest rounds before timing")
     p.add_argument("--max-warmup", type=int, default=10, help="most rounds before timing, faults or not")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11 small, 5 gpt2s)")
-    p.add_argument("--threads", type=int, default=int(THREADS))
+    p.add_argument(
+        "--threads", type=int, default=int(THREADS), help="torch's intra-op threads (default: OMP_NUM_THREADS, else 2)"
+    )
     p.add_argument("--swiglu", action="store_true", help="SwiGLU experts instead of GELU")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="weights' and tokens' seed")
     p.add_argument(
         "--cluster",
         nargs="+",
@@ -128,6 +122,26 @@ def parse_args(argv=None):
         except ValueError as error:
             p.error(str(error))
     return args
+
+
+if __name__ == "__main__":  # --help and a bad flag answer before torch and megatron-core load (seconds)
+    parse_args()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_moe.moe.grouped_gemm import (  # noqa: E402
+    KERNELS,
+    forced_kernel,
+    kernel_name,
+    onednn_linear,
+    onednn_works,
+)
+from megatron_moe.platform.process import init_single_process  # noqa: E402
+from tools.benchlib import measure_rounds, median_ratio, peak_bytes  # noqa: E402
+
+assert KERNELS == KERNEL_NAMES, "KERNEL_NAMES lists grouped_gemm.KERNELS for the command line"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def cluster_cases(args) -> list[tuple]:

@@ -40,6 +40,7 @@ import sys
 import time
 
 from tools.benchcluster import check_layouts_and_rates, parse_cluster, run_job, write_result
+from tools.cli import HelpFormatter
 
 LAYOUTS = {"2x1": (2, 1), "2x2": (2, 2)}  # cluster -> (EP, ESP)
 RATES_GBIT = (0.5, 1.0, 2.5)
@@ -50,18 +51,18 @@ SOLVER = "solver"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--cluster", nargs="+", default=list(LAYOUTS), help="layouts (default: 2x1 2x2)")
     p.add_argument("--link-gbit", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (each contender once per round)")
     p.add_argument("--warmup", type=int, default=1, help="rounds before the timed ones")
     p.add_argument("--degrees", type=int, nargs="+", default=list(DEGREES), help="degrees of the brute force")
     case = p.add_argument_group("case", "the MoE layer (GELU experts)")
-    case.add_argument("--hidden", type=int, default=256)
-    case.add_argument("--ffn", type=int, default=1024)
+    case.add_argument("--hidden", type=int, default=256, help="model width")
+    case.add_argument("--ffn", type=int, default=1024, help="each expert's hidden width")
     case.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    case.add_argument("--experts", type=int, default=8)
-    case.add_argument("--topk", type=int, default=2)
+    case.add_argument("--experts", type=int, default=8, help="experts in the layer")
+    case.add_argument("--topk", type=int, default=2, help="experts per token")
     args = p.parse_args(argv)
     check_layouts_and_rates(p, args.cluster, args.link_gbit, LAYOUTS)
     if args.repeats < 1 or args.warmup < 0:

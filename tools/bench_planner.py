@@ -49,6 +49,7 @@ import sys
 
 from tools.bench_step import MODEL, TRAINING, add_case_arguments, check_case_arguments, prepare_data
 from tools.benchcluster import parse_cluster, run_job
+from tools.cli import HelpFormatter
 from tools.emulated_cluster import EmulatedCluster
 
 TOLERANCE = 0.15
@@ -239,7 +240,7 @@ def ranking(cluster: str, link_gbit: float, candidates: list[dict]) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     names = [c.name for c in CONFIGS]
     p.add_argument("--only", nargs="+", choices=names, default=names, help="configurations to run")
     p.add_argument("--ranking", nargs="*", default=[], help="clusters NxK@GBIT whose planner top 3 to run")

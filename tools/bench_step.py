@@ -95,10 +95,10 @@ import subprocess
 import sys
 import tempfile
 
-from megatron_moe.comm.timers import hidden_share
 from megatron_moe.config import parse_args as parse_run_args
 from megatron_moe.config import placement
 from tools.benchcluster import ROOT, check_layouts_and_rates, parse_cluster, run_job, write_result
+from tools.cli import HelpFormatter
 from tools.emulated_cluster import EmulatedCluster
 
 # layout -> (EP, ESP); the all-to-all crosses the link, but in 2x2dp (EP inside a node, DP across)
@@ -185,7 +185,7 @@ TRAINING = [
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--cluster", nargs="+", default=list(DEFAULT_LAYOUTS), help=f"layouts of {list(LAYOUTS)}")
     p.add_argument("--link-gbit", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
     choices = [*SETTINGS, *ALIASES, "features"]
@@ -289,6 +289,8 @@ def summarize(
     layout: str, rate: float, histories: list[list[dict]], warmup: int, flags: list[str], setting: str = "off"
 ) -> dict:
     """One case's JSON row from the logging rank's per-step histories of its rounds (entries: `step_ms`, `comm`)."""
+    from megatron_moe.comm.timers import hidden_share  # the comm package loads torch: not before --help
+
     timed = [entry for history in histories for entry in history[warmup:]]
     if not timed or any("step_ms" not in h or "comm" not in h for h in timed):
         raise RuntimeError("the Trainer's history has no `step_ms`/`comm`: this tree lacks the comm timers")

@@ -42,6 +42,8 @@ import threading
 import time
 from collections import deque
 
+from tools.cli import HelpFormatter
+
 PREFIX = "mmc"
 STALE = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:sw|n\d+)$")  # kept runs (mmc-keep-...) never match
 STOP_GRACE_S = 5.0
@@ -358,6 +360,7 @@ def run_command(cluster, argv: list[str], procs_per_node: int, master_port: int,
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         description="Run COMMAND once per emulated node (a network namespace with a shaped link) on this host.",
         usage="%(prog)s --nodes N --procs-per-node K --link-gbit R [--keep] [--master-port P] [--stream-node I] "
         "-- COMMAND...",

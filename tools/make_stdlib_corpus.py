@@ -17,6 +17,8 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 
+from tools.cli import HelpFormatter
+
 DEFAULT_MAX_BYTES = 4_000_000
 DEFAULT_EXCLUDES = [
     "site-packages",  # third-party code, differs between machines
@@ -32,7 +34,7 @@ DEFAULT_EXCLUDES = [
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--output", required=True, help="the .jsonl file to write")
     parser.add_argument(
         "--max-bytes",

@@ -34,10 +34,10 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from megatron_moe.config import ConfigError, RunConfig, parse_args, rules
 from megatron_moe.config.fields import require
-from megatron_moe.overlap.cost_model import ClusterFits
 from megatron_moe.planning.hardware import (
     GIB,
     GPUS,
@@ -49,9 +49,13 @@ from megatron_moe.planning.hardware import (
     compute_for,
 )
 from megatron_moe.planning.model import POLICIES, Layout, Shape
-from megatron_moe.planning.search import check_layout, search, variants
-from megatron_moe.planning.step import Prediction, predict_step
-from megatron_moe.training.flops import flops_per_token
+from tools.cli import HelpFormatter
+
+if TYPE_CHECKING:
+    from megatron_moe.planning.step import Prediction
+
+# The predictor (planning.search/.step, overlap.cost_model, training.flops) is imported where it is used: the
+# packages around it load torch and megatron-core, seconds that `--help` and a flag error need not wait for.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACEMENT_FLAGS = ("--expert-placement", "--moe-a2a-algorithm")
@@ -60,7 +64,10 @@ PLACEMENT_FLAGS = ("--expert-placement", "--moe-a2a-algorithm")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], allow_abbrev=False, usage="%(prog)s [planner flags] [trainer flags]"
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        usage="%(prog)s [planner flags] [trainer flags]",
+        formatter_class=HelpFormatter,
     )
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--nodes", type=int, required=True)
@@ -157,6 +164,8 @@ def load_model(args: argparse.Namespace, trainer_argv: list[str]) -> RunConfig:
 
 
 def cluster_and_compute(args: argparse.Namespace, dtype: str):
+    from megatron_moe.overlap.cost_model import ClusterFits
+
     measured = None
     if args.profile is not None:
         try:
@@ -267,6 +276,8 @@ def resolve_auto(given: Layout, predict, gpus_per_node: int) -> Layout:
     """The model's own layout with --expert-placement / --moe-a2a-algorithm auto taken as the faster of the
     choices they leave open, by the planner's prediction (`predict`: layout -> Prediction). The runtime's auto
     rules are simpler (placement: bytes across nodes; 2DH: messages and bytes), so this is what auto could reach."""
+    from megatron_moe.planning.search import variants
+
     if "auto" not in (given.placement, given.a2a):
         return given
     options = [
@@ -412,6 +423,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def plan(args: argparse.Namespace, trainer_argv: list[str]) -> tuple[dict, list[Prediction], Prediction | None]:
     """(the JSON document, the best layouts, the model's own layout's prediction or None)."""
+    from megatron_moe.planning.search import check_layout, search
+    from megatron_moe.planning.step import predict_step
+    from megatron_moe.training.flops import flops_per_token
+
     _check(args)
     cfg = load_model(args, trainer_argv)
     flash = {"yes": True, "no": False}.get(args.flash_attention, args.gpu != "cpu" or cfg.model.use_flash_attn)

@@ -52,10 +52,13 @@ from megatron_moe.overlap.cost_model import (
 )
 from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, moe_layers, olp_dense_ms
 from megatron_moe.overlap.grad_partition import GeneralizedLayer, GradPartition, partition, t_ar_ms
+from tools.cli import HelpFormatter
 
 
 def _parser(defaults: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=HelpFormatter
+    )
     for name, group in GROUPS:
         add_arguments(parser, group, name, defaults=defaults)
     plan = parser.add_argument_group("plan", "the cluster and the solver")

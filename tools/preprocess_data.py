@@ -28,43 +28,19 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from functools import lru_cache
 
-if __name__ == "__main__":  # before megatron-core's imports: its no-TE/apex and legacy-tokenizer notices filtered
-    from megatron_moe.failure import setup_logging
-
-    setup_logging()
-
-import numpy  # noqa: E402
-import torch  # noqa: E402
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
-
-from megatron_moe.config import (  # noqa: E402
-    TOKENIZER_FIELDS,
-    ConfigError,
-    DataConfig,
-    add_tokenizer_arguments,
-    tokenizer_config,
-)
-from megatron_moe.data import DataError, expand_input_paths, iter_documents  # noqa: E402
-from megatron_moe.data.datasets import check_prefix_files, check_vocabulary_covers  # noqa: E402
-from megatron_moe.data.metadata import (  # noqa: E402
-    TokenizerIdentity,
-    TokenMetadata,
-    metadata_path,
-    scan_max_token_id,
-    write_metadata,
-)
-from megatron_moe.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
+from megatron_moe.config import add_tokenizer_arguments
+from tools.cli import HelpFormatter
 
 CHUNK_SIZE = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the command-line parser."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Return the command-line parser (the standard library and megatron_moe.config only: `--help` is instant)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--input",
         nargs="+",
@@ -76,7 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-prefix", help="writes OUTPUT_PREFIX_{key}_document.bin/.idx/.meta.json")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    parser.add_argument("--log-interval", type=int, default=1000, help="print progress every this many documents")
+    parser.add_argument(
+        "--progress-seconds",
+        type=float,
+        default=2.0,
+        help="a progress line (documents and bytes per second, share read and ETA) at most this often, on stderr; "
+        "0: none, only the summary at the end",
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=int,
+        default=1000,
+        help="Megatron-LM's (documents between progress lines), accepted for its scripts; progress here is timed "
+        "(--progress-seconds)",
+    )
     parser.add_argument(
         "--write-metadata",
         nargs="+",
@@ -88,12 +77,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+if __name__ == "__main__":  # --help and a bad flag answer before torch and megatron-core load (seconds)
+    build_parser().parse_args()
+
+    from megatron_moe.failure import setup_logging  # before megatron-core's imports: its notices filtered
+
+    setup_logging()
+
+import numpy  # noqa: E402
+import torch  # noqa: E402
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+
+from megatron_moe.config import TOKENIZER_FIELDS, ConfigError, DataConfig, tokenizer_config  # noqa: E402
+from megatron_moe.data import DataError, expand_input_paths, iter_sized_documents  # noqa: E402
+from megatron_moe.data.datasets import check_prefix_files, check_vocabulary_covers  # noqa: E402
+from megatron_moe.data.metadata import (  # noqa: E402
+    TokenizerIdentity,
+    TokenMetadata,
+    metadata_path,
+    scan_max_token_id,
+    write_metadata,
+)
+from megatron_moe.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Reject bad numeric arguments with a message naming the flag."""
     if args.workers < 1:
         raise SystemExit(f"--workers {args.workers} must be >= 1 (e.g. --workers 2)")
     if args.log_interval < 1:
         raise SystemExit(f"--log-interval {args.log_interval} must be >= 1 (e.g. 1000)")
+    if not args.progress_seconds >= 0:
+        raise SystemExit(f"--progress-seconds {args.progress_seconds} must be >= 0 (e.g. 2; 0: no progress lines)")
     if args.write_metadata:
         if args.input or args.output_prefix:
             raise SystemExit(
@@ -119,18 +134,17 @@ def tokenizer_flags(data: DataConfig) -> tuple[str | None, ...]:
     return tuple(getattr(data, name) for name in TOKENIZER_FIELDS)
 
 
-def encode_document(task: tuple[tuple, bool, dict[str, str]]) -> tuple[dict[str, numpy.ndarray], int]:
-    """Tokenize one document; return ``({key: ids}, utf-8 bytes read)``."""
-    flags, append_eod, document = task
+def encode_document(task: tuple[tuple, bool, dict[str, str], int]) -> tuple[dict[str, numpy.ndarray], int]:
+    """Tokenize one document; return ``({key: ids}, input bytes it was read from)`` (the size passes through the
+    pool with the result, so progress counts what is tokenized, not what the pool has read ahead)."""
+    flags, append_eod, document, num_bytes = task
     tokenizer = _tokenizer(flags)
     encoded = {}
-    num_bytes = 0
     for key, text in document.items():
         ids = tokenizer.tokenize(text)
         if append_eod:
             ids.append(tokenizer.eod)
         encoded[key] = numpy.asarray(ids, dtype=numpy.int64)
-        num_bytes += len(text.encode("utf-8"))
     return encoded, num_bytes
 
 
@@ -166,30 +180,92 @@ def temporary_path(path: str) -> str:
     return f"{path}.tmp{os.getpid()}"
 
 
-class ProgressLog:
-    """Megatron-style progress lines on stderr."""
+def input_bytes(paths: list[str]) -> int | None:
+    """The inputs' size in bytes, or None where one is not a regular file (a pipe, a device): then no ETA."""
+    try:
+        sizes = [os.stat(path) for path in paths]
+    except OSError:
+        return None
+    if not all(os.path.isfile(path) for path in paths):
+        return None
+    return sum(stat.st_size for stat in sizes)
 
-    def __init__(self, interval: int):
-        self.interval = interval
-        self.start = time.time()
+
+def _bytes(count: float) -> str:
+    """``12.3 MB``: decimal units, as a corpus's size is usually quoted."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+def _per_second(count: float) -> str:
+    """``1,234`` or, under 10, ``2.5``: a slow rate keeps a digit."""
+    return f"{count:,.0f}" if count >= 10 else f"{count:.1f}"
+
+
+def _duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``12s``."""
+    seconds = round(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+class ProgressLog:
+    """Progress lines on stderr, whatever the corpus's size: documents and input bytes read, their rates since the
+    start and, where the inputs' size is known, the share read and an ETA; at most one line every `interval_s`
+    seconds (0: none) and one summary at the end. The clock is read once per document (tens of nanoseconds beside
+    tokenizing it)."""
+
+    def __init__(
+        self,
+        total_bytes: int | None,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        write: Callable[[str], None] | None = None,
+    ):
+        self.total_bytes = total_bytes
+        self.interval_s = interval_s
+        self.clock = clock
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.start = clock()
+        self.next_line = self.start + interval_s
         self.documents = 0
         self.bytes = 0
 
     def update(self, num_bytes: int) -> None:
-        """Count one document; print every ``interval`` documents."""
+        """Count one document read from `num_bytes` input bytes; print a line if `interval_s` has passed."""
         self.documents += 1
         self.bytes += num_bytes
-        if self.documents % self.interval == 0:
-            self.report()
+        if self.interval_s > 0:
+            now = self.clock()
+            if now >= self.next_line:
+                self.write(self.line(now))
+                self.next_line = now + self.interval_s
 
-    def report(self) -> None:
-        """Print ``Processed N documents (X docs/s, Y MB/s).``"""
-        elapsed = max(time.time() - self.start, 1e-9)
-        print(
-            f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
-            f"{self.bytes / elapsed / 1024 / 1024:.2f} MB/s).",
-            file=sys.stderr,
-            flush=True,
+    def line(self, now: float) -> str:
+        """``progress: 1,234 documents, 5.6 MB (617 docs/s, 2.8 MB/s); 40.1% of 14.0 MB, ETA 3s``."""
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.bytes / elapsed
+        text = (
+            f"progress: {self.documents:,} documents, {_bytes(self.bytes)} "
+            f"({_per_second(self.documents / elapsed)} docs/s, {_bytes(rate)}/s)"
+        )
+        if self.total_bytes:
+            share = min(self.bytes / self.total_bytes, 1.0)
+            eta = _duration((self.total_bytes - self.bytes) / rate) if rate > 0 else "unknown"
+            text += f"; {100 * share:.1f}% of {_bytes(self.total_bytes)}, ETA {eta}"
+        return text
+
+    def finish(self) -> None:
+        """The summary: ``done: 1,234 documents, 14.0 MB in 5s (247 docs/s, 2.8 MB/s)``."""
+        now = self.clock()
+        elapsed = max(now - self.start, 1e-9)
+        self.write(
+            f"done: {self.documents:,} documents, {_bytes(self.bytes)} in {_duration(elapsed)} "
+            f"({_per_second(self.documents / elapsed)} docs/s, {_bytes(self.bytes / elapsed)}/s)"
         )
 
 
@@ -206,8 +282,8 @@ def write_datasets(
     documents = {key: 0 for key in args.json_keys}
     max_ids = {key: -1 for key in args.json_keys}
     flags = tokenizer_flags(data)
-    tasks = ((flags, args.append_eod, doc) for doc in iter_documents(paths, args.json_keys))
-    progress = ProgressLog(args.log_interval)
+    tasks = ((flags, args.append_eod, doc, size) for doc, size in iter_sized_documents(paths, args.json_keys))
+    progress = ProgressLog(input_bytes(paths), args.progress_seconds)
     for encoded, num_bytes in encoded_documents(tasks, args.workers):
         for key, ids in encoded.items():
             if ids.size:
@@ -217,7 +293,7 @@ def write_datasets(
                 documents[key] += 1
                 max_ids[key] = max(max_ids[key], int(ids.max()))
         progress.update(num_bytes)
-    progress.report()
+    progress.finish()
     empty = [key for key, count in documents.items() if count == 0]
     if empty:
         raise DataError(

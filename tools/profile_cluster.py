@@ -20,11 +20,13 @@ import json
 import os
 import sys
 
+from tools.cli import HelpFormatter
+
 KIB = 1 << 10
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", required=True, help="the profile JSON (loaded if it matches, else written)")
     parser.add_argument("--cluster", help="NODESxPROCS: run on an emulated cluster of that shape")
     parser.add_argument("--link-gbit", type=float, default=1.0, help="the emulated links' rate (with --cluster)")

@@ -33,6 +33,7 @@ import sentencepiece
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from megatron_moe.data import DataError, expand_input_paths, iter_documents
+from tools.cli import HelpFormatter
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 BYTE_PIECES = 256
@@ -44,7 +45,7 @@ ENDOFTEXT = "<|endoftext|>"  # GPT-2's end of document (megatron_moe.data.tokeni
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--input",
         nargs="+",
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="SentencePiece: writes PREFIX.model and PREFIX.vocab; bytelevel-bpe: the directory PREFIX/ with "
         "vocab.json, merges.txt, tokenizer.json and tokenizer_config.json",
     )
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--vocab-size", type=int, default=8000, help="tokens in the vocabulary")
     parser.add_argument(
         "--model-type",
         choices=MODEL_TYPES,
@@ -75,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-sentence-length", type=int, default=16384, help="longest line in bytes; longer lines are cut into pieces"
     )
-    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--num-threads", type=int, default=os.cpu_count() or 1, help="trainer threads (default: this host's cores)"
+    )
     parser.add_argument(
         "--character-coverage",
         type=float,

@@ -20,6 +20,7 @@ from megatron_moe.checkpointing import TrainState, hf_mixtral
 from megatron_moe.checkpointing.hf_tokenizer import tokenizer_flags_of, write_hf_tokenizer
 from megatron_moe.config import ConfigError, DataConfig, RunConfig, parse_args
 from megatron_moe.data.tokenizer import build_tokenizer
+from megatron_moe.files import give_usual_permissions
 from megatron_moe.platform.process import init_single_process
 
 log = logging.getLogger("megatron_moe")
@@ -116,6 +117,7 @@ def export_hf(
     _write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": tokenizer.eod})
     written = write_hf_tokenizer(tokenizer, tmp)
     progress(f"export: tokenizer {tokenizer.description} as {', '.join(written)}")
+    give_usual_permissions(tmp)  # safetensors writes 0600
     os.replace(tmp, out)
     return out
 

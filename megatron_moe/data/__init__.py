@@ -55,11 +55,20 @@ def iter_documents(paths: list[str], json_keys: list[str]) -> Iterator[dict[str,
     ``.jsonl``/``.json`` files hold one JSON object per line; any other file is read whole
     (exactly, line endings kept) as the single key's text.
     """
+    for document, _ in iter_sized_documents(paths, json_keys):
+        yield document
+
+
+def iter_sized_documents(paths: list[str], json_keys: list[str]) -> Iterator[tuple[dict[str, str], int]]:
+    """`iter_documents` with the input bytes each document was read from (its JSON line, blank lines before it
+    included, or its whole file): what a progress report measures against the inputs' size in bytes (the texts'
+    own bytes are fewer, a JSON line's keys and escapes left out)."""
     for path in paths:
         if path.endswith(JSON_SUFFIXES):
             yield from _iter_json_lines(path, json_keys)
         else:
-            yield {_single_key(json_keys, path): _read_text(path)}
+            text = _read_text(path)
+            yield {_single_key(json_keys, path): text}, len(text.encode("utf-8"))
 
 
 def _single_key(json_keys: list[str], path: str) -> str:
@@ -81,7 +90,7 @@ def _read_text(path: str) -> str:
         raise not_utf8(path) from None
 
 
-def _iter_json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]]:
+def _iter_json_lines(path: str, json_keys: list[str]) -> Iterator[tuple[dict[str, str], int]]:
     """Yield the requested keys of each JSON line, with errors naming file and line."""
     try:
         yield from _json_lines(path, json_keys)
@@ -106,10 +115,12 @@ def not_utf8(path: str) -> DataError:
     )
 
 
-def _json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]]:
+def _json_lines(path: str, json_keys: list[str]) -> Iterator[tuple[dict[str, str], int]]:
+    skipped = 0  # bytes of blank lines, counted with the next document
     with open(path, encoding="utf-8") as stream:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
+                skipped += len(line.encode("utf-8"))
                 continue
             try:
                 record = json.loads(line)
@@ -121,4 +132,5 @@ def _json_lines(path: str, json_keys: list[str]) -> Iterator[dict[str, str]]:
                     f"--json-keys {missing[0]!r}: {path}:{number} has no string "
                     f"field {missing[0]!r}; keys present: {sorted(record)}"
                 )
-            yield {k: record[k] for k in json_keys}
+            yield {k: record[k] for k in json_keys}, skipped + len(line.encode("utf-8"))
+            skipped = 0

@@ -150,6 +150,18 @@ def test_cli_reports_progress_and_leaves_no_staging_directory(runs):
     assert sorted(os.listdir(os.path.join(runs["workdir"], "ep2"))) == ["iter_0000002", TRACKER]
 
 
+def test_cli_filters_megatron_cores_notices_as_training_does(runs):
+    """The workers' megatron-core notices that training drops (`MEGATRON_NOISE`: "Unknown MLP type", ...) stay
+    out of the conversion's output; its own lines and megatron-core's real warnings do not."""
+    from megatron_moe.failure import MEGATRON_NOISE
+
+    err = runs["cli"].stderr
+    lines = [line for line in err.splitlines() if "kernels: transformer_engine=" not in line]  # ours: what runs
+    assert not [line for line in lines if any(pattern in line for pattern in MEGATRON_NOISE)], err[-3000:]
+    assert "Unknown MLP type" not in err, err[-3000:]  # megatron-core's, once per rank before
+    assert "reshard: building the model and optimizer" in err and "warnings.warn" not in err, err[-3000:]
+
+
 # ---------------------------------------------------------------- refusals (no torchrun)
 
 

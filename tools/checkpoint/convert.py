@@ -26,6 +26,7 @@ import time
 
 from megatron_moe.config import ConfigError  # pure Python, cheap
 from megatron_moe.failure import setup_logging  # the standard library only
+from tools.cli import HelpFormatter
 
 
 class ReshardCommand:
@@ -117,11 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Convert megatron_moe checkpoints.",
         allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=command.help, description=command.__doc__, allow_abbrev=False)
+        sub = commands.add_parser(
+            name, help=command.help, description=command.__doc__, allow_abbrev=False, formatter_class=HelpFormatter
+        )
         command.add_arguments(sub)
     return parser
 

@@ -36,6 +36,9 @@ import warnings
 # Only light imports at module level: torchrun runs this file, and the checkpoint writer's
 # spawned helper re-imports it; megatron-core is imported where it is used.
 from megatron_moe.config import ConfigError, ParallelDims, RunConfig
+from megatron_moe.failure import setup_logging
+from megatron_moe.files import umask
+from tools.cli import HelpFormatter
 
 log = logging.getLogger("megatron_moe")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -313,12 +316,6 @@ def _launch(job_path: str, world: int, save_root: str) -> int:
     return subprocess.run(cmd, env=env).returncode
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _publish(staging: str, destination: str) -> None:
     """Move the finished staging directory to `destination`, replacing what --overwrite allowed."""
     from megatron_moe.checkpointing import TRACKER
@@ -342,7 +339,7 @@ def run_reshard_job(job: ReshardJob) -> str:
     os.makedirs(os.path.dirname(job.destination), exist_ok=True)
     name = os.path.basename(job.destination)
     staging = tempfile.mkdtemp(prefix=f".{name}.reshard-", dir=os.path.dirname(job.destination))
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would become the destination's mode
+    os.chmod(staging, 0o777 & ~umask())  # mkdtemp's 0700 would become the destination's mode
     published = False
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -363,18 +360,19 @@ def run_reshard_job(job: ReshardJob) -> str:
 
 
 def _setup_worker_logging() -> None:
-    """Progress on rank 0 only; megatron-core's notices at WARNING."""
-    rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S"
-    )
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", module="megatron")
+    """Progress on rank 0 only; megatron-core's notices filtered as in training (`setup_logging`: its loggers at
+    WARNING less `MEGATRON_NOISE`, its warnings off), so a conversion prints what it did, not "Unknown MLP type"
+    once per rank."""
+    setup_logging()
+    if int(os.environ.get("RANK", 0)) != 0:  # training's last rank logs too (it holds the loss): not here
+        logging.getLogger().setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.checkpoint")
 
 
 def worker_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="torchrun worker of `convert.py reshard` (not for direct use)")
+    parser = argparse.ArgumentParser(
+        description="torchrun worker of `convert.py reshard` (not for direct use)", formatter_class=HelpFormatter
+    )
     parser.add_argument("--job", required=True, help="the JSON ReshardJob written by run_reshard_job")
     parser.add_argument("--save-root", required=True, help="where to save (run_reshard_job's staging directory)")
     args = parser.parse_args(argv)
