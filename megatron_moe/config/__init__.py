@@ -142,21 +142,21 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     return cfg
 
 
-def _parse(argv: Sequence[str]) -> tuple[RunConfig, list[str]]:
+def _parse(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
     """(the run config of the flags that parse, one line per flag that does not): a flag in error is set aside
-    and the rest parsed again, so that one pass names every bad flag."""
+    and the rest parsed again, so that one pass names every bad flag (None for the config after an error argparse
+    names no flag for: nothing is then known to check further)."""
     argv, notes, errors = accept_megatron_lm_flags(argv)
     parser = build_parser()
     while True:
         try:
             namespace, unknown = parser.parse_known_args(argv)
             break
-        except argparse.ArgumentError as error:
+        except (argparse.ArgumentError, ConfigError) as error:  # ConfigError: argparse's own error(), unattributed
             errors.append(str(error))
-            argv = _without_flag(parser, argv, error.argument_name)
-        except ConfigError as error:  # argparse's own error() (none is expected with these flags)
-            errors.append(str(error))
-            return RunConfig(), errors
+            argv = _without_flag(parser, argv, getattr(error, "argument_name", None))
+            if argv is None:
+                return None, errors
     errors += [unknown_flag(parser, item) for item in _unknown_flags(unknown)]
     cfg = RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
     given, _ = build_parser(defaults=False).parse_known_args(argv)  # the unknown ones named above
@@ -164,13 +164,13 @@ def _parse(argv: Sequence[str]) -> tuple[RunConfig, list[str]]:
     return cfg, errors
 
 
-def _without_flag(parser: argparse.ArgumentParser, argv: list[str], name: str | None) -> list[str]:
+def _without_flag(parser: argparse.ArgumentParser, argv: list[str], name: str | None) -> list[str] | None:
     """`argv` without each occurrence of the flag `name` (argparse's "--a/--b" for a flag of two names) and its
-    values. No name (an error argparse does not attribute): nothing left to parse."""
-    names = set((name or "").split("/")) - {""}
+    values; None where no flag of ours is named."""
+    names = set((name or "").split("/")) & set(parser._option_string_actions)
     if not names:
-        return []
-    action = next(parser._option_string_actions[n] for n in names if n in parser._option_string_actions)
+        return None
+    action = parser._option_string_actions[next(iter(names))]
     kept, i = [], 0
     while i < len(argv):
         flag = argv[i].split("=", 1)[0]
@@ -226,7 +226,8 @@ def parse_and_validate(argv: Sequence[str] | None, world_size: int, *, files: bo
     aside) is left out."""
     cfg, errors = _parse(sys.argv[1:] if argv is None else argv)
     unparsed = {flag for flag in map(_flag_named, errors) if flag}
-    for check in (lambda: cfg.validate(world_size), lambda: rules.check_files(cfg.data) if files else None):
+    checks = (lambda: cfg.validate(world_size), lambda: rules.check_files(cfg.data) if files else None)
+    for check in checks if cfg is not None else ():
         try:
             check()
         except ConfigError as error:

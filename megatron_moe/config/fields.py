@@ -173,23 +173,32 @@ def from_namespace(cls: type, namespace: argparse.Namespace):
 
 
 def _given_that_change_nothing(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]):
-    """(field, its value, its When) of each flag the user gave whose condition this run does not meet."""
+    """(group name, field, its value, its When) of each flag the user gave whose condition this run does not
+    meet."""
     for name, cls in groups:
         for field in dataclasses.fields(cls):
             applies = field.metadata.get("applies")
             if field.name in given and applies is not None and not applies.test(run_config):
-                yield field, getattr(getattr(run_config, name), field.name), applies
+                yield name, field, getattr(getattr(run_config, name), field.name), applies
 
 
 def flags_that_change_nothing(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]) -> list[str]:
     """One line per flag the user gave that changes nothing in this run, saying when it would (the start-up log
-    prints them). Accepted, as Megatron-LM accepts them (e.g. --sequence-parallel at TP=1, --moe-grouped-gemm
-    with our MoE layer): the run is the one without the flag, and the line says so."""
-    return [
-        f"{as_typed(flag_name(field), value)}: changes nothing in this run (it applies only {applies.text}); "
-        "accepted and ignored"
-        for field, value, applies in _given_that_change_nothing(run_config, groups, given)
-    ]
+    prints them), each such field set back to its default in `run_config`: accepted, as Megatron-LM accepts them
+    (e.g. --sequence-parallel at TP=1, which it turns off; --moe-grouped-gemm with our MoE layer), and the run is
+    then exactly the one without the flag, whatever code reads the field. Set back until none is left (a field
+    set back may leave another given flag with nothing to do)."""
+    notes, set_back = [], set()
+    while pending := list(_given_that_change_nothing(run_config, groups, given - set_back)):
+        for name, field, value, applies in pending:
+            notes.append(
+                f"{as_typed(flag_name(field), value)}: changes nothing in this run (it applies only {applies.text}); "
+                "accepted and ignored"
+            )
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            setattr(getattr(run_config, name), field.name, default)
+            set_back.add(field.name)
+    return notes
 
 
 def as_typed(flag: str, value: Any) -> str:
@@ -204,7 +213,7 @@ def as_typed(flag: str, value: Any) -> str:
 def check_given_flags_apply(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]) -> None:
     """Refuse a flag the user gave that does nothing in this run: for tools that have no start-up log to say
     so in (the trainer accepts it with a line, `flags_that_change_nothing`)."""
-    for field, value, applies in _given_that_change_nothing(run_config, groups, given):
+    for _, field, value, applies in _given_that_change_nothing(run_config, groups, given):
         raise ConfigError(
             f"{flag_name(field)}={value}: does nothing in this run; it applies only "
             f"{applies.text} (drop it, or set what it needs)"

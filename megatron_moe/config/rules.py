@@ -44,25 +44,28 @@ MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 
 def check_run(cfg: RunConfig, world_size: int) -> None:
     """Check every group, then what spans groups; fill derived defaults. Every error is found in one pass: each
-    group's check runs whatever the others found (a group with a non-finite float is checked no further), and
-    the checks across groups run where the groups they read passed; several errors are raised together
-    (`fields.ConfigErrors`)."""
+    group's check runs where the groups it reads passed (moe reads model; parallel both), a group with a
+    non-finite float is checked no further, and the checks across groups run where the groups they read passed;
+    several errors are raised together (`fields.ConfigErrors`)."""
     errors = Collector()
     failed = set()
 
     def dims() -> ParallelDims:  # no chunks yet: their flags are checked in check_parallel
         return ParallelDims.from_config(cfg.parallel, world_size)
 
-    for name, check in (
-        ("model", lambda: check_model(cfg.model)),
-        ("moe", lambda: check_moe(cfg.moe, cfg.model, cfg.parallel)),
-        ("parallel", lambda: check_parallel(cfg.parallel, dims(), cfg.model, cfg.moe)),
-        ("training", lambda: check_training(cfg.training)),
-        ("activations", lambda: (check_activations(cfg.activations), cfg.activation_policy())),
-        ("data", lambda: check_data(cfg.data)),
-        ("checkpoint", lambda: check_checkpoint(cfg.checkpoint)),
-        ("logging", lambda: check_logging(cfg.logging)),
+    for name, needs, check in (
+        ("model", (), lambda: check_model(cfg.model)),
+        ("moe", ("model",), lambda: check_moe(cfg.moe, cfg.model, cfg.parallel)),
+        ("parallel", ("model", "moe"), lambda: check_parallel(cfg.parallel, dims(), cfg.model, cfg.moe)),
+        ("training", (), lambda: check_training(cfg.training)),
+        ("activations", (), lambda: (check_activations(cfg.activations), cfg.activation_policy())),
+        ("data", (), lambda: check_data(cfg.data)),
+        ("checkpoint", (), lambda: check_checkpoint(cfg.checkpoint)),
+        ("logging", (), lambda: check_logging(cfg.logging)),
     ):
+        if failed.intersection(needs):  # its checks read a group in error: they would repeat its error
+            failed.add(name)
+            continue
         found = len(errors.errors)
         with errors:
             require_finite_floats(getattr(cfg, name))  # before the range checks, which NaN would slip through

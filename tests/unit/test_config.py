@@ -276,14 +276,20 @@ def test_a_given_flag_that_would_do_nothing_is_accepted_with_one_line_saying_so(
     c = cfg(*flags.split())
     assert len(c.notes) == 1 and re.search(message, c.notes[0]) and c.notes[0].startswith("--"), c.notes
     assert c.notes[0].endswith("); accepted and ignored"), c.notes
+    words = flags.split()  # the run is the one without the flag: its field is set back to the default
+    at = words.index(c.notes[0].split(":")[0].split()[0])
+    without = words[:at] + words[at + (1 if at + 1 == len(words) or words[at + 1].startswith("--") else 2) :]
+    assert c.to_dict() == cfg(*without).to_dict()
 
 
 def test_the_tools_that_have_no_start_up_log_still_refuse_it():
     from megatron_moe.config import GROUPS
     from megatron_moe.config.fields import check_given_flags_apply
 
+    c = cfg()
+    c.moe.moe_router_dim = 32
     with pytest.raises(ConfigError, match=r"--moe-router-dim=32: does nothing in this run; it applies only with"):
-        check_given_flags_apply(cfg("--moe-router-dim", "32"), GROUPS, {"moe_router_dim"})
+        check_given_flags_apply(c, GROUPS, {"moe_router_dim"})
 
 
 def test_moe_flags_need_an_moe_model_and_defaults_never_count():
@@ -387,9 +393,13 @@ def test_bad_virtual_pipeline_flags_name_flag_value_and_choice(flags, world, mes
 
 def test_virtual_pipeline_needs_a_pipeline():
     for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
-        needs_pp = rf"{flag}=2: the interleaved pipeline .* needs --pipeline-model-parallel-size > 1 \(now 1\)"
-        with pytest.raises(ConfigError, match=needs_pp):
-            cfg(flag, "2").validate(world_size=1)
+        c = cfg(flag, "2")  # typed at PP=1: it changes nothing, and a line says so
+        assert c.notes == [
+            f"{flag} 2: changes nothing in this run (it applies only with --pipeline-model-parallel-size > 1); "
+            "accepted and ignored"
+        ]
+        c.validate(world_size=1)
+        assert c.parallel.virtual_pipeline_size(c.model.num_layers) is None
     c = cfg()
     c.parallel.num_virtual_stages_per_pipeline_rank = 2  # e.g. from a saved config: no flag to refuse
     with pytest.raises(ConfigError, match=r"=2: .* it needs --pipeline-model-parallel-size > 1 \(now 1\), e\.g\."):
