@@ -122,3 +122,33 @@ def test_wrong_paths_are_named_together_before_anything_starts(fake_torchrun, tm
         "(PREFIX_text_document for --output-prefix PREFIX)",
         f"  --tokenizer-model={missing}.model: no such file or directory",
     ], proc.stderr
+
+
+def test_mock_data_is_megatron_cores_mock_dataset_counting_up_to_the_vocabulary(tokenizer):
+    """--mock-data: megatron-core's MockGPTDataset, as Megatron-LM builds it (no blend, split 1,1,1): documents
+    counting 1, 2, 3, ... modulo the tokenizer's vocabulary, each ended by its eod; a split asked for nothing is
+    not built."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    from megatron_moe.data.datasets import build_mock_gpt_datasets
+
+    train, valid, test = build_mock_gpt_datasets(
+        tokenizer=tokenizer,
+        seq_length=64,
+        seed=1234,
+        train_samples=8,
+        valid_samples=4,
+        test_samples=0,
+        cache_dir=None,
+        is_built_on_rank=lambda: True,
+    )
+    assert isinstance(train, MockGPTDataset) and isinstance(valid, MockGPTDataset) and test is None
+    assert len(train) >= 8 and len(valid) >= 4
+    vocab, eod, pad = tokenizer.vocab_size, tokenizer.eod, tokenizer.pad
+    for sample in (train[0], train[7], valid[0]):
+        tokens = sample["tokens"].tolist()
+        assert len(tokens) == 64 and max(tokens) < vocab
+        # megatron-core's GPTDataset reads the tokenizer's pad id (here a real piece) as padding: 0, loss masked
+        counted = [pad if token == 0 and before == pad - 1 else token for before, token in zip([None, *tokens], tokens)]
+        for a, b in zip(counted, counted[1:]):
+            assert b == eod or (a == eod and b == 1) or b == (a + 1) % vocab, (a, b)
