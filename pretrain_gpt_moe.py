@@ -8,7 +8,7 @@
 Flag errors come first, all of them in one block from rank 0 ("3 configuration errors:" and one line each),
 before any process group, profile or data scan, with exit code 2 and no Python traceback of ours; torchrun
 then prints its ChildFailedError summary (its own traceback included: torchrun prints it for any worker that
-exits non-zero), naming the configuration errors as each rank's cause.
+exits non-zero) with rank 0 as the failure and the configuration errors as its cause.
 
 DRY_RUN=1 (as the example scripts take it; e.g. `DRY_RUN=1 bash your_megatron_lm_script.sh`): the flags and
 files are checked and the start-up notes printed, then every rank exits 0 before any process group.
@@ -21,10 +21,15 @@ error); no collective runs on the way out, and torchrun then stops the other ran
 import logging
 import os
 import sys
+import time
 
 from megatron_moe.config import ConfigError, ConfigErrors, layout_line, parse_and_validate
 from megatron_moe.failure import exit_now, report_failure, setup_logging, tell_torchrun
 from megatron_moe.lifetime import die_with_parent
+
+CONFIG_ERROR_GRACE_S = 5.0
+"""How long the other ranks wait on a flag error for rank 0 to print it: torchrun stops every worker at the first
+one's exit, which could otherwise be rank 0's before its block is out (its own exit then ends the wait)."""
 
 
 def main(argv=None) -> int:
@@ -38,10 +43,12 @@ def main(argv=None) -> int:
         # WORLD_SIZE is the world size initialize() will see. The input files are looked for (not read).
         cfg = parse_and_validate(argv, world, files=True)
     except ConfigError as error:
-        if rank == 0:  # every rank fails alike; one block says why
-            log.error("error: %s", error)
         count = len(error.errors) if isinstance(error, ConfigErrors) else 1
         tell_torchrun(f"{count} configuration error{'s' if count > 1 else ''}, listed above by rank 0; no training")
+        if rank == 0:  # every rank fails alike; one block says why
+            log.error("error: %s", error)
+        else:  # torchrun stops the job at the first worker's exit: rank 0's block first, then its exit ends us
+            time.sleep(CONFIG_ERROR_GRACE_S)
         return 2
     setup_logging(verbose=cfg.logging.verbose)
     if rank == 0:

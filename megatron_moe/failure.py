@@ -30,6 +30,7 @@ MEGATRON_NOISE = (
     "RerunStateMachine",
     "rerun state machine",
     "BlendedDataset",  # its cache notices
+    "indexes because path_to_cache is None",  # --mock-data's indices, rebuilt in milliseconds, are not cached
 )
 """megatron-core's messages that say nothing about this run (its modules' expectations of a GPU set-up)."""
 

@@ -57,6 +57,8 @@ def test_the_mock_data_mixtral_script_trains_as_written(mock_run):
     for note in notes:
         assert output.count(f"] {note}") == 1, (note, output[-4000:])  # once: rank 0 only
     assert "data: megatron-core's mock data (MockGPTDataset) (split 1,1,1)" in output, output[-4000:]
+    assert "layout: world=2 TP=1 PP=1 CP=1 EP=2 DP=2 SP=False" in output  # --sequence-parallel set back at TP=1
+    assert "path_to_cache is None" not in output  # megatron-core's notice, filtered
     assert "trained 3 iterations in " in output, output[-4000:]
     assert re.search(r"validation.* at iteration 3\b", output), output[-4000:]  # --eval-iters 2, at the end
 
@@ -85,5 +87,8 @@ def test_a_torchrun_job_with_bad_flags_names_every_error_once_before_starting(tm
     # 2 and, in its summary, our words for the cause, not its advice to enable tracebacks.
     assert output.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in output, output
     assert output.count("6 configuration errors, listed above by rank 0; no training") == 2, output
+    # rank 1 waits for rank 0's block (its exit ends the job): rank 0 is the root cause, rank 1 stopped by torchrun
+    root = output[output.index("Root Cause (first observed failure):") :]
+    assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 2 " in root, output
     assert "To enable traceback see" not in output, output
-    assert "exitcode  : 2" in output and not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "ckpt").exists()
