@@ -161,11 +161,13 @@ gpus_on_node() {
 
 # check_args WORLD_SIZE ARGS...: parse the flags as the trainer does and check
 # them against the world size (layout divisibility, batch sizes), every error
-# in one block; the trainer's start-up notes on stderr; starts nothing.
+# in one block (under DRY_RUN=1 also the trainer's start-up notes, on stderr);
+# starts nothing.
 check_args() {
     local world=$1
     shift
     PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" - "$world" "$@" <<'EOF'
+import os
 import sys
 from megatron_moe.config import ConfigError, layout_line, parse_and_validate
 
@@ -175,7 +177,7 @@ try:
 except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
-for note in cfg.notes:
+for note in cfg.notes if os.environ.get("DRY_RUN") == "1" else ():  # a real launch: the trainer prints them
     print(note, file=sys.stderr)
 print(f"flags OK for world size {world}: {layout_line(cfg, world)}")
 EOF
