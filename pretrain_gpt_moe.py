@@ -5,6 +5,14 @@
 
 `examples/` has complete launch scripts; `--help` lists every flag by group.
 
+Flag errors come first, all of them in one block from rank 0 ("3 configuration errors:" and one line each),
+before any process group, profile or data scan, with exit code 2 and no Python traceback of ours; torchrun
+then prints its ChildFailedError summary (its own traceback included: torchrun prints it for any worker that
+exits non-zero) with rank 0 as the failure and the configuration errors as its cause.
+
+DRY_RUN=1 (as the example scripts take it; e.g. `DRY_RUN=1 bash your_megatron_lm_script.sh`): the flags and
+files are checked and the start-up notes printed, then every rank exits 0 before any process group.
+
 Fail fast: an exception on any rank ends that rank at once with "rank R: <message>" and the place it was
 raised (the full traceback with MEGATRON_MOE_VERBOSE=1), exit code 1 (2 for a flag, data or tokenizer
 error); no collective runs on the way out, and torchrun then stops the other ranks.
@@ -13,10 +21,15 @@ error); no collective runs on the way out, and torchrun then stops the other ran
 import logging
 import os
 import sys
+import time
 
-from megatron_moe.config import ConfigError, parse_args
-from megatron_moe.failure import exit_now, report_failure, setup_logging
+from megatron_moe.config import ConfigError, ConfigErrors, layout_line, parse_and_validate
+from megatron_moe.failure import exit_now, report_failure, setup_logging, tell_torchrun
 from megatron_moe.lifetime import die_with_parent
+
+CONFIG_ERROR_GRACE_S = 5.0
+"""How long the other ranks wait on a flag error for rank 0 to print it: torchrun stops every worker at the first
+one's exit, which could otherwise be rank 0's before its block is out (its own exit then ends the wait)."""
 
 
 def main(argv=None) -> int:
@@ -24,18 +37,27 @@ def main(argv=None) -> int:
         die_with_parent()
     setup_logging()
     log = logging.getLogger("megatron_moe")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
-        cfg = parse_args(argv)  # before the heavy imports: --help and flag errors come at once
-        # Before any process group: torchrun's WORLD_SIZE is the world size initialize() will see.
-        cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
+        # Before the heavy imports: --help and flag errors come at once. Before any process group: torchrun's
+        # WORLD_SIZE is the world size initialize() will see. The input files are looked for (not read).
+        cfg = parse_and_validate(argv, world, files=True)
     except ConfigError as error:
-        if int(os.environ.get("RANK", 0)) == 0:  # every rank fails alike; one line says why
+        count = len(error.errors) if isinstance(error, ConfigErrors) else 1
+        tell_torchrun(f"{count} configuration error{'s' if count > 1 else ''}, listed above by rank 0; no training")
+        if rank == 0:  # every rank fails alike; one block says why
             log.error("error: %s", error)
+        else:  # torchrun stops the job at the first worker's exit: rank 0's block first, then its exit ends us
+            time.sleep(CONFIG_ERROR_GRACE_S)
         return 2
     setup_logging(verbose=cfg.logging.verbose)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if rank == 0:
         for note in cfg.notes:
             log.info(note)
+    if os.environ.get("DRY_RUN", "0") not in ("", "0"):  # as the examples' DRY_RUN=1: checked, nothing started
+        if rank == 0:
+            log.info("DRY_RUN: flags OK for world size %d: %s; nothing started", world, layout_line(cfg, world))
+        return 0
     from megatron_moe.data import DataError
     from megatron_moe.data.tokenizer import TokenizerError
     from megatron_moe.training import pretrain

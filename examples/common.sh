@@ -160,29 +160,26 @@ gpus_on_node() {
 }
 
 # check_args WORLD_SIZE ARGS...: parse the flags as the trainer does and check
-# them against the world size (layout divisibility, batch sizes); starts nothing.
+# them against the world size (layout divisibility, batch sizes), every error
+# in one block (under DRY_RUN=1 also the trainer's start-up notes, on stderr);
+# starts nothing.
 check_args() {
     local world=$1
     shift
     PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" - "$world" "$@" <<'EOF'
+import os
 import sys
-from megatron_moe.config import ConfigError, parse_args
+from megatron_moe.config import ConfigError, layout_line, parse_and_validate
 
 world = int(sys.argv[1])
 try:
-    cfg = parse_args(sys.argv[2:])
-    cfg.validate(world)
+    cfg = parse_and_validate(sys.argv[2:], world)
 except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
-p, m = cfg.parallel, cfg.model
-print(f"flags OK for world size {world}: TP={p.tensor_model_parallel_size} "
-      f"PP={p.pipeline_model_parallel_size} CP={p.context_parallel_size} "
-      f"EP={p.expert_model_parallel_size} DP={cfg.dims(world).dp} "
-      f"SP={p.sequence_parallel} micro-batch={cfg.training.micro_batch_size} "
-      f"global-batch={cfg.training.global_batch_size} "
-      f"microbatches={cfg.num_microbatches(world)} MoE layers="
-      f"{sum(cfg.moe.layer_pattern(m.num_layers)) if cfg.moe.is_moe else 0}/{m.num_layers}")
+for note in cfg.notes if os.environ.get("DRY_RUN") == "1" else ():  # a real launch: the trainer prints them
+    print(note, file=sys.stderr)
+print(f"flags OK for world size {world}: {layout_line(cfg, world)}")
 EOF
 }
 

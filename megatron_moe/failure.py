@@ -8,10 +8,12 @@ flag error could be printed). This module imports only the standard library at l
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 
@@ -28,6 +30,7 @@ MEGATRON_NOISE = (
     "RerunStateMachine",
     "rerun state machine",
     "BlendedDataset",  # its cache notices
+    "indexes because path_to_cache is None",  # --mock-data's indices, rebuilt in milliseconds, are not cached
 )
 """megatron-core's messages that say nothing about this run (its modules' expectations of a GPU set-up)."""
 
@@ -131,6 +134,23 @@ def first_report_on_this_host(message: str) -> bool:
     except OSError:  # no writable temp dir: report it, duplicates and all
         pass
     return True
+
+
+def tell_torchrun(message: str) -> None:
+    """Give torchrun `message` as this worker's failure (its error file, TORCHELASTIC_ERROR_FILE): its
+    ChildFailedError summary then prints it for this rank instead of "To enable traceback see: <url>". torchrun
+    still prints its own traceback and that summary when a worker exits non-zero; no worker can prevent it.
+    Outside torchrun: nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    when = str(int(time.time()))
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": when}}}
+    try:
+        with open(path, "w", encoding="utf-8") as stream:
+            json.dump(record, stream)
+    except OSError:  # the summary falls back to torchrun's own words
+        pass
 
 
 def exit_now(code: int) -> None:

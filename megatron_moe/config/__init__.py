@@ -19,9 +19,13 @@ from megatron_moe.config import rules
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
 from megatron_moe.config.fields import (
     ConfigError,
+    ConfigErrors,
     add_arguments,
     check_given_flags_apply,
+    error_lines,
+    flags_that_change_nothing,
     from_namespace,
+    raise_errors,
 )
 from megatron_moe.config.groups import (
     GROUPS,
@@ -108,7 +112,11 @@ def _renamed_moe_flags(moe: dict) -> dict:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one ConfigError line, not a usage dump."""
+    """argparse whose errors are one ConfigError line, not a usage dump; a bad value raises argparse's
+    ArgumentError (naming its flag), so that `parse_args` can set the flag aside and find the next error."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, exit_on_error=False, **kwargs)
 
     def error(self, message):
         raise ConfigError(message)
@@ -125,19 +133,119 @@ def build_parser(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
-    """The run config the flags describe. Raises ConfigError, one line, for an unknown flag (naming the closest
-    ones), a refused Megatron-LM flag, or a given flag that would do nothing; Megatron-LM flags not needed here
-    are dropped, each with a line in `RunConfig.notes`."""
-    argv, notes = accept_megatron_lm_flags(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    namespace, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise ConfigError(unknown_flag(parser, unknown[0]))
-    cfg = RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
-    cfg.notes = notes
-    given = set(vars(build_parser(defaults=False).parse_args(argv)))
-    check_given_flags_apply(cfg, GROUPS, given)
+    """The run config the flags describe. Every error is found in one pass and raised together (`ConfigErrors`,
+    one line each; a single error is one ConfigError line): an unknown flag (naming the closest ones), a bad
+    value, a refused Megatron-LM flag. Megatron-LM flags not needed here, and flags that change nothing in this
+    run, are accepted, each with a line in `RunConfig.notes`."""
+    cfg, errors = _parse(sys.argv[1:] if argv is None else argv)
+    raise_errors(errors)
     return cfg
+
+
+def _parse(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
+    """(the run config of the flags that parse, one line per flag that does not): a flag in error is set aside
+    and the rest parsed again, so that one pass names every bad flag (None for the config after an error argparse
+    names no flag for: nothing is then known to check further)."""
+    argv, notes, errors = accept_megatron_lm_flags(argv)
+    parser = build_parser()
+    while True:
+        try:
+            namespace, unknown = parser.parse_known_args(argv)
+            break
+        except (argparse.ArgumentError, ConfigError) as error:  # ConfigError: argparse's own error(), unattributed
+            errors.append(str(error))
+            argv = _without_flag(parser, argv, getattr(error, "argument_name", None))
+            if argv is None:
+                return None, errors
+    errors += [unknown_flag(parser, item) for item in _unknown_flags(unknown)]
+    cfg = RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
+    given, _ = build_parser(defaults=False).parse_known_args(argv)  # the unknown ones named above
+    cfg.notes = notes + flags_that_change_nothing(cfg, GROUPS, set(vars(given)))
+    return cfg, errors
+
+
+def _without_flag(parser: argparse.ArgumentParser, argv: list[str], name: str | None) -> list[str] | None:
+    """`argv` without each occurrence of the flag `name` (argparse's "--a/--b" for a flag of two names) and its
+    values; None where no flag of ours is named."""
+    names = set((name or "").split("/")) & set(parser._option_string_actions)
+    if not names:
+        return None
+    action = parser._option_string_actions[next(iter(names))]
+    kept, i = [], 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag not in names:
+            kept.append(argv[i])
+            i += 1
+            continue
+        i += 1
+        if "=" in argv[i - 1] or action.nargs == 0:
+            continue
+        most = 1 if action.nargs in (None, "?") else len(argv)
+        while most and i < len(argv) and not _is_flag(argv[i]):
+            i, most = i + 1, most - 1
+    return kept
+
+
+def _is_flag(item: str) -> bool:
+    """A `--flag` or `-f`, not a value (a negative number is a value)."""
+    if not item.startswith("-") or item == "-":
+        return False
+    try:
+        float(item)
+        return False
+    except ValueError:
+        return True
+
+
+def _unknown_flags(unknown: list[str]) -> list[str]:
+    """The unknown arguments to name: each unknown flag (the bare words after it are its values), and bare words
+    that follow no unknown flag."""
+    named, after_flag = [], False
+    for item in unknown:
+        if _is_flag(item):
+            named.append(item)
+            after_flag = True
+        elif not after_flag:
+            named.append(item)
+    return named
+
+
+def _flag_named(error: str) -> str | None:
+    """The flag an error line is about: its first `--flag` (argparse's "argument --a/--b: ..." included)."""
+    for word in error.split():
+        if word.startswith("--"):
+            return word.split("=")[0].split("/")[0].rstrip(":;,")
+    return None
+
+
+def parse_and_validate(argv: Sequence[str] | None, world_size: int, *, files: bool = False) -> RunConfig:
+    """`parse_args` then `RunConfig.validate` on `world_size` ranks (and with `files`, `rules.check_files`: the
+    data and tokenizer files exist), every error found in one pass and raised together. Where a flag did not
+    parse, the run is checked without it, and an error that names that flag again (a consequence of setting it
+    aside) is left out."""
+    cfg, errors = _parse(sys.argv[1:] if argv is None else argv)
+    unparsed = {flag for flag in map(_flag_named, errors) if flag}
+    checks = (lambda: cfg.validate(world_size), lambda: rules.check_files(cfg.data) if files else None)
+    for check in checks if cfg is not None else ():
+        try:
+            check()
+        except ConfigError as error:
+            errors += [line for line in error_lines(error) if not any(flag in line for flag in unparsed)]
+    raise_errors(errors)
+    return cfg
+
+
+def layout_line(cfg: RunConfig, world_size: int) -> str:
+    """The layout and batch of a validated run in one line (a dry run's answer)."""
+    p, m = cfg.parallel, cfg.model
+    moe_layers = sum(cfg.moe.layer_pattern(m.num_layers)) if cfg.moe.is_moe else 0
+    return (
+        f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} CP={p.context_parallel_size} "
+        f"EP={p.expert_model_parallel_size} DP={cfg.dims(world_size).dp} SP={p.sequence_parallel} "
+        f"micro-batch={cfg.training.micro_batch_size} global-batch={cfg.training.global_batch_size} "
+        f"microbatches={cfg.num_microbatches(world_size)} MoE layers={moe_layers}/{m.num_layers}"
+    )
 
 
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
@@ -168,6 +276,7 @@ __all__ = [
     "ActivationsConfig",
     "CheckpointConfig",
     "ConfigError",
+    "ConfigErrors",
     "DataConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -182,6 +291,8 @@ __all__ = [
     "TrainingConfig",
     "add_tokenizer_arguments",
     "build_parser",
+    "layout_line",
+    "parse_and_validate",
     "parse_args",
     "tokenizer_config",
 ]

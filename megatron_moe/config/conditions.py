@@ -1,8 +1,8 @@
 """When a flag changes what runs: the `applies=` conditions of the flag groups (see `fields.When`).
 
 Each test takes the whole RunConfig. A flag the user gives while its
-condition is false does nothing, so the parser refuses it, naming the
-condition (`fields.check_given_flags_apply`).
+condition is false does nothing, so the parser says so in a start-up line, naming the
+condition (`fields.flags_that_change_nothing`).
 """
 
 from __future__ import annotations
@@ -137,6 +137,11 @@ GPT2_BPE = When(lambda c: c.data.tokenizer_type == "GPT2BPETokenizer", "with --t
 TOKENIZER_MODEL = When(
     lambda c: c.data.tokenizer_type != "GPT2BPETokenizer",
     "with --tokenizer-type SentencePieceTokenizer or HuggingFaceTokenizer",
+)
+
+REAL_DATA = When(
+    lambda c: not c.data.mock_data,
+    "with --data-path: megatron-core splits --mock-data's documents evenly, 1,1,1, as in Megatron-LM",
 )
 
 TENSORBOARD = When(lambda c: c.logging.tensorboard_dir is not None, "with --tensorboard-dir")

@@ -6,8 +6,9 @@ Each config group is a keyword-only dataclass whose fields are declared with
 so there is one source of truth for names, defaults and help.
 
 A field may also say when it does anything (`applies=When(test, "with --fp16")`):
-a flag the user gives where it would change nothing is refused at parse time
-(`check_given_flags_apply`) instead of being silently ignored.
+a flag the user gives where it would change nothing is accepted with one line
+saying so (`flags_that_change_nothing`), never silently ignored; a tool without
+a start-up log refuses it instead (`check_given_flags_apply`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,60 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag, value and a valid choice."""
+
+
+class ConfigErrors(ConfigError):
+    """Several configuration errors found in one pass, reported together: one line each under a count."""
+
+    def __init__(self, errors: Sequence[str]):
+        self.errors = list(errors)
+        lines = "\n".join(f"  {error}" for error in self.errors)
+        super().__init__(f"{len(self.errors)} configuration errors:\n{lines}")
+
+
+def raise_errors(errors: Sequence[str]) -> None:
+    """Nothing for no error; the one error as a plain one-line ConfigError; several as one ConfigErrors."""
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigErrors(errors)
+
+
+def error_lines(error: ConfigError) -> list[str]:
+    """The one-line errors a ConfigError (or ConfigErrors) holds."""
+    return list(error.errors) if isinstance(error, ConfigErrors) else [str(error)]
+
+
+class Collector:
+    """Runs independent checks and keeps every ConfigError they raise, so that one pass reports them all.
+
+    errors = Collector()
+    with errors:
+        check_a()
+    with errors:
+        check_b()
+    errors.raise_all()
+    """
+
+    def __init__(self):
+        self.errors: list[str] = []
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, ConfigError):
+            self.errors += [line for line in error_lines(error) if line not in self.errors]
+            return True
+        return False
+
+    def add(self, error: str) -> None:
+        """One more error line (found without a check that raises)."""
+        if error not in self.errors:
+            self.errors.append(error)
+
+    def raise_all(self) -> None:
+        raise_errors(self.errors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,17 +172,52 @@ def from_namespace(cls: type, namespace: argparse.Namespace):
     return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
 
 
-def check_given_flags_apply(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]) -> None:
-    """Refuse a flag the user gave that does nothing in this run (a silent no-op misleads)."""
+def _given_that_change_nothing(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]):
+    """(group name, field, its value, its When) of each flag the user gave whose condition this run does not
+    meet."""
     for name, cls in groups:
         for field in dataclasses.fields(cls):
             applies = field.metadata.get("applies")
             if field.name in given and applies is not None and not applies.test(run_config):
-                value = getattr(getattr(run_config, name), field.name)
-                raise ConfigError(
-                    f"{flag_name(field)}={value}: does nothing in this run; it applies only "
-                    f"{applies.text} (drop it, or set what it needs)"
-                )
+                yield name, field, getattr(getattr(run_config, name), field.name), applies
+
+
+def flags_that_change_nothing(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]) -> list[str]:
+    """One line per flag the user gave that changes nothing in this run, saying when it would (the start-up log
+    prints them), each such field set back to its default in `run_config`: accepted, as Megatron-LM accepts them
+    (e.g. --sequence-parallel at TP=1, which it turns off; --moe-grouped-gemm with our MoE layer), and the run is
+    then exactly the one without the flag, whatever code reads the field. Set back until none is left (a field
+    set back may leave another given flag with nothing to do)."""
+    notes, set_back = [], set()
+    while pending := list(_given_that_change_nothing(run_config, groups, given - set_back)):
+        for name, field, value, applies in pending:
+            notes.append(
+                f"{as_typed(flag_name(field), value)}: changes nothing in this run (it applies only {applies.text}); "
+                "accepted and ignored"
+            )
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            setattr(getattr(run_config, name), field.name, default)
+            set_back.add(field.name)
+    return notes
+
+
+def as_typed(flag: str, value: Any) -> str:
+    """The flag as typed: `--x` for a switch, `--no-x` for its negation, else `--x VALUE`."""
+    if value is True:
+        return flag
+    if value is False:
+        return "--no-" + flag[2:]
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+
+def check_given_flags_apply(run_config: Any, groups: Iterable[tuple[str, type]], given: set[str]) -> None:
+    """Refuse a flag the user gave that does nothing in this run: for tools that have no start-up log to say
+    so in (the trainer accepts it with a line, `flags_that_change_nothing`)."""
+    for _, field, value, applies in _given_that_change_nothing(run_config, groups, given):
+        raise ConfigError(
+            f"{flag_name(field)}={value}: does nothing in this run; it applies only "
+            f"{applies.text} (drop it, or set what it needs)"
+        )
 
 
 def require(condition: bool, flag: str, value: Any, expected: str) -> None:

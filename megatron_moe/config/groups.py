@@ -575,7 +575,13 @@ class DataConfig:
     """Tokenized data (megatron-core IndexedDataset .bin/.idx) and the tokenizer."""
 
     data_path: list[str] = arg([], "prefix of .bin/.idx, or a blend 'w1 prefix1 w2 prefix2 ...'")
-    split: str = arg("98,2,0", "train,valid,test proportions of each data path")
+    mock_data: bool = arg(
+        False,
+        "train on megatron-core's synthetic documents (MockGPTDataset: documents of random length, each counting "
+        "1, 2, 3, ... up to the tokenizer's vocabulary, then eod) instead of --data-path, as Megatron-LM's "
+        "--mock-data; the tokenizer flags still set the vocabulary and eod",
+    )
+    split: str = arg("98,2,0", "train,valid,test proportions of each data path", applies=only.REAL_DATA)
     tokenizer_type: str = arg(
         "SentencePieceTokenizer",
         "the tokenizer's kind (Megatron-LM's names): SentencePieceTokenizer (--tokenizer-model .model), "

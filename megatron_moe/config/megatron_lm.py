@@ -6,7 +6,9 @@ before parsing, never silently ignored:
 - `RENAMED`: read as our flag(s) with the same meaning (one line says which);
 - `NOT_NEEDED`: accepted with one line saying why it changes nothing here;
 - `NOT_NEEDED_WITH`: accepted for the values that change nothing here (one line), refused for any other;
-- `REFUSED`: refused with the reason, where running on would mislead.
+- `REFUSED`: refused with the reason, where running on would mislead;
+- `--tokenizer-type`: Megatron-LM's types that read a SentencePiece .model are read as ours
+  (`TOKENIZER_TYPES_READ_AS`, one line saying what differs), its others refused with the reason.
 
 A flag that is neither ours nor Megatron-LM's gets one line naming the closest flags and the group they live in
 (`unknown_flag`), not argparse's usage dump. Megatron-LM's whole MoE group is answered here or is ours; the
@@ -18,8 +20,6 @@ from __future__ import annotations
 import argparse
 import difflib
 from collections.abc import Sequence
-
-from megatron_moe.config.fields import ConfigError
 
 _TIMERS = (
     "the timers always go to TensorBoard here (iteration time; exposed and total communication per kind and per MoE "
@@ -157,10 +157,45 @@ REFUSED: dict[str, tuple[bool, str]] = {
 }
 
 
-def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+TOKENIZER_TYPES_READ_AS: dict[str, tuple[str, str]] = {
+    # Megatron-LM's --tokenizer-type -> (ours, what differs)
+    "GPTSentencePieceTokenizer": (
+        "SentencePieceTokenizer",
+        "the same tokenizer: the .model's pieces, eod = its eos, no BOS added",
+    ),
+    "Llama2Tokenizer": (
+        "SentencePieceTokenizer",
+        "the same vocabulary and eod, the .model's eos; Megatron-LM's Llama2Tokenizer also prepends BOS when it "
+        "tokenizes text, which training does not do: it reads the tokens in --data-path's .bin, or --mock-data's",
+    ),
+}
+"""Megatron-LM's tokenizer types that read a SentencePiece .model, read as ours with one line saying so."""
+_NO_TOKENIZER = (
+    "give the tokenizer your data was made with: SentencePieceTokenizer (a .model), GPT2BPETokenizer "
+    "(--vocab-file, --merge-file) or HuggingFaceTokenizer (a tokenizer.json); with --mock-data any of them sets the "
+    "vocabulary"
+)
+TOKENIZER_TYPES_REFUSED: dict[str, str] = {
+    "TikTokenizer": (
+        "not supported: its ids are tiktoken's ranks shifted past --tiktoken-num-special-tokens, which no "
+        "tokenizer here reproduces; " + _NO_TOKENIZER
+    ),
+    "NullTokenizer": "not supported (ids typed as numbers, the vocabulary from --vocab-size); " + _NO_TOKENIZER,
+    "BertWordPieceLowerCase": "a BERT tokenizer; this stack trains GPT models: " + _NO_TOKENIZER,
+    "BertWordPieceCase": "a BERT tokenizer; this stack trains GPT models: " + _NO_TOKENIZER,
+    "MultimodalTokenizer": "multimodal models are not supported; " + _NO_TOKENIZER,
+    "NullMultimodalTokenizer": "multimodal models are not supported; " + _NO_TOKENIZER,
+    "SFTTokenizer": "fine-tuning data (chat templates) is not supported; " + _NO_TOKENIZER,
+    "DeepSeekV2Tokenizer": "not supported; " + _NO_TOKENIZER + " (DeepSeek's own: its tokenizer.json)",
+}
+"""Megatron-LM's other tokenizer types: refused with the reason (a wrong vocabulary would train a wrong model)."""
+
+
+def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     """(argv with Megatron-LM's flags answered: renamed ones replaced by ours, not-needed ones dropped with their
-    values; one note per flag answered); a refused flag raises ConfigError with its reason."""
-    kept, notes = [], []
+    values, its SentencePiece tokenizer types read as ours; one note per flag answered; one error per flag
+    refused, with its reason)."""
+    kept, notes, errors = [], [], []
     args = list(argv)
     i = 0
     while i < len(args):
@@ -169,8 +204,8 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]
         value = inline if inline is not None or not takes_value else (args[i + 1] if i + 1 < len(args) else None)
         step = 2 if takes_value and inline is None else 1
         if flag in REFUSED:
-            raise ConfigError(f"{flag}: {REFUSED[flag][1]}")
-        if flag in RENAMED:
+            errors.append(f"{flag}: {REFUSED[flag][1]}")
+        elif flag in RENAMED:
             ours = RENAMED[flag][1]
             kept += [*ours, *([value] if takes_value else [])]
             notes.append(f"{flag}: read as {' '.join(ours)}{' ' + value if takes_value else ''} (same meaning here)")
@@ -179,20 +214,27 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]
         elif flag in NOT_NEEDED_WITH:
             values, why, otherwise = NOT_NEEDED_WITH[flag]
             if value not in values:
-                raise ConfigError(f"{flag}={value}: {otherwise} (accepted: {', '.join(values)})")
-            notes.append(f"{flag} {value}: not needed here ({why}); accepted and ignored")
+                errors.append(f"{flag}={value}: {otherwise} (accepted: {', '.join(values)})")
+            else:
+                notes.append(f"{flag} {value}: not needed here ({why}); accepted and ignored")
+        elif flag == "--tokenizer-type" and value in TOKENIZER_TYPES_READ_AS:
+            ours, differs = TOKENIZER_TYPES_READ_AS[value]
+            kept += [flag, ours]
+            notes.append(f"{flag} {value}: read as {flag} {ours} ({differs})")
+        elif flag == "--tokenizer-type" and value in TOKENIZER_TYPES_REFUSED:
+            errors.append(f"{flag}={value}: {TOKENIZER_TYPES_REFUSED[value]}")
         else:
             kept.append(args[i])
             step = 1
         i += step
-    return kept, notes
+    return kept, notes, errors
 
 
 def _takes_value(flag: str) -> bool:
     for table in (RENAMED, NOT_NEEDED, REFUSED):
         if flag in table:
             return table[flag][0]
-    return flag in NOT_NEEDED_WITH
+    return flag in NOT_NEEDED_WITH or flag == "--tokenizer-type"
 
 
 def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:

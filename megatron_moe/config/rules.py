@@ -9,10 +9,12 @@ The layout's degrees and sizes are `ParallelDims`'s (`parallel_dims.py`).
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING
 
 from megatron_moe.config.fields import (
+    Collector,
     require,
     require_finite_floats,
     require_fraction,
@@ -20,7 +22,6 @@ from megatron_moe.config.fields import (
     require_positive,
 )
 from megatron_moe.config.groups import (
-    GROUPS,
     TOKENIZER_TYPES,
     ActivationsConfig,
     CheckpointConfig,
@@ -42,20 +43,62 @@ MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 
 
 def check_run(cfg: RunConfig, world_size: int) -> None:
-    """Check every group, then what spans groups; fill derived defaults."""
-    for name, _ in GROUPS:
-        require_finite_floats(getattr(cfg, name))  # before the range checks, which NaN would slip through
-    dims = ParallelDims.from_config(cfg.parallel, world_size)  # no chunks yet: their flags are checked below
-    check_model(cfg.model)
-    check_moe(cfg.moe, cfg.model, cfg.parallel)
-    check_parallel(cfg.parallel, dims, cfg.model, cfg.moe)
-    check_training(cfg.training)
-    check_activations(cfg.activations)
-    cfg.activation_policy()  # names and formats checked before any process group exists
-    check_data(cfg.data)
-    check_checkpoint(cfg.checkpoint)
-    check_logging(cfg.logging)
-    dp = dims.dp
+    """Check every group, then what spans groups; fill derived defaults. Every error is found in one pass: each
+    group's check runs where the groups it reads passed (moe reads model; parallel both), a group with a
+    non-finite float is checked no further, and the checks across groups run where the groups they read passed;
+    several errors are raised together (`fields.ConfigErrors`)."""
+    errors = Collector()
+    failed = set()
+
+    def dims() -> ParallelDims:  # no chunks yet: their flags are checked in check_parallel
+        return ParallelDims.from_config(cfg.parallel, world_size)
+
+    for name, needs, check in (
+        ("model", (), lambda: check_model(cfg.model)),
+        ("moe", ("model",), lambda: check_moe(cfg.moe, cfg.model, cfg.parallel)),
+        ("parallel", ("model", "moe"), lambda: check_parallel(cfg.parallel, dims(), cfg.model, cfg.moe)),
+        ("training", (), lambda: check_training(cfg.training)),
+        ("activations", (), lambda: (check_activations(cfg.activations), cfg.activation_policy())),
+        ("data", (), lambda: check_data(cfg.data)),
+        ("checkpoint", (), lambda: check_checkpoint(cfg.checkpoint)),
+        ("logging", (), lambda: check_logging(cfg.logging)),
+    ):
+        if failed.intersection(needs):  # its checks read a group in error: they would repeat its error
+            failed.add(name)
+            continue
+        found = len(errors.errors)
+        with errors:
+            require_finite_floats(getattr(cfg, name))  # before the range checks, which NaN would slip through
+            check()  # (activations: names and formats checked before any process group exists)
+        if len(errors.errors) > found:
+            failed.add(name)
+    if not failed & {"model", "moe", "parallel", "training"}:
+        with errors:
+            check_batch(cfg, world_size)
+            check_interleaved_microbatches(cfg, world_size)
+        with errors:
+            check_partition(cfg)
+        with errors:
+            require(
+                cfg.model.seq_length % cfg.dims(world_size).sequence_split == 0,
+                "--seq-length",
+                cfg.model.seq_length,
+                "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
+            )
+    with errors:
+        require(
+            not (cfg.moe.overlap_report and cfg.logging.no_comm_timers),
+            "--overlap-report",
+            True,
+            "without --no-comm-timers (the report sets the timers' figures beside the plans)",
+        )
+    errors.raise_all()
+
+
+def check_batch(cfg: RunConfig, world_size: int) -> None:
+    """The global batch (filled from the micro-batch and DP where unset) holds whole micro-batches on every
+    data-parallel rank; --train-iters filled."""
+    dp = cfg.dims(world_size).dp
     t = cfg.training
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
@@ -66,20 +109,6 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
         t.global_batch_size,
         f"must be a multiple of --micro-batch-size x data-parallel size = "
         f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}",
-    )
-    check_interleaved_microbatches(cfg, world_size)
-    check_partition(cfg)
-    require(
-        not (cfg.moe.overlap_report and cfg.logging.no_comm_timers),
-        "--overlap-report",
-        True,
-        "without --no-comm-timers (the report sets the timers' figures beside the plans)",
-    )
-    require(
-        cfg.model.seq_length % dims.sequence_split == 0,
-        "--seq-length",
-        cfg.model.seq_length,
-        "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
     )
 
 
@@ -562,22 +591,38 @@ def check_activations(activations: ActivationsConfig) -> None:
 
 
 def check_data(data: DataConfig) -> None:
-    """A data path, the tokenizer's files, the loader's workers and the split."""
-    require(
-        bool(data.data_path), "--data-path", data.data_path, "give a .bin/.idx prefix from tools/preprocess_data.py"
-    )
-    check_tokenizer(data)
-    require_non_negative("--num-workers", data.num_workers, 2)
+    """A data path (or --mock-data), the tokenizer's files, the loader's workers and the split: each checked,
+    every error raised together."""
+    errors = Collector()
+    with errors:
+        require(
+            not (data.mock_data and data.data_path),
+            "--data-path",
+            " ".join(data.data_path),
+            "and --mock-data both name the training data: give one (--mock-data trains on synthetic documents)",
+        )
+        require(
+            bool(data.data_path) or data.mock_data,
+            "--data-path",
+            data.data_path,
+            "give a .bin/.idx prefix from tools/preprocess_data.py (or --mock-data for synthetic documents)",
+        )
+    with errors:
+        check_tokenizer(data)
+    with errors:
+        require_non_negative("--num-workers", data.num_workers, 2)
     try:
         shares = [float(part) for part in data.split.split(",")]
     except ValueError:
         shares = []
-    require(
-        1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0,
-        "--split",
-        data.split,
-        "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
-    )
+    with errors:
+        require(
+            1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0,
+            "--split",
+            data.split,
+            "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
+        )
+    errors.raise_all()
 
 
 def check_tokenizer(data: DataConfig) -> None:
@@ -605,6 +650,25 @@ def check_tokenizer(data: DataConfig) -> None:
         "bytelevel-bpe writes one)"
     )
     require(data.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
+
+
+def check_files(data: DataConfig) -> None:
+    """The files the data flags name exist (looked for, not read: their contents are checked as they load, after
+    start-up), so that a wrong path is named with the other flag errors, before any process group or profile."""
+    errors = Collector()
+    prefixes = data.data_path[1::2] if len(data.data_path) > 1 else data.data_path  # a blend: W1 P1 W2 P2 ...
+    for path in (prefix + suffix for prefix in prefixes for suffix in (".bin", ".idx")):
+        if not os.path.isfile(path):
+            errors.add(
+                f"--data-path {path[:-4]}: missing {path}; give the prefix tools/preprocess_data.py wrote "
+                "(PREFIX_text_document for --output-prefix PREFIX)"
+            )
+    reads = ("--vocab-file", "--merge-file") if data.tokenizer_type == "GPT2BPETokenizer" else ("--tokenizer-model",)
+    for flag in reads:
+        path = getattr(data, flag[2:].replace("-", "_"))
+        with errors:
+            require(path is None or os.path.exists(path), flag, path, "no such file or directory")
+    errors.raise_all()
 
 
 def check_checkpoint(checkpoint: CheckpointConfig) -> None:

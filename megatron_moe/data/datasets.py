@@ -21,7 +21,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import (
     BlendedMegatronDatasetBuilder,
 )
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.utils import log_single_rank
 
@@ -370,3 +370,40 @@ def build_gpt_datasets(
         _check_split_coverage(summary, config, split)
     train, valid, test = _Builder(GPTDataset, sizes, is_built_on_rank, config).build()
     return train, valid, test
+
+
+MOCK_SPLIT = "1,1,1"
+"""megatron-core's split of --mock-data's documents: a config without a blend is mock data, split evenly
+(`BlendedMegatronDatasetConfig.__post_init__`), whatever --split says, as in Megatron-LM."""
+
+
+def build_mock_gpt_datasets(
+    *,
+    tokenizer,
+    seq_length: int,
+    seed: int,
+    train_samples: int,
+    valid_samples: int,
+    test_samples: int,
+    cache_dir: str | None,
+    is_built_on_rank: Callable[[], bool],
+):
+    """(train, valid, test) of megatron-core's MockGPTDataset (--mock-data), as Megatron-LM builds them: no blend,
+    so the config is mock and splits 1,1,1; the documents (its 100,000, of random length up to 4,096 tokens) count
+    1, 2, 3, ... modulo the tokenizer's vocabulary, then its eod; a split asked for no samples is None."""
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=None,
+        split=None,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    assert config.mock and config.split == MOCK_SPLIT, "megatron-core's config without a blend is its mock data"
+    sizes = [train_samples, valid_samples, test_samples]
+    config.split_matrix = [bookends if size > 0 else None for bookends, size in zip(config.split_matrix, sizes)]
+    return tuple(_Builder(MockGPTDataset, sizes, is_built_on_rank, config).build())

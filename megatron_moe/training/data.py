@@ -7,7 +7,7 @@ import dataclasses
 from megatron.core import parallel_state
 
 from megatron_moe.config import RunConfig
-from megatron_moe.data.datasets import build_gpt_datasets
+from megatron_moe.data.datasets import build_gpt_datasets, build_mock_gpt_datasets
 from megatron_moe.data.sampler import build_data_loader
 from megatron_moe.platform import current_platform
 from megatron_moe.training.summary import dataset_sizes
@@ -32,9 +32,7 @@ def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int) -> Ru
     """Datasets for this run; the train iterator resumes after `consumed_train_samples`."""
     t = cfg.training
     gbs = t.global_batch_size
-    train, valid, _ = build_gpt_datasets(
-        data_path=cfg.data.data_path,
-        split=cfg.data.split,
+    common = dict(
         tokenizer=tokenizer,
         seq_length=cfg.model.seq_length,
         seed=t.seed,
@@ -44,6 +42,10 @@ def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int) -> Ru
         cache_dir=cfg.data.data_cache_path,
         is_built_on_rank=lambda: True,
     )
+    if cfg.data.mock_data:
+        train, valid, _ = build_mock_gpt_datasets(**common)
+    else:
+        train, valid, _ = build_gpt_datasets(data_path=cfg.data.data_path, split=cfg.data.split, **common)
     args = loader_args(cfg)
     train_iterator = None
     if consumed_train_samples < t.train_iters * gbs:

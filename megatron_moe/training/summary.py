@@ -12,6 +12,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_moe import comm
 from megatron_moe.checkpointing.hf_mixtral import startup_note
 from megatron_moe.config import RunConfig
+from megatron_moe.data.datasets import MOCK_SPLIT
 from megatron_moe.model.fusions import Fusions
 from megatron_moe.platform import current_platform
 from megatron_moe.training.flops import inactive_params_per_token
@@ -64,8 +65,8 @@ def log_startup_summary(cfg: RunConfig, counts: dict[str, int], tokenizer, split
     log.info("fusions: %s", fusions.describe())
     log.info(
         "data: %s (split %s); tokenizer: %s, vocabulary %d",
-        " ".join(cfg.data.data_path),
-        cfg.data.split,
+        "megatron-core's mock data (MockGPTDataset)" if cfg.data.mock_data else " ".join(cfg.data.data_path),
+        MOCK_SPLIT if cfg.data.mock_data else cfg.data.split,
         tokenizer.description,
         tokenizer.vocab_size,
     )

@@ -34,8 +34,8 @@ def run_cli(*flags, cwd):
         ),
         (["--data-path", "missing_prefix"], "--data-path missing_prefix: missing missing_prefix.bin"),
         (
-            ["--moe-router-dim", "8"],
-            "--moe-router-dim=8: does nothing in this run; it applies only with --moe-gate xmoe or cosine",
+            ["--moe-router-dim", "8", "--tokenizer-type", "TikTokenizer", "--moe-router-topk", "9"],
+            "error: 2 configuration errors:\n  --tokenizer-type=TikTokenizer: not supported: ",
         ),
         (
             ["--expert-tensor-parallel-size", "3", "--moe-ffn-hidden-size", "128"],

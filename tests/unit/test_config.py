@@ -247,68 +247,59 @@ def test_the_log_shows_the_router_losses_the_layers_compute(flags, aux, z):
 # ---------------------------------------------------------------------------- flags that would do nothing
 
 NO_OPS = [
-    # (flags, the error: the flag, its value, and when it applies)
-    ("--moe-router-dim 32", r"--moe-router-dim=32: does nothing in this run; it applies only with --moe-gate xmoe"),
-    ("--moe-soft-slots 2", r"--moe-soft-slots=2: .* only with --moe-gate soft"),
-    ("--hysteresis 1", r"--hysteresis=1: .* only with --fp16 and no --loss-scale"),
-    ("--fp16 --loss-scale 128 --loss-scale-window 10", r"--loss-scale-window=10: .* with --fp16 and no --loss-scale"),
-    ("--loss-scale 128", r"--loss-scale=128.0: .* only with --fp16 or --bf16"),
-    ("--moe-grouped-gemm", r"--moe-grouped-gemm=True: .* only with --num-experts and --moe-layer-impl mcore"),
-    ("--moe-layer-impl mcore --moe-gate xmoe", r"--moe-gate=xmoe: .* only with --num-experts and our layer"),
-    ("--moe-layer-impl mcore --moe-pad-expert-input-to-capacity", r"=True: .* a positive --moe-expert-capacity-factor"),
-    ("--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.1", r"--moe-aux-loss-coeff=0.1: .* other than none"),
-    ("--moe-gate expert_choice --moe-router-load-balancing-type aux_loss", r"type=aux_loss: .* not with --moe-gate"),
-    ("--moe-gate switch --moe-router-topk 1 --no-moe-normalize-topk", r"normalize-topk=False: .*router-topk > 1"),
-    ("--sequence-parallel", r"--sequence-parallel=True: .* only with --tensor-model-parallel-size > 1"),
-    ("--lr-decay-style constant --min-lr 0", r"--min-lr=0.0: .* only with a --lr-decay-style other than constant"),
-    ("--activation-quant-format fp8_row", r"--activation-quant-format=fp8_row: .* only with --quantize-activations"),
-    ("--save-interval 10", r"--save-interval=10: .* only with --save"),
-    ("--no-load-optim", r"--no-load-optim=True: .* only with --load"),
-    ("--position-embedding-type learned_absolute --rotary-base 500", r"--rotary-base=500: .* with --position-emb"),
+    # (flags, the one start-up line: the flag as typed, and when it applies)
+    ("--moe-router-dim 32", r"--moe-router-dim 32: changes nothing in this run \(it applies only with --moe-gate xmoe"),
+    ("--moe-soft-slots 2", r"--moe-soft-slots 2: .* only with --moe-gate soft"),
+    ("--hysteresis 1", r"--hysteresis 1: .* only with --fp16 and no --loss-scale"),
+    ("--fp16 --loss-scale 128 --loss-scale-window 10", r"--loss-scale-window 10: .* with --fp16 and no --loss-scale"),
+    ("--loss-scale 128", r"--loss-scale 128.0: .* only with --fp16 or --bf16"),
+    ("--moe-grouped-gemm", r"--moe-grouped-gemm: .* only with --num-experts and --moe-layer-impl mcore"),
+    ("--moe-layer-impl mcore --moe-gate xmoe", r"--moe-gate xmoe: .* only with --num-experts and our layer"),
+    (
+        "--moe-layer-impl mcore --moe-pad-expert-input-to-capacity",
+        r"--moe-pad-expert-input-to-capacity: .* a positive --moe-expert-capacity-factor",
+    ),
+    ("--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.1", r"--moe-aux-loss-coeff 0.1: .* other than none"),
+    ("--moe-gate expert_choice --moe-router-load-balancing-type aux_loss", r"type aux_loss: .* not with --moe-gate"),
+    ("--moe-gate switch --moe-router-topk 1 --no-moe-normalize-topk", r"--no-moe-normalize-topk: .*router-topk > 1"),
+    ("--sequence-parallel", r"--sequence-parallel: .* only with --tensor-model-parallel-size > 1"),
+    ("--lr-decay-style constant --min-lr 0", r"--min-lr 0.0: .* only with a --lr-decay-style other than constant"),
+    ("--activation-quant-format fp8_row", r"--activation-quant-format fp8_row: .* only with --quantize-activations"),
+    ("--save-interval 10", r"--save-interval 10: .* only with --save"),
+    ("--no-load-optim", r"--no-load-optim: .* only with --load"),
+    ("--position-embedding-type learned_absolute --rotary-base 500", r"--rotary-base 500: .* with --position-emb"),
 ]
 
 
 @pytest.mark.parametrize("flags, message", NO_OPS)
-def test_a_given_flag_that_would_do_nothing_is_refused(flags, message):
-    with pytest.raises(ConfigError, match=message):
-        cfg(*flags.split())
+def test_a_given_flag_that_would_do_nothing_is_accepted_with_one_line_saying_so(flags, message):
+    c = cfg(*flags.split())
+    assert len(c.notes) == 1 and re.search(message, c.notes[0]) and c.notes[0].startswith("--"), c.notes
+    assert c.notes[0].endswith("); accepted and ignored"), c.notes
+    words = flags.split()  # the run is the one without the flag: its field is set back to the default
+    at = words.index(c.notes[0].split(":")[0].split()[0])
+    without = words[:at] + words[at + (1 if at + 1 == len(words) or words[at + 1].startswith("--") else 2) :]
+    assert c.to_dict() == cfg(*without).to_dict()
 
 
-def test_no_x_flags_switch_their_setting_on():
-    """--no-load-optim and friends once parsed as their own negation (False): silent no-ops."""
-    c = cfg("--save", "s", "--load", "s", "--no-load-optim", "--no-load-rng", "--no-save-optim")
-    assert (c.checkpoint.no_load_optim, c.checkpoint.no_load_rng, c.checkpoint.no_save_optim) == (True, True, True)
-    assert not cfg().checkpoint.no_load_optim
+def test_the_tools_that_have_no_start_up_log_still_refuse_it():
+    from megatron_moe.config import GROUPS
+    from megatron_moe.config.fields import check_given_flags_apply
 
-
-def test_balancing_refusals_name_the_choices_of_each_layer():
-    with pytest.raises(ConfigError) as ours:
-        cfg("--moe-router-load-balancing-type", "seq_aux_loss").validate(1)
-    assert str(ours.value) == (
-        "--moe-router-load-balancing-type=seq_aux_loss: megatron_moe's layer implements aux_loss, top1_aux_loss, "
-        "none (seq_aux_loss only with --moe-layer-impl mcore)"
-    )
-    with pytest.raises(ConfigError) as mcore:
-        cfg("--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss").validate(1)
-    assert str(mcore.value) == (
-        "--moe-router-load-balancing-type=top1_aux_loss: megatron-core's layer (--moe-layer-impl mcore) implements "
-        "aux_loss, seq_aux_loss, none"
-    )
-
-
-def test_mcore_pads_only_to_a_positive_capacity_factor():
-    c = cfg("--moe-layer-impl", "mcore", "--moe-expert-capacity-factor", "-1")
-    c.moe.moe_pad_expert_input_to_capacity = True  # e.g. from a saved config: no flag to refuse
-    with pytest.raises(ConfigError, match=r"--moe-pad-expert-input-to-capacity=True: megatron-core's layer pads only"):
-        c.validate(1)
+    c = cfg()
+    c.moe.moe_router_dim = 32
+    with pytest.raises(ConfigError, match=r"--moe-router-dim=32: does nothing in this run; it applies only with"):
+        check_given_flags_apply(c, GROUPS, {"moe_router_dim"})
 
 
 def test_moe_flags_need_an_moe_model_and_defaults_never_count():
     dense = ["--data-path", "d", "--tokenizer-model", "t.model"]
-    parse_args(dense).validate(2)  # every MoE field keeps its default: nothing given, nothing refused
+    c = parse_args(dense)
+    c.validate(2)  # every MoE field keeps its default: nothing given, no line
+    assert c.notes == []
     for flags in (["--moe-router-topk", "2"], ["--expert-model-parallel-size", "1"], ["--moe-layer-impl", "mcore"]):
-        with pytest.raises(ConfigError, match=r"does nothing in this run; it applies only with --num-experts"):
-            parse_args([*dense, *flags])
+        (line,) = parse_args([*dense, *flags]).notes
+        assert line.startswith(f"{' '.join(flags)}: changes nothing in this run (it applies only with --num-experts")
 
 
 def test_flags_that_apply_are_accepted():
@@ -402,23 +393,29 @@ def test_bad_virtual_pipeline_flags_name_flag_value_and_choice(flags, world, mes
 
 def test_virtual_pipeline_needs_a_pipeline():
     for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
-        needs_pp = rf"{flag}=2: does nothing .* only with --pipeline-model-parallel-size > 1"
-        with pytest.raises(ConfigError, match=needs_pp):
-            cfg(flag, "2")
+        c = cfg(flag, "2")  # typed at PP=1: it changes nothing, and a line says so
+        assert c.notes == [
+            f"{flag} 2: changes nothing in this run (it applies only with --pipeline-model-parallel-size > 1); "
+            "accepted and ignored"
+        ]
+        c.validate(world_size=1)
+        assert c.parallel.virtual_pipeline_size(c.model.num_layers) is None
     c = cfg()
     c.parallel.num_virtual_stages_per_pipeline_rank = 2  # e.g. from a saved config: no flag to refuse
     with pytest.raises(ConfigError, match=r"=2: .* it needs --pipeline-model-parallel-size > 1 \(now 1\), e\.g\."):
         c.validate(world_size=1)
 
 
-def test_a_typed_adaptive_gradient_reduction_is_refused_under_the_interleaved_pipeline():
+def test_a_typed_adaptive_gradient_reduction_is_named_as_changing_nothing_under_the_interleaved_pipeline():
     vpp = [*PP2, "--num-virtual-stages-per-pipeline-rank", "2", "--expert-model-parallel-size", "2"]
-    with pytest.raises(
-        ConfigError,
-        match=r"--grad-reduce-schedule=adaptive: does nothing in this run; it applies only without the interleaved "
-        r"pipeline \(--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage\)",
-    ):
+    assert (
         cfg(*vpp, "--grad-reduce-schedule", "adaptive")
+        .notes[0]
+        .startswith(
+            "--grad-reduce-schedule adaptive: changes nothing in this run (it applies only without the interleaved "
+            "pipeline (--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage)"
+        )
+    )
     assert cfg(*vpp, "--grad-reduce-schedule", "megatron").parallel.grad_reduce_schedule == "megatron"
     default = cfg(*vpp)  # adaptive by default: falls back to megatron-core's buckets at set-up, saying why
     from megatron_moe.training.setup import adaptive_refused

@@ -173,23 +173,40 @@ def error(*flags):
         ("--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-expert-capacity-factor 1.5",
          "--moe-expert-capacity-factor=1.5: the expert bias counts every routed pair (dropless); leave the capacity "
          "factor unset with --moe-router-enable-expert-bias"),
-        ("--moe-router-bias-update-rate 0.1", "--moe-router-bias-update-rate=0.1: does nothing in this run; it "
-         "applies only with --moe-router-enable-expert-bias"),
         ("--moe-router-group-topk 2", "--moe-router-group-topk=2: needs --moe-router-num-groups"),
-        ("--moe-router-num-groups 4", "--moe-router-num-groups=4: does nothing in this run; it applies only with "
-         "--moe-router-group-topk"),
         ("--moe-router-num-groups 3 --moe-router-group-topk 1", "--moe-router-num-groups=3: must divide "
          "--num-experts=8"),
         ("--moe-router-num-groups 4 --moe-router-group-topk 5 --moe-router-topk 8", "--moe-router-group-topk=5: "
          "must be between 1 and --moe-router-num-groups=4"),
         ("--moe-router-num-groups 4 --moe-router-group-topk 1 --moe-router-topk 4", "--moe-router-group-topk=1: "
          "1 groups of 2 experts hold fewer than --moe-router-topk=4; choose at least 2"),
-        ("--moe-gate cosine --moe-router-group-topk 2", "--moe-router-group-topk=2: "
-         "does nothing in this run; it applies only with --num-experts and a top-k gate"),
     ],
 )  # fmt: skip
 def test_bad_combinations_name_the_flag_the_value_and_a_choice(flags, message):
     assert error(*flags.split()).startswith(message)
+
+
+ROUTER_FLAGS_THAT_CHANGE_NOTHING = [
+    (
+        "--moe-router-bias-update-rate 0.1",
+        "--moe-router-bias-update-rate 0.1: changes nothing in this run (it applies only with "
+        "--moe-router-enable-expert-bias)",
+    ),
+    (
+        "--moe-router-num-groups 4",
+        "--moe-router-num-groups 4: changes nothing in this run (it applies only with --moe-router-group-topk)",
+    ),
+    (
+        "--moe-gate cosine --moe-router-group-topk 2",
+        "--moe-router-group-topk 2: changes nothing in this run (it applies only with --num-experts and a top-k gate",
+    ),
+]
+
+
+@pytest.mark.parametrize("flags, message", ROUTER_FLAGS_THAT_CHANGE_NOTHING)
+def test_a_router_flag_that_changes_nothing_is_accepted_with_one_line(flags, message):
+    (line,) = parse_args([*BASE, *flags.split()]).notes
+    assert line.startswith(message)
 
 
 def test_megatron_lm_launch_lines_with_these_flags_pass():

@@ -1,5 +1,6 @@
 """A Megatron-LM user's flags parse as Megatron-LM means them, or say in one line why not."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -11,8 +12,17 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, topk_routing_with_score_function
 
-from megatron_moe.config import ConfigError, build_parser, parse_args
-from megatron_moe.config.megatron_lm import NOT_NEEDED, NOT_NEEDED_WITH, REFUSED, RENAMED
+from megatron_moe.config import ConfigError, ConfigErrors, build_parser, parse_and_validate, parse_args
+from megatron_moe.config.fields import as_typed, flag_name
+from megatron_moe.config.groups import GROUPS
+from megatron_moe.config.megatron_lm import (
+    NOT_NEEDED,
+    NOT_NEEDED_WITH,
+    REFUSED,
+    RENAMED,
+    TOKENIZER_TYPES_READ_AS,
+    TOKENIZER_TYPES_REFUSED,
+)
 from megatron_moe.model.builder import transformer_config
 from megatron_moe.moe import MoELayerConfig, build_gate, capacity_limit
 from megatron_moe.moe.ordering import sort_pairs
@@ -36,6 +46,14 @@ def error(*flags) -> str:
     message = str(caught.value)
     assert "\n" not in message and "usage:" not in message, message
     return message
+
+
+def note(*flags) -> str:
+    """The one start-up line a flag that changes nothing in this run gets (it is accepted, not refused)."""
+    notes = cfg(*flags).notes
+    assert len(notes) == 1, notes
+    assert notes[0].endswith("; accepted and ignored"), notes
+    return notes[0]
 
 
 # ---------------------------------------------------------------------------------------- unknown and foreign flags
@@ -116,7 +134,10 @@ def test_megatron_lms_whole_moe_group_is_answered():
 def test_attention_softmax_in_fp32_reaches_megatron_core_under_half_precision():
     assert transformer_config(cfg("--bf16", "--attention-softmax-in-fp32")).attention_softmax_in_fp32
     assert not transformer_config(cfg("--bf16")).attention_softmax_in_fp32
-    assert "only with --fp16 or --bf16" in error("--attention-softmax-in-fp32")
+    assert note("--attention-softmax-in-fp32") == (
+        "--attention-softmax-in-fp32: changes nothing in this run (it applies only with --fp16 or --bf16); "
+        "accepted and ignored"
+    )
 
 
 def test_help_says_each_default_once_and_offers_no_none_or_double_negation():
@@ -153,17 +174,26 @@ def test_samples_set_the_iterations_and_the_schedule_in_samples():
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction=0.1: and --lr-warmup-iters"),
         (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction=1.5: must be in [0, 1)"),
         (["--lr-decay-style", "WSD"], "--lr-decay-style=WSD: needs the length of its final decay"),
-        (["--lr-wsd-decay-iters", "3"], "--lr-wsd-decay-iters=3: does nothing in this run"),
         (["--train-samples", "3", "--global-batch-size", "4"], "--train-samples=3: must be at least one global"),
         (["--ckpt-format", "torch"], "--ckpt-format=torch: this stack writes and reads"),
-        (["--overlap-param-gather"], "--overlap-param-gather=True: does nothing in this run"),
-        (["--wandb-exp-name", "x"], "--wandb-exp-name=x: does nothing in this run"),
-        (["--log-validation-ppl-to-tensorboard"], "--log-validation-ppl-to-tensorboard=True: does nothing"),
         (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval=0: must be > 0"),
     ],
 )
 def test_a_schedule_or_logging_flag_that_cannot_work_is_named(flags, start):
     assert error(*flags).startswith(start)
+
+
+@pytest.mark.parametrize(
+    ("flags", "start"),
+    [
+        (["--lr-wsd-decay-iters", "3"], "--lr-wsd-decay-iters 3: changes nothing in this run (it applies only with"),
+        (["--overlap-param-gather"], "--overlap-param-gather: changes nothing in this run (it applies only with --use"),
+        (["--wandb-exp-name", "x"], "--wandb-exp-name x: changes nothing in this run (it applies only with --wandb"),
+        (["--log-validation-ppl-to-tensorboard"], "--log-validation-ppl-to-tensorboard: changes nothing in this run"),
+    ],
+)
+def test_a_schedule_or_logging_flag_that_changes_nothing_is_accepted_with_one_line(flags, start):
+    assert note(*flags).startswith(start)
 
 
 # ---------------------------------------------------------------------------------------------------- router flags
@@ -180,14 +210,14 @@ def test_router_flags_become_our_gates_settings():
     assert "selects --moe-gate topk, not --moe-gate sigmoid; drop one" in error(
         "--num-experts", "8", "--moe-gate", "sigmoid", "--moe-router-score-function", "softmax"
     )
-    assert "only with --num-experts and --moe-gate topk or sigmoid" in error(
+    assert "only with --num-experts and --moe-gate topk or sigmoid" in note(
         "--num-experts", "8", "--moe-gate", "xmoe", "--moe-router-score-function", "sigmoid"
     )
-    assert error("--num-experts", "8", "--moe-gate", "switch", "--moe-router-pre-softmax").startswith(
-        "--moe-router-pre-softmax=True: does nothing in this run"
-    )
-    assert error("--num-experts", "8", "--moe-token-drop-policy", "probs").startswith(
-        "--moe-token-drop-policy=probs: does nothing in this run; it applies only with a positive"
+    assert note(
+        "--num-experts", "8", "--moe-gate", "switch", "--moe-router-topk", "1", "--moe-router-pre-softmax"
+    ).startswith("--moe-router-pre-softmax: changes nothing in this run")
+    assert note("--num-experts", "8", "--moe-token-drop-policy", "probs").startswith(
+        "--moe-token-drop-policy probs: changes nothing in this run (it applies only with a positive"
     )
 
 
@@ -343,3 +373,135 @@ def test_megatron_cores_noise_is_filtered_in_one_place_and_shown_once_with_verbo
     assert noise.filter(record("megatron_moe", "Unknown MLP type in our own words"))  # ours are never noise
     noise.verbose = True
     assert noise.filter(unknown) and not noise.filter(unknown)  # --verbose: once
+
+
+# ------------------------------------------------------------------------------------- tokenizer types, mock data
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZER_TYPES_READ_AS))
+def test_megatron_lms_sentencepiece_tokenizer_types_are_read_as_ours_with_one_line(kind):
+    ours, differs = TOKENIZER_TYPES_READ_AS[kind]
+    for flags in (["--tokenizer-type", kind], [f"--tokenizer-type={kind}"]):
+        c = cfg(*flags, "--num-layers", "2")
+        assert (c.data.tokenizer_type, c.model.num_layers) == (ours, 2)
+        assert c.notes == [f"--tokenizer-type {kind}: read as --tokenizer-type {ours} ({differs})"]
+    assert "prepends BOS" in TOKENIZER_TYPES_READ_AS["Llama2Tokenizer"][1]  # the one difference, said
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZER_TYPES_REFUSED))
+def test_megatron_lms_other_tokenizer_types_are_refused_with_the_reason(kind):
+    assert error("--tokenizer-type", kind) == f"--tokenizer-type={kind}: {TOKENIZER_TYPES_REFUSED[kind]}"
+
+
+def test_mock_data_needs_no_data_path_and_refuses_one():
+    c = parse_args(["--tokenizer-model", "t.model", "--mock-data"])
+    c.validate(1)
+    assert c.data.mock_data and c.data.data_path == [] and c.notes == []
+    with pytest.raises(ConfigError) as caught:
+        parse_args(["--tokenizer-model", "t.model"]).validate(1)
+    assert str(caught.value).startswith("--data-path=[]: give a .bin/.idx prefix")
+    with pytest.raises(ConfigError, match=r"^--data-path=d: and --mock-data both name the training data: give one"):
+        cfg("--mock-data")
+    (line,) = parse_args(["--tokenizer-model", "t.model", "--mock-data", "--split", "9,1,0"]).notes
+    assert line.startswith("--split 9,1,0: changes nothing in this run (it applies only with --data-path: ")
+
+
+# ----------------------------------------------------------------------------------- every error in one pass
+
+
+def test_every_configuration_error_is_reported_in_one_pass():
+    """Refused Megatron-LM flags, bad values, unknown flags and the run's rules: all of them, each once."""
+    with pytest.raises(ConfigErrors) as caught:
+        parse_and_validate(
+            [
+                *BASE, "--moe-extended-tp", "--tokenizer-type", "Llama3Tokenizer", "--num-layers", "x",
+                "--mokc-data", "--recompute-modules", "qkv", "bogus", "--num-attention-heads", "3", "--lr", "-1",
+                "--tensorboard-log-interval", "0",
+            ],
+            world_size=1,
+        )  # fmt: skip
+    assert caught.value.errors == [
+        "--moe-extended-tp: deprecated in Megatron-LM too: use --expert-tensor-parallel-size",
+        "argument --tokenizer-type: invalid choice: 'Llama3Tokenizer' (choose from 'SentencePieceTokenizer', "
+        "'GPT2BPETokenizer', 'HuggingFaceTokenizer')",
+        "argument --num-layers: invalid int value: 'x'",
+        "unknown flag --mokc-data; did you mean --mock-data? (similar flags in group data: --mock-data, "
+        "--no-mock-data)",
+        "--hidden-size=256: must be a multiple of --num-attention-heads=3",
+        "--lr=-1.0: must be >= 0, e.g. --lr 0.0003",
+        "--recompute-modules=bogus: a module name, one of: input_norm, qkv, core_attention, attn_proj, "
+        "pre_mlp_norm, router, ordering, dispatch, expert_fc1, expert_act, expert_fc2, combine, unorder, "
+        "shared_expert, mlp_fc1, mlp_act, mlp_fc2",
+        "--tensorboard-log-interval=0: must be > 0, e.g. --tensorboard-log-interval 1",
+    ]
+    message = str(caught.value)
+    assert message.startswith("8 configuration errors:\n  --moe-extended-tp: ") and "usage:" not in message
+    assert message.count("\n") == 8
+
+
+def test_one_error_stays_one_line_and_a_flag_set_aside_is_not_blamed_twice():
+    with pytest.raises(ConfigError) as caught:
+        parse_and_validate([*BASE, "--num-attention-heads", "3"], world_size=1)
+    assert not isinstance(caught.value, ConfigErrors) and "\n" not in str(caught.value)
+    # --tokenizer-type is set aside; the checks then see the default type, whose complaint about it is left out
+    with pytest.raises(ConfigError) as caught:
+        parse_and_validate(["--data-path", "d", "--tokenizer-type", "Tik", "--vocab-file", "v"], world_size=1)
+    assert str(caught.value).startswith("argument --tokenizer-type: invalid choice: 'Tik'")
+
+
+def test_the_files_are_looked_for_when_asked(tmp_path):
+    (tmp_path / "d.bin").write_bytes(b"")
+    (tmp_path / "t.model").write_bytes(b"")
+    prefix, model = str(tmp_path / "d"), str(tmp_path / "t.model")
+    parse_and_validate(["--data-path", prefix, "--tokenizer-model", model], 1)  # not looked for
+    with pytest.raises(ConfigError) as caught:
+        parse_and_validate(["--data-path", "0.5", prefix, "0.5", prefix, "--tokenizer-model", model], 1, files=True)
+    assert str(caught.value) == (
+        f"--data-path {prefix}: missing {prefix}.idx; give the prefix tools/preprocess_data.py wrote "
+        "(PREFIX_text_document for --output-prefix PREFIX)"
+    )
+    (tmp_path / "d.idx").write_bytes(b"")
+    parse_and_validate(["--data-path", prefix, "--tokenizer-model", model], 1, files=True)
+
+
+# --------------------------------------------------------------------------------- flags that change nothing here
+
+
+def given_alone():
+    """(group, field, flag, typed) for each flag with an `applies=` condition the plain run (BASE) does not meet:
+    given alone (`typed`), it changes nothing."""
+    plain = parse_args(BASE)
+    for name, group in GROUPS:
+        for field in dataclasses.fields(group):
+            applies = field.metadata.get("applies")
+            if applies is None or applies.test(plain):
+                continue
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            flag, choices = flag_name(field), field.metadata.get("choices")
+            if isinstance(default, bool):  # the switch, or its --no- form where it is on by default
+                typed = [as_typed(flag, True if flag.startswith("--no-") else not default)]
+            else:
+                typed = [flag, str(choices[-1] if choices else 2 if default in (None, []) else default)]
+            yield name, field.name, flag, typed
+
+
+@pytest.mark.parametrize("name, field, flag, typed", list(given_alone()), ids=lambda x: x if isinstance(x, str) else "")
+def test_each_flag_that_changes_nothing_in_a_run_gets_exactly_one_line(name, field, flag, typed):
+    c = parse_args([*BASE, *typed])
+    (line,) = c.notes
+    assert line.startswith(f"{typed[0]}{':' if len(typed) == 1 else ' '}"), line
+    assert line.endswith(
+        f": changes nothing in this run (it applies only {_applies(name, field)}); accepted and ignored"
+    )
+    assert c.to_dict() == parse_args(BASE).to_dict()  # the run is the one without the flag
+
+
+def _applies(name: str, field: str) -> str:
+    group = dict(GROUPS)[name]
+    return next(f for f in dataclasses.fields(group) if f.name == field).metadata["applies"].text
+
+
+def test_at_least_the_megatron_lm_flags_that_change_nothing_here_are_among_them():
+    flags = {flag for _, _, flag, _ in given_alone()}
+    assert {"--sequence-parallel", "--moe-grouped-gemm", "--no-load-optim", "--no-load-rng"} <= flags
+    assert {"--no-masked-softmax-fusion", "--overlap-param-gather", "--lr-wsd-decay-iters"} <= flags
