@@ -11,6 +11,7 @@ instead of naming one.
 from megatron_moe.platform.device import (
     Platform,
     current_platform,
+    device_name,
     from_host,
     init_platform,
     kernels_in_use,
@@ -26,6 +27,7 @@ __all__ = [
     "Platform",
     "count_host_syncs",
     "current_platform",
+    "device_name",
     "from_host",
     "init_platform",
     "kernels_in_use",
