@@ -710,7 +710,8 @@ def load_or_measure(
     """The tools' form (tools/profile_cluster.py, bench_pipeline.py): `obtain_profile` without the fit check,
     saved at once. The cluster's fits and whether they were measured now. Every rank of the world must call it."""
     profile = obtain_profile(path, groups, settings, link=link, check=FitCheck(min_r2=0.0))
-    profile.save()
-    profile_barrier()  # the file is complete before any rank goes on (a later run's ranks read it)
+    if profile.measured:
+        profile.save()
+        profile_barrier()  # the file is complete before any rank goes on (a later run's ranks read it)
     log_fits(profile.fits, f"measured, saved to {path}" if profile.measured else f"loaded from {path}")
     return profile.fits, profile.measured

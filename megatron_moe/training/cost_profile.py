@@ -76,7 +76,7 @@ def profile_line(profile: Profile, schedules: dict[int, Schedule] | None) -> tup
         line = f"cost model: not to be trusted after measuring twice: {lines}; {fallback}; not cached; {table}"
         return logging.WARNING, line
     if profile.measured:
-        where = f", cached at {profile.path} after the first iteration" if profile.path else ""
+        where = f", saved to {profile.path} after the first iteration" if profile.path else ""
         got = f"profile measured in {profile.seconds:.1f} s ({profile.why}){where}"
     else:
         got = f"profile reused from {profile.path} ({profile.why}; --cost-profile-remeasure to measure again)"

@@ -140,7 +140,7 @@ def test_auto_runs_the_degrees_the_solver_gives_for_the_cached_profile(training)
     measured, reused = training["ep2_auto_lines"]
     schedule = training["ep2_auto_schedule"]
     degrees = f"pipeline degrees {schedule['forward']}/{schedule['backward']} (forward/backward)"
-    assert measured.startswith("cost model: profile measured in ") and "cached at " in measured, measured
+    assert measured.startswith("cost model: profile measured in ") and "saved to " in measured, measured
     assert reused.startswith("cost model: profile reused from ") and cache["files"][0] in reused, reused
     assert degrees in measured and degrees in reused, (degrees, measured, reused)
     assert "lowest R^2 " in reused and ".table.txt" in reused, reused

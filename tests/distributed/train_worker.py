@@ -384,6 +384,8 @@ class StartupLines(logging.Handler):
         super().__init__()
         self.lines = []
         self.logger = logging.getLogger("megatron_moe.training.cost_profile")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)  # the worker configures no logging: the root's WARNING would drop them
         self.logger.addHandler(self)
 
     def emit(self, record):
@@ -391,6 +393,7 @@ class StartupLines(logging.Handler):
 
     def detach(self) -> list[str]:
         self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
         return self.lines
 
 
