@@ -169,7 +169,8 @@ def fits_table(fits: ClusterFits, source: str) -> str:
     lines = [f"cost-model profile ({source}), t = alpha + n * beta in ms:"]
     for kind, fit in sorted(fits.fits.items(), key=lambda item: (item[0] in OVERHEAD_KINDS, item[0])):
         points = ", ".join(f"({n:.0f}, {ms:.4g})" for n, ms in fit.points) or "none (not measured here)"
-        what = "correction (signed residual of the model)" if kind in OVERHEAD_KINDS else f"R^2 {fit.r2:.4f}"
+        r2 = round(fit.r2, 4) + 0.0  # no "-0.0000"
+        what = "correction (signed residual of the model)" if kind in OVERHEAD_KINDS else f"R^2 {r2:.4f}"
         lines.append(f"  {kind:<13} alpha {fit.alpha:.4g} beta {fit.beta:.4g} {what} points {points}")
     if fits.model_error:
         errors = ", ".join(f"{direction} {error:.1%}" for direction, error in fits.model_error.items())
