@@ -17,10 +17,11 @@ describes itself the same.
 What is a fit to trust (`fit_problems`, `FitCheck`): a time line (collectives, experts, dense operators) whose
 prediction is negative somewhere in its measured range, or whose R^2 is below `min_r2` while its points scatter
 more than `max_scatter` of their mean around it. R^2 alone is no test: on a flat line (a small message's
-all-to-all, whose start-up dominates) R^2 is near 0 while the line predicts every point within a few percent;
-of 33 profiles measured on this 2-core host (tests and benchmarks), 29 had a line under R^2 0.9 and most of
-those lines missed their points by under 15% RMS. Where both hold, noise decided the slope: the line could
-price a chunk at twice or half its time. The correction lines ("chunk", "unchunked" and their "_bwd": the
+all-to-all, whose start-up dominates) R^2 is near 0 while the line predicts every point within a few percent.
+Of 21 distinct profiles the tests and benchmarks measured on this 2-core host, 9 had time lines under R^2 0.9:
+30 lines, 14 of them within 15% RMS of their points, 24 within 25%; 6 profiles had a line beyond both (these
+are measured again). Where both hold, noise decided the slope: the line could price a chunk at twice or half
+its time. The correction lines ("chunk", "unchunked" and their "_bwd": the
 pipeline's measured time beyond the model) are signed residuals, fitted with non-negative coefficients, so
 their R^2 says nothing (a residual of -2 ms on every degree fits a line of 0 with R^2 far below 0: the source
 of the -3.09 a user saw). What they leave unexplained is the profile's `model_error` (the model's largest miss
