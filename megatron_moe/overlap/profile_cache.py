@@ -33,6 +33,7 @@ line, not a reason to distrust the lines.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import importlib
 import importlib.metadata
@@ -93,6 +94,19 @@ def table_path(path: str) -> str:
 def differences(saved: dict, wanted: dict) -> list[str]:
     """The description's keys whose values differ (sorted): why a saved profile is not this run's."""
     return sorted(key for key in saved.keys() | wanted.keys() if saved.get(key) != wanted.get(key))
+
+
+def newest_differs(directory: str, description: dict) -> str:
+    """'; the newest profile there differs in code, hosts' (the fields), or '' where `directory` holds no other
+    profile: why a cache had none for this fingerprint (an upgrade, another placement)."""
+    saved = glob.glob(os.path.join(directory, "cost_profile_*.json"))
+    if not saved:
+        return ""
+    try:
+        cluster = ClusterFits.load(max(saved, key=os.path.getmtime)).cluster
+    except (OSError, ValueError, KeyError):
+        return ""
+    return f"; the newest profile there differs in {', '.join(differences(cluster, description))}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

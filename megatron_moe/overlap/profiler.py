@@ -94,6 +94,7 @@ from megatron_moe.overlap.profile_cache import (
     differences,
     fit_problems,
     fits_table,
+    newest_differs,
     table_path,
 )
 from megatron_moe.platform import current_platform, device_name, synchronize
@@ -645,7 +646,7 @@ def _saved_decision(path: str | None, description: dict, remeasure: bool, check:
     if remeasure:
         return None, "--cost-profile-remeasure"
     if not os.path.exists(path):
-        return None, f"none saved at {path}"
+        return None, f"none saved at {path}{newest_differs(os.path.dirname(path) or '.', description)}"
     try:
         saved = ClusterFits.load(path)
     except (OSError, ValueError, KeyError) as error:

@@ -189,6 +189,16 @@ def test_a_profile_of_other_code_is_measured_again(world, measured, tmp_path):
     assert other_dtype.measured and other_dtype.why == "the saved one differs in code, dtype"
 
 
+def test_a_cache_without_this_fingerprint_says_what_the_newest_profile_differs_in(
+    world, measured, tmp_path, monkeypatch
+):
+    measured.results = [fits_with(), fits_with()]
+    obtain(tmp_path).save()
+    monkeypatch.setattr(profiler, "code_version", lambda: {"megatron_moe": "0.2.0", "source": "0" * 16})  # upgraded
+    again = obtain(tmp_path)
+    assert again.measured and again.why == f"none saved at {again.path}; the newest profile there differs in code"
+
+
 def test_the_write_is_atomic(world, measured, tmp_path, monkeypatch):
     measured.results = [fits_with()]
     profile = obtain(tmp_path)
