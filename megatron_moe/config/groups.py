@@ -195,7 +195,8 @@ class MoEConfig:
     cost_profile_min_r2: float = arg(
         0.9,
         "a cost-model line with R^2 below this whose points are more than 25%% off it (or with a negative time) "
-        "is measured once more, then left unused: pipeline degree 1, with a warning naming it (0: no check)",
+        "is measured once more, then left unused (also by the runs that reuse the profile): pipeline degree 1, with "
+        "a warning naming it (0: no check)",
         applies=only.OUR_MOE,
     )
     moe_partition_pieces: str = arg(

@@ -36,8 +36,8 @@ description (`describe_cluster`: the fingerprint of `megatron_moe.overlap.profil
 equals this run's: rank 0 reads the file and decides, every rank gets its decision (and the fits) by one
 broadcast, so a file on rank 0's disk alone serves every node. Else every rank measures; a line not to be trusted
 (`profile_cache.fit_problems`) makes every rank measure once more (the fits are agreed, so is the decision), and
-the profile is written (rank 0, atomically) only when the caller says the run started (`Profile.save`), and only
-when trustworthy. `load_or_measure` (the tools) saves at once.
+the profile is written (rank 0, atomically) only when the caller says the run started (`Profile.save`), with
+the lines still not trusted judged again by each run that reuses it. `load_or_measure` (the tools) saves at once.
 """
 
 from __future__ import annotations
@@ -627,10 +627,11 @@ class Profile:
         return not self.problems
 
     def save(self) -> None:
-        """Rank 0 writes a measured, trusted profile to `path` (atomically: tmp + rename), once; the caller calls it
-        when the run has started (its first iteration done), so that a launch that fails earlier leaves no
-        profile for the next run to reuse. Not collective."""
-        if self.saved or not self.measured or not self.trusted or self.path is None:
+        """Rank 0 writes a measured profile to `path` (atomically: tmp + rename), once; the caller calls it when
+        the run has started (its first iteration done), so that a launch that fails earlier leaves no profile for
+        the next run to reuse. An untrusted one too: the next run reads the same verdict from its points and
+        takes the same defaults, without measuring (--cost-profile-remeasure tries again). Not collective."""
+        if self.saved or not self.measured or self.path is None:
             return
         if dist.get_rank() == 0:
             if os.path.dirname(self.path):
@@ -639,7 +640,7 @@ class Profile:
         self.saved = True
 
 
-def _saved_decision(path: str | None, description: dict, remeasure: bool, check: FitCheck) -> tuple[dict | None, str]:
+def _saved_decision(path: str | None, description: dict, remeasure: bool) -> tuple[dict | None, str]:
     """Rank 0's decision: (the saved fits as JSON, why) to reuse them, (None, why) to measure."""
     if path is None:
         return None, "no profile file"
@@ -654,9 +655,6 @@ def _saved_decision(path: str | None, description: dict, remeasure: bool, check:
     changed = differences(saved.cluster, description)
     if changed:
         return None, f"the saved one differs in {', '.join(changed)}"
-    problems = fit_problems(saved, check)
-    if problems:
-        return None, f"the saved one's {', '.join(problems)} lines are unreliable"
     return saved.to_json(), "the fingerprint matches"
 
 
@@ -672,18 +670,20 @@ def obtain_profile(
     check: FitCheck | None = None,
 ) -> Profile:
     """The cluster's profile: the one saved at `path` (None: in `cache_dir` under this cluster's fingerprint;
-    both None: none) when its description is this run's and its lines are trusted, else measured, and once more
-    where a line is not to be trusted. Nothing is written here but the table beside `path` (rank 0, for people);
-    `Profile.save` writes the profile. Every rank of the world calls it, and issues the same collectives: the
-    description's gathers, rank 0's decision (one broadcast), then the benchmarks where measured."""
+    both None: none) when its description is this run's, else measured, and once more where a line is not to
+    be trusted (`Profile.problems`: the lines still not trusted, also of a saved one). Nothing is written here
+    but the table beside `path` (rank 0, for people); `Profile.save` writes the profile. Every rank of the world
+    calls it, and issues the same collectives: the description's gathers, rank 0's decision (one broadcast),
+    then the benchmarks where measured."""
     check = check or FitCheck()
     description = describe_cluster(groups, settings, link, dtype=dtype)
     if path is None and cache_dir is not None:
         path = cache_path(cache_dir, description)
-    decision = _saved_decision(path, description, remeasure, check) if dist.get_rank() == 0 else None
+    decision = _saved_decision(path, description, remeasure) if dist.get_rank() == 0 else None
     saved, why = share_profile_decision(decision)
-    if saved is not None:
-        return Profile(fits=ClusterFits.from_json(saved), path=path, measured=False, why=why, problems={})
+    if saved is not None:  # its lines are judged again (this run's --cost-profile-min-r2): the same on every rank
+        fits = ClusterFits.from_json(saved)
+        return Profile(fits=fits, path=path, measured=False, why=why, problems=fit_problems(fits, check))
     started = time.perf_counter()
     fits = measure_fits(groups, settings, cluster=description)
     problems = fit_problems(fits, check)

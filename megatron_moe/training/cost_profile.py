@@ -73,8 +73,12 @@ def profile_line(profile: Profile, schedules: dict[int, Schedule] | None) -> tup
             if usable
             else "auto choices take their defaults: pipeline degree 1, megatron-core's gradient buckets, no shadows"
         )
-        line = f"cost model: not to be trusted after measuring twice: {lines}; {fallback}; not cached; {table}"
-        return logging.WARNING, line
+        if profile.measured:
+            saved = f"; saved with this verdict to {profile.path} after the first iteration" if profile.path else ""
+            got = f"measured twice, not to be trusted: {lines}; {fallback}{saved}"
+        else:
+            got = f"the profile reused from {profile.path} is not to be trusted: {lines}; {fallback}"
+        return logging.WARNING, f"cost model: {got}; --cost-profile-remeasure to measure again; {table}"
     if profile.measured:
         where = f", saved to {profile.path} after the first iteration" if profile.path else ""
         got = f"profile measured in {profile.seconds:.1f} s ({profile.why}){where}"

@@ -142,9 +142,15 @@ def test_a_bad_line_is_measured_again_then_left_unused_with_a_warning_naming_it(
     assert usable_fits(profile.fits, profile.problems) is None  # training: fits None -> every auto's default
     level, text = profile_line(profile, None)
     assert level == logging.WARNING and "gemm (R^2 " in text and "pipeline degree 1" in text and "\n" not in text
-    profile.save()
-    assert not [name for name in os.listdir(tmp_path) if name.endswith(".json")]  # never cached
+    assert text.startswith("cost model: measured twice, not to be trusted: gemm (R^2 0.17, points 68% off")
     assert os.path.exists(profile_cache.table_path(profile.path))  # the table, for people
+    profile.save()  # with its verdict: the next run takes the same defaults without measuring
+    again = obtain(tmp_path)
+    assert not again.measured and measured.calls == 2 and set(again.problems) == {"gemm"}
+    level, text = profile_line(again, None)
+    assert level == logging.WARNING and text.startswith(f"cost model: the profile reused from {profile.path} is not")
+    assert "--cost-profile-remeasure to measure again" in text
+    assert obtain(tmp_path, check=FitCheck(min_r2=0.1)).trusted  # the verdict is this run's threshold's
 
 
 def test_a_second_measure_that_is_good_is_trusted(world, measured, tmp_path):
