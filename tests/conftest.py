@@ -20,6 +20,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(parts[1])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cost_profile_cache(tmp_path_factory):
+    """Cost-model profiles the tests' runs cache go to this session's directory, not ~/.cache/megatron_moe: a run
+    here never reuses a profile another session (or a person) measured. Torchrun jobs inherit it."""
+    os.environ["MEGATRON_MOE_CACHE_DIR"] = str(tmp_path_factory.mktemp("megatron_moe_cache"))
+
+
 def load_tool(name):
     """Import tools/NAME.py as a module (`tools.NAME`)."""
     return importlib.import_module(f"tools.{name}")

@@ -65,12 +65,22 @@ def agree_profile(table: torch.Tensor, group=None) -> torch.Tensor:
     return table
 
 
-def gather_host_names(name: str, group=None) -> list[str]:
-    """Every rank's host name, in rank order of `group` (None: the world)."""
-    names: list = [None] * dist.get_world_size(group)
-    record = Collective("other", "profile/host_names", group, nbytes=len(name))
-    issue(record, lambda: dist.all_gather_object(names, name, group=group))
-    return names
+def gather_rank_facts(facts: dict, group=None) -> list[dict]:
+    """Every rank's `facts` (host name, node rank, device, link: picklable), in rank order of `group` (None: the
+    world)."""
+    everyone: list = [None] * dist.get_world_size(group)
+    record = Collective("other", "profile/rank_facts", group, nbytes=len(repr(facts)))
+    issue(record, lambda: dist.all_gather_object(everyone, facts, group=group))
+    return everyone
+
+
+def share_profile_decision(decision):
+    """Rank 0's decision on the saved profile ((its fits as JSON or None, why); other ranks pass None), on every
+    rank: rank 0 alone reads the file, so a profile on one disk serves every node, and every rank then takes the
+    same branch (reuse, or measure)."""
+    box = [decision]
+    issue(Collective("other", "profile/decision"), lambda: dist.broadcast_object_list(box, src=0))
+    return box[0]
 
 
 def gather_group_ranks(group) -> list[list[int]]:

@@ -174,9 +174,29 @@ class MoEConfig:
     )
     moe_cost_profile: str | None = arg(
         None,
-        "FSMoE's cost-model fits (JSON; tools/profile_cluster.py writes one) that resolve the pipeline degrees' "
-        "auto: loaded when the cluster it describes is this run's, else measured at start-up and saved there "
-        "(unset: <--save>/cost_profile.json, or measured and not saved without --save)",
+        "FSMoE's cost-model fits (JSON; tools/profile_cluster.py writes one) that resolve the auto choices "
+        "(pipeline degrees, gradient partition, shadows, operator partition): reused when its fingerprint "
+        "(cluster, placement, shapes, dtype, link, code version) is this run's, else measured at start-up and "
+        "written there after the first iteration (unset: one file per fingerprint in --cost-profile-cache)",
+        applies=only.OUR_MOE,
+    )
+    cost_profile_cache: str | None = arg(
+        None,
+        "where the cost-model profiles are cached, one per cluster fingerprint, so that runs of one set-up reuse "
+        "one profile and get the same degrees (unset: $MEGATRON_MOE_CACHE_DIR/cost_profiles, else "
+        "~/.cache/megatron_moe/cost_profiles; rank 0's disk: its decision reaches every rank)",
+        applies=only.OUR_MOE,
+    )
+    cost_profile_remeasure: bool = arg(
+        False,
+        "measure the cost-model profile again even where a matching one is saved (it replaces it)",
+        applies=only.OUR_MOE,
+    )
+    cost_profile_min_r2: float = arg(
+        0.9,
+        "a cost-model line with R^2 below this whose points are more than 25%% off it (or with a negative time) "
+        "is measured once more, then left unused (also by the runs that reuse the profile): pipeline degree 1, with "
+        "a warning naming it (0: no check)",
         applies=only.OUR_MOE,
     )
     moe_partition_pieces: str = arg(
@@ -652,7 +672,9 @@ class LoggingConfig:
         "TensorBoard); only to measure their cost, which is under 1%% of a step",
     )
     verbose: bool = arg(
-        False, "also megatron-core's INFO lines and, once each, its notices this stack filters as noise"
+        False,
+        "also megatron-core's INFO lines and, once each, its notices this stack filters as noise; and the "
+        "cost-model profile's whole table (one line per fitted kind; else one summary line)",
     )
     log_throughput: bool = arg(
         True,

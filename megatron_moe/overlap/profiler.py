@@ -31,9 +31,13 @@ degree > 1 must be predicted to beat.
 Each call runs between world barriers with the device synchronized before and after, timed on the host clock;
 one warm-up call per size, then `repeats` timed calls, reduced per size by the median; every rank's figure goes into
 one fixed-shape table whose MAX over the world (`comm.profiling.agree_profile`) every rank fits, so all ranks
-hold the same lines. `load_or_measure` reuses a saved profile (JSON, `ClusterFits.save`) whose cluster
-description (world size, group sizes, host names, backend, device, link, the settings) equals this run's, on
-every rank or on none (agreed), else measures and rank 0 saves it; fits, R^2 and points are logged.
+hold the same lines. `obtain_profile` reuses a saved profile (JSON, `ClusterFits.save`) whose cluster
+description (`describe_cluster`: the fingerprint of `megatron_moe.overlap.profile_cache`, code version included)
+equals this run's: rank 0 reads the file and decides, every rank gets its decision (and the fits) by one
+broadcast, so a file on rank 0's disk alone serves every node. Else every rank measures; a line not to be trusted
+(`profile_cache.fit_problems`) makes every rank measure once more (the fits are agreed, so is the decision), and
+the profile is written (rank 0, atomically) only when the caller says the run started (`Profile.save`), with
+the lines still not trusted judged again by each run that reuses it. `load_or_measure` (the tools) saves at once.
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ import functools
 import json
 import logging
 import math
+import os
+import re
+import shutil
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,24 +69,35 @@ from megatron_moe.comm.profiling import (
     agree_profile,
     esp_traffic,
     gather_group_ranks,
-    gather_host_names,
+    gather_rank_facts,
     profile_all_reduce,
     profile_all_to_all,
     profile_barrier,
+    share_profile_decision,
 )
 from megatron_moe.config.fields import require
+from megatron_moe.files import write_atomic
 from megatron_moe.overlap.cost_model import (
     BACKWARD_KINDS,
     DENSE_KINDS,
     FIT_KINDS,
-    OVERHEAD_KINDS,
     ClusterFits,
     LayerSizes,
     LinearFit,
     fit_linear,
     layer_time_ms,
 )
-from megatron_moe.platform import current_platform, synchronize
+from megatron_moe.overlap.profile_cache import (
+    FitCheck,
+    cache_path,
+    code_version,
+    differences,
+    fit_problems,
+    fits_table,
+    newest_differs,
+    table_path,
+)
+from megatron_moe.platform import current_platform, device_name, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -256,23 +275,69 @@ def _size(group) -> int:
     return 0 if group is None else group_size(group)
 
 
-def describe_cluster(groups: ProfileGroups, settings: ProfileSettings, link: str | None = None) -> dict:
-    """What a saved profile must match to be reused: world size, group sizes, every rank's host name, the EP
-    groups' ranks (--expert-placement moves them between nodes), backend,
-    device type, the link (e.g. "tc 1 Gbit/s", given by the caller), the settings. As JSON reads it back (lists,
-    not tuples), so that it compares equal to a saved one."""
+def describe_cluster(
+    groups: ProfileGroups, settings: ProfileSettings, link: str | None = None, *, dtype: str | None = None
+) -> dict:
+    """What a saved profile must match to be reused (the fingerprint, `megatron_moe.overlap.profile_cache`): world
+    size, group sizes, every rank's host name, node rank and ranks per node (torchrun's GROUP_RANK and
+    LOCAL_WORLD_SIZE: an emulated cluster's nodes share one host name), the EP and ESP groups' ranks
+    (--expert-placement moves them between nodes), backend, device type and name, the link (`link`, e.g. "tc 1
+    Gbit/s" given by the caller, else each rank's `link_description`), the run's dtype, the settings (the
+    measured shapes) and the code version. As JSON reads it back (lists, not tuples), so that it compares equal
+    to a saved one. Collective: every rank calls it."""
+    facts = gather_rank_facts(
+        {
+            "host": socket.gethostname(),
+            "node": os.environ.get("GROUP_RANK"),
+            "local_world": os.environ.get("LOCAL_WORLD_SIZE"),
+            "device_name": device_name(),
+            "link": link if link is not None else link_description(),
+        }
+    )
     return _as_json(
         {
             "world": dist.get_world_size(),
             **groups.sizes(),
-            "hosts": gather_host_names(socket.gethostname()),
+            "hosts": [fact["host"] for fact in facts],
+            "nodes": [fact["node"] for fact in facts],
+            "ranks_per_node": [fact["local_world"] for fact in facts],
             "ep_groups": gather_group_ranks(groups.ep),  # --expert-placement: which all-to-alls cross nodes
+            "esp_groups": gather_group_ranks(groups.esp),
             "backend": dist.get_backend(),
             "device": current_platform().device.type,
-            "link": link,
+            "device_name": sorted({fact["device_name"] for fact in facts}),
+            "link": link if link is not None else sorted({fact["link"] for fact in facts}),
+            "dtype": dtype,
             "settings": settings.to_json(),
+            "code": code_version(),
         }
     )
+
+
+LINK_INTERFACE_ENVS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+def link_description() -> str:
+    """This rank's link as far as the host tells: the root queueing discipline and speed of the interface
+    NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME names (the emulated cluster's shaped links are a tbf qdisc with
+    their rate; its handle and the interface's name are left out, they change from run to run), and NCCL's
+    transport settings (NCCL_* but NCCL_DEBUG*). "default" when nothing is set."""
+    parts = []
+    iface = next((os.environ[name] for name in LINK_INTERFACE_ENVS if os.environ.get(name)), None)
+    if iface:
+        iface = iface.split(",")[0].lstrip("^=")
+        try:
+            with open(f"/sys/class/net/{iface}/speed") as stream:
+                parts.append(f"speed {stream.read().strip()}")
+        except OSError:
+            pass
+        if shutil.which("tc"):
+            shown = subprocess.run(["tc", "qdisc", "show", "dev", iface], capture_output=True, text=True, timeout=5)
+            root = next((line for line in shown.stdout.splitlines() if " root " in line), "")
+            if root:
+                parts.append(re.sub(r"^qdisc (\S+) \S+ root( refcnt \d+)?", r"\1", root.strip()))
+    parts += sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("NCCL_") and "DEBUG" not in k)
+    return "; ".join(parts) or "default"
 
 
 def _as_json(value):
@@ -537,23 +602,103 @@ def log_fits(fits: ClusterFits, source: str) -> None:
     """The fits, R^2 and points, one line per kind (rank 0: every rank holds the same)."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    log.info("cost-model profile (%s), t = alpha + n * beta in ms:", source)
-    for kind in (*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS, *(k for k in DENSE_MEASURED if k in fits.fits)):
-        fit = fits[kind]
-        points = ", ".join(f"({n:.0f}, {ms:.4g})" for n, ms in fit.points) or "not measured"
-        log.info("  %-4s alpha %.4g beta %.4g R^2 %.6f points %s", kind, fit.alpha, fit.beta, fit.r2, points)
-    if fits.model_error:
-        errors = ", ".join(f"{direction} {error:.1%}" for direction, error in fits.model_error.items())
-        log.info("  the model's largest error on the profiled pipeline: %s (a degree > 1 must gain more)", errors)
+    log.info("%s", fits_table(fits, source).rstrip())
 
 
-def _saved_matches(path: str | None, description: dict) -> bool:
+@dataclasses.dataclass(kw_only=True)
+class Profile:
+    """The cost-model profile a run got (`obtain_profile`): the same on every rank."""
+
+    fits: ClusterFits
+    path: str | None
+    """Where it was read, or is written by `save` (None: nowhere)."""
+    measured: bool
+    why: str
+    """Why it was measured ("none saved at ...", "--cost-profile-remeasure", "the saved one differs in code,
+    hosts"), or "the fingerprint matches"."""
+    problems: dict[str, str]
+    """Kind -> why its line is not to be trusted, after the one re-measure (empty: every line is trusted)."""
+    seconds: float = 0.0
+    """Spent measuring."""
+    saved: bool = False
+
+    @property
+    def trusted(self) -> bool:
+        return not self.problems
+
+    def save(self) -> None:
+        """Rank 0 writes a measured profile to `path` (atomically: tmp + rename), once; the caller calls it when
+        the run has started (its first iteration done), so that a launch that fails earlier leaves no profile for
+        the next run to reuse. An untrusted one too: the next run reads the same verdict from its points and
+        takes the same defaults, without measuring (--cost-profile-remeasure tries again). Not collective."""
+        if self.saved or not self.measured or self.path is None:
+            return
+        if dist.get_rank() == 0:
+            if os.path.dirname(self.path):
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fits.save(self.path)
+        self.saved = True
+
+
+def _saved_decision(path: str | None, description: dict, remeasure: bool) -> tuple[dict | None, str]:
+    """Rank 0's decision: (the saved fits as JSON, why) to reuse them, (None, why) to measure."""
     if path is None:
-        return False
+        return None, "no profile file"
+    if remeasure:
+        return None, "--cost-profile-remeasure"
+    if not os.path.exists(path):
+        return None, f"none saved at {path}{newest_differs(os.path.dirname(path) or '.', description)}"
     try:
-        return ClusterFits.load(path).cluster == description
-    except (OSError, ValueError, KeyError):
-        return False
+        saved = ClusterFits.load(path)
+    except (OSError, ValueError, KeyError) as error:
+        return None, f"the saved one is unreadable ({error})"
+    changed = differences(saved.cluster, description)
+    if changed:
+        return None, f"the saved one differs in {', '.join(changed)}"
+    return saved.to_json(), "the fingerprint matches"
+
+
+def obtain_profile(
+    path: str | None,
+    groups: ProfileGroups,
+    settings: ProfileSettings = ProfileSettings(),
+    *,
+    cache_dir: str | None = None,
+    link: str | None = None,
+    dtype: str | None = None,
+    remeasure: bool = False,
+    check: FitCheck | None = None,
+) -> Profile:
+    """The cluster's profile: the one saved at `path` (None: in `cache_dir` under this cluster's fingerprint;
+    both None: none) when its description is this run's, else measured, and once more where a line is not to
+    be trusted (`Profile.problems`: the lines still not trusted, also of a saved one). Nothing is written here
+    but the table beside `path` (rank 0, for people); `Profile.save` writes the profile. Every rank of the world
+    calls it, and issues the same collectives: the description's gathers, rank 0's decision (one broadcast),
+    then the benchmarks where measured."""
+    check = check or FitCheck()
+    description = describe_cluster(groups, settings, link, dtype=dtype)
+    if path is None and cache_dir is not None:
+        path = cache_path(cache_dir, description)
+    decision = _saved_decision(path, description, remeasure) if dist.get_rank() == 0 else None
+    saved, why = share_profile_decision(decision)
+    if saved is not None:  # its lines are judged again (this run's --cost-profile-min-r2): the same on every rank
+        fits = ClusterFits.from_json(saved)
+        return Profile(fits=fits, path=path, measured=False, why=why, problems=fit_problems(fits, check))
+    started = time.perf_counter()
+    fits = measure_fits(groups, settings, cluster=description)
+    problems = fit_problems(fits, check)
+    if problems:  # agreed fits, so every rank takes this branch: measured once more
+        why += f"; measured twice ({', '.join(problems)} unreliable the first time)"
+        fits = measure_fits(groups, settings, cluster=description)
+        problems = fit_problems(fits, check)
+    profile = Profile(
+        fits=fits, path=path, measured=True, why=why, problems=problems, seconds=time.perf_counter() - started
+    )
+    if path is not None and dist.get_rank() == 0:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(table_path(path), fits_table(fits, f"measured: {why}"))
+    return profile
 
 
 def load_or_measure(
@@ -563,18 +708,11 @@ def load_or_measure(
     *,
     link: str | None = None,
 ) -> tuple[ClusterFits, bool]:
-    """The cluster's fits and whether they were measured now: a saved profile at `path` whose description matches
-    this run (on every rank) is loaded, else every rank measures and rank 0 saves to `path` (None: not saved).
-    Every rank of the world must call it."""
-    description = describe_cluster(groups, settings, link)
-    missing = torch.tensor([0.0 if _saved_matches(path, description) else 1.0], dtype=torch.float64)
-    if agree_profile(missing.to(current_platform().device)).item() == 0:
-        fits = ClusterFits.load(path)
-        log_fits(fits, f"loaded from {path}")
-        return fits, False
-    fits = measure_fits(groups, settings, cluster=description)
-    if path is not None and dist.get_rank() == 0:
-        fits.save(path)
-    profile_barrier()  # the file is complete before any rank goes on (a later run's ranks read it)
-    log_fits(fits, f"measured, saved to {path}" if path is not None else "measured")
-    return fits, True
+    """The tools' form (tools/profile_cluster.py, bench_pipeline.py): `obtain_profile` without the fit check,
+    saved at once. The cluster's fits and whether they were measured now. Every rank of the world must call it."""
+    profile = obtain_profile(path, groups, settings, link=link, check=FitCheck(min_r2=0.0))
+    if profile.measured:
+        profile.save()
+        profile_barrier()  # the file is complete before any rank goes on (a later run's ranks read it)
+    log_fits(profile.fits, f"measured, saved to {path}" if profile.measured else f"loaded from {path}")
+    return profile.fits, profile.measured

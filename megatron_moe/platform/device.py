@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import platform as pyplatform
 import resource
 import time
 from collections.abc import Callable
@@ -129,6 +130,21 @@ PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendors
     "L40S": 362.0,
     "A10": 125.0,
 }
+
+
+def device_name() -> str:
+    """The accelerator's product name (e.g. "NVIDIA H100 80GB HBM3"), else the CPU's model name from
+    /proc/cpuinfo (the processor type where that is missing): part of the cost profile's fingerprint."""
+    if current_platform().is_accelerator:
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as stream:
+            for line in stream:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return pyplatform.processor() or pyplatform.machine() or "cpu"
 
 
 GEMM_PROBES = 5

@@ -15,6 +15,7 @@ from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import exit_now
 from megatron_moe.model import run_fusions, transformer_config
+from megatron_moe.training.cost_profile import cluster_fits, log_profile
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
@@ -24,7 +25,6 @@ from megatron_moe.training.setup import (
     build_optimizer,
     build_scheduler,
     build_wgrad_queue,
-    cluster_fits,
     install_grad_reduce_plan,
     install_operator_partition,
     install_shadow_costs,
@@ -83,9 +83,11 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     config = transformer_config(cfg, fusions)
     wgrad_queue = build_wgrad_queue(cfg)
     model = build_ddp_model(cfg, config, tokenizer.vocab_size, wgrad_queue)
-    fits, source = cluster_fits(cfg, model)
+    fits, source, profile = cluster_fits(cfg, model)
     grad_reduce = install_grad_reduce_plan(cfg, model, fits, wgrad_queue)
-    schedules = resolve_pipeline_degrees(cfg, model, fits, source, grad_reduce.partition if grad_reduce else None)
+    partition_plan = grad_reduce.partition if grad_reduce else None
+    schedules = resolve_pipeline_degrees(cfg, model, fits, source, partition_plan, quiet=profile is not None)
+    log_profile(profile, schedules)
     partition = install_operator_partition(cfg, model, fits, source, schedules)
     install_shadow_costs(cfg, model, fits, source)
     optimizer = build_optimizer(cfg, model)
@@ -102,6 +104,7 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
         grad_reduce=grad_reduce.partition if grad_reduce else None,
     )
     overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce, "fits": link_fits(cfg, fits), "plans": plans}
+    overlap["on_started"] = profile.save if profile else None  # a launch that fails before leaves no profile
     startup = {
         "parameters": counts,
         "datasets": data.sizes,

@@ -100,11 +100,13 @@ class Trainer:
         startup: dict | None = None,
         fits=None,
         plans: OverlapPlans | None = None,
+        on_started=None,
     ):
         self.cfg = cfg
         self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
         self.grad_reduce = grad_reduce  # megatron_moe.overlap.grad_reduce.GradReduceLauncher, None: megatron-core's
         self.startup = startup  # the start-up summary's figures (parameters, datasets, tokenizer): first entry only
+        self.on_started = on_started  # called once, after the first iteration (or a run of none) completed
         self._job_steps = 0
         self.watchdog = watchdog  # comm.watchdog.Watchdog: told the step, which its reports name
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -410,6 +412,11 @@ class Trainer:
             )
         return offset
 
+    def _started(self) -> None:
+        if self.on_started is not None:
+            self.on_started()
+            self.on_started = None
+
     def _loss_scale(self) -> float:
         with comm.host_read("loss scale"):
             return self.optimizer.get_loss_scale().item()
@@ -437,6 +444,7 @@ class Trainer:
         saved_at = None  # the iteration the last interval save wrote
         while self.state.iteration < t.train_iters:
             figures = self.train_step()
+            self._started()
             it = self.state.iteration
             if self.logger:
                 history.append(self._log_step(it, figures))
@@ -466,6 +474,7 @@ class Trainer:
                     log.info("%s: saving at iteration %d and exiting", exit_request.reason, it)
                 preempted = True
                 break
+        self._started()
         if not preempted:  # time is short when preempted: save only
             self._validate_and_log()
         if saved_at != self.state.iteration:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -47,14 +46,11 @@ from megatron_moe.overlap.profiler import (
     ProfileSettings,
     comm_calls,
     layer_profile_settings,
-    load_or_measure,
     timed_ms,
 )
 from megatron_moe.platform import current_platform
 
 log = logging.getLogger(__name__)
-PROFILE_FILE = "cost_profile.json"
-"""Where the cost-model fits are kept in --save when --moe-cost-profile is not given."""
 
 
 def build_wgrad_queue(cfg: RunConfig) -> WgradQueue | None:
@@ -227,27 +223,6 @@ def adaptive_refused(cfg: RunConfig) -> str | None:
     )
 
 
-def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str]:
-    """The cost model's fits when a choice needs them (pipeline degrees auto, the adaptive gradient partition):
-    `--moe-cost-profile` (or <--save>/cost_profile.json), loaded when it describes this cluster, else measured on
-    this run's EP / ESP / DP groups and saved. Every rank calls it (the profile is collective). (None, why) when
-    nothing needs them."""
-    moe = cfg.moe
-    auto = AUTO in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree, moe.moe_shadow_experts)
-    planned = partition_planned(cfg)
-    if not (moe.is_moe and moe.own_layer) or not (auto or adaptive_grad_reduce(cfg) or planned):
-        return None, "no choice needs the cost model"
-    sizes = layer_sizes(cfg)
-    if sizes.ep * sizes.esp == 1:
-        return None, "EP = ESP = 1: no all-to-all or all-gather to pipeline"
-    path = moe.moe_cost_profile or (os.path.join(cfg.checkpoint.save, PROFILE_FILE) if cfg.checkpoint.save else None)
-    if path is not None and os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    settings = profile_settings(sizes, cfg, dense=planned)
-    fits, measured = load_or_measure(path, ProfileGroups.from_parallel_state(), settings)
-    return fits, "measured" if measured else f"loaded from {path}"
-
-
 def partition_planned(cfg: RunConfig) -> bool:
     """Whether Lancet's DP picks the operator partition (--moe-partition-pieces or --moe-partition-range auto where
     the micro-batch could split): the cost model then needs its attention / dense lines."""
@@ -351,12 +326,19 @@ def link_fits(cfg: RunConfig, fits: ClusterFits | None) -> ClusterFits | None:
 
 
 def resolve_pipeline_degrees(
-    cfg: RunConfig, model, fits: ClusterFits | None, source: str = "", partition: GradPartition | None = None
+    cfg: RunConfig,
+    model,
+    fits: ClusterFits | None,
+    source: str = "",
+    partition: GradPartition | None = None,
+    *,
+    quiet: bool = False,
 ) -> dict[int, Schedule] | None:
     """Resolve --moe-pipeline-degree / --moe-bp-pipeline-degree auto (FSMoE) on every MoE layer of
-    `model`: the cluster's `fits` (`cluster_fits`), each layer's sizes and the gradient all-reduce the adaptive
-    `partition` puts in its backward (t_gar), FSMoE's Algorithm 1. Returns MoE layer number -> schedule; None when
-    nothing is auto."""
+    `model`: the cluster's `fits` (`training.cost_profile.cluster_fits`), each layer's sizes and the gradient
+    all-reduce the adaptive `partition` puts in its backward (t_gar), FSMoE's Algorithm 1. Returns MoE layer
+    number -> schedule; None when nothing is auto. `quiet`: the cost model's start-up line says the degrees (the
+    per-layer predictions only with --verbose)."""
     moe = cfg.moe
     if not (moe.is_moe and moe.own_layer) or AUTO not in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree):
         return None
@@ -364,7 +346,7 @@ def resolve_pipeline_degrees(
     if fits is None:
         for layer in layers:
             layer.set_pipeline_degrees(*_degrees(layer, 1, 1))
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not quiet:
             log.info("pipeline degrees: auto is 1 (%s)", source)
         return None
     t_gar = {} if partition is None else {layer: t_ar_ms(fits, n) for layer, n in partition.assigned.items()}
@@ -372,7 +354,7 @@ def resolve_pipeline_degrees(
     for layer in layers:
         schedule = schedules.get(layer.layer_number) or next(iter(schedules.values()))
         layer.set_pipeline_degrees(*_degrees(layer, schedule.forward, schedule.backward))
-    if dist.get_rank() != 0:  # every rank resolved the same degrees (the profile is agreed)
+    if dist.get_rank() != 0 or (quiet and not cfg.logging.verbose):  # the same on every rank (agreed profile)
         return schedules
     log.info(
         "pipeline degrees (FSMoE cost model, profile %s), forward / backward and predicted ms (case): %s",

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.launcher import finish_job
-from tests.distributed.train_worker import LAYOUTS, WORKDIR, slow_link_profile, train
+from tests.distributed.train_worker import LAYOUTS, TRUSTED_PROFILE, WORKDIR, slow_link_profile, train
 
 BIAS = 0.3
 """Added to the router logits of the favoured EP rank's experts (the logits' spread at init is about 0.16)."""
@@ -123,7 +123,7 @@ def run(*flags: str) -> dict:
 def cases() -> dict:
     layout = LAYOUTS["tp2_ep2"]
     path = os.path.join(WORKDIR, "lancet_cap_profile.json")
-    profile = ["--moe-cost-profile", path]
+    profile = ["--moe-cost-profile", path, *TRUSTED_PROFILE]
     adaptive = [*layout, *profile, "--grad-reduce-schedule", "adaptive"]
     train("--train-iters", "0", *adaptive)
     slow_link_profile(path)

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from megatron_moe.overlap import profile_cache
 from megatron_moe.overlap.cost_model import BACKWARD_KINDS, FIT_KINDS, OVERHEAD_KINDS, ClusterFits
 from tests.distributed.launcher import run_torchrun
 
@@ -36,6 +37,8 @@ def test_every_rank_fits_the_same_lines_and_the_file_is_saved(results):
     assert (cluster["world"], cluster["ep"], cluster["esp"], cluster["dp"]) == (4, 2, 2, 4)
     assert len(cluster["hosts"]) == 4 and cluster["link"] == "loopback" and cluster["backend"] == "gloo"
     assert cluster["ep_groups"] == [[0, 2], [1, 3]]  # a profile is of one placement's all-to-all (--expert-placement)
+    assert cluster["esp_groups"] == [[0, 1], [2, 3]] and cluster["ranks_per_node"] == ["4"] * 4
+    assert cluster["code"] == profile_cache.code_version() and len(cluster["device_name"]) == 1
     assert set(fits.fits) == {*FIT_KINDS, *BACKWARD_KINDS, *OVERHEAD_KINDS}
     for kind in set(fits.fits) - set(OVERHEAD_KINDS):  # degrees 1, 2, 4
         fit = fits[kind]
@@ -85,7 +88,7 @@ def test_collectives_go_through_comm_on_their_groups(results):
 def test_a_second_call_loads_instead_of_measuring(results):
     for first, second in zip(results["first"], results["second"]):
         assert not second["measured"] and second["fits"] == first["fits"]
-        described = ("profile/host_names", "profile/group_ranks", "profile/agree")  # the description and its check
+        described = ("profile/rank_facts", "profile/group_ranks", "profile/decision")  # the description, rank 0's say
         timed = [p for _, p, _ in second["collectives"] if p not in described]
         assert timed == [], timed  # no benchmark ran
     changed = results["changed"]

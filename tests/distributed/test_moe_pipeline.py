@@ -126,11 +126,24 @@ def test_lancet_under_the_pipeline_changes_no_bit(training):
     assert all(step["wgrad"]["under_a2a"] > 0 for step in training["ep2_lancet/3x2"])
 
 
-def test_auto_runs_the_degrees_the_solver_gives_for_the_measured_profile(training):
-    """--moe-pipeline-degree auto (the default): the profile is measured and saved in --save by the first run and
-    loaded by the second; both runs' layers ran the solver's degrees for it (combine all-to-alls counted against
-    the r = 1 run's: r_f forward, r_b backward), and trained like the unpipelined run (1e-6 relative)."""
+def test_auto_runs_the_degrees_the_solver_gives_for_the_cached_profile(training):
+    """--moe-pipeline-degree auto (the default): a run that fails before its first iteration caches no profile;
+    the next measures it and caches it after its first iteration, the one after reuses it (not rewritten); both
+    runs' layers ran the solver's degrees for it (combine all-to-alls counted against the r = 1 run's: r_f
+    forward, r_b backward), said the same degrees in their one start-up line, and trained like the unpipelined
+    run (1e-6 relative)."""
+    failed = training["ep2_auto_failed"]
+    assert failed["failed"] and not [name for name in failed["files"] if name.endswith(".json")], failed
+    assert [name.endswith(".table.txt") for name in failed["files"]] == [True], failed  # the table, for people
+    cache = training["ep2_auto_cache"]
+    assert len(cache["files"]) == 1 and cache["files"][0].startswith("cost_profile_") and not cache["rewritten"]
+    measured, reused = training["ep2_auto_lines"]
     schedule = training["ep2_auto_schedule"]
+    degrees = f"pipeline degrees {schedule['forward']}/{schedule['backward']} (forward/backward)"
+    assert measured.startswith("cost model: profile measured in ") and "saved to " in measured, measured
+    assert reused.startswith("cost model: profile reused from ") and cache["files"][0] in reused, reused
+    assert degrees in measured and degrees in reused, (degrees, measured, reused)
+    assert "lowest R^2 " in reused and ".table.txt" in reused, reused
     assert schedule["forward"] >= 1 and schedule["backward"] >= 1
     one = training["ep2/1x1"]
     for name in ("ep2_auto", "ep2_auto_loaded"):

@@ -48,6 +48,7 @@ Scenarios (each a list of cases run one after another in this job):
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 
@@ -331,22 +332,69 @@ def pipeline() -> dict:
     return results
 
 
+TRUSTED_PROFILE = ["--cost-profile-min-r2", "0"]
+"""Every line of a measured profile used, whatever its scatter: these runs test what is planned from a profile
+(and edit its all-reduce line), and on this host's shared cores a line may scatter enough to be left unused
+(tests/unit/test_cost_profile_cache.py tests that check)."""
+
+
 def pipeline_auto() -> dict:
-    """auto: the cost model's degrees. The first run measures the profile and saves it in --save, the second
-    loads it from --moe-cost-profile; both report the degrees the solver gives for the saved fits (what the layers
-    must have run: the test counts their all-to-alls)."""
+    """auto: the cost model's degrees, from one profile cached per cluster fingerprint (--cost-profile-cache; every
+    line trusted, so that the outcome does not hang on this host's noise: the check has unit tests). A run whose
+    every rank fails at the start of its first iteration leaves no profile; the next run measures it and writes
+    it after its first iteration; the one after reuses it. Both report the degrees the solver gives for the cached
+    fits (what the layers must have run: the test counts their all-to-alls), and their start-up lines."""
     from megatron_moe.config import parse_args
     from megatron_moe.overlap.cost_model import ClusterFits
     from megatron_moe.overlap.degrees import plan_degrees
+    from megatron_moe.training.initialize import shutdown
+    from megatron_moe.training.loop import RAISE_AT_ENV
 
+    cache = ckpt("profile_cache")
     auto = ["--train-iters", str(ITERS), *EP2, "--moe-pipeline-degree", "auto", "--moe-bp-pipeline-degree", "auto"]
-    profile = os.path.join(ckpt("auto"), "cost_profile.json")
-    results = {"ep2_auto": train(*auto, "--save", ckpt("auto"))}
-    results["ep2_auto_loaded"] = train(*auto, "--moe-cost-profile", profile)
+    auto += ["--cost-profile-cache", cache, *TRUSTED_PROFILE]
+    os.environ[RAISE_AT_ENV] = f"{dist.get_rank()}:1"
+    try:
+        train(*auto)
+        failed = False
+    except RuntimeError:
+        failed = True
+        shutdown(destroy_process_group=False)
+    finally:
+        del os.environ[RAISE_AT_ENV]
+    results = {"ep2_auto_failed": {"failed": failed, "files": sorted(os.listdir(cache))}}
+    lines = StartupLines()
+    results["ep2_auto"] = train(*auto)
+    files = sorted(name for name in os.listdir(cache) if name.endswith(".json"))
+    profile = os.path.join(cache, files[0])
+    written = os.stat(profile).st_mtime_ns
+    results["ep2_auto_loaded"] = train(*auto)
+    results["ep2_auto_cache"] = {"files": files, "rewritten": os.stat(profile).st_mtime_ns != written}
+    results["ep2_auto_lines"] = lines.detach()
     cfg = parse_args([*MODEL, *auto])
     schedule = next(iter(plan_degrees(cfg, ClusterFits.load(profile)).values()))
     results["ep2_auto_schedule"] = schedule.to_json()
     return results
+
+
+class StartupLines(logging.Handler):
+    """The cost model's start-up lines (training/cost_profile.py, rank 0) while it is attached."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+        self.logger = logging.getLogger("megatron_moe.training.cost_profile")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)  # the worker configures no logging: the root's WARNING would drop them
+        self.logger.addHandler(self)
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def detach(self) -> list[str]:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+        return self.lines
 
 
 GRAD_REDUCE = {
@@ -382,7 +430,7 @@ def grad_reduce() -> dict:
     results = {}
     for name, args in GRAD_REDUCE.items():
         path = os.path.join(WORKDIR, f"grad_reduce_{name}.json")
-        profile = ["--moe-cost-profile", path]
+        profile = ["--moe-cost-profile", path, *TRUSTED_PROFILE]
         train("--train-iters", "0", *args, *profile, "--grad-reduce-schedule", "adaptive")
         slow_link_profile(path)
         for schedule in ("megatron", "adaptive"):
@@ -419,7 +467,7 @@ def partition() -> dict:
     results = {}
     for name, args in PARTITION.items():
         path = os.path.join(WORKDIR, f"partition_{name}.json")
-        adaptive = ["--moe-cost-profile", path, "--grad-reduce-schedule", "adaptive"]
+        adaptive = ["--moe-cost-profile", path, *TRUSTED_PROFILE, "--grad-reduce-schedule", "adaptive"]
         train("--train-iters", "0", *args, *adaptive)
         slow_link_profile(path)
         for pieces in ("1", "2"):
@@ -528,7 +576,7 @@ def shadow_runs() -> dict:
         flags = [*overlap, "--expert-model-parallel-size", ep]
         results[f"shadow/ep{ep}_off"] = train(*flags, "--moe-shadow-experts", "off")
         results[f"shadow/ep{ep}_on"] = train(*flags, "--moe-shadow-experts", n)
-    profile = ["--moe-cost-profile", ckpt("shadow_profile.json")]
+    profile = ["--moe-cost-profile", ckpt("shadow_profile.json"), *TRUSTED_PROFILE]
     results["shadow/ep2_auto"] = train(
         *overlap, "--expert-model-parallel-size", "2", "--moe-shadow-experts", "auto", *profile
     )
