@@ -127,7 +127,7 @@ def _throughput(ax, scalars) -> None:
     if TOKENS_PER_S not in scalars:
         return _empty(ax, "throughput", f"no {TOKENS_PER_S!r} in the events")
     steps, values = zip(*scalars[TOKENS_PER_S])
-    ax.plot(steps, values, color="C2")
+    ax.plot(steps, values, "o-" if len(steps) <= 50 else "-", color="C2")  # points: one per --log-interval
     ax.set_title(f"tokens/s (median {sorted(values)[len(values) // 2]:,.0f})")
     ax.set_xlabel("step")
     ax.set_ylim(bottom=0)
