@@ -20,6 +20,6 @@ setup(
     extras_require={
         # megatron-core 0.16.1's own tested range (its "dev" extra: transformer-engine>=2.9.0a0,<2.12.0).
         "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "grouped_gemm"],
-        "test": ["pytest", "ruff==0.17.*", "transformers==5.23.*"],
+        "test": ["pytest", "ruff==0.17.*", "transformers==5.23.*", "matplotlib"],  # matplotlib: tools/plot_run.py
     },
 )

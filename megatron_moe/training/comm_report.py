@@ -156,27 +156,34 @@ class HiddenCheck:
 
 SCALAR_FIGURES = ("comm_ms", "exposed_ms", "wire_ms", "skew_ms", "transfer_ms", "bytes", "wire_bytes", "calls")
 """The per-kind figures TensorBoard gets (comm/timers.py `CommSummary`)."""
+HEADLINE_FIGURES = ("exposed_ms", "comm_ms")
+"""The per-kind figures of the `comm/` group (exposed, and issued -> done); the others go to `comm_detail/`."""
 
 
 def tensorboard_scalars(summary: CommSummary) -> dict[str, float]:
-    """`comm/<figure>/<kind>`, `comm/layer_NNN/<figure>/<kind>` (figures: `SCALAR_FIGURES`; NNN the transformer
-    layer's number from 1, as in `moe/layer_NNN`), `comm/hidden_frac` (1 - exposed / wire over every kind),
-    `comm/wire_ms`, `comm/skew_ms` and `comm/transfer_ms` (their totals), `comm/layer_NNN/hidden_frac`."""
+    """The dashboard's `comm/` group: `comm/total_exposed_ms`, `comm/total_wire_ms`, `comm/total_skew_ms`,
+    `comm/total_transfer_ms`, `comm/hidden_frac` (1 - exposed / wire over every kind) and
+    `comm/{exposed_ms,comm_ms}/<kind>`; the detail: `comm_detail/<figure>/<kind>` (the other `SCALAR_FIGURES`),
+    `comm_layers/layer_NNN/<figure>/<kind>` and `comm_layers/layer_NNN/hidden_frac` (NNN the transformer layer's
+    number from 1, as in `moe_layers/layer_NNN`). Every kind here; TensorBoard gets those the layout can have
+    (training/tensorboard_tags.py)."""
     scalars: dict[str, float] = {
+        "comm/total_exposed_ms": summary.total_exposed_ms,
+        "comm/total_wire_ms": summary.total_wire_ms,
+        "comm/total_skew_ms": summary.total_skew_ms,
+        "comm/total_transfer_ms": summary.total_transfer_ms,
         "comm/hidden_frac": summary.hidden_frac,
-        "comm/wire_ms": summary.total_wire_ms,
-        "comm/skew_ms": summary.total_skew_ms,
-        "comm/transfer_ms": summary.total_transfer_ms,
     }
     for figure in SCALAR_FIGURES:
+        group = "comm" if figure in HEADLINE_FIGURES else "comm_detail"
         for kind, value in getattr(summary, figure).items():
-            scalars[f"comm/{figure}/{kind}"] = value
+            scalars[f"{group}/{figure}/{kind}"] = value
     for layer, figures in sorted(summary.per_layer.items()):
         for figure, values in figures.items():
             for kind, value in values.items():
-                scalars[f"comm/layer_{layer:03d}/{figure}/{kind}"] = value
+                scalars[f"comm_layers/layer_{layer:03d}/{figure}/{kind}"] = value
         exposed, wire = layer_exposed_and_wire(summary)[layer]
-        scalars[f"comm/layer_{layer:03d}/hidden_frac"] = hidden_share(exposed, wire)
+        scalars[f"comm_layers/layer_{layer:03d}/hidden_frac"] = hidden_share(exposed, wire)
     return scalars
 
 

@@ -10,6 +10,7 @@ import time
 from megatron_moe.platform import PeakRate, memory_in_use_bytes
 from megatron_moe.training.flops import Mfu
 from megatron_moe.training.log_line import COMM_FIGURES, as_json, breakdown_text, comm_record, short_line
+from megatron_moe.training.tensorboard_tags import Dashboard, TagLayout
 
 log = logging.getLogger("megatron_moe")
 
@@ -33,12 +34,15 @@ class TrainingLogger:
         wandb_run=None,
         log_format: str = "text",
         jsonl_path: str | None = None,
+        layout: TagLayout | None = None,
     ):
         """`flops_per_step` (--log-throughput): the model FLOPs of one step over all `devices`, `peak_flops` a
         device's (`platform.peak_flops_per_s`) for MFU (`flops.Mfu`: never above 100%);
         `validation_ppl`: the validation perplexity to TensorBoard too; `wandb_run`: a wandb run that gets every
-        TensorBoard scalar (`wandb_run_for`). `log_format` (--log-format): "text", the short line, or "json", the
-        full record, on the console; `jsonl_path`: the file each record is appended to (log_line.py; None: none)."""
+        TensorBoard scalar (`wandb_run_for`); `layout`: what can be non-zero in the run, so TensorBoard gets only
+        those tags (training/tensorboard_tags.py; None: every tag). `log_format` (--log-format): "text", the short
+        line, or "json", the full record, on the console; `jsonl_path`: the file each record is appended to
+        (log_line.py; None: none)."""
         self.train_iters = train_iters
         self.log_interval = log_interval
         self.tokens_per_step = tokens_per_step
@@ -63,37 +67,23 @@ class TrainingLogger:
         self.consumed_samples: int | None = None
         self.loss_scale: float | None = None
         self.validation_ppl = validation_ppl
-        self.wandb_run = wandb_run
-        self.writer = None
+        writer = None
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
+            writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
+        self.dashboard = Dashboard(writer, layout=layout, wandb_run=wandb_run)
         self._reset()
 
     def _scalars(self, values: dict[str, float], iteration: int) -> None:
-        """To TensorBoard (each tag also "<tag> vs samples", at the consumed samples, as Megatron-LM writes them)
-        and to wandb, where each is on."""
-        if self.writer:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, iteration)
-                if self.consumed_samples is not None:
-                    self.writer.add_scalar(f"{tag} vs samples", value, self.consumed_samples)
-        if self.wandb_run is not None:
-            self.wandb_run.log(values, step=iteration)
+        """To TensorBoard (grouped, the loss and optimizer tags also against the consumed samples) and to wandb,
+        where each is on: training/tensorboard_tags.py."""
+        self.dashboard.scalars(values, iteration, self.consumed_samples)
 
     def _expert_loads(self, expert_counts: dict[int, list[float]], iteration: int) -> None:
         """Tokens per expert of each MoE layer: a histogram per layer (the experts' loads), and a scalar per expert
         for the first `EXPERT_SCALAR_LAYERS` MoE layers."""
-        if not self.writer:
-            return
-        import torch
-
-        for number, counts in sorted(expert_counts.items()):
-            self.writer.add_histogram(f"moe/layer_{number:03d}/tokens_per_expert", torch.tensor(counts), iteration)
-        for number in sorted(expert_counts)[:EXPERT_SCALAR_LAYERS]:
-            for expert, count in enumerate(expert_counts[number]):
-                self.writer.add_scalar(f"moe/layer_{number:03d}/expert_{expert:03d}_tokens", count, iteration)
+        self.dashboard.expert_loads(expert_counts, iteration, scalar_layers=EXPERT_SCALAR_LAYERS)
 
     def _reset(self) -> None:
         self._steps = 0
@@ -149,7 +139,7 @@ class TrainingLogger:
             self._num_zeros = num_zeros
         self.consumed_samples, self.loss_scale = consumed_samples, loss_scale
         if iteration % self.tensorboard_log_interval == 0:
-            # Megatron-LM's tags where the quantity is the same (its dashboards work); ours for the rest
+            # Megatron-LM's names where the quantity is the same, grouped into tags by tensorboard_tags.tag_of
             scalars = {**figures, **(tensorboard_only or {}), "learning-rate": lr}
             if self.global_batch_size is not None:
                 scalars["batch-size"] = self.global_batch_size
@@ -200,8 +190,7 @@ class TrainingLogger:
         if self.flops_per_step is not None:
             scalars["throughput"] = tflops  # TFLOP/s per device, Megatron-LM's tag
         self._scalars(scalars, iteration)
-        if self.writer:
-            self.writer.flush()
+        self.dashboard.flush()
         self._reset()
 
     def _write(self, record: dict) -> None:
@@ -222,8 +211,7 @@ class TrainingLogger:
         if self.validation_ppl:
             scalars |= {f"{name} validation ppl": math.exp(min(v, 20)) for name, v in figures.items()}
         self._scalars(scalars, iteration)
-        if self.writer:
-            self.writer.flush()
+        self.dashboard.flush()
 
     def close(self) -> None:
         """The run's exposed communication per kind (every kind that waited; they add up to the total), then the
@@ -233,10 +221,7 @@ class TrainingLogger:
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
-        if self.writer:
-            self.writer.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        self.dashboard.close()
 
 
 def wandb_run_for(project: str | None, name: str | None, save_dir: str | None, config: dict):

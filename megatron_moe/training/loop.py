@@ -42,6 +42,7 @@ from megatron_moe.training.overlap_report import as_text as overlap_report_text
 from megatron_moe.training.preemption import ExitRequest
 from megatron_moe.training.setup import params_norm
 from megatron_moe.training.step import forward_step
+from megatron_moe.training.tensorboard_tags import TagLayout
 
 log = logging.getLogger("megatron_moe")
 
@@ -190,6 +191,7 @@ class Trainer:
                 ),
                 log_format=lg.log_format,
                 jsonl_path=jsonl_path(lg.tensorboard_dir),
+                layout=TagLayout.of(cfg, self.world),
             )
 
     def _run_microbatches(self, data_iterator, *, forward_only: bool) -> list[dict]:

@@ -11,6 +11,7 @@ from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary
 from megatron_moe.config import parse_args
 from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits
 from megatron_moe.training.comm_report import (
+    HEADLINE_FIGURES,
     OVERLAP_OPTIONS,
     SCALAR_FIGURES,
     HiddenCheck,
@@ -112,26 +113,30 @@ def test_rows_added_to_the_table_are_checked_on_their_own_kinds():
     assert warning.startswith("overlap option --a hides nothing: 0.0% of other")
 
 
-def test_tensorboard_gets_every_kind_and_every_moe_layer():
+def test_tensorboard_gets_every_kind_and_every_moe_layer_grouped():
     s = summary(dispatch_comm=9.0, dispatch_exposed=2.0, dispatch_wire=4.0, other=1.0, dispatch_skew=0.5)
     layer = {"comm_ms": {"a2a_combine_bwd": 8.0}, "exposed_ms": {"a2a_combine_bwd": 2.0}, "calls": {}}
     layer |= {"skew_ms": {"a2a_combine_bwd": 1.5}, "transfer_ms": {"a2a_combine_bwd": 0.5}}
     s.per_layer = {2: {**layer, "wire_ms": {"a2a_combine_bwd": 3.0}}}
     scalars = tensorboard_scalars(s)
     assert scalars["comm/hidden_frac"] == pytest.approx(1 - 3.0 / 5.0)  # against the wire, not the 10 ms issued
-    assert scalars["comm/wire_ms"] == 5.0
-    assert scalars["comm/skew_ms"] == 0.5 and scalars["comm/transfer_ms"] == 2.5
+    assert scalars["comm/total_exposed_ms"] == 3.0 and scalars["comm/total_wire_ms"] == 5.0
+    assert scalars["comm/total_skew_ms"] == 0.5 and scalars["comm/total_transfer_ms"] == 2.5
+    # the dashboard's comm/ group: exposed and issued -> done per kind; the rest is detail
     assert scalars["comm/comm_ms/a2a_dispatch"] == 9.0 and scalars["comm/exposed_ms/a2a_dispatch"] == 2.0
-    assert scalars["comm/wire_ms/a2a_dispatch"] == 4.0
-    assert scalars["comm/skew_ms/a2a_dispatch"] == 0.5 and scalars["comm/transfer_ms/a2a_dispatch"] == 1.5
-    assert scalars["comm/transfer_ms/other"] == 1.0
-    assert {f"comm/{f}/{k}" for f in SCALAR_FIGURES for k in SUMMARY_KINDS} < set(scalars)
-    assert scalars["comm/layer_002/comm_ms/a2a_combine_bwd"] == 8.0
-    assert scalars["comm/layer_002/exposed_ms/a2a_combine_bwd"] == 2.0
-    assert scalars["comm/layer_002/skew_ms/a2a_combine_bwd"] == 1.5
-    assert scalars["comm/layer_002/transfer_ms/a2a_combine_bwd"] == 0.5
-    assert scalars["comm/layer_002/hidden_frac"] == pytest.approx(1 / 3)
-    assert len(scalars) == 4 + len(SCALAR_FIGURES) * len(SUMMARY_KINDS) + 6
+    assert scalars["comm_detail/wire_ms/a2a_dispatch"] == 4.0
+    assert scalars["comm_detail/skew_ms/a2a_dispatch"] == 0.5
+    assert scalars["comm_detail/transfer_ms/a2a_dispatch"] == 1.5
+    assert scalars["comm_detail/transfer_ms/other"] == 1.0
+    group = {f: "comm" if f in HEADLINE_FIGURES else "comm_detail" for f in SCALAR_FIGURES}
+    per_kind = {f"{group[f]}/{f}/{k}" for f in SCALAR_FIGURES for k in SUMMARY_KINDS}
+    assert per_kind < set(scalars)
+    assert scalars["comm_layers/layer_002/comm_ms/a2a_combine_bwd"] == 8.0
+    assert scalars["comm_layers/layer_002/exposed_ms/a2a_combine_bwd"] == 2.0
+    assert scalars["comm_layers/layer_002/skew_ms/a2a_combine_bwd"] == 1.5
+    assert scalars["comm_layers/layer_002/transfer_ms/a2a_combine_bwd"] == 0.5
+    assert scalars["comm_layers/layer_002/hidden_frac"] == pytest.approx(1 / 3)
+    assert len(scalars) == 5 + len(SCALAR_FIGURES) * len(SUMMARY_KINDS) + 6
 
 
 def interval(*, steps: int, step_ms: float, exposed_ms: float, wire_ms: float, skew_ms: float, transfer_ms: float):

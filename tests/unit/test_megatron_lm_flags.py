@@ -331,9 +331,10 @@ def test_wandb_gets_what_tensorboard_gets(monkeypatch, tmp_path):
     steps = {}
     for step, values in logged:
         steps.setdefault(step, {}).update(values)
-    assert steps[1]["lm loss"] == 3.0 and steps[1]["num-zeros"] == 5 and steps[1]["learning-rate"] == 1e-3
-    assert steps[2]["throughput"] > 0
-    assert logged[-1] == (2, {"lm loss validation": 2.0, "lm loss validation ppl": pytest.approx(math.exp(2.0))})
+    assert steps[1]["loss/lm loss"] == 3.0 and steps[1]["optim/num-zeros"] == 5
+    assert steps[1]["optim/learning-rate"] == 1e-3 and steps[2]["throughput/tflops-per-device"] > 0
+    validation = {"loss/lm loss validation": 2.0, "loss/lm loss validation ppl": pytest.approx(math.exp(2.0))}
+    assert logged[-1] == (2, validation)
 
 
 def test_the_log_record_holds_megatron_lms_figures(caplog, tmp_path):
