@@ -282,6 +282,7 @@ def check_moe(moe: MoEConfig, model: ModelConfig, parallel=None) -> None:
     require_non_negative("--moe-aux-loss-coeff", moe.moe_aux_loss_coeff, 0.01)
     require_non_negative("--moe-z-loss-coeff", moe.moe_z_loss_coeff, 0.001)
     require_non_negative("--overlap-wgrad-max-mb", moe.overlap_wgrad_max_mb, 1024)
+    require_fraction("--cost-profile-min-r2", moe.cost_profile_min_r2, 0.9)  # an R^2 threshold; 0: no check
     require(
         0 < moe.moe_router_topk <= moe.num_experts,
         "--moe-router-topk",
