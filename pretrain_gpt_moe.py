@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         # Before the heavy imports: --help and flag errors come at once. Before any process group: torchrun's
-        # WORLD_SIZE is the world size initialize() will see. The input files are looked for (not read).
+        # WORLD_SIZE is the world size initialize() will see. The input files are looked for, and the data's
+        # documents counted from its .idx header (the splits need some each), not read.
         cfg = parse_and_validate(argv, world, files=True)
     except ConfigError as error:
         count = len(error.errors) if isinstance(error, ConfigErrors) else 1

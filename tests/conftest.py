@@ -70,6 +70,28 @@ def train_data(corpus, tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def line_data(tokenizer, tmp_path_factory):
+    """(data prefix, its document count) of the stdlib's non-blank source lines, one document each (~600 KB,
+    over 10,000 documents): enough that Megatron-LM's own --split 99990,8,2 leaves its validation split one."""
+    folder = tmp_path_factory.mktemp("lines")
+    files = str(folder / "stdlib.jsonl")
+    corpus_tool.main(["--output", files, "--max-bytes", "600000"])
+    lines = str(folder / "lines.jsonl")
+    count = 0
+    with open(files, encoding="utf-8") as source, open(lines, "w", encoding="utf-8") as sink:
+        for record in source:
+            for line in json.loads(record)["text"].splitlines():
+                if line.strip():
+                    sink.write(json.dumps({"text": line}) + "\n")
+                    count += 1
+    prefix = str(folder / "lines")
+    preprocess_tool.main(
+        ["--input", lines, "--tokenizer-model", tokenizer.model_path, "--output-prefix", prefix, "--append-eod"]
+    )
+    return prefix + "_text_document", count
+
+
+@pytest.fixture(scope="session")
 def example_data(train_data, tmp_path_factory):
     """A $DATA_DIR as the tiny example (examples/pretrain_gpt_moe_tiny_cpu.sh) reads it: the session's tokenized
     corpus and tokenizer, linked under the example's names."""

@@ -1,9 +1,10 @@
 """Activation memory and step time of the activation policies, measured in one run.
 
-    python -m tools.bench_activation_memory [--repeats 5] [--cases layer,demo]
+    python -m tools.bench_activation_memory [--repeats 5] [--cases demo_model]
 
 For each case (one MoE transformer layer at GPT2-S-MoE shapes; the demo
-model) and policy (`none`, `full` = megatron-core whole-layer recompute,
+model; on request the earlier demo model, whose GPU figures docs/benchmarks.md
+keeps) and policy (`none`, `full` = megatron-core whole-layer recompute,
 `arctic`), prints one JSON object per line:
 
     {"case", "policy", "activation_bytes", "activation_ratio_vs_none",
@@ -30,14 +31,16 @@ import statistics
 
 from tools.cli import HelpFormatter
 
-CASE_NAMES = ("layer_gpt2s_moe", "demo_model")
+CASE_NAMES = ("layer_gpt2s_moe", "demo_model", "gpt_moe_4l_2moe")
 """`CASES`' names, for the command line (built before torch loads)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per case and policy")
-    parser.add_argument("--cases", default=",".join(CASE_NAMES), help="comma-separated, of " + ", ".join(CASE_NAMES))
+    parser.add_argument(
+        "--cases", default=",".join(CASE_NAMES[:2]), help="comma-separated, of " + ", ".join(CASE_NAMES)
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
     return parser
 
@@ -64,8 +67,20 @@ CASES = {
         ).split(),
         micro_batch=2,
     ),
-    # The demo model (examples/pretrain_gpt_moe_tiny_cpu.sh), whole model with embeddings and loss.
+    # The demo model (examples/pretrain_gpt_moe_tiny_cpu.sh, Mixtral-shaped), whole model with embeddings and
+    # loss, all 8 experts of each layer on one rank (the demo's EP=2 holds 4), its micro-batch of 4.
     "demo_model": dict(
+        layers=None,
+        flags=(
+            "--num-layers 4 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 4 --seq-length 256 "
+            "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+            "--untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+        ).split(),
+        micro_batch=4,
+    ),
+    # The demo model before it became Mixtral-shaped (4 GPT layers, every second MoE, GELU, LayerNorm), at its
+    # micro-batch of 8: the case docs/benchmarks.md's H100 and H200 figures are of.
+    "gpt_moe_4l_2moe": dict(
         layers=None,
         flags=(
             "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --num-experts 8 --moe-router-topk 2 "

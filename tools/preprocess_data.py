@@ -62,9 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-interval",
         type=int,
-        default=1000,
-        help="Megatron-LM's (documents between progress lines), accepted for its scripts; progress here is timed "
-        "(--progress-seconds)",
+        help="Megatron-LM's (documents between progress lines), accepted for its scripts with one line saying so; "
+        "progress here is timed (--progress-seconds)",
     )
     parser.add_argument(
         "--write-metadata",
@@ -105,7 +104,7 @@ def validate_args(args: argparse.Namespace) -> None:
     """Reject bad numeric arguments with a message naming the flag."""
     if args.workers < 1:
         raise SystemExit(f"--workers {args.workers} must be >= 1 (e.g. --workers 2)")
-    if args.log_interval < 1:
+    if args.log_interval is not None and args.log_interval < 1:
         raise SystemExit(f"--log-interval {args.log_interval} must be >= 1 (e.g. 1000)")
     if not args.progress_seconds >= 0:
         raise SystemExit(f"--progress-seconds {args.progress_seconds} must be >= 0 (e.g. 2; 0: no progress lines)")
@@ -365,6 +364,10 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     """Run preprocessing; return the number of tokens written per key (per prefix with --write-metadata)."""
     args = build_parser().parse_args(argv)
     validate_args(args)
+    if args.log_interval is not None:
+        every = args.progress_seconds
+        timed = f"progress lines come every {every:g} s (--progress-seconds)" if every else "--progress-seconds 0"
+        print(f"--log-interval {args.log_interval}: changes nothing here; {timed}", file=sys.stderr)
     try:
         data = tokenizer_config(args, argv)
     except ConfigError as error:

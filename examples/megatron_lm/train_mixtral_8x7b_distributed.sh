@@ -7,8 +7,9 @@
 #   --lr-warmup-iters 500 -> 1; --pipeline-model-parallel-size 4 -> 1; --expert-model-parallel-size 8 -> 2;
 #   --save-interval 10000 -> 4; --eval-interval 1000 -> 4; --eval-iters 10 -> 1;
 #   pretrain_gpt.py -> this repository's pretrain_gpt_moe.py.
-# tests/unit/test_megatron_lm_scripts.py runs it with DRY_RUN=1 (flags and files checked, nothing trained); the
-# start-up notes it prints are listed there.
+# tests/unit/test_megatron_lm_scripts.py runs it with DRY_RUN=1 (flags and files checked, nothing trained; the
+# start-up notes it prints are listed there); tests/distributed/test_megatron_lm_scripts.py trains it (CPU
+# processes, gloo) on over 10,000 documents (the split 99990,8,2 gives validation one) and saves.
 #
 #   DRY_RUN=1 bash examples/megatron_lm/train_mixtral_8x7b_distributed.sh CHECKPOINT_DIR TOKENIZER.model DATA_PREFIX
 

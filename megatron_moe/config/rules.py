@@ -653,17 +653,34 @@ def check_tokenizer(data: DataConfig) -> None:
     require(data.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
 
 
-def check_files(data: DataConfig) -> None:
-    """The files the data flags name exist (looked for, not read: their contents are checked as they load, after
-    start-up), so that a wrong path is named with the other flag errors, before any process group or profile."""
+def check_files(data: DataConfig, *, validation: bool) -> None:
+    """The files the data flags name exist, and each prefix's documents cover the splits the run reads (train;
+    valid where `validation`): looked for and counted from the .idx header, not read (their contents are checked
+    as they load, after start-up), so that a wrong path or a split left empty is named with the other flag
+    errors, before any process group or profile."""
+    from megatron_moe.data import DataError
+    from megatron_moe.data.datasets import check_split, check_split_coverage, count_sequences
+
     errors = Collector()
+    try:
+        check_split(data.split)
+        split_checked = True
+    except DataError:  # named by check_data
+        split_checked = False
     prefixes = data.data_path[1::2] if len(data.data_path) > 1 else data.data_path  # a blend: W1 P1 W2 P2 ...
-    for path in (prefix + suffix for prefix in prefixes for suffix in (".bin", ".idx")):
-        if not os.path.isfile(path):
+    for prefix in prefixes:
+        missing = [path for path in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(path)]
+        for path in missing:
             errors.add(
-                f"--data-path {path[:-4]}: missing {path}; give the prefix tools/preprocess_data.py wrote "
+                f"--data-path {prefix}: missing {path}; give the prefix tools/preprocess_data.py wrote "
                 "(PREFIX_text_document for --output-prefix PREFIX)"
             )
+        if missing or not split_checked:
+            continue
+        try:
+            check_split_coverage(prefix, count_sequences(prefix), data.split, (1, int(validation), 0))
+        except DataError as error:
+            errors.add(str(error))
     reads = ("--vocab-file", "--merge-file") if data.tokenizer_type == "GPT2BPETokenizer" else ("--tokenizer-model",)
     for flag in reads:
         path = getattr(data, flag[2:].replace("-", "_"))

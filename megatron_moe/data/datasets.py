@@ -12,7 +12,7 @@ import copy
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy
@@ -20,6 +20,10 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import (
     BlendedMegatronDatasetBuilder,
+)
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
@@ -300,20 +304,49 @@ def check_split(split: str) -> None:
         )
 
 
-def _check_split_coverage(summary: DataSummary, config: GPTDatasetConfig, split: str) -> None:
-    """Refuse splits with no document: megatron-core 0.16.1 would loop forever on them."""
-    names = ("train", "valid", "test")
-    for name, bookends in zip(names, config.split_matrix):
-        if bookends is None:
+def check_split_coverage(prefix: str, num_sequences: int, split: str, sizes: Sequence[int]) -> None:
+    """Refuse a split asked for samples (``sizes``: train, valid, test) that gets none of the prefix's documents:
+    megatron-core 0.16.1 would loop forever on it. Its arithmetic: each split's bookends are shares of the
+    sequence count, rounded (`BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`)."""
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, bookends, size in zip(("train", "valid", "test"), matrix, sizes):
+        if bookends is None or size <= 0:
             continue
-        begin = int(round(bookends[0] * summary.num_sequences))
-        end = int(round(bookends[1] * summary.num_sequences))
+        begin = int(round(bookends[0] * num_sequences))
+        end = int(round(bookends[1] * num_sequences))
         if end <= begin:
             raise DataError(
-                f"--split {split}: the {name} split of {summary.prefix} gets none of "
-                f"its {summary.num_sequences} documents; give it a larger share "
-                f"(e.g. --split 90,10,0), set its share to 0, or add documents"
+                f"--split {split}: the {name} split of {prefix} gets none of its {num_sequences} documents; give "
+                f"it a larger share (e.g. --split 90,10,0), set its share to 0, or add documents"
             )
+
+
+def count_sequences(prefix: str) -> int:
+    """The sequences (documents) of ``PREFIX.idx``, from its header alone."""
+    return _read_idx_counts(f"{prefix}.idx")[1]
+
+
+def _gpt_config(tokenizer, seq_length: int, seed: int, cache_dir: str | None, sizes: list[int], *, blend, split):
+    """megatron-core's GPTDatasetConfig as Megatron-LM's pretrain_gpt.py makes it (no reset or mask options), for
+    real data (a blend and a split) or mock data (neither).
+
+    A split asked for no samples (--eval-iters 0: no validation) is not built, as Megatron-LM leaves it unused:
+    its documents may be none at all (megatron-core 0.16.1 would loop forever on them), which is no error then.
+    The other splits keep their documents."""
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    config.split_matrix = [bookends if size > 0 else None for bookends, size in zip(config.split_matrix, sizes)]
+    return config
 
 
 def build_gpt_datasets(
@@ -347,27 +380,12 @@ def build_gpt_datasets(
             raise DataError(
                 f"{name}_samples={count} must be >= 0 (check --train-iters, --eval-iters and the batch sizes)"
             )
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=(prefixes, weights),
-        split=split,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-    )
-    # A split asked for no samples (--eval-iters 0: no validation) is not built, as Megatron-LM leaves it unused:
-    # its documents may be none at all (megatron-core 0.16.1 would loop forever on them), which is no error then.
-    # The other splits keep their documents.
     sizes = [train_samples, valid_samples, test_samples]
-    config.split_matrix = [bookends if size > 0 else None for bookends, size in zip(config.split_matrix, sizes)]
+    config = _gpt_config(tokenizer, seq_length, seed, cache_dir, sizes, blend=(prefixes, weights), split=split)
     identity = TokenizerIdentity.of(tokenizer)
     for prefix in prefixes:
         summary = validate_data_prefix(prefix, tokenizer.vocab_size, identity)
-        _check_split_coverage(summary, config, split)
+        check_split_coverage(prefix, summary.num_sequences, split, sizes)
     train, valid, test = _Builder(GPTDataset, sizes, is_built_on_rank, config).build()
     return train, valid, test
 
@@ -391,19 +409,7 @@ def build_mock_gpt_datasets(
     """(train, valid, test) of megatron-core's MockGPTDataset (--mock-data), as Megatron-LM builds them: no blend,
     so the config is mock and splits 1,1,1; the documents (its 100,000, of random length up to 4,096 tokens) count
     1, 2, 3, ... modulo the tokenizer's vocabulary, then its eod; a split asked for no samples is None."""
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=None,
-        split=None,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-    )
-    assert config.mock and config.split == MOCK_SPLIT, "megatron-core's config without a blend is its mock data"
     sizes = [train_samples, valid_samples, test_samples]
-    config.split_matrix = [bookends if size > 0 else None for bookends, size in zip(config.split_matrix, sizes)]
+    config = _gpt_config(tokenizer, seq_length, seed, cache_dir, sizes, blend=None, split=None)
+    assert config.mock and config.split == MOCK_SPLIT, "megatron-core's config without a blend is its mock data"
     return tuple(_Builder(MockGPTDataset, sizes, is_built_on_rank, config).build())

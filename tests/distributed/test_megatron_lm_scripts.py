@@ -1,6 +1,8 @@
-"""Megatron-LM's Mixtral launch script on --mock-data (examples/megatron_lm/train_mixtral_8x7b_mock_data.sh, only
-sizes and paths changed) trains as written: its own torchrun line, 2 CPU processes (gloo), EP=2, 3 steps; and a
-torchrun job with bad flags ends in one block of every error, with exit code 2 from each worker.
+"""Megatron-LM's MoE launch scripts (examples/megatron_lm/, only sizes and paths changed) train as written, each
+through its own torchrun line on CPU processes (gloo): the Mixtral script on --mock-data (2 processes, EP=2, 3
+steps), the Mixtral script on preprocessed data (2 processes, EP=2, bf16, 4 steps, saved) and the MoE README's
+(4 processes, PP=2 with 2 virtual stages each, EP=2, 4 steps, saved); and a torchrun job with bad flags ends in
+one block of every error, with exit code 2 from each worker.
 
 The dry runs of all the scripts (their start-up lines) are tests/unit/test_megatron_lm_scripts.py."""
 
@@ -14,7 +16,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.distributed.launcher import free_port
 
-SCRIPT = os.path.join(ROOT, "examples", "megatron_lm", "train_mixtral_8x7b_mock_data.sh")
+SCRIPTS = os.path.join(ROOT, "examples", "megatron_lm")
+SCRIPT = os.path.join(SCRIPTS, "train_mixtral_8x7b_mock_data.sh")
 
 
 def job_env(**extra: str) -> dict:
@@ -61,6 +64,28 @@ def test_the_mock_data_mixtral_script_trains_as_written(mock_run):
     assert "path_to_cache is None" not in output  # megatron-core's notice, filtered
     assert "trained 3 iterations in " in output, output[-4000:]
     assert re.search(r"validation.* at iteration 3\b", output), output[-4000:]  # --eval-iters 2, at the end
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("train_mixtral_8x7b_distributed", "world=2 TP=1 PP=1 CP=1 EP=2 DP=2 SP=False"),
+        ("moe_readme_mixtral_8x7b", "world=4 TP=1 PP=2 CP=1 EP=2 DP=2 SP=False"),
+    ],
+)
+def test_the_mixtral_scripts_train_on_tokenized_data_and_save_as_written(name, layout, tokenizer, line_data, tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    cmd = ["bash", os.path.join(SCRIPTS, f"{name}.sh"), str(checkpoint), tokenizer.model_path, line_data[0]]
+    job = subprocess.run(cmd, env=job_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    assert "] --tokenizer-type Llama2Tokenizer: read as --tokenizer-type SentencePieceTokenizer" in output
+    assert f"layout: {layout}" in output, output[-4000:]
+    assert "trained 4 iterations in " in output, output[-4000:]
+    assert re.search(r"validation.* at iteration 4\b", output), output[-4000:]  # --eval-interval 4
+    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "4"  # --save-interval 4
+    assert (checkpoint / "tensorboard").is_dir() and list((checkpoint / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_a_torchrun_job_with_bad_flags_names_every_error_once_before_starting(tmp_path):

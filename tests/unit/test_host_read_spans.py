@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from megatron_moe import comm
+from tests.unit.one_rank_run import one_rank_trainer
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_moe"
 
@@ -208,11 +209,6 @@ def test_megatron_core_taps_still_match_its_source():
 
 # -- the training run ---------------------------------------------------------------------------------------------
 
-SMALL = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --seq-length 32 --micro-batch-size 2 "
-    "--global-batch-size 4 --train-iters 2 --eval-interval 1 --eval-iters 1 --log-interval 1 --log-params-norm "
-    "--log-num-zeros-in-grad"
-).split()
 EXPECTED_SPANS = {
     "moe plan counts",
     "megatron-core cross-entropy (target mask)",
@@ -291,45 +287,12 @@ class Reads(list):
         self.outside.append(f"{event} at {' <- '.join(reversed(where[-4:]))}")
 
 
-class Batches:
-    """The run's data: random tokens, as many as asked for."""
-
-    def __init__(self):
-        self.train_iterator = self.valid_iterator()
-
-    @staticmethod
-    def valid_iterator():
-        def batches():
-            while True:
-                tokens = torch.randint(0, 128, (2, 32))
-                yield {
-                    "tokens": tokens,
-                    "labels": tokens,
-                    "loss_mask": torch.ones(2, 32),
-                    "position_ids": torch.arange(32).expand(2, 32),
-                }
-
-        return batches()
-
-
 def test_every_host_read_of_a_training_run_is_inside_a_span(megatron_world1):
-    from megatron_moe.checkpointing import TrainState
     from megatron_moe.comm.megatron_core import tap_megatron_core
-    from megatron_moe.config import parse_args
-    from megatron_moe.model import transformer_config
     from megatron_moe.platform import count_host_syncs
-    from megatron_moe.training.loop import Trainer
-    from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler, wire_model_config
 
     tap_megatron_core()  # as training/initialize.py does
-    cfg = parse_args(["--data-path", "d", "--tokenizer-model", "t", *SMALL])
-    cfg.validate(world_size=1)
-    config = transformer_config(cfg)
-    model = build_ddp_model(cfg, config, 128)
-    optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer)
-    wire_model_config(cfg, config, model, optimizer)
-    trainer = Trainer(cfg, model, optimizer, scheduler, TrainState(), Batches())
+    cfg, trainer = one_rank_trainer("--train-iters", "2", "--eval-interval", "1", "--eval-iters", "1")
     spans = Spans()
     with comm.monitoring(spans), count_host_syncs(torch.device("cpu")) as syncs:
         syncs.events = reads = Reads(spans)

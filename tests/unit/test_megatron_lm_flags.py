@@ -461,8 +461,29 @@ def test_the_files_are_looked_for_when_asked(tmp_path):
         f"--data-path {prefix}: missing {prefix}.idx; give the prefix tools/preprocess_data.py wrote "
         "(PREFIX_text_document for --output-prefix PREFIX)"
     )
-    (tmp_path / "d.idx").write_bytes(b"")
-    parse_and_validate(["--data-path", prefix, "--tokenizer-model", model], 1, files=True)
+    (tmp_path / "d.idx").write_bytes(b"")  # its header is read: how many documents
+    with pytest.raises(ConfigError) as caught:
+        parse_and_validate(["--data-path", prefix, "--tokenizer-model", model], 1, files=True)
+    assert str(caught.value) == (
+        f"--data-path: index file {prefix}.idx is truncated or corrupt; re-run tools/preprocess_data.py to rebuild it"
+    )
+
+
+def test_a_split_left_without_documents_is_named_with_the_flag_errors(train_data):
+    """Megatron-LM's --split 99990,8,2 is meant for millions of documents; on the test corpus's 27 its
+    validation split gets none (megatron-core would loop forever on it): named before start-up, with the other
+    errors, and only where the run validates."""
+    prefix, model = train_data
+    flags = ["--data-path", prefix, "--tokenizer-model", model, "--split", "99990,8,2"]
+    with pytest.raises(ConfigErrors) as caught:
+        parse_and_validate([*flags, "--eval-iters", "1", "--num-attention-heads", "3"], 1, files=True)
+    assert str(caught.value).splitlines()[1:] == [
+        "  --hidden-size=256: must be a multiple of --num-attention-heads=3",
+        f"  --split 99990,8,2: the valid split of {prefix} gets none of its 27 documents; give it a larger share "
+        "(e.g. --split 90,10,0), set its share to 0, or add documents",
+    ]
+    parse_and_validate([*flags, "--eval-iters", "0"], 1, files=True)  # no validation: the split is not read
+    parse_and_validate([*flags[:-1], "98,2,0", "--eval-iters", "1"], 1, files=True)
 
 
 # --------------------------------------------------------------------------------- flags that change nothing here

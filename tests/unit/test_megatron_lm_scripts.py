@@ -61,12 +61,10 @@ def fake_torchrun(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """(checkpoint dir, tokenizer model, data prefix): files that exist (a dry run looks for them, reads none)."""
-    folder = tmp_path_factory.mktemp("inputs")
-    for name in ("tokenizer.model", "corpus_text_document.bin", "corpus_text_document.idx"):
-        (folder / name).write_bytes(b"")
-    return str(folder / "ckpt"), str(folder / "tokenizer.model"), str(folder / "corpus_text_document")
+def files(tokenizer, line_data, tmp_path_factory):
+    """(checkpoint dir, tokenizer model, data prefix): a dry run looks for the files and counts the documents of
+    the data (Megatron-LM's --split 99990,8,2 must leave its validation split one); it reads nothing else."""
+    return str(tmp_path_factory.mktemp("inputs") / "ckpt"), tokenizer.model_path, line_data[0]
 
 
 def dry_run(name: str, fake_torchrun: str, *args: str, **env: str) -> subprocess.CompletedProcess:

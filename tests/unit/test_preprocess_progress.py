@@ -79,8 +79,9 @@ def test_preprocess_prints_progress_and_a_summary(tokenizer, tmp_path, capsys):
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(50)))
     flags = ["--input", str(source), "--tokenizer-model", tokenizer.model_path, "--output-prefix", str(tmp_path / "ds")]
-    preprocess_tool.main([*flags, "--progress-seconds", "1e-9"])  # a line after every document
+    preprocess_tool.main([*flags, "--progress-seconds", "1e-9", "--log-interval", "5"])  # a line after every document
     err = capsys.readouterr().err.splitlines()
+    assert err[0] == "--log-interval 5: changes nothing here; progress lines come every 1e-09 s (--progress-seconds)"
     progress = [line for line in err if line.startswith("progress: ")]
     assert len(progress) >= 10, err
     pattern = r"progress: \d+ documents, [\d.]+ k?B \([\d,]+ docs/s, [\d.]+ [kMG]?B/s\); [\d.]+% of [\d.]+ kB, ETA \d+s"
@@ -90,3 +91,4 @@ def test_preprocess_prints_progress_and_a_summary(tokenizer, tmp_path, capsys):
     preprocess_tool.main([*flags, "--progress-seconds", "0"])
     err = capsys.readouterr().err.splitlines()
     assert not [line for line in err if line.startswith("progress: ")] and [l for l in err if l.startswith("done: ")]
+    assert not [line for line in err if line.startswith("--log-interval")], err  # not given: not named

@@ -7,7 +7,6 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch
 
 from megatron_moe.comm.timers import SUMMARY_KINDS
 from megatron_moe.config.parallel_dims import ParallelDims
@@ -21,6 +20,7 @@ from megatron_moe.training.tensorboard_tags import (
     expert_load_tag,
     tag_of,
 )
+from tests.unit.one_rank_run import one_rank_trainer
 
 
 def layout(world=1, *, moe=True, **degrees) -> TagLayout:
@@ -152,51 +152,11 @@ def test_the_samples_axis_for_the_loss_and_optimizer_tags_only_under_one_prefix(
     assert writer.scalars[expert_load_tag(1, 1)] == [(2, 0.0)] and expert_load_tag(3, 0) not in writer.scalars
 
 
-SMALL = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --seq-length 32 --micro-batch-size 2 "
-    "--global-batch-size 4 --train-iters 3 --eval-interval 3 --eval-iters 1 --log-interval 1 --log-params-norm "
-    "--log-num-zeros-in-grad --log-throughput"
-).split()
-
-
-class Batches:
-    """Random tokens, as many as asked for."""
-
-    def __init__(self):
-        self.train_iterator = self.valid_iterator()
-
-    @staticmethod
-    def valid_iterator():
-        def batches():
-            while True:
-                tokens = torch.randint(0, 128, (2, 32))
-                yield {
-                    "tokens": tokens,
-                    "labels": tokens,
-                    "loss_mask": torch.ones(2, 32),
-                    "position_ids": torch.arange(32).expand(2, 32),
-                }
-
-        return batches()
-
-
 def test_a_one_rank_run_writes_no_tag_that_is_zero_throughout_or_cannot_occur(megatron_world1, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_moe.checkpointing import TrainState
-    from megatron_moe.config import parse_args
-    from megatron_moe.model import transformer_config
-    from megatron_moe.training.loop import Trainer
-    from megatron_moe.training.setup import build_ddp_model, build_optimizer, build_scheduler, wire_model_config
-
-    cfg = parse_args(["--data-path", "d", "--tokenizer-model", "t", *SMALL, "--tensorboard-dir", str(tmp_path)])
-    cfg.validate(world_size=1)
-    config = transformer_config(cfg)
-    model = build_ddp_model(cfg, config, 128)
-    optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer)
-    wire_model_config(cfg, config, model, optimizer)
-    trainer = Trainer(cfg, model, optimizer, scheduler, TrainState(), Batches())
+    flags = "--train-iters 3 --eval-interval 3 --eval-iters 1 --log-throughput --tensorboard-dir".split()
+    cfg, trainer = one_rank_trainer(*flags, str(tmp_path))
     assert len(trainer.train()) == 3
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
