@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_moe.config import rules
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
@@ -219,17 +219,17 @@ def _flag_named(error: str) -> str | None:
     return None
 
 
-def parse_and_validate(argv: Sequence[str] | None, world_size: int, *, files: bool = False) -> RunConfig:
-    """`parse_args` then `RunConfig.validate` on `world_size` ranks (and with `files`, `rules.check_files`: the
-    data and tokenizer files exist, and the data's documents cover its splits), every error found in one pass and
-    raised together. Where a flag did not parse, the run is checked without it, and an error that names that flag
-    again (a consequence of setting it aside) is left out."""
+def parse_and_validate(
+    argv: Sequence[str] | None, world_size: int, *, files: Callable[[RunConfig], None] | None = None
+) -> RunConfig:
+    """`parse_args` then `RunConfig.validate` on `world_size` ranks, then `files` (the entry point passes the
+    data layer's `data.files.check_data_files`: the files exist and the data's documents cover its splits; this
+    layer imports nothing above it), every error found in one pass and raised together. Where a flag did not
+    parse, the run is checked without it, and an error that names that flag again (a consequence of setting it
+    aside) is left out."""
     cfg, errors = _parse(sys.argv[1:] if argv is None else argv)
     unparsed = {flag for flag in map(_flag_named, errors) if flag}
-    checks = (
-        lambda: cfg.validate(world_size),
-        lambda: rules.check_files(cfg.data, validation=cfg.training.eval_iters > 0) if files else None,
-    )
+    checks = (lambda: cfg.validate(world_size), lambda: files(cfg) if files else None)
     for check in checks if cfg is not None else ():
         try:
             check()

@@ -9,7 +9,6 @@ The layout's degrees and sizes are `ParallelDims`'s (`parallel_dims.py`).
 
 from __future__ import annotations
 
-import os
 import re
 from typing import TYPE_CHECKING
 
@@ -612,18 +611,23 @@ def check_data(data: DataConfig) -> None:
         check_tokenizer(data)
     with errors:
         require_non_negative("--num-workers", data.num_workers, 2)
-    try:
-        shares = [float(part) for part in data.split.split(",")]
-    except ValueError:
-        shares = []
     with errors:
         require(
-            1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0,
+            valid_split(data.split),
             "--split",
             data.split,
             "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
         )
     errors.raise_all()
+
+
+def valid_split(split: str) -> bool:
+    """Up to three comma-separated non-negative train,valid,test shares, not all zero."""
+    try:
+        shares = [float(part) for part in split.split(",")] if split else []
+    except ValueError:
+        return False
+    return 1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0
 
 
 def check_tokenizer(data: DataConfig) -> None:
@@ -651,42 +655,6 @@ def check_tokenizer(data: DataConfig) -> None:
         "bytelevel-bpe writes one)"
     )
     require(data.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
-
-
-def check_files(data: DataConfig, *, validation: bool) -> None:
-    """The files the data flags name exist, and each prefix's documents cover the splits the run reads (train;
-    valid where `validation`): looked for and counted from the .idx header, not read (their contents are checked
-    as they load, after start-up), so that a wrong path or a split left empty is named with the other flag
-    errors, before any process group or profile."""
-    from megatron_moe.data import DataError
-    from megatron_moe.data.datasets import check_split, check_split_coverage, count_sequences
-
-    errors = Collector()
-    try:
-        check_split(data.split)
-        split_checked = True
-    except DataError:  # named by check_data
-        split_checked = False
-    prefixes = data.data_path[1::2] if len(data.data_path) > 1 else data.data_path  # a blend: W1 P1 W2 P2 ...
-    for prefix in prefixes:
-        missing = [path for path in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(path)]
-        for path in missing:
-            errors.add(
-                f"--data-path {prefix}: missing {path}; give the prefix tools/preprocess_data.py wrote "
-                "(PREFIX_text_document for --output-prefix PREFIX)"
-            )
-        if missing or not split_checked:
-            continue
-        try:
-            check_split_coverage(prefix, count_sequences(prefix), data.split, (1, int(validation), 0))
-        except DataError as error:
-            errors.add(str(error))
-    reads = ("--vocab-file", "--merge-file") if data.tokenizer_type == "GPT2BPETokenizer" else ("--tokenizer-model",)
-    for flag in reads:
-        path = getattr(data, flag[2:].replace("-", "_"))
-        with errors:
-            require(path is None or os.path.exists(path), flag, path, "no such file or directory")
-    errors.raise_all()
 
 
 def check_checkpoint(checkpoint: CheckpointConfig) -> None:

@@ -11,8 +11,7 @@ or a blend ``W1 PREFIX1 W2 PREFIX2 ...``, as in Megatron-LM.
 import copy
 import logging
 import os
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy
@@ -21,25 +20,20 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import (
     BlendedMegatronDatasetBuilder,
 )
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.utils import log_single_rank
 
+from megatron_moe.config.rules import valid_split
 from megatron_moe.data import DataError
+from megatron_moe.data.files import DATA_PATH_FLAG, check_split_coverage, read_idx_header
 from megatron_moe.data.metadata import WRITE_HINT, TokenizerIdentity, TokenMetadata, metadata_path, read_metadata
 
-DATA_PATH_FLAG = "--data-path"
 PREPROCESS_HINT = (
     "create it with: python -m tools.preprocess_data --input CORPUS.jsonl "
     "--tokenizer-model TOKENIZER.model --output-prefix PREFIX --append-eod "
     "(--data-path then takes PREFIX_text_document)"
 )
-_IDX_HEADER = b"MMIDIDX\x00\x00"
-_IDX_FIXED_BYTES = len(_IDX_HEADER) + 8 + 1 + 8 + 8
 log = logging.getLogger("megatron_moe")
 
 
@@ -103,20 +97,12 @@ class DataSummary:
 
 def _read_idx_counts(idx_path: str) -> tuple[type, int, int]:
     """Read and check the ``.idx`` header; return (dtype, sequence count, document count)."""
-    corrupt = (
-        f"{DATA_PATH_FLAG}: index file {idx_path} is truncated or corrupt; "
-        f"re-run tools/preprocess_data.py to rebuild it"
-    )
-    size = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as stream:
-        head = stream.read(_IDX_FIXED_BYTES)
-    if len(head) < _IDX_FIXED_BYTES or not head.startswith(_IDX_HEADER):
-        raise DataError(corrupt)
-    version, code, seq_count, doc_count = struct.unpack("<QBQQ", head[len(_IDX_HEADER) :])
-    if version != 1 or code not in {d.value for d in DType}:
-        raise DataError(corrupt)
-    if size != _IDX_FIXED_BYTES + seq_count * (4 + 8) + doc_count * 8:
-        raise DataError(corrupt)
+    code, seq_count, doc_count = read_idx_header(idx_path)
+    if code not in {d.value for d in DType}:
+        raise DataError(
+            f"{DATA_PATH_FLAG}: index file {idx_path} is truncated or corrupt (dtype code {code}); re-run "
+            f"tools/preprocess_data.py to rebuild it"
+        )
     return DType.dtype_from_code(code), seq_count, doc_count
 
 
@@ -292,38 +278,11 @@ class _Builder(BlendedMegatronDatasetBuilder):
 
 def check_split(split: str) -> None:
     """Check ``--split``: up to three comma-separated non-negative shares, not all zero."""
-    parts = [p.strip() for p in split.split(",")] if split else []
-    try:
-        shares = [float(p) for p in parts]
-    except ValueError:
-        shares = []
-    if not 1 <= len(shares) <= 3 or min(shares) < 0 or not sum(shares) > 0:
+    if not valid_split(split):
         raise DataError(
             f"--split {split!r}: expected up to three comma-separated non-negative "
             f"train,valid,test shares, e.g. --split 98,2,0"
         )
-
-
-def check_split_coverage(prefix: str, num_sequences: int, split: str, sizes: Sequence[int]) -> None:
-    """Refuse a split asked for samples (``sizes``: train, valid, test) that gets none of the prefix's documents:
-    megatron-core 0.16.1 would loop forever on it. Its arithmetic: each split's bookends are shares of the
-    sequence count, rounded (`BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`)."""
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for name, bookends, size in zip(("train", "valid", "test"), matrix, sizes):
-        if bookends is None or size <= 0:
-            continue
-        begin = int(round(bookends[0] * num_sequences))
-        end = int(round(bookends[1] * num_sequences))
-        if end <= begin:
-            raise DataError(
-                f"--split {split}: the {name} split of {prefix} gets none of its {num_sequences} documents; give "
-                f"it a larger share (e.g. --split 90,10,0), set its share to 0, or add documents"
-            )
-
-
-def count_sequences(prefix: str) -> int:
-    """The sequences (documents) of ``PREFIX.idx``, from its header alone."""
-    return _read_idx_counts(f"{prefix}.idx")[1]
 
 
 def _gpt_config(tokenizer, seq_length: int, seed: int, cache_dir: str | None, sizes: list[int], *, blend, split):

@@ -21,7 +21,9 @@ from tests.distributed.launcher import assert_matches, computed, run_torchrun
 WORKER = os.path.join(os.path.dirname(__file__), "placement_worker.py")
 E_D = {"ep": [[0, 1], [2, 3]], "expert_dp": [[0, 2], [1, 3]], "dp": [[0, 1, 2, 3]]}
 D_E = {"ep": [[0, 2], [1, 3]], "expert_dp": [[0, 1], [2, 3]], "dp": [[0, 1, 2, 3]]}
-ROUNDING = 1e-7
+ROUNDING = 1e-6
+"""fp32 rounding, a few units in the last place: the two placements hold different experts on each rank, so the
+grad norm's sums of squares add up in another order (seen: 2.6e-9 and, on an AVX-512 host, 1.03e-7 apart)."""
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,8 @@ def test_each_placement_builds_the_groups_it_names(runs):
 
 
 def test_the_placements_train_the_same_model(runs):
-    """Within rounding: 1e-7 relative, far inside the layouts' tolerance (seen: the 4 losses and params norms
-    equal bit for bit, step 4's grad norm 2.6e-9 apart)."""
+    """Within rounding (`ROUNDING`), far inside the layouts' tolerance (seen: the 4 losses and params norms
+    equal bit for bit, one step's grad norm apart)."""
     ed, de = runs["e+d"]["history"], runs["d+e"]["history"]
     assert [s["iteration"] for s in de] == [1, 2, 3, 4]
     assert_matches(de, ed)

@@ -23,6 +23,7 @@ from megatron_moe.config.megatron_lm import (
     TOKENIZER_TYPES_READ_AS,
     TOKENIZER_TYPES_REFUSED,
 )
+from megatron_moe.data.files import check_data_files
 from megatron_moe.model.builder import transformer_config
 from megatron_moe.moe import MoELayerConfig, build_gate, capacity_limit
 from megatron_moe.moe.ordering import sort_pairs
@@ -456,14 +457,16 @@ def test_the_files_are_looked_for_when_asked(tmp_path):
     prefix, model = str(tmp_path / "d"), str(tmp_path / "t.model")
     parse_and_validate(["--data-path", prefix, "--tokenizer-model", model], 1)  # not looked for
     with pytest.raises(ConfigError) as caught:
-        parse_and_validate(["--data-path", "0.5", prefix, "0.5", prefix, "--tokenizer-model", model], 1, files=True)
+        parse_and_validate(
+            ["--data-path", "0.5", prefix, "0.5", prefix, "--tokenizer-model", model], 1, files=check_data_files
+        )
     assert str(caught.value) == (
         f"--data-path {prefix}: missing {prefix}.idx; give the prefix tools/preprocess_data.py wrote "
         "(PREFIX_text_document for --output-prefix PREFIX)"
     )
     (tmp_path / "d.idx").write_bytes(b"")  # its header is read: how many documents
     with pytest.raises(ConfigError) as caught:
-        parse_and_validate(["--data-path", prefix, "--tokenizer-model", model], 1, files=True)
+        parse_and_validate(["--data-path", prefix, "--tokenizer-model", model], 1, files=check_data_files)
     assert str(caught.value) == (
         f"--data-path: index file {prefix}.idx is truncated or corrupt; re-run tools/preprocess_data.py to rebuild it"
     )
@@ -476,14 +479,28 @@ def test_a_split_left_without_documents_is_named_with_the_flag_errors(train_data
     prefix, model = train_data
     flags = ["--data-path", prefix, "--tokenizer-model", model, "--split", "99990,8,2"]
     with pytest.raises(ConfigErrors) as caught:
-        parse_and_validate([*flags, "--eval-iters", "1", "--num-attention-heads", "3"], 1, files=True)
+        parse_and_validate([*flags, "--eval-iters", "1", "--num-attention-heads", "3"], 1, files=check_data_files)
     assert str(caught.value).splitlines()[1:] == [
         "  --hidden-size=256: must be a multiple of --num-attention-heads=3",
         f"  --split 99990,8,2: the valid split of {prefix} gets none of its 27 documents; give it a larger share "
         "(e.g. --split 90,10,0), set its share to 0, or add documents",
     ]
-    parse_and_validate([*flags, "--eval-iters", "0"], 1, files=True)  # no validation: the split is not read
-    parse_and_validate([*flags[:-1], "98,2,0", "--eval-iters", "1"], 1, files=True)
+    parse_and_validate([*flags, "--eval-iters", "0"], 1, files=check_data_files)  # no validation: the split is not read
+    parse_and_validate([*flags[:-1], "98,2,0", "--eval-iters", "1"], 1, files=check_data_files)
+
+
+@pytest.mark.parametrize("split", ["99990,8,2", "98,2,0", "1", "969,30,1", "0,1", "1,1,1", "0.7,0.2,0.1", "3,0,7"])
+def test_the_light_split_arithmetic_is_megatron_cores(split):
+    """data/files.py writes megatron-core's split arithmetic out (no megatron-core import before start-up): the
+    same bookends, to the last bit, so that the check before start-up refuses exactly the splits that would hang."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    from megatron_moe.data.files import split_matrix
+
+    assert split_matrix(split) == convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
 
 
 # --------------------------------------------------------------------------------- flags that change nothing here

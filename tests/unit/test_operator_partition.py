@@ -87,7 +87,11 @@ def test_the_pieces_routing_gives_the_micro_batch_losses(gate):
     torch.manual_seed(0)
     cfg = MoELayerConfig(num_experts=4, hidden_size=8, ffn_hidden_size=16, topk=2, gate=gate, z_loss_coeff=1e-3)
     router = build_gate(cfg)
-    s, b = 6, 4
+    # Each piece's scores are 16 tokens x 4 experts = 64 floats: a CPU's element-wise kernels compute the elements
+    # past a tensor's last whole vector block (32 floats under AVX-512) with their scalar code, whose sigmoid and
+    # exp round otherwise; on whole blocks every element takes the vector code, as on a GPU every element takes
+    # the same code, so the pieces' scores are the whole's to the bit.
+    s, b = 8, 4
     x_SBH = torch.randn(s, b, 8)
     whole = router(x_SBH.reshape(-1, 8))
     pieces = torch.split(x_SBH, piece_sizes(b, 2), dim=1)
