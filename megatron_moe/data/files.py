@@ -86,11 +86,12 @@ def check_data_files(cfg: RunConfig) -> None:
                 f"{DATA_PATH_FLAG} {prefix}: missing {path}; give the prefix tools/preprocess_data.py wrote "
                 "(PREFIX_text_document for --output-prefix PREFIX)"
             )
+        if missing:
+            continue
         try:
-            if not missing:
-                num_sequences = read_idx_header(prefix + ".idx")[1]
-                if valid_split(data.split):  # else named by the flag checks
-                    check_split_coverage(prefix, num_sequences, data.split, sizes)
+            num_sequences = read_idx_header(prefix + ".idx")[1]
+            if valid_split(data.split):  # else named by the flag checks
+                check_split_coverage(prefix, num_sequences, data.split, sizes)
         except DataError as error:
             errors.add(str(error))
     reads = ("--vocab-file", "--merge-file") if data.tokenizer_type == "GPT2BPETokenizer" else ("--tokenizer-model",)
