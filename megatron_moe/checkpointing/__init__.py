@@ -26,7 +26,7 @@ Each rank's RNG states are restored when the layout is the same.
 
 from megatron_moe.checkpointing import integrity
 from megatron_moe.checkpointing.load import check_compatible, load_checkpoint, load_model_state
-from megatron_moe.checkpointing.paths import TRACKER, _publish, check_save_dir, latest_checkpoint, resolve_load_dir
+from megatron_moe.checkpointing.paths import TRACKER, check_save_dir, latest_checkpoint, publish, resolve_load_dir
 from megatron_moe.checkpointing.save import SAVE_PAUSE_ENV, save_checkpoint
 from megatron_moe.checkpointing.state import TrainState
 
@@ -34,13 +34,13 @@ __all__ = [
     "SAVE_PAUSE_ENV",
     "TRACKER",
     "TrainState",
-    "_publish",
     "check_compatible",
     "check_save_dir",
     "integrity",
     "latest_checkpoint",
     "load_checkpoint",
     "load_model_state",
+    "publish",
     "resolve_load_dir",
     "save_checkpoint",
 ]
