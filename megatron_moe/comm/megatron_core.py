@@ -46,7 +46,7 @@ from megatron_moe.comm.core import (
     nbytes,
     ring_wire_bytes,
 )
-from megatron_moe.platform.cpu_compat import Patch, source
+from megatron_moe.platform.patch import Patch, source
 
 TAPPED_FUNCTIONS = (
     "all_reduce",
