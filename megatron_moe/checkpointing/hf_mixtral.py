@@ -5,8 +5,8 @@ groups, M = query heads per group, D = head dim, R = rows.
 
 Inputs: our single-process (TP=PP=EP=1) `GPTModel.state_dict()`, or HF tensors (the published
 `block_sparse_moe.experts.E.w1/w2/w3` names, or transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj`).
-Outputs: the other side's tensors; writes use the published names. Invariant: import then export is the
-identity on every tensor but the vocabulary padding (dropped on export, zero on import).
+Outputs: the other side's tensors; writes use the published names; padded vocabulary rows are dropped on
+export and zero on import. `incompatibilities(cfg)` lists what Mixtral cannot express (refused before writing).
 How QKV, the experts and the vocabulary are laid out on each side: docs/internals/checkpointing.md.
 """
 

@@ -1,7 +1,8 @@
 """The choke points: each collective is described by a `Collective` record and started by `issue`; each read
 of device values by the host runs inside `host_read`.
 
-Inputs: a `Collective` and a `start` callable that issues it. Output: its work handle (or result).
+Inputs: a `Collective` and a `start` callable that issues it. Output: what `start` returned (a work handle, or
+None when already finished).
 Invariants: `issue` is the only function in megatron_moe from which a torch.distributed collective starts
 (tests/unit/test_comm_choke_point.py); every host read of device values in the training step runs inside
 `host_read(purpose, layer=...)` (tests/unit/test_host_read_spans.py). A `Monitor` installed with

@@ -8,7 +8,8 @@ Memory per GPU (the largest over pipeline stages): weights, gradients and sharde
 plus activations under the policy times the layer-micro-batches a stage holds under (interleaved) 1F1B.
 Step time: step = m t + (p - 1) / v x t + exposed DP + optimizer, t the slowest stage's time per micro-batch
 (compute plus exposed communication; the MoE layer's from the overlap cost model).
-Inputs: the run's config and a `hardware` cluster. Outputs: bytes and milliseconds per part.
+Inputs: a `Shape` (the model) and a `Layout` (degrees, micro-batch, policy). Outputs: bytes per GPU here
+(`memory_per_gpu`); the step time in step.py (`predict_step`).
 Every term's derivation: docs/internals/planning.md.
 """
 
