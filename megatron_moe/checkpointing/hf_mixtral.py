@@ -3,19 +3,11 @@
 Legend (docs/shapes.md): E = experts, F = expert ffn width, H = hidden, V = vocab, A = key/value
 groups, M = query heads per group, D = head dim, R = rows.
 
-Our tensors are the single-process (TP=PP=EP=1) `GPTModel.state_dict()`;
-dist_checkpointing reshards them to any layout on load. Writes use the names
-of the published Mixtral checkpoints (`block_sparse_moe.experts.E.w1/w2/w3`);
-reads accept those and transformers 5's fused `mlp.experts.gate_up_proj` /
-`down_proj` as well.
-
-Layouts that differ:
-- QKV: ours is one [A x (M+2) x D, H] matrix, per group the M query heads'
-  rows then its key rows then its value rows; Mixtral has q/k/v_proj.
-- Experts: ours `weight1` [E, 2F, H] (gate rows, then up rows) and `weight2`
-  [E, H, F]; Mixtral w1 = gate [F, H], w3 = up [F, H], w2 = down [H, F].
-- Vocabulary: ours is padded to --make-vocab-size-divisible-by; padding rows
-  are dropped on export and zero on import.
+Inputs: our single-process (TP=PP=EP=1) `GPTModel.state_dict()`, or HF tensors (the published
+`block_sparse_moe.experts.E.w1/w2/w3` names, or transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj`).
+Outputs: the other side's tensors; writes use the published names; padded vocabulary rows are dropped on
+export and zero on import. `incompatibilities(cfg)` lists what Mixtral cannot express (refused before writing).
+How QKV, the experts and the vocabulary are laid out on each side: docs/internals/checkpointing.md.
 """
 
 from __future__ import annotations

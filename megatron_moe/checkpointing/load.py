@@ -15,10 +15,10 @@ from megatron_moe.checkpointing import integrity
 from megatron_moe.checkpointing.state import (
     SHAPE_FIELDS,
     TrainState,
-    _layout,
-    _set_rng_state,
-    _sharded_state,
+    current_layout,
     model_state_keys,
+    restore_rng_state,
+    sharded_state,
 )
 from megatron_moe.config import ConfigError, RunConfig
 from megatron_moe.failure import ONCE
@@ -117,7 +117,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     common = dist_checkpointing.load_common_state_dict(path)
     check_compatible(common["config"], cfg, path)
     check_vocab_size(common.get("vocab_size"), model, path)
-    same_layout = {"esp": 1, "vpp": 1, **common["layout"]} == _layout()  # saved before ESP / VPP: 1
+    same_layout = {"esp": 1, "vpp": 1, **common["layout"]} == current_layout()  # saved before ESP / VPP: 1
     with_optimizer = not cfg.checkpoint.no_load_optim and common["has_optimizer"]
     saved_distributed = common["distributed_optimizer"]
     if with_optimizer and saved_distributed != cfg.parallel.use_distributed_optimizer:
@@ -130,7 +130,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     with_rng = same_layout and not cfg.checkpoint.no_load_rng
     if with_optimizer:
         _materialize_optimizer_state(optimizer)
-    request = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng, is_loading=True)
+    request = sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng, is_loading=True)
     keys = model_state_keys(model)
     check_tensor_names(path, {key: request[key] for key in keys})
     state = dist_checkpointing.load(request, path)
@@ -139,7 +139,7 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     if with_optimizer:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(common["scheduler"])
-    if with_rng and not _set_rng_state(state["rng_state"]):
+    if with_rng and not restore_rng_state(state["rng_state"]):
         log.warning(
             "checkpoint RNG states were saved on %s, this run is on %s: not restored",
             state["rng_state"].get("device_type", "cpu"),
@@ -148,7 +148,10 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
         )
     elif not with_rng and not cfg.checkpoint.no_load_rng:
         log.warning(
-            "checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout(), extra=ONCE
+            "checkpoint layout %s differs from %s: RNG states not restored",
+            common["layout"],
+            current_layout(),
+            extra=ONCE,
         )
     train_state = TrainState(**common["train_state"])
     log.info(

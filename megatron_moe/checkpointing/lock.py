@@ -2,23 +2,13 @@
 
 `SaveLock.take(root)` creates `root/megatron_moe.lock` (JSON: host, pid, the process's start, the command line,
 the slurm job) or refuses, naming the job that holds it and the lock file. The holder refreshes the file's mtime
-every `HEARTBEAT_S` seconds (a thread) and removes it on release (normal exit, an error, the SIGTERM that ends
-a job through its preemption save). A job killed with kill -9 (or ended by `exit_now`) leaves it behind: stale,
-and taken over with a warning line by the next job, when
-
-- its holder ran on this host and its pid is not running, or is now another process (another start time), or
-  the host has rebooted since (another boot id);
-- it is an earlier run of this slurm job (same SLURM_JOB_ID, another SLURM_RESTART_COUNT: a requeue; slurm ends
-  the earlier run's processes before it requeues);
-- its holder ran on another host (whose processes cannot be checked from here) and its heartbeat is older than
-  `STALE_AFTER_S` seconds.
-
-Assumed of the filesystem (NFS, Lustre, GPFS, local; fcntl locks are not used, since NFS and Lustre often do
-not honour them): `os.link` onto an existing name fails, atomically, for every client (the classic NFS lock:
-the content is written to a unique file first, then linked to the lock's name, so a lock is never seen half
-written); `os.rename` is atomic; a file's mtime set by `os.utime` is visible to the other clients within
-seconds. The cross-host staleness compares the file's mtime with this host's clock: the clocks are assumed in
-sync to well within `STALE_AFTER_S` (NTP).
+every `HEARTBEAT_S` seconds (a thread) and removes it on release (normal exit, an error, the preemption save's
+SIGTERM). A lock left by a killed job is stale and taken over with a warning line: holder on this host not
+running (or another process, or the host rebooted), an earlier run of this slurm job (a requeue), or a holder
+on another host whose heartbeat is older than `STALE_AFTER_S`.
+Assumed of the filesystem: `os.link` onto an existing name fails atomically for every client, `os.rename` is
+atomic, mtimes propagate within seconds, clocks agree well within `STALE_AFTER_S`. The rules in full and why
+fcntl is not used: docs/internals/checkpointing.md.
 """
 
 from __future__ import annotations

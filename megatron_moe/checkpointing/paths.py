@@ -19,11 +19,13 @@ log = logging.getLogger("megatron_moe")
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _iter_dir(root: str, iteration: int) -> str:
+def iter_dir(root: str, iteration: int) -> str:
+    """The directory of checkpoint `iteration` under `root`."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _publish(root: str, iteration: int) -> None:
+def publish(root: str, iteration: int) -> None:
+    """Point `root`'s tracker at `iteration` (atomically: tmp file + rename)."""
     write_atomic(os.path.join(root, TRACKER), str(iteration))
 
 
@@ -35,7 +37,7 @@ def latest_checkpoint(root: str) -> str | None:
     text = open(pointer).read().strip()
     if not text.isdigit():
         raise ConfigError(f"--load={root}: {TRACKER} holds {text!r}, not an iteration number")
-    path = _iter_dir(root, int(text))
+    path = iter_dir(root, int(text))
     if not os.path.isdir(path) and integrity.is_complete(path + ".old"):  # a re-save killed mid-swap
         log.warning("--load=%s: %s is missing, loading the previous copy %s.old", root, path, path, extra=ONCE)
         return path + ".old"

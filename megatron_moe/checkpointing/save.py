@@ -23,8 +23,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import integrity
-from megatron_moe.checkpointing.paths import TRACKER, _iter_dir, _publish
-from megatron_moe.checkpointing.state import TrainState, _layout, _sharded_state
+from megatron_moe.checkpointing.paths import TRACKER, iter_dir, publish
+from megatron_moe.checkpointing.state import TrainState, current_layout, sharded_state
 from megatron_moe.config import RunConfig
 from megatron_moe.failure import ONCE
 from megatron_moe.platform import current_platform
@@ -53,7 +53,7 @@ def save_checkpoint(
     `after_step(name)` runs on rank 0 after each step of publishing ("written",
     "old_moved", "new_in_place", "published"): tests inject a crash there.
     """
-    final = _iter_dir(root, train_state.iteration)
+    final = iter_dir(root, train_state.iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
@@ -64,12 +64,12 @@ def save_checkpoint(
     _test_pause("begin", train_state.iteration)
     # Before the first step the optimizer holds no state (Adam's moments are lazy).
     with_optimizer = not cfg.checkpoint.no_save_optim and train_state.iteration > 0
-    state = _sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=True, is_loading=False)
+    state = sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=True, is_loading=False)
     state.update(
         train_state=dataclasses.asdict(train_state),
         scheduler=scheduler.state_dict(),
         config=cfg.to_dict(),
-        layout=_layout(),
+        layout=current_layout(),
         has_optimizer=with_optimizer,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         vocab_size=getattr(model[0].module, "vocab_size", None),  # every chunk's: the padded vocabulary
@@ -109,7 +109,7 @@ def _swap_in(root: str, tmp: str, final: str, iteration: int, after_step: Callab
         after_step("old_moved")
     os.replace(tmp, final)
     after_step("new_in_place")
-    _publish(root, iteration)
+    publish(root, iteration)
     after_step("published")
     shutil.rmtree(old, ignore_errors=True)
 
@@ -182,7 +182,7 @@ def _bytes_needed(root: str, state: dict) -> int:
     """The previous checkpoint's size, or (first save) this rank's tensors times the world size."""
     pointer = os.path.join(root, TRACKER)
     if os.path.isfile(pointer) and (text := open(pointer).read().strip()).isdigit():
-        previous = _iter_dir(root, int(text))
+        previous = iter_dir(root, int(text))
         if os.path.isdir(previous):
             return integrity.dir_bytes(previous)
     tensors = [t.data for t in nested_values(state) if isinstance(t, ShardedTensor) and t.data is not None]

@@ -1,5 +1,5 @@
 """What a checkpoint holds: the training state (`TrainState`), the sharded model and optimizer state
-(`_sharded_state`: megatron-core's sharded state dicts, one per model chunk, and the optimizer's in its
+(`sharded_state`: megatron-core's sharded state dicts, one per model chunk, and the optimizer's in its
 layout-independent form), the layout it was written in and each rank's RNG states, and the flags that must
 match for its weights to mean anything (`SHAPE_FIELDS`).
 """
@@ -55,7 +55,8 @@ class TrainState:
     consumed_train_samples: int = 0
 
 
-def _layout() -> dict[str, int]:
+def current_layout() -> dict[str, int]:
+    """This run's parallel layout (world, tp, pp, vpp, ep, esp), as a checkpoint records it."""
     return {
         "world": dist.get_world_size(),
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
@@ -76,7 +77,7 @@ def _rng_state() -> dict:
     }
 
 
-def _set_rng_state(state: dict) -> bool:
+def restore_rng_state(state: dict) -> bool:
     """Restore `state`; False (nothing restored) when it was saved on another kind of device."""
     saved_on = state.get("device_type", "cpu")  # checkpoints from before GPU runs: CPU, "torch" for "cpu"
     if saved_on != current_platform().device.type:
@@ -101,7 +102,8 @@ def model_state_keys(model) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
-def _sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is_loading: bool) -> dict:
+def sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is_loading: bool) -> dict:
+    """The sharded state dict to save or to request on load: each model chunk's, the optimizer's, the RNG states."""
     state = {key: chunk.module.sharded_state_dict() for key, chunk in zip(model_state_keys(model), model)}
     if with_optimizer:
         # The optimizer's keys come from the parameters' sharded tensors, found in every chunk's state.

@@ -2,33 +2,14 @@
 
     purpose-named call  ->  core.issue(Collective(kind, purpose, group, layer, ...), start)  ->  torch.distributed
 
-- moe.py: `dispatch_all_to_all`, `combine_all_to_all` (async, differentiable:
-  the backward's reverse all-to-all goes through `issue` too, same kind,
-  `backward=True`), the expert-sharded `esp_all_gather` / `esp_reduce_scatter`
-  (kinds `esp_ag` / `esp_rs`, likewise differentiable), their planning
-  `exchange_counts`, `esp_gather_counts` and `agree_capacity`, and
-  `sum_across_shards` (router loss statistics under sequence parallelism, kind `tp`).
-- training.py: `reduce_lm_loss`, `reduce_moe_metrics`, `sum_expert_loads` (the expert bias's loads), `agree_exit`
-  (preemption), `agree_nonfinite` (which ranks' own values went non-finite),
-  `agree_startup_refusal` (rank 0's `--save` lock), `agree_save_failure` (a full
-  disk on any rank), `barrier(purpose)`
-  (checkpoint save and publish, shutdown).
-- profiling.py: the cost-model profiler's timed traffic (all-to-all, the ESP
-  all-gather / reduce-scatter in their gloo form, all-reduce) and its agreement.
-
-The host's reads of device values in the training step run inside
-`core.host_read(purpose, layer=...)`, so that a monitor sees where the host
-waits on NCCL, whose `wait()` does not block it (core.py's docstring);
-tests/unit/test_host_read_spans.py fails on a read outside one.
-
-`core.issue` is the choke point; tests/unit/test_comm_choke_point.py fails on a
-torch.distributed collective anywhere else in megatron_moe. megatron-core's own
-collectives (TP layers, DDP buckets, the distributed optimizer, pipeline p2p,
-checkpointing) are routed to it by the taps in megatron_core.py (README.md in
-this folder lists them). A `Monitor` installed with `monitoring(...)` sees every
-one: watchdog.py (stalls and deadlines, named), timers.py (`CommTimers`: per kind and MoE layer, time
-from issue to completion, time blocked on it, bytes; its exposed time split into skew and transfer by skew.py's
-arrival stamps, which every rank takes).
+- moe.py: the MoE layer's all-to-alls, ESP all-gather / reduce-scatter and their planning exchanges.
+- training.py: loss and metric reductions, the agreements (exit, non-finite, start-up refusal, save failure), barriers.
+- profiling.py: the cost-model profiler's timed traffic and its agreement.
+Invariants (each kept by a test): `core.issue` is the only start of a torch.distributed collective in the package
+(test_comm_choke_point.py); every host read of device values in the step runs inside `core.host_read`
+(test_host_read_spans.py). megatron-core's own collectives reach `issue` through megatron_core.py's taps. A
+`Monitor` installed with `monitoring(...)` sees every one: watchdog.py, timers.py, skew.py.
+Every call, its kind and when it runs: README.md in this folder and docs/internals/comm.md.
 """
 
 from megatron_moe.comm.core import (

@@ -1,21 +1,14 @@
 """The choke points: each collective is described by a `Collective` record and started by `issue`; each read
 of device values by the host runs inside `host_read`.
 
-`issue` is the only function in megatron_moe from which a torch.distributed
-collective starts (tests/unit/test_comm_choke_point.py checks it: anywhere else
-in the package, or outside a `start` passed to `issue`, a collective fails the
-test); megatron-core's own collectives are routed to it by the taps in
-`megatron_core.py`. A `Monitor` installed with `monitoring(...)` (the watchdog,
-the communication timers) sees each collective issued, and the calling thread's time
-blocked on it: inside a synchronous call, or inside `wait()` of the returned
-work handle.
-
-On NCCL that is not where a stuck peer shows: `wait()` only orders the compute
-stream after the collective, so the host goes on and blocks in the next read of
-a device value (`.item()`, `.tolist()`, a device->host copy), which waits for
-everything queued before it, the unfinished collective included. Every such read
-in the training step runs inside `with host_read(purpose, layer=...)`
-(tests/unit/test_host_read_spans.py keeps it so), and a monitor sees the span.
+Inputs: a `Collective` and a `start` callable that issues it. Output: what `start` returned (a work handle, or
+None when already finished).
+Invariants: `issue` is the only function in megatron_moe from which a torch.distributed collective starts
+(tests/unit/test_comm_choke_point.py); every host read of device values in the training step runs inside
+`host_read(purpose, layer=...)` (tests/unit/test_host_read_spans.py). A `Monitor` installed with
+`monitoring(...)` sees each collective issued and the calling thread's time blocked on it (in a synchronous
+call, or in `wait()` of the returned handle) and each host-read span.
+Why the host-read spans matter on NCCL (where a stuck peer shows): docs/internals/comm.md.
 """
 
 from __future__ import annotations
@@ -199,7 +192,7 @@ def issue(collective: Collective, start: Callable[[], Any]):
 def host_read(purpose: str, *, layer: int | None = None) -> Iterator[None]:
     """The block reads device values into the host (`.item()`, `.tolist()`, `to_host`, a call into megatron-core
     that does): the installed monitor sees it as one span named `purpose` (and `layer`, in an MoE layer), so the
-    watchdog can name a host blocked there by an unfinished collective (module docstring)."""
+    watchdog can name a host blocked there by an unfinished collective (docs/internals/comm.md, core.py)."""
     monitor = _TAP.monitor
     if monitor is None:
         yield

@@ -4,35 +4,12 @@ its groups, and the split arithmetic of one exchange. The collective itself is `
 Legend: G = EP group size, N = nodes it spans, g = its ranks per node (G = N x g; rank (n, l) = n x g + l,
 node-major), R = rows.
 
-A linear all-to-all sends G - 1 messages per rank, G - g of them across nodes, each of about S / G bytes (S: the
-rank's send buffer). On a link with a per-message cost (alpha) that dominates when S / G is small. 2DH merges the g
-ranks' chunks for one remote rank into one message on the link:
-1. stride copy: the send buffer's blocks, by destination (n, l), reordered to (l, n): each local peer's N chunks
-   together;
-2. intra-node all-to-all: local peer l gets its N chunks from each of the node's g ranks;
-3. stride copy: the received blocks, by (source local l', destination node n), reordered to (n, l'): each remote
-   node's g chunks together;
-4. inter-node all-to-all between the ranks of the same local index (one "rail" per local index): node n's rank of
-   this local index gets the g chunks for it in one message. They arrive in (source node, source local) order,
-   which is source rank order: the linear all-to-all's output, with no copy after.
-Each rank sends g - 1 intra-node messages of ~S / g bytes and N - 1 inter-node messages of ~S / N bytes (g x the
-linear message); the bytes crossing nodes are the same as linear's ((N - 1) S / N), those moved inside the node N
-times linear's ((g - 1) S / g against (g - 1) S / G: every chunk bound for another rail moves in phase 2, whatever
-its node), plus two copies of S.
-
-Deviations from the paper, and why:
-- Uneven splits. Algorithm 3 moves equal chunks (`chunksize`); here every (source, destination) pair has its own
-  rows (the dropless dispatch), so a stride copy moves blocks of per-pair sizes (`transpose_blocks`), and phase 2's
-  receive sizes need the rows the node's other ranks send to this rank's rail: the [G, G] pair matrix on every
-  rank (`pairs`), which the layer gathers in its one counts exchange (`comm.gather_counts`) in place of the
-  per-rank exchange. Nothing here reads the device.
-- Messages per node pair. The issue's wording ("one message per node pair across the link") is the naive local
-  aggregation (gather to one rank of the node, one message, scatter at the far end): Algorithm 3 instead sends one
-  message per node pair per rail (g of them between two nodes, one from each rank), which keeps every rank's NIC
-  busy and needs no third phase; implemented as written in Algorithm 3.
-- Phase 2 completes before phase 3 reads its output: on NCCL the wait only orders the streams (the host goes on); on
-  gloo the host waits for the intra-node phase (loopback here, NVLink-class on a real node) inside the call, and
-  only phase 4 (the link) runs asynchronously under the caller's work.
+Phases: 1. stride copy to (local peer, node) order; 2. intra-node all-to-all; 3. stride copy to (node, source
+local) order; 4. inter-node all-to-all per rail (ranks of one local index). Inputs: the [G, G] pair matrix of
+rows (`pairs`, from the layer's one counts exchange). Outputs: per-phase split sizes on the host. Invariants:
+the output equals the linear all-to-all's, in source rank order, with no copy after; nothing here reads the
+device. The message and byte counts, and the deviations from the paper (uneven splits, messages per node pair
+per rail, phase 2 completing before phase 3): docs/internals/comm.md.
 """
 
 from __future__ import annotations

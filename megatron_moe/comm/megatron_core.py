@@ -1,29 +1,13 @@
 """megatron-core's own collectives, routed through `issue` so a monitor sees them like ours, and its host reads
 of device values in the forward, inside `host_read`.
 
-megatron-core's code cannot be rewritten; README.md in this folder lists where its
-collectives happen. Four taps, each a `Patch` probed against the shipped source:
-
-1. DP gradient reduction and the distributed optimizer's parameter all-gather: the
-   bucket groups' `start_grad_sync` / `start_param_sync` are issued as one
-   collective each (`dp_grad_reduce`; `other` for the all-gather); their asynchronous
-   handle, waited in `finish_*_sync`, is the monitored one. The per-bucket calls
-   inside run nested, not issued again.
-2. Pipeline p2p: `p2p_communication._p2p_ops` / `_batched_p2p_ops` (module globals
-   picked at call time), kind `pp_p2p`; their requests are monitored.
-3. Everything else (TP/SP gathers and reductions, grad norm, found-inf, checkpoint
-   exchanges): torch.distributed's collective functions, and megatron-core's aliases of
-   them bound at import time, classified by process group: TP groups `tp`, the pipeline
-   group `pp_p2p`, any other `other`. On a group of one rank they are not issued at all
-   (`ON_ONE_RANK`): megatron-core's cross-entropy all-reduces over the TP group even at
-   TP=1, and a TP=1 run showed `tp` traffic.
-4. The language-model loss: megatron-core's vocab-parallel cross-entropy indexes with
-   boolean masks of the targets (`masked_target[target_mask] = 0`), which on a GPU
-   counts the mask on the host. `LanguageModule.compute_language_model_loss` runs
-   inside `host_read`. (The optimizer's reads, found-inf and the grad norm, are
-   spanned by the training loop around `optimizer.step()`.)
-
-Without a monitor installed every tapped call goes straight to the original.
+megatron-core's code cannot be rewritten; README.md in this folder lists where its collectives happen. Four
+taps, each a `Patch` probed against the shipped source: 1. DP gradient reduction and the distributed
+optimizer's parameter all-gather (`dp_grad_reduce` / `other`, one collective per bucket group); 2. pipeline p2p
+(`pp_p2p`); 3. every other torch.distributed collective, classified by process group (`tp`, `pp_p2p`, `other`),
+not issued at all on a group of one rank (`ON_ONE_RANK`); 4. the language-model loss inside `host_read`.
+Invariant: without a monitor installed every tapped call goes straight to the original.
+What each tap wraps and why: docs/internals/comm.md.
 """
 
 from __future__ import annotations
@@ -46,7 +30,7 @@ from megatron_moe.comm.core import (
     nbytes,
     ring_wire_bytes,
 )
-from megatron_moe.platform.cpu_compat import Patch, source
+from megatron_moe.platform.patch import Patch, source
 
 TAPPED_FUNCTIONS = (
     "all_reduce",

@@ -3,18 +3,12 @@ reduce-scatter, their planning, router statistics under SP.
 
 Legend: G = EP group size, L = local experts, P = ESP group size, R = rows, H = hidden.
 
-The all-to-alls are autograd functions whose backward is the reverse
-all-to-all, recorded under the same kind with `backward=True`. They can start
-asynchronously: the returned `CommHandle`'s `wait()` yields the received rows,
-so work placed between start and wait (the shared expert, the other pieces of
-Lancet's operator partition) overlaps with the transfer. The backward mirrors
-that: the reverse starts where the forward waited (`_Landed`) and is waited
-where the forward started (`_AllToAll`), so autograd runs the nodes made in
-between while it is in flight; with a `BackwardOverlap` (Lancet's
-weight-gradient queue, `megatron_moe.overlap`) the work it assigns to this
-all-to-all runs before the wait. Split sizes are Python lists (gloo
-rejects tensors) and are known on the host before the call: nothing here waits
-for the device.
+The all-to-alls are autograd functions whose backward is the reverse all-to-all (same kind, `backward=True`).
+They can start asynchronously: the returned `CommHandle`'s `wait()` yields the received rows, so work placed
+between start and wait overlaps the transfer; the backward mirrors it (the reverse starts where the forward
+waited, `_Landed`, and is waited where it started, `_AllToAll`), and a `BackwardOverlap` runs its assigned work
+before that wait. Invariants: split sizes are Python lists known on the host before the call (gloo rejects
+tensors); nothing here waits for the device. More: docs/internals/comm.md.
 """
 
 from __future__ import annotations

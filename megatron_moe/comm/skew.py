@@ -1,37 +1,13 @@
 """Skew: the part of a collective's exposed time spent waiting for the last rank of its group to arrive (to issue
 it), measured from every rank's arrival stamp; the rest of the exposed time is transfer.
 
-    rank a:  issued [blocked ............................]        a's skew: blocked before the last arrival
-    rank b:                      issued [blocked ........]        a's transfer: blocked after it
-                                 ^ the last arrival: the transfer can start
-
-`split_exposed` splits one collective's blocked spans at its last arrival. A collective issued early and waited
-for late (asynchronous) counts as skew only the blocked time before the last arrival: time spent computing while
-the peer was late is neither. What the split cannot see: bytes that move before the last arrival (an early
-sender's, into the late receiver's socket buffers) count as skew on the sender and shorten the receiver's
-transfer; the test's late rank is the sender, which sends nothing early.
-
-Stamps: `Arrivals` stamps this rank's arrival at every collective of `SKEW_KINDS` (the MoE all-to-alls and the
-expert-sharded collectives, with their planning: every rank of the group issues each of them, in one order, so
-the k-th on a group is the same collective on every rank of it). Once a step, after the step's last read of the
-device (the logging path, not the step's critical path), `Arrivals.exchange` all-gathers the stamps over each group
-that holds the logging rank (the reader): one small all-gather per such group (its EP group and the planning
-twin), issued in the groups' sorted order on every rank. Which groups and how many stamps are agreed figures,
-never one rank's own timing: a group is exchanged when a collective was issued on it in the step, and then every
-rank of it issued as many.
-
-Clocks: a stamp is host wall-clock seconds (`time.time()`, CLOCK_REALTIME) less this rank's `ClockOffset`. Ranks
-on one kernel share that clock exactly (the emulated cluster's nodes are network namespaces of one host: the same
-/proc/sys/kernel/random/boot_id), offset 0. A rank on another kernel estimates its offset from rank 0's at start-up
-(`estimate_clock_offset`): rounds of barrier then stamp; the offset is the median over the rounds of its stamp
-less rank 0's. A barrier releases its ranks within about one message latency of each other (tens of microseconds
-on InfiniBand, ~0.1 ms on TCP): that, and the spread over the rounds (`ClockOffset.error_s`, logged at start-up),
-bound the estimate's error; NTP alone keeps hosts within ~1 ms on a LAN.
-
-On an accelerator an arrival is an event on the issuing stream (where the collective starts on the device, the
-host having queued it earlier); `Stamps.host_seconds` (platform/timing.py) converts events to host time once the
-step has synchronized anyway: one event recorded and waited for then, the host clock read, each earlier event
-placed before it by `elapsed_time`. Its error is the wait's latency (microseconds); nothing waits inside the step.
+`split_exposed` splits one collective's blocked spans at its last arrival. `Arrivals` stamps this rank's arrival
+at every collective of `SKEW_KINDS` (each issued by every rank of its group in one order), and
+`Arrivals.exchange` all-gathers the stamps once a step, after the step's last device read, over each group that
+holds the logging rank, in sorted group order. `estimate_clock_offset` gives a rank on another kernel its
+`ClockOffset` from rank 0's at start-up. Invariants: which groups and how many stamps are exchanged are agreed
+figures, never one rank's timing; nothing waits inside the step.
+What the split cannot see, the clocks' error bounds and the accelerator's event stamps: docs/internals/comm.md.
 """
 
 from __future__ import annotations
@@ -111,7 +87,7 @@ def _boot_id() -> str:
 
 
 def estimate_clock_offset(rounds: int = 8) -> ClockOffset:
-    """Collective on the world, at start-up: this rank's `ClockOffset` (module docstring). One process: 0."""
+    """Collective on the world, at start-up: this rank's `ClockOffset` (docs/internals/comm.md). One process: 0."""
     if not is_distributed() or dist.get_world_size() == 1:
         return ClockOffset()
     boot_ids: list = [None] * dist.get_world_size()

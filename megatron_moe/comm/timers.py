@@ -1,39 +1,14 @@
 """The communication timers: per kind and per MoE layer, how long each collective took and how much of it
 the compute thread (CPU) or compute stream (GPU) spent blocked on it.
 
-A `Monitor` (core.py), installed for the run by the Trainer and reset at each step. For every collective:
-
-    issued ------------------------------------------------------ done        comm_ms: issued -> done
-      [blocked .. unblocked]   (compute)   [blocked .. unblocked]             exposed_ms: the blocked spans
-       starting it                          waiting for it
-
-On CPU the stamps are the host clock; `done` is stamped by the work's future (a callback when gloo
-finishes the transfer), or by the end of the wait that saw it complete, whichever comes first. On an
-accelerator the stamps are CUDA events on the compute stream (platform/timing.py): a blocked span is how
-long the stream waited for the collective, `done` is where the stream had it (an upper bound when the
-wait found it finished), and nothing waits for the device before `summary()`, which the Trainer calls
-once the step's loss has been read anyway.
-
-Issued -> done is no measure of what overlap could hide: it includes waiting for a slower peer, and a collective
-issued early and waited for late (the adaptive gradient reduction spans the whole backward) counts its whole
-span. So the hidden share is taken against the time the bytes need on the link:
-
-    wire_ms       per collective: its line's alpha + ms per byte x the bytes that cross (`WireLine`: the cost
-                  model's fitted line, or the start-up link probe's where no choice needed the cost model;
-                  training/setup.py `link_fits`, comm_report.py `wire_lines`); for a kind without a line
-                  (tp, pp_p2p, other, ESP without a profile), crossing bytes x the fastest ms per crossing byte
-                  any complete collective of its family (`WIRE_FAMILIES`) showed in the window, issued -> done
-    skew_ms       per collective of comm/skew.py's `SKEW_KINDS`: its blocked time before the last rank of its group
-                  arrived, measured from every rank's arrival stamp (exchanged once a step: `summary(reader=...)`)
-    transfer_ms   exposed - skew: blocked while the transfer could run (other kinds: all their exposed time)
-    hidden_frac   1 - exposed / wire over every kind, clamped to [0, 1]: waiting counts as not hidden
-
-The window's estimate is a last resort, not a measure of the link: a rank's span is short when its peer issued
-first (the bytes had arrived) or when its sends fit the socket buffers, so the fastest one can be much faster than
-the link (on the emulated cluster at 0.2 Gbit/s it priced the backward all-to-alls at 14 ms, a 16th of what the
-bytes need): it then calls too little hidden, never the reverse. Skew and transfer do not depend on it.
-Bytes: `bytes` is this rank's send buffers (an all-to-all's block for itself included), `wire_bytes` what left
-it (core.py `Collective.wire_bytes`); only the latter is link time.
+A `Monitor` (core.py), installed for the run by the Trainer and reset at each step. Per collective:
+comm_ms (issued -> done), exposed_ms (the blocked spans), wire_ms (the bytes that cross at the link's fitted
+line, `WireLine`, else the window's fastest of its family, `WIRE_FAMILIES`), skew_ms and transfer_ms
+(exposed split by comm/skew.py), hidden_frac (1 - exposed / wire, clamped to [0, 1]). Stamps are the host
+clock on CPU and events on the compute stream on an accelerator. Invariants: nothing waits for the device
+before `summary()`; `bytes` is this rank's send buffers, `wire_bytes` what left it (only that is link time).
+How `done` is stamped, why issued -> done is no measure of overlap, and the window estimate's bias (it calls
+too little hidden, never the reverse): docs/internals/comm.md.
 """
 
 from __future__ import annotations
@@ -118,7 +93,7 @@ class _Timed:
 
 @dataclasses.dataclass(kw_only=True)
 class CommSummary:
-    """A measurement window's communication (one step in training), this rank's view (module docstring: wire
+    """A measurement window's communication (one step in training), this rank's view (docs/internals/comm.md: wire
     time, skew, transfer and the hidden share). Every dict has every kind of `SUMMARY_KINDS`."""
 
     comm_ms: dict[str, float]
@@ -301,7 +276,7 @@ class CommTimers:
 
     def _wire_ms(self, timed: list[_Timed], figures: list[dict]) -> list[float]:
         """Each collective's wire time: its kind's `WireLine`, else its crossing bytes at the fastest ms per
-        crossing byte of a complete collective of its family in the window (module docstring)."""
+        crossing byte of a complete collective of its family in the window (docs/internals/comm.md, timers.py)."""
         fastest: dict[str, float] = {}
         for t, values in zip(timed, figures):
             if t.kind not in self.wire_lines and t.done is not None and t.wire_bytes > 0:

@@ -1,43 +1,14 @@
 """The watchdog: names the collective (or the read of device values) a rank is stuck in, and the peers that have
 not arrived.
 
-A `Monitor` (see core.py) plus one daemon thread per rank. The monitor counts the
-collectives issued on each process group, remembers the last one issued on each,
-and what each thread is blocked on: a collective, or a host read of device values
-(`core.host_read`), innermost first when a collective runs inside a read. The
-thread, every `period` seconds:
-
-1. publishes this rank's heartbeat to the rendezvous store (a separate client,
-   short timeout): the time, the step, the collectives issued per group, and what
-   it is blocked on; also at once when a step starts (`set_step` wakes the thread),
-   so a rank stopped mid-step was last seen at the step it stopped in, not at the
-   step of the last periodic beat (up to 10 s, many steps, earlier);
-2. when a thread has been blocked past half the stall threshold, reads the
-   heartbeats of that collective's group (for a host read: of every group's);
-3. past the stall threshold logs the report (and again every further threshold):
-   collective kind and purpose, MoE layer, step, group, bytes, and for each peer
-   whether it has arrived (its count on that group reached ours) and whether it
-   is alive (its last heartbeat is recent). For a host read: what is read, and
-   for each group the last collective issued on it and which peers have not
-   arrived at it;
-4. when a peer it waits for has sent no heartbeat for `dead_s`
-   (--dead-peer-seconds): that peer is stopped, hung or dead and the collective
-   cannot finish; logs the report and ends the job (`end_job`) without waiting
-   for the deadline;
-5. past the deadline (--distributed-timeout-minutes) logs the report once more and
-   ends the job: the process groups' own timeouts are set a minute later, so this
-   named report comes before gloo's or NCCL's anonymous one. The deadline is for
-   a collective that is slow or stuck while every peer is alive (a stalled network).
-
-A stopped or hung peer stops publishing: "no heartbeat for 20 s". A peer that
-is alive but elsewhere shows where it is (its step and what it is blocked on).
-
-On gloo a collective blocks the host, so the stuck rank is blocked in it. On NCCL
-`wait()` only orders the compute stream: the host goes on until it reads a device
-value, which waits for the unfinished collective. That read is named ("blocked
-300 s in host read 'moe plan counts' (step 7, MoE layer 2)") with the last
-collective issued on each group: the one that did not finish is among them, and
-its group's peers that have not arrived are named.
+A `Monitor` (core.py) plus one daemon thread per rank. The monitor counts the collectives issued per process
+group and what each thread is blocked on (a collective or a `core.host_read`). Every `period` seconds, and at
+once when a step starts, the thread publishes this rank's heartbeat to the rendezvous store; past half the stall
+threshold it reads the group's heartbeats; past the threshold it logs the report (kind, purpose, layer, step,
+group, bytes, and each peer's arrival and liveness); a peer silent for `dead_s` (--dead-peer-seconds), or the
+deadline (--distributed-timeout-minutes), ends the job (`end_job`). Invariant: the process groups' own
+timeouts are a minute later, so this named report comes before gloo's or NCCL's anonymous one.
+The steps in full, and how a rank stuck on NCCL is found in its host read: docs/internals/comm.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """The metadata sidecar of tokenized data: ``PREFIX.meta.json`` beside ``PREFIX.bin/.idx``.
 
-Start-up must not read the ``.bin`` (a 100 GB corpus takes minutes per rank to scan), yet it
-must refuse a tokenizer smaller than the data's token ids. ``tools/preprocess_data.py`` knows
-every id it writes, so it records the largest one here, with what identifies the tokenizer;
-start-up reads this small file instead of scanning. Data made elsewhere (Megatron-LM's own
-preprocess_data.py, older data) gets its sidecar from one scan:
-``python -m tools.preprocess_data --write-metadata PREFIX --tokenizer-model TOKENIZER.model``.
-
-The file is one JSON object (version 1)::
-
-    {"format": "megatron_moe.tokenized_data", "version": 1,
-     "dtype": "uint16",            # numpy dtype of the .bin's tokens (the .idx says the same)
-     "num_tokens": 1234567,        # tokens in the .bin (= its size / the dtype's size)
-     "num_sequences": 1500,        # sequences in the .idx
-     "num_documents": 1500,        # documents in the .idx
-     "bin_bytes": 2469134,         # size of the .bin
-     "max_token_id": 4095,         # largest token id in the .bin (-1 when it holds none)
-     "tokenizer": {"vocab_size": 4096, "model_sha256": "...", "pieces_sha256": "...",
-                   "model_file": "tokenizer.model"},
-     "written_by": "tools/preprocess_data.py"}
-
-The counts let start-up notice a sidecar that no longer describes its ``.bin/.idx``.
-``tokenizer.vocab_size`` and ``tokenizer.pieces_sha256`` (the pieces in id order) identify the
-vocabulary independently of the model file's bytes, so a later check can also refuse a
-tokenizer whose vocabulary differs from the data's (larger, or equal in size but different).
-The file is written under a temporary name and renamed into place.
-
-This module stays free of torch and megatron-core, like the package it belongs to.
+Start-up reads this small file instead of scanning the ``.bin`` to refuse a tokenizer smaller than the data's
+token ids. ``tools/preprocess_data.py`` writes it; other data gets one from one scan
+(``python -m tools.preprocess_data --write-metadata PREFIX --tokenizer-model TOKENIZER.model``).
+Contents (one JSON object, version 1): format, version, dtype, num_tokens, num_sequences, num_documents,
+bin_bytes, max_token_id (-1 when none), tokenizer (vocab_size, model_sha256, pieces_sha256, model_file),
+written_by. Invariants: the counts let start-up notice a sidecar that no longer describes its ``.bin/.idx``;
+the vocabulary is identified independently of the model file's bytes; the file is written under a temporary
+name and renamed into place; this module stays free of torch and megatron-core.
+The file's annotated example and why it exists: docs/internals/data.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """A cluster as a user describes it: GPUs (a data-sheet preset, overridable), links, and collective times on them.
 
 GEMM rate: the preset's dense peak for the run's dtype times an achievable-efficiency curve over the GEMM's size
-(FLOPs of one call). The curve was measured on one H200 (torch 2.11, plain `torch.matmul` in bf16, mean of 20
-after warm-up; peak 989 TFLOP/s):
-
-    [m x k] x [k x n]           TFLOP/s   of peak
-    8192 x 8192 x 8192            796      0.805
-    4096 x 4096 x 14336           789      0.798
-    2048 x 4096 x 14336           707      0.715
-    1024 x 4096 x 14336           643      0.650
-     512 x 4096 x 14336           593      0.600
-     256 x 4096 x 14336           557      0.563
-    4096 x 2048 x 768             543      0.549
-    1024 x 768 x 3072             333      0.337
-
-and is used, as a share of peak, for every GPU preset (interpolated in log FLOPs, held flat beyond the ends).
-`--gemm-tflops` gives the rate of large GEMMs instead (the curve keeps its shape); the `cpu` "GPU" (an emulated
-cluster's process) has no preset: its rate is given and flat.
-
-Links: each GPU has an intra-node link (NVLink) and an inter-node link (its NIC) of given Gbit/s per direction,
-and a start-up time per message (`alpha_ms`) on each. Collectives over a group of ranks are costed from how the
-group lies on the nodes (`GroupShape`): ring all-gather / reduce-scatter / all-reduce at the slower link the
-ring crosses; all-to-all either linear (every peer at once; the node's peers over NVLink while the remote ones
-go over the NIC) or 2dh (Tutel's two-dimensional hierarchical: an intra-node all-to-all that gathers what goes to
-each remote node, then one message per remote node over the NIC, with two strided copies through memory).
+(FLOPs of one call; measured on one H200, interpolated in log FLOPs, flat beyond the ends); `--gemm-tflops` gives
+the rate of large GEMMs instead; the `cpu` "GPU" (an emulated cluster's process) has a given, flat rate.
+Links: each GPU has an intra-node link (NVLink) and an inter-node link (its NIC), Gbit/s per direction and a
+start-up time per message (`alpha_ms`). Collectives over a group are costed from how it lies on the nodes
+(`GroupShape`): ring all-gather / reduce-scatter / all-reduce at the slower link the ring crosses; all-to-all
+linear or 2dh (Tutel's two-dimensional hierarchical).
+The measured curve and the all-to-all models in full: docs/internals/planning.md.
 """
 
 from __future__ import annotations
@@ -308,7 +292,7 @@ class Cluster:
         return (self.inter if across_nodes else self.intra).ms(nbytes)
 
     def a2a_line(self, group: GroupShape, algorithm: str) -> tuple[float, float]:
-        """(alpha ms, beta ms per byte a rank sends) of one all-to-all over `group` (module docstring).
+        """(alpha ms, beta ms per byte a rank sends) of one all-to-all over `group` (docs/internals/planning.md).
 
         linear: the node's peers get (per_node - 1) / n of the bytes over NVLink while the remote ones get
         (n - per_node) / n over the NIC, at once: the slower side's messages and bytes. 2dh: first (per_node - 1)

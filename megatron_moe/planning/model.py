@@ -4,35 +4,13 @@ Legend: T = tokens of a micro-batch on a rank (micro-batch x seq / CP), Ts = T /
 h = hidden, F = an expert's FFN width, F' = the dense MLP's, E = experts, k = top-k, L = layers, v = model chunks
 per pipeline rank (VPP), m = micro-batches per step, d = bytes of the run's dtype.
 
-Memory per GPU (the largest over pipeline stages): weights + gradients + optimizer state, and activations.
-- Per parameter: d for the weight, 4 for its gradient (megatron-core reduces bf16 / fp16 gradients in fp32), and
-  the fp32 master copy with Adam's two moments (12; 8 in an fp32 run) divided by the ranks the distributed
-  optimizer shards them over (DP for dense weights, expert-DP for the experts').
-- Activations: `activation_bytes` per layer and micro-batch under the policy (none: what each module keeps;
-  arctic: GEMM inputs kept int8, norms' and activation functions' outputs recomputed; full: the layer's input only,
-  plus one layer's "none" while it is recomputed), times the layer-micro-batches a stage holds under 1F1B (stage s
-  of p holds min(p - s, m) micro-batches; interleaved, megatron-core's warm-up (p - s - 1) x 2 + (v - 1) x p
-  chunks plus one), and on the last stage the logits (fp32 for the loss).
-
-Step time: the pipeline runs m micro-batches of the slowest stage's time t (its compute plus its exposed
-communication per micro-batch) and a bubble of (p - 1) / v times t (1F1B, interleaved with v chunks: the bubble
-is (p - 1) / (m v) of the m t of work), then the data-parallel reduction's exposed part and the optimizer step:
-
-    step = m t + (p - 1) / v x t + exposed DP + optimizer
-
-- Compute: every GEMM's FLOPs at the GPU's rate for its size (`hardware.Compute`), backward twice the forward,
-  full recompute one more forward (and its communication), arctic x `ARCTIC_TIME`.
-- The MoE layer: the overlap cost model of the runtime (`megatron_moe.overlap.cost_model`, FSMoE's four cases
-  with the pipeline degree the runtime would pick, 1..8), on lines built from the links: the all-to-all over the
-  EP group as it lies on the nodes (placement e+d or d+e, algorithm linear or 2dh), the ESP all-gather and
-  reduce-scatter; what the layer takes beyond its experts' compute is the exposed EP communication.
-- TP (sequence parallel): an all-gather and a reduce-scatter of T x h around attention and the dense MLP, each way,
-  not overlapped. PP: one send of Ts x h per model chunk each way per micro-batch, not overlapped.
-- DP: the distributed optimizer's reduce-scatter of the gradients (fp32) and all-gather of the weights (d) over
-  DP (dense) and expert-DP (experts); the reduce-scatter runs under the last micro-batch's backward and the
-  all-gather under the first micro-batch's forward (--overlap-grad-reduce, --overlap-param-gather), each exposed
-  where longer than that, and never less than one layer's share (the last bucket).
-- Optimizer: Adam reads and writes `OPTIMIZER_BYTES` per local (sharded) parameter at the memory bandwidth.
+Memory per GPU (the largest over pipeline stages): weights, gradients and sharded optimizer state per parameter,
+plus activations under the policy times the layer-micro-batches a stage holds under (interleaved) 1F1B.
+Step time: step = m t + (p - 1) / v x t + exposed DP + optimizer, t the slowest stage's time per micro-batch
+(compute plus exposed communication; the MoE layer's from the overlap cost model).
+Inputs: a `Shape` (the model) and a `Layout` (degrees, micro-batch, policy). Outputs: bytes per GPU here
+(`memory_per_gpu`); the step time in step.py (`predict_step`).
+Every term's derivation: docs/internals/planning.md.
 """
 
 from __future__ import annotations
@@ -209,7 +187,7 @@ def stage_params(shape: Shape, lay: Layout, stage: int) -> tuple[float, float]:
 
 
 def param_bytes(shape: Shape, lay: Layout, dense: float, expert: float) -> float:
-    """Weight, gradient and sharded optimizer state (module docstring)."""
+    """Weight, gradient and sharded optimizer state (docs/internals/planning.md, model.py)."""
     state = 8 if shape.dtype == "fp32" else 12
     dp, expert_dp = (lay.dp, lay.expert_dp) if lay.distributed_optimizer else (1, 1)
     return dense * (shape.d + 4 + state / dp) + expert * (shape.d + 4 + state / expert_dp)
@@ -262,7 +240,7 @@ def layer_activations(shape: Shape, lay: Layout, moe: bool) -> float:
 
 
 def in_flight_chunks(lay: Layout, stage: int, microbatches: int) -> int:
-    """Model chunks x micro-batches whose activations stage `stage` holds at once (module docstring)."""
+    """Model chunks x micro-batches whose activations stage `stage` holds at once (docs/internals/planning.md)."""
     if lay.vpp == 1:
         return min(lay.pp - stage, microbatches)
     warmup = (lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp

@@ -1,4 +1,4 @@
-"""The step time of a layout (the model is described in `megatron_moe.planning.model`'s docstring).
+"""The step time of a layout (the model: docs/internals/planning.md).
 
 `predict_step` gives a `Prediction`: the step's ms split into where the time goes (`breakdown`, which sums to
 the step), memory per GPU, throughput, and the MoE layer's pipeline degrees the runtime's cost model picks.
@@ -212,7 +212,7 @@ def per_microbatch(shape: Shape, lay: Layout, cluster: Cluster, compute: Compute
 def dp_ms(shape: Shape, lay: Layout, cluster: Cluster, window_bwd_ms: float, window_fwd_ms: float) -> float:
     """The exposed reduce-scatter of the gradients and all-gather of the weights (distributed optimizer; without
     it an all-reduce of the gradients, a reduce-scatter and an all-gather of fp32) over DP and expert-DP, for the
-    stage with the most weights (module docstring of `model`); all of it without overlap."""
+    stage with the most weights (docs/internals/planning.md, model.py); all of it without overlap."""
     shapes = groups(lay, cluster.gpus_per_node)
     dense, expert = max((stage_params(shape, lay, s) for s in range(lay.pp)), key=sum)
     d = shape.d if lay.distributed_optimizer else 4
@@ -233,7 +233,7 @@ def predict_step(
     *,
     memory: dict[str, float] | None = None,
 ) -> Prediction:
-    """The layout's step (the `model` module's docstring); `memory`: its `memory_per_gpu` where known."""
+    """The layout's step (docs/internals/planning.md, model.py); `memory`: its `memory_per_gpu` where known."""
     m = shape.global_batch // (lay.micro_batch * lay.dp)
     parts, moe = per_microbatch(shape, lay, cluster, compute)
     t = sum(parts.values())

@@ -1,23 +1,10 @@
 """Host memory on a CPU-only machine: keep freed blocks for reuse, as a GPU caching allocator does.
 
-glibc malloc serves large blocks (it starts at 128 KiB and adapts up to 32
-MiB) with a fresh `mmap` and returns them with `munmap` on free; it also
-gives freed memory at the top of the heap back to the kernel above a trim
-threshold. A training step allocates the same big activations every
-iteration, so with those defaults each step touches hundreds of MiB of new
-pages: every 4 KiB page faults and is zeroed by the kernel. Measured on the
-2-core CI machine, one MoE layer at GPT2-S shapes (8192 tokens, top-2):
-342k page faults and 4.9 s per forward+backward with the defaults, 2.7 s
-with blocks kept for reuse (see `tools/bench_moe_layer.py`).
-
-`keep_freed_host_memory()` serves every block from the heap (no mmap) and
-never trims it, so the resident set stays at the high-water mark, which is
-what a training process reaches every step anyway. The heap still grows
-now and then after warm-up: torch allocates with posix_memalign, whose
-slack keeps a freed block from fitting a request of its own size, so a
-buffer sometimes lands on fresh heap until the holes coalesce. Set
-`MEGATRON_MOE_HOST_ALLOCATOR=system` to keep glibc's defaults; other C
-libraries (musl) and platforms without `mallopt` are left alone.
+`keep_freed_host_memory()` makes glibc malloc serve every block from the heap (no mmap) and never trim it, so
+the resident set stays at the high-water mark a training process reaches every step anyway, and a step's
+activations stop faulting in fresh, zeroed pages. `MEGATRON_MOE_HOST_ALLOCATOR=system` keeps glibc's defaults;
+other C libraries (musl) and platforms without `mallopt` are left alone.
+Why, the measured effect and the heap's remaining growth: docs/internals/platform.md.
 """
 
 from __future__ import annotations

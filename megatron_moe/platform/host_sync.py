@@ -1,25 +1,13 @@
 """Waits of the host for the device: the one intended read (`to_host`), and a counter of all of them.
 
-`to_host(*tensors)` brings integer tensors to the host in ONE device->host
-copy: the MoE layer reads everything its planning needs with it, once per
-forward. `table_to_host(table)` does the same for a table of figures (the
-step's MoE metrics). `count_host_syncs()` counts every wait inside a block, so a test can
-pin the number:
-
-- on CUDA, `torch.cuda.set_sync_debug_mode("warn")` reports each synchronizing
-  call (item, tolist, nonzero, a copy to pageable host memory, ...) as a
-  warning; the counter records those warnings;
-- on CPU nothing waits, so the counter records what WOULD wait on an
-  accelerator: aten ops whose result the host reads (`item`, `bool`, `int`,
-  `float` and `index` of a tensor all run `_local_scalar_dense`; `equal`,
-  `allclose`) or whose output size depends on values (`nonzero`,
-  `masked_select`, `unique`, `bincount`, one-argument `where`, indexing with a
-  boolean mask, `repeat_interleave` of tensor repeats without `output_size`),
-  seen by a `TorchDispatchMode` in forward and backward alike; and the reads
-  that need no aten op for a tensor already on the host (`tolist`, `numpy`,
-  `cpu`, `.to("cpu")`), seen by a `TorchFunctionMode` outside `backward()`
-  only (function modes are off inside it). Both modes exist only inside the
-  block. A wait inside a C++ kernel is only seen by the CUDA counter.
+`to_host(*tensors)` brings integer tensors to the host in ONE device->host copy (the MoE layer's planning read,
+once per forward); `table_to_host(table)` does the same for a table of figures (the step's MoE metrics).
+`count_host_syncs()` counts every wait inside a block, so a test can pin the number: on CUDA the synchronizing
+calls `torch.cuda.set_sync_debug_mode("warn")` reports; on CPU what WOULD wait on an accelerator (aten ops whose
+result the host reads or whose output size depends on values, seen by a `TorchDispatchMode`, and host reads of
+host tensors outside `backward()`, seen by a `TorchFunctionMode`). Both modes exist only inside the block.
+Invariant: a wait inside a C++ kernel is only seen by the CUDA counter.
+Which ops count, and why: docs/internals/platform.md.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from multiprocessing.managers import SyncManager
 import torch
 
 from megatron_moe.lifetime import writer_process_start
-from megatron_moe.platform.cpu_compat import Patch, source
+from megatron_moe.platform.patch import Patch, source
 
 
 # 1. Without transformer-engine, moe_utils never binds `te_general_gemm`, and

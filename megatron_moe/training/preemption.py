@@ -1,18 +1,10 @@
 """Leaving early on purpose: SIGTERM (slurm's warning before the time limit) or a time budget.
 
-Every rank joins one small all-reduce per step, so all ranks agree to stop at
-the same step even when the signal reached only some of them; the loop then
-saves a checkpoint and exits cleanly, and the next start resumes from it.
-
-A second SIGTERM (or a SIGINT after a SIGTERM) ends the process at once, without
-saving and without a collective: whoever sends it wants the process gone (an
-impatient user). It is seen even while the main thread is blocked in a collective,
-where Python runs no signal handler: CPython's C-level handler writes each signal's
-number to the wakeup fd, and a thread reads it there. Only one that comes more than
-SAME_REQUEST_S after the first counts as a second: one stop often reaches a rank twice
-(slurm signals every process of the job step, torchrun included, which forwards its
-own SIGTERM to each worker's process group; a `kill` or `pkill` of the whole job does
-the same), and that is one request to save and go (a save in progress completes).
+Every rank joins one small all-reduce per step, so all ranks agree to stop at the same step even when the signal
+reached only some of them; the loop then saves a checkpoint and exits cleanly, and the next start resumes.
+A second SIGTERM (or a SIGINT after a SIGTERM) more than SAME_REQUEST_S after the first ends the process at once,
+without saving and without a collective, even while the main thread is blocked in a collective (a thread reads
+the wakeup fd). Why closer ones count as one request, and how the signal is seen: docs/internals/training.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from megatron_moe.checkpointing import TRACKER, _publish, check_compatible, latest_checkpoint, resolve_load_dir
+from megatron_moe.checkpointing import TRACKER, check_compatible, latest_checkpoint, resolve_load_dir
+from megatron_moe.checkpointing import publish as publish_pointer
 from megatron_moe.config import ConfigError, parse_args
 
 
@@ -15,7 +16,7 @@ def cfg(*flags):
 def publish(root, iteration):
     os.makedirs(os.path.join(root, f"iter_{iteration:07d}"))
     open(os.path.join(root, f"iter_{iteration:07d}", "metadata.json"), "w").close()
-    _publish(str(root), iteration)
+    publish_pointer(str(root), iteration)
 
 
 def test_load_pointing_at_nothing(tmp_path):

@@ -1,18 +1,13 @@
 """GPT2BPETokenizer and HuggingFaceTokenizer, both on HuggingFace's `tokenizers` library.
 
-GPT2BPETokenizer (``--vocab-file vocab.json --merge-file merges.txt``) is Megatron-LM's: GPT-2's byte-level BPE
-(its regex pre-split, bytes mapped to printable characters, no normalization, no prefix space), end of document
-``<|endoftext|>``, vocabulary size = the entries of vocab.json. As in Megatron-LM, ``<|endoftext|>`` written in
-the text is ordinary text (split into pieces); only ``--append-eod`` puts the eod id into the data.
-
-HuggingFaceTokenizer (``--tokenizer-model DIR`` holding ``tokenizer.json``, or that file) runs the tokenizer.json
-as transformers' fast tokenizer would: its normalizer, pre-tokenizer, model and post-processor (so a tokenizer
-whose post-processor adds a BOS adds it to each document, as Megatron-LM's ``HuggingFaceTokenizer`` does); its
-added special tokens are split out of the text. Special tokens come from ``tokenizer_config.json`` beside it when
-there is one, else from the vocabulary (``EOD_TOKENS``, ``BOS_TOKENS``, ``PAD_TOKENS``).
-
-Neither pads with a real id unless the tokenizer defines a pad token other than its eod: ``pad`` is then
-``NO_PAD_FALLBACK`` (-1), megatron-core's sentinel, which never collides with eos.
+GPT2BPETokenizer (``--vocab-file vocab.json --merge-file merges.txt``) is Megatron-LM's GPT-2 byte-level BPE;
+end of document ``<|endoftext|>``, which in the text is ordinary text: only ``--append-eod`` puts the eod id in.
+HuggingFaceTokenizer (``--tokenizer-model DIR`` holding ``tokenizer.json``, or that file) runs tokenizer.json as
+transformers' fast tokenizer would (normalizer, pre-tokenizer, model, post-processor; added special tokens split
+out); special tokens come from ``tokenizer_config.json`` beside it, else from the vocabulary (``EOD_TOKENS``,
+``BOS_TOKENS``, ``PAD_TOKENS``).
+Invariant: neither pads with a real id unless the tokenizer defines a pad token other than its eod: ``pad`` is
+then ``NO_PAD_FALLBACK`` (-1), megatron-core's sentinel. The details: docs/internals/data.md.
 """
 
 from __future__ import annotations
