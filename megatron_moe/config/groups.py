@@ -13,16 +13,8 @@ import dataclasses
 
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
-from megatron_moe.config.fields import arg, require
-from megatron_moe.config.moe_layer import (
-    A2A_ALGORITHMS,
-    DROP_POLICIES,
-    GATES,
-    ORDERINGS,
-    MoELayerConfig,
-    parse_degree,
-    parse_shadow,
-)
+from megatron_moe.config.fields import arg, flag_attribute, flag_fields, is_flag, parse_flag_values, require
+from megatron_moe.config.moe_layer import MoELayerConfig
 from megatron_moe.config.placement import PLACEMENTS
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
@@ -92,85 +84,25 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class MoEConfig:
-    """Mixture of experts: how many experts, how tokens are routed, where MoE layers sit."""
+class MoERunFlags:
+    """Mixture of experts: how many experts, how tokens are routed, where MoE layers sit.
+
+    The run-level MoE flags; `MoEConfig` adds one flag per MoE layer setting, generated from `MoELayerConfig`
+    (its `arg` fields: the one declaration of each), so `cfg.moe.moe_router_topk` is --moe-router-topk."""
 
     num_experts: int | None = arg(None, "experts per MoE layer (unset: a dense model)")
-    moe_router_topk: int = arg(2, "experts per token", applies=only.TOKEN_PICKING)
     moe_layer_freq: str = arg(
         "1",
         "MoE every N layers (N, e.g. 2 = every other layer) or a 0/1 pattern like '[1,0,1,0]'",
         applies=only.MOE,
     )
     moe_ffn_hidden_size: int | None = arg(None, "expert MLP width (default --ffn-hidden-size)", applies=only.MOE)
-    moe_aux_loss_coeff: float = arg(0.01, "load-balancing loss weight", applies=only.BALANCING)
-    moe_z_loss_coeff: float | None = arg(None, "router z-loss weight (unset: off)", applies=only.Z_LOSS)
-    moe_router_load_balancing_type: str = arg(
-        "aux_loss",
-        "balancing loss E x sum_e f_e x P_e (f_e: share of routed choices on expert e, P_e: its mean router "
-        "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), none; "
-        "seq_aux_loss only with --moe-layer-impl mcore",
-        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "none"),
-        applies=only.BALANCING_TYPE,
-    )
-    moe_expert_capacity_factor: float | None = arg(
-        None,
-        "Tutel semantics: > 0 fixed (drop overflow), 0 or unset dropless, < 0 dropless capped at |f|; "
-        "C = ceil(|f| x topk x tokens / experts) per expert per EP rank",
-        applies=only.MOE,
-    )
-    moe_pad_expert_input_to_capacity: bool = arg(
-        False,
-        "pad every expert's rows from every EP rank to the capacity C (the experts run one batched GEMM); "
-        "without a capacity factor (dropless) C is the step's largest count over the EP group",
-        applies=only.PADDING,
-    )
     moe_token_dispatcher_type: str = arg(
         "alltoall",
         "token dispatch: alltoall (all-to-all over EP, exact rows unless padded); allgather only with "
         "--moe-layer-impl mcore",
         choices=("alltoall", "allgather"),
         applies=only.MOE,
-    )
-    moe_gate: str = arg("topk", "routing function", choices=GATES, applies=only.OUR_MOE)
-    moe_ordering: str = arg(
-        "sparse",
-        "token layout: sparse (index gather/scatter) or dense (GShard einsum, always padded to capacity)",
-        choices=ORDERINGS,
-        applies=only.OUR_MOE,
-    )
-    moe_shared_expert_ffn_hidden_size: int | None = arg(
-        None, "width of a dense MLP beside the experts (unset: none)", applies=only.OUR_MOE
-    )
-    moe_pipeline_degree: str = arg(
-        "auto",
-        "FSMoE's pipeline: the dispatched rows in this many chunks in forward, chunk i's experts running while "
-        "chunk i+1's all-to-all is in flight; an integer >= 1 (1: not pipelined) or auto (the cost model's choice "
-        "from the cluster's profile, --moe-cost-profile; 1 where EP = ESP = 1)",
-        applies=only.OUR_MOE,
-    )
-    moe_bp_pipeline_degree: str = arg(
-        "auto",
-        "the pipeline's chunks in backward (its own schedule): an integer >= 1 or auto",
-        applies=only.OUR_MOE,
-    )
-    moe_shadow_experts: str = arg(
-        "off",
-        "FasterMoE's shadow experts: per MoE layer and forward, the hottest experts' weights are broadcast to every "
-        "EP rank, which computes its own rows for them, and their gradients are reduced to the owner; auto (the cost "
-        "model's greedy choice from the agreed counts, FasterMoE's policy), off, or N (always the N most loaded). "
-        "Dropless, EP > 1, built-in unsharded experts",
-        applies=only.OUR_MOE,
-    )
-    moe_a2a_algorithm: str = arg(
-        "linear",
-        "the dispatch/combine all-to-all: linear (one message per rank pair), 2dh (Tutel's two-dimensional "
-        "hierarchical all-to-all: the node's ranks exchange first, then one message per rank of each other node "
-        "on the same local index, bit-identical results; needs an EP group over several nodes with the same "
-        "ranks on each, LOCAL_WORLD_SIZE) or auto (2dh where the cost model with per-message costs predicts it "
-        "faster, said at start-up)",
-        choices=A2A_ALGORITHMS,
-        applies=only.EXPERT_PARALLEL,
     )
     moe_cost_profile: str | None = arg(
         None,
@@ -214,7 +146,6 @@ class MoEConfig:
         "(layer numbers from 1, each with an MoE layer; a range across pipeline stages splits at their boundary)",
         applies=only.OUR_MOE,
     )
-    moe_normalize_topk: bool = arg(True, "rescale the k chosen gate scores to sum to 1", applies=only.NORMALIZING)
     moe_router_score_function: str | None = arg(
         None,
         "Megatron-LM's router score: softmax (--moe-gate topk) or sigmoid (--moe-gate sigmoid); unset: --moe-gate",
@@ -227,42 +158,6 @@ class MoEConfig:
         "(here: --no-moe-normalize-topk)",
         applies=only.PRE_SOFTMAX,
     )
-    moe_router_topk_scaling_factor: float | None = arg(
-        None, "multiply the k combine weights by this (DeepSeek-V3: 2.5)", applies=only.TOKEN_CHOICE
-    )
-    moe_router_enable_expert_bias: bool = arg(
-        False,
-        "DeepSeek-V3's aux-loss-free balancing: a per-layer expert bias (fp32, replicated, checkpointed) added to "
-        "the sigmoid scores only to choose the top-k (the combine weights stay unbiased); after each step every "
-        "bias moves by --moe-router-bias-update-rate toward the mean load (the step's tokens per expert summed "
-        "over the TP x CP x DP ranks). Needs --moe-router-score-function sigmoid and, in our layer, no capacity",
-        applies=only.MOE,
-    )
-    moe_router_bias_update_rate: float = arg(
-        1e-3, "the expert bias's step: bias += rate x sign(mean load - load)", applies=only.EXPERT_BIAS
-    )
-    moe_router_num_groups: int | None = arg(
-        None,
-        "group-limited routing: the experts in this many equal groups (device-limited: EP; node-limited: nodes)",
-        applies=only.GROUP_LIMITED,
-    )
-    moe_router_group_topk: int | None = arg(
-        None,
-        "group-limited routing: each token's top-k among the experts of its best this-many groups (a group's "
-        "score: the sum of its top topk/group-topk scores); needs --moe-router-num-groups",
-        applies=only.GROUP_TOPK,
-    )
-    moe_token_drop_policy: str | None = arg(
-        None,
-        "over capacity, which pairs an expert keeps: probs (the highest weights) or position (the earliest "
-        "tokens), as Megatron-LM; unset: the gate's claim order (k-major, every first choice before any second)",
-        choices=DROP_POLICIES,
-        applies=only.DROPPING,
-    )
-    moe_router_dim: int | None = arg(
-        None, "projection width of the xmoe/cosine gates (default 16 / 256)", applies=only.PROJECTING
-    )
-    moe_soft_slots: int = arg(1, "slots per expert of --moe-gate soft", applies=only.SOFT)
     overlap_wgrad: str = arg(
         "greedy",
         "Lancet: weight-gradient GEMMs run under the backward all-to-alls. greedy: iteration 2 is timed and "
@@ -298,6 +193,9 @@ class MoEConfig:
     moe_grouped_gemm: bool = arg(
         False, "megatron-core's grouped-GEMM experts (needs the grouped_gemm package)", applies=only.MCORE_MOE
     )
+
+    def __post_init__(self):
+        parse_flag_values(self)  # typed values whoever built the group: no flag text is compared after this
 
     def expert_ffn_width(self, model: ModelConfig) -> int:
         """One routed expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's (`ModelConfig.ffn_width`)."""
@@ -340,36 +238,24 @@ class MoEConfig:
         return [1 if i % int(text) == 0 else 0 for i in range(num_layers)]
 
     def layer_config(self, model: ModelConfig, seed: int | None = None) -> MoELayerConfig:
-        """Our MoE layer's config from the run's flags: the one place flags become a MoELayerConfig (`seed`:
-        --seed, for the experts' initial weights; None where the layer is only measured or checked)."""
+        """Our MoE layer's config from the run's flags (`seed`: --seed, for the experts' initial weights; None where
+        the layer is only measured or checked): each layer flag's value as parsed, the model's widths, and the
+        four settings Megatron-LM spells with other flags (the score function picks the gate; pre-softmax turns
+        normalising off; groups count only with a group top-k; an unset z-loss is 0)."""
+        flags = {f.name: getattr(self, flag_attribute(f)) for f in dataclasses.fields(MoELayerConfig) if is_flag(f)}
         return MoELayerConfig(
+            **flags
+            | {
+                "gate": self.gate,
+                "normalize_topk": self.moe_normalize_topk and not self.moe_router_pre_softmax,
+                "num_groups": self.moe_router_num_groups if self.moe_router_group_topk else None,
+                "z_loss_coeff": self.moe_z_loss_coeff or 0.0,
+            },
             **({} if seed is None else {"init_seed": seed}),
             num_experts=self.num_experts,
             hidden_size=model.hidden_size,
             ffn_hidden_size=self.expert_ffn_width(model),
-            topk=self.moe_router_topk,
-            gate=self.gate,
-            capacity_factor=self.moe_expert_capacity_factor,
-            ordering=self.moe_ordering,
-            pad_expert_input_to_capacity=self.moe_pad_expert_input_to_capacity,
             expert_type="swiglu" if model.swiglu else "gelu",
-            shared_expert_ffn_hidden_size=self.moe_shared_expert_ffn_hidden_size,
-            load_balancing=self.moe_router_load_balancing_type,
-            aux_loss_coeff=self.moe_aux_loss_coeff,
-            z_loss_coeff=self.moe_z_loss_coeff or 0.0,
-            normalize_topk=self.moe_normalize_topk and not self.moe_router_pre_softmax,
-            topk_scaling_factor=self.moe_router_topk_scaling_factor,
-            expert_bias=self.moe_router_enable_expert_bias,
-            bias_update_rate=self.moe_router_bias_update_rate,
-            num_groups=self.moe_router_num_groups if self.moe_router_group_topk else None,
-            group_topk=self.moe_router_group_topk,
-            drop_policy=self.moe_token_drop_policy,
-            router_dim=self.moe_router_dim,
-            soft_slots=self.moe_soft_slots,
-            pipeline_degree=parse_degree(self.moe_pipeline_degree),
-            bp_pipeline_degree=parse_degree(self.moe_bp_pipeline_degree),
-            shadow_experts=parse_shadow(self.moe_shadow_experts),
-            a2a_algorithm=self.moe_a2a_algorithm,
             init_method_std=model.init_method_std,
         )
 
@@ -383,6 +269,16 @@ class MoEConfig:
         # megatron-core computes (and tracks) a balancing loss only with a positive coefficient.
         balancing = self.moe_router_load_balancing_type != "none" and self.moe_aux_loss_coeff > 0
         return balancing, bool(self.moe_z_loss_coeff)
+
+
+MoEConfig = dataclasses.make_dataclass(
+    "MoEConfig",
+    flag_fields(MoELayerConfig),
+    bases=(MoERunFlags,),
+    kw_only=True,
+    namespace={"__module__": __name__, "__doc__": MoERunFlags.__doc__},
+)
+"""The MoE flag group: `MoERunFlags` and one flag per `MoELayerConfig` setting (its declaration, named by its flag)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -12,14 +12,17 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from megatron_moe.config.features import refuse_blocked
 from megatron_moe.config.fields import (
     Collector,
+    ConfigError,
     require,
     require_finite_floats,
     require_fraction,
     require_non_negative,
     require_positive,
 )
+from megatron_moe.config.gate_traits import gates_where
 from megatron_moe.config.groups import (
     TOKENIZER_TYPES,
     ActivationsConfig,
@@ -224,7 +227,7 @@ def partition_blocker(cfg: RunConfig) -> str | None:
     return None
 
 
-TOKEN_ALONE_GATES = ("topk", "switch", "bpr", "rts", "sigmoid", "xmoe", "cosine")
+TOKEN_ALONE_GATES = gates_where("tokens_alone")
 """Gates that route each token alone when nothing caps the experts (the partition may split their batch)."""
 
 
@@ -315,15 +318,10 @@ def check_moe(moe: MoEConfig, model: ModelConfig, parallel=None) -> None:
             moe.moe_token_dispatcher_type,
             "megatron_moe's layer dispatches with alltoall (allgather only with --moe-layer-impl mcore)",
         )
-        if parallel is not None and moe.moe_shadow_experts not in ("off", "auto", "0"):
-            require(
-                parallel.expert_model_parallel_size > 1 and (parallel.expert_tensor_parallel_size or 1) == 1,
-                "--moe-shadow-experts",
-                moe.moe_shadow_experts,
-                "off or auto: shadowing needs --expert-model-parallel-size > 1 (one EP rank has every expert) and "
-                "unsharded experts (--expert-tensor-parallel-size 1)",
-            )
-        moe.layer_config(model).validate()  # names the flag, value and a valid choice
+        layer = moe.layer_config(model).validate()  # names the flag, value and a valid choice
+        if parallel is not None:  # each feature asked for by value against its blocker, at the run's sizes
+            ep, esp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size or 1
+            refuse_blocked(layer, ep_size=ep, esp_size=esp, error=ConfigError)
         return
     require(
         moe.moe_router_load_balancing_type in MCORE_LOAD_BALANCING,

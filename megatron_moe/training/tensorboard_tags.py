@@ -109,7 +109,7 @@ class TagLayout:
             dims=cfg.dims(world_size),
             moe=moe.is_moe,
             drops=moe.is_moe and DROPPING.test(cfg),
-            shadow=moe.is_moe and str(moe.moe_shadow_experts) not in ("off", "0"),
+            shadow=moe.is_moe and moe.moe_shadow_experts != "off",
             fp16=cfg.training.fp16,
         )
 
