@@ -294,7 +294,7 @@ class MoELayerConfig:
         and ESP sizes where known (None: not yet); returns self so a spec can validate inline."""
         r = self._require
         r(self.num_experts > 0, "num_experts", "must be positive")
-        r(self.gate in GATES, "gate", f"choose one of {', '.join(GATES)}")
+        r(self.gate in GATE_TRAITS, "gate", f"choose one of {', '.join(GATE_TRAITS)}")
         r(self.ordering in ORDERINGS, "ordering", f"choose one of {', '.join(ORDERINGS)}")
         r(self.expert_type in EXPERT_TYPES, "expert_type", f"choose one of {', '.join(EXPERT_TYPES)}")
         r(
