@@ -252,7 +252,7 @@ def given_layout(cfg: RunConfig, world: int) -> tuple[Layout | None, str | None]
     a, moe = cfg.activations, cfg.moe
     policy = "full" if a.full_recompute else "arctic" if a.activation_policy == "arctic" else "none"
     degrees = (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree)
-    fixed = moe.own_layer and all(str(r).isdigit() for r in degrees)
+    fixed = moe.own_layer and all(type(r) is int for r in degrees)
     adaptive = p.grad_reduce_schedule == "adaptive" and moe.own_layer and p.expert_model_parallel_size > 1
     lay = Layout(
         tp=p.tensor_model_parallel_size,

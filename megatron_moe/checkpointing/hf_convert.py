@@ -39,8 +39,8 @@ SINGLE_MOE = dict(
     moe_expert_capacity_factor=None,
     moe_pad_expert_input_to_capacity=False,
     moe_token_drop_policy=None,
-    moe_pipeline_degree="1",
-    moe_bp_pipeline_degree="1",
+    moe_pipeline_degree=1,
+    moe_bp_pipeline_degree=1,
 )
 """Our MoE layer as HF Mixtral runs it: dropless (a run trained with a capacity is compared with it, and served,
 without one); not pipelined (one process has no all-to-all to hide; "auto" would say so once per layer)."""

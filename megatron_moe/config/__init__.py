@@ -15,7 +15,7 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
-from megatron_moe.config import rules
+from megatron_moe.config import rules, rules_groups
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
 from megatron_moe.config.fields import (
     ConfigError,
@@ -270,7 +270,7 @@ def tokenizer_config(namespace: argparse.Namespace, argv: Sequence[str] | None =
     add_tokenizer_arguments(given_parser, defaults=False)
     given, _ = given_parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     check_given_flags_apply(types.SimpleNamespace(data=data), [("data", DataConfig)], set(vars(given)))
-    rules.check_tokenizer(data)
+    rules_groups.check_tokenizer(data)
     return data
 
 

@@ -1,25 +1,10 @@
 """Per-module activation policy: keep, recompute, or keep quantized (Arctic's selective scheme).
 
-Every module of a transformer layer gets one mode:
-
-- `save`: what its backward needs is kept as is (the default).
-- `recompute`: its *output* is not kept for whoever needs it in backward (the
-  next GEMM, usually); it is recomputed from the module's inputs when that
-  backward runs. Cheap, memory-heavy ops (norms, activation functions) are the
-  candidates. The module's own small saved tensors stay.
-- `quantize`: the tensors saved for backward *inside* the module (a GEMM's
-  input, an activation's input, ...) are kept in a compact format and
-  dequantized in backward.
-- `recompute+quantize` (named in both lists): the module's input is kept
-  quantized, once, both for its own backward and to recompute its output from.
-
-Module names (a dense layer's MLP uses the mlp_* names, an MoE layer the rest):
-see `MODULES`. Presets: `none` (everything saved), `full` (megatron-core's
-whole-layer recompute), `arctic` (recompute norms and activation functions,
-quantize GEMM inputs, save all-to-all outputs).
-
-The policy is configuration (pure Python, in the config layer so the run
-config can build and check it); `megatron_moe.activations` carries it out.
+In: --activation-policy (a preset: none, full, arctic), --recompute-modules, --quantize-activations; out: one mode
+per module name of `MODULES`: `save` (kept as is, the default), `recompute` (its output recomputed from its
+inputs in backward), `quantize` (the tensors saved inside it kept compact), or `recompute+quantize` (its input
+kept quantized once, for both). Pure configuration (the config layer); `megatron_moe.activations` carries it out.
+The modes and presets in full: docs/internals/config.md.
 """
 
 from __future__ import annotations

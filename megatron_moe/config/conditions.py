@@ -8,7 +8,7 @@ condition (`fields.flags_that_change_nothing`).
 from __future__ import annotations
 
 from megatron_moe.config.fields import When
-from megatron_moe.config.moe_layer import BALANCED_GATES, GATES, OWN_ORDER_GATES
+from megatron_moe.config.gate_traits import BALANCED_GATES, GATE_TRAITS, OWN_ORDER_GATES
 
 MOE = When(lambda c: c.moe.is_moe, "with --num-experts")
 OUR_MOE = When(lambda c: c.moe.own_layer, "with --num-experts and our layer (--moe-layer-impl megatron_moe)")
@@ -23,17 +23,24 @@ EXPERT_GROUPS = When(
 MCORE_MOE = When(lambda c: c.moe.is_moe and not c.moe.own_layer, "with --num-experts and --moe-layer-impl mcore")
 
 
-def _our_gate(c, gates) -> bool:
-    return c.moe.own_layer and c.moe.gate in gates
+def _gate_is(c, trait: str, value: bool = True) -> bool:
+    """The run's gate's `trait` (`GATE_TRAITS`) is `value` (an unknown gate, refused by the rules, has none)."""
+    traits = GATE_TRAITS.get(c.moe.gate)
+    return traits is not None and getattr(traits, trait) is value
+
+
+def _our_gate_is(c, trait: str, value: bool = True) -> bool:
+    """Our layer runs, and its gate's `trait` is `value`."""
+    return c.moe.own_layer and _gate_is(c, trait, value)
 
 
 _BALANCED = "/".join(BALANCED_GATES)
 TOKEN_PICKING = When(
-    lambda c: c.moe.is_moe and not _our_gate(c, ("soft",)),
+    lambda c: c.moe.is_moe and not _our_gate_is(c, "token_picking", False),
     "with --num-experts, not with --moe-gate soft",
 )
 BALANCING_TYPE = When(
-    lambda c: c.moe.is_moe and not _our_gate(c, BALANCED_GATES),
+    lambda c: c.moe.is_moe and not _our_gate_is(c, "balanced"),
     f"with --num-experts, not with --moe-gate {_BALANCED} (they balance by construction)",
 )
 BALANCING = When(
@@ -41,7 +48,7 @@ BALANCING = When(
     f"with a balancing loss: --moe-router-load-balancing-type other than none, not --moe-gate {_BALANCED}",
 )
 Z_LOSS = When(
-    lambda c: c.moe.is_moe and not _our_gate(c, ("soft",)),
+    lambda c: c.moe.is_moe and not _our_gate_is(c, "router_logits", False),
     "with --num-experts, not with --moe-gate soft (it has no router logits)",
 )
 PADDING = When(
@@ -49,7 +56,7 @@ PADDING = When(
     "with --num-experts and our layer, or with --moe-layer-impl mcore and a positive --moe-expert-capacity-factor",
 )
 NORMALIZING = When(
-    lambda c: c.moe.moe_router_topk > 1 and _our_gate(c, set(GATES) - {"switch", *BALANCED_GATES}),
+    lambda c: c.moe.moe_router_topk > 1 and _our_gate_is(c, "normalizes"),
     "with our layer, --moe-router-topk > 1 and a top-k gate (not switch, expert_choice, soft)",
 )
 SCORE_FUNCTION = When(
@@ -64,13 +71,12 @@ PRE_SOFTMAX = When(
     "with softmax scores and --moe-router-topk > 1 (our layer: a softmax top-k gate)",
 )
 TOKEN_CHOICE = When(
-    lambda c: MCORE_MOE.test(c) or _our_gate(c, set(GATES) - set(BALANCED_GATES)),
+    lambda c: MCORE_MOE.test(c) or _our_gate_is(c, "balanced", False),
     f"with --num-experts, not with --moe-gate {_BALANCED}",
 )
 DROPPING = When(
     lambda c: (
-        (c.moe.moe_expert_capacity_factor or 0) > 0
-        and (MCORE_MOE.test(c) or _our_gate(c, set(GATES) - set(OWN_ORDER_GATES)))
+        (c.moe.moe_expert_capacity_factor or 0) > 0 and (MCORE_MOE.test(c) or _our_gate_is(c, "own_order", False))
     ),
     "with a positive --moe-expert-capacity-factor (tokens dropped), not with --moe-gate " + "/".join(OWN_ORDER_GATES),
 )
@@ -78,14 +84,14 @@ EXPERT_BIAS = When(
     lambda c: c.moe.is_moe and c.moe.moe_router_enable_expert_bias, "with --moe-router-enable-expert-bias"
 )
 GROUP_TOPK = When(
-    lambda c: c.moe.is_moe and (not c.moe.own_layer or c.moe.gate in ("topk", "sigmoid")),
+    lambda c: c.moe.is_moe and (not c.moe.own_layer or _gate_is(c, "group_limited")),
     "with --num-experts and a top-k gate: --moe-gate topk or sigmoid (or --moe-layer-impl mcore)",
 )
 GROUP_LIMITED = When(
     lambda c: GROUP_TOPK.test(c) and c.moe.moe_router_group_topk is not None, "with --moe-router-group-topk"
 )
-PROJECTING = When(lambda c: _our_gate(c, ("xmoe", "cosine")), "with --moe-gate xmoe or cosine")
-SOFT = When(lambda c: _our_gate(c, ("soft",)), "with --moe-gate soft")
+PROJECTING = When(lambda c: _our_gate_is(c, "projecting"), "with --moe-gate xmoe or cosine")
+SOFT = When(lambda c: _our_gate_is(c, "slots"), "with --moe-gate soft")
 
 DISTRIBUTED_OPTIMIZER = When(lambda c: c.parallel.use_distributed_optimizer, "with --use-distributed-optimizer")
 PIPELINE_PARALLEL = When(

@@ -97,10 +97,16 @@ def arg(
     choices: Sequence[Any] | None = None,
     flag: str | None = None,
     applies: When | None = None,
+    parse: Callable[[Any], Any] | None = None,
+    flag_default: Any = dataclasses.MISSING,
 ):
     """A dataclass field with CLI metadata. `default` may be a list (copied per instance);
-    `applies`: when the flag does anything (given otherwise, it is refused)."""
-    metadata = {"help": help, "choices": choices, "flag": flag, "applies": applies}
+    `applies`: when the flag does anything (given otherwise, it is refused); `parse`: text -> the typed value
+    (idempotent on typed values; text it cannot read is left as given, for the checks to name); `flag_default`:
+    the run flag's default where it differs from the field's (`flag_fields`)."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "applies": applies, "parse": parse}
+    if flag_default is not dataclasses.MISSING:
+        metadata["flag_default"] = flag_default
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -108,6 +114,40 @@ def arg(
 
 def flag_name(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def is_flag(field: dataclasses.Field) -> bool:
+    """Whether the field declares a CLI flag (`arg`), not only the flag that sets it elsewhere."""
+    return "help" in field.metadata
+
+
+def flag_attribute(field: dataclasses.Field) -> str:
+    """The run config's attribute for the flag a field declares: `--moe-router-topk` -> `moe_router_topk`."""
+    return flag_name(field)[2:].replace("-", "_")
+
+
+def flag_fields(cls: type) -> list[tuple[str, Any, dataclasses.Field]]:
+    """`dataclasses.make_dataclass` fields for the flags that the dataclass `cls` declares (`arg(..., flag=)`):
+    named by the flag, with the field's metadata and its `flag_default` (an unset-able flag, default None, is
+    optional). One declaration serves both: the settings' own config, and the run's flag group."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for field in dataclasses.fields(cls):
+        if not is_flag(field):
+            continue
+        default = field.metadata.get("flag_default", field.default)
+        kind = hints[field.name] if default is not None else hints[field.name] | None
+        fields.append((flag_attribute(field), kind, dataclasses.field(default=default, metadata=field.metadata)))
+    return fields
+
+
+def parse_flag_values(group: Any) -> None:
+    """Every field of `group` with a `parse` hook holds its typed value, whoever built the group (argparse already
+    parsed what a user typed; a caller may pass text)."""
+    for field in dataclasses.fields(group):
+        parse = field.metadata.get("parse")
+        if parse is not None:
+            setattr(group, field.name, parse(getattr(group, field.name)))
 
 
 def _unwrap_optional(annotation):
@@ -143,7 +183,9 @@ def add_arguments(
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         kwargs: dict[str, Any] = {"dest": field.name, "default": default if defaults else argparse.SUPPRESS}
         help_text = field.metadata.get("help", "")
-        if annotation is bool and field.name.startswith("no_"):
+        if field.metadata.get("parse"):
+            kwargs["type"] = field.metadata["parse"]
+        elif annotation is bool and field.name.startswith("no_"):
             # A plain switch: BooleanOptionalAction reads the leading --no- as the negation, so
             # --no-load-optim would set no_load_optim=False, a silent no-op.
             kwargs["action"] = "store_true"

@@ -1,18 +1,10 @@
 """Megatron-LM flags that have no meaning here, and the one-line answer to a flag nobody defines.
 
-A Megatron-LM user's launch script carries flags this stack names otherwise or does not need. Each is answered
-before parsing, never silently ignored:
-
-- `RENAMED`: read as our flag(s) with the same meaning (one line says which);
-- `NOT_NEEDED`: accepted with one line saying why it changes nothing here;
-- `NOT_NEEDED_WITH`: accepted for the values that change nothing here (one line), refused for any other;
-- `REFUSED`: refused with the reason, where running on would mislead;
-- `--tokenizer-type`: Megatron-LM's types that read a SentencePiece .model are read as ours
-  (`TOKENIZER_TYPES_READ_AS`, one line saying what differs), its others refused with the reason.
-
-A flag that is neither ours nor Megatron-LM's gets one line naming the closest flags and the group they live in
-(`unknown_flag`), not argparse's usage dump. Megatron-LM's whole MoE group is answered here or is ours; the
-flag-mapping table in docs/flags.md lists them.
+In: a Megatron-LM launch script's argv; out, before parsing, one answer per flag this stack names otherwise or
+does not need: `RENAMED` (read as our flags, one line says which), `NOT_NEEDED` (accepted, one line why),
+`NOT_NEEDED_WITH` (accepted for the values that change nothing), `REFUSED` (with the reason), Megatron-LM's
+tokenizer types (`TOKENIZER_TYPES_READ_AS`). An unknown flag gets the closest flags and their group
+(`unknown_flag`). Invariant: no flag is silently ignored. The mapping table: docs/flags.md.
 """
 
 from __future__ import annotations

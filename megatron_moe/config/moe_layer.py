@@ -1,11 +1,10 @@
-"""The MoE layer's own configuration: one keyword-only dataclass, checked by `validate()`.
+"""The MoE layer's configuration, and the one declaration of every MoE layer flag.
 
-It lives in the config layer (pure Python, no torch) so that the run config
-can build and check it without importing the layer; `megatron_moe.moe`
-imports it from here. Each field names the run flag that sets it (`flag`
-metadata, or `--field-name`), so `validate()` names the flag, the bad value
-and a valid choice, like the run config does. `MoEConfig.layer_config` in
-groups.py is the one place that turns the run's flags into this config.
+`MoELayerConfig` is one keyword-only dataclass: a field declared with `arg(default, help, flag=, applies=,
+parse=)` is a run flag as well (`groups.MoEConfig` is generated from these fields: `fields.flag_fields`), so a
+layer setting has one declaration (type, default, help, when it applies) and one use. `validate()` names the
+flag, the bad value and a valid choice; what a feature cannot run with is its blocker (`features.py`).
+Pure Python (no torch): the run config builds and checks it without importing the layer.
 """
 
 from __future__ import annotations
@@ -13,16 +12,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_moe.config.fields import ConfigError, flag_name
+from megatron_moe.config import conditions as only
+from megatron_moe.config import features
+from megatron_moe.config.fields import ConfigError, arg, flag_name
+from megatron_moe.config.gate_traits import BALANCED_GATES, GATE_TRAITS, GATES, OWN_ORDER_GATES
 
-GATES = ("topk", "noisy_topk", "switch", "sigmoid", "xmoe", "cosine", "expert_choice", "soft", "bpr", "rts")
+__all__ = ["BALANCED_GATES", "GATES", "OWN_ORDER_GATES"]  # re-exported: the gate table's derived tuples
+
 DROP_POLICIES = ("probs", "position")
 """Megatron-LM's --moe-token-drop-policy: which pairs an over-full expert keeps (the highest weights, or the
 earliest tokens); unset, the gate's own claim order."""
-OWN_ORDER_GATES = ("bpr", "rts", *("expert_choice", "soft"))
-"""Gates whose claim order is their definition (or who drop nothing): no --moe-token-drop-policy."""
-BALANCED_GATES = ("expert_choice", "soft")
-"""Gates that fix every expert's load themselves: no balancing loss, no capacity factor."""
 ORDERINGS = ("sparse", "dense")
 EXPERT_TYPES = ("gelu", "swiglu")
 LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "none")
@@ -83,73 +82,181 @@ def _flag(flag: str, default: Any = dataclasses.MISSING):
 
 @dataclasses.dataclass(kw_only=True)
 class MoELayerConfig:
-    """How one MoE layer routes, lays out, moves and computes tokens."""
+    """How one MoE layer routes, lays out, moves and computes tokens. A field declared with `arg` is also the run
+    flag it names (help: the flag's; docstring: the layer's meaning)."""
 
     num_experts: int
-    """Experts in the layer, over all expert-parallel ranks."""
+    """Experts in the layer, over all expert-parallel ranks (--num-experts)."""
     hidden_size: int
     """Model width H."""
     ffn_hidden_size: int = _flag("--moe-ffn-hidden-size")
     """Width F of one routed expert's MLP."""
-    topk: int = _flag("--moe-router-topk", 2)
+    topk: int = arg(2, "experts per token", flag="--moe-router-topk", applies=only.TOKEN_PICKING)
     """Experts per token (token-choice gates); for expert-choice, the average experts per token."""
-    gate: str = _flag("--moe-gate", "topk")
-    """Routing function, one of `GATES`: topk (GShard softmax), noisy_topk (trainable noise),
-    switch (top-1), sigmoid, xmoe (low-rank cosine, learnable temperature), cosine (Tutel),
-    expert_choice, soft (SoftMoE slots), bpr (batch-prioritized), rts (random token selection)."""
-    capacity_factor: float | None = _flag("--moe-expert-capacity-factor", None)
+    load_balancing: str = arg(
+        "aux_loss",
+        "balancing loss E x sum_e f_e x P_e (f_e: share of routed choices on expert e, P_e: its mean router "
+        "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), none; "
+        "seq_aux_loss only with --moe-layer-impl mcore",
+        flag="--moe-router-load-balancing-type",
+        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "none"),
+        applies=only.BALANCING_TYPE,
+    )
+    """Balancing loss E * sum_e f_e * P_e, one of `LOAD_BALANCING`: aux_loss (f_e counts all k
+    choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), none."""
+    aux_loss_coeff: float = arg(0.01, "load-balancing loss weight", flag="--moe-aux-loss-coeff", applies=only.BALANCING)
+    """Weight of the balancing loss in the backward pass."""
+    z_loss_coeff: float = arg(
+        0.0, "router z-loss weight (unset: off)", flag="--moe-z-loss-coeff", applies=only.Z_LOSS, flag_default=None
+    )
+    """Weight of the router z-loss (0: off)."""
+    capacity_factor: float | None = arg(
+        None,
+        "Tutel semantics: > 0 fixed (drop overflow), 0 or unset dropless, < 0 dropless capped at |f|; "
+        "C = ceil(|f| x topk x tokens / experts) per expert per EP rank",
+        flag="--moe-expert-capacity-factor",
+        applies=only.MOE,
+    )
     """Tutel semantics: > 0 fixed factor (drop overflow); 0 or None dropless;
     < 0 adaptive (dropless, capped at |f|). Must stay None for expert_choice and soft."""
-    ordering: str = _flag("--moe-ordering", "sparse")
-    """Token layout transform: sparse (index gather/scatter, Tutel) or dense (GShard one-hot einsum)."""
-    pad_expert_input_to_capacity: bool = _flag("--moe-pad-expert-input-to-capacity", False)
+    pad_expert_input_to_capacity: bool = arg(
+        False,
+        "pad every expert's rows from every EP rank to the capacity C (the experts run one batched GEMM); "
+        "without a capacity factor (dropless) C is the step's largest count over the EP group",
+        flag="--moe-pad-expert-input-to-capacity",
+        applies=only.PADDING,
+    )
     """EP all-to-all: False sends exactly the kept rows (counts exchanged first); True pads every
     expert's rows from every rank to one capacity C (the factor's, or, dropless, the step's largest
     count over the EP group), so the experts run one batched GEMM."""
-    expert_type: str = _flag("--swiglu", "gelu")
-    """Built-in experts: gelu (GPT FFN) or swiglu (Mixtral)."""
-    shared_expert_ffn_hidden_size: int | None = _flag("--moe-shared-expert-ffn-hidden-size", None)
+    gate: str = arg("topk", "routing function", flag="--moe-gate", choices=GATES, applies=only.OUR_MOE)
+    """Routing function, one of `GATES` (a row of `gate_traits.GATE_TRAITS` each)."""
+    ordering: str = arg(
+        "sparse",
+        "token layout: sparse (index gather/scatter) or dense (GShard einsum, always padded to capacity)",
+        flag="--moe-ordering",
+        choices=ORDERINGS,
+        applies=only.OUR_MOE,
+    )
+    """Token layout transform: sparse (index gather/scatter, Tutel) or dense (GShard one-hot einsum)."""
+    shared_expert_ffn_hidden_size: int | None = arg(
+        None,
+        "width of a dense MLP beside the experts (unset: none)",
+        flag="--moe-shared-expert-ffn-hidden-size",
+        applies=only.OUR_MOE,
+    )
     """Width of a dense MLP beside the routed experts whose output is added (None: none)."""
-    load_balancing: str = _flag("--moe-router-load-balancing-type", "aux_loss")
-    """Balancing loss E * sum_e f_e * P_e, one of `LOAD_BALANCING`: aux_loss (f_e counts all k
-    choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), none."""
-    aux_loss_coeff: float = _flag("--moe-aux-loss-coeff", 0.01)
-    """Weight of the balancing loss in the backward pass."""
-    z_loss_coeff: float = _flag("--moe-z-loss-coeff", 0.0)
-    """Weight of the router z-loss (0: off)."""
-    normalize_topk: bool = _flag("--moe-normalize-topk", True)
-    """Rescale the k chosen gate scores to sum to 1 (GShard) when k > 1."""
-    topk_scaling_factor: float | None = _flag("--moe-router-topk-scaling-factor", None)
-    """Multiply the k combine weights by this after normalising (Megatron-LM, DeepSeek-V3's 2.5; None: 1)."""
-    expert_bias: bool = _flag("--moe-router-enable-expert-bias", False)
-    """Aux-loss-free balancing (DeepSeek-V3): an fp32 bias per expert added to the scores only to choose the top-k,
-    moved after each step toward the mean load (`megatron_moe.moe.expert_bias`). Sigmoid gate, dropless."""
-    bias_update_rate: float = _flag("--moe-router-bias-update-rate", 1e-3)
-    """The bias's step per training step: bias += rate * sign(mean load - load)."""
-    num_groups: int | None = _flag("--moe-router-num-groups", None)
-    """Group-limited routing: the experts in this many equal groups (None: off)."""
-    group_topk: int | None = _flag("--moe-router-group-topk", None)
-    """Group-limited routing: groups each token may use, ranked by the sum of their top topk/group_topk scores."""
-    drop_policy: str | None = _flag("--moe-token-drop-policy", None)
-    """Over capacity, which pairs an expert keeps, one of `DROP_POLICIES`: probs (the highest combine
-    weights), position (the earliest tokens); None: the gate's claim order (k-major: every first choice
-    before any second, GShard)."""
-    router_dim: int | None = _flag("--moe-router-dim", None)
-    """Projection width of the xmoe/cosine gates (default 16 for xmoe, 256 for cosine)."""
-    soft_slots: int = _flag("--moe-soft-slots", 1)
-    """Slots per expert of the soft gate."""
-    pipeline_degree: int | str = _flag("--moe-pipeline-degree", 1)
+    pipeline_degree: int | str = arg(
+        1,
+        "FSMoE's pipeline: the dispatched rows in this many chunks in forward, chunk i's experts running while "
+        "chunk i+1's all-to-all is in flight; an integer >= 1 (1: not pipelined) or auto (the cost model's choice "
+        "from the cluster's profile, --moe-cost-profile; 1 where EP = ESP = 1)",
+        flag="--moe-pipeline-degree",
+        parse=parse_degree,
+        flag_default=AUTO,
+        applies=only.OUR_MOE,
+    )
     """Forward chunks r_f of the dispatch -> experts -> combine pipeline (`megatron_moe.moe.pipeline`): an int
     >= 1 (1: not pipelined) or "auto" (the training set-up's choice; 1 until one is made)."""
-    bp_pipeline_degree: int | str = _flag("--moe-bp-pipeline-degree", 1)
+    bp_pipeline_degree: int | str = arg(
+        1,
+        "the pipeline's chunks in backward (its own schedule): an integer >= 1 or auto",
+        flag="--moe-bp-pipeline-degree",
+        parse=parse_degree,
+        flag_default=AUTO,
+        applies=only.OUR_MOE,
+    )
     """Backward chunks r_b of the pipeline, its own schedule: an int >= 1 or "auto"."""
-    shadow_experts: int | str = _flag("--moe-shadow-experts", "off")
+    shadow_experts: int | str = arg(
+        "off",
+        "FasterMoE's shadow experts: per MoE layer and forward, the hottest experts' weights are broadcast to every "
+        "EP rank, which computes its own rows for them, and their gradients are reduced to the owner; auto (the cost "
+        "model's greedy choice from the agreed counts, FasterMoE's policy), off, or N (always the N most loaded). "
+        "Dropless, EP > 1, built-in unsharded experts",
+        flag="--moe-shadow-experts",
+        parse=parse_shadow,
+        applies=only.OUR_MOE,
+    )
     """FasterMoE's shadow experts (`megatron_moe.moe.shadow`): "off", "auto" (the cost model's greedy choice per
-    layer and forward; nothing until the training set-up gives the layer its costs) or N (the N most loaded)."""
-    a2a_algorithm: str = _flag("--moe-a2a-algorithm", "linear")
-    """The dispatch/combine all-to-all: linear (one message per rank pair), 2dh (Tutel's two-dimensional
-    hierarchical all-to-all, comm/hierarchy.py: the EP group's groups made at start-up) or auto (2dh where the
-    start-up's cost model chose it and made the groups, else linear). The same rows either way."""
+    layer and forward; nothing until the training set-up gives the layer its costs) or N (the N most loaded).
+    What blocks it: `features.shadow_blocker`."""
+    a2a_algorithm: str = arg(
+        "linear",
+        "the dispatch/combine all-to-all: linear (one message per rank pair), 2dh (Tutel's two-dimensional "
+        "hierarchical all-to-all: the node's ranks exchange first, then one message per rank of each other node "
+        "on the same local index, bit-identical results; needs an EP group over several nodes with the same "
+        "ranks on each, LOCAL_WORLD_SIZE) or auto (2dh where the cost model with per-message costs predicts it "
+        "faster, said at start-up)",
+        flag="--moe-a2a-algorithm",
+        choices=A2A_ALGORITHMS,
+        applies=only.EXPERT_PARALLEL,
+    )
+    """The dispatch/combine all-to-all: linear, 2dh (comm/hierarchy.py: the EP group's groups made at start-up) or
+    auto (2dh where the start-up's cost model chose it and made the groups, else linear). The same rows either way."""
+    normalize_topk: bool = arg(
+        True, "rescale the k chosen gate scores to sum to 1", flag="--moe-normalize-topk", applies=only.NORMALIZING
+    )
+    """Rescale the k chosen gate scores to sum to 1 (GShard) when k > 1."""
+    topk_scaling_factor: float | None = arg(
+        None,
+        "multiply the k combine weights by this (DeepSeek-V3: 2.5)",
+        flag="--moe-router-topk-scaling-factor",
+        applies=only.TOKEN_CHOICE,
+    )
+    """Multiply the k combine weights by this after normalising (Megatron-LM, DeepSeek-V3's 2.5; None: 1)."""
+    expert_bias: bool = arg(
+        False,
+        "DeepSeek-V3's aux-loss-free balancing: a per-layer expert bias (fp32, replicated, checkpointed) added to "
+        "the sigmoid scores only to choose the top-k (the combine weights stay unbiased); after each step every "
+        "bias moves by --moe-router-bias-update-rate toward the mean load (the step's tokens per expert summed "
+        "over the TP x CP x DP ranks). Needs --moe-router-score-function sigmoid and, in our layer, no capacity",
+        flag="--moe-router-enable-expert-bias",
+        applies=only.MOE,
+    )
+    """Aux-loss-free balancing (DeepSeek-V3): an fp32 bias per expert added to the scores only to choose the top-k,
+    moved after each step toward the mean load (`megatron_moe.moe.expert_bias`). Sigmoid gate, dropless."""
+    bias_update_rate: float = arg(
+        1e-3,
+        "the expert bias's step: bias += rate x sign(mean load - load)",
+        flag="--moe-router-bias-update-rate",
+        applies=only.EXPERT_BIAS,
+    )
+    """The bias's step per training step: bias += rate * sign(mean load - load)."""
+    num_groups: int | None = arg(
+        None,
+        "group-limited routing: the experts in this many equal groups (device-limited: EP; node-limited: nodes)",
+        flag="--moe-router-num-groups",
+        applies=only.GROUP_LIMITED,
+    )
+    """Group-limited routing: the experts in this many equal groups (None: off)."""
+    group_topk: int | None = arg(
+        None,
+        "group-limited routing: each token's top-k among the experts of its best this-many groups (a group's "
+        "score: the sum of its top topk/group-topk scores); needs --moe-router-num-groups",
+        flag="--moe-router-group-topk",
+        applies=only.GROUP_TOPK,
+    )
+    """Group-limited routing: groups each token may use, ranked by the sum of their top topk/group_topk scores."""
+    drop_policy: str | None = arg(
+        None,
+        "over capacity, which pairs an expert keeps: probs (the highest weights) or position (the earliest "
+        "tokens), as Megatron-LM; unset: the gate's claim order (k-major, every first choice before any second)",
+        flag="--moe-token-drop-policy",
+        choices=DROP_POLICIES,
+        applies=only.DROPPING,
+    )
+    """Over capacity, which pairs an expert keeps, one of `DROP_POLICIES`; None: the gate's claim order."""
+    router_dim: int | None = arg(
+        None,
+        "projection width of the xmoe/cosine gates (default 16 / 256)",
+        flag="--moe-router-dim",
+        applies=only.PROJECTING,
+    )
+    """Projection width of the xmoe/cosine gates (default 16 for xmoe, 256 for cosine)."""
+    soft_slots: int = arg(1, "slots per expert of --moe-gate soft", flag="--moe-soft-slots", applies=only.SOFT)
+    """Slots per expert of the soft gate."""
+    expert_type: str = _flag("--swiglu", "gelu")
+    """Built-in experts: gelu (GPT FFN) or swiglu (Mixtral)."""
     init_method_std: float = 0.02
     """Std of the normal init of router and expert weights (output projections scaled by the caller)."""
     init_seed: int = _flag("--seed", 1234)
@@ -167,23 +274,27 @@ class MoELayerConfig:
     @property
     def has_balancing_loss(self) -> bool:
         """Whether the gate computes a balancing loss (what the log shows as `moe aux loss`)."""
-        return self.load_balancing != "none" and self.gate not in BALANCED_GATES
+        return self.load_balancing != "none" and not GATE_TRAITS[self.gate].balanced
 
     @property
     def has_z_loss(self) -> bool:
         """Whether the gate computes a z-loss (the soft gate has no router logits to penalise)."""
-        return self.z_loss_coeff > 0 and self.gate != "soft"
+        return self.z_loss_coeff > 0 and GATE_TRAITS[self.gate].router_logits
+
+    def flag(self, field: str) -> str:
+        """The run flag that sets `field`."""
+        return flag_name(next(f for f in dataclasses.fields(self) if f.name == field))
 
     def _require(self, condition: bool, field: str, expected: str) -> None:
         if not condition:
-            spec = next(f for f in dataclasses.fields(self) if f.name == field)
-            raise MoEConfigError(f"{flag_name(spec)}={getattr(self, field)}: {expected}")
+            raise MoEConfigError(f"{self.flag(field)}={getattr(self, field)}: {expected}")
 
-    def validate(self, ep_size: int = 1, esp_size: int = 1) -> MoELayerConfig:
-        """Check every field; returns self so a spec can validate inline."""
+    def validate(self, ep_size: int | None = None, esp_size: int | None = None) -> MoELayerConfig:
+        """Check every field, and every feature asked for explicitly against its blocker (`features.py`) at the EP
+        and ESP sizes where known (None: not yet); returns self so a spec can validate inline."""
         r = self._require
         r(self.num_experts > 0, "num_experts", "must be positive")
-        r(self.gate in GATES, "gate", f"choose one of {', '.join(GATES)}")
+        r(self.gate in GATE_TRAITS, "gate", f"choose one of {', '.join(GATE_TRAITS)}")
         r(self.ordering in ORDERINGS, "ordering", f"choose one of {', '.join(ORDERINGS)}")
         r(self.expert_type in EXPERT_TYPES, "expert_type", f"choose one of {', '.join(EXPERT_TYPES)}")
         r(
@@ -193,12 +304,13 @@ class MoELayerConfig:
             f"--moe-layer-impl mcore)",
         )
         r(1 <= self.topk <= self.num_experts, "topk", f"must be between 1 and --num-experts={self.num_experts}")
-        if self.gate == "switch":
+        traits = GATE_TRAITS[self.gate]
+        if traits.single_expert:
             r(self.topk == 1, "topk", "--moe-gate=switch routes each token to 1 expert; use 1")
         if self.drop_policy is not None:
             r(self.drop_policy in DROP_POLICIES, "drop_policy", f"choose one of {', '.join(DROP_POLICIES)}")
             r(
-                self.gate not in OWN_ORDER_GATES,
+                not traits.own_order,
                 "drop_policy",
                 f"--moe-gate={self.gate} orders its claims itself; leave --moe-token-drop-policy unset",
             )
@@ -223,17 +335,19 @@ class MoELayerConfig:
         r(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0, e.g. 1e-3")
         if self.group_topk is not None:
             r(
-                self.gate in ("topk", "sigmoid"),
+                traits.group_limited,
                 "group_topk",
                 f"group-limited routing needs a top-k gate: --moe-gate topk or sigmoid, not {self.gate}",
             )
         group_limited_error(self.num_experts, self.topk, self.num_groups, self.group_topk, MoEConfigError)
-        if self.gate in BALANCED_GATES:
+        if traits.balanced:
             r(
                 self.capacity_factor is None,
                 "capacity_factor",
                 f"--moe-gate={self.gate} fixes each expert's load itself; leave the capacity factor unset",
             )
+        known_ep, known_esp = ep_size, esp_size
+        ep_size, esp_size = ep_size or 1, esp_size or 1
         r(self.num_experts % ep_size == 0, "num_experts", f"must be a multiple of the expert-parallel size {ep_size}")
         r(self.hidden_size > 0 and self.ffn_hidden_size > 0, "ffn_hidden_size", "hidden and ffn sizes must be positive")
         r(
@@ -258,14 +372,7 @@ class MoELayerConfig:
         r(self.a2a_algorithm in A2A_ALGORITHMS, "a2a_algorithm", f"choose one of {', '.join(A2A_ALGORITHMS)}")
         shadow = self.shadow_experts
         r(shadow in ("off", AUTO) or (type(shadow) is int and shadow >= 1), "shadow_experts", "off, auto or N >= 1")
-        if type(shadow) is int:  # asked for by number, what cannot shadow is an error (auto: off, said in the log);
-            # EP = 1 and ESP: the layer (MoELayer._shadow_blocker), and the run's flags before start-up (rules.py)
+        if features.explicit(shadow):
             r(shadow <= self.num_experts, "shadow_experts", f"at most --num-experts={self.num_experts}")
-            r(
-                not self.pad_expert_input_to_capacity and self.capacity_factor is None,
-                "shadow_experts",
-                "off: shadowing is dropless only (a shadowed expert's rows would escape its capacity); unset "
-                "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity",
-            )
-            r(self.gate not in BALANCED_GATES, "shadow_experts", f"off: --moe-gate={self.gate} fixes every load")
+        features.refuse_blocked(self, ep_size=known_ep, esp_size=known_esp, error=MoEConfigError)
         return self

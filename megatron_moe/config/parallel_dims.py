@@ -1,27 +1,10 @@
 """The run's parallel layout: the degrees, every group size derived from them, and their checks, in one place.
 
-`ParallelDims` (torchtitan's parallel_dims.py is the model) is built from the parallel flags and the world size
-(`ParallelDims.from_config`, or `RunConfig.dims(world_size)`); code that needs the data-parallel size, the
-expert-data-parallel size or how the tokens are split asks it instead of multiplying the flags itself.
-
-How the names map (flag -> field here -> megatron-core's `parallel_state.initialize_model_parallel` argument):
-
-    --tensor-model-parallel-size    tp    tensor_model_parallel_size
-    --pipeline-model-parallel-size  pp    pipeline_model_parallel_size
-    --context-parallel-size         cp    context_parallel_size
-    --expert-model-parallel-size    ep    expert_model_parallel_size
-    --expert-tensor-parallel-size   esp   expert_tensor_parallel_size (parallel_state's expt_tp: the expert
-                                          RankGenerator's tp). ESP, expert-sharded parallelism, is this project's
-                                          one name for it; the flag keeps Megatron-LM's name. Unset means 1 here
-                                          (megatron-core's unset means TP)
-    --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank
-                                    vpp   virtual_pipeline_model_parallel_size (model chunks per pipeline rank;
-                                          None without an interleaved pipeline)
-
-Derived, as megatron-core 0.16.1 derives them: `dp` = world / (tp x pp x cp) (its data_parallel_size);
-`expert_dp` = world / (pp x ep x esp) (its expert_data_parallel_size). Context parallelism folds into the
-expert data-parallel size: an MoE layer's experts see the tp x cp x dp ranks of a pipeline stage as
-ep x esp x expert_dp.
+`ParallelDims` (after torchtitan's parallel_dims.py) is built from the parallel flags and the world size
+(`ParallelDims.from_config`, or `RunConfig.dims(world_size)`): tp, pp, cp, ep, esp (--expert-tensor-parallel-size,
+unset = 1 here), vpp, and derived as megatron-core 0.16.1 derives them, `dp` = world / (tp x pp x cp) and
+`expert_dp` = world / (pp x ep x esp). Code that needs a group size asks it instead of multiplying flags.
+The flag -> field -> megatron-core argument table: docs/internals/config.md.
 """
 
 from __future__ import annotations

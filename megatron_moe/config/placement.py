@@ -1,32 +1,11 @@
 """Where the expert-parallel groups sit on the nodes: E+D or D+E (Snowflake Arctic's names), and auto's rule.
 
-megatron-core 0.16.1 numbers ranks by `order` (`parallel_state.initialize_model_parallel`): the first name is the
-innermost, consecutive ranks. Its expert RankGenerator uses the same order with (tp = expert-TP (ESP), ep,
-dp = expert-DP, pp). torchrun numbers ranks node by node (node_rank x nproc_per_node + local_rank), so consecutive
-ranks share a node:
-
-    e+d  "tp-cp-ep-dp-pp" (megatron-core's default, and this project's until now): an EP group is consecutive
-         ranks, inside a node when EP x ESP <= ranks per node; the expert-DP replicas of an expert are EP x ESP
-         ranks apart, on other nodes. All-to-all on the node, the experts' gradient reduction on the link.
-    d+e  "tp-cp-dp-ep-pp": the expert-DP replicas of an expert are consecutive (the group inside a node when
-         ESP x expert-DP <= ranks per node), an EP group is strided across the nodes. Gradient reduction on the
-         node, all-to-all on the link.
-
-The dense RankGenerator has ep = 1, and the ep name sits where the dense layers have nothing, so the dense groups
-(TP, CP, DP, PP) are the same under both, and so are the ESP groups (tp stays innermost) and the pipeline stages
-(pp stays last: megatron-core asserts the dense and expert pp groups agree). The placement changes which ranks
-exchange tokens and which reduce an expert's gradients, not what is computed: expert e starts from the same
-weights (moe/experts.py draws each expert by its global index), checkpoints shard experts by their global index
-(EP group rank) and replicas by expert-DP group rank, so they load under either placement. The sums are grouped
-differently (expert e's gradient is (shards 0+1) + (shards 2+3) under e+d and (0+2) + (1+3) under d+e at EP=2,
-DP=4), so the two agree to rounding, not bit for bit.
-
-auto (`choose`): the placement that sends fewer bytes per step across nodes, counted per rank from the run's
-shapes (`StepVolumes`): an all-to-all's payload to the EP peers on other nodes, and a ring all-reduce's share to
-a successor on another node, under each placement's groups. Arctic's argument in bytes: the all-to-all's volume
-per rank does not depend on the placement, only how much of it crosses; the experts' gradient reduction crosses
-in full under e+d once EP fills a node. Ties, one node, EP = 1 and expert-DP = 1 (both build the same groups) give
-e+d.
+In: --expert-placement (e+d, d+e, auto) and the run's shapes; out: megatron-core's rank `order` string
+("tp-cp-ep-dp-pp" for e+d: EP groups of consecutive ranks; "tp-cp-dp-ep-pp" for d+e: expert-DP replicas
+consecutive). auto (`choose`): the placement that sends fewer bytes per step across nodes (`StepVolumes`); ties,
+one node, EP = 1 or expert-DP = 1 give e+d. Invariants: the dense, ESP and pipeline groups are the same under
+both; experts and checkpoints are indexed by global expert, so results agree to rounding and checkpoints load
+under either. Derivation: docs/internals/config.md.
 """
 
 from __future__ import annotations

@@ -12,27 +12,32 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from megatron_moe.config.features import refuse_blocked
 from megatron_moe.config.fields import (
     Collector,
+    ConfigError,
     require,
     require_finite_floats,
     require_fraction,
     require_non_negative,
     require_positive,
 )
+from megatron_moe.config.gate_traits import gates_where
 from megatron_moe.config.groups import (
-    TOKENIZER_TYPES,
-    ActivationsConfig,
-    CheckpointConfig,
-    DataConfig,
-    LoggingConfig,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
-    TrainingConfig,
 )
 from megatron_moe.config.moe_layer import group_limited_error
 from megatron_moe.config.parallel_dims import ParallelDims
+from megatron_moe.config.rules_groups import (  # re-exported: the single-group checks
+    check_activations,
+    check_checkpoint,
+    check_data,
+    check_logging,
+    check_training,
+    resolve_train_iters,
+)
 
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
@@ -224,7 +229,7 @@ def partition_blocker(cfg: RunConfig) -> str | None:
     return None
 
 
-TOKEN_ALONE_GATES = ("topk", "switch", "bpr", "rts", "sigmoid", "xmoe", "cosine")
+TOKEN_ALONE_GATES = gates_where("tokens_alone")
 """Gates that route each token alone when nothing caps the experts (the partition may split their batch)."""
 
 
@@ -315,15 +320,10 @@ def check_moe(moe: MoEConfig, model: ModelConfig, parallel=None) -> None:
             moe.moe_token_dispatcher_type,
             "megatron_moe's layer dispatches with alltoall (allgather only with --moe-layer-impl mcore)",
         )
-        if parallel is not None and moe.moe_shadow_experts not in ("off", "auto", "0"):
-            require(
-                parallel.expert_model_parallel_size > 1 and (parallel.expert_tensor_parallel_size or 1) == 1,
-                "--moe-shadow-experts",
-                moe.moe_shadow_experts,
-                "off or auto: shadowing needs --expert-model-parallel-size > 1 (one EP rank has every expert) and "
-                "unsharded experts (--expert-tensor-parallel-size 1)",
-            )
-        moe.layer_config(model).validate()  # names the flag, value and a valid choice
+        layer = moe.layer_config(model).validate()  # names the flag, value and a valid choice
+        if parallel is not None:  # each feature asked for by value against its blocker, at the run's sizes
+            ep, esp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size or 1
+            refuse_blocked(layer, ep_size=ep, esp_size=esp, error=ConfigError)
         return
     require(
         moe.moe_router_load_balancing_type in MCORE_LOAD_BALANCING,
@@ -469,214 +469,3 @@ def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelCon
 def _largest_divisor(n: int, at_most: int) -> int:
     """The largest divisor of `n` that is at most `at_most` (1 at least): a valid choice to name in an error."""
     return next(d for d in range(max(min(n, at_most), 1), 0, -1) if n % d == 0)
-
-
-def check_training(training: TrainingConfig) -> None:
-    """Precision, batch sizes, the optimizer and the learning-rate schedule, counted in iterations or samples."""
-    require(not (training.bf16 and training.fp16), "--bf16/--fp16", "both", "choose one")
-    require(
-        training.loss_scale is None or training.loss_scale > 0, "--loss-scale", training.loss_scale, "must be positive"
-    )
-    require_positive("--min-loss-scale", training.min_loss_scale, 1.0)
-    require(
-        training.initial_loss_scale >= training.min_loss_scale > 0,
-        "--initial-loss-scale",
-        training.initial_loss_scale,
-        f"must be >= --min-loss-scale={training.min_loss_scale} > 0",
-    )
-    for flag, value, example in (
-        ("--micro-batch-size", training.micro_batch_size, 4),
-        ("--global-batch-size", training.global_batch_size, 32),
-        ("--train-samples", training.train_samples, 3200),
-        ("--lr-decay-iters", training.lr_decay_iters, 1000),
-        ("--lr-decay-samples", training.lr_decay_samples, 32000),
-        ("--lr-wsd-decay-iters", training.lr_wsd_decay_iters, 100),
-        ("--lr-wsd-decay-samples", training.lr_wsd_decay_samples, 3200),
-        ("--adam-eps", training.adam_eps, 1e-8),
-        ("--loss-scale-window", training.loss_scale_window, 1000),
-        ("--hysteresis", training.hysteresis, 2),
-    ):
-        require_positive(flag, value, example)
-    for flag, value, example in (
-        ("--train-iters", training.train_iters, 100),
-        ("--lr", training.lr, 3e-4),
-        ("--lr-warmup-iters", training.lr_warmup_iters, 0),
-        ("--lr-warmup-samples", training.lr_warmup_samples, 0),
-        ("--weight-decay", training.weight_decay, 0.01),
-        ("--clip-grad", training.clip_grad, "1.0 (0: off)"),
-        ("--eval-interval", training.eval_interval, "50 (0: only at the end)"),
-        ("--eval-iters", training.eval_iters, 4),
-    ):
-        require_non_negative(flag, value, example)
-    require_fraction("--adam-beta1", training.adam_beta1, 0.9, below_one=True)
-    require_fraction("--adam-beta2", training.adam_beta2, 0.95, below_one=True)
-    # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
-    require(0 <= training.seed < 2**31, "--seed", training.seed, "must be in [0, 2**31), e.g. --seed 1234")
-    require(training.lr >= training.min_lr >= 0, "--min-lr", training.min_lr, f"must be in [0, --lr={training.lr}]")
-    if training.lr_warmup_fraction is not None:
-        require_fraction("--lr-warmup-fraction", training.lr_warmup_fraction, 0.01, below_one=True)
-    by_samples = training.train_samples is not None
-    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
-    require(
-        not by_samples or training.train_iters is None,
-        "--train-iters",
-        training.train_iters,
-        "and --train-samples both set the run's length: give one",
-    )
-    for name, value, unset in (
-        ("lr-warmup", training.lr_warmup_iters, 0),
-        ("lr-decay", training.lr_decay_iters, None),
-        ("lr-wsd-decay", training.lr_wsd_decay_iters, None),
-    ) if by_samples else (
-        ("lr-warmup", training.lr_warmup_samples, 0),
-        ("lr-decay", training.lr_decay_samples, None),
-        ("lr-wsd-decay", training.lr_wsd_decay_samples, None),
-    ):  # fmt: skip
-        require(
-            value == unset,
-            f"--{name}-{other}",
-            value,
-            f"counts {other}, and this run counts {unit} (--train-{unit}): use --{name}-{unit}",
-        )
-    warmup = training.lr_warmup_samples if by_samples else training.lr_warmup_iters
-    require(
-        training.lr_warmup_fraction is None or warmup == 0,
-        "--lr-warmup-fraction",
-        training.lr_warmup_fraction,
-        f"and --lr-warmup-{unit}={warmup} both set the warm-up: give one",
-    )
-    wsd = training.lr_wsd_decay_samples if by_samples else training.lr_wsd_decay_iters
-    require(
-        training.lr_decay_style != "WSD" or wsd is not None,
-        "--lr-decay-style",
-        "WSD",
-        f"needs the length of its final decay, e.g. --lr-wsd-decay-{unit} {320 if by_samples else 10}",
-    )
-
-
-def resolve_train_iters(training: TrainingConfig) -> None:
-    """Fills --train-iters: from --train-samples (whole global batches, Megatron-LM's rule), else its default."""
-    if training.train_samples is not None:
-        require(
-            training.train_samples >= training.global_batch_size,
-            "--train-samples",
-            training.train_samples,
-            f"must be at least one global batch (--global-batch-size={training.global_batch_size})",
-        )
-        training.train_iters = training.train_samples // training.global_batch_size
-    elif training.train_iters is None:
-        training.train_iters = 100
-
-
-def check_activations(activations: ActivationsConfig) -> None:
-    """Full recompute excludes per-module control; selective recompute names what it recomputes."""
-    per_module = activations.recompute_modules or activations.quantize_activations
-    require(
-        not (activations.full_recompute and (per_module or activations.activation_policy == "arctic")),
-        "--recompute-granularity",
-        activations.recompute_granularity,
-        "full recompute conflicts with --activation-policy arctic / --recompute-modules / "
-        "--quantize-activations; use --recompute-granularity selective for per-module control",
-    )
-    require(
-        not (
-            activations.recompute_granularity == "selective"
-            and activations.activation_policy == "none"
-            and not per_module
-        ),
-        "--recompute-granularity",
-        "selective",
-        "name what to recompute or quantize: --activation-policy arctic, --recompute-modules or --quantize-activations",
-    )
-
-
-def check_data(data: DataConfig) -> None:
-    """A data path (or --mock-data), the tokenizer's files, the loader's workers and the split: each checked,
-    every error raised together."""
-    errors = Collector()
-    with errors:
-        require(
-            not (data.mock_data and data.data_path),
-            "--data-path",
-            " ".join(data.data_path),
-            "and --mock-data both name the training data: give one (--mock-data trains on synthetic documents)",
-        )
-        require(
-            bool(data.data_path) or data.mock_data,
-            "--data-path",
-            data.data_path,
-            "give a .bin/.idx prefix from tools/preprocess_data.py (or --mock-data for synthetic documents)",
-        )
-    with errors:
-        check_tokenizer(data)
-    with errors:
-        require_non_negative("--num-workers", data.num_workers, 2)
-    with errors:
-        require(
-            valid_split(data.split),
-            "--split",
-            data.split,
-            "up to three comma-separated non-negative train,valid,test shares, not all zero, e.g. --split 98,2,0",
-        )
-    errors.raise_all()
-
-
-def valid_split(split: str) -> bool:
-    """Up to three comma-separated non-negative train,valid,test shares, not all zero."""
-    try:
-        shares = [float(part) for part in split.split(",")] if split else []
-    except ValueError:
-        return False
-    return 1 <= len(shares) <= 3 and min(shares) >= 0 and sum(shares) > 0
-
-
-def check_tokenizer(data: DataConfig) -> None:
-    """The files the --tokenizer-type needs are named (whether they exist and fit is the tokenizer's check,
-    when it loads them; tools/preprocess_data.py calls this too)."""
-    kind = data.tokenizer_type
-    require(kind in TOKENIZER_TYPES, "--tokenizer-type", kind, f"one of {', '.join(TOKENIZER_TYPES)}")
-    if kind == "GPT2BPETokenizer":
-        for flag, value, what in (
-            ("--vocab-file", data.vocab_file, "vocab.json"),
-            ("--merge-file", data.merge_file, "merges.txt"),
-        ):
-            require(
-                value is not None,
-                flag,
-                None,
-                f"--tokenizer-type GPT2BPETokenizer needs GPT-2's {what}, e.g. {flag} data/bpe/{what} "
-                f"(tools/train_tokenizer.py --model-type bytelevel-bpe writes both)",
-            )
-        return
-    made_by = (
-        "the sentencepiece .model the data was made with"
-        if kind == "SentencePieceTokenizer"
-        else "a directory holding tokenizer.json, or that file (tools/train_tokenizer.py --model-type "
-        "bytelevel-bpe writes one)"
-    )
-    require(data.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
-
-
-def check_checkpoint(checkpoint: CheckpointConfig) -> None:
-    """The checkpoint format and the save / exit intervals."""
-    require(
-        checkpoint.ckpt_format == "torch_dist",
-        "--ckpt-format",
-        checkpoint.ckpt_format,
-        "this stack writes and reads megatron-core dist_checkpointing's torch_dist only (resharded at load "
-        "for another layout); use --ckpt-format torch_dist, and tools/checkpoint/ to convert to HuggingFace",
-    )
-    require_non_negative("--save-interval", checkpoint.save_interval, "1000 (0: only at the end)")
-    require_positive("--exit-interval", checkpoint.exit_interval, 1000)
-    require_positive("--exit-duration-in-mins", checkpoint.exit_duration_in_mins, 230)
-    require_positive("--keep-last-n", checkpoint.keep_last_n, 3)
-
-
-def check_logging(logging: LoggingConfig) -> None:
-    """The log intervals and the loss-spike warning's figures."""
-    require_positive("--log-interval", logging.log_interval, 10)
-    require_positive("--tensorboard-log-interval", logging.tensorboard_log_interval, 1)
-    factor = logging.loss_spike_factor
-    require(factor == 0 or factor > 1, "--loss-spike-factor", factor, "must be 0 (off) or above 1, e.g. 3")
-    window = logging.loss_spike_window
-    require(window >= 1, "--loss-spike-window", window, "must be at least 1, e.g. 20")

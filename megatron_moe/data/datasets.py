@@ -24,7 +24,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.utils import log_single_rank
 
-from megatron_moe.config.rules import valid_split
+from megatron_moe.config.rules_groups import valid_split
 from megatron_moe.data import DataError
 from megatron_moe.data.files import DATA_PATH_FLAG, check_split_coverage, read_idx_header
 from megatron_moe.data.metadata import WRITE_HINT, TokenizerIdentity, TokenMetadata, metadata_path, read_metadata

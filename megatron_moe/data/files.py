@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from megatron_moe.config.fields import Collector, require
-from megatron_moe.config.rules import valid_split
+from megatron_moe.config.rules_groups import valid_split
 from megatron_moe.data import DataError
 
 if TYPE_CHECKING:

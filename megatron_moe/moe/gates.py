@@ -1,27 +1,20 @@
-"""Token-choice gates: each token picks its top-k experts.
+"""The gates, and `build_gate(cfg)`: the gate `--moe-gate` names, from `GATE_BUILDERS`.
 
 Legend: T = tokens, H = hidden, E = experts, K = top-k, D = router projection width.
-
-- `SoftmaxTopKGate`: GShard top-k softmax; `noisy` adds trainable noise
-  (Shazeer et al.); k = 1 without renormalising is Switch; `priority`
-  "importance" is Batch-Prioritized Routing (the least confident tokens lose
-  their slots first) and "random" is Random Token Selection.
-- Every token-choice gate drops over capacity in its claim order: k-major
-  (GShard), or Megatron-LM's `--moe-token-drop-policy` probs (the lowest
-  combine weights go first) or position (the latest tokens go first).
-- `SigmoidGate`: independent sigmoid score per expert (BASE/StableMoE style); with an expert bias,
-  DeepSeek-V3's aux-loss-free balancing (`expert_bias.py`).
-- The top-k gates may be group-limited (`--moe-router-num-groups`, `--moe-router-group-topk`).
-- `CosineGate`: cosine between a low-rank projection of the token and
-  learned expert embeddings, scaled by a learned temperature: X-MoE and
-  Tutel's cosine router differ only in width and initial scale.
-
-`build_gate(cfg)` picks a gate by `--moe-gate`.
+In: tokens x_TH [T, H] (and which are valid); out: a `Routing` (pairs or soft weights, router losses).
+- `SoftmaxTopKGate`: GShard top-k softmax; noisy (trainable noise), Switch (k = 1, not renormalised),
+  Batch-Prioritized Routing and Random Token Selection are its variants.
+- `SigmoidGate`: a sigmoid score per expert; with an expert bias, DeepSeek-V3's aux-loss-free balancing.
+- `CosineGate`: X-MoE's and Tutel's cosine routers (they differ in width and initial scale).
+- expert_choice and soft: gates_balanced.py.
+Invariant: over capacity a token-choice gate drops in its claim order (k-major, or --moe-token-drop-policy).
+Adding a gate: its class here, its `GATE_BUILDERS` entry, its row in config/gate_traits.py (what it is).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -225,22 +218,25 @@ class CosineGate(_TopKGateBase):
         return self._route(logits_TE, probs_TE, probs_TE, valid_T)
 
 
+GATE_BUILDERS: dict[str, Callable[[MoELayerConfig], Gate]] = {
+    "topk": SoftmaxTopKGate,
+    "noisy_topk": lambda cfg: SoftmaxTopKGate(cfg, noisy=True),
+    "switch": lambda cfg: SoftmaxTopKGate(cfg, normalize=False),
+    "bpr": lambda cfg: SoftmaxTopKGate(cfg, priority="importance"),
+    "rts": lambda cfg: SoftmaxTopKGate(cfg, priority="random"),
+    "sigmoid": SigmoidGate,
+    # X-MoE: 16-wide projection, temperature 0.07 (scale 1/0.07); Tutel: 256 wide, scale 1/0.01.
+    "xmoe": lambda cfg: CosineGate(cfg, dim=cfg.router_dim or 16, init_scale=1 / 0.07),
+    "cosine": lambda cfg: CosineGate(cfg, dim=cfg.router_dim or 256, init_scale=1 / 0.01),
+    "expert_choice": ExpertChoiceGate,
+    "soft": SoftMoEGate,
+}
+"""Gate name -> its constructor from the layer config; a key of config/gate_traits.py's `GATE_TRAITS` each."""
+
+
 def build_gate(cfg: MoELayerConfig) -> Gate:
     """The gate `--moe-gate` names."""
-    builders = {
-        "topk": lambda: SoftmaxTopKGate(cfg),
-        "noisy_topk": lambda: SoftmaxTopKGate(cfg, noisy=True),
-        "switch": lambda: SoftmaxTopKGate(cfg, normalize=False),
-        "bpr": lambda: SoftmaxTopKGate(cfg, priority="importance"),
-        "rts": lambda: SoftmaxTopKGate(cfg, priority="random"),
-        "sigmoid": lambda: SigmoidGate(cfg),
-        # X-MoE: 16-wide projection, temperature 0.07 (scale 1/0.07); Tutel: 256 wide, scale 1/0.01.
-        "xmoe": lambda: CosineGate(cfg, dim=cfg.router_dim or 16, init_scale=1 / 0.07),
-        "cosine": lambda: CosineGate(cfg, dim=cfg.router_dim or 256, init_scale=1 / 0.01),
-        "expert_choice": lambda: ExpertChoiceGate(cfg),
-        "soft": lambda: SoftMoEGate(cfg),
-    }
-    return builders[cfg.gate]()
+    return GATE_BUILDERS[cfg.gate](cfg)
 
 
-__all__ = ["CosineGate", "SigmoidGate", "SoftmaxTopKGate", "build_gate"]
+__all__ = ["GATE_BUILDERS", "CosineGate", "SigmoidGate", "SoftmaxTopKGate", "build_gate"]

@@ -50,7 +50,7 @@ def _pipelines(flag: str) -> Callable[[RunConfig], bool]:
     def enabled(cfg: RunConfig) -> bool:
         degree = getattr(cfg.moe, flag)
         moves = cfg.parallel.expert_model_parallel_size > 1
-        return cfg.moe.is_moe and cfg.moe.own_layer and moves and degree.isdigit() and int(degree) > 1
+        return cfg.moe.is_moe and cfg.moe.own_layer and moves and type(degree) is int and degree > 1
 
     return enabled
 

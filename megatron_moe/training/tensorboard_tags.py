@@ -1,22 +1,11 @@
 """TensorBoard for a person: which tags a run writes, in which group, and never a line that stays at zero.
 
-Three rules, applied to every scalar the training logger hands over (`Dashboard.scalars`):
-
-1. A tag is written only where its quantity can be non-zero in the run's layout (`TagLayout.can_occur`): no `tp`
-   traffic at TP=1, no all-to-all at EP=1, no ESP collectives at ESP=1, no drops in a dropless run, no loss
-   scale without --fp16, no communication at all on one rank.
-2. Each tag sits in one group per concern, the prefix TensorBoard lays its dashboard out by (`tag_of`):
-   `loss/`, `optim/`, `throughput/`, `memory/`, `moe/`, `comm/`, and the detail groups `moe_layers/`,
-   `comm_detail/`, `comm_layers/`. Megatron-LM's name stays the leaf (`loss/lm loss`, `optim/grad-norm`), so a
-   tag filter written for Megatron-LM's tags still finds them.
-3. A tag that has been zero at every step so far is held back (`ZeroHold`); at its first non-zero value its
-   zeros are written at their own steps and wall times, so a tag zero for the whole run never appears and one
-   that turns non-zero keeps its whole history. The experts' loads of one layer are held as one family: an
-   expert that gets no token beside others that do is shown, at 0.
-
-Megatron-LM's samples axis ("<tag> vs samples") is written for the loss and optimizer groups only (as Megatron-LM
-writes it: not for timers), under `vs_samples/`, so it doubles no dashboard group. docs/tensorboard.md lists
-the tags.
+In: every scalar the training logger hands over (`Dashboard.scalars`); out: the tags written. Rules:
+1. a tag only where its quantity can be non-zero in the run's layout (`TagLayout.can_occur`);
+2. one group per concern (`tag_of`: loss/, optim/, throughput/, memory/, moe/, comm/ and detail groups), with
+   Megatron-LM's name as the leaf, plus its samples axis under vs_samples/ for loss and optimizer;
+3. a tag zero at every step so far is held back (`ZeroHold`), its zeros written at their steps once it turns
+   non-zero. The rules in full: docs/internals/config.md; the tags: docs/tensorboard.md.
 """
 
 from __future__ import annotations
@@ -109,7 +98,7 @@ class TagLayout:
             dims=cfg.dims(world_size),
             moe=moe.is_moe,
             drops=moe.is_moe and DROPPING.test(cfg),
-            shadow=moe.is_moe and str(moe.moe_shadow_experts) not in ("off", "0"),
+            shadow=moe.is_moe and moe.moe_shadow_experts != "off",
             fp16=cfg.training.fp16,
         )
 

@@ -11,7 +11,7 @@ the HuggingFace export call it. Every tokenizer has the interface of ``base.Toke
 
 from __future__ import annotations
 
-from megatron_moe.config import TOKENIZER_TYPES, DataConfig, rules
+from megatron_moe.config import TOKENIZER_TYPES, DataConfig, rules_groups
 from megatron_moe.data.tokenizer.base import NO_PAD_FALLBACK, Tokenizer, TokenizerError
 from megatron_moe.data.tokenizer.huggingface import GPT2BPETokenizer, HuggingFaceTokenizer
 from megatron_moe.data.tokenizer.sentencepiece_model import SentencePieceTokenizer, load_sentencepiece_model
@@ -25,7 +25,7 @@ assert tuple(TOKENIZERS) == TOKENIZER_TYPES, "the config's --tokenizer-type choi
 def build_tokenizer(data: DataConfig) -> Tokenizer:
     """The tokenizer the data flags name (--tokenizer-type and its files); a TokenizerError names the flag, the
     path and what it should hold when a file is missing or of the wrong kind."""
-    rules.check_tokenizer(data)
+    rules_groups.check_tokenizer(data)
     if data.tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(data.vocab_file, data.merge_file)
     return TOKENIZERS[data.tokenizer_type](data.tokenizer_model)
