@@ -84,6 +84,67 @@ class DispatchSplits:
         return [sum(map(sum, received_GL)) for received_GL in self.esp_received_PGL]
 
 
+class ChunkTransport:
+    """A dispatcher's per-chunk moves of rows, for callers that split a dispatch into chunks (moe/pipeline.py):
+    the EP all-to-alls of a chunk's rows to the expert owners and back, and with P > 1 the ESP all-gather and
+    reduce-scatter, forward or inside a backward (every one through `megatron_moe.comm`). A chunk is any object
+    with `send_splits`, `recv_splits` [G], `esp_sizes` [P], `to_expert` / `to_source` (row permutations or None)
+    and `pairs` (2DH's [G][G] or None). Made by `Dispatcher.chunk_transport`; `ChunkTransport(None, None, None,
+    None)` moves nothing (one process)."""
+
+    def __init__(self, ep_group, esp_group, layer: int | None, overlap: comm.BackwardOverlap | None, route=None):
+        self.ep_group, self.esp_group, self.layer, self.overlap = ep_group, esp_group, layer, overlap
+        self.ep_size, self.esp_size = comm.group_size(ep_group), comm.group_size(esp_group)
+        self.route: comm.Route | None = route
+        """The dispatcher's route without pairs (`Dispatcher.route`); each chunk adds its own pairs (2DH)."""
+
+    def _route(self, chunk, *, reverse: bool) -> comm.Route | None:
+        """The route of the chunk's all-to-all to the expert owners, or back (`reverse`)."""
+        route = self.route
+        if route is None:
+            return None
+        if route.two_level:
+            route = dataclasses.replace(route, pairs=chunk.pairs)
+        return route.reversed() if reverse else route
+
+    def to_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool) -> comm.CommHandle:
+        """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners."""
+        if self.ep_size == 1:
+            return comm.CommHandle(rows_RH)
+        send = comm.combine_all_to_all if backward else comm.dispatch_all_to_all  # backward: the combine's reverse
+        splits, route = (chunk.recv_splits, chunk.send_splits), self._route(chunk, reverse=False)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
+
+    def from_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool) -> comm.CommHandle:
+        """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
+        if self.ep_size == 1:
+            return comm.CommHandle(rows_RH)
+        send = comm.dispatch_all_to_all if backward else comm.combine_all_to_all
+        splits, route = (chunk.send_splits, chunk.recv_splits), self._route(chunk, reverse=True)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
+
+    def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
+        """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
+        if backward and self.overlap is not None and handle.record is not None:
+            return self.overlap.run_under(handle.record, handle)
+        return handle.wait()
+
+    def gather(self, rows: torch.Tensor, chunk, *, backward: bool) -> torch.Tensor:
+        """Received rows in (g, l) order -> [ESP all-gather: (p, g, l)] -> each local expert's rows together."""
+        if self.esp_size > 1:
+            gather = comm.esp_all_gather  # the ESP branch's collective; only reached with an ESP group
+            rows = gather(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
+        return rows if chunk.to_expert is None else rows.index_select(0, chunk.to_expert)
+
+    def scatter(self, rows: torch.Tensor, chunk, *, backward: bool) -> torch.Tensor:
+        """`gather`'s reverse: (l, x) -> (x, l) order [-> ESP reduce-scatter of the partial sums]."""
+        rows = rows if chunk.to_source is None else rows.index_select(0, chunk.to_source)
+        if self.esp_size > 1:
+            scatter = comm.esp_reduce_scatter
+            rows = scatter(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
+        return rows
+
+
 @dataclasses.dataclass
 class Dispatched:
     rows_RH: torch.Tensor
@@ -148,6 +209,10 @@ class Dispatcher(abc.ABC):
         if route is None or not route.two_level:
             return route
         return dataclasses.replace(route, pairs=splits.pairs_GG(self.num_local_experts))
+
+    def chunk_transport(self) -> ChunkTransport:
+        """This dispatcher's groups, route and backward overlap as a per-chunk transport (moe/pipeline.py)."""
+        return ChunkTransport(self.group, self.esp_group, self.layer, self.backward_overlap, route=self.route())
 
     @property
     def moves_rows(self) -> bool:
@@ -277,7 +342,7 @@ class PaddedAllToAll(Dispatcher):
         return self._send_back(rows, splits)
 
 
-def _chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row permutation taking chunks in (x, expert) order to (expert, x) order, and back; x = source, or under
     ESP (ESP peer, source) (X = P x G).
 
@@ -328,7 +393,7 @@ class AllToAllV(Dispatcher):
         received_GL = blocks if p == 1 else esp_received_PGL[self.esp_rank]
         local_counts = [sum(column) for column in zip(*blocks)]
         to_expert, to_source = (
-            (None, None) if l == 1 else _chunk_permutation(received_dev.reshape(-1, l), sum(local_counts))
+            (None, None) if l == 1 else chunk_permutation(received_dev.reshape(-1, l), sum(local_counts))
         )
         return DispatchSplits(
             [sum(row) for row in send_GL],

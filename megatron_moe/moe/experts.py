@@ -108,7 +108,8 @@ def expert_chunks(counts: list[int], row_bytes: int, budget: int | None) -> list
     return runs
 
 
-def _fc1(x_RH: torch.Tensor, w1_EFH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def fc1(x_RH: torch.Tensor, w1_EFH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """h = x W1[e]^T per expert's rows (the experts' first GEMM; the pipeline's chunks run it too)."""
     return grouped_mm(x_RH, w1_EFH.transpose(1, 2), counts)
 
 
@@ -133,14 +134,14 @@ def mlp_weight_grads(grad_RH, x_RH, a_RF, grad_h_RF, counts, needs: tuple[bool, 
     return weight_grads
 
 
-def _save(ctx, weights: tuple, kept: list) -> None:
+def save_kept(ctx, weights: tuple, kept: list) -> None:
     """Plain kept tensors go through save_for_backward (and so through any saved-tensor hooks); others are ours."""
     ctx.save_for_backward(*weights, *(k for k in kept if torch.is_tensor(k)))
     ctx.kept = [None if torch.is_tensor(k) else (k,) for k in kept]  # (packed,) or (None,) for recompute
 
 
-def _saved(ctx, num_weights: int) -> tuple[list, list]:
-    """(weights, kept) as `_save` stored them."""
+def saved_kept(ctx, num_weights: int) -> tuple[list, list]:
+    """(weights, kept) as `save_kept` stored them."""
     weights, plain = ctx.saved_tensors[:num_weights], iter(ctx.saved_tensors[num_weights:])
     return list(weights), [next(plain) if k is None else k[0] for k in ctx.kept]
 
@@ -173,19 +174,19 @@ class GroupedMLP(torch.autograd.Function):
         kept_h, kept_a = [], []
         for e0, e1, r0, r1 in runs:
             run_counts = counts[e0:e1]
-            h = _fc1(x_RH[r0:r1], w1_EFH[e0:e1], run_counts)
+            h = fc1(x_RH[r0:r1], w1_EFH[e0:e1], run_counts)
             a = ffn_activation(h, gated)
             out = None if y_RH is None else y_RH[r0:r1]
             y = grouped_mm(a, w2_EHF[e0:e1].transpose(1, 2), run_counts, out)
             kept_h.append(keeping.keep("h", h, numel=x_RH.shape[0] * h.shape[1]))  # worth it as a whole
             kept_a.append(keeping.keep("a", a, numel=x_RH.shape[0] * a.shape[1]))
-        _save(ctx, (w1_EFH, w2_EHF), [keeping.keep("x", x_RH), *kept_h, *kept_a])
+        save_kept(ctx, (w1_EFH, w2_EHF), [keeping.keep("x", x_RH), *kept_h, *kept_a])
         ctx.counts, ctx.gated, ctx.runs, ctx.keeping, ctx.store = counts, gated, runs, keeping, store
         return y if y_RH is None else y_RH
 
     @staticmethod
     def backward(ctx, grad_RH):
-        (w1_EFH, w2_EHF), (x_RH, *kept) = _saved(ctx, 2)
+        (w1_EFH, w2_EHF), (x_RH, *kept) = saved_kept(ctx, 2)
         runs, needs = ctx.runs, ctx.needs_input_grad[:3]
         grad_RH = grad_RH.contiguous()
         grads = [None] * 3
@@ -244,7 +245,7 @@ def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs)
     out_x, out_w1, out_w2 = (None if g is None else g[part] for g, part in zip(outs, (rows, experts, experts)))
     x = keeping.fetch(x_RH, r0, r1)
     h = keeping.fetch(kept_h, 0, r1 - r0)
-    h = _fc1(x, w1, counts) if h is None else h
+    h = fc1(x, w1, counts) if h is None else h
     a = keeping.fetch(kept_a, 0, r1 - r0)
     a = ffn_activation(h, ctx.gated) if a is None else a
     need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]

@@ -36,7 +36,7 @@ from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
 from megatron_moe.moe.metrics import MoEStats
 from megatron_moe.moe.ordering import DenseOrdering, RowMap, build_ordering, expert_counts, make_row_map
 from megatron_moe.moe.pieces import Piece, batch_order, run_to_end
-from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
+from megatron_moe.moe.pipeline import PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shadow import AUTO as SHADOW_AUTO
 from megatron_moe.moe.shadow import (
@@ -376,7 +376,7 @@ class MoELayer(MegatronModule):
         """dispatch -> experts -> combine in chunks (`megatron_moe.moe.pipeline`): chunk 0's all-to-all starts
         here, `finish()` runs the rest."""
         d = self.dispatcher
-        links = Links(d.group, d.esp_group, d.layer, d.backward_overlap, route=d.route())
+        links = d.chunk_transport()
         received_XL = splits.received_GL  # X = (ESP peer p, source g): every peer's under ESP
         if splits.esp_received_PGL is not None:
             received_XL = [row for peer_GL in splits.esp_received_PGL for row in peer_GL]

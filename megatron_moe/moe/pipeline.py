@@ -46,11 +46,14 @@ import itertools
 import torch
 
 from megatron_moe import comm
-from megatron_moe.moe.dispatch import _chunk_permutation
-from megatron_moe.moe.experts import _fc1, _save, _saved, mlp_input_grads, mlp_weight_grads
+from megatron_moe.moe.dispatch import ChunkTransport, chunk_permutation
+from megatron_moe.moe.experts import fc1, mlp_input_grads, mlp_weight_grads, save_kept, saved_kept
 from megatron_moe.moe.ffn import ffn_activation
 from megatron_moe.moe.grouped_gemm import grouped_mm
 from megatron_moe.platform import from_host
+
+Links = ChunkTransport
+"""The dispatcher's per-chunk transport under the name overlap/profiler.py imports."""
 
 
 def part(count: int, r: int, j: int) -> int:
@@ -130,7 +133,7 @@ def plan_chunks(
         num_rows = sum(map(sum, parts_XL))
         to_expert = to_source = None
         if x_size > 1 and l_size > 1:
-            to_expert, to_source = _chunk_permutation(from_host(parts_XL, torch.long, device), num_rows)
+            to_expert, to_source = chunk_permutation(from_host(parts_XL, torch.long, device), num_rows)
         chunks.append(
             Chunk(
                 send_rows=_ranges([s + c * j // r for s, c in zip(send_starts, send)], send_parts, device),
@@ -173,63 +176,6 @@ def _into(buffer: torch.Tensor | None, index: torch.Tensor, values: torch.Tensor
     return buffer.index_copy_(0, index, values)
 
 
-class Links:
-    """The pipeline's collectives for one layer: the EP all-to-alls and, with P > 1, the ESP all-gather and
-    reduce-scatter (every one through `megatron_moe.comm`)."""
-
-    def __init__(self, ep_group, esp_group, layer: int | None, overlap: comm.BackwardOverlap | None, route=None):
-        self.ep_group, self.esp_group, self.layer, self.overlap = ep_group, esp_group, layer, overlap
-        self.ep_size, self.esp_size = comm.group_size(ep_group), comm.group_size(esp_group)
-        self.route: comm.Route | None = route
-        """The dispatcher's route without pairs (`Dispatcher.route`); each chunk adds its own pairs (2DH)."""
-
-    def _route(self, chunk: Chunk, *, reverse: bool) -> comm.Route | None:
-        """The route of the chunk's all-to-all to the expert owners, or back (`reverse`)."""
-        route = self.route
-        if route is None:
-            return None
-        if route.two_level:
-            route = dataclasses.replace(route, pairs=chunk.pairs)
-        return route.reversed() if reverse else route
-
-    def to_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
-        """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners."""
-        if self.ep_size == 1:
-            return comm.CommHandle(rows_RH)
-        send = comm.combine_all_to_all if backward else comm.dispatch_all_to_all  # backward: the combine's reverse
-        splits, route = (chunk.recv_splits, chunk.send_splits), self._route(chunk, reverse=False)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
-
-    def from_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
-        """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
-        if self.ep_size == 1:
-            return comm.CommHandle(rows_RH)
-        send = comm.dispatch_all_to_all if backward else comm.combine_all_to_all
-        splits, route = (chunk.send_splits, chunk.recv_splits), self._route(chunk, reverse=True)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
-
-    def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
-        """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
-        if backward and self.overlap is not None and handle.record is not None:
-            return self.overlap.run_under(handle.record, handle)
-        return handle.wait()
-
-    def gather(self, rows: torch.Tensor, chunk: Chunk, *, backward: bool) -> torch.Tensor:
-        """Received rows in (g, l) order -> [ESP all-gather: (p, g, l)] -> each local expert's rows together."""
-        if self.esp_size > 1:
-            gather = comm.esp_all_gather  # the ESP branch's collective; only reached with an ESP group
-            rows = gather(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
-        return rows if chunk.to_expert is None else rows.index_select(0, chunk.to_expert)
-
-    def scatter(self, rows: torch.Tensor, chunk: Chunk, *, backward: bool) -> torch.Tensor:
-        """`gather`'s reverse: (l, x) -> (x, l) order [-> ESP reduce-scatter of the partial sums]."""
-        rows = rows if chunk.to_source is None else rows.index_select(0, chunk.to_source)
-        if self.esp_size > 1:
-            scatter = comm.esp_reduce_scatter
-            rows = scatter(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
-        return rows
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineRun:
     """Everything one pipelined forward and its backward need besides the tensors."""
@@ -238,7 +184,7 @@ class PipelineRun:
     backward: list[Chunk]
     counts: list[int]
     """Rows per local expert in the r = 1 layout [L]."""
-    links: Links
+    links: ChunkTransport
     gated: bool
     keeping: object
     """The experts' `Keeping` (activation policy)."""
@@ -257,7 +203,7 @@ def _chunk_forward(x, w1_EFH, w2_EHF, chunk: Chunk, gated: bool, kept_QX: list) 
         if chunk.whole:
             kept_QX[:] = [x.new_empty(0, n) for n in (x.shape[1], w1_EFH.shape[1], w2_EHF.shape[2])]
         return x.new_empty(0, w2_EHF.shape[1])
-    h = _fc1(x, w1_EFH, chunk.counts)
+    h = fc1(x, w1_EFH, chunk.counts)
     a = ffn_activation(h, gated)
     y = grouped_mm(a, w2_EHF.transpose(1, 2), chunk.counts)
     kept_QX[:] = [_into(buffer, chunk.expert_rows, t, chunk.whole) for buffer, t in zip(kept_QX, (x, h, a))]
@@ -326,14 +272,14 @@ class PipelinedExperts(torch.autograd.Function):
             returning = (handle, chunk)
         out_RH = _into(out_RH, returning[1].send_rows, returning[0].wait(), whole)
         keeping = run.keeping
-        _save(ctx, (w1_EFH, w2_EHF), [keeping.keep(name, t) for name, t in zip("xha", kept_QX)])
+        save_kept(ctx, (w1_EFH, w2_EHF), [keeping.keep(name, t) for name, t in zip("xha", kept_QX)])
         ctx.run, ctx.flight = run, flight
         return out_RH
 
     @staticmethod
     def backward(ctx, grad_RH):
         run = ctx.run
-        (w1_EFH, w2_EHF), kept = _saved(ctx, 2)
+        (w1_EFH, w2_EHF), kept = saved_kept(ctx, 2)
         x_QH, h_QF, a_QF = (run.keeping.fetch(k, 0, run.num_rows) for k in kept)
         need_x, need_w1, need_w2 = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
         grad_RH = grad_RH.contiguous()
@@ -409,7 +355,7 @@ class _Backward:
             return grad_y.new_empty(0, kept["x"].shape[1])
         rows, counts, gated, whole = chunk.expert_rows, chunk.counts, self.run.gated, chunk.whole
         x = _rows_of(kept["x"], rows, whole)
-        h = _fc1(x, self.w1_EFH, counts) if kept["h"] is None else _rows_of(kept["h"], rows, whole)
+        h = fc1(x, self.w1_EFH, counts) if kept["h"] is None else _rows_of(kept["h"], rows, whole)
         if wanted["a"]:
             kept["a"] = _into(kept["a"], rows, ffn_activation(h, gated), whole)
         if wanted["w2"]:
@@ -438,7 +384,7 @@ def start_pipeline(
     counts: list[int],
     received_XL: list[list[int]],
     degrees: tuple[int, int],
-    links: Links,
+    links: ChunkTransport,
     *,
     esp_rank: int = 0,
     sent_GE: list[list[int]] | None = None,
