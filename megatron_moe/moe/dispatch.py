@@ -44,6 +44,43 @@ from megatron_moe import comm
 from megatron_moe.config.fields import require
 
 
+class Shadowing:
+    """How one forward's rows go around dispatch -> experts -> combine when some experts are shadowed (their
+    weights come to the rows: moe/shadow.py `ShadowPlan`). This base is the identity: nothing shadowed, every
+    row dispatched, the experts' store as it is. The layer calls, in order: `sent_counts`, `split` (before the
+    dispatch), `start` (after it started), `run_experts` or `owner_store` (the experts' stage, unpipelined or
+    pipelined), `compute` (while the combine is in flight), `merge` (after it)."""
+
+    def sent_counts(self, counts: list[int]) -> list[int]:
+        """The dispatch's rows per global expert [E], given the send buffer's."""
+        return counts
+
+    def split(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        """The rows to dispatch (the rest stay on this rank)."""
+        return rows_RH
+
+    def start(self) -> None:
+        """Start what the kept rows need (issued after the dispatch's all-to-all)."""
+
+    def owner_store(self, store):
+        """The `WeightGradStore` this forward's experts' node hands its dW closure to."""
+        return store
+
+    def run_experts(self, experts, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts' stage on the dispatched rows."""
+        return experts(rows_RH, counts)
+
+    def compute(self) -> None:
+        """Compute the kept rows (after the experts' node: see moe/shadow.py)."""
+
+    def merge(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        """The combined rows with the kept rows' results, in the send buffer's order."""
+        return rows_RH
+
+
+NO_SHADOWING = Shadowing()
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatchSplits:
     """One dispatch's split sizes, known on the host before any row moves."""
@@ -66,9 +103,9 @@ class DispatchSplits:
     """Rows this rank receives from each (source g, local expert l) [G][L] (padded: all C)."""
     esp_received_PGL: list[list[list[int]]] | None = None
     """Every ESP peer's `received_GL` [P][G][L]; None without ESP."""
-    shadow: object = None
-    """moe/shadow.py `ShadowSplit` when the layer shadows experts in this forward (their rows are not in these
-    splits: computed on this rank); None otherwise."""
+    shadow: Shadowing = dataclasses.field(default_factory=lambda: NO_SHADOWING)
+    """The experts this forward shadows (moe/shadow.py `ShadowPlan`: their rows are not in these splits, they are
+    computed on this rank); `NO_SHADOWING`: none."""
     sent_GE: list[list[int]] | None = None
     """Every EP rank's rows to each global expert [G][E] (row g: rank g's `send_GL`, flattened), when the transport
     needs every pair's rows (2DH, comm/hierarchy.py); None otherwise."""

@@ -193,15 +193,16 @@ class GroupedMLP(torch.autograd.Function):
         if len(runs) > 1:  # the kernels allocate their outputs when there is one run (torch._grouped_mm has no out=)
             grads = [torch.empty_like(t) if need else None for t, need in zip((grad_RH, w1_EFH, w2_EHF), needs)]
         store = ctx.store
+        runs_store = store
         if store.defers:  # the closures of every run, collected here and handed over as one
             grads[1:] = None, None
-            ctx.store = _Collect()
+            runs_store = _Collect()
         for run, h, a in zip(runs, kept[: len(runs)], kept[len(runs) :]):
-            grad_x, grad_w = _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, h, a, grads)
+            grad_x, grad_w = _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, h, a, grads, runs_store)
             if len(runs) == 1:
                 grads = [grad_x, *(grad_w or (None, None))]
         if store.defers:  # the store owns the weight gradients
-            store.put(_all_runs(ctx.store.closures, runs, w1_EFH, w2_EHF, needs[1:]), (None, None))
+            store.put(_all_runs(runs_store.closures, runs, w1_EFH, w2_EHF, needs[1:]), (None, None))
             grads[1] = grads[2] = None
         return (*grads, None, None, None, None, None)
 
@@ -236,9 +237,9 @@ def _all_runs(closures: list[WeightGrad], runs, w1_EFH, w2_EHF, needs) -> Weight
     return weight_grads
 
 
-def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs) -> tuple:
-    """(dX, (dW1, dW2)) of one run of experts, written into slices of `outs` where given; (dX, None) when the
-    store keeps the weight-gradient closure to run later. x is always kept; h and a are recomputed if not."""
+def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs, store) -> tuple:
+    """(dX, (dW1, dW2)) of one run of experts, written into slices of `outs` where given; (dX, None) when
+    `store` keeps the weight-gradient closure to run later. x is always kept; h and a are recomputed if not."""
     e0, e1, r0, r1 = run
     rows, experts, counts, keeping = slice(r0, r1), slice(e0, e1), ctx.counts[e0:e1], ctx.keeping
     grad, w1, w2 = grad_RH[rows], w1_EFH[experts], w2_EHF[experts]
@@ -252,7 +253,7 @@ def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs)
     grad_x, grad_h = mlp_input_grads(grad, w1, w2, h, counts, ctx.gated, need_x, out_x)
     if not (need_w1 or need_w2):
         return grad_x, (None, None)
-    return grad_x, ctx.store.put(mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2)), (out_w1, out_w2))
+    return grad_x, store.put(mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2)), (out_w1, out_w2))
 
 
 class FFNExperts(torch.nn.Module, DeferrableWeights):
@@ -337,14 +338,16 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
     def _call(self, name: str, fn: Callable, *args):
         return fn(*args) if self.region is None else self.region(name, fn, *args)
 
-    def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows_RH: torch.Tensor, counts: list[int], store: WeightGradStore | None = None) -> torch.Tensor:
+        """`store`: where this call's node hands its dW closure (None: `weight_grad_store`; shadowing passes one
+        that adds the shadows' gradients)."""
+        store = self.weight_grad_store if store is None else store
         # Without rows too: one node whose backward hands one closure (dW1, dW2) to the store, as on every rank,
         # so DDP hears of weight1 and weight2 in the same order everywhere (the reductions' order must agree).
         if self.keeping is not None:
-            options = (self.gated, self.chunk_bytes, self.keeping, self.weight_grad_store)
+            options = (self.gated, self.chunk_bytes, self.keeping, store)
             return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, *options)
         # Per-GEMM nodes, each its own region of an activation policy.
-        store = self.weight_grad_store
         h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts, at_position(store, 0, 2))
         h_RF = self._call("expert_act", ffn_activation, h_RF, self.gated)
         return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts, at_position(store, 1, 2))

@@ -29,7 +29,7 @@ from megatron_moe.config.fields import require
 from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
 from megatron_moe.moe.aux_loss import AuxLossAutoScaler
 from megatron_moe.moe.capacity import expert_capacity
-from megatron_moe.moe.dispatch import Dispatched, DispatchSplits, build_dispatcher
+from megatron_moe.moe.dispatch import Dispatched, DispatchSplits, Shadowing, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
@@ -39,15 +39,7 @@ from megatron_moe.moe.pieces import Piece, batch_order, run_to_end
 from megatron_moe.moe.pipeline import PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shadow import AUTO as SHADOW_AUTO
-from megatron_moe.moe.shadow import (
-    ShadowBroadcast,
-    ShadowCosts,
-    ShadowGrads,
-    ShadowPolicy,
-    ShadowSplit,
-    WithShadowGrads,
-    shadow_forward,
-)
+from megatron_moe.moe.shadow import ShadowCosts, ShadowPlan, ShadowPolicy, ShadowSplit
 from megatron_moe.moe.shared import SharedExpert
 from megatron_moe.platform import from_host, to_host
 from megatron_moe.platform.rng import expert_parallel_stream, host_rng_keyed, rng_tracker
@@ -337,7 +329,9 @@ class MoELayer(MegatronModule):
             received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(num_experts)]
         received_dev = from_host(received, torch.long, routed_E.device)
         splits = d.make_splits(shadow.sent_counts, received_dev, received)
-        return row_map, dataclasses.replace(splits, shadow=shadow if shadow.experts else None)
+        if not shadow.experts:
+            return row_map, splits
+        return row_map, dataclasses.replace(splits, shadow=ShadowPlan(shadow, self.experts, d.group, self.layer_number))
 
     def _capacity(self, routing: Routing, routed_E: torch.Tensor, padded: bool) -> torch.Tensor | None:
         """Slots per expert as a long [1] on the device; None: exact rows and nothing limits them (dropless)."""
@@ -365,8 +359,9 @@ class MoELayer(MegatronModule):
     def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
         return self.dispatcher.dispatch(rows_RH, splits)
 
-    def compute_experts(self, dispatched: Dispatched, rows_RH: torch.Tensor) -> torch.Tensor:
-        return self.experts(rows_RH, dispatched.counts)
+    def compute_experts(self, rows_RH: torch.Tensor, counts: list[int], shadow: Shadowing) -> torch.Tensor:
+        """The experts on the dispatched rows (`counts` per local expert), through the forward's `shadow`."""
+        return shadow.run_experts(self.experts, rows_RH, counts)
 
     def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
         """Start sending the experts' outputs back; `wait()` gives them in the pre-dispatch layout."""
@@ -380,9 +375,18 @@ class MoELayer(MegatronModule):
         received_XL = splits.received_GL  # X = (ESP peer p, source g): every peer's under ESP
         if splits.esp_received_PGL is not None:
             received_XL = [row for peer_GL in splits.esp_received_PGL for row in peer_GL]
-        counts = row_map.counts if splits.shadow is None else splits.shadow.sent_counts
+        counts = splits.shadow.sent_counts(row_map.counts)
+        store = splits.shadow.owner_store(self.experts.weight_grad_store)
         return start_pipeline(
-            rows_RH, self.experts, counts, received_XL, degrees, links, esp_rank=d.esp_rank, sent_GE=splits.sent_GE
+            rows_RH,
+            self.experts,
+            counts,
+            received_XL,
+            degrees,
+            links,
+            esp_rank=d.esp_rank,
+            sent_GE=splits.sent_GE,
+            store=store,
         )
 
     def unorder(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
@@ -414,40 +418,35 @@ class MoELayer(MegatronModule):
         rows_RH = self._region("ordering", self.order, x_TH, row_map)
         ctx.counts = row_map.counts
         rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
-        shadow, broadcast, slot = splits.shadow, None, None
-        if shadow is not None:  # the shadowed experts' rows stay here
-            rows_RH, shadow_RH = shadow.split(rows_RH)
-            slot = ShadowGrads() if self.experts.weight_grad_store.defers else None
+        shadow = splits.shadow  # NO_SHADOWING, or the shadowed experts' rows stay here (moe/shadow.py)
+        rows_RH = shadow.split(rows_RH)
         degrees = self.pipeline_degrees()
         if degrees == (1, 1):
             with self._in_region("dispatch"):
                 handle = self.dispatch(rows_RH, splits)
-            broadcast = self._broadcast_shadows(shadow)
+            shadow.start()
             yield
             shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
             with self._in_region("dispatch"):
                 dispatched = handle.wait()
             ctx.counts = dispatched.counts
             rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
-            with self._owner_store(slot):
-                rows_RH = self.compute_experts(dispatched, rows_RH)
+            rows_RH = self.compute_experts(rows_RH, dispatched.counts, shadow)
             rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
             with self._in_region("combine"):
                 handle = self.combine(rows_RH, dispatched)
-            shadow_RH = self._compute_shadows(broadcast, shadow_RH, slot) if shadow is not None else None  # under it
+            shadow.compute()  # under the combine's all-to-all
             yield
             with self._in_region("combine"):
                 rows_RH = handle.wait()
         else:
-            with self._owner_store(slot):
-                pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
-            broadcast = self._broadcast_shadows(shadow)
+            pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
+            shadow.start()
             yield
             shared_TH = self._shared(x_TH)  # runs while chunk 0's all-to-all is in flight (and the last dX's)
             rows_RH = pipeline.finish()
-            shadow_RH = self._compute_shadows(broadcast, shadow_RH, slot) if shadow is not None else None
-        if shadow is not None:
-            rows_RH = shadow.merge(rows_RH, shadow_RH)
+            shadow.compute()
+        rows_RH = shadow.merge(rows_RH)
         ctx.counts = row_map.counts
         rows_RH = run_hooks(self.hooks, "after_combine", rows_RH, ctx)
         out_TH = self._region("unorder", self.unorder, rows_RH, row_map)
@@ -461,32 +460,6 @@ class MoELayer(MegatronModule):
         else:
             out_TH = self._attach_batch_router_losses(out_TH, piece, routing, row_map, valid_T, shape)
         return out_TH.view(shape), None
-
-    def _broadcast_shadows(self, shadow: ShadowSplit | None) -> ShadowBroadcast | None:
-        """Start the shadowed experts' weights from their owners (after the dispatch: a group's collectives run in
-        issue order, and the dispatch is needed first)."""
-        if shadow is None:
-            return None
-        return ShadowBroadcast(self.experts, shadow, self.dispatcher.group, self.layer_number)
-
-    def _compute_shadows(self, broadcast: ShadowBroadcast, rows_RH: torch.Tensor, slot) -> torch.Tensor:
-        """This rank's rows of the shadowed experts, made after its own experts' node (moe/shadow.py step 5: why
-        the owner's gradient is whole before DDP hears of it)."""
-        return shadow_forward(self.experts, broadcast, rows_RH, self.dispatcher.group, self.layer_number, slot)
-
-    @contextlib.contextmanager
-    def _owner_store(self, slot: ShadowGrads | None):
-        """The experts' node made in the block hands its dW closure to a store that adds the shadows' reduced
-        gradients (`slot`; None: the store as it is)."""
-        if slot is None:
-            yield
-            return
-        store = self.experts.weight_grad_store
-        self.experts.weight_grad_store = WithShadowGrads(store, slot)
-        try:
-            yield
-        finally:
-            self.experts.weight_grad_store = store
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_expert is None else self._region("shared_expert", self.shared_expert, x_TH)

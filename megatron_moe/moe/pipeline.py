@@ -388,12 +388,14 @@ def start_pipeline(
     *,
     esp_rank: int = 0,
     sent_GE: list[list[int]] | None = None,
+    store=None,
 ) -> PipelineStart:
     """The built-in `experts` (`FFNExperts`) on the send buffer `rows_RH` (`counts[e]` rows for global expert
     e), through the EP (and ESP) groups of `links`, in degrees[0] chunks forward and degrees[1] backward;
     `received_XL`: rows each source x = (p, g) sends this rank's ESP group for each local expert; `sent_GE`: every
-    rank's rows per expert where the transport needs every pair (2DH). Every chunk's splits and indices are
-    computed here, and chunk 0's all-to-all starts."""
+    rank's rows per expert where the transport needs every pair (2DH); `store`: where the weight gradients go
+    (None: the experts' `weight_grad_store`). Every chunk's splits and indices are computed here, and chunk 0's
+    all-to-all starts."""
     g, l = links.ep_size, experts.num_local_experts
     send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
     forward, backward = degrees
@@ -403,9 +405,8 @@ def start_pipeline(
     if backward != forward:
         chunks_b = plan_chunks(send_GL, received_XL, backward, esp_rank=esp_rank, device=device, sent_GE=sent_GE)
     local_counts = [sum(row[e] for row in received_XL) for e in range(l)]
-    run = PipelineRun(
-        chunks_f, chunks_b, local_counts, links, experts.gated, experts.keeping, experts.weight_grad_store
-    )
+    store = experts.weight_grad_store if store is None else store
+    run = PipelineRun(chunks_f, chunks_b, local_counts, links, experts.gated, experts.keeping, store)
     return PipelineStart(rows_RH, experts, run)
 
 

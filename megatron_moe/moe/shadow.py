@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL
+from megatron_moe.moe.dispatch import Shadowing
 from megatron_moe.moe.experts import FFNExperts, GroupedMLP
 from megatron_moe.moe.weight_grad import RUN_NOW
 
@@ -332,3 +333,42 @@ def shadow_forward(
     keeping = experts.keeping or SAVE_ALL  # None: the policy runs fc1/act/fc2 apart; the shadows keep everything
     counts = broadcast.split.shadow_counts
     return GroupedMLP.apply(rows_RH, w1_KFH, w2_KHF, counts, experts.gated, experts.chunk_bytes, keeping, RUN_NOW)
+
+
+class ShadowPlan(Shadowing):
+    """One forward's shadowing (`Shadowing`, the splits' transform): `split`'s shadowed rows stay here, `start`
+    broadcasts their weights (step 3), `compute` runs them (step 4), `merge` puts them back; the owner's node
+    gets a store that adds the shadows' reduced gradients when the experts' store defers (step 5), passed to it
+    explicitly (`owner_store`, `run_experts`): no store is swapped."""
+
+    def __init__(self, split: ShadowSplit, experts: FFNExperts, group, layer: int | None):
+        self.shadow, self.experts, self.group, self.layer = split, experts, group, layer
+        self.slot = ShadowGrads() if experts.weight_grad_store.defers else None
+        self.rows_RH: torch.Tensor | None = None
+        self.broadcast: ShadowBroadcast | None = None
+        self.out_RH: torch.Tensor | None = None
+
+    def sent_counts(self, counts: list[int]) -> list[int]:
+        return self.shadow.sent_counts
+
+    def split(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        rows_RH, self.rows_RH = self.shadow.split(rows_RH)
+        return rows_RH
+
+    def start(self) -> None:
+        self.broadcast = ShadowBroadcast(self.experts, self.shadow, self.group, self.layer)
+
+    def owner_store(self, store):
+        return store if self.slot is None else WithShadowGrads(store, self.slot)
+
+    def run_experts(self, experts, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return experts(rows_RH, counts, store=self.owner_store(experts.weight_grad_store))
+
+    def compute(self) -> None:
+        """Made after the owner's experts' node: autograd runs it first in backward (step 5)."""
+        self.out_RH = shadow_forward(self.experts, self.broadcast, self.rows_RH, self.group, self.layer, self.slot)
+        self.rows_RH = self.broadcast = None
+
+    def merge(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        out_RH, self.out_RH = self.out_RH, None
+        return self.shadow.merge(rows_RH, out_RH)
