@@ -1,36 +1,17 @@
-"""Dispatch and Combine: move expert-major rows to the EP rank that owns each expert and back.
+"""Dispatch and combine: move expert-major rows to the EP rank that owns each expert and back.
 
 Legend: G = EP group size, E = experts (global), L = local experts (E / G),
 P = expert-sharded (ESP) group size, C = capacity, R = rows, H = hidden.
 
-A dispatcher sees rows grouped by global expert with `counts[e]` rows for
-expert e (expert e lives on EP rank e // L). Planning and moving are apart, so
-that the layer waits for the device once per forward (`MoELayer.arrange`):
-
-1. in arranging, on the device: `agree_capacity` (one C for the EP group when
-   the layout needs it) and `exchange_counts` (what the other ranks send this
-   one, and under ESP what every ESP peer received, when the layout needs it;
-   under 2DH, --moe-a2a-algorithm, every rank's counts [G, E]: the transport
-   needs every pair's rows); neither reads anything on the host;
-2. the layer reads their results with its own counts in ONE device->host copy,
-   and `make_splits` turns those host values into a `DispatchSplits` (split
-   sizes, row permutations);
-3. `dispatch(rows, splits)` returns a handle whose `wait()` gives a
-   `Dispatched`: the rows of this rank's L experts grouped by local expert and
-   their counts; `combine` sends the expert outputs back. Neither reads the
-   device. Both start their all-to-all asynchronously; the layer does
-   independent work (the shared expert, other pieces' under the operator
-   partition) before waiting.
-
-Expert-sharded parallelism (ESP, megatron-core's expert tensor parallelism): the
-P ranks of an ESP group (inside a node) hold the same experts, each a 1/P slice
-of every expert's FFN width. Dispatch is then
-1. the EP all-to-all between ESP groups: this rank receives (source g, local expert l) blocks;
-2. the ESP all-gather of those blocks unchanged: (p, g, l) blocks, every peer's in turn;
-3. ONE permutation (p, g, l) -> (l, p, g): each local expert's rows together for the grouped GEMM;
-and combine the reverse: the inverse permutation, the ESP reduce-scatter (the
-experts' outputs are partial sums over the F slices), the all-to-all back.
-Every collective goes through `megatron_moe.comm`.
+In: rows grouped by global expert, `counts[e]` rows for expert e (owned by EP rank e // L). Planning and moving
+are apart, so the layer waits for the device once per forward (`MoELayer.arrange`): `agree_capacity` and
+`exchange_counts` start on the device, the layer reads them in one host read, `make_splits` turns the host
+values into a `DispatchSplits`. `dispatch(rows, splits)` -> handle, `wait()` -> `Dispatched` (this rank's L
+experts' rows grouped by local expert); `combine` sends the outputs back. Neither reads the device; both start
+asynchronously. `chunk_transport()` gives the same moves per chunk (moe/pipeline.py). Under ESP the received
+blocks are all-gathered over the ESP group and the outputs (partial sums) reduce-scattered. `Shadowing` is the
+splits' transform for shadowed experts (identity here; moe/shadow.py). Every collective goes through
+`megatron_moe.comm`. The phases: docs/internals/moe.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
-"""Expert: the local experts' computation on rows grouped by expert.
+"""Experts: the local experts' computation on rows grouped by expert.
 
-Legend: L = local experts, R = rows (all local experts), C = rows per expert
-when padded, H = hidden, F = expert ffn width (x2 for SwiGLU's gate and up),
-P = expert-sharded (ESP) group size.
+Legend: L = local experts, R = rows (all local experts), C = rows per expert when padded, H = hidden,
+F = expert ffn width (x2 for SwiGLU's gate and up), P = expert-sharded (ESP) group size.
 
-Any `torch.nn.Module` with `num_local_experts` and `forward(rows_RH, counts)`
-is an expert module (`Experts` protocol). Built in:
-
-- `FFNExperts`: GPT GELU FFN or Mixtral SwiGLU, all local experts (of a run)
-  as one bmm when every expert has the same row count (capacity-padded) or one
-  grouped GEMM otherwise (dropless / exact rows); fc1, activation and fc2 form one
-  autograd node (`GroupedMLP`), which also carries an activation policy's
-  expert_fc1/act/fc2 modes (unless fc2 is to be recomputed).
-- `ModuleListExperts`: wraps one arbitrary module per local expert (a loop;
-  for custom experts whose shapes do not batch).
-
-On-disk layout of `FFNExperts`, whatever kernel runs and whatever the EP and ESP
-sizes: `weight1` [E, F (2F for SwiGLU: gate rows then up rows), H] and `weight2`
-[E, H, F], i.e. torch Linear's [out, in] per expert, sharded along E with the
-global expert index as the offset, along F by the ESP rank, replicated over
-expert-data-parallel ranks. Under ESP a rank holds weight1 [L, F/P (SwiGLU:
-its F/P gate rows then its F/P up rows), H] and weight2 [L, H, F/P]; its output
-is a partial sum over its slice of F, which the dispatcher's reduce-scatter
-completes.
+Any `torch.nn.Module` with `num_local_experts` and `forward(rows_RH, counts)` is an expert module (`Experts`).
+Built in: `FFNExperts` (GELU or SwiGLU; one fused autograd node `GroupedMLP`, bmm when padded, grouped GEMM
+otherwise; its backward hands the dW GEMMs to a `WeightGradStore`) and `ModuleListExperts` (one module per
+expert). Checkpoint layout, whatever the kernel and the EP / ESP sizes: `weight1` [E, F (2F for SwiGLU: gate
+rows then up rows), H], `weight2` [E, H, F], sharded along E (offset: the global expert index) and along F by
+the ESP rank; under ESP a rank's output is a partial sum the dispatcher's reduce-scatter completes.
+Details: docs/internals/moe.md.
 """
 
 from __future__ import annotations

@@ -2,25 +2,12 @@
 
 Legend: R = rows (all experts), E = experts, I = input width, O = output width.
 
-`GroupedLinear.apply(x_RI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
-The first of `KERNELS` that fits the operands (device, dtype, layout, rows) runs:
-- `grouped_gemm`: on an accelerator with the `grouped_gemm` package installed,
-  bf16 only, its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)`
-  (the GEMMs the package's own autograd runs; here they run in our nodes);
-- `bmm`: one `torch.bmm` when every group has the same rows (capacity-padded);
-- `onednn`: on CPU, oneDNN's matmul per group (`torch.ops.mkldnn._linear_pointwise`,
-  the op torch's inductor emits for CPU linears) for y and dX, torch.mm per
-  group for dW (why oneDNN and not torch.mm's MKL: docs/kernels.md);
-- `torch._grouped_mm`: where it runs for the dtype (checked once per device type and dtype by a probe);
-- `mm-loop`: one `torch.mm` per group into slices of one buffer.
-Each (device type, dtype, kernel) that runs is logged once.
-The backward is written as two separate steps, `grouped_input_grad` (dX, on
-the critical path) and `grouped_weight_grad` (dW); a node's backward hands the
-latter as a closure to its `WeightGradStore` (`megatron_moe.moe.weight_grad`),
-which runs it at once or later, while an all-to-all is in flight.
-An expert without rows gets a weight gradient of exactly zero from every kernel,
-whatever the output buffer held (`_zero_empty_experts`).
-`forced_kernel(name)` pins one (tests, benchmarks).
+`GroupedLinear.apply(x_RI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T with the first of
+`KERNELS` that fits the operands (`grouped_gemm`, `bmm`, `onednn`, `torch._grouped_mm`, `mm-loop`; each that runs
+is logged once; `forced_kernel(name)` pins one). The backward is two steps, `grouped_input_grad` (dX, on the
+critical path) and `grouped_weight_grad` (dW, a closure handed to the node's `WeightGradStore`). Invariant: an
+expert without rows gets a weight gradient of exactly zero from every kernel. Each kernel and why:
+docs/internals/moe.md and docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """FSMoE's chunked pipeline: dispatch -> experts -> combine of the built-in experts in r chunks, one autograd node.
 
-Legend: G = EP group size, L = local experts, P = ESP group size (expert-sharded parallelism), X = P x G
-(source ranks of a local expert's rows after the ESP all-gather, in (p, g) order), r = pipeline degree,
-R = rows of this rank's send buffer (expert-major: `counts[e]` rows for global expert e, destination g's
-experts in block g), Q = rows this rank's experts compute (each local expert's rows contiguous, from every
-source x in order: the layout the non-pipelined path has), H = hidden, F = this rank's expert width (2F for
-SwiGLU's gate and up rows).
+Legend: G = EP group size, L = local experts, P = ESP group size, X = P x G (source ranks of a local expert's
+rows after the ESP all-gather, in (p, g) order), r = pipeline degree, R = rows of this rank's send buffer
+(expert-major), Q = rows this rank's experts compute (the r = 1 layout), H = hidden, F = this rank's expert width.
 
-Chunk j of r takes part j of every (destination g, local expert l) block of the send buffer,
-`part(count, r, j)` rows at offset `count * j // r` in the block; every rank computes every chunk's splits
-from the same host counts (`DispatchSplits.received_GL`, the layer's counts), once per forward: nothing here
-reads the device.
-
-Forward, per chunk j (chunk j+1's all-to-all is started before chunk j waits for its own):
-1. all-to-all of the chunk's rows to the expert owners;
-2. [P > 1: all-gather in the ESP group]; one permutation (x, l) -> (l, x);
-3. fc1 -> act -> fc2 on this rank's weight shards; x, h, a written into r = 1 layout buffers (the kept
-   activations are the non-pipelined node's, so memory and the weight gradients equal r = 1);
-4. inverse permutation, [P > 1: reduce-scatter of the partial sums];
-5. all-to-all back, written into the output at the chunk's rows when it is waited (after the next chunk's).
-
-Backward has its own degree r_b and schedule (not autograd replaying the forward chunks), per chunk:
-1. all-to-all of the output gradient to the expert owners (the combine's reverse); [ESP all-gather];
-2. dA, dH, dX of the chunk (`mlp_input_grads`); dY and dH written into r = 1 layout buffers;
-3. [ESP reduce-scatter]; all-to-all of dX back (the dispatch's reverse).
-The backward all-to-alls are waited through the dispatcher's `backward_overlap` (Lancet's queue runs its
-planned dW under them). The weight gradients are one closure over all rows (`mlp_weight_grads`, the r = 1
-arithmetic) handed to the experts' store when the last chunk's dX is on the wire: `RUN_NOW` runs it there,
-under the last all-to-all; a deferring store (Lancet) queues it.
-
-Two autograd nodes: `_StartPipeline` starts chunk 0's all-to-all in forward and, in backward, waits for the
-last chunk's dX; `PipelinedExperts` runs the rest. What the layer runs between them (the shared expert) runs
-while those two all-to-alls are in flight, forward and backward (autograd runs the later-made node first).
-
-On a GPU the all-to-alls run on the communication stream and `wait()` makes the compute stream wait for them:
-chunk j's experts and chunk j+1's transfer overlap with no host wait (every index and split is made here from
-host counts, once per forward).
+In: the send buffer [R, H] (`counts[e]` rows for global expert e), the host counts every rank has
+(`DispatchSplits.received_GL`), the degrees (forward, backward) and the dispatcher's `ChunkTransport`. Out: the
+experts' outputs [R, H] in the send layout. Chunk j takes part j (`part`) of every (g, l) block; chunk j+1's
+all-to-all is in flight while chunk j computes. Invariants: nothing here reads the device; the kept activations,
+the memory and the weight gradients (one closure over all rows, handed to the store when the last dX is on the
+wire) equal r = 1's; r = 1 (`Chunk.whole`) copies nothing. Two nodes: `_StartPipeline` (chunk 0's all-to-all;
+in backward the last dX) and `PipelinedExperts` (the rest), so the layer's work between them runs under those
+all-to-alls. The schedule step by step: docs/internals/moe.md.
 """
 
 from __future__ import annotations

@@ -1,59 +1,17 @@
-"""FasterMoE's dynamic shadowing: the hottest experts' weights go to the tokens instead of the tokens to them.
+"""FasterMoE's dynamic shadowing: the most loaded experts' weights go to the tokens instead of the tokens to them.
 
 Legend: G = EP group size, E = experts (global), L = local experts (E / G), K = shadowed experts this forward,
 H = hidden, F = this rank's expert width (2F for SwiGLU's gate and up rows), R = rows.
 
-FasterMoE (PPoPP '22; ../shared/papers/fastermoe-notes.zh.txt, section 03.1): a popular expert receives more
-rows than its peers, its owner computes longest, and every other rank waits for it at the combine. When sending
-an expert's rows costs more than sending its weights, broadcast the weights ("shadow" the expert) to every rank,
-compute each rank's own rows for it there, and in backward reduce the shadows' weight gradients to the owner,
-whose optimizer updates the one copy. Per MoE layer and forward:
-
-1. the decision (`ShadowPolicy.choose`), from agreed figures only: the [G, E] routed counts, every rank's rows
-   per expert, all-gathered in the layer's one counts exchange (`comm.gather_counts`, read with the layer's
-   other counts in its one host read): every rank shadows the same experts, so every rank issues the same
-   collectives in the same order;
-2. `ShadowSplit`: the expert-major send buffer split into the rows that are dispatched (the experts not
-   shadowed; the shadowed ones' counts are 0 in the dispatch's splits) and the rows computed here (the shadowed
-   experts', in `experts` order);
-3. `broadcast_weights`: one broadcast per shadowed expert from its owner over the EP group, issued after the
-   dispatch's all-to-all (on NCCL a group's collectives run in issue order: the dispatch is not delayed);
-4. `ShadowExperts.forward`: after this rank's own experts ran, while the combine's all-to-all is in flight, the
-   shadowed experts' rows through the received weights (`GroupedMLP`, the same arithmetic as the owner's);
-5. backward (`_ShadowWeights`): the shadows' weight gradients reduced (summed) to each owner, one reduce per
-   expert, and added to the owner's weight gradient before megatron-core's DDP hears of it, so that its bucket
-   reduces the whole gradient once:
-   - with the experts' weight gradients computed in their node (`RUN_NOW`), returned to autograd: it
-     accumulates a leaf's gradient once every node with an edge to it has run (this one and the owner's), and
-     DDP's hook on the accumulation sees the sum;
-   - with a deferring store (Lancet: DDP's hook is the store's to call, when the owner's dW closure has run),
-     held in the forward's `ShadowGrads` and added to what the owner's closure returns (`WithShadowGrads`, the
-     store the owner's node was given in that forward). The shadow nodes are made after the owner's node
-     (step 4), so autograd runs them first in backward (the later-made ready node first; its reduce is issued
-     while the combine's reverse all-to-all is in flight), and so before the owner's closure can run, whether
-     at once or queued. A closure that found no reduced gradient would raise, not lose it.
-
-The policy ("auto") is FasterMoE's greedy one (its `global_policy`): experts in order of load; each is shadowed
-while the predicted layer time falls, and the first that does not lower it stops the search. The prediction is
-the paper's latency model on this cluster's fitted lines (overlap/cost_model.py `ClusterFits`) instead of its
-hand-given bandwidth and throughput:
-
-    T(S) = max_w gemm(R_w) + max_w gemm_bwd(R_w) + max_w gemm_dw(R_w)
-           + 4 a2a(max_w max(sent_w, received_w)) + |S| (a2a(W') + a2a(W'))
-
-R_w: the multiply-adds rank w runs (its own experts' rows from every rank, less the shadowed ones, plus its own
-rows of every shadowed expert); sent_w / received_w: its all-to-all bytes (dispatch; combine is the same, and both
-again in backward: the paper's factor 4); W' = W G / (G - 1), the all-to-all line's n at which the W bytes of one
-expert's weights cross one link (the profile's n counts the rank's own block: (G - 1) / G of it crosses), for the
-broadcast and again for the reduce. The paper's two conditions (the rows cost more to send than the weights; the
-compute saved outweighs the added reduction) are the two halves of T's change. Deviations, and why: the compute is
-the three fitted GEMM lines, not 3x the forward (the profile has them); the all-to-all term takes the busier of
-send and receive (a hot owner receives more than it sends; the paper's B_w is one figure); nothing here models
-overlap (neither does the paper's policy).
-
-Not shadowed (refused when asked for by number, "auto" off with the reason in the log): one EP rank; the padded
-(capacity) dispatcher and capacity limits (a shadowed expert's rows would escape its capacity); expert-sharded
-experts (ESP: the weights are sliced over the ESP group); custom experts; hooks that need the dispatched rows.
+In: the [G, E] routed counts every rank gathered in the layer's one counts exchange. `ShadowPolicy.choose` picks
+the same experts on every rank ("auto": FasterMoE's greedy policy on the fitted lines, `greedy_shadows`); the
+layer wraps them in a `ShadowPlan`, the splits' `Shadowing`: their rows stay out of the dispatch (`ShadowSplit`),
+their weights are broadcast from the owner after the dispatch (`ShadowBroadcast`), the rows run through them
+under the combine (`shadow_forward`), and in backward their weight gradients are reduced (summed) to the owner.
+Invariants: every rank issues the same collectives in the same order; the owner's gradient is whole before DDP
+hears of it (returned to autograd, or added to the owner's deferred dW closure through the store passed to its
+node, `WithShadowGrads`). Not shadowed: one EP rank, capacity, ESP, custom experts, hooks needing the rows.
+The steps, the latency model and its deviations from the paper: docs/internals/moe.md.
 """
 
 from __future__ import annotations
