@@ -32,6 +32,9 @@ class Shadowing:
     dispatch), `start` (after it started), `run_experts` or `owner_store` (the experts' stage, unpipelined or
     pipelined), `compute` (while the combine is in flight), `merge` (after it)."""
 
+    shadowed: tuple[int, ...] = ()
+    """The global experts shadowed (ascending); none here."""
+
     def sent_counts(self, counts: list[int]) -> list[int]:
         """The dispatch's rows per global expert [E], given the send buffer's."""
         return counts

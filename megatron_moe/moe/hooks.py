@@ -68,12 +68,6 @@ class HookHandle:
             self._hooks.remove(self._hook)
 
 
-def run_hooks(hooks: list[MoEHook], point: str, tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor:
-    for hook in hooks:
-        tensor = getattr(hook, point)(tensor, ctx)
-    return tensor
-
-
 class Bf16OnTheWire(MoEHook):
     """Send bf16 through both all-to-alls (half the bytes), compute in the original dtype.
 

@@ -26,7 +26,9 @@ from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL
 from megatron_moe.moe.dispatch import Shadowing
 from megatron_moe.moe.experts import FFNExperts, GroupedMLP
+from megatron_moe.moe.ordering import expert_counts, make_row_map
 from megatron_moe.moe.weight_grad import RUN_NOW
+from megatron_moe.platform import from_host, to_host
 
 OFF, AUTO = "off", "auto"
 
@@ -301,6 +303,7 @@ class ShadowPlan(Shadowing):
 
     def __init__(self, split: ShadowSplit, experts: FFNExperts, group, layer: int | None):
         self.shadow, self.experts, self.group, self.layer = split, experts, group, layer
+        self.shadowed = split.experts
         self.slot = ShadowGrads() if experts.weight_grad_store.defers else None
         self.rows_RH: torch.Tensor | None = None
         self.broadcast: ShadowBroadcast | None = None
@@ -330,3 +333,30 @@ class ShadowPlan(Shadowing):
     def merge(self, rows_RH: torch.Tensor) -> torch.Tensor:
         out_RH, self.out_RH = self.out_RH, None
         return self.shadow.merge(rows_RH, out_RH)
+
+
+def arrange_shadowed(routing, policy: ShadowPolicy, d, experts: FFNExperts, layer: int | None) -> tuple:
+    """`MoELayer.arrange` with shadow experts (dropless, exact rows; `d`: the layer's dispatcher): (RowMap,
+    DispatchSplits whose `shadow` is this forward's `ShadowPlan`), after the same one host wait:
+    1. on the device: pairs per expert;
+    2. on the device: every rank's pairs per expert [G, E] (`comm.gather_counts`, in place of the counts
+       exchange: a rank's received counts are its columns);
+    3. ONE device->host copy; the shadowed experts chosen from the gathered counts (the same on every rank);
+       the splits of the rows still dispatched (the shadowed experts' counts 0) and the `ShadowSplit`."""
+    num_experts, local = routing.num_experts, d.num_local_experts
+    routed_E = expert_counts(routing.expert_N, num_experts)  # 1.
+    gathered_GE = comm.gather_counts(routed_E, d.group, layer=layer)  # 2.
+    with comm.host_read("moe plan counts", layer=layer):
+        routed, gathered = to_host(routed_E, gathered_GE)  # 3.
+    counts_GE = [gathered[g * num_experts : (g + 1) * num_experts] for g in range(d.group_size)]
+    row_map = make_row_map(routing, capacity=None, padded=False, routed_E=routed_E, routed=routed)
+    shadow = ShadowSplit(policy.choose(counts_GE), row_map.counts, local)
+    shadowed, first = set(shadow.experts), comm.group_rank(d.group) * local
+    received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(first, first + local)]
+    if d.hierarchy is not None:  # 2DH's dispatcher takes every rank's counts [G, E] (its columns: received)
+        received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(num_experts)]
+    received_dev = from_host(received, torch.long, routed_E.device)
+    splits = d.make_splits(shadow.sent_counts, received_dev, received)
+    if not shadow.experts:
+        return row_map, splits
+    return row_map, dataclasses.replace(splits, shadow=ShadowPlan(shadow, experts, d.group, layer))
