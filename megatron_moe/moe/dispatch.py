@@ -94,13 +94,16 @@ class DispatchSplits:
     """Every EP rank's rows to each global expert [G][E] (row g: rank g's `send_GL`, flattened), when the transport
     needs every pair's rows (2DH, comm/hierarchy.py); None otherwise."""
 
-    def pairs_GG(self, num_local_experts: int) -> tuple[tuple[int, ...], ...]:
-        """Rows from each EP rank to each EP rank [G][G] (from `sent_GE`)."""
-        l = num_local_experts
+    @property
+    def pairs(self) -> tuple[tuple[int, ...], ...] | None:
+        """Rows from each EP rank to each EP rank [G][G] (from `sent_GE`); None without it."""
+        if self.sent_GE is None:
+            return None
+        l = len(self.sent_GE[0]) // len(self.sent_GE)
         return tuple(tuple(sum(row[d * l : (d + 1) * l]) for d in range(len(row) // l)) for row in self.sent_GE)
 
     @property
-    def esp_splits(self) -> list[int]:
+    def esp_sizes(self) -> list[int]:
         """Rows each ESP peer contributes to the all-gather [P] (its received rows)."""
         return [sum(map(sum, received_GL)) for received_GL in self.esp_received_PGL]
 
@@ -128,13 +131,16 @@ class ChunkTransport:
             route = dataclasses.replace(route, pairs=chunk.pairs)
         return route.reversed() if reverse else route
 
-    def to_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool) -> comm.CommHandle:
-        """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners."""
+    def to_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool, then=None) -> comm.CommHandle:
+        """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners; `then`
+        post-processes the received rows on wait(). In forward, the all-to-all's reverse runs `overlap`'s work."""
         if self.ep_size == 1:
-            return comm.CommHandle(rows_RH)
+            return comm.CommHandle(rows_RH, then=then)
         send = comm.combine_all_to_all if backward else comm.dispatch_all_to_all  # backward: the combine's reverse
         splits, route = (chunk.recv_splits, chunk.send_splits), self._route(chunk, reverse=False)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
+        overlap = None if backward else self.overlap
+        options = dict(async_op=True, backward=backward, route=route, then=then, overlap=overlap)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, **options)
 
     def from_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool) -> comm.CommHandle:
         """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
@@ -142,7 +148,9 @@ class ChunkTransport:
             return comm.CommHandle(rows_RH)
         send = comm.dispatch_all_to_all if backward else comm.combine_all_to_all
         splits, route = (chunk.send_splits, chunk.recv_splits), self._route(chunk, reverse=True)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
+        overlap = None if backward else self.overlap
+        options = dict(async_op=True, backward=backward, route=route, overlap=overlap)
+        return send(rows_RH, *splits, self.ep_group, layer=self.layer, **options)
 
     def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
         """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
@@ -224,13 +232,6 @@ class Dispatcher(abc.ABC):
             return comm.Route(self.hierarchy.layout, self.hierarchy)
         return None if self.layout is None else comm.Route(self.layout)
 
-    def _route(self, splits: DispatchSplits) -> comm.Route | None:
-        """The dispatch's route: with 2DH, the pairs of `splits`."""
-        route = self.route()
-        if route is None or not route.two_level:
-            return route
-        return dataclasses.replace(route, pairs=splits.pairs_GG(self.num_local_experts))
-
     def chunk_transport(self) -> ChunkTransport:
         """This dispatcher's groups, route and backward overlap as a per-chunk transport (moe/pipeline.py)."""
         return ChunkTransport(self.group, self.esp_group, self.layer, self.backward_overlap, route=self.route())
@@ -267,41 +268,20 @@ class Dispatcher(abc.ABC):
         def gathered(received_RH):
             if self.esp_size == 1:
                 return regroup(received_RH)
-            handle = comm.esp_all_gather(received_RH, splits.esp_splits, self.esp_group, layer=self.layer)
+            handle = comm.esp_all_gather(received_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
             return regroup(handle.wait())
 
         if self.group_size == 1:  # ESP only: the all-gather starts now, under the layer's independent work
-            handle = comm.esp_all_gather(rows_RH, splits.esp_splits, self.esp_group, layer=self.layer)
+            handle = comm.esp_all_gather(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
             return comm.CommHandle(handle, then=lambda h: regroup(h.wait()))
-        return comm.dispatch_all_to_all(
-            rows_RH,
-            splits.recv_splits,
-            splits.send_splits,
-            self.group,
-            layer=self.layer,
-            then=gathered,
-            overlap=self.backward_overlap,
-            route=self._route(splits),
-        )
+        return self.chunk_transport().to_experts(rows_RH, splits, backward=False, then=gathered)
 
     def _send_back(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
         """The combine of `splits`, given rows in (ESP peer, source, expert) order: under ESP the reduce-scatter of
         the partial sums over the ESP group, then the all-to-all back to the ranks they came from."""
         if self.esp_size > 1:
-            rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_splits, self.esp_group, layer=self.layer).wait()
-        if self.group_size == 1:
-            return comm.CommHandle(rows_RH)
-        route = self._route(splits)
-        return comm.combine_all_to_all(
-            rows_RH,
-            splits.send_splits,
-            splits.recv_splits,
-            self.group,
-            layer=self.layer,
-            async_op=True,
-            overlap=self.backward_overlap,
-            route=None if route is None else route.reversed(),
-        )
+            rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer).wait()
+        return self.chunk_transport().from_experts(rows_RH, splits, backward=False)
 
     @abc.abstractmethod
     def make_splits(
