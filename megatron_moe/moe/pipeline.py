@@ -222,7 +222,7 @@ class _StartPipeline(torch.autograd.Function):
 
 
 class PipelinedExperts(torch.autograd.Function):
-    """rows [R, H] in the send layout -> the experts' outputs back in the same layout; see the module docstring.
+    """rows [R, H] in the send layout -> the experts' outputs back in the same layout; see docs/internals/moe.md.
 
     Its input gradient goes to `_StartPipeline` (the token's node), which finishes it."""
 
@@ -279,7 +279,7 @@ class PipelinedExperts(torch.autograd.Function):
 
 
 class _Backward:
-    """The backward schedule of r_b chunks (numbered as in the module docstring)."""
+    """The backward schedule of r_b chunks (numbered as in docs/internals/moe.md)."""
 
     def __init__(self, run: PipelineRun, weights: tuple, *, kept: dict, grads: dict, wanted: dict):
         """`kept`: the forward's x, h (None: recompute) and a (None: not needed; with wanted["a"] the buffer it is

@@ -80,7 +80,7 @@ def a2a_rows(counts_GE: Sequence[Sequence[int]], shadowed: set[int], local: int)
 
 
 def predicted_ms(counts_GE: Sequence[Sequence[int]], shadowed: set[int], local: int, costs: ShadowCosts) -> float:
-    """FasterMoE's layer time T(S) on the fitted lines (module docstring)."""
+    """FasterMoE's layer time T(S) on the fitted lines (docs/internals/moe.md)."""
     fits, g_size = costs.fits, len(counts_GE)
     macs = [rows * costs.macs_per_row for rows in rank_rows(counts_GE, shadowed, local)]
     compute = sum(max(fits[kind].time_ms(n) for n in macs) for kind in ("gemm", "gemm_bwd", "gemm_dw"))
