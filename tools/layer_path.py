@@ -5,9 +5,12 @@ Runs the demo's layer shape (Mixtral: 8 experts, top-2, SwiGLU, hidden 256, expe
 - `files`: the distinct megatron_moe files whose functions ran between MoELayer.forward's entry and its return
   (backward: between `backward()`'s call and its return);
 - `frames`: the distinct (file, function) pairs among them;
-- `path_files` / `path_frames`: those on a stack at an expert GEMM or an all-to-all (the token's way there and back);
+- `path_files` / `path_frames`: those on a stack at an expert GEMM or at a ROW all-to-all (the token's way there
+  and back): an all-to-all issued (`comm.core.issue`) under one of `ROW_PURPOSES`, the dispatch and combine and
+  under ESP their all-gather and reduce-scatter, forward or reverse. The counts exchange (and any other planning
+  all-to-all) moves counts, not rows: its frames are `counts_frames`, apart;
 - `deepest`: the most megatron_moe frames on one stack; `at_gemm` / `at_all_to_all`: the most at an expert GEMM
-  (a matmul called from our code) and at an all-to-all (torch.distributed's, or the identity in one process).
+  (a matmul called from our code) and at a row all-to-all (none in one process).
 
     python -m tools.layer_path                        # EP = 1, one process
     torchrun --nproc-per-node 2 -m tools.layer_path   # EP = 2 over gloo (rank 0 prints)
@@ -27,6 +30,8 @@ EXPERT_FRAMES = ("Expert", "GroupedMLP", "Pipeline")
 """Our functions whose qualified names hold one of these compute experts (a GEMM under them is an expert GEMM)."""
 GEMM_FUNCTIONS = {"onednn_linear"}
 """Python functions that are one GEMM (the platform's oneDNN linear)."""
+ROW_PURPOSES = {"dispatch_all_to_all", "combine_all_to_all", "esp_all_gather", "esp_reduce_scatter"}
+"""The purposes (`comm.Collective.purpose`) of the all-to-alls that move the token's rows."""
 GEMMS = {"mm", "bmm", "matmul", "_grouped_mm", "addmm", "baddbmm", "linear"}
 
 
@@ -39,7 +44,9 @@ class PathRecorder:
         self.frames: set[tuple[str, str]] = set()
         self.deepest = self.at_gemm = self.at_all_to_all = 0
         self.path: set[tuple[str, str]] = set()
-        """Our frames on a stack at an expert GEMM or an all-to-all: the token's path to the experts and back."""
+        """Our frames on a stack at an expert GEMM or a row all-to-all: the token's path to the experts and back."""
+        self.counts: set[tuple[str, str]] = set()
+        """Our frames on a stack at a planning all-to-all (the counts exchange): off the token's path."""
 
     @staticmethod
     def _ours(frame) -> str | None:
@@ -47,16 +54,24 @@ class PathRecorder:
         i = path.rfind(PACKAGE)
         return path[i:] if i >= 0 else None
 
-    def _depth(self, frame, on_path: bool = False) -> int:
+    def _depth(self, frame, into: set | None = None) -> int:
         depth = 0
         while frame is not None:
             name = self._ours(frame)
             if name is not None:
                 depth += 1
-                if on_path:
-                    self.path.add((name, frame.f_code.co_qualname))
+                if into is not None:
+                    into.add((name, frame.f_code.co_qualname))
             frame = frame.f_back
         return depth
+
+    def _purpose(self, frame) -> str | None:
+        """The purpose of the collective being issued on this stack (`comm.core.issue`'s `collective`), if any."""
+        while frame is not None:
+            if frame.f_code.co_name == "issue" and (self._ours(frame) or "").endswith(os.path.join("comm", "core.py")):
+                return getattr(frame.f_locals.get("collective"), "purpose", None)
+            frame = frame.f_back
+        return None
 
     def __call__(self, frame, event, arg):
         if not self.active:
@@ -68,11 +83,14 @@ class PathRecorder:
                 self.frames.add((name, frame.f_code.co_qualname))
                 self.deepest = max(self.deepest, self._depth(frame))
             if frame.f_code.co_name in GEMM_FUNCTIONS and self._in_experts(frame):
-                self.at_gemm = max(self.at_gemm, self._depth(frame, True))
+                self.at_gemm = max(self.at_gemm, self._depth(frame, self.path))
             if frame.f_code.co_name.startswith("all_to_all"):  # ours (comm/transport.py) or torch.distributed's
-                self.at_all_to_all = max(self.at_all_to_all, self._depth(frame, True))
+                if self._purpose(frame) in ROW_PURPOSES:
+                    self.at_all_to_all = max(self.at_all_to_all, self._depth(frame, self.path))
+                else:
+                    self._depth(frame, self.counts)
         elif event == "c_call" and getattr(arg, "__name__", "") in GEMMS and self._in_experts(frame):
-            self.at_gemm = max(self.at_gemm, self._depth(frame, True))
+            self.at_gemm = max(self.at_gemm, self._depth(frame, self.path))
 
     def _in_experts(self, frame) -> bool:
         """Whether an experts' frame is on the stack (not the router's GEMM)."""
@@ -93,8 +111,10 @@ class PathRecorder:
             "at_all_to_all": self.at_all_to_all,
             "path_files": len({f for f, _ in self.path}),
             "path_frames": len(self.path),
+            "counts_frames": len(self.counts - self.path),
             "file_list": sorted(self.files),
             "path_file_list": sorted({f for f, _ in self.path}),
+            "path_frame_list": sorted(f"{f}:{q}" for f, q in self.path),
         }
 
 
@@ -140,7 +160,7 @@ def measure(layer, x: torch.Tensor, world: int) -> list[dict]:
     sys.setprofile(None)
     both = PathRecorder()
     both.files, both.frames = forward.files | backward.files, forward.frames | backward.frames
-    both.path = forward.path | backward.path
+    both.path, both.counts = forward.path | backward.path, forward.counts | backward.counts
     both.deepest = max(forward.deepest, backward.deepest)
     both.at_gemm = max(forward.at_gemm, backward.at_gemm)
     both.at_all_to_all = max(forward.at_all_to_all, backward.at_all_to_all)
@@ -164,6 +184,7 @@ def main(argv=None) -> int:
             if not args.files:
                 report.pop("file_list")
                 report.pop("path_file_list")
+                report.pop("path_frame_list")
             print(json.dumps(report))
     if world > 1:
         torch.distributed.destroy_process_group()
