@@ -29,7 +29,7 @@ class Shadowing:
     """How one forward's rows go around dispatch -> experts -> combine when some experts are shadowed (their
     weights come to the rows: moe/shadow.py `ShadowPlan`). This base is the identity: nothing shadowed, every
     row dispatched, the experts' store as it is. The layer calls, in order: `sent_counts`, `split` (before the
-    dispatch), `start` (after it started), `run_experts` or `owner_store` (the experts' stage, unpipelined or
+    dispatch), `start` (after it started), `experts_options` or `owner_store` (the experts' stage, unpipelined or
     pipelined), `compute` (while the combine is in flight), `merge` (after it)."""
 
     shadowed: tuple[int, ...] = ()
@@ -50,9 +50,9 @@ class Shadowing:
         """The `WeightGradStore` this forward's experts' node hands its dW closure to."""
         return store
 
-    def run_experts(self, experts, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The experts' stage on the dispatched rows."""
-        return experts(rows_RH, counts)
+    def experts_options(self) -> dict:
+        """The keyword arguments of the experts' call on the dispatched rows (here none)."""
+        return {}
 
     def compute(self) -> None:
         """Compute the kept rows (after the experts' node: see moe/shadow.py)."""
@@ -136,21 +136,21 @@ class ChunkTransport:
         post-processes the received rows on wait(). In forward, the all-to-all's reverse runs `overlap`'s work."""
         if self.ep_size == 1:
             return comm.CommHandle(rows_RH, then=then)
-        send = comm.combine_all_to_all if backward else comm.dispatch_all_to_all  # backward: the combine's reverse
+        purpose = "combine" if backward else "dispatch"  # backward: the combine's reverse
         splits, route = (chunk.recv_splits, chunk.send_splits), self._route(chunk, reverse=False)
         overlap = None if backward else self.overlap
         options = dict(async_op=True, backward=backward, route=route, then=then, overlap=overlap)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, **options)
+        return comm.rows_all_to_all(rows_RH, *splits, self.ep_group, purpose=purpose, layer=self.layer, **options)
 
     def from_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool) -> comm.CommHandle:
         """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
         if self.ep_size == 1:
             return comm.CommHandle(rows_RH)
-        send = comm.dispatch_all_to_all if backward else comm.combine_all_to_all
+        purpose = "dispatch" if backward else "combine"
         splits, route = (chunk.send_splits, chunk.recv_splits), self._route(chunk, reverse=True)
         overlap = None if backward else self.overlap
         options = dict(async_op=True, backward=backward, route=route, overlap=overlap)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, **options)
+        return comm.rows_all_to_all(rows_RH, *splits, self.ep_group, purpose=purpose, layer=self.layer, **options)
 
     def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
         """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
@@ -256,29 +256,41 @@ class Dispatcher(abc.ABC):
         learn."""
         return None
 
-    def _send(self, rows_RH: torch.Tensor, splits: DispatchSplits, regroup) -> comm.CommHandle:
-        """The dispatch of `splits`; `regroup` lays out this rank's received rows in (ESP peer, source, expert)
-        order on wait().
+    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
+        """Start sending; `wait()` returns a `Dispatched`.
 
         1. the EP all-to-all (none when G = 1);
         2. under ESP, the all-gather of the received rows over the ESP group (on wait: it needs them);
-        3. `regroup`.
+        3. `regroup`: the rows, in ((ESP peer,) source, expert) order, grouped by local expert.
         """
+        if not self.moves_rows:
+            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
 
-        def gathered(received_RH):
-            if self.esp_size == 1:
-                return regroup(received_RH)
-            handle = comm.esp_all_gather(received_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
-            return regroup(handle.wait())
+        def grouped(received_RH):  # 3.
+            return Dispatched(self.regroup(received_RH, splits), splits.local_counts, splits)
+
+        def landed(received_RH):  # 2., 3.
+            if self.esp_size > 1:
+                handle = comm.esp_all_gather(received_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
+                received_RH = handle.wait()
+            return grouped(received_RH)
 
         if self.group_size == 1:  # ESP only: the all-gather starts now, under the layer's independent work
             handle = comm.esp_all_gather(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
-            return comm.CommHandle(handle, then=lambda h: regroup(h.wait()))
-        return self.chunk_transport().to_experts(rows_RH, splits, backward=False, then=gathered)
+            return comm.CommHandle(handle, then=lambda started: grouped(started.wait()))
+        return self.chunk_transport().to_experts(rows_RH, splits, backward=False, then=landed)
 
-    def _send_back(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
-        """The combine of `splits`, given rows in (ESP peer, source, expert) order: under ESP the reduce-scatter of
-        the partial sums over the ESP group, then the all-to-all back to the ranks they came from."""
+    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
+        """Start sending expert outputs back; `wait()` returns rows in the pre-dispatch layout.
+
+        1. `ungroup`: (local expert, ...) -> ((ESP peer,) destination, expert) order;
+        2. under ESP, the reduce-scatter of the partial sums over the ESP group;
+        3. the EP all-to-all back to the ranks the rows came from (none when G = 1).
+        """
+        if not self.moves_rows:
+            return comm.CommHandle(rows_RH)
+        splits: DispatchSplits = dispatched.state
+        rows_RH = self.ungroup(rows_RH, splits)
         if self.esp_size > 1:
             rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer).wait()
         return self.chunk_transport().from_experts(rows_RH, splits, backward=False)
@@ -291,12 +303,12 @@ class Dispatcher(abc.ABC):
         `exchange_counts` returned, on the device / read on the host."""
 
     @abc.abstractmethod
-    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
-        """Start sending; `wait()` returns a `Dispatched`."""
+    def regroup(self, received_RH: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
+        """The received rows, in ((ESP peer,) source, expert) order, grouped by local expert."""
 
     @abc.abstractmethod
-    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
-        """Start sending expert outputs back; `wait()` returns rows in the pre-dispatch layout."""
+    def ungroup(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
+        """`regroup`'s reverse, on the experts' outputs."""
 
 
 class PaddedAllToAll(Dispatcher):
@@ -321,26 +333,15 @@ class PaddedAllToAll(Dispatcher):
             sent_GE=[[capacity] * (g * l)] * g if self.hierarchy is not None else None,
         )
 
-    def dispatch(self, rows_RH, splits):
-        if not self.moves_rows:
-            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
-        x, l, h, capacity = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1], splits.capacity
+    def regroup(self, received_RH, splits):
+        # [X = (ESP peer, source), L, C, H] -> each local expert's rows from all of X together [L, X, C, H].
+        x, l, h = self.group_size * self.esp_size, self.num_local_experts, received_RH.shape[1]
+        return received_RH.view(x, l, splits.capacity, h).transpose(0, 1).reshape(-1, h)
 
-        def regroup(received):
-            # 1. received [X = (ESP peer, source), L, C, H]; 2. each local expert's rows from all of X together.
-            rows = received.view(x, l, capacity, h).transpose(0, 1).reshape(-1, h)
-            return Dispatched(rows, splits.local_counts, splits)
-
-        return self._send(rows_RH, splits, regroup)
-
-    def combine(self, rows_RH, dispatched):
-        if not self.moves_rows:
-            return comm.CommHandle(rows_RH)
-        splits: DispatchSplits = dispatched.state
+    def ungroup(self, rows_RH, splits):
+        # [L, X, C, H] -> [X = (ESP peer, destination), L, C, H].
         x, l, h = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1]
-        # 1. [L, X, C, H] -> [X = (ESP peer, destination), L, C, H]; 2. reduce-scatter and all-to-all back.
-        rows = rows_RH.view(l, x, splits.capacity, h).transpose(0, 1).reshape(-1, h)
-        return self._send_back(rows, splits)
+        return rows_RH.view(l, x, splits.capacity, h).transpose(0, 1).reshape(-1, h)
 
 
 def chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,23 +409,12 @@ class AllToAllV(Dispatcher):
             sent_GE=sent_GE,
         )
 
-    def dispatch(self, rows_RH, splits):
-        if not self.moves_rows:
-            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
+    def regroup(self, received_RH, splits):
+        # The exact rows arrive in ((ESP peer,) source, expert) chunks: regroup them into (expert, ...).
+        return received_RH if splits.to_expert is None else received_RH.index_select(0, splits.to_expert)
 
-        def regroup(received):
-            # The exact rows arrive in ((ESP peer,) source, expert) chunks: regroup them into (expert, ...).
-            rows = received if splits.to_expert is None else received.index_select(0, splits.to_expert)
-            return Dispatched(rows, splits.local_counts, splits)
-
-        return self._send(rows_RH, splits, regroup)
-
-    def combine(self, rows_RH, dispatched):
-        if not self.moves_rows:
-            return comm.CommHandle(rows_RH)
-        splits: DispatchSplits = dispatched.state
-        rows = rows_RH if splits.to_source is None else rows_RH.index_select(0, splits.to_source)
-        return self._send_back(rows, splits)
+    def ungroup(self, rows_RH, splits):
+        return rows_RH if splits.to_source is None else rows_RH.index_select(0, splits.to_source)
 
 
 def build_dispatcher(

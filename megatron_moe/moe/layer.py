@@ -29,7 +29,7 @@ from megatron_moe.config.fields import require
 from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
 from megatron_moe.moe.aux_loss import AuxLossAutoScaler
 from megatron_moe.moe.capacity import expert_capacity
-from megatron_moe.moe.dispatch import Dispatched, DispatchSplits, Shadowing, build_dispatcher
+from megatron_moe.moe.dispatch import DispatchSplits, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
 from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook
@@ -338,17 +338,6 @@ class MoELayer(MegatronModule):
     def order(self, x_TH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
         return self.ordering.encode(x_TH, row_map)
 
-    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
-        return self.dispatcher.dispatch(rows_RH, splits)
-
-    def compute_experts(self, rows_RH: torch.Tensor, counts: list[int], shadow: Shadowing) -> torch.Tensor:
-        """The experts on the dispatched rows (`counts` per local expert), through the forward's `shadow`."""
-        return shadow.run_experts(self.experts, rows_RH, counts)
-
-    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
-        """Start sending the experts' outputs back; `wait()` gives them in the pre-dispatch layout."""
-        return self.dispatcher.combine(rows_RH, dispatched)
-
     def start_pipeline(self, rows_RH: torch.Tensor, row_map: RowMap, splits: DispatchSplits, degrees) -> PipelineStart:
         """dispatch -> experts -> combine in chunks (`megatron_moe.moe.pipeline`): chunk 0's all-to-all starts
         here, `finish()` runs the rest."""
@@ -409,8 +398,8 @@ class MoELayer(MegatronModule):
         rows_RH = shadow.split(rows_RH)
         degrees = self.pipeline_degrees()
         if degrees == (1, 1):
-            with self._in_region("dispatch"):
-                handle = self.dispatch(rows_RH, splits)
+            with self._in_region("dispatch"):  # dispatch: the dispatcher's, straight (one frame less on the path)
+                handle = self.dispatcher.dispatch(rows_RH, splits)
             shadow.start()
             yield
             shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
@@ -418,10 +407,10 @@ class MoELayer(MegatronModule):
                 dispatched = handle.wait()
             ctx.counts = dispatched.counts
             rows_RH = self._hook("after_dispatch", dispatched.rows_RH, ctx)
-            rows_RH = self.compute_experts(rows_RH, dispatched.counts, shadow)
+            rows_RH = self.experts(rows_RH, dispatched.counts, **shadow.experts_options())  # experts
             rows_RH = self._hook("before_combine", rows_RH, ctx)
-            with self._in_region("combine"):
-                handle = self.combine(rows_RH, dispatched)
+            with self._in_region("combine"):  # combine: `wait()` gives the rows in the pre-dispatch layout
+                handle = self.dispatcher.combine(rows_RH, dispatched)
             shadow.compute()  # under the combine's all-to-all
             yield
             with self._in_region("combine"):

@@ -299,7 +299,7 @@ class ShadowPlan(Shadowing):
     """One forward's shadowing (`Shadowing`, the splits' transform): `split`'s shadowed rows stay here, `start`
     broadcasts their weights (step 3), `compute` runs them (step 4), `merge` puts them back; the owner's node
     gets a store that adds the shadows' reduced gradients when the experts' store defers (step 5), passed to it
-    explicitly (`owner_store`, `run_experts`): no store is swapped."""
+    explicitly (`owner_store`, `experts_options`): no store is swapped."""
 
     def __init__(self, split: ShadowSplit, experts: FFNExperts, group, layer: int | None):
         self.shadow, self.experts, self.group, self.layer = split, experts, group, layer
@@ -322,8 +322,8 @@ class ShadowPlan(Shadowing):
     def owner_store(self, store):
         return store if self.slot is None else WithShadowGrads(store, self.slot)
 
-    def run_experts(self, experts, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return experts(rows_RH, counts, store=self.owner_store(experts.weight_grad_store))
+    def experts_options(self) -> dict:
+        return {"store": self.owner_store(self.experts.weight_grad_store)}
 
     def compute(self) -> None:
         """Made after the owner's experts' node: autograd runs it first in backward (step 5)."""
