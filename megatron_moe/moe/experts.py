@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping
 from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
-from megatron_moe.moe.grouped_gemm import grouped_input_grad, grouped_linear, grouped_mm, grouped_weight_grad
+from megatron_moe.moe.grouped_gemm import grouped_linear, grouped_mm, grouped_weight_grad
 from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights, WeightGrad, WeightGradStore, at_position
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.rng import host_rng_keyed
@@ -100,13 +100,6 @@ def fc1(x_RH: torch.Tensor, w1_EFH: torch.Tensor, counts: list[int]) -> torch.Te
     return grouped_mm(x_RH, w1_EFH.transpose(1, 2), counts)
 
 
-def mlp_input_grads(grad_RH, w1_EFH, w2_EHF, h_RF, counts, gated, need_x: bool, out_x=None):
-    """(dX or None, dH) of one run of experts: dA = dY W2, dH = act'(h) dA (in dA's buffer), dX = dH W1."""
-    grad_h = ffn_activation_backward_(grouped_input_grad(grad_RH, w2_EHF, counts), h_RF, gated)
-    grad_x = grouped_input_grad(grad_h, w1_EFH, counts, out_x) if need_x else None
-    return grad_x, grad_h
-
-
 def mlp_weight_grads(grad_RH, x_RH, a_RF, grad_h_RF, counts, needs: tuple[bool, bool]) -> WeightGrad:
     """The weight-gradient GEMMs of one run of experts as a closure over the tensors they read:
     (out_w1, out_w2) -> (dW1 = dH^T x, dW2 = dY^T a), None where not needed."""
@@ -147,7 +140,7 @@ class GroupedMLP(torch.autograd.Function):
     - what is kept of x, h and a is up to `keeping` (`Keeping`; an activation
       policy keeps some quantized, h and a run by run as they are made, or
       recomputes them run by run).
-    Backward, per run: the input gradients (`mlp_input_grads`: dA, dH, dX), then
+    Backward, per run: the input gradients (dA, dH, dX), then
     the weight-gradient GEMMs (`mlp_weight_grads`: dW2, dW1) as a closure handed
     to `store` (`megatron_moe.moe.weight_grad`), which runs it now. A store that
     defers (Lancet) gets one closure for all runs after the last dX, which
@@ -161,7 +154,7 @@ class GroupedMLP(torch.autograd.Function):
         kept_h, kept_a = [], []
         for e0, e1, r0, r1 in runs:
             run_counts = counts[e0:e1]
-            h = fc1(x_RH[r0:r1], w1_EFH[e0:e1], run_counts)
+            h = grouped_mm(x_RH[r0:r1], w1_EFH[e0:e1].transpose(1, 2), run_counts)  # fc1
             a = ffn_activation(h, gated)
             out = None if y_RH is None else y_RH[r0:r1]
             y = grouped_mm(a, w2_EHF[e0:e1].transpose(1, 2), run_counts, out)
@@ -174,18 +167,34 @@ class GroupedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RH):
         (w1_EFH, w2_EHF), (x_RH, *kept) = saved_kept(ctx, 2)
-        runs, needs = ctx.runs, ctx.needs_input_grad[:3]
+        runs, keeping, gated = ctx.runs, ctx.keeping, ctx.gated
+        need_x, need_w1, need_w2 = needs = ctx.needs_input_grad[:3]
         grad_RH = grad_RH.contiguous()
         grads = [None] * 3
         if len(runs) > 1:  # the kernels allocate their outputs when there is one run (torch._grouped_mm has no out=)
             grads = [torch.empty_like(t) if need else None for t, need in zip((grad_RH, w1_EFH, w2_EHF), needs)]
-        store = ctx.store
-        runs_store = store
+        store = runs_store = ctx.store
         if store.defers:  # the closures of every run, collected here and handed over as one
             grads[1:] = None, None
             runs_store = _Collect()
-        for run, h, a in zip(runs, kept[: len(runs)], kept[len(runs) :]):
-            grad_x, grad_w = _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, h, a, grads, runs_store)
+        for (e0, e1, r0, r1), kept_h, kept_a in zip(runs, kept[: len(runs)], kept[len(runs) :]):
+            # One run of experts, written into slices of `grads` where given. x is always kept; h and a are
+            # recomputed if not.
+            rows, experts, counts = slice(r0, r1), slice(e0, e1), ctx.counts[e0:e1]
+            grad, w1, w2 = grad_RH[rows], w1_EFH[experts], w2_EHF[experts]
+            out_x, out_w1, out_w2 = (None if g is None else g[part] for g, part in zip(grads, (rows, experts, experts)))
+            x = keeping.fetch(x_RH, r0, r1)
+            h = keeping.fetch(kept_h, 0, r1 - r0)
+            h = fc1(x, w1, counts) if h is None else h
+            a = keeping.fetch(kept_a, 0, r1 - r0)
+            a = ffn_activation(h, gated) if a is None else a
+            # dA = dY W2, dH = act'(h) dA (in dA's buffer), dX = dH W1; then dW1, dW2 through the store.
+            grad_h = ffn_activation_backward_(grouped_mm(grad, w2, counts), h, gated)
+            grad_x = grouped_mm(grad_h, w1, counts, out_x) if need_x else None
+            grad_w = (None, None)
+            if need_w1 or need_w2:
+                weight_grads = mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2))
+                grad_w = runs_store.put(weight_grads, (out_w1, out_w2))
             if len(runs) == 1:
                 grads = [grad_x, *(grad_w or (None, None))]
         if store.defers:  # the store owns the weight gradients
@@ -222,25 +231,6 @@ def _all_runs(closures: list[WeightGrad], runs, w1_EFH, w2_EHF, needs) -> Weight
         return tuple(outs)
 
     return weight_grads
-
-
-def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs, store) -> tuple:
-    """(dX, (dW1, dW2)) of one run of experts, written into slices of `outs` where given; (dX, None) when
-    `store` keeps the weight-gradient closure to run later. x is always kept; h and a are recomputed if not."""
-    e0, e1, r0, r1 = run
-    rows, experts, counts, keeping = slice(r0, r1), slice(e0, e1), ctx.counts[e0:e1], ctx.keeping
-    grad, w1, w2 = grad_RH[rows], w1_EFH[experts], w2_EHF[experts]
-    out_x, out_w1, out_w2 = (None if g is None else g[part] for g, part in zip(outs, (rows, experts, experts)))
-    x = keeping.fetch(x_RH, r0, r1)
-    h = keeping.fetch(kept_h, 0, r1 - r0)
-    h = fc1(x, w1, counts) if h is None else h
-    a = keeping.fetch(kept_a, 0, r1 - r0)
-    a = ffn_activation(h, ctx.gated) if a is None else a
-    need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
-    grad_x, grad_h = mlp_input_grads(grad, w1, w2, h, counts, ctx.gated, need_x, out_x)
-    if not (need_w1 or need_w2):
-        return grad_x, (None, None)
-    return grad_x, store.put(mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2)), (out_w1, out_w2))
 
 
 class FFNExperts(torch.nn.Module, DeferrableWeights):

@@ -23,8 +23,8 @@ import torch
 
 from megatron_moe import comm
 from megatron_moe.moe.dispatch import ChunkTransport, chunk_permutation
-from megatron_moe.moe.experts import fc1, mlp_input_grads, mlp_weight_grads, save_kept, saved_kept
-from megatron_moe.moe.ffn import ffn_activation
+from megatron_moe.moe.experts import fc1, mlp_weight_grads, save_kept, saved_kept
+from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
 from megatron_moe.moe.grouped_gemm import grouped_mm
 from megatron_moe.platform import from_host
 
@@ -336,7 +336,9 @@ class _Backward:
             kept["a"] = _into(kept["a"], rows, ffn_activation(h, gated), whole)
         if wanted["w2"]:
             grads["y"] = _into(grads["y"], rows, grad_y, whole)
-        grad_x, grad_h = mlp_input_grads(grad_y, self.w1_EFH, self.w2_EHF, h, counts, gated, wanted["x"])
+        # dA = dY W2, dH = act'(h) dA (in dA's buffer), dX = dH W1: as GroupedMLP's backward
+        grad_h = ffn_activation_backward_(grouped_mm(grad_y, self.w2_EHF, counts), h, gated)
+        grad_x = grouped_mm(grad_h, self.w1_EFH, counts) if wanted["x"] else None
         if wanted["w1"]:
             grads["h"] = _into(grads["h"], rows, grad_h, whole)
         return grad_x
