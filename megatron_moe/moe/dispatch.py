@@ -131,26 +131,36 @@ class ChunkTransport:
             route = dataclasses.replace(route, pairs=chunk.pairs)
         return route.reversed() if reverse else route
 
+    def way(self, chunk, *, to_experts: bool, backward: bool) -> tuple[list[int], list[int], dict]:
+        """The chunk's all-to-all to the expert owners (`to_experts`) or back, in forward or inside a backward:
+        (out_splits, in_splits, the other arguments of `comm.rows_all_to_all`). A backward one is the reverse of
+        the other way's (the dispatch's way back is the combine's reverse); in forward, its own reverse runs
+        `overlap`'s work."""
+        splits = (chunk.recv_splits, chunk.send_splits) if to_experts else (chunk.send_splits, chunk.recv_splits)
+        options = dict(
+            purpose="dispatch" if to_experts != backward else "combine",
+            layer=self.layer,
+            async_op=True,
+            backward=backward,
+            route=self._route(chunk, reverse=not to_experts),
+            overlap=None if backward else self.overlap,
+        )
+        return *splits, options
+
     def to_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool, then=None) -> comm.CommHandle:
         """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners; `then`
-        post-processes the received rows on wait(). In forward, the all-to-all's reverse runs `overlap`'s work."""
+        post-processes the received rows on wait()."""
         if self.ep_size == 1:
             return comm.CommHandle(rows_RH, then=then)
-        purpose = "combine" if backward else "dispatch"  # backward: the combine's reverse
-        splits, route = (chunk.recv_splits, chunk.send_splits), self._route(chunk, reverse=False)
-        overlap = None if backward else self.overlap
-        options = dict(async_op=True, backward=backward, route=route, then=then, overlap=overlap)
-        return comm.rows_all_to_all(rows_RH, *splits, self.ep_group, purpose=purpose, layer=self.layer, **options)
+        out_splits, in_splits, options = self.way(chunk, to_experts=True, backward=backward)
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.ep_group, then=then, **options)
 
     def from_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool) -> comm.CommHandle:
         """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
         if self.ep_size == 1:
             return comm.CommHandle(rows_RH)
-        purpose = "dispatch" if backward else "combine"
-        splits, route = (chunk.send_splits, chunk.recv_splits), self._route(chunk, reverse=True)
-        overlap = None if backward else self.overlap
-        options = dict(async_op=True, backward=backward, route=route, overlap=overlap)
-        return comm.rows_all_to_all(rows_RH, *splits, self.ep_group, purpose=purpose, layer=self.layer, **options)
+        out_splits, in_splits, options = self.way(chunk, to_experts=False, backward=backward)
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.ep_group, **options)
 
     def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
         """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
@@ -278,7 +288,9 @@ class Dispatcher(abc.ABC):
         if self.group_size == 1:  # ESP only: the all-gather starts now, under the layer's independent work
             handle = comm.esp_all_gather(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
             return comm.CommHandle(handle, then=lambda started: grouped(started.wait()))
-        return self.chunk_transport().to_experts(rows_RH, splits, backward=False, then=landed)
+        # 1. (the whole send as one chunk, the way the pipeline's chunks go: `ChunkTransport.way`)
+        out_splits, in_splits, options = self.chunk_transport().way(splits, to_experts=True, backward=False)
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.group, then=landed, **options)
 
     def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
         """Start sending expert outputs back; `wait()` returns rows in the pre-dispatch layout.
@@ -293,7 +305,10 @@ class Dispatcher(abc.ABC):
         rows_RH = self.ungroup(rows_RH, splits)
         if self.esp_size > 1:
             rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer).wait()
-        return self.chunk_transport().from_experts(rows_RH, splits, backward=False)
+        if self.group_size == 1:  # ESP only
+            return comm.CommHandle(rows_RH)
+        out_splits, in_splits, options = self.chunk_transport().way(splits, to_experts=False, backward=False)  # 3.
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.group, **options)
 
     @abc.abstractmethod
     def make_splits(
