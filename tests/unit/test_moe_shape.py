@@ -40,7 +40,8 @@ def test_module_docstrings_of_the_moe_package_are_contracts_of_at_most_15_lines(
 
 def test_a_token_reaches_the_expert_gemm_and_comes_back_through_at_most_8_files_and_20_frames():
     """tools/layer_path.py on the demo's layer in one process: the files and frames on the stacks at the expert
-    GEMMs (forward and backward), and the deepest stack of our frames anywhere in the layer."""
+    GEMMs (forward and backward), and the deepest stack of our frames anywhere in the layer. (EP = 2, with the
+    row all-to-alls: `torchrun --nproc-per-node 2 -m tools.layer_path`, moe/README.md.)"""
     import torch
 
     from tools.layer_path import build_layer, measure
@@ -50,4 +51,5 @@ def test_a_token_reaches_the_expert_gemm_and_comes_back_through_at_most_8_files_
     forward, backward, both = measure(build_layer(1), x, 1)
     assert forward["at_gemm"] > 0 and backward["at_gemm"] > 0  # the recorder saw the expert GEMMs
     assert both["path_files"] <= 8, both["path_file_list"]
+    assert both["path_frames"] <= 20, both["path_frame_list"]
     assert both["deepest"] <= 20
