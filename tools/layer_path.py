@@ -7,8 +7,9 @@ Runs the demo's layer shape (Mixtral: 8 experts, top-2, SwiGLU, hidden 256, expe
 - `frames`: the distinct (file, function) pairs among them;
 - `path_files` / `path_frames`: those on a stack at an expert GEMM or at a ROW all-to-all (the token's way there
   and back): an all-to-all issued (`comm.core.issue`) under one of `ROW_PURPOSES`, the dispatch and combine and
-  under ESP their all-gather and reduce-scatter, forward or reverse. The counts exchange (and any other planning
-  all-to-all) moves counts, not rows: its frames are `counts_frames`, apart;
+  under ESP their all-gather and reduce-scatter, forward or reverse (`--files`: `path_frame_list`);
+- `counts_frames`: the frames on a stack at another all-to-all (the counts exchange: it moves counts, not rows)
+  and not on the path;
 - `deepest`: the most megatron_moe frames on one stack; `at_gemm` / `at_all_to_all`: the most at an expert GEMM
   (a matmul called from our code) and at a row all-to-all (none in one process).
 
