@@ -287,6 +287,11 @@ class CommHandle:
         self.record: Collective | None = record
         """The collective it finishes, when its caller says (what `BackwardOverlap.run_under` is given)."""
 
+    @property
+    def buffer(self):
+        """The result before `then`: while the collective is in flight, the buffer it lands in."""
+        return self._result
+
     def wait(self):
         if self._work is not None:
             self._work.wait()

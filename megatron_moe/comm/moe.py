@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_moe.comm.core import Collective, CommHandle, group_size, issue, nbytes, ring_wire_bytes
 from megatron_moe.comm.hierarchy import Route
-from megatron_moe.comm.transport import all_to_all_routed, all_to_all_single
+from megatron_moe.comm.transport import all_to_all_single
 
 
 def _sent(record: Collective, x: torch.Tensor, splits: list[int], group, route: Route | None = None) -> Collective:
@@ -46,110 +46,98 @@ class BackwardOverlap(Protocol):
         ...
 
 
-class _Reverse:
-    """The reverse all-to-all of one forward all-to-all: the gradient of its received rows sent back.
+class _Transfer:
+    """One all-to-all's rows, both ways: `send` starts the forward's rows, or (`reverse`) the gradient of its
+    received rows sent back, through one `issue`.
 
-    It starts where the forward waited for the rows (`_Landed`'s backward), and the forward all-to-all's own
-    backward waits for it: autograd runs the nodes made between the forward's start and wait (the shared expert,
-    the other pieces' work under the operator partition) while it is in flight, as the forward ran them while the
-    rows were. A call whose rows were not waited for under autograd starts it in that backward instead."""
+    The reverse starts where the forward waited for the rows (`_Landed`'s backward), and the forward all-to-all's
+    own backward waits for it: autograd runs the nodes made between the forward's start and wait (the shared
+    expert, the other pieces' work under the operator partition) while it is in flight, as the forward ran them
+    while the rows were. A call whose rows were not waited for under autograd starts it in that backward instead."""
 
     def __init__(self, group, out_splits: list[int], in_splits: list[int], record: Collective, route=None):
         self.group, self.out_splits, self.in_splits, self.record = group, out_splits, in_splits, record
         self.route: Route | None = route
-        """The forward's route (reversed when started)."""
+        """The forward's route (reversed for the reverse)."""
         self.handle: CommHandle | None = None
+        """The started reverse, until `take`."""
 
-    def start(self, grad: torch.Tensor) -> None:
-        grad = grad.contiguous()
-        out = grad.new_empty((sum(self.in_splits), *grad.shape[1:]))
-        route = None if self.route is None else self.route.reversed()
-        record = _sent(dataclasses.replace(self.record, backward=True), grad, self.out_splits, self.group, route)
+    def send(self, x: torch.Tensor, *, reverse: bool, async_op: bool = True) -> CommHandle:
+        """Start `x`'s rows this all-to-all's way (`reverse`: back); the handle keeps `x` until wait()."""
+        out_splits, in_splits, route, record = self.out_splits, self.in_splits, self.route, self.record
+        if reverse:
+            out_splits, in_splits = in_splits, out_splits
+            route = None if route is None else route.reversed()
+            record = dataclasses.replace(record, backward=True)
+        record = _sent(record, x, in_splits, self.group, route)
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
         work = issue(
             record,
-            lambda: all_to_all_routed(out, grad, self.in_splits, self.out_splits, self.group, route, async_op=True),
+            lambda: all_to_all_single(out, x, out_splits, in_splits, group=self.group, route=route, async_op=async_op),
         )
-        self.handle = CommHandle(out, work, keepalive=(grad,), record=record)
+        return CommHandle(out, work, keepalive=(x,), record=record)
 
     def take(self, grad: torch.Tensor) -> CommHandle:
         """The started reverse all-to-all (started now from `grad` when nothing started it)."""
-        if self.handle is None:
-            self.start(grad)
-        handle, self.handle = self.handle, None
+        handle = self.send(grad.contiguous(), reverse=True) if self.handle is None else self.handle
+        self.handle = None
         return handle
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows [sum(in_splits), ...] -> rows [sum(out_splits), ...] over `group`."""
+    """Rows [sum(in_splits), ...] -> rows [sum(out_splits), ...] over `group`; `works` (a list) takes the
+    asynchronous transfer's handle, None: synchronous."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, record: Collective, works, overlap, reverse: _Reverse | None):
-        ctx.reverse = reverse or _Reverse(group, out_splits, in_splits, record)
+    def forward(ctx, x, out_splits, in_splits, group, record: Collective, works, overlap, transfer: _Transfer | None):
+        ctx.transfer = transfer or _Transfer(group, out_splits, in_splits, record)
         ctx.overlap = overlap
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        async_op, route = works is not None, ctx.reverse.route
-        work = issue(
-            _sent(record, x, in_splits, group, route),
-            lambda: all_to_all_routed(out, x, out_splits, in_splits, group, route, async_op=async_op),
-        )
-        if async_op:
-            works.append(work)
-        return out
+        handle = ctx.transfer.send(x, reverse=False, async_op=works is not None)
+        if works is None:
+            return handle.wait()
+        works.append(handle)  # the caller's handle waits for it
+        return handle.buffer
 
     @staticmethod
     def backward(ctx, grad):
         # 1. the reverse all-to-all, started at the forward's wait (`_Landed`) or now; 2. the work assigned to it
         # (Lancet); 3. wait.
-        handle = ctx.reverse.take(grad)
+        handle = ctx.transfer.take(grad)
         out = handle.wait() if ctx.overlap is None else ctx.overlap.run_under(handle.record, handle)
         return out, None, None, None, None, None, None, None
 
 
 class _Landed(torch.autograd.Function):
     """Identity on an all-to-all's received rows, applied where the forward waits for them. Its backward starts
-    the reverse all-to-all of their gradient (`_Reverse`) and hands the all-to-all's node a stand-in that costs
-    nothing (a zero expanded): the all-to-all's backward waits for the reverse."""
+    the reverse all-to-all of their gradient (`_Transfer.send`) and hands the all-to-all's node a stand-in that
+    costs nothing (a zero expanded): the all-to-all's backward waits for the reverse."""
 
     @staticmethod
-    def forward(ctx, rows, reverse: _Reverse):
-        ctx.reverse = reverse
+    def forward(ctx, rows, transfer: _Transfer):
+        ctx.transfer = transfer
         return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.reverse.start(grad)
+        ctx.transfer.handle = ctx.transfer.send(grad.contiguous(), reverse=True)
         return grad.new_zeros(()).expand_as(grad), None
 
 
-def _all_to_all(
-    x, out_splits, in_splits, group, record: Collective, async_op: bool, then, overlap, route
-) -> CommHandle:
-    x = x.contiguous()
-    works = [] if async_op else None
-    out_splits, in_splits = list(out_splits), list(in_splits)
-    reverse = _Reverse(group, out_splits, in_splits, record, route)
-    out = _AllToAll.apply(x, out_splits, in_splits, group, record, works, overlap, reverse)
-    if async_op and out.requires_grad:  # the reverse starts where the forward waits for the rows
-        then = _landing(reverse, then)
-    # The input must outlive an asynchronous send: the handle holds it until wait().
-    record = _sent(record, x, in_splits, group, route)
-    return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then, record=record)
-
-
-def _landing(reverse: _Reverse, then: Callable | None) -> Callable:
+def _landing(transfer: _Transfer, then: Callable | None) -> Callable:
     def landed(rows):
-        rows = _Landed.apply(rows, reverse)
+        rows = _Landed.apply(rows, transfer)
         return rows if then is None else then(rows)
 
     return landed
 
 
-def dispatch_all_to_all(
+def rows_all_to_all(
     rows_RH: torch.Tensor,
     out_splits: list[int],
     in_splits: list[int],
     group,
     *,
+    purpose: str,
     layer: int | None = None,
     async_op: bool = True,
     then: Callable | None = None,
@@ -157,32 +145,34 @@ def dispatch_all_to_all(
     backward: bool = False,
     route: Route | None = None,
 ) -> CommHandle:
-    """Send rows to the EP ranks that own their experts (`in_splits[g]` rows to rank g, `out_splits[g]`
-    from it); differentiable; `then` post-processes the received rows on wait(); `overlap` runs work under
-    the backward's reverse all-to-all. `backward=True`: the call is a hand-written backward schedule's (inside
-    an autograd Function's backward, no graph made), recorded as the backward pass's. `route`: the EP group's
-    nodes, and 2DH's hierarchy and pairs (comm/hierarchy.py; the backward runs it reversed); None: linear."""
-    record = Collective("a2a_dispatch", "dispatch_all_to_all", group, layer, backward=backward)
-    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap, route)
+    """The MoE layer's row all-to-all (`purpose`: "dispatch", rows to the EP ranks that own their experts, or
+    "combine", expert outputs back to the ranks their tokens came from): `in_splits[g]` rows to rank g,
+    `out_splits[g]` from it; differentiable; `then` post-processes the received rows on wait(); `overlap` runs
+    work under the backward's reverse all-to-all. `backward=True`: the call is a hand-written backward
+    schedule's (inside an autograd Function's backward, no graph made), recorded as the backward pass's.
+    `route`: the EP group's nodes, and 2DH's hierarchy and pairs (comm/hierarchy.py; the backward runs it
+    reversed); None: linear."""
+    record = Collective(f"a2a_{purpose}", f"{purpose}_all_to_all", group, layer, backward=backward)
+    x = rows_RH.contiguous()
+    works = [] if async_op else None
+    transfer = _Transfer(group, list(out_splits), list(in_splits), record, route)
+    out = _AllToAll.apply(x, transfer.out_splits, transfer.in_splits, group, record, works, overlap, transfer)
+    if async_op and out.requires_grad:  # the reverse starts where the forward waits for the rows
+        then = _landing(transfer, then)
+    # The input must outlive an asynchronous send: the handle holds it until wait().
+    record = _sent(record, x, transfer.in_splits, group, route)
+    return CommHandle(out, works[0] if works else None, keepalive=(x,), then=then, record=record)
 
 
-def combine_all_to_all(
-    rows_RH: torch.Tensor,
-    out_splits: list[int],
-    in_splits: list[int],
-    group,
-    *,
-    layer: int | None = None,
-    async_op: bool = False,
-    then: Callable | None = None,
-    overlap: BackwardOverlap | None = None,
-    backward: bool = False,
-    route: Route | None = None,
-) -> CommHandle:
-    """Send expert outputs back to the ranks their tokens came from; differentiable. `backward`, `route`: as for
-    `dispatch_all_to_all`."""
-    record = Collective("a2a_combine", "combine_all_to_all", group, layer, backward=backward)
-    return _all_to_all(rows_RH, out_splits, in_splits, group, record, async_op, then, overlap, route)
+def dispatch_all_to_all(rows_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group, **options):
+    """`rows_all_to_all` to the expert owners (asynchronous unless `async_op=False`)."""
+    return rows_all_to_all(rows_RH, out_splits, in_splits, group, purpose="dispatch", **options)
+
+
+def combine_all_to_all(rows_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group, **options):
+    """`rows_all_to_all` back from the expert owners (synchronous unless `async_op=True`)."""
+    options.setdefault("async_op", False)
+    return rows_all_to_all(rows_RH, out_splits, in_splits, group, purpose="combine", **options)
 
 
 def _native_esp(group, sizes: list[int]) -> bool:

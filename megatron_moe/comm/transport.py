@@ -27,8 +27,13 @@ def _offsets(splits: list[int]) -> list[int]:
     return out
 
 
-def all_to_all_single(out, inp, out_splits=None, in_splits=None, *, group=None, async_op: bool = False):
-    """`torch.distributed.all_to_all_single` along dim 0 (splits in rows; None: equal blocks)."""
+def all_to_all_single(out, inp, out_splits=None, in_splits=None, *, group=None, route=None, async_op: bool = False):
+    """`torch.distributed.all_to_all_single` along dim 0 (splits in rows; None: equal blocks). With a `route` (a
+    `hierarchy.Route` or None) that has a hierarchy: `all_to_all_2dh` (the dispatch/combine's 2DH; the same rows
+    land in the same places)."""
+    if route is not None and route.two_level:
+        route.check(out_splits, in_splits)
+        return all_to_all_2dh(out, inp, route, async_op=async_op)
     if dist.get_backend(group) != "gloo":
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -62,15 +67,6 @@ def all_to_all_2dh(out, inp, route, *, async_op: bool = False):
         all_to_all_single(mid, staged, plan.intra_recv, plan.intra_send, group=hierarchy.intra)  # 2.
         staged = transpose_blocks(mid, plan.mid_LN)  # 3.
     return all_to_all_single(out, staged, plan.inter_recv, plan.inter_send, group=hierarchy.inter, async_op=async_op)
-
-
-def all_to_all_routed(out, inp, out_splits, in_splits, group, route, *, async_op: bool = False):
-    """The dispatch/combine all-to-all: `all_to_all_single`, or `all_to_all_2dh` when `route` (a `hierarchy.Route`
-    or None) has a hierarchy; the same rows land in the same places."""
-    if route is not None and route.two_level:
-        route.check(out_splits, in_splits)
-        return all_to_all_2dh(out, inp, route, async_op=async_op)
-    return all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
 class PointToPointWork:

@@ -1,21 +1,12 @@
-"""Expert capacity with Tutel's semantics for the capacity factor f.
+"""Expert capacity with Tutel's semantics for the capacity factor f: C = ceil(|f| * k * T / E) slots per
+expert per source rank (T: this rank's tokens, k: top-k, E: experts over all EP ranks).
 
-    C = ceil(|f| * k * T / E)        slots per expert, per source rank
+    f > 0    fixed C; pairs beyond C (in the gate's claim order) are dropped.
+    f = 0    dropless (also f unset): C = the largest count any expert gets from any rank this step.
+    f < 0    adaptive: dropless, but C capped at the formula with |f|.
 
-T is the number of tokens this rank routes, k the top-k and E the number of
-experts over all EP ranks. Every EP rank sends at most C rows to each expert,
-so an expert receives at most EP * C = |f| * k * T_group / E rows, where
-T_group = EP * T are the EP group's tokens: f is the factor by which an
-expert may exceed its fair share k * T_group / E of the group's tokens.
-
-    f > 0    fixed: C as above; pairs beyond C (in the gate's claim order) are dropped.
-    f = 0    dropless (also f unset): C = the largest count any expert gets from
-             any rank in this step, so nothing is dropped.
-    f < 0    adaptive: dropless, but C is capped at the formula with |f|.
-
-Capacity is recomputed every step from T and k, so top-k may change between
-iterations. With the padded all-to-all every rank must use the same C: the
-dispatcher agrees on the group maximum (`Dispatcher.agree_capacity`, on the device).
+C is recomputed every step (k and T may change); with the padded all-to-all the dispatcher agrees on the
+group's maximum on the device (`Dispatcher.agree_capacity`). What f bounds: docs/internals/moe.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,17 @@
-"""Dispatch and Combine: move expert-major rows to the EP rank that owns each expert and back.
+"""Dispatch and combine: move expert-major rows to the EP rank that owns each expert and back.
 
 Legend: G = EP group size, E = experts (global), L = local experts (E / G),
 P = expert-sharded (ESP) group size, C = capacity, R = rows, H = hidden.
 
-A dispatcher sees rows grouped by global expert with `counts[e]` rows for
-expert e (expert e lives on EP rank e // L). Planning and moving are apart, so
-that the layer waits for the device once per forward (`MoELayer.arrange`):
-
-1. in arranging, on the device: `agree_capacity` (one C for the EP group when
-   the layout needs it) and `exchange_counts` (what the other ranks send this
-   one, and under ESP what every ESP peer received, when the layout needs it;
-   under 2DH, --moe-a2a-algorithm, every rank's counts [G, E]: the transport
-   needs every pair's rows); neither reads anything on the host;
-2. the layer reads their results with its own counts in ONE device->host copy,
-   and `make_splits` turns those host values into a `DispatchSplits` (split
-   sizes, row permutations);
-3. `dispatch(rows, splits)` returns a handle whose `wait()` gives a
-   `Dispatched`: the rows of this rank's L experts grouped by local expert and
-   their counts; `combine` sends the expert outputs back. Neither reads the
-   device. Both start their all-to-all asynchronously; the layer does
-   independent work (the shared expert, other pieces' under the operator
-   partition) before waiting.
-
-Expert-sharded parallelism (ESP, megatron-core's expert tensor parallelism): the
-P ranks of an ESP group (inside a node) hold the same experts, each a 1/P slice
-of every expert's FFN width. Dispatch is then
-1. the EP all-to-all between ESP groups: this rank receives (source g, local expert l) blocks;
-2. the ESP all-gather of those blocks unchanged: (p, g, l) blocks, every peer's in turn;
-3. ONE permutation (p, g, l) -> (l, p, g): each local expert's rows together for the grouped GEMM;
-and combine the reverse: the inverse permutation, the ESP reduce-scatter (the
-experts' outputs are partial sums over the F slices), the all-to-all back.
-Every collective goes through `megatron_moe.comm`.
+In: rows grouped by global expert, `counts[e]` rows for expert e (owned by EP rank e // L). Planning and moving
+are apart, so the layer waits for the device once per forward (`MoELayer.arrange`): `agree_capacity` and
+`exchange_counts` start on the device, the layer reads them in one host read, `make_splits` turns the host
+values into a `DispatchSplits`. `dispatch(rows, splits)` -> handle, `wait()` -> `Dispatched` (this rank's L
+experts' rows grouped by local expert); `combine` sends the outputs back. Neither reads the device; both start
+asynchronously. `chunk_transport()` gives the same moves per chunk (moe/pipeline.py). Under ESP the received
+blocks are all-gathered over the ESP group and the outputs (partial sums) reduce-scattered. `Shadowing` is the
+splits' transform for shadowed experts (identity here; moe/shadow.py). Every collective goes through
+`megatron_moe.comm`. The phases: docs/internals/moe.md.
 """
 
 from __future__ import annotations
@@ -42,6 +23,46 @@ import torch
 
 from megatron_moe import comm
 from megatron_moe.config.fields import require
+
+
+class Shadowing:
+    """How one forward's rows go around dispatch -> experts -> combine when some experts are shadowed (their
+    weights come to the rows: moe/shadow.py `ShadowPlan`). This base is the identity: nothing shadowed, every
+    row dispatched, the experts' store as it is. The layer calls, in order: `sent_counts`, `split` (before the
+    dispatch), `start` (after it started), `experts_options` or `owner_store` (the experts' stage, unpipelined or
+    pipelined), `compute` (while the combine is in flight), `merge` (after it)."""
+
+    shadowed: tuple[int, ...] = ()
+    """The global experts shadowed (ascending); none here."""
+
+    def sent_counts(self, counts: list[int]) -> list[int]:
+        """The dispatch's rows per global expert [E], given the send buffer's."""
+        return counts
+
+    def split(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        """The rows to dispatch (the rest stay on this rank)."""
+        return rows_RH
+
+    def start(self) -> None:
+        """Start what the kept rows need (issued after the dispatch's all-to-all)."""
+
+    def owner_store(self, store):
+        """The `WeightGradStore` this forward's experts' node hands its dW closure to."""
+        return store
+
+    def experts_options(self) -> dict:
+        """The keyword arguments of the experts' call on the dispatched rows (here none)."""
+        return {}
+
+    def compute(self) -> None:
+        """Compute the kept rows (after the experts' node: see moe/shadow.py)."""
+
+    def merge(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        """The combined rows with the kept rows' results, in the send buffer's order."""
+        return rows_RH
+
+
+NO_SHADOWING = Shadowing()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +87,101 @@ class DispatchSplits:
     """Rows this rank receives from each (source g, local expert l) [G][L] (padded: all C)."""
     esp_received_PGL: list[list[list[int]]] | None = None
     """Every ESP peer's `received_GL` [P][G][L]; None without ESP."""
-    shadow: object = None
-    """moe/shadow.py `ShadowSplit` when the layer shadows experts in this forward (their rows are not in these
-    splits: computed on this rank); None otherwise."""
+    shadow: Shadowing = dataclasses.field(default_factory=lambda: NO_SHADOWING)
+    """The experts this forward shadows (moe/shadow.py `ShadowPlan`: their rows are not in these splits, they are
+    computed on this rank); `NO_SHADOWING`: none."""
     sent_GE: list[list[int]] | None = None
     """Every EP rank's rows to each global expert [G][E] (row g: rank g's `send_GL`, flattened), when the transport
     needs every pair's rows (2DH, comm/hierarchy.py); None otherwise."""
 
-    def pairs_GG(self, num_local_experts: int) -> tuple[tuple[int, ...], ...]:
-        """Rows from each EP rank to each EP rank [G][G] (from `sent_GE`)."""
-        l = num_local_experts
+    @property
+    def pairs(self) -> tuple[tuple[int, ...], ...] | None:
+        """Rows from each EP rank to each EP rank [G][G] (from `sent_GE`); None without it."""
+        if self.sent_GE is None:
+            return None
+        l = len(self.sent_GE[0]) // len(self.sent_GE)
         return tuple(tuple(sum(row[d * l : (d + 1) * l]) for d in range(len(row) // l)) for row in self.sent_GE)
 
     @property
-    def esp_splits(self) -> list[int]:
+    def esp_sizes(self) -> list[int]:
         """Rows each ESP peer contributes to the all-gather [P] (its received rows)."""
         return [sum(map(sum, received_GL)) for received_GL in self.esp_received_PGL]
+
+
+class ChunkTransport:
+    """A dispatcher's per-chunk moves of rows, for callers that split a dispatch into chunks (moe/pipeline.py):
+    the EP all-to-alls of a chunk's rows to the expert owners and back, and with P > 1 the ESP all-gather and
+    reduce-scatter, forward or inside a backward (every one through `megatron_moe.comm`). A chunk is any object
+    with `send_splits`, `recv_splits` [G], `esp_sizes` [P], `to_expert` / `to_source` (row permutations or None)
+    and `pairs` (2DH's [G][G] or None). Made by `Dispatcher.chunk_transport`; `ChunkTransport(None, None, None,
+    None)` moves nothing (one process)."""
+
+    def __init__(self, ep_group, esp_group, layer: int | None, overlap: comm.BackwardOverlap | None, route=None):
+        self.ep_group, self.esp_group, self.layer, self.overlap = ep_group, esp_group, layer, overlap
+        self.ep_size, self.esp_size = comm.group_size(ep_group), comm.group_size(esp_group)
+        self.route: comm.Route | None = route
+        """The dispatcher's route without pairs (`Dispatcher.route`); each chunk adds its own pairs (2DH)."""
+
+    def _route(self, chunk, *, reverse: bool) -> comm.Route | None:
+        """The route of the chunk's all-to-all to the expert owners, or back (`reverse`)."""
+        route = self.route
+        if route is None:
+            return None
+        if route.two_level:
+            route = dataclasses.replace(route, pairs=chunk.pairs)
+        return route.reversed() if reverse else route
+
+    def way(self, chunk, *, to_experts: bool, backward: bool) -> tuple[list[int], list[int], dict]:
+        """The chunk's all-to-all to the expert owners (`to_experts`) or back, in forward or inside a backward:
+        (out_splits, in_splits, the other arguments of `comm.rows_all_to_all`). A backward one is the reverse of
+        the other way's (the dispatch's way back is the combine's reverse); in forward, its own reverse runs
+        `overlap`'s work."""
+        splits = (chunk.recv_splits, chunk.send_splits) if to_experts else (chunk.send_splits, chunk.recv_splits)
+        options = dict(
+            purpose="dispatch" if to_experts != backward else "combine",
+            layer=self.layer,
+            async_op=True,
+            backward=backward,
+            route=self._route(chunk, reverse=not to_experts),
+            overlap=None if backward else self.overlap,
+        )
+        return *splits, options
+
+    def to_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool, then=None) -> comm.CommHandle:
+        """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners; `then`
+        post-processes the received rows on wait()."""
+        if self.ep_size == 1:
+            return comm.CommHandle(rows_RH, then=then)
+        out_splits, in_splits, options = self.way(chunk, to_experts=True, backward=backward)
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.ep_group, then=then, **options)
+
+    def from_experts(self, rows_RH: torch.Tensor, chunk, *, backward: bool) -> comm.CommHandle:
+        """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
+        if self.ep_size == 1:
+            return comm.CommHandle(rows_RH)
+        out_splits, in_splits, options = self.way(chunk, to_experts=False, backward=backward)
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.ep_group, **options)
+
+    def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
+        """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
+        if backward and self.overlap is not None and handle.record is not None:
+            return self.overlap.run_under(handle.record, handle)
+        return handle.wait()
+
+    def gather(self, rows: torch.Tensor, chunk, *, backward: bool) -> torch.Tensor:
+        """Received rows in (g, l) order -> [ESP all-gather: (p, g, l)] -> each local expert's rows together."""
+        if self.esp_size > 1:
+            gather = comm.esp_all_gather  # the ESP branch's collective; only reached with an ESP group
+            rows = gather(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
+        return rows if chunk.to_expert is None else rows.index_select(0, chunk.to_expert)
+
+    def scatter(self, rows: torch.Tensor, chunk, *, backward: bool) -> torch.Tensor:
+        """`gather`'s reverse: (l, x) -> (x, l) order [-> ESP reduce-scatter of the partial sums]."""
+        rows = rows if chunk.to_source is None else rows.index_select(0, chunk.to_source)
+        if self.esp_size > 1:
+            scatter = comm.esp_reduce_scatter
+            rows = scatter(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
+        return rows
 
 
 @dataclasses.dataclass
@@ -142,12 +242,9 @@ class Dispatcher(abc.ABC):
             return comm.Route(self.hierarchy.layout, self.hierarchy)
         return None if self.layout is None else comm.Route(self.layout)
 
-    def _route(self, splits: DispatchSplits) -> comm.Route | None:
-        """The dispatch's route: with 2DH, the pairs of `splits`."""
-        route = self.route()
-        if route is None or not route.two_level:
-            return route
-        return dataclasses.replace(route, pairs=splits.pairs_GG(self.num_local_experts))
+    def chunk_transport(self) -> ChunkTransport:
+        """This dispatcher's groups, route and backward overlap as a per-chunk transport (moe/pipeline.py)."""
+        return ChunkTransport(self.group, self.esp_group, self.layer, self.backward_overlap, route=self.route())
 
     @property
     def moves_rows(self) -> bool:
@@ -169,53 +266,49 @@ class Dispatcher(abc.ABC):
         learn."""
         return None
 
-    def _send(self, rows_RH: torch.Tensor, splits: DispatchSplits, regroup) -> comm.CommHandle:
-        """The dispatch of `splits`; `regroup` lays out this rank's received rows in (ESP peer, source, expert)
-        order on wait().
+    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
+        """Start sending; `wait()` returns a `Dispatched`.
 
         1. the EP all-to-all (none when G = 1);
         2. under ESP, the all-gather of the received rows over the ESP group (on wait: it needs them);
-        3. `regroup`.
+        3. `regroup`: the rows, in ((ESP peer,) source, expert) order, grouped by local expert.
         """
+        if not self.moves_rows:
+            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
 
-        def gathered(received_RH):
-            if self.esp_size == 1:
-                return regroup(received_RH)
-            handle = comm.esp_all_gather(received_RH, splits.esp_splits, self.esp_group, layer=self.layer)
-            return regroup(handle.wait())
+        def grouped(received_RH):  # 3.
+            return Dispatched(self.regroup(received_RH, splits), splits.local_counts, splits)
+
+        def landed(received_RH):  # 2., 3.
+            if self.esp_size > 1:
+                handle = comm.esp_all_gather(received_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
+                received_RH = handle.wait()
+            return grouped(received_RH)
 
         if self.group_size == 1:  # ESP only: the all-gather starts now, under the layer's independent work
-            handle = comm.esp_all_gather(rows_RH, splits.esp_splits, self.esp_group, layer=self.layer)
-            return comm.CommHandle(handle, then=lambda h: regroup(h.wait()))
-        return comm.dispatch_all_to_all(
-            rows_RH,
-            splits.recv_splits,
-            splits.send_splits,
-            self.group,
-            layer=self.layer,
-            then=gathered,
-            overlap=self.backward_overlap,
-            route=self._route(splits),
-        )
+            handle = comm.esp_all_gather(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer)
+            return comm.CommHandle(handle, then=lambda started: grouped(started.wait()))
+        # 1. (the whole send as one chunk, the way the pipeline's chunks go: `ChunkTransport.way`)
+        out_splits, in_splits, options = self.chunk_transport().way(splits, to_experts=True, backward=False)
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.group, then=landed, **options)
 
-    def _send_back(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
-        """The combine of `splits`, given rows in (ESP peer, source, expert) order: under ESP the reduce-scatter of
-        the partial sums over the ESP group, then the all-to-all back to the ranks they came from."""
-        if self.esp_size > 1:
-            rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_splits, self.esp_group, layer=self.layer).wait()
-        if self.group_size == 1:
+    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
+        """Start sending expert outputs back; `wait()` returns rows in the pre-dispatch layout.
+
+        1. `ungroup`: (local expert, ...) -> ((ESP peer,) destination, expert) order;
+        2. under ESP, the reduce-scatter of the partial sums over the ESP group;
+        3. the EP all-to-all back to the ranks the rows came from (none when G = 1).
+        """
+        if not self.moves_rows:
             return comm.CommHandle(rows_RH)
-        route = self._route(splits)
-        return comm.combine_all_to_all(
-            rows_RH,
-            splits.send_splits,
-            splits.recv_splits,
-            self.group,
-            layer=self.layer,
-            async_op=True,
-            overlap=self.backward_overlap,
-            route=None if route is None else route.reversed(),
-        )
+        splits: DispatchSplits = dispatched.state
+        rows_RH = self.ungroup(rows_RH, splits)
+        if self.esp_size > 1:
+            rows_RH = comm.esp_reduce_scatter(rows_RH, splits.esp_sizes, self.esp_group, layer=self.layer).wait()
+        if self.group_size == 1:  # ESP only
+            return comm.CommHandle(rows_RH)
+        out_splits, in_splits, options = self.chunk_transport().way(splits, to_experts=False, backward=False)  # 3.
+        return comm.rows_all_to_all(rows_RH, out_splits, in_splits, self.group, **options)
 
     @abc.abstractmethod
     def make_splits(
@@ -225,12 +318,12 @@ class Dispatcher(abc.ABC):
         `exchange_counts` returned, on the device / read on the host."""
 
     @abc.abstractmethod
-    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
-        """Start sending; `wait()` returns a `Dispatched`."""
+    def regroup(self, received_RH: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
+        """The received rows, in ((ESP peer,) source, expert) order, grouped by local expert."""
 
     @abc.abstractmethod
-    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
-        """Start sending expert outputs back; `wait()` returns rows in the pre-dispatch layout."""
+    def ungroup(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
+        """`regroup`'s reverse, on the experts' outputs."""
 
 
 class PaddedAllToAll(Dispatcher):
@@ -255,29 +348,18 @@ class PaddedAllToAll(Dispatcher):
             sent_GE=[[capacity] * (g * l)] * g if self.hierarchy is not None else None,
         )
 
-    def dispatch(self, rows_RH, splits):
-        if not self.moves_rows:
-            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
-        x, l, h, capacity = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1], splits.capacity
+    def regroup(self, received_RH, splits):
+        # [X = (ESP peer, source), L, C, H] -> each local expert's rows from all of X together [L, X, C, H].
+        x, l, h = self.group_size * self.esp_size, self.num_local_experts, received_RH.shape[1]
+        return received_RH.view(x, l, splits.capacity, h).transpose(0, 1).reshape(-1, h)
 
-        def regroup(received):
-            # 1. received [X = (ESP peer, source), L, C, H]; 2. each local expert's rows from all of X together.
-            rows = received.view(x, l, capacity, h).transpose(0, 1).reshape(-1, h)
-            return Dispatched(rows, splits.local_counts, splits)
-
-        return self._send(rows_RH, splits, regroup)
-
-    def combine(self, rows_RH, dispatched):
-        if not self.moves_rows:
-            return comm.CommHandle(rows_RH)
-        splits: DispatchSplits = dispatched.state
+    def ungroup(self, rows_RH, splits):
+        # [L, X, C, H] -> [X = (ESP peer, destination), L, C, H].
         x, l, h = self.group_size * self.esp_size, self.num_local_experts, rows_RH.shape[1]
-        # 1. [L, X, C, H] -> [X = (ESP peer, destination), L, C, H]; 2. reduce-scatter and all-to-all back.
-        rows = rows_RH.view(l, x, splits.capacity, h).transpose(0, 1).reshape(-1, h)
-        return self._send_back(rows, splits)
+        return rows_RH.view(l, x, splits.capacity, h).transpose(0, 1).reshape(-1, h)
 
 
-def _chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_permutation(sizes_XL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row permutation taking chunks in (x, expert) order to (expert, x) order, and back; x = source, or under
     ESP (ESP peer, source) (X = P x G).
 
@@ -328,7 +410,7 @@ class AllToAllV(Dispatcher):
         received_GL = blocks if p == 1 else esp_received_PGL[self.esp_rank]
         local_counts = [sum(column) for column in zip(*blocks)]
         to_expert, to_source = (
-            (None, None) if l == 1 else _chunk_permutation(received_dev.reshape(-1, l), sum(local_counts))
+            (None, None) if l == 1 else chunk_permutation(received_dev.reshape(-1, l), sum(local_counts))
         )
         return DispatchSplits(
             [sum(row) for row in send_GL],
@@ -342,23 +424,12 @@ class AllToAllV(Dispatcher):
             sent_GE=sent_GE,
         )
 
-    def dispatch(self, rows_RH, splits):
-        if not self.moves_rows:
-            return comm.CommHandle(Dispatched(rows_RH, splits.local_counts, splits))
+    def regroup(self, received_RH, splits):
+        # The exact rows arrive in ((ESP peer,) source, expert) chunks: regroup them into (expert, ...).
+        return received_RH if splits.to_expert is None else received_RH.index_select(0, splits.to_expert)
 
-        def regroup(received):
-            # The exact rows arrive in ((ESP peer,) source, expert) chunks: regroup them into (expert, ...).
-            rows = received if splits.to_expert is None else received.index_select(0, splits.to_expert)
-            return Dispatched(rows, splits.local_counts, splits)
-
-        return self._send(rows_RH, splits, regroup)
-
-    def combine(self, rows_RH, dispatched):
-        if not self.moves_rows:
-            return comm.CommHandle(rows_RH)
-        splits: DispatchSplits = dispatched.state
-        rows = rows_RH if splits.to_source is None else rows_RH.index_select(0, splits.to_source)
-        return self._send_back(rows, splits)
+    def ungroup(self, rows_RH, splits):
+        return rows_RH if splits.to_source is None else rows_RH.index_select(0, splits.to_source)
 
 
 def build_dispatcher(

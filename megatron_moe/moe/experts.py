@@ -1,28 +1,15 @@
-"""Expert: the local experts' computation on rows grouped by expert.
+"""Experts: the local experts' computation on rows grouped by expert.
 
-Legend: L = local experts, R = rows (all local experts), C = rows per expert
-when padded, H = hidden, F = expert ffn width (x2 for SwiGLU's gate and up),
-P = expert-sharded (ESP) group size.
+Legend: L = local experts, R = rows (all local experts), C = rows per expert when padded, H = hidden,
+F = expert ffn width (x2 for SwiGLU's gate and up), P = expert-sharded (ESP) group size.
 
-Any `torch.nn.Module` with `num_local_experts` and `forward(rows_RH, counts)`
-is an expert module (`Experts` protocol). Built in:
-
-- `FFNExperts`: GPT GELU FFN or Mixtral SwiGLU, all local experts (of a run)
-  as one bmm when every expert has the same row count (capacity-padded) or one
-  grouped GEMM otherwise (dropless / exact rows); fc1, activation and fc2 form one
-  autograd node (`GroupedMLP`), which also carries an activation policy's
-  expert_fc1/act/fc2 modes (unless fc2 is to be recomputed).
-- `ModuleListExperts`: wraps one arbitrary module per local expert (a loop;
-  for custom experts whose shapes do not batch).
-
-On-disk layout of `FFNExperts`, whatever kernel runs and whatever the EP and ESP
-sizes: `weight1` [E, F (2F for SwiGLU: gate rows then up rows), H] and `weight2`
-[E, H, F], i.e. torch Linear's [out, in] per expert, sharded along E with the
-global expert index as the offset, along F by the ESP rank, replicated over
-expert-data-parallel ranks. Under ESP a rank holds weight1 [L, F/P (SwiGLU:
-its F/P gate rows then its F/P up rows), H] and weight2 [L, H, F/P]; its output
-is a partial sum over its slice of F, which the dispatcher's reduce-scatter
-completes.
+Any `torch.nn.Module` with `num_local_experts` and `forward(rows_RH, counts)` is an expert module (`Experts`).
+Built in: `FFNExperts` (GELU or SwiGLU; one fused autograd node `GroupedMLP`, bmm when padded, grouped GEMM
+otherwise; its backward hands the dW GEMMs to a `WeightGradStore`) and `ModuleListExperts` (one module per
+expert). Checkpoint layout, whatever the kernel and the EP / ESP sizes: `weight1` [E, F (2F for SwiGLU: gate
+rows then up rows), H], `weight2` [E, H, F], sharded along E (offset: the global expert index) and along F by
+the ESP rank; under ESP a rank's output is a partial sum the dispatcher's reduce-scatter completes.
+Details: docs/internals/moe.md.
 """
 
 from __future__ import annotations
@@ -37,7 +24,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping
 from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
-from megatron_moe.moe.grouped_gemm import grouped_input_grad, grouped_linear, grouped_mm, grouped_weight_grad
+from megatron_moe.moe.grouped_gemm import grouped_linear, grouped_mm, grouped_weight_grad
 from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights, WeightGrad, WeightGradStore, at_position
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.rng import host_rng_keyed
@@ -108,15 +95,9 @@ def expert_chunks(counts: list[int], row_bytes: int, budget: int | None) -> list
     return runs
 
 
-def _fc1(x_RH: torch.Tensor, w1_EFH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def fc1(x_RH: torch.Tensor, w1_EFH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """h = x W1[e]^T per expert's rows (the experts' first GEMM; the pipeline's chunks run it too)."""
     return grouped_mm(x_RH, w1_EFH.transpose(1, 2), counts)
-
-
-def mlp_input_grads(grad_RH, w1_EFH, w2_EHF, h_RF, counts, gated, need_x: bool, out_x=None):
-    """(dX or None, dH) of one run of experts: dA = dY W2, dH = act'(h) dA (in dA's buffer), dX = dH W1."""
-    grad_h = ffn_activation_backward_(grouped_input_grad(grad_RH, w2_EHF, counts), h_RF, gated)
-    grad_x = grouped_input_grad(grad_h, w1_EFH, counts, out_x) if need_x else None
-    return grad_x, grad_h
 
 
 def mlp_weight_grads(grad_RH, x_RH, a_RF, grad_h_RF, counts, needs: tuple[bool, bool]) -> WeightGrad:
@@ -133,14 +114,14 @@ def mlp_weight_grads(grad_RH, x_RH, a_RF, grad_h_RF, counts, needs: tuple[bool, 
     return weight_grads
 
 
-def _save(ctx, weights: tuple, kept: list) -> None:
+def save_kept(ctx, weights: tuple, kept: list) -> None:
     """Plain kept tensors go through save_for_backward (and so through any saved-tensor hooks); others are ours."""
     ctx.save_for_backward(*weights, *(k for k in kept if torch.is_tensor(k)))
     ctx.kept = [None if torch.is_tensor(k) else (k,) for k in kept]  # (packed,) or (None,) for recompute
 
 
-def _saved(ctx, num_weights: int) -> tuple[list, list]:
-    """(weights, kept) as `_save` stored them."""
+def saved_kept(ctx, num_weights: int) -> tuple[list, list]:
+    """(weights, kept) as `save_kept` stored them."""
     weights, plain = ctx.saved_tensors[:num_weights], iter(ctx.saved_tensors[num_weights:])
     return list(weights), [next(plain) if k is None else k[0] for k in ctx.kept]
 
@@ -159,7 +140,7 @@ class GroupedMLP(torch.autograd.Function):
     - what is kept of x, h and a is up to `keeping` (`Keeping`; an activation
       policy keeps some quantized, h and a run by run as they are made, or
       recomputes them run by run).
-    Backward, per run: the input gradients (`mlp_input_grads`: dA, dH, dX), then
+    Backward, per run: the input gradients (dA, dH, dX), then
     the weight-gradient GEMMs (`mlp_weight_grads`: dW2, dW1) as a closure handed
     to `store` (`megatron_moe.moe.weight_grad`), which runs it now. A store that
     defers (Lancet) gets one closure for all runs after the last dX, which
@@ -173,34 +154,51 @@ class GroupedMLP(torch.autograd.Function):
         kept_h, kept_a = [], []
         for e0, e1, r0, r1 in runs:
             run_counts = counts[e0:e1]
-            h = _fc1(x_RH[r0:r1], w1_EFH[e0:e1], run_counts)
+            h = grouped_mm(x_RH[r0:r1], w1_EFH[e0:e1].transpose(1, 2), run_counts)  # fc1
             a = ffn_activation(h, gated)
             out = None if y_RH is None else y_RH[r0:r1]
             y = grouped_mm(a, w2_EHF[e0:e1].transpose(1, 2), run_counts, out)
             kept_h.append(keeping.keep("h", h, numel=x_RH.shape[0] * h.shape[1]))  # worth it as a whole
             kept_a.append(keeping.keep("a", a, numel=x_RH.shape[0] * a.shape[1]))
-        _save(ctx, (w1_EFH, w2_EHF), [keeping.keep("x", x_RH), *kept_h, *kept_a])
+        save_kept(ctx, (w1_EFH, w2_EHF), [keeping.keep("x", x_RH), *kept_h, *kept_a])
         ctx.counts, ctx.gated, ctx.runs, ctx.keeping, ctx.store = counts, gated, runs, keeping, store
         return y if y_RH is None else y_RH
 
     @staticmethod
     def backward(ctx, grad_RH):
-        (w1_EFH, w2_EHF), (x_RH, *kept) = _saved(ctx, 2)
-        runs, needs = ctx.runs, ctx.needs_input_grad[:3]
+        (w1_EFH, w2_EHF), (x_RH, *kept) = saved_kept(ctx, 2)
+        runs, keeping, gated = ctx.runs, ctx.keeping, ctx.gated
+        need_x, need_w1, need_w2 = needs = ctx.needs_input_grad[:3]
         grad_RH = grad_RH.contiguous()
         grads = [None] * 3
         if len(runs) > 1:  # the kernels allocate their outputs when there is one run (torch._grouped_mm has no out=)
             grads = [torch.empty_like(t) if need else None for t, need in zip((grad_RH, w1_EFH, w2_EHF), needs)]
-        store = ctx.store
+        store = runs_store = ctx.store
         if store.defers:  # the closures of every run, collected here and handed over as one
             grads[1:] = None, None
-            ctx.store = _Collect()
-        for run, h, a in zip(runs, kept[: len(runs)], kept[len(runs) :]):
-            grad_x, grad_w = _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, h, a, grads)
+            runs_store = _Collect()
+        for (e0, e1, r0, r1), kept_h, kept_a in zip(runs, kept[: len(runs)], kept[len(runs) :]):
+            # One run of experts, written into slices of `grads` where given. x is always kept; h and a are
+            # recomputed if not.
+            rows, experts, counts = slice(r0, r1), slice(e0, e1), ctx.counts[e0:e1]
+            grad, w1, w2 = grad_RH[rows], w1_EFH[experts], w2_EHF[experts]
+            out_x, out_w1, out_w2 = (None if g is None else g[part] for g, part in zip(grads, (rows, experts, experts)))
+            x = keeping.fetch(x_RH, r0, r1)
+            h = keeping.fetch(kept_h, 0, r1 - r0)
+            h = fc1(x, w1, counts) if h is None else h
+            a = keeping.fetch(kept_a, 0, r1 - r0)
+            a = ffn_activation(h, gated) if a is None else a
+            # dA = dY W2, dH = act'(h) dA (in dA's buffer), dX = dH W1; then dW1, dW2 through the store.
+            grad_h = ffn_activation_backward_(grouped_mm(grad, w2, counts), h, gated)
+            grad_x = grouped_mm(grad_h, w1, counts, out_x) if need_x else None
+            grad_w = (None, None)
+            if need_w1 or need_w2:
+                weight_grads = mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2))
+                grad_w = runs_store.put(weight_grads, (out_w1, out_w2))
             if len(runs) == 1:
                 grads = [grad_x, *(grad_w or (None, None))]
         if store.defers:  # the store owns the weight gradients
-            store.put(_all_runs(ctx.store.closures, runs, w1_EFH, w2_EHF, needs[1:]), (None, None))
+            store.put(_all_runs(runs_store.closures, runs, w1_EFH, w2_EHF, needs[1:]), (None, None))
             grads[1] = grads[2] = None
         return (*grads, None, None, None, None, None)
 
@@ -233,25 +231,6 @@ def _all_runs(closures: list[WeightGrad], runs, w1_EFH, w2_EHF, needs) -> Weight
         return tuple(outs)
 
     return weight_grads
-
-
-def _run_backward(ctx, run, grad_RH, x_RH, w1_EFH, w2_EHF, kept_h, kept_a, outs) -> tuple:
-    """(dX, (dW1, dW2)) of one run of experts, written into slices of `outs` where given; (dX, None) when the
-    store keeps the weight-gradient closure to run later. x is always kept; h and a are recomputed if not."""
-    e0, e1, r0, r1 = run
-    rows, experts, counts, keeping = slice(r0, r1), slice(e0, e1), ctx.counts[e0:e1], ctx.keeping
-    grad, w1, w2 = grad_RH[rows], w1_EFH[experts], w2_EHF[experts]
-    out_x, out_w1, out_w2 = (None if g is None else g[part] for g, part in zip(outs, (rows, experts, experts)))
-    x = keeping.fetch(x_RH, r0, r1)
-    h = keeping.fetch(kept_h, 0, r1 - r0)
-    h = _fc1(x, w1, counts) if h is None else h
-    a = keeping.fetch(kept_a, 0, r1 - r0)
-    a = ffn_activation(h, ctx.gated) if a is None else a
-    need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
-    grad_x, grad_h = mlp_input_grads(grad, w1, w2, h, counts, ctx.gated, need_x, out_x)
-    if not (need_w1 or need_w2):
-        return grad_x, (None, None)
-    return grad_x, ctx.store.put(mlp_weight_grads(grad, x, a, grad_h, counts, (need_w1, need_w2)), (out_w1, out_w2))
 
 
 class FFNExperts(torch.nn.Module, DeferrableWeights):
@@ -336,14 +315,16 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
     def _call(self, name: str, fn: Callable, *args):
         return fn(*args) if self.region is None else self.region(name, fn, *args)
 
-    def forward(self, rows_RH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows_RH: torch.Tensor, counts: list[int], store: WeightGradStore | None = None) -> torch.Tensor:
+        """`store`: where this call's node hands its dW closure (None: `weight_grad_store`; shadowing passes one
+        that adds the shadows' gradients)."""
+        store = self.weight_grad_store if store is None else store
         # Without rows too: one node whose backward hands one closure (dW1, dW2) to the store, as on every rank,
         # so DDP hears of weight1 and weight2 in the same order everywhere (the reductions' order must agree).
         if self.keeping is not None:
-            options = (self.gated, self.chunk_bytes, self.keeping, self.weight_grad_store)
+            options = (self.gated, self.chunk_bytes, self.keeping, store)
             return GroupedMLP.apply(rows_RH, self.weight1, self.weight2, counts, *options)
         # Per-GEMM nodes, each its own region of an activation policy.
-        store = self.weight_grad_store
         h_RF = self._call("expert_fc1", grouped_linear, rows_RH, self.weight1, counts, at_position(store, 0, 2))
         h_RF = self._call("expert_act", ffn_activation, h_RF, self.gated)
         return self._call("expert_fc2", grouped_linear, h_RF, self.weight2, counts, at_position(store, 1, 2))

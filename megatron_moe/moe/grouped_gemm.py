@@ -2,25 +2,12 @@
 
 Legend: R = rows (all experts), E = experts, I = input width, O = output width.
 
-`GroupedLinear.apply(x_RI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T.
-The first of `KERNELS` that fits the operands (device, dtype, layout, rows) runs:
-- `grouped_gemm`: on an accelerator with the `grouped_gemm` package installed,
-  bf16 only, its low-level `backend.gmm(a, b, batch_sizes, trans_a, trans_b, c)`
-  (the GEMMs the package's own autograd runs; here they run in our nodes);
-- `bmm`: one `torch.bmm` when every group has the same rows (capacity-padded);
-- `onednn`: on CPU, oneDNN's matmul per group (`torch.ops.mkldnn._linear_pointwise`,
-  the op torch's inductor emits for CPU linears) for y and dX, torch.mm per
-  group for dW (why oneDNN and not torch.mm's MKL: docs/kernels.md);
-- `torch._grouped_mm`: where it runs for the dtype (checked once per device type and dtype by a probe);
-- `mm-loop`: one `torch.mm` per group into slices of one buffer.
-Each (device type, dtype, kernel) that runs is logged once.
-The backward is written as two separate steps, `grouped_input_grad` (dX, on
-the critical path) and `grouped_weight_grad` (dW); a node's backward hands the
-latter as a closure to its `WeightGradStore` (`megatron_moe.moe.weight_grad`),
-which runs it at once or later, while an all-to-all is in flight.
-An expert without rows gets a weight gradient of exactly zero from every kernel,
-whatever the output buffer held (`_zero_empty_experts`).
-`forced_kernel(name)` pins one (tests, benchmarks).
+`GroupedLinear.apply(x_RI, w_EOI, counts)` computes y[rows of e] = x[rows of e] @ w[e].T with the first of
+`KERNELS` that fits the operands (`grouped_gemm`, `bmm`, `onednn`, `torch._grouped_mm`, `mm-loop`; each that runs
+is logged once; `forced_kernel(name)` pins one). The backward is two steps, dX = `grouped_mm(dY, w)` (on the
+critical path) and `grouped_weight_grad` (dW, a closure handed to the node's `WeightGradStore`). Invariant: an
+expert without rows gets a weight gradient of exactly zero from every kernel. Each kernel and why:
+docs/internals/moe.md and docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -221,10 +208,6 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=N
     return out
 
 
-def grouped_input_grad(grad_RO: torch.Tensor, w_EOI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
-    return grouped_mm(grad_RO, w_EOI, counts, out)
-
-
 def grouped_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
     """dW[e] = grad[rows of e].T @ x[rows of e]  -> [E, O, I] (zero for an expert without rows).
 
@@ -237,23 +220,20 @@ def grouped_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[
     """
     if x_RI.shape[0] == 0:  # no expert has rows: zeros, without a zero-size kernel
         return x_RI.new_zeros(len(counts), grad_RO.shape[1], x_RI.shape[1]) if out is None else out.zero_()
-    return _zero_empty_experts(_weight_grad(grad_RO, x_RI, counts, out), counts)
-
-
-def _weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int], out) -> torch.Tensor:
-    """`grouped_weight_grad` by the chosen kernel; what it leaves in empty experts' dW is undefined."""
+    # Each kernel leaves an empty expert's dW undefined: zeroed at the end.
     kernel = _kernel(grad_RO, x_RI, counts, out)
     if kernel == "grouped_gemm":
-        return _grouped_gemm_backend().gmm(grad_RO, x_RI, _batch_sizes(counts), trans_a=True, trans_b=False, c=out)
-    if kernel == "bmm":
+        dw = _grouped_gemm_backend().gmm(grad_RO, x_RI, _batch_sizes(counts), trans_a=True, trans_b=False, c=out)
+    elif kernel == "bmm":
         groups, rows = len(counts), counts[0]
-        return torch.bmm(grad_RO.reshape(groups, rows, -1).transpose(1, 2), x_RI.reshape(groups, rows, -1), out=out)
-    if kernel == "torch._grouped_mm":
-        return torch._grouped_mm(grad_RO.t(), x_RI, offs=_offsets(counts, x_RI.device))
-    out = x_RI.new_empty(len(counts), grad_RO.shape[1], x_RI.shape[1]) if out is None else out
-    for e, rows in _groups(counts):
-        torch.mm(grad_RO[rows].t(), x_RI[rows], out=out[e])
-    return out
+        dw = torch.bmm(grad_RO.reshape(groups, rows, -1).transpose(1, 2), x_RI.reshape(groups, rows, -1), out=out)
+    elif kernel == "torch._grouped_mm":
+        dw = torch._grouped_mm(grad_RO.t(), x_RI, offs=_offsets(counts, x_RI.device))
+    else:
+        dw = x_RI.new_empty(len(counts), grad_RO.shape[1], x_RI.shape[1]) if out is None else out
+        for e, rows in _groups(counts):
+            torch.mm(grad_RO[rows].t(), x_RI[rows], out=dw[e])
+    return _zero_empty_experts(dw, counts)
 
 
 def linear_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int]) -> WeightGrad:
@@ -282,7 +262,7 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_RO):
         x_RI, w_EOI = ctx.saved_tensors
         grad_RO = grad_RO.contiguous()
-        grad_x = grouped_input_grad(grad_RO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
+        grad_x = grouped_mm(grad_RO, w_EOI, ctx.counts) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:  # without rows too: a zero dW, written into the store's output if it gives one
             grads = ctx.store.put(linear_weight_grad(grad_RO, x_RI, ctx.counts), (None,))

@@ -1,20 +1,12 @@
 """Hooks: change what flows between the MoE stages without touching the layer.
 
-Six points, called in this order in every forward:
+Six points, in this order in every forward: before_moe_start(tokens_TH) -> route -> order ->
+before_dispatch(rows_RH) -> dispatch -> after_dispatch(rows_RH) -> experts -> before_combine(rows_RH) ->
+combine -> after_combine(rows_RH) -> unorder -> before_moe_end(output_TH).
 
-    before_moe_start(tokens_TH)   -> route -> order
-    before_dispatch(rows_RH)      -> dispatch all-to-all
-    after_dispatch(rows_RH)       -> experts
-    before_combine(rows_RH)       -> combine all-to-all
-    after_combine(rows_RH)        -> unorder
-    before_moe_end(output_TH)
-
-Each returns the tensor the next stage gets (return the argument to leave it
-alone). A hook may change values and dtype (compress before dispatch,
-decompress after) and the row width, but not the number of rows between
-`before_dispatch` and `after_dispatch` or between `before_combine` and
-`after_combine`. Hooks run inside autograd, so what they do is differentiated.
-Register with `MoELayer.register_moe_hook(hook)`.
+Each returns the tensor the next stage gets (the argument itself to leave it alone). A hook may change values,
+dtype and row width, not the number of rows between `before_dispatch` and `after_dispatch` or between
+`before_combine` and `after_combine`. Hooks run inside autograd. Register with `MoELayer.register_moe_hook`.
 """
 
 from __future__ import annotations
@@ -74,12 +66,6 @@ class HookHandle:
     def remove(self) -> None:
         if self._hook in self._hooks:
             self._hooks.remove(self._hook)
-
-
-def run_hooks(hooks: list[MoEHook], point: str, tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor:
-    for hook in hooks:
-        tensor = getattr(hook, point)(tensor, ctx)
-    return tensor
 
 
 class Bf16OnTheWire(MoEHook):

@@ -29,27 +29,19 @@ from megatron_moe.config.fields import require
 from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
 from megatron_moe.moe.aux_loss import AuxLossAutoScaler
 from megatron_moe.moe.capacity import expert_capacity
-from megatron_moe.moe.dispatch import Dispatched, DispatchSplits, build_dispatcher
+from megatron_moe.moe.dispatch import DispatchSplits, build_dispatcher
 from megatron_moe.moe.experts import Experts, FFNExperts
 from megatron_moe.moe.gates import build_gate
-from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook, run_hooks
+from megatron_moe.moe.hooks import HookContext, HookHandle, MoEHook
 from megatron_moe.moe.metrics import MoEStats
 from megatron_moe.moe.ordering import DenseOrdering, RowMap, build_ordering, expert_counts, make_row_map
-from megatron_moe.moe.pieces import Piece, batch_order, run_to_end
-from megatron_moe.moe.pipeline import Links, PipelineStart, start_pipeline
+from megatron_moe.moe.pieces import Piece, batch_order
+from megatron_moe.moe.pipeline import PipelineStart, start_pipeline
 from megatron_moe.moe.routing import Routing, entropy_sum
 from megatron_moe.moe.shadow import AUTO as SHADOW_AUTO
-from megatron_moe.moe.shadow import (
-    ShadowBroadcast,
-    ShadowCosts,
-    ShadowGrads,
-    ShadowPolicy,
-    ShadowSplit,
-    WithShadowGrads,
-    shadow_forward,
-)
+from megatron_moe.moe.shadow import ShadowCosts, ShadowPolicy, arrange_shadowed
 from megatron_moe.moe.shared import SharedExpert
-from megatron_moe.platform import from_host, to_host
+from megatron_moe.platform import to_host
 from megatron_moe.platform.rng import expert_parallel_stream, host_rng_keyed, rng_tracker
 
 log = logging.getLogger("megatron_moe")
@@ -137,7 +129,9 @@ class MoELayer(MegatronModule):
         """FasterMoE's shadow experts (`megatron_moe.moe.shadow`): which experts each forward replicates."""
         self.last_shadowed: tuple[int, ...] = ()
         """The experts the last forward shadowed (the same on every rank of the EP group)."""
-        blocker = self._shadow_blocker()
+        blocker = self._shadow_config_blocker()
+        if blocker is None and type(self.experts) is not FFNExperts:
+            blocker = self._shadow_blocker()
         if self.shadow.active and blocker is not None:
             require(self.shadow.mode == SHADOW_AUTO, "--moe-shadow-experts", self.cfg.shadow_experts, f"off: {blocker}")
             self._note(f"shadow experts auto is off: {blocker}")
@@ -219,7 +213,7 @@ class MoELayer(MegatronModule):
         return 1, 1
 
     def _pipeline_blocker(self) -> str | None:
-        """Why the pipeline cannot run this layer, or None."""
+        """Why the pipeline cannot run this layer now (its experts, activation policy or hooks), or None."""
         if type(self.experts) is not FFNExperts:
             return f"custom experts ({type(self.experts).__name__}) do not run in the pipeline's chunks"
         if self.experts.keeping is None:
@@ -227,7 +221,15 @@ class MoELayer(MegatronModule):
         return self._hooks_blocker()
 
     def _shadow_blocker(self) -> str | None:
-        """Why this layer cannot shadow experts (module docstring of `megatron_moe.moe.shadow`), or None."""
+        """Why this layer cannot shadow experts now (its experts, activation policy or hooks), or None."""
+        if type(self.experts) is not FFNExperts:
+            return f"custom experts ({type(self.experts).__name__}) have no weight1 / weight2 to broadcast"
+        if self.experts.keeping is None:
+            return "the activation policy runs expert_fc1/act/fc2 as separate regions"
+        return self._hooks_blocker()
+
+    def _shadow_config_blocker(self) -> str | None:
+        """The flags' reasons against shadowing (EP = 1, capacity, ESP); issue 39 moves them into the config."""
         d = self.dispatcher
         if d.group_size == 1:
             return "one EP rank: every expert is local already"
@@ -235,8 +237,6 @@ class MoELayer(MegatronModule):
             return "a capacity limits each expert's rows (a shadowed expert's rows would escape it): dropless only"
         if d.esp_size > 1:
             return "expert-sharded experts (--expert-tensor-parallel-size > 1) are sliced over their ESP group"
-        if type(self.experts) is not FFNExperts:
-            return f"custom experts ({type(self.experts).__name__}) have no weight1 / weight2 to broadcast"
         return None
 
     def _hooks_blocker(self) -> str | None:
@@ -255,9 +255,7 @@ class MoELayer(MegatronModule):
         """Whether this forward gathers the [G, E] counts and may shadow experts."""
         if not self.shadow.active or routing.is_soft or routing.slots_per_expert is not None:
             return False
-        blocker = self._hooks_blocker()
-        if self.experts.keeping is None:
-            blocker = "the activation policy runs expert_fc1/act/fc2 as separate regions"
+        blocker = self._shadow_blocker()
         if blocker is not None:
             require(self.shadow.mode == SHADOW_AUTO, "--moe-shadow-experts", self.cfg.shadow_experts, f"off: {blocker}")
             self._note(f"shadow experts auto shadows nothing: {blocker}")
@@ -294,7 +292,9 @@ class MoELayer(MegatronModule):
         """
         num_experts = routing.num_experts
         if self._shadows(routing):
-            return self._arrange_shadowed(routing)
+            row_map, splits = arrange_shadowed(routing, self.shadow, self.dispatcher, self.experts, self.layer_number)
+            self.last_shadowed = splits.shadow.shadowed
+            return row_map, splits
         if routing.is_soft:  # every expert gets exactly its slots: nothing to count, cap or drop
             row_map = make_row_map(routing, capacity=None, padded=True)
             received_dev = self.dispatcher.exchange_counts(row_map.routed_E.new_full((num_experts,), row_map.capacity))
@@ -314,30 +314,6 @@ class MoELayer(MegatronModule):
         capacity = None if capacity is None else capacity[0]
         row_map = make_row_map(routing, capacity=capacity, padded=padded, routed_E=routed_E, routed=routed)
         return row_map, self.dispatcher.make_splits(row_map.counts, received_dev, received)
-
-    def _arrange_shadowed(self, routing: Routing) -> tuple[RowMap, DispatchSplits]:
-        """`arrange` with shadow experts (dropless, exact rows): the same one host wait.
-        1. on the device: pairs per expert;
-        2. on the device: every rank's pairs per expert [G, E] (`comm.gather_counts`, in place of the counts
-           exchange: a rank's received counts are its columns);
-        3. ONE device->host copy; the shadowed experts chosen from the gathered counts (the same on every rank);
-           the splits of the rows still dispatched (the shadowed experts' counts 0) and the `ShadowSplit`."""
-        d, num_experts, local = self.dispatcher, routing.num_experts, self.num_local_experts
-        routed_E = expert_counts(routing.expert_N, num_experts)  # 1.
-        gathered_GE = comm.gather_counts(routed_E, d.group, layer=self.layer_number)  # 2.
-        with comm.host_read("moe plan counts", layer=self.layer_number):
-            routed, gathered = to_host(routed_E, gathered_GE)  # 3.
-        counts_GE = [gathered[g * num_experts : (g + 1) * num_experts] for g in range(d.group_size)]
-        row_map = make_row_map(routing, capacity=None, padded=False, routed_E=routed_E, routed=routed)
-        shadow = ShadowSplit(self.shadow.choose(counts_GE), row_map.counts, local)
-        self.last_shadowed = shadow.experts
-        shadowed, first = set(shadow.experts), comm.group_rank(d.group) * local
-        received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(first, first + local)]
-        if d.hierarchy is not None:  # 2DH's dispatcher takes every rank's counts [G, E] (its columns: received)
-            received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(num_experts)]
-        received_dev = from_host(received, torch.long, routed_E.device)
-        splits = d.make_splits(shadow.sent_counts, received_dev, received)
-        return row_map, dataclasses.replace(splits, shadow=shadow if shadow.experts else None)
 
     def _capacity(self, routing: Routing, routed_E: torch.Tensor, padded: bool) -> torch.Tensor | None:
         """Slots per expert as a long [1] on the device; None: exact rows and nothing limits them (dropless)."""
@@ -362,27 +338,26 @@ class MoELayer(MegatronModule):
     def order(self, x_TH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
         return self.ordering.encode(x_TH, row_map)
 
-    def dispatch(self, rows_RH: torch.Tensor, splits: DispatchSplits) -> comm.CommHandle:
-        return self.dispatcher.dispatch(rows_RH, splits)
-
-    def compute_experts(self, dispatched: Dispatched, rows_RH: torch.Tensor) -> torch.Tensor:
-        return self.experts(rows_RH, dispatched.counts)
-
-    def combine(self, rows_RH: torch.Tensor, dispatched: Dispatched) -> comm.CommHandle:
-        """Start sending the experts' outputs back; `wait()` gives them in the pre-dispatch layout."""
-        return self.dispatcher.combine(rows_RH, dispatched)
-
     def start_pipeline(self, rows_RH: torch.Tensor, row_map: RowMap, splits: DispatchSplits, degrees) -> PipelineStart:
         """dispatch -> experts -> combine in chunks (`megatron_moe.moe.pipeline`): chunk 0's all-to-all starts
         here, `finish()` runs the rest."""
         d = self.dispatcher
-        links = Links(d.group, d.esp_group, d.layer, d.backward_overlap, route=d.route())
+        links = d.chunk_transport()
         received_XL = splits.received_GL  # X = (ESP peer p, source g): every peer's under ESP
         if splits.esp_received_PGL is not None:
             received_XL = [row for peer_GL in splits.esp_received_PGL for row in peer_GL]
-        counts = row_map.counts if splits.shadow is None else splits.shadow.sent_counts
+        counts = splits.shadow.sent_counts(row_map.counts)
+        store = splits.shadow.owner_store(self.experts.weight_grad_store)
         return start_pipeline(
-            rows_RH, self.experts, counts, received_XL, degrees, links, esp_rank=d.esp_rank, sent_GE=splits.sent_GE
+            rows_RH,
+            self.experts,
+            counts,
+            received_XL,
+            degrees,
+            links,
+            esp_rank=d.esp_rank,
+            sent_GE=splits.sent_GE,
+            store=store,
         )
 
     def unorder(self, rows_RH: torch.Tensor, row_map: RowMap) -> torch.Tensor:
@@ -392,7 +367,12 @@ class MoELayer(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """hidden [S, B, H] -> ([S, B, H], None). `padding_mask` [B, S], True = padding (kept out of stats)."""
-        return run_to_end(self.stages(hidden_states, padding_mask))
+        stages = self.stages(hidden_states, padding_mask)
+        while True:  # straight through the yields (the operator partition interleaves them: moe/pieces.py)
+            try:
+                next(stages)
+            except StopIteration as done:
+                return done.value
 
     def stages(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None, piece: Piece | None = None):
         """The forward as a generator that yields while an all-to-all is in flight, and returns what `forward`
@@ -405,7 +385,7 @@ class MoELayer(MegatronModule):
         micro-batch's, made in the last piece's step 3."""
         shape = hidden_states.shape
         ctx = HookContext(self.layer_number)
-        x_TH = run_hooks(self.hooks, "before_moe_start", hidden_states.reshape(-1, shape[-1]), ctx)
+        x_TH = self._hook("before_moe_start", hidden_states.reshape(-1, shape[-1]), ctx)
         valid_T = None if padding_mask is None else ~padding_mask.transpose(0, 1).reshape(-1).bool()
         with self.gate.losses_later(piece is not None):
             routing = self._region("router", self.route, x_TH, valid_T)
@@ -413,47 +393,42 @@ class MoELayer(MegatronModule):
             row_map, splits = self.arrange(routing)
         rows_RH = self._region("ordering", self.order, x_TH, row_map)
         ctx.counts = row_map.counts
-        rows_RH = run_hooks(self.hooks, "before_dispatch", rows_RH, ctx)
-        shadow, broadcast, slot = splits.shadow, None, None
-        if shadow is not None:  # the shadowed experts' rows stay here
-            rows_RH, shadow_RH = shadow.split(rows_RH)
-            slot = ShadowGrads() if self.experts.weight_grad_store.defers else None
+        rows_RH = self._hook("before_dispatch", rows_RH, ctx)
+        shadow = splits.shadow  # NO_SHADOWING, or the shadowed experts' rows stay here (moe/shadow.py)
+        rows_RH = shadow.split(rows_RH)
         degrees = self.pipeline_degrees()
         if degrees == (1, 1):
-            with self._in_region("dispatch"):
-                handle = self.dispatch(rows_RH, splits)
-            broadcast = self._broadcast_shadows(shadow)
+            with self._in_region("dispatch"):  # dispatch: the dispatcher's, straight (one frame less on the path)
+                handle = self.dispatcher.dispatch(rows_RH, splits)
+            shadow.start()
             yield
             shared_TH = self._shared(x_TH)  # independent of the routed path: runs while the all-to-all is in flight
             with self._in_region("dispatch"):
                 dispatched = handle.wait()
             ctx.counts = dispatched.counts
-            rows_RH = run_hooks(self.hooks, "after_dispatch", dispatched.rows_RH, ctx)
-            with self._owner_store(slot):
-                rows_RH = self.compute_experts(dispatched, rows_RH)
-            rows_RH = run_hooks(self.hooks, "before_combine", rows_RH, ctx)
-            with self._in_region("combine"):
-                handle = self.combine(rows_RH, dispatched)
-            shadow_RH = self._compute_shadows(broadcast, shadow_RH, slot) if shadow is not None else None  # under it
+            rows_RH = self._hook("after_dispatch", dispatched.rows_RH, ctx)
+            rows_RH = self.experts(rows_RH, dispatched.counts, **shadow.experts_options())  # experts
+            rows_RH = self._hook("before_combine", rows_RH, ctx)
+            with self._in_region("combine"):  # combine: `wait()` gives the rows in the pre-dispatch layout
+                handle = self.dispatcher.combine(rows_RH, dispatched)
+            shadow.compute()  # under the combine's all-to-all
             yield
             with self._in_region("combine"):
                 rows_RH = handle.wait()
         else:
-            with self._owner_store(slot):
-                pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
-            broadcast = self._broadcast_shadows(shadow)
+            pipeline = self.start_pipeline(rows_RH, row_map, splits, degrees)
+            shadow.start()
             yield
             shared_TH = self._shared(x_TH)  # runs while chunk 0's all-to-all is in flight (and the last dX's)
             rows_RH = pipeline.finish()
-            shadow_RH = self._compute_shadows(broadcast, shadow_RH, slot) if shadow is not None else None
-        if shadow is not None:
-            rows_RH = shadow.merge(rows_RH, shadow_RH)
+            shadow.compute()
+        rows_RH = shadow.merge(rows_RH)
         ctx.counts = row_map.counts
-        rows_RH = run_hooks(self.hooks, "after_combine", rows_RH, ctx)
+        rows_RH = self._hook("after_combine", rows_RH, ctx)
         out_TH = self._region("unorder", self.unorder, rows_RH, row_map)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
-        out_TH = run_hooks(self.hooks, "before_moe_end", out_TH, ctx)
+        out_TH = self._hook("before_moe_end", out_TH, ctx)
         if self.training and torch.is_grad_enabled():  # the expert bias's load: each piece adds its own pairs
             self.gate.record_load(routing, valid_T)
         if piece is None:
@@ -462,31 +437,11 @@ class MoELayer(MegatronModule):
             out_TH = self._attach_batch_router_losses(out_TH, piece, routing, row_map, valid_T, shape)
         return out_TH.view(shape), None
 
-    def _broadcast_shadows(self, shadow: ShadowSplit | None) -> ShadowBroadcast | None:
-        """Start the shadowed experts' weights from their owners (after the dispatch: a group's collectives run in
-        issue order, and the dispatch is needed first)."""
-        if shadow is None:
-            return None
-        return ShadowBroadcast(self.experts, shadow, self.dispatcher.group, self.layer_number)
-
-    def _compute_shadows(self, broadcast: ShadowBroadcast, rows_RH: torch.Tensor, slot) -> torch.Tensor:
-        """This rank's rows of the shadowed experts, made after its own experts' node (moe/shadow.py step 5: why
-        the owner's gradient is whole before DDP hears of it)."""
-        return shadow_forward(self.experts, broadcast, rows_RH, self.dispatcher.group, self.layer_number, slot)
-
-    @contextlib.contextmanager
-    def _owner_store(self, slot: ShadowGrads | None):
-        """The experts' node made in the block hands its dW closure to a store that adds the shadows' reduced
-        gradients (`slot`; None: the store as it is)."""
-        if slot is None:
-            yield
-            return
-        store = self.experts.weight_grad_store
-        self.experts.weight_grad_store = WithShadowGrads(store, slot)
-        try:
-            yield
-        finally:
-            self.experts.weight_grad_store = store
+    def _hook(self, point: str, tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        """`tensor` through every registered hook's `point` (moe/hooks.py)."""
+        for hook in self.hooks:
+            tensor = getattr(hook, point)(tensor, ctx)
+        return tensor
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_expert is None else self._region("shared_expert", self.shared_expert, x_TH)

@@ -1,20 +1,13 @@
 """Order and I-Order: tokens [T, H] <-> rows grouped by expert [R, H].
 
-Legend: T = tokens, H = hidden, E = experts (global), C = capacity (slots per
-expert), N = routed pairs, R = rows of the expert-major buffer, Z = soft slots.
+Legend: T = tokens, H = hidden, E = experts (global), C = capacity (slots per expert), N = routed pairs,
+R = rows of the expert-major buffer, Z = soft slots.
 
-`make_row_map` turns a `Routing` into a `RowMap` with ONE stable sort of the pairs
-by expert (in the gate's claim order), which gives each pair its slot in its
-expert; pairs past the capacity are dropped. Rows are either exact (only the
-kept pairs, expert after expert: `capacity` None or rows not padded) or padded
-(C rows per expert, empty slots zero: what the padded all-to-all and the
-dense ordering need). Either way the buffer is "rows grouped by expert" with
-`counts[e]` rows for expert e, which is all the dispatchers and experts see.
-
-Orderings: `SparseOrdering` gathers / scatter-adds rows by index (Tutel's
-fast encode/decode, O(N H)); `DenseOrdering` builds GShard's one-hot
-dispatch and combine tensors [T, E, C] and uses einsum (O(T E C H)). Both
-weight the rows by the gate scores inside the decode (the I-Order).
+`make_row_map(routing, ...)` -> `RowMap`: ONE stable sort of the pairs by expert (in the gate's claim order)
+gives each pair its slot; pairs past the capacity are dropped. Rows are exact (kept pairs, expert after expert)
+or padded (C rows per expert, empty slots zero); either way `counts[e]` rows for expert e, all the dispatchers
+and experts see. `SparseOrdering` (Tutel's gather / scatter-add) and `DenseOrdering` (GShard's one-hot einsum)
+give the same rows; both weight the rows by the gate scores inside `decode`. Details: docs/internals/moe.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """FSMoE's chunked pipeline: dispatch -> experts -> combine of the built-in experts in r chunks, one autograd node.
 
-Legend: G = EP group size, L = local experts, P = ESP group size (expert-sharded parallelism), X = P x G
-(source ranks of a local expert's rows after the ESP all-gather, in (p, g) order), r = pipeline degree,
-R = rows of this rank's send buffer (expert-major: `counts[e]` rows for global expert e, destination g's
-experts in block g), Q = rows this rank's experts compute (each local expert's rows contiguous, from every
-source x in order: the layout the non-pipelined path has), H = hidden, F = this rank's expert width (2F for
-SwiGLU's gate and up rows).
+Legend: G = EP group size, L = local experts, P = ESP group size, X = P x G (source ranks of a local expert's
+rows after the ESP all-gather, in (p, g) order), r = pipeline degree, R = rows of this rank's send buffer
+(expert-major), Q = rows this rank's experts compute (the r = 1 layout), H = hidden, F = this rank's expert width.
 
-Chunk j of r takes part j of every (destination g, local expert l) block of the send buffer,
-`part(count, r, j)` rows at offset `count * j // r` in the block; every rank computes every chunk's splits
-from the same host counts (`DispatchSplits.received_GL`, the layer's counts), once per forward: nothing here
-reads the device.
-
-Forward, per chunk j (chunk j+1's all-to-all is started before chunk j waits for its own):
-1. all-to-all of the chunk's rows to the expert owners;
-2. [P > 1: all-gather in the ESP group]; one permutation (x, l) -> (l, x);
-3. fc1 -> act -> fc2 on this rank's weight shards; x, h, a written into r = 1 layout buffers (the kept
-   activations are the non-pipelined node's, so memory and the weight gradients equal r = 1);
-4. inverse permutation, [P > 1: reduce-scatter of the partial sums];
-5. all-to-all back, written into the output at the chunk's rows when it is waited (after the next chunk's).
-
-Backward has its own degree r_b and schedule (not autograd replaying the forward chunks), per chunk:
-1. all-to-all of the output gradient to the expert owners (the combine's reverse); [ESP all-gather];
-2. dA, dH, dX of the chunk (`mlp_input_grads`); dY and dH written into r = 1 layout buffers;
-3. [ESP reduce-scatter]; all-to-all of dX back (the dispatch's reverse).
-The backward all-to-alls are waited through the dispatcher's `backward_overlap` (Lancet's queue runs its
-planned dW under them). The weight gradients are one closure over all rows (`mlp_weight_grads`, the r = 1
-arithmetic) handed to the experts' store when the last chunk's dX is on the wire: `RUN_NOW` runs it there,
-under the last all-to-all; a deferring store (Lancet) queues it.
-
-Two autograd nodes: `_StartPipeline` starts chunk 0's all-to-all in forward and, in backward, waits for the
-last chunk's dX; `PipelinedExperts` runs the rest. What the layer runs between them (the shared expert) runs
-while those two all-to-alls are in flight, forward and backward (autograd runs the later-made node first).
-
-On a GPU the all-to-alls run on the communication stream and `wait()` makes the compute stream wait for them:
-chunk j's experts and chunk j+1's transfer overlap with no host wait (every index and split is made here from
-host counts, once per forward).
+In: the send buffer [R, H] (`counts[e]` rows for global expert e), the host counts every rank has
+(`DispatchSplits.received_GL`), the degrees (forward, backward) and the dispatcher's `ChunkTransport`. Out: the
+experts' outputs [R, H] in the send layout. Chunk j takes part j (`part`) of every (g, l) block; chunk j+1's
+all-to-all is in flight while chunk j computes. Invariants: nothing here reads the device; the kept activations,
+the memory and the weight gradients (one closure over all rows, handed to the store when the last dX is on the
+wire) equal r = 1's; r = 1 (`Chunk.whole`) copies nothing. Two nodes: `_StartPipeline` (chunk 0's all-to-all;
+in backward the last dX) and `PipelinedExperts` (the rest), so the layer's work between them runs under those
+all-to-alls. The schedule step by step: docs/internals/moe.md.
 """
 
 from __future__ import annotations
@@ -46,11 +22,14 @@ import itertools
 import torch
 
 from megatron_moe import comm
-from megatron_moe.moe.dispatch import _chunk_permutation
-from megatron_moe.moe.experts import _fc1, _save, _saved, mlp_input_grads, mlp_weight_grads
-from megatron_moe.moe.ffn import ffn_activation
+from megatron_moe.moe.dispatch import ChunkTransport, chunk_permutation
+from megatron_moe.moe.experts import fc1, mlp_weight_grads, save_kept, saved_kept
+from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
 from megatron_moe.moe.grouped_gemm import grouped_mm
 from megatron_moe.platform import from_host
+
+Links = ChunkTransport
+"""The dispatcher's per-chunk transport under the name overlap/profiler.py imports."""
 
 
 def part(count: int, r: int, j: int) -> int:
@@ -130,7 +109,7 @@ def plan_chunks(
         num_rows = sum(map(sum, parts_XL))
         to_expert = to_source = None
         if x_size > 1 and l_size > 1:
-            to_expert, to_source = _chunk_permutation(from_host(parts_XL, torch.long, device), num_rows)
+            to_expert, to_source = chunk_permutation(from_host(parts_XL, torch.long, device), num_rows)
         chunks.append(
             Chunk(
                 send_rows=_ranges([s + c * j // r for s, c in zip(send_starts, send)], send_parts, device),
@@ -173,63 +152,6 @@ def _into(buffer: torch.Tensor | None, index: torch.Tensor, values: torch.Tensor
     return buffer.index_copy_(0, index, values)
 
 
-class Links:
-    """The pipeline's collectives for one layer: the EP all-to-alls and, with P > 1, the ESP all-gather and
-    reduce-scatter (every one through `megatron_moe.comm`)."""
-
-    def __init__(self, ep_group, esp_group, layer: int | None, overlap: comm.BackwardOverlap | None, route=None):
-        self.ep_group, self.esp_group, self.layer, self.overlap = ep_group, esp_group, layer, overlap
-        self.ep_size, self.esp_size = comm.group_size(ep_group), comm.group_size(esp_group)
-        self.route: comm.Route | None = route
-        """The dispatcher's route without pairs (`Dispatcher.route`); each chunk adds its own pairs (2DH)."""
-
-    def _route(self, chunk: Chunk, *, reverse: bool) -> comm.Route | None:
-        """The route of the chunk's all-to-all to the expert owners, or back (`reverse`)."""
-        route = self.route
-        if route is None:
-            return None
-        if route.two_level:
-            route = dataclasses.replace(route, pairs=chunk.pairs)
-        return route.reversed() if reverse else route
-
-    def to_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
-        """Start the chunk's rows (forward: tokens; backward: the output gradient) to the expert owners."""
-        if self.ep_size == 1:
-            return comm.CommHandle(rows_RH)
-        send = comm.combine_all_to_all if backward else comm.dispatch_all_to_all  # backward: the combine's reverse
-        splits, route = (chunk.recv_splits, chunk.send_splits), self._route(chunk, reverse=False)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
-
-    def from_experts(self, rows_RH: torch.Tensor, chunk: Chunk, *, backward: bool) -> comm.CommHandle:
-        """Start the chunk's expert results (forward: outputs; backward: dX) back to the ranks of their tokens."""
-        if self.ep_size == 1:
-            return comm.CommHandle(rows_RH)
-        send = comm.dispatch_all_to_all if backward else comm.combine_all_to_all
-        splits, route = (chunk.send_splits, chunk.recv_splits), self._route(chunk, reverse=True)
-        return send(rows_RH, *splits, self.ep_group, layer=self.layer, async_op=True, backward=backward, route=route)
-
-    def wait(self, handle: comm.CommHandle, *, backward: bool) -> torch.Tensor:
-        """A backward all-to-all is waited under the work the overlap puts there (Lancet's planned dW)."""
-        if backward and self.overlap is not None and handle.record is not None:
-            return self.overlap.run_under(handle.record, handle)
-        return handle.wait()
-
-    def gather(self, rows: torch.Tensor, chunk: Chunk, *, backward: bool) -> torch.Tensor:
-        """Received rows in (g, l) order -> [ESP all-gather: (p, g, l)] -> each local expert's rows together."""
-        if self.esp_size > 1:
-            gather = comm.esp_all_gather  # the ESP branch's collective; only reached with an ESP group
-            rows = gather(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
-        return rows if chunk.to_expert is None else rows.index_select(0, chunk.to_expert)
-
-    def scatter(self, rows: torch.Tensor, chunk: Chunk, *, backward: bool) -> torch.Tensor:
-        """`gather`'s reverse: (l, x) -> (x, l) order [-> ESP reduce-scatter of the partial sums]."""
-        rows = rows if chunk.to_source is None else rows.index_select(0, chunk.to_source)
-        if self.esp_size > 1:
-            scatter = comm.esp_reduce_scatter
-            rows = scatter(rows, chunk.esp_sizes, self.esp_group, layer=self.layer, backward=backward).wait()
-        return rows
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineRun:
     """Everything one pipelined forward and its backward need besides the tensors."""
@@ -238,7 +160,7 @@ class PipelineRun:
     backward: list[Chunk]
     counts: list[int]
     """Rows per local expert in the r = 1 layout [L]."""
-    links: Links
+    links: ChunkTransport
     gated: bool
     keeping: object
     """The experts' `Keeping` (activation policy)."""
@@ -257,7 +179,7 @@ def _chunk_forward(x, w1_EFH, w2_EHF, chunk: Chunk, gated: bool, kept_QX: list) 
         if chunk.whole:
             kept_QX[:] = [x.new_empty(0, n) for n in (x.shape[1], w1_EFH.shape[1], w2_EHF.shape[2])]
         return x.new_empty(0, w2_EHF.shape[1])
-    h = _fc1(x, w1_EFH, chunk.counts)
+    h = fc1(x, w1_EFH, chunk.counts)
     a = ffn_activation(h, gated)
     y = grouped_mm(a, w2_EHF.transpose(1, 2), chunk.counts)
     kept_QX[:] = [_into(buffer, chunk.expert_rows, t, chunk.whole) for buffer, t in zip(kept_QX, (x, h, a))]
@@ -300,7 +222,7 @@ class _StartPipeline(torch.autograd.Function):
 
 
 class PipelinedExperts(torch.autograd.Function):
-    """rows [R, H] in the send layout -> the experts' outputs back in the same layout; see the module docstring.
+    """rows [R, H] in the send layout -> the experts' outputs back in the same layout; see docs/internals/moe.md.
 
     Its input gradient goes to `_StartPipeline` (the token's node), which finishes it."""
 
@@ -326,14 +248,14 @@ class PipelinedExperts(torch.autograd.Function):
             returning = (handle, chunk)
         out_RH = _into(out_RH, returning[1].send_rows, returning[0].wait(), whole)
         keeping = run.keeping
-        _save(ctx, (w1_EFH, w2_EHF), [keeping.keep(name, t) for name, t in zip("xha", kept_QX)])
+        save_kept(ctx, (w1_EFH, w2_EHF), [keeping.keep(name, t) for name, t in zip("xha", kept_QX)])
         ctx.run, ctx.flight = run, flight
         return out_RH
 
     @staticmethod
     def backward(ctx, grad_RH):
         run = ctx.run
-        (w1_EFH, w2_EHF), kept = _saved(ctx, 2)
+        (w1_EFH, w2_EHF), kept = saved_kept(ctx, 2)
         x_QH, h_QF, a_QF = (run.keeping.fetch(k, 0, run.num_rows) for k in kept)
         need_x, need_w1, need_w2 = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
         grad_RH = grad_RH.contiguous()
@@ -357,7 +279,7 @@ class PipelinedExperts(torch.autograd.Function):
 
 
 class _Backward:
-    """The backward schedule of r_b chunks (numbered as in the module docstring)."""
+    """The backward schedule of r_b chunks (numbered as in docs/internals/moe.md)."""
 
     def __init__(self, run: PipelineRun, weights: tuple, *, kept: dict, grads: dict, wanted: dict):
         """`kept`: the forward's x, h (None: recompute) and a (None: not needed; with wanted["a"] the buffer it is
@@ -409,12 +331,14 @@ class _Backward:
             return grad_y.new_empty(0, kept["x"].shape[1])
         rows, counts, gated, whole = chunk.expert_rows, chunk.counts, self.run.gated, chunk.whole
         x = _rows_of(kept["x"], rows, whole)
-        h = _fc1(x, self.w1_EFH, counts) if kept["h"] is None else _rows_of(kept["h"], rows, whole)
+        h = fc1(x, self.w1_EFH, counts) if kept["h"] is None else _rows_of(kept["h"], rows, whole)
         if wanted["a"]:
             kept["a"] = _into(kept["a"], rows, ffn_activation(h, gated), whole)
         if wanted["w2"]:
             grads["y"] = _into(grads["y"], rows, grad_y, whole)
-        grad_x, grad_h = mlp_input_grads(grad_y, self.w1_EFH, self.w2_EHF, h, counts, gated, wanted["x"])
+        # dA = dY W2, dH = act'(h) dA (in dA's buffer), dX = dH W1: as GroupedMLP's backward
+        grad_h = ffn_activation_backward_(grouped_mm(grad_y, self.w2_EHF, counts), h, gated)
+        grad_x = grouped_mm(grad_h, self.w1_EFH, counts) if wanted["x"] else None
         if wanted["w1"]:
             grads["h"] = _into(grads["h"], rows, grad_h, whole)
         return grad_x
@@ -438,16 +362,18 @@ def start_pipeline(
     counts: list[int],
     received_XL: list[list[int]],
     degrees: tuple[int, int],
-    links: Links,
+    links: ChunkTransport,
     *,
     esp_rank: int = 0,
     sent_GE: list[list[int]] | None = None,
+    store=None,
 ) -> PipelineStart:
     """The built-in `experts` (`FFNExperts`) on the send buffer `rows_RH` (`counts[e]` rows for global expert
     e), through the EP (and ESP) groups of `links`, in degrees[0] chunks forward and degrees[1] backward;
     `received_XL`: rows each source x = (p, g) sends this rank's ESP group for each local expert; `sent_GE`: every
-    rank's rows per expert where the transport needs every pair (2DH). Every chunk's splits and indices are
-    computed here, and chunk 0's all-to-all starts."""
+    rank's rows per expert where the transport needs every pair (2DH); `store`: where the weight gradients go
+    (None: the experts' `weight_grad_store`). Every chunk's splits and indices are computed here, and chunk 0's
+    all-to-all starts."""
     g, l = links.ep_size, experts.num_local_experts
     send_GL = [counts[i * l : (i + 1) * l] for i in range(g)]
     forward, backward = degrees
@@ -457,9 +383,8 @@ def start_pipeline(
     if backward != forward:
         chunks_b = plan_chunks(send_GL, received_XL, backward, esp_rank=esp_rank, device=device, sent_GE=sent_GE)
     local_counts = [sum(row[e] for row in received_XL) for e in range(l)]
-    run = PipelineRun(
-        chunks_f, chunks_b, local_counts, links, experts.gated, experts.keeping, experts.weight_grad_store
-    )
+    store = experts.weight_grad_store if store is None else store
+    run = PipelineRun(chunks_f, chunks_b, local_counts, links, experts.gated, experts.keeping, store)
     return PipelineStart(rows_RH, experts, run)
 
 

@@ -1,59 +1,17 @@
-"""FasterMoE's dynamic shadowing: the hottest experts' weights go to the tokens instead of the tokens to them.
+"""FasterMoE's dynamic shadowing: the most loaded experts' weights go to the tokens instead of the tokens to them.
 
 Legend: G = EP group size, E = experts (global), L = local experts (E / G), K = shadowed experts this forward,
 H = hidden, F = this rank's expert width (2F for SwiGLU's gate and up rows), R = rows.
 
-FasterMoE (PPoPP '22; ../shared/papers/fastermoe-notes.zh.txt, section 03.1): a popular expert receives more
-rows than its peers, its owner computes longest, and every other rank waits for it at the combine. When sending
-an expert's rows costs more than sending its weights, broadcast the weights ("shadow" the expert) to every rank,
-compute each rank's own rows for it there, and in backward reduce the shadows' weight gradients to the owner,
-whose optimizer updates the one copy. Per MoE layer and forward:
-
-1. the decision (`ShadowPolicy.choose`), from agreed figures only: the [G, E] routed counts, every rank's rows
-   per expert, all-gathered in the layer's one counts exchange (`comm.gather_counts`, read with the layer's
-   other counts in its one host read): every rank shadows the same experts, so every rank issues the same
-   collectives in the same order;
-2. `ShadowSplit`: the expert-major send buffer split into the rows that are dispatched (the experts not
-   shadowed; the shadowed ones' counts are 0 in the dispatch's splits) and the rows computed here (the shadowed
-   experts', in `experts` order);
-3. `broadcast_weights`: one broadcast per shadowed expert from its owner over the EP group, issued after the
-   dispatch's all-to-all (on NCCL a group's collectives run in issue order: the dispatch is not delayed);
-4. `ShadowExperts.forward`: after this rank's own experts ran, while the combine's all-to-all is in flight, the
-   shadowed experts' rows through the received weights (`GroupedMLP`, the same arithmetic as the owner's);
-5. backward (`_ShadowWeights`): the shadows' weight gradients reduced (summed) to each owner, one reduce per
-   expert, and added to the owner's weight gradient before megatron-core's DDP hears of it, so that its bucket
-   reduces the whole gradient once:
-   - with the experts' weight gradients computed in their node (`RUN_NOW`), returned to autograd: it
-     accumulates a leaf's gradient once every node with an edge to it has run (this one and the owner's), and
-     DDP's hook on the accumulation sees the sum;
-   - with a deferring store (Lancet: DDP's hook is the store's to call, when the owner's dW closure has run),
-     held in the forward's `ShadowGrads` and added to what the owner's closure returns (`WithShadowGrads`, the
-     store the owner's node was given in that forward). The shadow nodes are made after the owner's node
-     (step 4), so autograd runs them first in backward (the later-made ready node first; its reduce is issued
-     while the combine's reverse all-to-all is in flight), and so before the owner's closure can run, whether
-     at once or queued. A closure that found no reduced gradient would raise, not lose it.
-
-The policy ("auto") is FasterMoE's greedy one (its `global_policy`): experts in order of load; each is shadowed
-while the predicted layer time falls, and the first that does not lower it stops the search. The prediction is
-the paper's latency model on this cluster's fitted lines (overlap/cost_model.py `ClusterFits`) instead of its
-hand-given bandwidth and throughput:
-
-    T(S) = max_w gemm(R_w) + max_w gemm_bwd(R_w) + max_w gemm_dw(R_w)
-           + 4 a2a(max_w max(sent_w, received_w)) + |S| (a2a(W') + a2a(W'))
-
-R_w: the multiply-adds rank w runs (its own experts' rows from every rank, less the shadowed ones, plus its own
-rows of every shadowed expert); sent_w / received_w: its all-to-all bytes (dispatch; combine is the same, and both
-again in backward: the paper's factor 4); W' = W G / (G - 1), the all-to-all line's n at which the W bytes of one
-expert's weights cross one link (the profile's n counts the rank's own block: (G - 1) / G of it crosses), for the
-broadcast and again for the reduce. The paper's two conditions (the rows cost more to send than the weights; the
-compute saved outweighs the added reduction) are the two halves of T's change. Deviations, and why: the compute is
-the three fitted GEMM lines, not 3x the forward (the profile has them); the all-to-all term takes the busier of
-send and receive (a hot owner receives more than it sends; the paper's B_w is one figure); nothing here models
-overlap (neither does the paper's policy).
-
-Not shadowed (refused when asked for by number, "auto" off with the reason in the log): one EP rank; the padded
-(capacity) dispatcher and capacity limits (a shadowed expert's rows would escape its capacity); expert-sharded
-experts (ESP: the weights are sliced over the ESP group); custom experts; hooks that need the dispatched rows.
+In: the [G, E] routed counts every rank gathered in the layer's one counts exchange. `ShadowPolicy.choose` picks
+the same experts on every rank ("auto": FasterMoE's greedy policy on the fitted lines, `greedy_shadows`); the
+layer wraps them in a `ShadowPlan`, the splits' `Shadowing`: their rows stay out of the dispatch (`ShadowSplit`),
+their weights are broadcast from the owner after the dispatch (`ShadowBroadcast`), the rows run through them
+under the combine (`shadow_forward`), and in backward their weight gradients are reduced (summed) to the owner.
+Invariants: every rank issues the same collectives in the same order; the owner's gradient is whole before DDP
+hears of it (returned to autograd, or added to the owner's deferred dW closure through the store passed to its
+node, `WithShadowGrads`). Not shadowed: one EP rank, capacity, ESP, custom experts, hooks needing the rows.
+The steps, the latency model and its deviations from the paper: docs/internals/moe.md.
 """
 
 from __future__ import annotations
@@ -66,8 +24,11 @@ import torch.distributed as dist
 
 from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL
+from megatron_moe.moe.dispatch import Shadowing
 from megatron_moe.moe.experts import FFNExperts, GroupedMLP
+from megatron_moe.moe.ordering import expert_counts, make_row_map
 from megatron_moe.moe.weight_grad import RUN_NOW
+from megatron_moe.platform import from_host, to_host
 
 OFF, AUTO = "off", "auto"
 
@@ -119,7 +80,7 @@ def a2a_rows(counts_GE: Sequence[Sequence[int]], shadowed: set[int], local: int)
 
 
 def predicted_ms(counts_GE: Sequence[Sequence[int]], shadowed: set[int], local: int, costs: ShadowCosts) -> float:
-    """FasterMoE's layer time T(S) on the fitted lines (module docstring)."""
+    """FasterMoE's layer time T(S) on the fitted lines (docs/internals/moe.md)."""
     fits, g_size = costs.fits, len(counts_GE)
     macs = [rows * costs.macs_per_row for rows in rank_rows(counts_GE, shadowed, local)]
     compute = sum(max(fits[kind].time_ms(n) for n in macs) for kind in ("gemm", "gemm_bwd", "gemm_dw"))
@@ -332,3 +293,70 @@ def shadow_forward(
     keeping = experts.keeping or SAVE_ALL  # None: the policy runs fc1/act/fc2 apart; the shadows keep everything
     counts = broadcast.split.shadow_counts
     return GroupedMLP.apply(rows_RH, w1_KFH, w2_KHF, counts, experts.gated, experts.chunk_bytes, keeping, RUN_NOW)
+
+
+class ShadowPlan(Shadowing):
+    """One forward's shadowing (`Shadowing`, the splits' transform): `split`'s shadowed rows stay here, `start`
+    broadcasts their weights (step 3), `compute` runs them (step 4), `merge` puts them back; the owner's node
+    gets a store that adds the shadows' reduced gradients when the experts' store defers (step 5), passed to it
+    explicitly (`owner_store`, `experts_options`): no store is swapped."""
+
+    def __init__(self, split: ShadowSplit, experts: FFNExperts, group, layer: int | None):
+        self.shadow, self.experts, self.group, self.layer = split, experts, group, layer
+        self.shadowed = split.experts
+        self.slot = ShadowGrads() if experts.weight_grad_store.defers else None
+        self.rows_RH: torch.Tensor | None = None
+        self.broadcast: ShadowBroadcast | None = None
+        self.out_RH: torch.Tensor | None = None
+
+    def sent_counts(self, counts: list[int]) -> list[int]:
+        return self.shadow.sent_counts
+
+    def split(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        rows_RH, self.rows_RH = self.shadow.split(rows_RH)
+        return rows_RH
+
+    def start(self) -> None:
+        self.broadcast = ShadowBroadcast(self.experts, self.shadow, self.group, self.layer)
+
+    def owner_store(self, store):
+        return store if self.slot is None else WithShadowGrads(store, self.slot)
+
+    def experts_options(self) -> dict:
+        return {"store": self.owner_store(self.experts.weight_grad_store)}
+
+    def compute(self) -> None:
+        """Made after the owner's experts' node: autograd runs it first in backward (step 5)."""
+        self.out_RH = shadow_forward(self.experts, self.broadcast, self.rows_RH, self.group, self.layer, self.slot)
+        self.rows_RH = self.broadcast = None
+
+    def merge(self, rows_RH: torch.Tensor) -> torch.Tensor:
+        out_RH, self.out_RH = self.out_RH, None
+        return self.shadow.merge(rows_RH, out_RH)
+
+
+def arrange_shadowed(routing, policy: ShadowPolicy, d, experts: FFNExperts, layer: int | None) -> tuple:
+    """`MoELayer.arrange` with shadow experts (dropless, exact rows; `d`: the layer's dispatcher): (RowMap,
+    DispatchSplits whose `shadow` is this forward's `ShadowPlan`), after the same one host wait:
+    1. on the device: pairs per expert;
+    2. on the device: every rank's pairs per expert [G, E] (`comm.gather_counts`, in place of the counts
+       exchange: a rank's received counts are its columns);
+    3. ONE device->host copy; the shadowed experts chosen from the gathered counts (the same on every rank);
+       the splits of the rows still dispatched (the shadowed experts' counts 0) and the `ShadowSplit`."""
+    num_experts, local = routing.num_experts, d.num_local_experts
+    routed_E = expert_counts(routing.expert_N, num_experts)  # 1.
+    gathered_GE = comm.gather_counts(routed_E, d.group, layer=layer)  # 2.
+    with comm.host_read("moe plan counts", layer=layer):
+        routed, gathered = to_host(routed_E, gathered_GE)  # 3.
+    counts_GE = [gathered[g * num_experts : (g + 1) * num_experts] for g in range(d.group_size)]
+    row_map = make_row_map(routing, capacity=None, padded=False, routed_E=routed_E, routed=routed)
+    shadow = ShadowSplit(policy.choose(counts_GE), row_map.counts, local)
+    shadowed, first = set(shadow.experts), comm.group_rank(d.group) * local
+    received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(first, first + local)]
+    if d.hierarchy is not None:  # 2DH's dispatcher takes every rank's counts [G, E] (its columns: received)
+        received = [0 if e in shadowed else row[e] for row in counts_GE for e in range(num_experts)]
+    received_dev = from_host(received, torch.long, routed_E.device)
+    splits = d.make_splits(shadow.sent_counts, received_dev, received)
+    if not shadow.experts:
+        return row_map, splits
+    return row_map, dataclasses.replace(splits, shadow=ShadowPlan(shadow, experts, d.group, layer))
