@@ -36,7 +36,6 @@ from collections.abc import Iterable
 import torch
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-from megatron_moe.comm.core import Collective, CommHandle
 from megatron_moe.overlap.cost_model import LayerSizes
 from megatron_moe.overlap.grad_partition import GeneralizedLayer, GradPartition
 from megatron_moe.platform.cpu_compat import Patch, source
@@ -88,11 +87,10 @@ class PlannedBucketGroup(_ParamAndGradBucketGroup):
 
 
 class GradReduceLauncher:
-    """A `comm.BackwardOverlap`: a backward all-to-all of MoE layer L releases L's planned bucket groups, then the
-    wrapped overlap (Lancet's queue) runs its work and waits, or the all-to-all is waited."""
+    """Releases MoE layer L's planned bucket groups when L's backward all-to-all starts (`release_layer`, called by
+    the run's `OverlapRuntime.run_under`, before the work under that all-to-all runs)."""
 
-    def __init__(self, inner=None, partition: GradPartition | None = None):
-        self.inner = inner
+    def __init__(self, partition: GradPartition | None = None):
         self.partition = partition
         self.groups: dict[int, list[PlannedBucketGroup]] = {}
         self.releases = 0
@@ -107,14 +105,12 @@ class GradReduceLauncher:
         self.releases = 0
         return figures
 
-    def run_under(self, record: Collective, handle: CommHandle):
-        for group in self.groups.get(record.layer, ()):
+    def release_layer(self, layer: int | None) -> None:
+        """A backward all-to-all of MoE layer `layer` has started: its planned groups may start their reduction."""
+        for group in self.groups.get(layer, ()):
             if not group.released and group.is_last_microbatch:
                 group.release()
                 self.releases += 1
-        if self.inner is not None:
-            return self.inner.run_under(record, handle)
-        return handle.wait()
 
 
 def completion_order(module: torch.nn.Module, num_layers: int) -> list[tuple[torch.nn.Parameter, int]]:

@@ -3,7 +3,7 @@
 Input: a profile of one micro-batch's backward pass, the `Event`s in the order
 they happened: a module's dW became runnable (its dX just ran), or a backward
 all-to-all started. Output: a `WgradSchedule`, `under[wgrad key] = a2a key`; the
-runtime (`megatron_moe.overlap.runtime`) starts that all-to-all, runs the dW
+queue (`megatron_moe.overlap.wgrad_queue`) starts that all-to-all, runs the dW
 assigned to it, then waits. A dW not in the schedule runs at its natural place
 (inside the backward that made it, as without deferral).
 

@@ -22,29 +22,17 @@ this rank's (the logging rank, the only one timed).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, hidden_share
+from megatron_moe.overlap.runtime import OverlapPlans
 
 FIRST_STEP = 3
-"""The job's step from which Lancet's greedy plan runs (overlap/runtime.py `PROFILE_ITERATION` + 1)."""
+"""The job's step from which Lancet's greedy plan runs (overlap/wgrad_queue.py `PROFILE_ITERATION` + 1)."""
 STEPS = 10
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 KIND_FIGURES = ("wire_ms", "exposed_ms", "skew_ms", "transfer_ms")
 """The per-kind figures the report sums (comm/timers.py `CommSummary`), in its table's column order."""
-
-
-@dataclasses.dataclass(frozen=True)
-class OverlapPlans:
-    """The start-up planners' choices on this rank, as training/__init__.py collects them."""
-
-    degrees: dict = dataclasses.field(default_factory=dict)
-    """MoE layer -> cost_model.Schedule (auto degrees); empty when the degrees were given."""
-    partition: list = dataclasses.field(default_factory=list)
-    """setup.install_operator_partition's figures, one per model chunk that runs pieces or was planned."""
-    grad_reduce: object | None = None
-    """grad_partition.GradPartition of the adaptive schedule; None with megatron-core's buckets."""
 
 
 class OverlapReport:
