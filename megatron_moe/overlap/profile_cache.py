@@ -45,7 +45,10 @@ from megatron_moe.overlap.cost_model import OVERHEAD_KINDS, ClusterFits, LinearF
 
 CODE_MODULES = (
     "megatron_moe.overlap.profiler",
+    "megatron_moe.overlap.measure",
+    "megatron_moe.overlap.profile_settings",
     "megatron_moe.overlap.cost_model",
+    "megatron_moe.overlap.fits",
     "megatron_moe.comm.profiling",
     "megatron_moe.moe.pipeline",
 )
