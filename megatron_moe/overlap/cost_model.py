@@ -71,7 +71,7 @@ DIRECTIONS = ("forward", "backward")
 
 def required_gain(fits: ClusterFits, direction: str, min_gain: float = MIN_GAIN) -> float:
     """The share of r = 1's time a degree > 1 must be predicted to save in `direction`: `min_gain`, or the model's
-    own error on the profiled pipeline where that is larger (module docstring)."""
+    own error on the profiled pipeline where that is larger (docs/internals/overlap.md)."""
     return max(min_gain, fits.model_error.get(direction, 0.0))
 
 
@@ -169,7 +169,7 @@ def _per_chunk(fit: LinearFit, n: float, r: float) -> float:
 
 
 def chunk_times(fits: ClusterFits, sizes: LayerSizes, r: float, direction: str = "forward") -> ChunkTimes:
-    """FSMoE eq. 1 at degree r; the expert time on the direction's line (module docstring)."""
+    """FSMoE eq. 1 at degree r; the expert time on the direction's line (docs/internals/overlap.md)."""
     require(direction in DIRECTIONS, "direction", direction, f"one of {DIRECTIONS}")
     return ChunkTimes(
         a2a=_per_chunk(fits["a2a"], sizes.n_a2a, r),
@@ -224,7 +224,7 @@ def weight_grad_ms(fits: ClusterFits, sizes: LayerSizes) -> float:
 
 
 def overhead_ms(fits: ClusterFits, sizes: LayerSizes, r: float, direction: str) -> float:
-    """The pipeline's time beyond the four-case model at degree r (module docstring): the chunk line at r > 1,
+    """The pipeline's time beyond the four-case model at degree r (docs/internals/overlap.md): the chunk line at r > 1,
     the unchunked alpha at r = 1; 0 with nothing to pipeline (G = 1)."""
     if sizes.ep == 1 or sizes.n_a2a <= 0:
         return 0.0

@@ -164,7 +164,7 @@ def _dense_layer(work: DenseWork, device):
 
 
 def _dense_points(work: DenseWork, device) -> dict[str, list[tuple[float, float]]]:
-    """(tokens, ms) points of `DENSE_MEASURED` at each batch size (module docstring)."""
+    """(tokens, ms) points of `DENSE_MEASURED` at each batch size (docs/internals/overlap.md)."""
     layer, gate, tp = _dense_layer(work, device)
     points: dict[str, list[tuple[float, float]]] = {kind: [] for kind in DENSE_MEASURED}
     out: list[torch.Tensor] = []
@@ -240,7 +240,7 @@ def profile_layer_sizes(work: ExpertWork, groups: ProfileGroups) -> LayerSizes:
 def overhead_fits(fits: ClusterFits, sizes: LayerSizes, measured: dict[str, list[tuple[float, float]]]) -> dict:
     """The "chunk" / "chunk_bwd" lines: the pipeline's measured time beyond the model's (without them) at each
     degree r > 1, t = alpha + (r - 1) beta; "unchunked" / "unchunked_bwd": the same at r = 1, alpha alone (the
-    module docstring of `megatron_moe.overlap.cost_model`)."""
+    docs/internals/overlap.md)."""
     lines = {}
     for suffix, raw, direction in (("", "pipeline", "forward"), ("_bwd", "pipeline_bwd", "backward")):
         residual = [

@@ -291,7 +291,7 @@ def range_schedule(
 def range_times(
     fits: ClusterFits, stage: StageModel, first: int, last: int, pieces: int, *, unchunked: bool = False
 ) -> RangeTimes:
-    """P(i, n, k): the simulated forward and backward of the range in `pieces` pieces (module docstring)."""
+    """P(i, n, k): the simulated forward and backward of the range in `pieces` pieces (docs/internals/overlap.md)."""
     out = {}
     a2a = hidden = 0.0
     for direction in ("forward", "backward"):

@@ -1,49 +1,15 @@
 """Lancet at run time: weight-gradient GEMMs queued in backward and run under the backward all-to-alls.
 
-One `WgradQueue` per process. The installer (`install_wgrad_overlap`) makes it
-the `weight_grad_store` of every deferrable module (`DeferrableWeights`: the
-routed experts, the shared expert, the router, attention's QKV and output
-projections, the dense MLP), marks their weights `skip_backward_post_hook`
-for megatron-core's DDP (`delay_wgrad_compute`: DDP hands the module each
-weight's hook) and gives every MoE dispatcher the queue as its
-`backward_overlap`. Then, in each micro-batch's backward:
-
-1. a module's backward computes dX and `put`s its dW closure: the schedule says
-   whether it waits for an all-to-all (queued) or runs at once, its natural
-   place (the profile, no schedule yet, an unplanned key); over the memory cap a
-   queued closure's GEMMs run at once, and only DDP's hook waits (below);
-2. a backward all-to-all starts asynchronously (`comm.moe._AllToAll`), the
-   queue runs the closures the schedule put under it, then the all-to-all is
-   waited: the GEMMs ran while the bytes were on the wire;
-3. when autograd's backward of the micro-batch ends (an engine callback, so
-   before a pipeline stage sends its input gradient and before
-   `finish_grad_sync`), whatever is still queued runs.
-
-Running a closure sets each weight's `.grad` and calls DDP's hook for it: the
-`main_grad.add_(grad)` and bucket readiness stay megatron-core's, on the same
-values in the same order per parameter as without deferral (bit-identical).
-
-Invariant: where DDP hears of a weight gradient (its hook: bucket readiness,
-which starts the reduction's collectives under --overlap-grad-reduce and the
-adaptive partition) follows from the policy and the schedule alone, the same on
-every rank of a stage; nothing this rank measured at run time moves it. The
-memory cap (`--overlap-wgrad-max-mb`) bounds this rank's own bytes: with
-dropless routing an expert closure's saved rows differ from rank to rank, so
-a cap checked against them differs too. A closure that would pass it runs its
-GEMMs at once and adds its gradients to `main_grad` (megatron-core's
-`grad_added_to_main_grad` protocol, as its fused weight-gradient GEMMs do:
-`accumulate_now`); its hook still runs at the planned all-to-all (`announce`).
-So ranks holding different bytes issue their reductions in the same order, the
-cap holds for every rank in every iteration (not only the profiled one), and
-no collective is added: agreeing the bytes instead would take a collective per
-closure or per layer in backward, and a bound every rank can compute alone
-(the most rows a rank's experts could receive) is up to EP times the average
-in dropless routing, so it would refuse most experts closures a cap fits.
-
-The schedule (`megatron_moe.overlap.wgrad_schedule`): `all-under-next-a2a` needs none (every
-closure waits for the next all-to-all); `greedy` profiles iteration
-`PROFILE_ITERATION` (every closure and all-to-all timed, nothing overlapped),
-agrees the times over all ranks and runs Lancet's Algorithm 1 on them.
+One `WgradQueue` per process, the `weight_grad_store` of every deferrable module (`OverlapRuntime.attach`).
+Inputs: each module's dW closure (`put`, after its dX ran); each backward all-to-all (`run_under`, through the
+runtime); the policy and its schedule (`wgrad_schedule`: `all-under-next-a2a`, or `greedy`, profiled in iteration
+`PROFILE_ITERATION`, agreed over the ranks, planned from the next). Outputs: each weight's `.grad` and DDP's hook
+for it (`deliver`: megatron-core's `main_grad.add_` and bucket readiness, bit-identical to no deferral); `stats`.
+Invariants: a closure runs under the all-to-all its schedule names, at its natural place, or when autograd's
+backward of the micro-batch ends (`flush`), never later; where DDP hears of a weight gradient follows from the
+policy and schedule alone, the same on every rank of a stage; the memory cap (`--overlap-wgrad-max-mb`) bounds
+this rank's bytes by running a closure's GEMMs early (`accumulate_now`) while its hook still runs where planned
+(`announce`), so no collective is added. Why: docs/internals/overlap.md ("Lancet's weight-gradient queue").
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Pretraining: start-up, the model/optimizer set-up, the loop and its logging."""
+"""Pretraining: start-up, the model/optimizer set-up, the loop and its logging.
+
+`pretrain(cfg)` runs a job end to end. `_train`'s order: tokenizer, config, the `OverlapRuntime`, the model (the
+runtime attached once), the cluster's fits, the planners (their results put on the runtime), the optimizer, the
+checkpoint, the data, then the `Trainer` (given the runtime).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,12 @@
-"""Model chunks wrapped in megatron-core DDP, the megatron optimizer and LR scheduler; the MoE pipeline's degrees."""
+"""A run's set-up: the overlap runtime, the model chunks in megatron-core DDP, the optimizer and LR scheduler, and
+the overlap planners' choices applied to the built model (pipeline degrees, operator partition, gradient partition,
+shadow costs).
+
+Inputs: the `RunConfig`, the transformer config and, for the planners, the cluster's fits. Outputs: the objects
+`training/__init__.py` wires together. Invariant: the `OverlapRuntime` is attached to the model once
+(`build_ddp_model`); later steps fill in its pieces (`install_grad_reduce_plan`'s launcher) and never touch the
+model's dispatchers again.
+"""
 
 from __future__ import annotations
 
