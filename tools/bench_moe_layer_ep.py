@@ -108,12 +108,13 @@ class _Lancet:
 
     def __init__(self, layer):
         from megatron_moe.moe.weight_grad import RUN_NOW
-        from megatron_moe.overlap.install import install_on_moe_layer
-        from megatron_moe.overlap.runtime import WgradQueue
+        from megatron_moe.overlap.runtime import OverlapRuntime
+        from megatron_moe.overlap.wgrad_queue import WgradQueue
 
         self.layer, self.run_now = layer, RUN_NOW
         self.queue = WgradQueue(WGRAD_POLICY, max_mb=None, num_layers=1)
-        self.modules = [module for _, module in install_on_moe_layer(layer, self.queue)]
+        self.runtime = OverlapRuntime(self.queue)
+        self.modules = [module for _, module in self.runtime.attach_moe_layer(layer)]
         self.stores = [module.weight_grad_store for module in self.modules]
         self.switch(False)
         self.rounds = 0
@@ -121,7 +122,7 @@ class _Lancet:
     def switch(self, on: bool) -> None:
         for module, store in zip(self.modules, self.stores):
             module.weight_grad_store = store if on else self.run_now
-        self.layer.dispatcher.backward_overlap = self.queue if on else None
+        self.layer.dispatcher.backward_overlap = self.runtime if on else None
 
     def step(self, step):
         def run():

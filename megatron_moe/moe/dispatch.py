@@ -212,7 +212,7 @@ class Dispatcher(abc.ABC):
         self.layer = layer
         """The MoE layer's number, named in its collectives' records (timers, watchdog)."""
         self.backward_overlap: comm.BackwardOverlap | None = None
-        """Work to run under the backward all-to-alls (Lancet's weight-gradient queue, `megatron_moe.overlap`)."""
+        """Work to run under the backward all-to-alls: the run's `overlap.OverlapRuntime`, set once at set-up."""
         self.layout = comm.layout_of(group) if self.group_size > 1 else None
         """The EP group on the nodes (the all-to-alls' records count what crosses them); None: not known."""
         self.hierarchy = self._hierarchy(a2a)
@@ -440,12 +440,3 @@ def build_dispatcher(
     (`MoELayerConfig.dispatcher` picks). `a2a`: --moe-a2a-algorithm (linear, 2dh, auto)."""
     dispatcher = {"padded_alltoall": PaddedAllToAll, "alltoallv": AllToAllV}[name]
     return dispatcher(group, num_experts, layer=layer, esp_group=esp_group, a2a=a2a)
-
-
-def set_backward_overlap(model: torch.nn.Module, overlap) -> None:
-    """Every MoE dispatcher of `model` runs `overlap` (a `comm.BackwardOverlap`: Lancet's queue, the gradient
-    partition's launcher) under its backward all-to-alls."""
-    for module in model.modules():
-        dispatcher = getattr(module, "dispatcher", None)
-        if isinstance(dispatcher, Dispatcher):
-            dispatcher.backward_overlap = overlap

@@ -1,33 +1,23 @@
 """Communication hidden under computation (README.md here: the map of what plans, executes and measures).
 
-Lancet: weight-gradient GEMMs run under the backward all-to-alls.
-
-`wgrad_schedule.py`: Lancet's Algorithm 1 (which dW under which all-to-all); `runtime.py`: the queue that runs it;
-`install.py`: wiring it into a model; `linears.py`: megatron-core's Column/RowParallelLinear whose weight
-gradient goes through a store.
-
-FSMoE: `cost_model.py`, the fitted time model and Algorithm 1 (pipeline degrees per layer);
-`profiler.py`, the micro-benchmarks that fit it on the running cluster; `degrees.py`, a run's flags -> each MoE
-layer's degrees (tools/plan_schedule.py prints them).
-
-Lancet's operator partition: `op_partition.py`, the planner (which layer ranges run in batch pieces, how many).
-
-Loaded on first use (PEP 562): the planners (`cost_model.py`, `degrees.py`, `grad_partition.py`) are NumPy and
-SciPy only, so tools/plan_schedule.py and tools/plan_cluster.py build their command lines without the engine's
-torch and megatron-core imports; `from megatron_moe.overlap import X` works as before.
+Contract: `OverlapRuntime` (runtime.py) is the one object a run builds, attaches to its model once and pulls from
+(Lancet's `WgradQueue`, the gradient-reduce launcher, the plans and fits); the planners (`cost_model`, `degrees`,
+`grad_partition`, `op_partition`, `wgrad_schedule`) are pure code, no process group. `PROBES`: this package's
+interventions in megatron-core, each probed (tests/unit/test_platform.py).
+Loaded on first use (PEP 562): the NumPy/SciPy planners import without torch and megatron-core (tools/plan_*.py).
 """
 
 import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_moe.overlap.install import install_on_moe_layer, install_wgrad_overlap
-    from megatron_moe.overlap.runtime import WgradQueue
+    from megatron_moe.overlap.runtime import OverlapPlans, OverlapRuntime
+    from megatron_moe.overlap.wgrad_queue import WgradQueue
 
 _LAZY = {
-    "install_on_moe_layer": "megatron_moe.overlap.install",
-    "install_wgrad_overlap": "megatron_moe.overlap.install",
-    "WgradQueue": "megatron_moe.overlap.runtime",
+    "OverlapPlans": "megatron_moe.overlap.runtime",
+    "OverlapRuntime": "megatron_moe.overlap.runtime",
+    "WgradQueue": "megatron_moe.overlap.wgrad_queue",
 }
 
 
@@ -40,4 +30,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["PROBES", "WgradQueue", "install_on_moe_layer", "install_wgrad_overlap"]
+__all__ = ["PROBES", "OverlapPlans", "OverlapRuntime", "WgradQueue"]

@@ -1,25 +1,13 @@
 """The all-to-all's cost with message counts: linear vs Tutel's 2DH (comm/hierarchy.py), for --moe-a2a-algorithm
-auto. Pure code, as cost_model.py (ms, bytes); that model's "a2a" line has one alpha per call, which cannot tell
-the two apart: they move the same bytes across nodes and differ in how many messages carry them.
+auto. Pure code, as cost_model.py (ms, bytes).
 
-Legend: G = EP group size, N = nodes it spans, g = its ranks per node (G = N x g), S = bytes one rank sends in one
-all-to-all (`LayerSizes.n_a2a`).
-
-Per rank, a message on link kind k costs alpha_k + bytes x beta_k:
-- linear: g - 1 messages of S / G inside the node and G - g across nodes, all posted at once: the two link kinds
-  run side by side, t = max(intra, inter);
-- 2DH: phase 2, g - 1 intra-node messages of S / g; phase 4, N - 1 inter-node messages of S / N (g chunks each);
-  the phases run one after the other, with two stride copies of S: t = intra + inter + 2 S beta_copy.
-The inter-node bytes are the same ((G - g) S / G = (N - 1) S / N); 2DH saves (G - g) - (N - 1) = (N - 1)(g - 1)
-inter-node start-ups and pays an intra-node phase and two copies, so it wins below a message size (`crossover`)
-that grows with alpha_inter and N (Tutel, Figure 20: 2DH wins at small sizes and large scale).
-
-The defaults are assumed, not measured here (this project's emulated links have no per-message latency: no netem):
-an NVLink-class node (alpha 2 us, 150 GB/s), one 200 Gbit/s NIC per GPU (25 GB/s), copies at 1 TB/s, and alpha 5 us
-per inter-node message, the figure that puts 8 x 8 GPUs' crossover (28 MiB per rank) between 1 MiB, where
-Tutel's Figure 20 measured 2DH faster on 64 A100s, and 32 MiB, where its NCCL implementation was slower. The model
-knows no synchronisation between 2DH's phases nor the overlap of linear's start-ups inside NCCL's proxy: both make
-its crossovers optimistic for 2DH. `LinkCosts` takes other figures.
+Legend: G = EP group size, N = nodes it spans, g = its ranks per node (G = N x g), S = bytes one rank sends.
+Inputs: G, N, S and `LinkCosts` (alpha and beta per link kind, the copy rate). Outputs: `messages`, `a2a_ms`
+(each algorithm's time), `crossover` (the message size below which 2DH wins), `choose` (the algorithm and why).
+Model: linear posts g - 1 intra-node and G - g inter-node messages at once, t = max(intra, inter); 2DH runs its
+intra-node and inter-node phases one after the other plus two stride copies. The default link figures are
+assumed, not measured; the derivation and where they come from:
+docs/internals/overlap.md ("The all-to-all's cost with message counts").
 """
 
 from __future__ import annotations

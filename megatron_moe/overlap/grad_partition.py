@@ -1,37 +1,12 @@
 """FSMoE's adaptive gradient partition (section 5), as pure code: how many gradient bytes each MoE layer's
 backward all-reduces, so that the data-parallel reduction runs inside the MoE layers instead of after backward.
 
-Legend as in `megatron_moe.overlap.cost_model`. A *generalized layer* i is MoE layer i and what follows it up to
-the next MoE layer; in backward order (the last MoE layer first) its gradients are complete before MoE layer i's
-backward starts: `GeneralizedLayer.grad_bytes`, the bytes of the gradients made since the previous MoE layer's
-backward began (the first: everything after the last MoE layer). The gradients made after the first MoE layer's
-backward (its own, the layers below it, the embedding) have no MoE layer left to hide in: `tail_bytes`, reduced
-at the end as megatron-core does.
-
-The all-reduce is the profile's "ar" line, t_ar(n) = alpha_ar + n beta_ar, and g_inv(t) = (t - alpha_ar) / beta_ar
-its inverse.
-
-Step 1 (eqs. 3-4): every MoE layer's degrees solved with t_gar = 0 (Algorithm 1), its overlappable time
-t_olp = t_olp,moe(r_b) + t_olp,dense, with t_olp,moe by the case that holds (2: r t_exp + t_ag + t_rs -
-2 (r - 1) t_a2a; 3: t_ag + t_rs; 4: r t_ag + r t_rs - 2 (r - 1) t_a2a). In backward order each layer takes
-min(the unassigned bytes made so far, g_inv(t_olp)); what it cannot hide stays for the next.
-Step 2 (eq. 5): what step 1 left (n_rem per layer, by where it was made) is spread over the layers, x_g^i bytes
-to layer i with 0 <= x_g^i <= n_rem^i + sum_{j<i} (n_rem^j - x_g^j) (only gradients that exist), minimising
-sum_i f_moe^i(t_ar(n_first^i + x_g^i)) + t_ar(the rest + tail): f_moe^i(t_gar) is Algorithm 1's backward time of
-layer i with that all-reduce in it. Solved by scipy's differential evolution over fractions of what is available
-at each layer.
-
-Where this deviates from the paper:
-- Step 2 charges layer i with its step-1 bytes and x_g^i together (one all-reduce per MoE layer, launched at its
-  backward's first all-to-all: the runtime has one bucket group per layer), where eq. 5 writes f_moe^i(t_grad
-  (x_g^i)) alone; and the gradients left after the last layer are counted as exposed t_ar (eq. 5 leaves them out,
-  its constraint for the last layer being strict). The runtime starts those when ready, one group per
-  completion point (`megatron_moe.overlap.grad_reduce`), so some of them hide: the count is an upper bound.
-- t_olp,dense (the dense backward after MoE layer i's, down to the next MoE layer: a reduction started at MoE
-  layer i's all-to-all runs on under it) is not measured but estimated from the layer's multiply-adds at the
-  experts' fitted GEMM rate (`megatron_moe.overlap.degrees.olp_dense_ms`).
-- Case 1 at t_gar = 0 (communication dominates with no all-reduce at all) has no overlappable time: 0.
-- Bytes are planned continuously; the runtime rounds each layer's share to whole parameters.
+Inputs: the fits (the "ar" line: t_ar(n) = alpha_ar + n beta_ar), the `GeneralizedLayer`s in backward order
+(MoE layer i and what follows it up to the next: the gradient bytes complete before its backward) and the
+`tail_bytes` after the first MoE layer's backward. Output: a `GradPartition` (bytes assigned per MoE layer, the
+tail, the predicted times). Method: step 1 (eqs. 3-4) fills each layer's overlappable time; step 2 (eq. 5)
+spreads the rest by differential evolution. Invariant: a layer is assigned only gradients that exist before its
+backward. Derivation and deviations: docs/internals/overlap.md ("The adaptive gradient partition: the plan").
 """
 
 from __future__ import annotations
@@ -65,7 +40,7 @@ class GeneralizedLayer:
     """The MoE layer's number (1-based, megatron-core's), where its share is launched."""
     sizes: LayerSizes
     grad_bytes: float
-    """Gradient bytes made since the previous MoE layer's backward began (module docstring)."""
+    """Gradient bytes made since the previous MoE layer's backward began (docs/internals/overlap.md)."""
     t_olp_dense_ms: float = 0.0
     """Dense backward after this MoE layer's, down to the next one, that also hides the reduction (0: none)."""
 
@@ -108,7 +83,7 @@ def g_inv_bytes(fits: ClusterFits, t_ms: float) -> float:
 
 
 def overlappable_ms(fits: ClusterFits, sizes: LayerSizes, *, dw_in_backward: bool, max_degree: int) -> float:
-    """t_olp,moe of one layer's backward at its t_gar = 0 degrees (module docstring)."""
+    """t_olp,moe of one layer's backward at its t_gar = 0 degrees (docs/internals/overlap.md)."""
     schedule = solve_degrees(fits, sizes, t_gar_ms=0.0, max_degree=max_degree, dw_in_backward=dw_in_backward)
     r, case = schedule.backward, schedule.case["backward"]
     t = chunk_times(fits, sizes, r, "backward")
@@ -141,7 +116,7 @@ def partition(
     max_degree: int = 8,
     maxiter: int = 40,
 ) -> GradPartition:
-    """Steps 1 and 2 (module docstring) for `layers` in backward order."""
+    """Steps 1 and 2 (docs/internals/overlap.md) for `layers` in backward order."""
     require(all(g.grad_bytes >= 0 for g in layers), "grad_bytes", [g.grad_bytes for g in layers], ">= 0")
     require(tail_bytes >= 0, "tail_bytes", tail_bytes, ">= 0")
     kw = {"dw_in_backward": dw_in_backward, "max_degree": max_degree}

@@ -1,30 +1,13 @@
-"""The adaptive gradient partition at run time (FSMoE section 5): megatron-core DDP's gradient buckets
-regrouped so that each MoE layer's backward launches the share of the data-parallel reduction the plan gives it.
+"""The adaptive gradient partition at run time (FSMoE section 5): megatron-core DDP's gradient buckets regrouped
+so that each MoE layer's backward launches the share of the data-parallel reduction the plan gives it.
 
-megatron-core's DDP is built with one bucket per parameter (`bucket_size=1`, `overlap_grad_reduce`): its buffers,
-`main_grad` views, expert / dense split (expert parameters reduce over the expert-data-parallel group), gradient
-scaling and the distributed optimizer's reduce-scatter are all its own. `regroup` then replaces its bucket
-groups (`ddp.bucket_groups`, `ddp.expert_parallel_bucket_groups`, `ddp.param_to_bucket_group`) by
-`PlannedBucketGroup`s, one per (MoE layer, family) of the plan, and for the rest one per (completion point,
-family): megatron-core coalesces the buckets of a group into one collective (gloo: `allreduce_coalesced`, one
-start-up cost). A planned group starts
-its reduction when its gradients are ready (megatron-core's count, deferred weight gradients included: Lancet's
-queue delivers them through the same hook) *and* its MoE layer's backward has released it: `GradReduceLauncher`
-wraps the dispatchers' `backward_overlap` (Lancet's queue or nothing) and releases the layer's groups when its
-first backward all-to-all has started, before the work under it runs, so the reduction shares the all-to-all's
-window and the experts' compute after it. The rest (what the plan leaves after backward) starts when ready, as
-megatron-core's buckets do, in one group per completion point (a transformer layer's parameters, the output
-layer's, the embedding's): what the plan could not hide still starts as soon as it exists instead of after the
-whole backward. `finish_grad_sync` starts whatever is still held.
-
-The reduction itself (what is summed, over which group, the scaling) is unchanged; with one bucket per parameter
-the distributed optimizer's shards are laid out per parameter instead of per 40M-element bucket.
-
-The assignment: parameters in the order their gradients complete in backward (the output layer and final norm,
-then the transformer layers from the last, the embedding last: a tied embedding completes only there), MoE
-layer i's group takes, from the parameters whose gradients complete before its backward starts (the layers
-above it) and are not yet taken, the oldest ones until its planned bytes are reached (rounded to whole
-parameters). Pipeline stages after the first keep megatron-core's single bucket (it turns bucketing off there).
+Inputs: megatron-core's DDP built with one bucket per parameter (`bucket_size=1`, `overlap_grad_reduce`) and a
+`GradPartition`. `regroup` replaces its bucket groups by `PlannedBucketGroup`s, one per (MoE layer, family) and
+one per (completion point, family) for the rest; `GradReduceLauncher.release_layer` (from the run's
+`OverlapRuntime.run_under`) releases MoE layer L's groups when L's backward all-to-all starts.
+Invariants: a planned group starts its reduction when its gradients are ready *and* it is released; the rest
+start when ready; `finish_grad_sync` starts whatever is still held; what is reduced, over which group, and the
+scaling stay megatron-core's. The assignment and why: docs/internals/overlap.md ("... at run time").
 """
 
 from __future__ import annotations
@@ -36,7 +19,6 @@ from collections.abc import Iterable
 import torch
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-from megatron_moe.comm.core import Collective, CommHandle
 from megatron_moe.overlap.cost_model import LayerSizes
 from megatron_moe.overlap.grad_partition import GeneralizedLayer, GradPartition
 from megatron_moe.platform.cpu_compat import Patch, source
@@ -88,11 +70,10 @@ class PlannedBucketGroup(_ParamAndGradBucketGroup):
 
 
 class GradReduceLauncher:
-    """A `comm.BackwardOverlap`: a backward all-to-all of MoE layer L releases L's planned bucket groups, then the
-    wrapped overlap (Lancet's queue) runs its work and waits, or the all-to-all is waited."""
+    """Releases MoE layer L's planned bucket groups when L's backward all-to-all starts (`release_layer`, called by
+    the run's `OverlapRuntime.run_under`, before the work under that all-to-all runs)."""
 
-    def __init__(self, inner=None, partition: GradPartition | None = None):
-        self.inner = inner
+    def __init__(self, partition: GradPartition | None = None):
         self.partition = partition
         self.groups: dict[int, list[PlannedBucketGroup]] = {}
         self.releases = 0
@@ -107,18 +88,16 @@ class GradReduceLauncher:
         self.releases = 0
         return figures
 
-    def run_under(self, record: Collective, handle: CommHandle):
-        for group in self.groups.get(record.layer, ()):
+    def release_layer(self, layer: int | None) -> None:
+        """A backward all-to-all of MoE layer `layer` has started: its planned groups may start their reduction."""
+        for group in self.groups.get(layer, ()):
             if not group.released and group.is_last_microbatch:
                 group.release()
                 self.releases += 1
-        if self.inner is not None:
-            return self.inner.run_under(record, handle)
-        return handle.wait()
 
 
 def completion_order(module: torch.nn.Module, num_layers: int) -> list[tuple[torch.nn.Parameter, int]]:
-    """(parameter, b) in the order their gradients complete in backward (module docstring), where b says when:
+    """(parameter, b) in the order their gradients complete in backward (docs/internals/overlap.md), where b says when:
     before the backward of every MoE layer numbered below b (b = its transformer layer's number; the final norm and
     output layer num_layers + 1; the embedding 0, after everything). Within a layer: megatron-core's buffer order
     (registration reversed)."""
@@ -161,7 +140,7 @@ def generalized_layers(
 ) -> tuple[list[GeneralizedLayer], float]:
     """The plan's input for this model chunk: per MoE layer in backward order, the bytes of reduced gradients
     that complete before its backward and after the previous MoE layer's began; and the bytes after the first
-    MoE layer's (module docstring of `megatron_moe.overlap.grad_partition`)."""
+    MoE layer's (docs/internals/overlap.md)."""
     reduced = {id(p) for p in reduced_params(ddp)}
     order = [(p, before) for p, before in completion_order(ddp.module, num_layers) if id(p) in reduced]
     layers, above = [], float("inf")
@@ -177,7 +156,7 @@ def assign_layers(
     ddp, partition: GradPartition, num_layers: int, reduced: Iterable[torch.nn.Parameter]
 ) -> dict[torch.nn.Parameter, int | None]:
     """Parameter -> the MoE layer whose backward launches its reduction (None: when ready), by the plan's bytes
-    (module docstring). `reduced`: the parameters whose reduction crosses ranks (the others cost nothing)."""
+    (docs/internals/overlap.md). `reduced`: the parameters whose reduction crosses ranks (the others cost nothing)."""
     reduced = {id(p) for p in reduced}
     order = completion_order(ddp.module, num_layers)
     params = [(p, before) for p, before in order if id(p) in reduced]
@@ -201,7 +180,7 @@ def _grad_bytes(ddp, param) -> int:
 
 
 def regroup(ddp, launch: dict[torch.nn.Parameter, int | None], launcher: GradReduceLauncher, num_layers: int) -> dict:
-    """Replace `ddp`'s bucket groups by planned ones (module docstring); returns {"groups": [(launch, family,
+    """Replace `ddp`'s bucket groups by planned ones (docs/internals/overlap.md); returns {"groups": [(launch, family,
     params, bytes)]} for the log, launch "L<i>" (MoE layer i's backward) or "ready@<b>" (when ready, completion
     point b of `completion_order`). A bucket holding parameters of several launch layers goes with the one latest
     in backward (the smallest number; the rest latest of all, at its latest completion point)."""

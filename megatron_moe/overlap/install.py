@@ -1,13 +1,10 @@
-"""Wire Lancet's weight-gradient queue into a built model, before megatron-core's DDP wraps it.
+"""Wiring the overlap runtime into a built model, before megatron-core's DDP wraps it.
 
-Every deferrable module (`DeferrableWeights`) of every transformer layer gets
-the queue as its store and a schedule key "L{layer}.{name}"; its weights are
-marked `skip_backward_post_hook` (DDP with `delay_wgrad_compute` then hands
-their hooks to the module); every MoE dispatcher gets the queue as the work
-to run under its backward all-to-alls. An untied LM head becomes deferrable too
-("L{num_layers}.output": its dW is the first in backward, ready before any
-all-to-all). `install_on_moe_layer` does the same for one MoE layer without a
-transformer layer around it (a benchmark, a test).
+Inputs: model chunks (or one MoE layer), Lancet's queue, the runtime (`runtime.OverlapRuntime.attach` calls here).
+Outputs: every deferrable module (`DeferrableWeights`) of every transformer layer gets the queue as its store and
+a schedule key "L{layer}.{name}", its weights marked `skip_backward_post_hook`; an untied LM head becomes
+deferrable in place ("L{num_layers}.output"); every MoE dispatcher gets the runtime as its `backward_overlap`.
+Invariant: `set_dispatchers` is the one writer of `backward_overlap`, called once per model.
 """
 
 from __future__ import annotations
@@ -16,10 +13,10 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_moe.moe.dispatch import set_backward_overlap
+from megatron_moe.moe.dispatch import Dispatcher
 from megatron_moe.moe.weight_grad import DeferrableWeights
 from megatron_moe.overlap.linears import DeferrableColumnParallelLinear
-from megatron_moe.overlap.runtime import WgradQueue
+from megatron_moe.overlap.wgrad_queue import WgradQueue
 from megatron_moe.platform.cpu_compat import Patch, source
 
 MOE_NAMES = {"experts": "experts", "shared_expert": "shared_expert", "gate": "router"}
@@ -63,38 +60,36 @@ def _make_head_deferrable(model: torch.nn.Module) -> DeferrableWeights | None:
     return head
 
 
-def install_wgrad_overlap(
-    model_chunks: list[torch.nn.Module], queue: WgradQueue
+def moe_layer_modules(moe_layer: torch.nn.Module) -> list[tuple[str, DeferrableWeights]]:
+    """(schedule key, module) of one MoE layer's deferrable submodules, keyed "L{moe_layer.layer_number}.{name}"
+    (a MoE layer with no transformer layer around it: a benchmark, a test)."""
+    return [
+        (f"L{moe_layer.layer_number}.{MOE_NAMES[path]}", module)
+        for path, module in moe_layer.named_modules()
+        if isinstance(module, DeferrableWeights) and path in MOE_NAMES
+    ]
+
+
+def install_stores(
+    modules: list[tuple[str, DeferrableWeights]], queue: WgradQueue
 ) -> list[tuple[str, DeferrableWeights]]:
-    """Make `queue` the store of every deferrable module and the backward overlap of every dispatcher; returns
-    the (key, module) pairs. Call before wrapping the chunks in DDP (with `delay_wgrad_compute=True`)."""
-    installed = []
-    for chunk in model_chunks:
-        for key, module in deferrable_modules(chunk):
-            _install(key, module, queue)
-            installed.append((key, module))
-        set_backward_overlap(chunk, queue)
-    return installed
+    """Each (key, module): its weight gradients go through `queue` under `key`; its weights are marked
+    `skip_backward_post_hook` (DDP with `delay_wgrad_compute` hands their hooks to the module). Returns `modules`."""
+    for key, module in modules:
+        module.store_key = key
+        module.weight_grad_store = queue.store_for(module)
+        for param in module.deferred_params():
+            param.skip_backward_post_hook = True
+    return modules
 
 
-def install_on_moe_layer(moe_layer: torch.nn.Module, queue: WgradQueue) -> list[tuple[str, DeferrableWeights]]:
-    """`install_wgrad_overlap` for one MoE layer with no transformer layer around it: its deferrable
-    submodules get keys "L{moe_layer.layer_number}.{name}"; returns the (key, module) pairs."""
-    installed = []
-    for path, module in moe_layer.named_modules():
-        if isinstance(module, DeferrableWeights) and path in MOE_NAMES:
-            key = f"L{moe_layer.layer_number}.{MOE_NAMES[path]}"
-            _install(key, module, queue)
-            installed.append((key, module))
-    set_backward_overlap(moe_layer, queue)
-    return installed
-
-
-def _install(key: str, module: DeferrableWeights, queue: WgradQueue) -> None:
-    module.store_key = key
-    module.weight_grad_store = queue.store_for(module)
-    for param in module.deferred_params():
-        param.skip_backward_post_hook = True
+def set_dispatchers(model: torch.nn.Module, overlap) -> None:
+    """Every MoE dispatcher of `model` runs `overlap` (a `comm.BackwardOverlap`: the run's `OverlapRuntime`) under
+    its backward all-to-alls. The only writer of `Dispatcher.backward_overlap` in the library."""
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(dispatcher, Dispatcher):
+            dispatcher.backward_overlap = overlap
 
 
 def _gpt_head_is_a_local_column_parallel_linear() -> bool:

@@ -1,33 +1,12 @@
 """The cost-model profile a run can trust: its fingerprint, one cached profile per fingerprint, and the check of
 its fits. Pure code (no process group): `megatron_moe.overlap.profiler` gathers the facts and decides.
 
-Why a cache: the profile is timed at start-up, and timings vary by tens of percent between runs (noise of
-shared cores, links, clocks). Three runs of one set-up measuring their own profile chose pipeline degrees 3/2,
-3/1 and 3/1. One profile per cluster fingerprint, reused while the fingerprint matches, gives one set-up the
-same degrees every run; it is measured again only on request (--cost-profile-remeasure) or when the
-fingerprint changes (another cluster, placement, shape, dtype, link, or another version of the code that
-measures and fits).
-
-The fingerprint is the profiler's cluster description (`profiler.describe_cluster`): world size, group sizes
-and ranks (EP, ESP), every rank's host, node rank and ranks per node, device name, link (the interface's
-queueing discipline and speed, NCCL's transport settings), backend, dtype, the measured shapes (the settings),
-and `code_version()`. A profile carries it (`ClusterFits.cluster`), so a file is only ever reused by a run that
-describes itself the same.
-
-What is a fit to trust (`fit_problems`, `FitCheck`): a time line (collectives, experts, dense operators) whose
-prediction is negative somewhere in its measured range, or whose R^2 is below `min_r2` while its points scatter
-more than `max_scatter` of their mean around it. R^2 alone is no test: on a flat line (a small message's
-all-to-all, whose start-up dominates) R^2 is near 0 while the line predicts every point within a few percent.
-Of 21 distinct profiles the tests and benchmarks measured on this 2-core host, 9 had time lines under R^2 0.9:
-30 lines, 14 of them within 15% RMS of their points, 24 within 25%; 6 profiles had a line beyond both (these
-are measured again). Where both hold, noise decided the slope: the line could price a chunk at twice or half
-its time. The correction lines ("chunk", "unchunked" and their "_bwd": the
-pipeline's measured time beyond the model) are signed residuals, fitted with non-negative coefficients, so
-their R^2 says nothing (a residual of -2 ms on every degree fits a line of 0 with R^2 far below 0: the source
-of the -3.09 a user saw). What they leave unexplained is the profile's `model_error` (the model's largest miss
-on the measured pipeline), which the solver already demands as the least gain of a degree > 1
-(`cost_model.required_gain`): a model that misses by 90% chooses degree 1 by itself. It is in the start-up
-line, not a reason to distrust the lines.
+Inputs: a cluster description (`profiler.describe_cluster`: groups, hosts, devices, link, dtype, settings and
+`code_version()` of `CODE_MODULES`) and fitted lines. Outputs: `cache_path` (one file per fingerprint),
+`fit_problems` (the lines not to be trusted, by `FitCheck`), `differences` / `newest_differs` (why a saved one
+does not match), `fits_table` (the start-up table). Invariant: a profile is reused only by a run whose description
+is equal; a changed measuring or fitting module changes the fingerprint. Why a cache, and why R^2 alone is no
+test of a line (with the measured figures): docs/internals/overlap.md ("The profile cache").
 """
 
 from __future__ import annotations
@@ -45,7 +24,10 @@ from megatron_moe.overlap.cost_model import OVERHEAD_KINDS, ClusterFits, LinearF
 
 CODE_MODULES = (
     "megatron_moe.overlap.profiler",
+    "megatron_moe.overlap.measure",
+    "megatron_moe.overlap.profile_settings",
     "megatron_moe.overlap.cost_model",
+    "megatron_moe.overlap.fits",
     "megatron_moe.comm.profiling",
     "megatron_moe.moe.pipeline",
 )
@@ -111,7 +93,7 @@ def newest_differs(directory: str, description: dict) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FitCheck:
-    """When a fitted line is not to be trusted (module docstring)."""
+    """When a fitted line is not to be trusted (docs/internals/overlap.md)."""
 
     min_r2: float = 0.9
     """R^2 below which a line is suspect; 0 or less: no check, every line is trusted."""

@@ -1,351 +1,119 @@
-"""Lancet at run time: weight-gradient GEMMs queued in backward and run under the backward all-to-alls.
+"""The run's overlap runtime: one object built at set-up, handed to the model once, pulled from at run time.
 
-One `WgradQueue` per process. The installer (`install_wgrad_overlap`) makes it
-the `weight_grad_store` of every deferrable module (`DeferrableWeights`: the
-routed experts, the shared expert, the router, attention's QKV and output
-projections, the dense MLP), marks their weights `skip_backward_post_hook`
-for megatron-core's DDP (`delay_wgrad_compute`: DDP hands the module each
-weight's hook) and gives every MoE dispatcher the queue as its
-`backward_overlap`. Then, in each micro-batch's backward:
-
-1. a module's backward computes dX and `put`s its dW closure: the schedule says
-   whether it waits for an all-to-all (queued) or runs at once, its natural
-   place (the profile, no schedule yet, an unplanned key); over the memory cap a
-   queued closure's GEMMs run at once, and only DDP's hook waits (below);
-2. a backward all-to-all starts asynchronously (`comm.moe._AllToAll`), the
-   queue runs the closures the schedule put under it, then the all-to-all is
-   waited: the GEMMs ran while the bytes were on the wire;
-3. when autograd's backward of the micro-batch ends (an engine callback, so
-   before a pipeline stage sends its input gradient and before
-   `finish_grad_sync`), whatever is still queued runs.
-
-Running a closure sets each weight's `.grad` and calls DDP's hook for it: the
-`main_grad.add_(grad)` and bucket readiness stay megatron-core's, on the same
-values in the same order per parameter as without deferral (bit-identical).
-
-Invariant: where DDP hears of a weight gradient (its hook: bucket readiness,
-which starts the reduction's collectives under --overlap-grad-reduce and the
-adaptive partition) follows from the policy and the schedule alone, the same on
-every rank of a stage; nothing this rank measured at run time moves it. The
-memory cap (`--overlap-wgrad-max-mb`) bounds this rank's own bytes: with
-dropless routing an expert closure's saved rows differ from rank to rank, so
-a cap checked against them differs too. A closure that would pass it runs its
-GEMMs at once and adds its gradients to `main_grad` (megatron-core's
-`grad_added_to_main_grad` protocol, as its fused weight-gradient GEMMs do:
-`accumulate_now`); its hook still runs at the planned all-to-all (`announce`).
-So ranks holding different bytes issue their reductions in the same order, the
-cap holds for every rank in every iteration (not only the profiled one), and
-no collective is added: agreeing the bytes instead would take a collective per
-closure or per layer in backward, and a bound every rank can compute alone
-(the most rows a rank's experts could receive) is up to EP times the average
-in dropless routing, so it would refuse most experts closures a cap fits.
-
-The schedule (`megatron_moe.overlap.wgrad_schedule`): `all-under-next-a2a` needs none (every
-closure waits for the next all-to-all); `greedy` profiles iteration
-`PROFILE_ITERATION` (every closure and all-to-all timed, nothing overlapped),
-agrees the times over all ranks and runs Lancet's Algorithm 1 on them.
+Holds: Lancet's weight-gradient queue (`wgrad_queue.WgradQueue`, or None), the adaptive gradient partition's
+launcher (`grad_reduce.GradReduceLauncher`, or None), the start-up plans (`OverlapPlans`) and the cost model's fits.
+Inputs: the queue at construction; `attach` once per model (before megatron-core's DDP wraps it); the launcher,
+plans and fits filled in on the runtime afterwards, in any order.
+Outputs: `run_under`, every MoE dispatcher's `backward_overlap` (a `comm.BackwardOverlap`); the Trainer's
+per-iteration calls (`start_iteration`, `end_iteration`, `stats`, `started`).
+Invariant: each dispatcher holds this object for the whole run and reads the queue and launcher only when a
+backward all-to-all starts, so nothing depends on the order in which they were set; under an all-to-all of MoE
+layer L the launcher releases L's planned bucket groups first, then the queue runs its closures and waits (or the
+all-to-all is waited).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
 from megatron_moe.comm.core import Collective, CommHandle
-from megatron_moe.moe.weight_grad import DeferrableWeights, WeightGrad
-from megatron_moe.overlap import wgrad_schedule
-from megatron_moe.platform.timing import comm_stamps
-
-MIB = float(1 << 20)
-PROFILE_ITERATION = 2
-"""The iteration `greedy` times (the first warms up allocators and kernels); its schedule runs from the next one."""
+from megatron_moe.moe.weight_grad import DeferrableWeights
+from megatron_moe.overlap import install
+from megatron_moe.overlap.grad_reduce import GradReduceLauncher
+from megatron_moe.overlap.wgrad_queue import WgradQueue
 
 
-def a2a_key(record: Collective) -> str:
-    """The schedule's name for a backward all-to-all: "L{layer}.combine" / "L{layer}.dispatch"."""
-    return f"L{record.layer}.{record.kind.removeprefix('a2a_')}"
+@dataclasses.dataclass(frozen=True)
+class OverlapPlans:
+    """The start-up planners' choices on this rank, as training/__init__.py collects them."""
+
+    degrees: dict = dataclasses.field(default_factory=dict)
+    """MoE layer -> cost_model.Schedule (auto degrees); empty when the degrees were given."""
+    partition: list = dataclasses.field(default_factory=list)
+    """setup.install_operator_partition's figures, one per model chunk that runs pieces or was planned."""
+    grad_reduce: object | None = None
+    """grad_partition.GradPartition of the adaptive schedule; None with megatron-core's buckets."""
 
 
-def held_bytes(fn: Callable) -> int:
-    """Bytes of the distinct tensor storages a closure holds (through nested closures, lists and tuples);
-    parameters are not counted (they live on anyway)."""
-    seen: dict[int, int] = {}
+class OverlapRuntime:
+    """See the module docstring. Every field may stay None (that feature off): `run_under` then waits."""
 
-    def visit(obj) -> None:
-        if isinstance(obj, torch.nn.Parameter):
-            return
-        if torch.is_tensor(obj):
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                visit(item)
-        elif callable(obj) and getattr(obj, "__closure__", None):
-            for cell in obj.__closure__:
-                visit(cell.cell_contents)
+    def __init__(self, wgrad_queue: WgradQueue | None = None):
+        self.wgrad_queue = wgrad_queue
+        """Lancet's queue (--overlap-wgrad); fixed at construction: the deferrable modules' stores point into it."""
+        self.grad_reduce: GradReduceLauncher | None = None
+        """The adaptive gradient partition's launcher (--grad-reduce-schedule adaptive), planned after DDP exists."""
+        self.plans = OverlapPlans()
+        self.fits = None
+        """The cost model's fits the communication timers price the crossing bytes with (None: not needed)."""
+        self.on_started: Callable[[], None] | None = None
+        """Called once, after the first iteration (or a run of none) completed: the profile is saved then."""
+        self.job_steps = 0
+        """Training iterations this job started (a resumed job counts from its own start)."""
 
-    visit(fn)
-    return sum(seen.values())
+    # ------------------------------------------------------------------ set-up: handed to the model once
 
+    def attach(self, model_chunks: list[torch.nn.Module]) -> list[tuple[str, DeferrableWeights]]:
+        """Hand this runtime to every model chunk: with a queue, every deferrable module's weight gradients go
+        through it (`install.install_stores`); every MoE dispatcher runs `run_under`. Call once, before wrapping
+        the chunks in DDP (with `delay_wgrad_compute` where there is a queue); returns the (key, module) pairs."""
+        installed = []
+        for chunk in model_chunks:
+            if self.wgrad_queue is not None:
+                installed += install.install_stores(install.deferrable_modules(chunk), self.wgrad_queue)
+            install.set_dispatchers(chunk, self)
+        return installed
 
-@dataclasses.dataclass
-class _Item:
-    module: DeferrableWeights
-    weight_grad: WeightGrad | None
-    """None once its GEMMs ran over the memory cap: only DDP's hooks for `accumulated` wait."""
-    nbytes: int
-    accumulated: tuple[tuple[torch.nn.Parameter, bool], ...] = ()
-    """(parameter, its `grad_added_to_main_grad` before) whose gradient is in main_grad, its hook still to run."""
+    def attach_moe_layer(self, moe_layer: torch.nn.Module) -> list[tuple[str, DeferrableWeights]]:
+        """`attach` for one MoE layer with no transformer layer around it (a benchmark, a test): its deferrable
+        submodules get keys "L{moe_layer.layer_number}.{name}"."""
+        installed = []
+        if self.wgrad_queue is not None:
+            installed = install.install_stores(install.moe_layer_modules(moe_layer), self.wgrad_queue)
+        install.set_dispatchers(moe_layer, self)
+        return installed
 
+    # ------------------------------------------------------------------ backward: under each all-to-all
 
-class _ModuleStore:
-    """One deferrable module's `WeightGradStore`: hands its closures to the queue, which owns the gradients."""
+    def run_under(self, record: Collective, handle: CommHandle) -> torch.Tensor:
+        """A backward all-to-all of MoE layer `record.layer` has started: release that layer's planned gradient
+        reductions, then run the queue's closures for it and wait (or wait)."""
+        if self.grad_reduce is not None:
+            self.grad_reduce.release_layer(record.layer)
+        if self.wgrad_queue is not None:
+            return self.wgrad_queue.run_under(record, handle)
+        return handle.wait()
 
-    defers = True
+    # ------------------------------------------------------------------ the Trainer's calls
 
-    def __init__(self, queue: WgradQueue, module: DeferrableWeights):
-        self.queue, self.module = queue, module
-
-    def put(self, weight_grad: WeightGrad, outs: tuple) -> None:
-        assert all(out is None for out in outs), "a deferred closure makes its own gradients"
-        self.queue.put(_Item(self.module, weight_grad, held_bytes(weight_grad)))
-        return None
-
-
-class WgradQueue:
-    """The weight-gradient closures of one process's deferrable modules; see the module docstring."""
-
-    def __init__(self, policy: str, *, max_mb: float | None, num_layers: int, report: bool = False):
-        assert policy in wgrad_schedule.POLICIES and policy != "off", policy
-        self.policy, self.max_mb, self.num_layers, self.report = policy, max_mb, num_layers, report
-        self.schedule: wgrad_schedule.WgradSchedule | None = None
-        self.iteration = 0
-        self._pending: list[tuple[str, _Item]] = []  # (the all-to-all key it waits for, the item)
-        self._pending_bytes = 0
-        self._flush_queued = False
-        self._stamps = comm_stamps()
-        self._passes: list[list[tuple]] = []  # while profiling: per pass (kind, key, start, end, held MiB)
-        self.counts = {"under_a2a": 0, "natural": 0, "at_backward_end": 0, "over_cap": 0}
-        """Closures run in this iteration: under an all-to-all, at their natural place, at the backward's end; and
-        queued ones whose GEMMs ran at once because holding them would pass the memory cap (DDP's hook for them
-        still ran where planned)."""
-        self.peak_held_bytes = 0
-        """The most bytes queued closures held at once in this iteration."""
-
-    # ------------------------------------------------------------------ the installer's side
-
-    def store_for(self, module: DeferrableWeights) -> _ModuleStore:
-        return _ModuleStore(self, module)
-
-    def first_planned_iteration(self) -> bool:
-        """True in the first iteration that ran under greedy's schedule (the one the report measures)."""
-        return self.schedule is not None and self.iteration == PROFILE_ITERATION + 1
-
-    @property
-    def profiling(self) -> bool:
-        return self.policy == "greedy" and self.iteration == PROFILE_ITERATION
-
-    def start_iteration(self, iteration: int) -> None:
-        """Called before each training iteration (1-based) on every rank."""
-        self.iteration, self.peak_held_bytes = iteration, 0
-        self.counts = dict.fromkeys(self.counts, 0)
-        # A backward that raised never ran its engine callback (`flush`): drop its closures, so that the next
-        # backward queues its own flush instead of leaving every closure pending.
-        self._pending, self._pending_bytes, self._flush_queued = [], 0, False
-
-    def stats(self) -> dict:
-        """This iteration's figures: closures per place they ran, the held-memory peak (MiB), the schedule in force."""
-        figures = {**self.counts, "peak_held_mb": round(self.peak_held_bytes / MIB, 3), "policy": self.policy}
-        if (
-            self.schedule is not None
-        ):  # greedy's profile: what there is to hide, what dW is there, what the schedule hides
-            events = self.schedule.events
-            figures["planned"] = len(self.schedule.under)
-            figures["plan_a2a_ms"] = round(sum(e.ms for e in events if e.kind == "a2a"), 3)
-            figures["plan_wgrad_ms"] = round(sum(e.ms for e in events if e.kind == "wgrad"), 3)
-            figures["plan_hidden_ms"] = round(sum(self.schedule.predicted_hidden_ms().values()), 3)
-        return figures
+    def start_iteration(self) -> None:
+        """Before each training iteration, on every rank."""
+        self.job_steps += 1
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.start_iteration(self.job_steps)
 
     def end_iteration(self) -> None:
-        """Called after each training iteration on every rank (collective after the profiled one)."""
-        if self.profiling:
-            self.schedule = self._schedule_from_profile()
+        """After each training iteration's backward passes, on every rank (collective after greedy's profile)."""
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.end_iteration()
 
-    # ------------------------------------------------------------------ 1. put
+    def stats(self) -> dict:
+        """This iteration's figures: {"wgrad": the queue's, "grad_reduce": the launcher's}, None for a feature off."""
+        return {
+            "wgrad": self.wgrad_queue.stats() if self.wgrad_queue else None,
+            "grad_reduce": self.grad_reduce.stats() if self.grad_reduce else None,
+        }
 
-    def _waits_for(self, key: str) -> str | None:
-        """The all-to-all where DDP hears of `key`'s weight gradients, or None: now. From the policy and the schedule
-        only (no schedule yet, or a key it leaves out: None on every rank), never from this rank's bytes: see the
-        module docstring's invariant."""
-        if self.policy == "all-under-next-a2a":
-            return "next"
-        return None if self.schedule is None else self.schedule.under.get(key)
+    def wgrad_report_due(self) -> bool:
+        """--overlap-wgrad-report: this is the first iteration under greedy's schedule."""
+        queue = self.wgrad_queue
+        return queue is not None and queue.report and queue.first_planned_iteration()
 
-    def _over_cap(self, nbytes: int) -> bool:
-        """Would queueing `nbytes` more pass this rank's cap? Decides only when this rank's GEMMs run."""
-        return self.max_mb is not None and (self._pending_bytes + nbytes) / MIB > self.max_mb
-
-    def put(self, item: _Item) -> None:
-        self._flush_at_backward_end()
-        key = item.module.store_key
-        under = self._waits_for(key)
-        if under is None:
-            self.counts["natural"] += 1
-            self._run(item, profile_key=key if self.profiling else None)
-            return
-        if self._over_cap(item.nbytes):
-            self.counts["over_cap"] += 1
-            accumulated = accumulate_now(item.module, item.weight_grad())
-            if not accumulated:  # no DDP hook waits for it (no DDP): nothing left to queue
-                return
-            item = _Item(item.module, None, 0, accumulated)
-        self._pending.append((under, item))
-        self._pending_bytes += item.nbytes
-        self.peak_held_bytes = max(self.peak_held_bytes, self._pending_bytes)
-
-    # ------------------------------------------------------------------ 2. under an all-to-all
-
-    def run_under(self, record: Collective, handle: CommHandle):
-        """A backward all-to-all has started: run the closures waiting for it, then wait for it."""
-        key = a2a_key(record)
-        start = self._stamps.stamp() if self.profiling else None
-        if self._pending:
-            mine = [item for under, item in self._pending if under in (key, "next")]
-            self._pending = [(under, item) for under, item in self._pending if under not in (key, "next")]
-            for item in mine:
-                self._pending_bytes -= item.nbytes
-                if item.weight_grad is not None:
-                    self.counts["under_a2a"] += 1
-                self._run(item)
-        received = handle.wait()
-        if start is not None:
-            self._record("a2a", key, start, self._stamps.stamp(), 0.0)
-        return received
-
-    # ------------------------------------------------------------------ 3. the end of a backward pass
-
-    def _flush_at_backward_end(self) -> None:
-        """Once per backward pass: run `flush` when autograd's engine finishes it."""
-        if not self._flush_queued and torch._C._current_graph_task_id() != -1:
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-            self._flush_queued = True
-
-    def flush(self) -> None:
-        """Run everything still queued (in the order it was put)."""
-        self._flush_queued = False
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        for _, item in pending:
-            if item.weight_grad is not None:
-                self.counts["at_backward_end"] += 1
-            self._run(item)
-        if self.profiling:
-            self._passes.append([])
-
-    # ------------------------------------------------------------------ running a closure
-
-    def _run(self, item: _Item, profile_key: str | None = None) -> None:
-        if item.weight_grad is None:  # its GEMMs ran over the cap: DDP hears of it here, as on every other rank
-            announce(item.module, item.accumulated)
-            return
-        start = self._stamps.stamp() if profile_key else None
-        grads = item.weight_grad()
-        if start is not None:
-            self._record("wgrad", profile_key, start, self._stamps.stamp(), item.nbytes / MIB)
-        deliver(item.module, grads)
-
-    # ------------------------------------------------------------------ profile -> schedule
-
-    def _record(self, kind: str, key: str, start, end, held_mb: float) -> None:
-        if not self._passes:
-            self._passes.append([])
-        self._passes[-1].append((kind, key, start, end, held_mb))
-
-    def _schedule_from_profile(self) -> wgrad_schedule.WgradSchedule:
-        passes = [p for p in self._passes if p]
-        self._passes = []
-        if passes:
-            self._stamps.settle(passes[-1][-1][3])
-        events = [wgrad_schedule.canonical_order(_merge_repeats([self._event(*e) for e in one])) for one in passes]
-        # Under the interleaved pipeline each model chunk's backward is a pass of its own layers: passes of the same
-        # chunk are merged, and each chunk's dW are planned under its own all-to-alls (a pass flushes at its end).
-        kinds = _passes_by_structure(events)
-        merged = [wgrad_schedule.merge_passes(same) for same in kinds]
-        agreed = wgrad_schedule.agree([event for one in merged for event in one], self.num_layers)  # one collective
-        schedules, start = [], 0
-        for one in merged:
-            schedules.append(
-                wgrad_schedule.make_wgrad_schedule(self.policy, agreed[start : start + len(one)], self.max_mb)
-            )
-            start += len(one)
-        under = {key: a2a for schedule in schedules for key, a2a in schedule.under.items()}
-        return wgrad_schedule.WgradSchedule(policy=self.policy, under=under, events=tuple(agreed))
-
-    def _event(self, kind, key, start, end, held_mb) -> wgrad_schedule.Event:
-        return wgrad_schedule.Event(kind, key, self._stamps.elapsed_ms(start, end), held_mb)
-
-
-def _passes_by_structure(passes: list[list[wgrad_schedule.Event]]) -> list[list[list[wgrad_schedule.Event]]]:
-    """Profiled passes grouped by their structure (kinds and keys in order), groups in order of first appearance:
-    one group without virtual pipeline stages, one per model chunk with them."""
-    groups: dict[tuple, list[list[wgrad_schedule.Event]]] = {}
-    for one in passes:
-        groups.setdefault(tuple((e.kind, e.key) for e in one), []).append(one)
-    return list(groups.values())
-
-
-def _merge_repeats(events: list[wgrad_schedule.Event]) -> list[wgrad_schedule.Event]:
-    """One event per key: a module whose closures came in several puts in one pass is one item (times added)."""
-    merged: dict[str, wgrad_schedule.Event] = {}
-    for event in events:
-        if event.key in merged:
-            first = merged[event.key]
-            merged[event.key] = dataclasses.replace(
-                first, ms=first.ms + event.ms, held_mb=first.held_mb + event.held_mb
-            )
-        else:
-            merged[event.key] = event
-    return list(merged.values())
-
-
-def deliver(module: DeferrableWeights, grads: Iterable[torch.Tensor | None]) -> None:
-    """Hand weight gradients over as autograd would: accumulate into `.grad`, then DDP's hook (main_grad)."""
-    for param, grad in zip(module.deferred_params(), grads):
-        if grad is None:
-            continue
-        param.grad = grad if param.grad is None else param.grad + grad
-        hook = module.wgrad_hook(param)
-        if hook is not None:
-            hook()
-
-
-def accumulate_now(
-    module: DeferrableWeights, grads: Iterable[torch.Tensor | None]
-) -> tuple[tuple[torch.nn.Parameter, bool], ...]:
-    """Weight gradients into `main_grad` now, as DDP's hook adds them, flagged `grad_added_to_main_grad` so that
-    the hook (`announce`, later) only marks them ready; returns (parameter, the flag before) of those. A parameter
-    without DDP's hook gets its `.grad` at once: nothing collective waits for it."""
-    later = []
-    for param, grad in zip(module.deferred_params(), grads):
-        if grad is None:
-            continue
-        total = grad if param.grad is None else param.grad + grad
-        if module.wgrad_hook(param) is None:
-            param.grad = total
-            continue
-        param.grad = None
-        param.main_grad.add_(total)  # DDP's hook: main_grad.add_(param.grad.data)
-        later.append((param, getattr(param, "grad_added_to_main_grad", False)))
-        param.grad_added_to_main_grad = True
-    return tuple(later)
-
-
-def announce(module: DeferrableWeights, accumulated: Iterable[tuple[torch.nn.Parameter, bool]]) -> None:
-    """DDP's hook for gradients `accumulate_now` already added: it skips the add (the flag) and marks each ready.
-    Its `.grad` must not be None under --overlap-grad-reduce: a zero-stride placeholder, never read."""
-    for param, flag_before in accumulated:
-        param.grad = torch.zeros((), dtype=param.dtype, device=param.device).expand_as(param)
-        module.wgrad_hook(param)()
-        param.grad = None
-        param.grad_added_to_main_grad = flag_before
+    def started(self) -> None:
+        """The first iteration completed (or none will run): `on_started`, once."""
+        if self.on_started is not None:
+            self.on_started()
+            self.on_started = None

@@ -1,41 +1,13 @@
 """Which weight-gradient (dW) work runs under which backward all-to-all: Lancet's Algorithm 1, as pure code.
 
-Input: a profile of one micro-batch's backward pass, the `Event`s in the order
-they happened: a module's dW became runnable (its dX just ran), or a backward
-all-to-all started. Output: a `WgradSchedule`, `under[wgrad key] = a2a key`; the
-runtime (`megatron_moe.overlap.runtime`) starts that all-to-all, runs the dW
-assigned to it, then waits. A dW not in the schedule runs at its natural place
-(inside the backward that made it, as without deferral).
-
-Where this deviates from the paper (Lancet, section 4 and Algorithm 1):
-- An item is a module's whole dW (`L{layer}.{name}`: a linear layer's, or all
-  local experts' dW GEMMs together), not one IR instruction: deferral is done
-  per module by `DeferrableWeights`, so that is the unit that can move.
-- Candidates of an all-to-all (the paper's "no directed path", found there by
-  a graph search on the IR) are the dW events before it in the same pass, not
-  yet used: a dW whose dX has run depends on nothing still to come, and nothing
-  in backward consumes it. dW events after an all-to-all are not candidates
-  for it (their dX depends on it, through the chain rule); no dW is moved
-  earlier than its own dX.
-- Times are measured, not taken from a per-op profile cache and a
-  communication cost model: a dW's time is its GEMMs' time, an all-to-all's is
-  its exposed time in a run where nothing overlaps it (the communication
-  timers), each the median over profiled passes (`merge_passes`) and then the
-  max over ranks (`agree`), so every rank makes the same schedule.
-- "While t_u > 0" treats a remainder within `COVERED_MS` of zero as covered
-  (floating-point sums of measured times), and ties of |t_u - t_j| go to the
-  earlier event, so the schedule is deterministic.
-- Every rank of a stage must make the same schedule (the runtime tells DDP of a dW
-  where the schedule says, and DDP's readiness starts the reduction's
-  collectives): the dW between two all-to-alls are taken in one fixed order
-  (`canonical_order`), not in the order autograd ran this rank's independent
-  branches, and `agree` refuses a profile whose structure differs between the
-  ranks that hold a key.
-- The paper holds no memory limit; `make_wgrad_schedule(max_mb=...)` leaves a dW at its
-  natural place when keeping it queued would exceed the cap (its inputs and
-  output gradient are held until its all-to-all).
-- `all-under-next-a2a` is a simpler policy beside the paper's: every dW under
-  the first all-to-all after it.
+Input: a profile of one micro-batch's backward pass, the `Event`s in the order they happened (a module's dW
+became runnable, or a backward all-to-all started). Output: a `WgradSchedule`, `under[wgrad key] = a2a key`;
+the queue (`megatron_moe.overlap.wgrad_queue`) starts that all-to-all, runs the dW assigned to it, then waits.
+A dW not in the schedule runs at its natural place.
+Invariants: an item is a module's whole dW (`L{layer}.{name}`); a dW is a candidate only for an all-to-all after
+it in the same pass; every rank of a stage makes the same schedule (`canonical_order`, times agreed by `agree`);
+`max_mb` leaves a dW at its natural place where queueing it would pass the cap. Deviations from the paper:
+docs/internals/overlap.md ("Lancet's dW schedule").
 """
 
 from __future__ import annotations

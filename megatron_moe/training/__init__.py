@@ -1,4 +1,9 @@
-"""Pretraining: start-up, the model/optimizer set-up, the loop and its logging."""
+"""Pretraining: start-up, the model/optimizer set-up, the loop and its logging.
+
+`pretrain(cfg)` runs a job end to end. `_train`'s order: tokenizer, config, the `OverlapRuntime`, the model (the
+runtime attached once), the cluster's fits, the planners (their results put on the runtime), the optimizer, the
+checkpoint, the data, then the `Trainer` (given the runtime).
+"""
 
 from __future__ import annotations
 
@@ -15,16 +20,16 @@ from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import exit_now
 from megatron_moe.model import run_fusions, transformer_config
+from megatron_moe.overlap.runtime import OverlapPlans
 from megatron_moe.training.cost_profile import cluster_fits, log_profile
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
-from megatron_moe.training.overlap_report import OverlapPlans
 from megatron_moe.training.setup import (
     build_ddp_model,
     build_optimizer,
+    build_overlap_runtime,
     build_scheduler,
-    build_wgrad_queue,
     install_grad_reduce_plan,
     install_operator_partition,
     install_shadow_costs,
@@ -81,11 +86,11 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     load_dir = resolve_load_dir(cfg)
     fusions = run_fusions(cfg)
     config = transformer_config(cfg, fusions)
-    wgrad_queue = build_wgrad_queue(cfg)
-    model = build_ddp_model(cfg, config, tokenizer.vocab_size, wgrad_queue)
+    overlap = build_overlap_runtime(cfg)
+    model = build_ddp_model(cfg, config, tokenizer.vocab_size, overlap)
     fits, source, profile = cluster_fits(cfg, model)
-    grad_reduce = install_grad_reduce_plan(cfg, model, fits, wgrad_queue)
-    partition_plan = grad_reduce.partition if grad_reduce else None
+    overlap.grad_reduce = install_grad_reduce_plan(cfg, model, fits)
+    partition_plan = overlap.grad_reduce.partition if overlap.grad_reduce else None
     schedules = resolve_pipeline_degrees(cfg, model, fits, source, partition_plan, quiet=profile is not None)
     log_profile(profile, schedules)
     partition = install_operator_partition(cfg, model, fits, source, schedules)
@@ -98,13 +103,9 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     counts = parameter_counts(cfg, model)
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes, fusions)
-    plans = OverlapPlans(
-        degrees=schedules or {},
-        partition=partition,
-        grad_reduce=grad_reduce.partition if grad_reduce else None,
-    )
-    overlap = {"wgrad_queue": wgrad_queue, "grad_reduce": grad_reduce, "fits": link_fits(cfg, fits), "plans": plans}
-    overlap["on_started"] = profile.save if profile else None  # a launch that fails before leaves no profile
+    overlap.plans = OverlapPlans(degrees=schedules or {}, partition=partition, grad_reduce=partition_plan)
+    overlap.fits = link_fits(cfg, fits)
+    overlap.on_started = profile.save if profile else None  # a launch that fails before leaves no profile
     startup = {
         "parameters": counts,
         "datasets": data.sizes,
@@ -112,7 +113,9 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
         "fusions": fusions.on(),
         "operator_partition": partition,
     }
-    return Trainer(cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, **overlap).train()
+    return Trainer(
+        cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, overlap=overlap
+    ).train()
 
 
 def end_job_with_report(report: str) -> None:

@@ -23,6 +23,7 @@ from megatron_moe.config import RunConfig
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale, update_expert_biases
 from megatron_moe.moe.metrics import moe_layer_modules
+from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.platform import peak_flops_per_s
 from megatron_moe.platform.timing import comm_stamps
 from megatron_moe.training.comm_report import (
@@ -37,7 +38,7 @@ from megatron_moe.training.flops import flops_per_token
 from megatron_moe.training.log_line import exposed_by_group, jsonl_path
 from megatron_moe.training.logger import TrainingLogger, wandb_run_for
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
-from megatron_moe.training.overlap_report import OverlapPlans, OverlapReport
+from megatron_moe.training.overlap_report import OverlapReport
 from megatron_moe.training.overlap_report import as_text as overlap_report_text
 from megatron_moe.training.preemption import ExitRequest
 from megatron_moe.training.setup import params_norm
@@ -96,19 +97,14 @@ class Trainer:
         data,
         *,
         watchdog=None,
-        wgrad_queue=None,
-        grad_reduce=None,
         startup: dict | None = None,
-        fits=None,
-        plans: OverlapPlans | None = None,
-        on_started=None,
+        overlap: OverlapRuntime | None = None,
     ):
         self.cfg = cfg
-        self.wgrad_queue = wgrad_queue  # megatron_moe.overlap.WgradQueue (Lancet), None when off
-        self.grad_reduce = grad_reduce  # megatron_moe.overlap.grad_reduce.GradReduceLauncher, None: megatron-core's
+        # The run's overlap runtime (Lancet's queue, the gradient-reduce launcher, the plans and fits); the model's
+        # dispatchers hold the same object. None: nothing overlapped (a runtime with every feature off).
+        self.overlap = overlap if overlap is not None else OverlapRuntime()
         self.startup = startup  # the start-up summary's figures (parameters, datasets, tokenizer): first entry only
-        self.on_started = on_started  # called once, after the first iteration (or a run of none) completed
-        self._job_steps = 0
         self.watchdog = watchdog  # comm.watchdog.Watchdog: told the step, which its reports name
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state = state
@@ -156,7 +152,9 @@ class Trainer:
         clock_offset = self._clock_offset() if timers_on else ClockOffset()
         # The cost model's fits (None when no choice needed them): the link's time for the bytes that cross, the
         # denominator of the hidden share (comm/timers.py); without them the timers estimate it.
-        self.comm_timers = CommTimers(wire_lines=wire_lines(fits), clock_offset=clock_offset) if timed else None
+        self.comm_timers = (
+            CommTimers(wire_lines=wire_lines(self.overlap.fits), clock_offset=clock_offset) if timed else None
+        )
         self.arrivals: Arrivals | None = None
         if timers_on:
             self.arrivals = self.comm_timers.arrivals if timed else Arrivals(comm_stamps(), clock_offset)
@@ -165,7 +163,7 @@ class Trainer:
         if timed and cfg.moe.is_moe and cfg.moe.overlap_report:
             job_steps = cfg.training.train_iters - state.iteration
             self.overlap_report = OverlapReport(
-                plans or OverlapPlans(), job_steps=job_steps, micro_batches=self.num_microbatches
+                self.overlap.plans, job_steps=job_steps, micro_batches=self.num_microbatches
             )
         self.logger = None
         if self.is_logging_rank:
@@ -254,12 +252,9 @@ class Trainer:
             # per-step mean whatever the number of micro-batches.
             scale = self._loss_scale() * parallel_state.get_context_parallel_world_size() / self.num_microbatches
             set_moe_aux_loss_scale(self.model, scale)
-        if self.wgrad_queue:
-            self._job_steps += 1  # counted from this job's start: a resumed job profiles its own cluster
-            self.wgrad_queue.start_iteration(self._job_steps)
+        self.overlap.start_iteration()  # counted from this job's start: a resumed job profiles its own cluster
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
-        if self.wgrad_queue:
-            self.wgrad_queue.end_iteration()
+        self.overlap.end_iteration()
         if self.own_moe and self.cfg.moe.moe_router_enable_expert_bias:
             update_expert_biases(self.model)  # where megatron-core's finalize_model_grads moves its own
         with comm.host_read("optimizer step (found-inf, grad norm)"):  # megatron-core reads them inside
@@ -294,8 +289,7 @@ class Trainer:
             "skipped": not update_successful,
             "step_ms": step_ms,
             "comm": summary,
-            "wgrad": self.wgrad_queue.stats() if self.wgrad_queue else None,
-            "grad_reduce": self.grad_reduce.stats() if self.grad_reduce else None,
+            **self.overlap.stats(),  # "wgrad", "grad_reduce"
         }
 
     @torch.no_grad()
@@ -414,11 +408,6 @@ class Trainer:
             )
         return offset
 
-    def _started(self) -> None:
-        if self.on_started is not None:
-            self.on_started()
-            self.on_started = None
-
     def _loss_scale(self) -> float:
         with comm.host_read("loss scale"):
             return self.optimizer.get_loss_scale().item()
@@ -446,7 +435,7 @@ class Trainer:
         saved_at = None  # the iteration the last interval save wrote
         while self.state.iteration < t.train_iters:
             figures = self.train_step()
-            self._started()
+            self.overlap.started()
             it = self.state.iteration
             if self.logger:
                 history.append(self._log_step(it, figures))
@@ -456,8 +445,10 @@ class Trainer:
                     if (report := self.overlap_report.observe(it, figures["comm"])) is not None:
                         history[-1]["overlap_report"] = report
                         log.info("%s", overlap_report_text(report))
-                if self.wgrad_queue and self.wgrad_queue.report and self.wgrad_queue.first_planned_iteration():
-                    log.info("--overlap-wgrad-report:\n%s", wgrad_report(self.wgrad_queue.schedule, figures["comm"]))
+                if self.overlap.wgrad_report_due():
+                    log.info(
+                        "--overlap-wgrad-report:\n%s", wgrad_report(self.overlap.wgrad_queue.schedule, figures["comm"])
+                    )
                 spike = self.spikes.observe(it, figures["lm loss"])
                 if spike:
                     log.warning(spike)
@@ -476,7 +467,7 @@ class Trainer:
                     log.info("%s: saving at iteration %d and exiting", exit_request.reason, it)
                 preempted = True
                 break
-        self._started()
+        self.overlap.started()
         if not preempted:  # time is short when preempted: save only
             self._validate_and_log()
         if saved_at != self.state.iteration:

@@ -1,50 +1,26 @@
 """`--overlap-report`: what the overlap planners chose and predicted at start-up, beside what the communication
 timers measured once every plan is in force.
 
-The planners (training/setup.py) each log their choice at start-up: FSMoE's pipeline degrees per MoE layer,
-Lancet's operator partition per model chunk, FSMoE's gradient partition, Lancet's dW plan (from the job's step 3).
-Their predictions are of different things, so each is set beside the measured figure of the same thing:
-
-  - the whole step: per kind, the link time of the bytes that crossed (wire), the time the step waited on them
-    (exposed), split into skew (waiting for the last rank to arrive, measured: comm/skew.py) and transfer;
-    hidden = 1 - exposed / wire (comm/timers.py);
-  - per MoE layer: its degrees and the cost model's forward / backward times, and its all-to-alls' wire,
-    exposed and skew time;
-  - the operator partition: the all-to-all time a micro-batch hides (cost model) against wire - exposed of the
-    chunk's all-to-alls per micro-batch;
-  - the gradient partition: the reduction left exposed after backward (cost model) against dp_grad_reduce's
-    exposed time.
-
-The report covers `STEPS` steps from the job's `FIRST_STEP`-th (Lancet's dW plan is in force from there: a job,
-resumed or not, profiles in its own second step; earlier steps warm up), or the steps the job has. Figures are
-this rank's (the logging rank, the only one timed).
+Inputs: the start-up `OverlapPlans` (FSMoE's degrees, Lancet's operator partition, FSMoE's gradient partition)
+and each step's `CommSummary` from the job's `FIRST_STEP`-th for `STEPS` steps. Output: one report (`observe`,
+then `as_text`): per kind, per MoE layer, the partition and the gradient reduction, each prediction beside the
+measured figure of the same thing. Figures are the logging rank's (the only one timed). What each figure
+compares: docs/internals/overlap.md ("The overlap report").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, hidden_share
+from megatron_moe.overlap.runtime import OverlapPlans
 
 FIRST_STEP = 3
-"""The job's step from which Lancet's greedy plan runs (overlap/runtime.py `PROFILE_ITERATION` + 1)."""
+"""The job's step from which Lancet's greedy plan runs (overlap/wgrad_queue.py `PROFILE_ITERATION` + 1)."""
 STEPS = 10
 A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 KIND_FIGURES = ("wire_ms", "exposed_ms", "skew_ms", "transfer_ms")
 """The per-kind figures the report sums (comm/timers.py `CommSummary`), in its table's column order."""
-
-
-@dataclasses.dataclass(frozen=True)
-class OverlapPlans:
-    """The start-up planners' choices on this rank, as training/__init__.py collects them."""
-
-    degrees: dict = dataclasses.field(default_factory=dict)
-    """MoE layer -> cost_model.Schedule (auto degrees); empty when the degrees were given."""
-    partition: list = dataclasses.field(default_factory=list)
-    """setup.install_operator_partition's figures, one per model chunk that runs pieces or was planned."""
-    grad_reduce: object | None = None
-    """grad_partition.GradPartition of the adaptive schedule; None with megatron-core's buckets."""
 
 
 class OverlapReport:

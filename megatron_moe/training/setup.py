@@ -1,4 +1,12 @@
-"""Model chunks wrapped in megatron-core DDP, the megatron optimizer and LR scheduler; the MoE pipeline's degrees."""
+"""A run's set-up: the overlap runtime, the model chunks in megatron-core DDP, the optimizer and LR scheduler, and
+the overlap planners' choices applied to the built model (pipeline degrees, operator partition, gradient partition,
+shadow costs).
+
+Inputs: the `RunConfig`, the transformer config and, for the planners, the cluster's fits. Outputs: the objects
+`training/__init__.py` wires together. Invariant: the `OverlapRuntime` is attached to the model once
+(`build_ddp_model`); later steps fill in its pieces (`install_grad_reduce_plan`'s launcher) and never touch the
+model's dispatchers again.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +30,9 @@ from megatron_moe.config.moe_layer import AUTO
 from megatron_moe.config.rules import parse_pieces, parse_ranges, partition_blocker
 from megatron_moe.model.builder import build_model_chunks, params_dtype
 from megatron_moe.model.partition import install_partition
-from megatron_moe.moe.dispatch import set_backward_overlap
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.moe.shadow import ShadowCosts
-from megatron_moe.overlap import WgradQueue, install_wgrad_overlap
 from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits, LayerSizes, LinearFit, Schedule, fit_linear
 from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, olp_dense_ms, plan_degrees
 from megatron_moe.overlap.grad_partition import GradPartition, t_ar_ms
@@ -48,6 +54,8 @@ from megatron_moe.overlap.profiler import (
     layer_profile_settings,
     timed_ms,
 )
+from megatron_moe.overlap.runtime import OverlapRuntime
+from megatron_moe.overlap.wgrad_queue import WgradQueue
 from megatron_moe.platform import current_platform
 
 log = logging.getLogger(__name__)
@@ -62,16 +70,23 @@ def build_wgrad_queue(cfg: RunConfig) -> WgradQueue | None:
     return WgradQueue(policy, max_mb=max_mb, num_layers=cfg.model.num_layers, report=cfg.moe.overlap_wgrad_report)
 
 
+def build_overlap_runtime(cfg: RunConfig) -> OverlapRuntime:
+    """The run's overlap runtime, built once before the model: Lancet's queue as --overlap-wgrad says; the
+    gradient-reduce launcher, plans and fits are filled in on it later in the set-up."""
+    return OverlapRuntime(wgrad_queue=build_wgrad_queue(cfg))
+
+
 def build_ddp_model(
-    cfg: RunConfig, config: TransformerConfig, vocab_size: int, wgrad_queue: WgradQueue | None = None
+    cfg: RunConfig, config: TransformerConfig, vocab_size: int, overlap: OverlapRuntime | None = None
 ) -> list[DistributedDataParallel]:
     """This rank's model chunks (one per virtual pipeline stage, else the one stage), each in its own megatron-core
     DDP as Megatron-LM's get_model wraps them (bucketing off from the second chunk on: its reduction overlaps the
-    other chunks' compute anyway); with `wgrad_queue`, their deferrable modules' weight gradients go through it
-    (megatron-core's `delay_wgrad_compute` protocol)."""
+    other chunks' compute anyway); `overlap` is attached to them (`OverlapRuntime.attach`): with its queue, their
+    deferrable modules' weight gradients go through it (megatron-core's `delay_wgrad_compute` protocol)."""
     modules = build_model_chunks(cfg, config, vocab_size)
-    if wgrad_queue is not None:
-        install_wgrad_overlap(modules, wgrad_queue)
+    if overlap is not None:
+        overlap.attach(modules)
+    wgrad_queue = overlap.wgrad_queue if overlap is not None else None
     adaptive = adaptive_grad_reduce(cfg)
     ddp_config = DistributedDataParallelConfig(
         delay_wgrad_compute=wgrad_queue is not None,
@@ -393,13 +408,11 @@ def install_shadow_costs(cfg: RunConfig, model, fits: ClusterFits | None, source
         log.info("shadow experts: auto, FasterMoE's greedy policy on the cost model (profile %s)", source)
 
 
-def install_grad_reduce_plan(
-    cfg: RunConfig, model, fits: ClusterFits | None, wgrad_queue: WgradQueue | None
-) -> GradReduceLauncher | None:
+def install_grad_reduce_plan(cfg: RunConfig, model, fits: ClusterFits | None) -> GradReduceLauncher | None:
     """--grad-reduce-schedule adaptive (FSMoE's gradient partition): the plan from `fits` and this
-    stage's MoE layers, realised in the model chunk's DDP bucket groups, launched from the MoE layers' backward
-    all-to-alls (`megatron_moe.overlap.grad_reduce`): the launcher (its `partition`, the plan). None where
-    megatron-core's buckets stay."""
+    stage's MoE layers, realised in the model chunk's DDP bucket groups: the launcher (its `partition`, the plan),
+    which the caller puts on the run's `OverlapRuntime` (the MoE layers' backward all-to-alls release its groups
+    through it, `megatron_moe.overlap.grad_reduce`). None where megatron-core's buckets stay."""
     why = adaptive_refused(cfg)
     if why and dist.get_rank() == 0:
         log.info("gradient reduction: megatron-core's buckets, not the adaptive partition (%s)", why)
@@ -415,9 +428,8 @@ def install_grad_reduce_plan(
     generalized = [dataclasses.replace(g, t_olp_dense_ms=dense[g.layer]) for g in generalized]
     partition = grad_partition(fits, generalized, tail, dw_in_backward=not experts_defer_wgrad(cfg))
     launch = assign_layers(ddp, partition, cfg.model.num_layers, reduced_params(ddp))
-    launcher = GradReduceLauncher(inner=wgrad_queue, partition=partition)
+    launcher = GradReduceLauncher(partition=partition)
     groups = regroup(ddp, launch, launcher, cfg.model.num_layers)["groups"]
-    set_backward_overlap(ddp.module, launcher)
     if dist.get_rank() == 0:
         shares = ", ".join(f"L{g.layer} {partition.assigned[g.layer] / 2**20:.2f}" for g in generalized)
         log.info(

@@ -47,7 +47,7 @@ def install() -> None:
 
     import megatron_moe.training as training
     from megatron_moe.moe import routing
-    from megatron_moe.overlap.runtime import WgradQueue
+    from megatron_moe.overlap.wgrad_queue import WgradQueue
     from megatron_moe.overlap.wgrad_schedule import parse_key
 
     def biased_logits(self, x_TH):

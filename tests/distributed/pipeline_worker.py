@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
-from megatron_moe.overlap.runtime import deliver  # noqa: E402
+from megatron_moe.overlap.wgrad_queue import deliver  # noqa: E402
 from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
 from tests.distributed.launcher import finish_job  # noqa: E402
 from tests.distributed.moe_worker import _inputs, global_weights, layer_config, tconfig  # noqa: E402

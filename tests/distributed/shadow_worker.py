@@ -4,7 +4,7 @@ Per layout (EP=2 with expert-DP 2; EP=4) and case (GELU dropless; SwiGLU with a 
 one layer (the same weights on every rank, `moe_worker.global_weights`), a training forward+backward with
 --moe-shadow-experts off, then with N in (1, 2, 3) shadowed experts at pipeline degrees (1, 1) and (2, 2), and with a
 deferring weight-gradient store (Lancet's protocol: the experts' dW closure run under the next backward all-to-all
-and delivered as the Trainer's queue delivers it, `overlap.runtime.deliver`) at (1, 1) and (2, 2). The figures are
+and delivered as the Trainer's queue delivers it, `overlap.wgrad_queue.deliver`) at (1, 1) and (2, 2). The figures are
 the largest differences over ranks per output, input gradient, expert weight gradients and router / shared
 gradients (`pipeline_worker.differences`), the shadowed experts (every rank's must agree) and the records of the
 shadow collectives; also the host waits once per forward+backward with shadowing on. Rank 0 writes

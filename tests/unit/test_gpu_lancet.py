@@ -14,7 +14,7 @@ import torch
 
 from megatron_moe.comm.core import Collective
 from megatron_moe.moe.experts import FFNExperts
-from megatron_moe.overlap.runtime import WgradQueue
+from megatron_moe.overlap.wgrad_queue import WgradQueue
 from tests.unit.gpu_emulation import emulated_transfer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,4 +1,4 @@
-"""Lancet's weight-gradient queue (megatron_moe/overlap/runtime.py) in one process, with fake deferrable modules.
+"""Lancet's weight-gradient queue (megatron_moe/overlap/wgrad_queue.py) in one process, with fake deferrable modules.
 
 A `FakeLinear` is a leaf `DeferrableWeights` whose backward computes dX and hands its dW closure to its store; a
 `fake_a2a` is an identity whose backward calls `queue.run_under` with a `FakeHandle`, as `comm.moe._AllToAll` does
@@ -14,7 +14,8 @@ import torch
 from megatron_moe.comm.core import Collective
 from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights
 from megatron_moe.overlap import wgrad_schedule
-from megatron_moe.overlap.runtime import MIB, PROFILE_ITERATION, WgradQueue, deliver, held_bytes
+from megatron_moe.overlap.runtime import OverlapRuntime
+from megatron_moe.overlap.wgrad_queue import MIB, PROFILE_ITERATION, WgradQueue, deliver, held_bytes
 from megatron_moe.platform.timing import HostStamps
 
 KEYS = ("L1.experts", "L1.shared_expert", "L1.router")  # forward order; backward runs them in reverse
@@ -370,7 +371,7 @@ def _ddp_model(run, queue):
     from megatron_moe.model import transformer_config
     from megatron_moe.training.setup import build_ddp_model
 
-    (model,) = build_ddp_model(run, transformer_config(run), 128, wgrad_queue=queue)
+    (model,) = build_ddp_model(run, transformer_config(run), 128, overlap=OverlapRuntime(queue))
     return model
 
 
