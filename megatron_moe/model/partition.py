@@ -1,36 +1,14 @@
 """Lancet's operator partition (section 5): a range of transformer layers runs as pieces of the micro-batch, so that
 the MoE layers' forward all-to-alls run under the other pieces' attention, router, experts and dense layers.
 
-Legend: S = sequence (this TP rank's shard under sequence parallelism), B = micro-batch, B_i = piece i's sequences,
-H = hidden, k = pieces.
-
-For each range [first, last] of this model chunk's layers (`--moe-partition-range`; all of them by default):
-1. the range's input [S, B, H] is split along B into k pieces [S, B_i, H] (`pieces.piece_sizes`);
-2. each piece runs the range's layers as a stage generator (`_layer_stages`): megatron-core's own attention half
-   (`TransformerLayer._forward_attention`: norm, attention, bias-dropout-add), then a dense MLP half as it is, or
-   the MoE half as our layer's stages (`MoELayer.stages`), which pause while the dispatch and the combine are in
-   flight;
-3. the pieces run interleaved in Lancet's stage order (`pieces.run_interleaved`): piece i's dispatch is in flight
-   while piece i+1 runs its attention and router, its combine while piece i+1 runs its experts and piece i the
-   next layer;
-4. the pieces' outputs are concatenated along B.
-Layers outside every range run whole, through megatron-core's block as written.
-
-The backward is planned by the same structure: each MoE all-to-all's reverse starts where the forward waited for it
-and is waited where the forward started it (`comm.moe`'s `_Landed` / `_AllToAll`), and autograd runs ready nodes
-latest-made first, so the pieces' backward interleaves in the reverse of their forward order: piece i's reverse
-combine is in flight under piece i-1's MLP-half backward, its reverse dispatch under piece i-1's experts and the
-pieces' attention backward. Every rank makes the same graph, so every rank issues the same collectives in order.
-
-What stays the micro-batch's: the gate routes each token alone (checked by `config.rules.check_partition`: no
-capacity, no noise), the router losses are computed over the whole micro-batch in its unpartitioned token order
-(`MoELayer._attach_batch_router_losses`), the statistics are recorded once. Attention, norms and the MLPs act per
-sequence, so a piece computes what the micro-batch would for its sequences; the numbers differ from unpartitioned
-only where a kernel's summation order depends on its batch size (fp32: within 1e-6 relative, tests/distributed/
-test_partition.py). Dropout draws per piece: another draw of the same distribution.
-
-Not partitioned (the block runs whole, `PartitionedTransformerBlock.forward`): evaluation and no-grad forwards,
-full activation recompute (refused at start-up when pieces are asked for), inference.
+Legend: S = sequence (this TP rank's shard), B = micro-batch, B_i = piece i's sequences, H = hidden, k = pieces.
+In: a range's input [S, B, H] (`--moe-partition-range`); out: the same [S, B, H], made by k pieces [S, B_i, H] that
+run the range's layers as stage generators (`_layer_stages`: megatron-core's attention half, then the dense MLP or
+our `MoELayer.stages`), interleaved in Lancet's order (`pieces.run_interleaved`), then concatenated along B.
+Invariants: the gate routes each token alone (`config.rules.check_partition`), the router losses and statistics
+are the whole micro-batch's; every rank builds the same graph, so the collectives are issued in the same order;
+results equal unpartitioned up to kernel summation order (fp32: 1e-6 relative). Evaluation, no-grad forwards and
+full recompute run the block whole. The steps and the backward's order: docs/internals/moe.md.
 """
 
 from __future__ import annotations

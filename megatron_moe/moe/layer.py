@@ -25,6 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe import comm
+from megatron_moe.config import features
 from megatron_moe.config.fields import require
 from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
 from megatron_moe.moe.aux_loss import AuxLossAutoScaler
@@ -229,15 +230,10 @@ class MoELayer(MegatronModule):
         return self._hooks_blocker()
 
     def _shadow_config_blocker(self) -> str | None:
-        """The flags' reasons against shadowing (EP = 1, capacity, ESP); issue 39 moves them into the config."""
+        """The flags' and layout's reason against shadowing (`config.features.shadow_blocker`), or None."""
         d = self.dispatcher
-        if d.group_size == 1:
-            return "one EP rank: every expert is local already"
-        if d.needs_padding or self.cfg.capacity_factor is not None:
-            return "a capacity limits each expert's rows (a shadowed expert's rows would escape it): dropless only"
-        if d.esp_size > 1:
-            return "expert-sharded experts (--expert-tensor-parallel-size > 1) are sliced over their ESP group"
-        return None
+        blocked = features.shadow_blocker(self.cfg, ep_size=d.group_size, esp_size=d.esp_size)
+        return None if blocked is None else blocked.why
 
     def _hooks_blocker(self) -> str | None:
         for hook in self.hooks:

@@ -1,18 +1,11 @@
 """Shared expert / dense-MoE residual (Arctic, DeepSpeed residual MoE).
 
-A dense MLP beside the routed experts, applied to every token, whose output is
-added to the MoE output. It needs nothing from the routed path, so the layer
-runs it after starting the dispatch all-to-all and before waiting on it.
-
 Legend: T = tokens, H = hidden, F = shared ffn width (x2 for SwiGLU).
-
-Its weights are replicated over tensor-parallel ranks (not split): under
-sequence parallelism each TP rank applies it to its own tokens, so the
-parameters are marked `sequence_parallel` and `finalize_model_grads` sums
-their gradients over TP.
-
-Both weight-gradient GEMMs can be deferred (`DeferrableWeights`): fc1's closure
-returns (dW1, None), fc2's (None, dW2).
+In: x_TH; out: a dense MLP's output [T, H] that the layer adds to the MoE output. It needs nothing from the routed
+path, so the layer runs it while the dispatch all-to-all is in flight. Its weights are replicated over TP ranks:
+under sequence parallelism each applies it to its own tokens, so the parameters are `sequence_parallel` and
+`finalize_model_grads` sums their gradients over TP. Both weight-gradient GEMMs can be deferred
+(`DeferrableWeights`): fc1's closure returns (dW1, None), fc2's (None, dW2).
 """
 
 from __future__ import annotations
