@@ -24,8 +24,6 @@ import json
 import os
 import sys
 
-import torch
-
 PACKAGE = os.path.join("megatron_moe", "")
 EXPERT_FRAMES = ("Expert", "GroupedMLP", "Pipeline")
 """Our functions whose qualified names hold one of these compute experts (a GEMM under them is an expert GEMM)."""
@@ -121,6 +119,7 @@ class PathRecorder:
 
 def build_layer(world: int):
     """The demo's MoE layer (examples/pretrain_gpt_moe_tiny_cpu.sh), over the world as its EP group."""
+    import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -145,7 +144,7 @@ def build_layer(world: int):
     return MoELayer(config, moe, ep_group=group, layer_number=1)
 
 
-def measure(layer, x: torch.Tensor, world: int) -> list[dict]:
+def measure(layer, x, world: int) -> list[dict]:
     """One warm-up forward and backward, then one recorded."""
     out, _ = layer(x)
     out.sum().backward()
@@ -173,6 +172,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=256, help="sequence x micro-batch tokens (default 256)")
     parser.add_argument("--files", action="store_true", help="list the files in each line")
     args = parser.parse_args(argv)
+    import torch  # after --help: it answers without torch
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         torch.distributed.init_process_group("gloo")
