@@ -32,17 +32,13 @@ class Blocked(typing.NamedTuple):
 def shadow_blocker(cfg: MoELayerConfig, *, ep_size: int | None, esp_size: int | None) -> Blocked | None:
     """--moe-shadow-experts: FasterMoE's shadow experts need other EP ranks, unsharded weights, exact rows (a size
     None: not known yet, e.g. a layer spec built before the process groups)."""
-    if ep_size == 1:
+    sharded = esp_size is not None and esp_size > 1
+    if ep_size == 1 or sharded:
         return Blocked(
             "off or auto",
             "shadowing needs --expert-model-parallel-size > 1 (one EP rank has every expert) and unsharded experts "
-            "(--expert-tensor-parallel-size 1)",
-        )
-    if esp_size is not None and esp_size > 1:
-        return Blocked(
-            "off or auto",
-            "shadowing needs --expert-model-parallel-size > 1 (one EP rank has every expert) and unsharded experts "
-            "(--expert-tensor-parallel-size 1; expert-sharded experts are sliced over their ESP group)",
+            "(--expert-tensor-parallel-size 1"
+            + ("; expert-sharded experts are sliced over their ESP group)" if sharded else ")"),
         )
     if cfg.pad_expert_input_to_capacity or cfg.capacity_factor is not None:
         return Blocked(

@@ -15,9 +15,7 @@ from typing import Any
 from megatron_moe.config import conditions as only
 from megatron_moe.config import features
 from megatron_moe.config.fields import ConfigError, arg, flag_name
-from megatron_moe.config.gate_traits import BALANCED_GATES, GATE_TRAITS, GATES, OWN_ORDER_GATES
-
-__all__ = ["BALANCED_GATES", "GATES", "OWN_ORDER_GATES"]  # re-exported: the gate table's derived tuples
+from megatron_moe.config.gate_traits import GATE_TRAITS, GATES
 
 DROP_POLICIES = ("probs", "position")
 """Megatron-LM's --moe-token-drop-policy: which pairs an over-full expert keeps (the highest weights, or the
