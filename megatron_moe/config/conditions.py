@@ -117,6 +117,15 @@ DYNAMIC_SCALE = When(
 )
 
 ROPE = When(lambda c: c.model.position_embedding_type == "rope", "with --position-embedding-type rope")
+MLA = When(lambda c: c.model.multi_latent_attention, "with --multi-latent-attention")
+NOT_MLA = When(
+    lambda c: not c.model.multi_latent_attention,
+    "without --multi-latent-attention (MLA's heads are --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim wide)",
+)
+MLA_YARN = When(
+    lambda c: c.model.multi_latent_attention and c.model.mla_rope_type == "yarn",
+    "with --multi-latent-attention and YaRN RoPE (--rope-type yarn, its default there)",
+)
 
 MCORE_MLP = When(
     lambda c: not c.moe.own_layer or 0 in c.moe.layer_pattern(c.model.num_layers),

@@ -14,6 +14,7 @@ import dataclasses
 from megatron_moe.config import conditions as only
 from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg
+from megatron_moe.config.groups_attention import AttentionFlags
 from megatron_moe.config.groups_moe import MoEConfig
 from megatron_moe.config.placement import PLACEMENTS
 
@@ -25,8 +26,8 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 @dataclasses.dataclass(kw_only=True)
-class ModelConfig:
-    """Transformer shape: layers, width, attention, positions, norms, activation."""
+class ModelConfig(AttentionFlags):
+    """Transformer shape: layers, width, attention (`AttentionFlags`' too), positions, norms, activation."""
 
     num_layers: int = arg(4, "transformer layers")
     hidden_size: int = arg(256, "model width")

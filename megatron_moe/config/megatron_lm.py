@@ -93,7 +93,6 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
         "the router's logits, probabilities and combine weights are fp32 here whatever the model's dtype",
         "only fp32 routing is supported (always on)",
     ),
-    "--rotary-percent": (("1.0", "1"), "RoPE covers the whole head here", "partial rotary is not supported yet"),
     "--recompute-method": (
         ("uniform",),
         "--recompute-granularity full recomputes megatron-core's uniform way, one layer at a time",
@@ -113,11 +112,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         True,
         "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it",
     ),
-    "--kv-channels": (
-        True,
-        "an attention head is --hidden-size / --num-attention-heads wide here; drop it (set those two instead)",
-    ),
-    "--qk-layernorm": (False, "query/key layer norm is not supported yet; drop it"),
     "--eod-mask-loss": (False, "masking the loss at document ends is not supported yet; drop it"),
     "--reset-position-ids": (False, "resetting position ids at document ends is not supported yet; drop it"),
     "--reset-attention-mask": (False, "per-document attention masks are not supported yet; drop it"),

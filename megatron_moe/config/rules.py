@@ -30,6 +30,7 @@ from megatron_moe.config.groups import (
 )
 from megatron_moe.config.moe_layer import group_limited_error
 from megatron_moe.config.parallel_dims import ParallelDims
+from megatron_moe.config.rules_attention import check_attention, check_attention_parallel
 from megatron_moe.config.rules_groups import (  # re-exported: the single-group checks
     check_activations,
     check_checkpoint,
@@ -258,12 +259,7 @@ def check_model(model: ModelConfig) -> None:
             model.seq_length,
             f"must be <= --max-position-embeddings={model.max_position_embeddings} (the learned-position table)",
         )
-    require(
-        model.hidden_size % model.num_attention_heads == 0,
-        "--hidden-size",
-        model.hidden_size,
-        f"must be a multiple of --num-attention-heads={model.num_attention_heads}",
-    )
+    check_attention(model)  # head widths, RoPE, MLA (rules_attention.py)
     if model.num_query_groups is not None:
         require(
             model.num_attention_heads % model.num_query_groups == 0,
@@ -420,6 +416,7 @@ def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelCon
         tp,
         f"must divide --num-attention-heads={model.num_attention_heads}",
     )
+    check_attention_parallel(model, tp, parallel.sequence_parallel)
     require(
         model.make_vocab_size_divisible_by % tp == 0,
         "--make-vocab-size-divisible-by",

@@ -13,6 +13,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
+from megatron_moe.model import attention
 from megatron_moe.model.fusions import Fusions, choose_fusions
 from megatron_moe.model.spec import block_spec
 from megatron_moe.moe.experts import mark_expert_params
@@ -80,7 +81,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         )
         if not moe.own_layer:
             moe_kwargs.update(_mcore_moe_settings(cfg))
-    return TransformerConfig(
+    return attention.config_class(m)(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_width,
@@ -125,6 +126,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         recompute_method="uniform" if cfg.activations.full_recompute else None,
         recompute_num_layers=1 if cfg.activations.full_recompute else None,
         attention_backend=AttnBackend.flash if m.use_flash_attn else AttnBackend.auto,
+        **attention.config_kwargs(m),  # head width, q/k norms, MLA and its RoPE
         **moe_kwargs,
     )
 
@@ -201,6 +203,7 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_s
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
         vp_stage=vp_stage,
     )
     model.to(current_platform().device)  # megatron-core puts its own modules there already, ours follow

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_moe.config import RunConfig
+from megatron_moe.model.attention import mla_fused_rope
 from megatron_moe.platform.fusions import MISSING, FusedKernels
 
 LABELS = {
@@ -98,6 +99,8 @@ def choose_fusions(cfg: RunConfig, kernels: FusedKernels, *, transformer_engine:
             (not m.no_rope_fusion, "--no-rope-fusion"),
             (gpu, NO_ACCELERATOR),
             (kernels.rope, MISSING["rope"]),
+            (not m.multi_latent_attention or m.mla_rope_type == "yarn", "MLA's fused RoPE is YaRN's only"),
+            (not m.multi_latent_attention or mla_fused_rope(), "no fused MLA YaRN kernel (megatron-core's triton)"),
         ],
         "gradient_accumulation": [
             (not m.no_gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),

@@ -19,9 +19,6 @@ import dataclasses
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -34,6 +31,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_moe.model.attention import attention_spec
 from megatron_moe.moe import MoELayerConfig, moe_layer_spec
 from megatron_moe.overlap.linears import DeferrableColumnParallelLinear, DeferrableRowParallelLinear
 from megatron_moe.platform.norms import SequenceParallelNorm
@@ -70,7 +68,7 @@ def dense_mlp_spec(backend: BackendSpecProvider) -> ModuleSpec:
 def layer_spec(
     config: TransformerConfig, *, moe: bool, backend: BackendSpecProvider, moe_layer: MoELayerConfig | None = None
 ) -> ModuleSpec:
-    """One transformer layer: norm -> self-attention -> norm -> MLP or MoE.
+    """One transformer layer: norm -> self-attention (`attention_spec`: MLA, q/k norms) -> norm -> MLP or MoE.
 
     MoE layers hold megatron_moe's MoELayer when `moe_layer` is given, else megatron-core's.
     """
@@ -89,17 +87,7 @@ def layer_spec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=SequenceParallelNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=column,
-                    core_attention=backend.core_attention(),
-                    linear_proj=row,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
+            self_attention=attention_spec(config, backend, column, row),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=SequenceParallelNorm,
             mlp=mlp,

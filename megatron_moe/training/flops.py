@@ -4,7 +4,8 @@ Every matrix multiply of a token's path costs 2 FLOPs per weight forward and 4 b
 gradients): 6 x the weights a token meets. A token meets the attention projections, the dense MLPs, in an MoE
 layer the router, its top-k experts and the shared expert, and the output layer (the vocabulary, padded).
 Attention scores and their weighted sum add 2 x 2 x s x h forward per token and layer, 12 x s x h with backward
-(the full s x s square, as Megatron-LM counts it, not halved for the causal mask). Norms, biases, softmax and
+(the full s x s square, not halved for the causal mask), h being heads x head width (--kv-channels); with MLA
+2 x s x n x (q head + v head) forward, so 6 x s x n x (q + v head) with backward. Norms, biases, softmax and
 activations are left out. Recomputation is not counted: these are model FLOPs, not hardware FLOPs.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from megatron_moe.config import RunConfig
+from megatron_moe.config import ModelConfig, RunConfig
 from megatron_moe.platform import PeakRate
 
 log = logging.getLogger("megatron_moe")
@@ -23,8 +24,7 @@ def matmul_params_per_token(cfg: RunConfig, vocab_size: int) -> int:
     biases, with the output layer counted even when tied to the embedding."""
     m, moe = cfg.model, cfg.moe
     h = m.hidden_size
-    kv = h // m.num_attention_heads * (m.num_query_groups or m.num_attention_heads)
-    attention = h * h + 2 * h * kv + h * h  # Q, K and V, output projection
+    attention = attention_params(m)
     mats = 3 if m.swiglu else 2
     dense = mats * h * m.ffn_width
     pattern = moe.layer_pattern(m.num_layers) if moe.is_moe else [0] * m.num_layers
@@ -41,10 +41,30 @@ def matmul_params_per_token(cfg: RunConfig, vocab_size: int) -> int:
     return total + h * vocab_size
 
 
+def attention_params(m: ModelConfig) -> int:
+    """One layer's attention projection weights: Q, K, V and output (heads x --kv-channels wide), or MLA's down-
+    and up-projections of its query (or its one query projection) and key/value latents, and its output."""
+    n, h = m.num_attention_heads, m.hidden_size
+    if not m.multi_latent_attention:
+        q, kv = n * m.head_dim, (m.num_query_groups or n) * m.head_dim
+        return h * q + 2 * h * kv + q * h
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    query = h * n * q_head if m.q_lora_rank is None else m.q_lora_rank * (h + n * q_head)
+    key_value = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
+    return query + key_value + n * m.v_head_dim * h
+
+
+def attention_score_width(m: ModelConfig) -> float:
+    """Per token and key, the multiply-adds of scores and their weighted sum over all heads: q.k and p.v widths."""
+    if m.multi_latent_attention:
+        return m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) / 2
+    return m.num_attention_heads * m.head_dim
+
+
 def flops_per_token(cfg: RunConfig, vocab_size: int) -> float:
     """Forward and backward model FLOPs of one token (module docstring)."""
     m = cfg.model
-    attention_scores = 12 * m.num_layers * m.seq_length * m.hidden_size
+    attention_scores = 12 * m.num_layers * m.seq_length * attention_score_width(m)
     return 6.0 * matmul_params_per_token(cfg, vocab_size) + attention_scores
 
 

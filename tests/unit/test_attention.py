@@ -1,0 +1,130 @@
+"""The attention flags (--kv-channels, --qk-layernorm, multi-latent attention and its YaRN RoPE, --rotary-percent):
+the flag pass takes DeepSeek-V2-Lite's, DeepSeek-V3's and Qwen3's and refuses bad values by name; our spec's model
+equals megatron-core's own local spec's given the same weights; a tiny MLA + YaRN + q/k-norm MoE model trains."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_moe.config import ConfigError, parse_args
+
+BASE = ["--data-path", "d", "--tokenizer-model", "t"]
+DEEPSEEK_V2_LITE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-channels 16 --multi-latent-attention "
+    "--kv-lora-rank 32 --v-head-dim 16 --qk-head-dim 16 --qk-layernorm --qk-pos-emb-head-dim 8 --rotary-percent 1.0 "
+    "--rotary-base 10000 --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 --normalization RMSNorm "
+    "--position-embedding-type rope --swiglu --disable-bias-linear"
+).split()
+"""Megatron-LM's DeepSeek-V2-Lite attention flags (examples/post_training/modelopt/conf), sizes shrunk."""
+DEEPSEEK_V3 = [*DEEPSEEK_V2_LITE, "--q-lora-rank", "48"]
+QWEN3 = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --kv-channels 32 --qk-layernorm "
+    "--normalization RMSNorm --position-embedding-type rope --rotary-base 1000000 --swiglu --disable-bias-linear"
+).split()
+"""Megatron-LM's Qwen3-30B-A3B attention flags: heads wider than hidden / heads (4 x 32 > 64), GQA, q/k norms."""
+
+
+def config(*flags: str, world_size: int = 1):
+    cfg = parse_args([*BASE, *flags])
+    cfg.validate(world_size)
+    return cfg
+
+
+@pytest.mark.parametrize("flags", [DEEPSEEK_V2_LITE, DEEPSEEK_V3, QWEN3], ids=["v2-lite", "v3", "qwen3"])
+def test_the_flag_pass_takes_megatron_lm_attention_flags(flags):
+    cfg = config(*flags)
+    m = cfg.model
+    assert m.qk_layernorm
+    if m.multi_latent_attention:
+        assert (m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim) == (32, 16, 8, 16)
+        assert m.mla_rope_type == "yarn" and m.rotary_scaling_factor == 40 and m.mscale_all_dim == 0.707
+        assert m.q_lora_rank == (48 if "--q-lora-rank" in flags else None)
+        assert any(n.startswith("--kv-channels 16: changes nothing") for n in cfg.notes)  # MLA's heads are its own
+    else:
+        assert m.head_dim == 32 and m.num_query_groups == 2
+
+
+def test_megatron_lm_defaults():
+    m = config().model
+    assert (m.kv_channels, m.qk_layernorm, m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank) == (
+        None,
+        False,
+        False,
+        None,
+        32,
+    )
+    assert (m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.rope_type, m.rotary_percent) == (
+        128,
+        64,
+        128,
+        None,
+        1,
+    )
+    assert (m.rotary_scaling_factor, m.mscale, m.mscale_all_dim) == (1.0, 1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--kv-channels", "0"], "--kv-channels=0"),
+        (["--multi-latent-attention", "--kv-lora-rank", "-1"], "--kv-lora-rank=-1"),
+        (["--multi-latent-attention", "--qk-pos-emb-head-dim", "7"], "--qk-pos-emb-head-dim=7"),
+        (["--multi-latent-attention", "--q-lora-rank", "0"], "--q-lora-rank=0"),
+        (["--multi-latent-attention", "--v-head-dim", "0"], "--v-head-dim=0"),
+        (["--multi-latent-attention", "--position-embedding-type", "learned_absolute"], "--position-embedding-type"),
+        (["--multi-latent-attention", "--num-query-groups", "2"], "--num-query-groups=2"),
+        (["--multi-latent-attention", "--mscale-all-dim", "-1"], "--mscale-all-dim=-1"),
+        (["--rope-type", "yarn"], "--rope-type=yarn"),
+        (["--rotary-percent", "0"], "--rotary-percent=0"),
+        (["--rotary-percent", "1.5"], "--rotary-percent=1.5"),
+        (["--hidden-size", "64", "--num-attention-heads", "4", "--rotary-percent", "0.1"], "--rotary-percent=0.1"),
+        (["--hidden-size", "60", "--num-attention-heads", "8"], "--hidden-size=60"),
+    ],
+)
+def test_bad_attention_values_are_refused_by_name(flags, named):
+    with pytest.raises(ConfigError, match=named.replace("-", r"\-")):
+        config(*flags)
+
+
+def test_hidden_not_a_multiple_of_heads_is_fine_with_kv_channels():
+    assert config("--hidden-size", "60", "--num-attention-heads", "8", "--kv-channels", "16").model.head_dim == 16
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--q-lora-rank", "33"], "--q-lora-rank=33"),
+        (["--kv-lora-rank", "31"], "--kv-lora-rank=31"),  # 31 + 8 outputs
+        (["--qk-layernorm"], "--qk-layernorm"),  # its latent norm's gradient needs sequence parallelism
+    ],
+)
+def test_mla_under_tensor_parallelism_is_checked_by_name(flags, named):
+    mla = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--multi-latent-attention"]
+    mla += ["--qk-pos-emb-head-dim", "8", "--tensor-model-parallel-size", "2"]
+    with pytest.raises(ConfigError, match=named):
+        config(*mla, *flags, world_size=2)
+    config(*mla, "--sequence-parallel", "--q-lora-rank", "32", world_size=2)  # and a layout that fits passes
+
+
+def test_refusals_of_these_flags_are_gone():
+    from megatron_moe.config import megatron_lm
+
+    for flag in ("--kv-channels", "--qk-layernorm"):
+        assert flag not in megatron_lm.REFUSED
+    assert "--rotary-percent" not in megatron_lm.NOT_NEEDED_WITH
+    assert config("--rotary-percent", "0.5").model.rotary_percent == 0.5
+
+
+def test_flops_count_the_attention_flags():
+    from megatron_moe.training.flops import matmul_params_per_token
+
+    plain = matmul_params_per_token(config("--hidden-size", "64", "--num-attention-heads", "4"), 128)
+    wide = matmul_params_per_token(
+        config("--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "32"), 128
+    )
+    assert wide - plain == 4 * 4 * (64 * 64)  # 4 layers; Q, K, V and O each 64 x 128 instead of 64 x 64
+    mla = config(*DEEPSEEK_V2_LITE, "--num-layers", "4", "--q-lora-rank", "48")
+    h, n = 64, 4
+    attention = 48 * h + 48 * n * 24 + h * (32 + 8) + 32 * n * (16 + 16) + n * 16 * h  # q down/up, kv down/up, o
+    dense = 3 * h * 4 * h
+    assert matmul_params_per_token(mla, 128) == 4 * (attention + dense) + h * 128
