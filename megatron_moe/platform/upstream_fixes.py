@@ -182,6 +182,22 @@ def _groups_made_without_the_timeout() -> bool:
     return any("timeout" not in call for call in calls)
 
 
+# 6. multi_latent_attention.py sets HAVE_TE when `megatron.core.extensions.transformer_engine` imports, which it
+#    also does without transformer-engine (its classes then derive from MagicMock stand-ins): MLASelfAttention's
+#    `isinstance(self.linear_proj, TELinear)` then raises TypeError, so MLA cannot be built without it. Its flag
+#    follows the extension's own HAVE_TE (transformer-engine imported).
+def _apply_mla_have_te() -> None:
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = multi_latent_attention.HAVE_TE and transformer_engine.HAVE_TE
+
+
+def _mla_trusts_the_extension_import() -> bool:
+    src = source("megatron.core.transformer.multi_latent_attention")
+    return "isinstance(self.linear_proj, TELinear)" in src and "transformer_engine.HAVE_TE" not in src
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "te_general_gemm",
@@ -212,6 +228,12 @@ PATCHES: tuple[Patch, ...] = (
         "dist_checkpointing's writer processes (Manager, forked writers) outlive a killed rank.",
         _apply_writer_lifetime,
         _writer_processes_outlive_their_rank,
+    ),
+    Patch(
+        "mla_without_transformer_engine",
+        "MLASelfAttention raises TypeError without transformer-engine (isinstance of a MagicMock stand-in).",
+        _apply_mla_have_te,
+        _mla_trusts_the_extension_import,
     ),
 )
 
