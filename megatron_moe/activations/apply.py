@@ -20,6 +20,12 @@ from megatron_moe.config.activation_policy import ActivationPolicy
 LAYER_MODULES = (
     ("input_layernorm", "input_norm"),
     ("self_attention.linear_qkv", "qkv"),
+    # multi-latent attention's query and key/value projections (whichever its --q-lora-rank builds)
+    ("self_attention.linear_q_proj", "qkv"),
+    ("self_attention.linear_q_down_proj", "qkv"),
+    ("self_attention.linear_q_up_proj", "qkv"),
+    ("self_attention.linear_kv_down_proj", "qkv"),
+    ("self_attention.linear_kv_up_proj", "qkv"),
     ("self_attention.core_attention", "core_attention"),
     ("self_attention.linear_proj", "attn_proj"),
     ("pre_mlp_layernorm", "pre_mlp_norm"),

@@ -4,6 +4,8 @@ equals megatron-core's own local spec's given the same weights; a tiny MLA + YaR
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from megatron_moe.config import ConfigError, parse_args
@@ -234,3 +236,59 @@ def test_probes_of_what_megatron_core_lacks_still_fire():
     (mla_fix,) = [p for p in upstream_fixes.PATCHES if p.name == "mla_without_transformer_engine"]
     for probe in (*PROBES, mla_fix):
         assert probe.still_needed(), probe.name
+
+
+MLA_MOE = (
+    "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+    "--v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 "
+    "--normalization RMSNorm --swiglu --disable-bias-linear"
+).split()
+"""A DeepSeek-V3-shaped attention (q and kv latents with their norms, YaRN) on one_rank_run's tiny MoE model."""
+
+
+class SameBatches:
+    """One fixed batch every step, so that the loss must fall."""
+
+    def __init__(self):
+        import torch
+
+        from tests.unit.one_rank_run import MICRO, SEQ, VOCAB
+
+        tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
+        self.batch = {
+            "tokens": tokens,
+            "labels": tokens.roll(-1, dims=1),
+            "loss_mask": torch.ones(MICRO, SEQ),
+            "position_ids": torch.arange(SEQ).expand(MICRO, SEQ),
+        }
+        self.train_iterator = self.valid_iterator()
+
+    def valid_iterator(self):
+        while True:
+            yield self.batch
+
+
+@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective", "--recompute-modules", "qkv"]])
+def test_a_tiny_mla_yarn_qk_norm_model_trains(megatron_world1, extra):
+    """Through the real trainer (megatron-core's DDP, optimizer, schedule): finite, falling losses; also with the
+    activation policy recomputing MLA's q/kv projections (`--recompute-modules qkv` covers them)."""
+    import math
+
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from tests.unit.one_rank_run import one_rank_trainer
+
+    cfg, trainer = one_rank_trainer(*MLA_MOE, *extra, "--train-iters", "4", "--lr", "1e-2", "--lr-warmup-iters", "0")
+    trainer.data = SameBatches()
+    model = trainer.model[0]
+    assert any(isinstance(m, MLASelfAttention) for m in model.modules())
+    names = [name for name, _ in model.named_parameters()]
+    assert any("q_layernorm" in n for n in names) and any("kv_layernorm" in n for n in names)
+    losses = [step["lm loss"] for step in trainer.train()]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.1, losses
+    if extra:  # the activation policy's `qkv` region holds MLA's four q/kv projections
+        for layer in model.module.decoder.layers:
+            attention = layer.self_attention
+            for name in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
+                forward = getattr(attention, name).forward
+                assert isinstance(forward, functools.partial) and forward.args[0] == "qkv", name
