@@ -29,12 +29,13 @@ log = logging.getLogger("megatron_moe")
 
 def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
     """Refuse a checkpoint whose model shape differs, naming every differing flag."""
-    current = cfg.to_dict()
+    current, default = cfg.to_dict(), RunConfig().to_dict()  # a flag newer than the checkpoint: its default
     diffs = [
-        f"--{name.replace('_', '-')}: checkpoint {saved[group][name]!r}, now {current[group][name]!r}"
+        f"--{name.replace('_', '-')}: checkpoint {saved[group].get(name, default[group][name])!r}, "
+        f"now {current[group][name]!r}"
         for group, names in SHAPE_FIELDS.items()
         for name in names
-        if saved[group].get(name) != current[group][name]
+        if saved[group].get(name, default[group][name]) != current[group][name]
     ]
     if diffs:
         raise ConfigError(f"--load={path}: the checkpoint's model differs: " + "; ".join(diffs))

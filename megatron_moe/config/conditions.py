@@ -124,7 +124,7 @@ NOT_MLA = When(
 )
 MLA_YARN = When(
     lambda c: c.model.multi_latent_attention and c.model.mla_rope_type == "yarn",
-    "with --multi-latent-attention and YaRN RoPE (--rope-type yarn, its default there)",
+    "with --multi-latent-attention and YaRN RoPE (--rope-type yarn, or unset)",
 )
 
 MCORE_MLP = When(

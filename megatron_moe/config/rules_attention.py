@@ -67,7 +67,7 @@ def _check_heads(model: ModelConfig) -> None:
             model.hidden_size % model.num_attention_heads == 0,
             "--hidden-size",
             model.hidden_size,
-            f"must be a multiple of --num-attention-heads={model.num_attention_heads} (or give --kv-channels)",
+            f"must be a multiple of --num-attention-heads={model.num_attention_heads}",
         )
     if model.position_embedding_type == "rope":
         _require_even_rotation("--rotary-percent", model.head_dim, model.rotary_percent)

@@ -228,16 +228,6 @@ def test_latent_core_attention_is_causal_attention_with_mla_head_widths(megatron
     torch.testing.assert_close(out_SBV, ref_BNSV.permute(2, 0, 1, 3).reshape(s, b, n * 16))
 
 
-def test_probes_of_what_megatron_core_lacks_still_fire():
-    """When one fails, megatron-core has fixed it: drop the intervention (model/attention.py, upstream_fixes.py)."""
-    from megatron_moe.model.attention import PROBES
-    from megatron_moe.platform import upstream_fixes
-
-    (mla_fix,) = [p for p in upstream_fixes.PATCHES if p.name == "mla_without_transformer_engine"]
-    for probe in (*PROBES, mla_fix):
-        assert probe.still_needed(), probe.name
-
-
 MLA_MOE = (
     "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
     "--v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 "
@@ -292,3 +282,17 @@ def test_a_tiny_mla_yarn_qk_norm_model_trains(megatron_world1, extra):
             for name in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
                 forward = getattr(attention, name).forward
                 assert isinstance(forward, functools.partial) and forward.args[0] == "qkv", name
+
+
+def test_a_checkpoint_of_another_attention_is_refused_and_an_older_one_loads():
+    from megatron_moe.checkpointing import check_compatible
+
+    saved = config(*DEEPSEEK_V2_LITE).to_dict()
+    with pytest.raises(ConfigError, match="--q-lora-rank: checkpoint None, now 48"):
+        check_compatible(saved, config(*DEEPSEEK_V3), "ckpt")
+    older = config().to_dict()  # saved before the attention flags: none of their keys
+    for name in ("kv_channels", "qk_layernorm", "multi_latent_attention", "kv_lora_rank", "qk_head_dim"):
+        del older["model"][name]
+    check_compatible(older, config(), "ckpt")
+    with pytest.raises(ConfigError, match="--qk-layernorm: checkpoint False, now True"):
+        check_compatible(older, config("--qk-layernorm"), "ckpt")

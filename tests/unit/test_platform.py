@@ -17,12 +17,19 @@ import torch
 
 from megatron_moe import overlap
 from megatron_moe.comm import megatron_core
-from megatron_moe.model import partition
+from megatron_moe.model import attention, partition
 from megatron_moe.overlap import grad_reduce, install, linears
 from megatron_moe.platform import cpu_compat, current_platform, init_platform, upstream_fixes
 from megatron_moe.platform.norms import SequenceParallelNorm
 
-ALL_PATCHES = cpu_compat.PATCHES + upstream_fixes.PATCHES + megatron_core.TAPS + overlap.PROBES + partition.PROBES
+ALL_PATCHES = (
+    cpu_compat.PATCHES
+    + upstream_fixes.PATCHES
+    + megatron_core.TAPS
+    + overlap.PROBES
+    + partition.PROBES
+    + attention.PROBES
+)
 ON_GPU = current_platform().is_accelerator
 cpu_only = pytest.mark.skipif(ON_GPU, reason="the CPU patches apply only without CUDA (MEGATRON_MOE_FORCE_CPU=1)")
 
