@@ -296,3 +296,28 @@ def test_a_checkpoint_of_another_attention_is_refused_and_an_older_one_loads():
     check_compatible(older, config(), "ckpt")
     with pytest.raises(ConfigError, match="--qk-layernorm: checkpoint False, now True"):
         check_compatible(older, config("--qk-layernorm"), "ckpt")
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_the_transformer_engine_spec_is_megatron_cores_with_our_norms(mla):
+    """megatron-core's TE spec (get_gpt_layer_with_transformer_engine_spec, which cannot be called without
+    transformer-engine): TELinear down-projections, TE column/row-parallel linears and attention; here with
+    `SequenceParallelNorm` q/k (latent) norms where it fuses them into TELayerNormColumnParallelLinear / TENorm."""
+    from megatron.core.extensions import transformer_engine as te
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    from megatron_moe.model import transformer_config
+    from megatron_moe.model.spec import layer_spec
+    from megatron_moe.platform.norms import SequenceParallelNorm
+
+    cfg = config(*(DEEPSEEK_V3 if mla else QWEN3))
+    attention = layer_spec(transformer_config(cfg), moe=False, backend=TESpecProvider()).submodules.self_attention
+    s = attention.submodules
+    assert s.core_attention is te.TEDotProductAttention and s.linear_proj is te.TERowParallelLinear
+    if mla:
+        assert s.linear_q_down_proj is te.TELinear and s.linear_kv_down_proj is te.TELinear
+        assert s.linear_q_up_proj is te.TEColumnParallelLinear and s.linear_kv_up_proj is te.TEColumnParallelLinear
+        assert s.q_layernorm is SequenceParallelNorm and s.kv_layernorm is SequenceParallelNorm
+    else:
+        assert s.linear_qkv is te.TEColumnParallelLinear
+        assert s.q_layernorm is SequenceParallelNorm and s.k_layernorm is SequenceParallelNorm

@@ -142,7 +142,14 @@ def checkpoint_entries(module) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("flags", [[], ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"],
+        ["--qk-layernorm", "--kv-channels", "32", "--num-query-groups", "2"],  # Qwen3's attention
+    ],
+)
 def test_the_te_and_local_specs_write_the_same_checkpoint_keys(megatron_world1, te_layers, flags):
     (te,) = build(*flags)[1]
     te_layers(False)
