@@ -40,6 +40,13 @@ def incompatibilities(cfg: RunConfig) -> list[str]:
             f"--position-embedding-type={m.position_embedding_type} (Mixtral uses RoPE)",
         ),
         (m.disable_bias_linear, "biases in linear layers (Mixtral has none: --disable-bias-linear)"),
+        (not m.multi_latent_attention, "--multi-latent-attention (Mixtral's attention is GQA)"),
+        (not m.qk_layernorm, "--qk-layernorm (Mixtral has no query/key norms)"),
+        (
+            m.multi_latent_attention or m.head_dim * m.num_attention_heads == m.hidden_size,
+            f"--kv-channels={m.kv_channels} (export writes heads of --hidden-size / --num-attention-heads)",
+        ),
+        (m.rotary_percent == 1.0, f"--rotary-percent={m.rotary_percent} (Mixtral rotates whole heads)"),
         (
             m.untie_embeddings_and_output_weights,
             "tied input/output embeddings (Mixtral unties them: --untie-embeddings-and-output-weights)",

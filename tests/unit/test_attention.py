@@ -321,3 +321,22 @@ def test_the_transformer_engine_spec_is_megatron_cores_with_our_norms(mla):
     else:
         assert s.linear_qkv is te.TEColumnParallelLinear
         assert s.q_layernorm is SequenceParallelNorm and s.k_layernorm is SequenceParallelNorm
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--multi-latent-attention", "--qk-pos-emb-head-dim", "8"], "--multi-latent-attention"),
+        (["--qk-layernorm"], "--qk-layernorm"),
+        (["--kv-channels", "32"], "--kv-channels=32"),
+        (["--rotary-percent", "0.5"], "--rotary-percent=0.5"),
+    ],
+)
+def test_export_to_mixtral_refuses_attention_it_cannot_write(flags, named):
+    from megatron_moe.checkpointing import hf_mixtral
+
+    mixtral = "--num-experts 4 --moe-layer-freq 1 --swiglu --normalization RMSNorm --disable-bias-linear"
+    cfg = config(*mixtral.split(), "--untie-embeddings-and-output-weights", "--hidden-size", "64", *flags)
+    assert hf_mixtral.incompatibilities(config(*mixtral.split(), "--untie-embeddings-and-output-weights")) == []
+    (problem,) = hf_mixtral.incompatibilities(cfg)
+    assert named in problem
