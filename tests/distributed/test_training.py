@@ -57,6 +57,20 @@ def test_checkpoint_resumes_in_another_layout(runs, case):
     assert_matches(layouts[case], reference)
 
 
+def test_mla_under_tp2_sp_ep2_matches_single_process_and_resumes_there(runs):
+    """DeepSeek-V3's attention shrunk (MLA, q/kv latent norms, YaRN; issue 40) at TP=2 + SP x EP=2 with Lancet's
+    greedy dW deferral, from the single-process run's initial weights; its step-2 checkpoint resumed in that layout
+    recomputing the attention's modules (qkv, core_attention, attn_proj)."""
+    _, layouts, _ = runs
+    reference = layouts["mla"]
+    assert len(reference) == 4 and reference[-1]["lm loss"] < reference[0]["lm loss"]
+    assert_matches(layouts["mla_tp2_ep2"], reference)
+    assert sum(step["wgrad"]["under_a2a"] for step in layouts["mla_tp2_ep2"]) > 0  # the greedy plan deferred dW
+    resumed = layouts["mla_resume_as_tp2_ep2_recompute"]
+    assert [s["iteration"] for s in resumed] == [3, 4]
+    assert_matches(resumed, reference)
+
+
 def test_only_tensor_parallel_layouts_show_tp_traffic(runs):
     """At TP=1 megatron-core's collectives over the TP group (one rank) are done locally: the timers see no `tp`
     kind; at TP=2 they do."""

@@ -130,6 +130,13 @@ ESP_LAYOUTS = {
 }
 
 
+MLA = (
+    "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+    "--v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707"
+).split()
+"""DeepSeek-V3's attention shrunk: q and kv latents with their norms, YaRN RoPE (issue 40)."""
+
+
 def train(*extra: str, model: list[str] = MODEL) -> list[dict]:
     """One run; every rank returns the logging rank's per-step figures.
 
@@ -161,6 +168,26 @@ def reference() -> dict:
         "no_balancing": train("--train-iters", "1", "--moe-router-load-balancing-type", "none"),
         "expert_choice": train("--train-iters", "1", "--moe-gate", "expert_choice"),
         "ref_params_norm_from_checkpoint": params_norm_of_checkpoint(ckpt("ref")),
+    } | mla_reference()
+
+
+def mla_reference() -> dict:
+    """The MLA model in one process from its saved initial weights, saving at step 2 (`mla_layouts` resumes it)."""
+    train("--train-iters", "0", "--save", ckpt("mla_init"), *MLA)
+    init = ["--train-iters", str(ITERS), "--load", ckpt("mla_init")]
+    return {"mla": train(*init, *MLA, "--save", ckpt("mla"), "--save-interval", "2")}
+
+
+def mla_layouts() -> dict:
+    """The MLA model at TP=2 + SP x EP=2 (Lancet's greedy dW deferral on by default at EP > 1), from the single-
+    process run's initial weights; and its step-2 checkpoint resumed there recomputing the attention's modules."""
+    tp2_ep2 = [*MLA, *LAYOUTS["tp2_ep2"]]
+    recompute = ["--recompute-granularity", "selective", "--recompute-modules", "qkv", "core_attention", "attn_proj"]
+    return {
+        "mla_tp2_ep2": train("--train-iters", str(ITERS), "--load", ckpt("mla_init"), *tp2_ep2),
+        "mla_resume_as_tp2_ep2_recompute": train(
+            "--train-iters", str(ITERS), "--load", ckpt("mla/iter_0000002"), *tp2_ep2, *recompute
+        ),
     }
 
 
@@ -201,7 +228,7 @@ def layouts() -> dict:
     results["timeouts_3_minutes"] = timeouts_of_a_run("--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])
     # Read by one plain model; after the timeouts are taken (its parallel state has megatron-core's own timeout).
     results["vpp_params_norm_from_checkpoint"] = params_norm_of_checkpoint(ckpt("vpp"))
-    return results
+    return results | mla_layouts()
 
 
 def virtual_pipeline(init: list[str]) -> dict:
