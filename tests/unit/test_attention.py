@@ -340,3 +340,18 @@ def test_export_to_mixtral_refuses_attention_it_cannot_write(flags, named):
     assert hf_mixtral.incompatibilities(config(*mixtral.split(), "--untie-embeddings-and-output-weights")) == []
     (problem,) = hf_mixtral.incompatibilities(cfg)
     assert named in problem
+
+
+def test_mla_rope_fusion_only_with_yarn_and_megatron_cores_mla_kernel(monkeypatch):
+    """megatron-core refuses apply_rope_fusion for MLA with plain RoPE, and MLA's fused YaRN needs its triton kernel."""
+    from megatron_moe.model import fusions
+    from megatron_moe.platform.fusions import FusedKernels
+
+    every = FusedKernels(accelerator=True, grad_accum=True, masked_softmax=True, rope=True)
+    monkeypatch.setattr(fusions, "mla_fused_rope", lambda: True)
+    assert fusions.choose_fusions(config(*DEEPSEEK_V3), every, transformer_engine=True).rope
+    chosen = fusions.choose_fusions(config(*DEEPSEEK_V3, "--rope-type", "rope"), every, transformer_engine=True)
+    assert not chosen.rope and "YaRN" in chosen.off["rope"]
+    monkeypatch.setattr(fusions, "mla_fused_rope", lambda: False)
+    assert not fusions.choose_fusions(config(*DEEPSEEK_V3), every, transformer_engine=True).rope
+    assert fusions.choose_fusions(config(*QWEN3), every, transformer_engine=True).rope  # not MLA: TE's kernel
