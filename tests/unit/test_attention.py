@@ -355,3 +355,40 @@ def test_mla_rope_fusion_only_with_yarn_and_megatron_cores_mla_kernel(monkeypatc
     monkeypatch.setattr(fusions, "mla_fused_rope", lambda: False)
     assert not fusions.choose_fusions(config(*DEEPSEEK_V3), every, transformer_engine=True).rope
     assert fusions.choose_fusions(config(*QWEN3), every, transformer_engine=True).rope  # not MLA: TE's kernel
+
+
+@pytest.mark.parametrize(
+    "overlap",
+    [
+        ["--moe-partition-pieces", "2", "--moe-partition-range", "all"],  # Lancet's operator partition
+        ["--moe-pipeline-degree", "2", "--moe-bp-pipeline-degree", "2"],  # the chunked pipeline
+    ],
+    ids=["operator-partition", "chunked-pipeline"],
+)
+def test_mla_composes_with_the_moe_overlaps(megatron_world1, overlap):
+    """The same MLA + q/k-norm MoE model, from the same initial weights, trains to the same losses and grad norms
+    with the overlap on as off (the pieces split the batch: attention runs per piece)."""
+    import torch
+
+    from megatron_moe.model.partition import PartitionedTransformerBlock
+    from megatron_moe.platform.rng import seed_model_parallel
+    from megatron_moe.training.setup import install_operator_partition
+    from tests.unit.one_rank_run import one_rank_trainer
+
+    histories = []
+    for flags in ([], overlap):
+        torch.manual_seed(0)
+        seed_model_parallel(0)
+        cfg, trainer = one_rank_trainer(*MLA_MOE, *flags, "--train-iters", "3", "--lr", "1e-2")
+        trainer.data = SameBatches()
+        if install_operator_partition(cfg, trainer.model, None):  # as training/setup.py does at start-up
+            assert isinstance(trainer.model[0].module.decoder, PartitionedTransformerBlock)
+        histories.append(trainer.train())
+    if "--moe-pipeline-degree" in overlap:
+        assert histories[1][0]["pipeline_degrees"] == {"1": [2, 2], "2": [2, 2]}
+    elif "--moe-partition-pieces" in overlap:
+        assert isinstance(trainer.model[0].module.decoder, PartitionedTransformerBlock)
+    off, on = histories
+    for a, b in zip(off, on):
+        assert b["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5), (a["lm loss"], b["lm loss"])
+        assert b["grad norm"] == pytest.approx(a["grad norm"], rel=1e-4), (a["grad norm"], b["grad norm"])
