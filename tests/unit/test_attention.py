@@ -362,12 +362,14 @@ def test_mla_rope_fusion_only_with_yarn_and_megatron_cores_mla_kernel(monkeypatc
     [
         ["--moe-partition-pieces", "2", "--moe-partition-range", "all"],  # Lancet's operator partition
         ["--moe-pipeline-degree", "2", "--moe-bp-pipeline-degree", "2"],  # the chunked pipeline
+        ["--recompute-granularity", "full"],
+        ["--recompute-granularity", "selective", "--recompute-modules", "qkv", "core_attention", "attn_proj"],
     ],
-    ids=["operator-partition", "chunked-pipeline"],
+    ids=["operator-partition", "chunked-pipeline", "full-recompute", "selective-recompute"],
 )
-def test_mla_composes_with_the_moe_overlaps(megatron_world1, overlap):
+def test_mla_composes_with_the_moe_overlaps_and_recompute(megatron_world1, overlap):
     """The same MLA + q/k-norm MoE model, from the same initial weights, trains to the same losses and grad norms
-    with the overlap on as off (the pieces split the batch: attention runs per piece)."""
+    with the feature on as off (the partition's pieces split the batch: attention runs per piece)."""
     import torch
 
     from megatron_moe.model.partition import PartitionedTransformerBlock
