@@ -42,6 +42,7 @@ def incompatibilities(cfg: RunConfig) -> list[str]:
         (m.disable_bias_linear, "biases in linear layers (Mixtral has none: --disable-bias-linear)"),
         (not m.multi_latent_attention, "--multi-latent-attention (Mixtral's attention is GQA)"),
         (not m.qk_layernorm, "--qk-layernorm (Mixtral has no query/key norms)"),
+        (not m.add_qkv_bias, "--add-qkv-bias (Mixtral's attention has no biases)"),
         (
             m.multi_latent_attention or m.head_dim * m.num_attention_heads == m.hidden_size,
             f"--kv-channels={m.kv_channels} (export writes heads of --hidden-size / --num-attention-heads)",

@@ -44,6 +44,7 @@ SHAPE_FIELDS = {
         "untie_embeddings_and_output_weights",
         "kv_channels",
         "qk_layernorm",
+        "add_qkv_bias",
         "multi_latent_attention",
         "q_lora_rank",
         "kv_lora_rank",

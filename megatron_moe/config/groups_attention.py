@@ -25,6 +25,11 @@ class AttentionFlags:
         "width of each attention head (projection size = heads x this); default --hidden-size / --num-attention-heads",
         applies=only.NOT_MLA,
     )
+    add_qkv_bias: bool = arg(
+        False,
+        "biases on the query/key/value projection alone (Qwen2's attention), also with --disable-bias-linear",
+        applies=only.NOT_MLA,
+    )
     qk_layernorm: bool = arg(
         False,
         "normalize queries and keys per head before the dot product (--normalization's norm); with "

@@ -135,6 +135,10 @@ def test_flops_count_the_attention_flags():
 MODELS = {
     "qwen3": QWEN3,
     "v2-lite": DEEPSEEK_V2_LITE,
+    "qwen2-qkv-bias": [
+        *("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2"),
+        *("--disable-bias-linear", "--add-qkv-bias", "--normalization", "RMSNorm", "--swiglu"),
+    ],
     "v3-rope": [*DEEPSEEK_V3, "--rope-type", "rope", "--rotary-percent", "0.5"],
     "partial-rope": [
         "--num-layers",
@@ -189,6 +193,10 @@ def test_our_attention_equals_megatron_core_local_spec(megatron_world1, name):
 
     cfg = config(*MODELS[name], "--seq-length", "16")
     ours, theirs = gpt_models(cfg)
+    if cfg.model.add_qkv_bias:  # Qwen2: biases on linear_qkv alone
+        assert [k for k in ours.state_dict() if k.endswith(".bias")] == [
+            f"decoder.layers.{i}.self_attention.linear_qkv.bias" for i in range(2)
+        ]
     if cfg.model.qk_layernorm:
         assert any("layernorm" in k and ("q_" in k or "k_" in k or "kv_" in k) for k in ours.state_dict())
     tokens = torch.randint(0, 128, (2, 16))
