@@ -161,6 +161,9 @@ def _parse(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
     cfg = RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
     given, _ = build_parser(defaults=False).parse_known_args(argv)  # the unknown ones named above
     cfg.notes = notes + flags_that_change_nothing(cfg, GROUPS, set(vars(given)))
+    if {"train_iters", "train_samples"} <= set(vars(given)):  # typed, not filled in by validation (rules_groups)
+        length = "and --train-samples both set the run's length: give one"
+        errors.append(f"--train-iters={cfg.training.train_iters}: {length}")
     return cfg, errors
 
 

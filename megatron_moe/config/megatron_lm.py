@@ -10,7 +10,6 @@ tokenizer types (`TOKENIZER_TYPES_READ_AS`). An unknown flag gets the closest fl
 from __future__ import annotations
 
 import argparse
-import difflib
 from collections.abc import Sequence
 
 _TIMERS = (
@@ -230,7 +229,8 @@ def _takes_value(flag: str) -> bool:
 
 
 def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:
-    """`unknown flag --x; did you mean --y? (flags of group G: --y, --z)`: one line."""
+    """`unknown flag --x; did you mean --y? (...)` where a flag is close (`close_flags`), else `unknown flag --x`
+    with the group whose flags start as it does (`--moe-...`), or --help: one line."""
     flag = flag.split("=", 1)[0]
     if not flag.startswith("-"):
         return f"unexpected argument {flag!r}: flags are --name value (a value without its flag?)"
@@ -241,9 +241,50 @@ def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:
         for option in action.option_strings
         if option.startswith("--")
     }
-    close = difflib.get_close_matches(flag, list(groups), n=3, cutoff=0.6)
-    if not close:
-        return f"unknown flag {flag} (--help lists every flag by group)"
-    group = groups[close[0]]
-    siblings = [option for option in close if groups[option] == group]
-    return f"unknown flag {flag}; did you mean {close[0]}? (similar flags in group {group}: {', '.join(siblings)})"
+    close = close_flags(flag, list(groups))
+    if close:
+        group = groups[close[0]]
+        siblings = [option for option in close if groups[option] == group]
+        return f"unknown flag {flag}; did you mean {close[0]}? (similar flags in group {group}: {', '.join(siblings)})"
+    prefix = flag.lstrip("-").split("-")[0]
+    near = [group for option, group in groups.items() if option.lstrip("-").split("-")[0] == prefix]
+    if len(prefix) > 1 and near:
+        group = max(set(near), key=near.count)
+        return f"unknown flag {flag} (none is close; flags starting --{prefix}- are in group {group}: see --help)"
+    return f"unknown flag {flag} (--help lists every flag by group)"
+
+
+def close_flags(flag: str, known: Sequence[str], most: int = 3) -> list[str]:
+    """Up to `most` of `known` that `flag` is a typo of: at most one edit per six letters (a letter missing,
+    extra, changed or two swapped), or the same words with one word more or fewer; the fewest edits first, then
+    those sharing its first word."""
+    name, words = flag.lstrip("-"), flag.lstrip("-").split("-")
+    ranked = []
+    for option in known:
+        other = option.lstrip("-")
+        edits = typo_distance(name, other, limit=max(1, len(name) // 6))
+        other_words = other.split("-")
+        one_word = abs(len(words) - len(other_words)) == 1 and min(len(words), len(other_words)) >= 2
+        shorter, longer = sorted((words, other_words), key=len)
+        if edits is None and one_word and any(longer[:i] + longer[i + 1 :] == shorter for i in range(len(longer))):
+            edits = len(name) // 6 + 1
+        if edits is not None:
+            ranked.append((edits, other_words[0] != words[0], option))
+    return [option for *_, option in sorted(ranked)[:most]]
+
+
+def typo_distance(a: str, b: str, limit: int) -> int | None:
+    """Edits (insert, delete, change, swap two neighbours) from `a` to `b`, or None above `limit`."""
+    if abs(len(a) - len(b)) > limit:
+        return None
+    previous, row = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, row = row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(before[j] + 1, row[j - 1] + 1, before[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], previous[j - 2] + 1)
+        previous = before
+        if min(row) > limit:
+            return None
+    return row[-1] if row[-1] <= limit else None

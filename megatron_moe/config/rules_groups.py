@@ -70,7 +70,7 @@ def check_training(training: TrainingConfig) -> None:
     by_samples = training.train_samples is not None
     unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
     require(
-        not by_samples or training.train_iters is None,
+        not by_samples or training.train_iters in (None, iters_from_samples(training)),
         "--train-iters",
         training.train_iters,
         "and --train-samples both set the run's length: give one",
@@ -106,6 +106,15 @@ def check_training(training: TrainingConfig) -> None:
     )
 
 
+def iters_from_samples(training: TrainingConfig) -> int | None:
+    """The --train-iters that `resolve_train_iters` fills in from --train-samples (None before the global batch is
+    known): a validated config holds it, so validating it again (start-up does, on the real world size) finds it
+    derived, not given."""
+    if training.train_samples is None or training.global_batch_size is None:
+        return None
+    return training.train_samples // training.global_batch_size
+
+
 def resolve_train_iters(training: TrainingConfig) -> None:
     """Fills --train-iters: from --train-samples (whole global batches, Megatron-LM's rule), else its default."""
     if training.train_samples is not None:
@@ -115,7 +124,7 @@ def resolve_train_iters(training: TrainingConfig) -> None:
             training.train_samples,
             f"must be at least one global batch (--global-batch-size={training.global_batch_size})",
         )
-        training.train_iters = training.train_samples // training.global_batch_size
+        training.train_iters = iters_from_samples(training)
     elif training.train_iters is None:
         training.train_iters = 100
 

@@ -1,0 +1,88 @@
+"""The first pass a launch runs (`parse_and_validate`, DRY_RUN=1) as a Megatron-LM user meets it: what it passes
+starts, a derived value is not taken for a given one, and an unknown flag's suggestion is a close one."""
+
+import argparse
+
+import pytest
+
+from megatron_moe.config import ConfigError, build_parser, parse_and_validate, parse_args
+from megatron_moe.config.megatron_lm import unknown_flag
+
+MOCK = ["--mock-data", "--tokenizer-model", "t.model"]
+SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --seq-length 32".split()
+
+
+# ------------------------------------------------------------------------------------ --train-samples at start-up
+
+
+def test_a_validated_config_validates_again_unchanged():
+    """Start-up validates the config the first pass validated (`training.initialize`, on the real world size):
+    the --train-iters the first validation derived from --train-samples is not a second given length."""
+    cfg = parse_and_validate([*MOCK, *SMALL, "--train-samples", "32", "--global-batch-size", "8"], 1)
+    assert cfg.training.train_iters == 4
+    before = cfg.to_dict()
+    cfg.validate(1)
+    assert cfg.to_dict() == before
+
+
+def test_train_iters_and_train_samples_typed_together_are_refused_even_when_they_agree():
+    with pytest.raises(ConfigError, match=r"^--train-iters=4: and --train-samples both set the run's length"):
+        parse_and_validate([*MOCK, "--train-iters", "4", "--train-samples", "32", "--global-batch-size", "8"], 1)
+
+
+def test_a_mock_data_run_by_train_samples_starts(monkeypatch):
+    """The entry point's path: the first pass, then start-up (`initialize`), which validates again."""
+    from megatron_moe.training.initialize import initialize, shutdown
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = parse_and_validate([*MOCK, *SMALL, "--train-samples", "16", "--global-batch-size", "4"], 1)
+    try:
+        initialize(cfg)
+    finally:
+        shutdown()
+    assert cfg.training.train_iters == 4 and cfg.training.lr_schedule_samples()["decay"] == 16
+
+
+# ------------------------------------------------------------------------------------------- did you mean
+
+
+def parser_without(*flags: str) -> argparse.ArgumentParser:
+    """Our parser without `flags` (other changes may define them: the suggestions are tested where they are
+    unknown)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for group in build_parser()._action_groups:
+        mine = parser.add_argument_group(group.title)
+        for action in group._group_actions:
+            names = [o for o in action.option_strings if o not in flags]
+            if names and action.option_strings[0].startswith("--"):
+                mine.add_argument(*names, dest=action.dest, action="store_true" if action.nargs == 0 else "store")
+    return parser
+
+
+@pytest.mark.parametrize(
+    ("flag", "not_suggested"),
+    [("--kv-lora-rank", "--no-load-rng"), ("--mscale", "--save"), ("--mtp-loss-scaling-factor", "--loss-spike-factor")],
+)
+def test_an_unknown_flag_far_from_every_flag_gets_no_suggestion(flag, not_suggested):
+    parser = parser_without(flag)
+    line = unknown_flag(parser, flag)
+    assert not_suggested not in line and "did you mean" not in line, line
+    assert line.startswith(f"unknown flag {flag}"), line
+
+
+def test_a_typo_still_gets_its_suggestion():
+    line = unknown_flag(build_parser(), "--moe-router-topp")
+    assert line.startswith("unknown flag --moe-router-topp; did you mean --moe-router-topk?"), line
+    line = unknown_flag(build_parser(), "--num-layer")
+    assert line.startswith("unknown flag --num-layer; did you mean --num-layers?"), line
+
+
+def test_unknown_flag_names_the_nearest_group_by_prefix():
+    line = unknown_flag(parser_without("--moe-foo-bar"), "--moe-foo-bar")
+    assert "did you mean" not in line and "flags starting --moe-" in line, line
+
+
+def test_parse_args_keeps_the_suggestion_in_its_error():
+    with pytest.raises(ConfigError, match="did you mean --num-layers"):
+        parse_args([*MOCK, "--num-layer", "2"])
