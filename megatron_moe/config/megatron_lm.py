@@ -12,15 +12,21 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from megatron_moe.config.megatron_lm_unsupported import (
+    REFUSED_FEATURE_FLAGS,
+    REFUSED_VALUE_FLAGS,
+    refused_prefix,
+    refused_value,
+)
+
 _TIMERS = (
     "the timers always go to TensorBoard here (iteration time; exposed and total communication per kind and per MoE "
     "layer)"
 )
-_DEEPEP = (
-    "DeepEP's dispatch kernels are not supported: tokens move by torch.distributed all-to-all "
-    "(--moe-token-dispatcher-type alltoall), overlapped by --overlap-wgrad and --moe-pipeline-degree"
-)
 _UPCYCLING = "upcycling a dense checkpoint into MoE is not supported yet; drop it"
+_SYNC_SAVE = "saves are synchronous here (no async checkpoint worker); the checkpoint is the same"
+_PARALLEL_CKPT = "dist_checkpointing's save and load parallelisation across DP; the checkpoint is the same"
+_PROFILE = "nsys capture ranges are not emitted here: profile the whole run (nsys, or torch's profiler)"
 
 RENAMED: dict[str, tuple[bool, tuple[str, ...]]] = {
     # flag -> (takes a value, our flags that mean the same; its value, if any, follows them)
@@ -61,6 +67,71 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
     ),
     "--no-create-attention-mask-in-dataloader": (False, "the data loader never builds attention masks here"),
     "--manual-gc": (False, "Python's automatic garbage collection is kept; it changes no result"),
+    # checkpoints: one format, written and checked one way
+    "--async-save": (
+        False,
+        "a save is written, checksummed and swapped into place before training goes on; the checkpoint is the same",
+    ),
+    "--async-strategy": (True, _SYNC_SAVE),
+    "--use-persistent-ckpt-worker": (False, _SYNC_SAVE),
+    "--async-ckpt-use-cpu-shm": (False, _SYNC_SAVE),
+    "--ckpt-fully-parallel-save": (False, _PARALLEL_CKPT),
+    "--no-ckpt-fully-parallel-save": (False, _PARALLEL_CKPT),
+    "--ckpt-fully-parallel-load": (False, _PARALLEL_CKPT),
+    "--ckpt-assume-constant-structure": (False, "a save-time cache of dist_checkpointing's; the files are the same"),
+    "--dist-ckpt-strictness": (
+        True,
+        "loading checks the checkpoint's tensors against the model itself: tensors it lacks are refused by name, "
+        "tensors it holds beyond the model are left",
+    ),
+    "--dist-ckpt-optim-fully-reshardable": (
+        False,
+        "the optimizer state is saved reshardable across TP, PP, EP and DP here (tools/checkpoint resharding)",
+    ),
+    "--auto-detect-ckpt-format": (False, "torch_dist is the only checkpoint format here"),
+    "--verify-integrity": (False, "every load verifies the checksums recorded at save"),
+    "--no-use-tokenizer-model-from-checkpoint-args": (False, "the tokenizer is never read from a checkpoint here"),
+    # run-time habits that change no result
+    "--deterministic-mode": (
+        False,
+        "the CPU kernels here are deterministic; on a GPU set NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8 and "
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 as Megatron-LM does (its CI configs set them)",
+    ),
+    "--manual-gc-interval": (True, "Python's automatic garbage collection is kept; it changes no result"),
+    "--no-check-for-nan-in-loss-and-grad": (
+        False,
+        "the NaN check stays on: a NaN/inf loss or gradient stops the run naming the iteration and the first "
+        "parameter hit (training on NaN weights would waste the run)",
+    ),
+    "--logging-level": (True, "the log is at INFO here; --verbose (or MEGATRON_MOE_VERBOSE=1) adds debug lines"),
+    "--enable-experimental": (False, "no feature here is behind it"),
+    "--no-mmap-bin-files": (
+        False,
+        "the .bin is memory-mapped here (megatron-core's IndexedDataset); the tokens are the same",
+    ),
+    "--empty-unused-memory-level": (True, "the caching allocator's cache is left alone; it changes no result"),
+    "--check-weight-hash-across-dp-replicas-interval": (
+        True,
+        "not checked here: DP replicas start from one seed and apply the same reduced gradients",
+    ),
+    "--timing-log-option": (True, _TIMERS),
+    "--straggler-minmax-count": (True, "the straggler detector is not built; the comm report names slow ranks"),
+    "--te-rng-tracker": (False, "megatron-core's RNG tracker forks the same streams; TE's is needed for CUDA graphs"),
+    "--attention-backend": (
+        True,
+        "the attention kernel follows --transformer-impl: transformer-engine picks its fastest backend (flash "
+        "where it can, --use-flash-attn to insist), local runs megatron-core's unfused attention",
+    ),
+    "--cross-entropy-loss-fusion": (False, "megatron-core's fused cross entropy computes the same loss"),
+    "--calculate-per-token-loss": (
+        False,
+        "every token counts in the loss here (no loss mask), so each micro-batch holds the same number of tokens "
+        "and the per-token mean over the global batch is the mean of the micro-batches' means",
+    ),
+    "--profile": (False, _PROFILE),
+    "--profile-ranks": (True, _PROFILE),
+    "--profile-step-start": (True, _PROFILE),
+    "--profile-step-end": (True, _PROFILE),
     # MoE
     "--moe-shared-expert-overlap": (
         False,
@@ -97,6 +168,21 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
         ("uniform",),
         "--recompute-granularity full recomputes megatron-core's uniform way, one layer at a time",
         "only uniform full recompute is supported (with --recompute-granularity full)",
+    ),
+    "--optimizer": (
+        ("adam",),
+        "the optimizer is megatron-core's Adam(W) here",
+        "only adam is supported here",
+    ),
+    "--num-distributed-optimizer-instances": (
+        ("1",),
+        "one distributed optimizer over the data-parallel ranks, as Megatron-LM's default",
+        "one distributed optimizer instance over the data-parallel ranks only",
+    ),
+    "--cross-entropy-fusion-impl": (
+        ("native",),
+        "megatron-core's cross entropy (native) computes the same loss",
+        "transformer-engine's parallel cross entropy is not wired here",
     ),
     "--recompute-num-layers": (
         ("1",),
@@ -138,13 +224,11 @@ REFUSED: dict[str, tuple[bool, str]] = {
         "input jitter is not supported; --moe-gate noisy adds noise to the router's logits instead",
     ),
     "--moe-apply-probs-on-input": (False, "weighting expert inputs by the router's probabilities is not supported yet"),
-    "--moe-enable-deepep": (False, _DEEPEP),
-    "--moe-deepep-num-sms": (True, _DEEPEP),
-    "--overlap-moe-expert-parallel-comm": (
+    "--apply-query-key-layer-scaling": (
         False,
-        "overlap between two micro-batches is not supported; here the all-to-alls are hidden inside each "
-        "micro-batch by --overlap-wgrad and --moe-pipeline-degree (both on by default where EP > 1)",
+        "scaling Q.K^T by 1 / layer number is not supported (an fp16 stability aid); drop it (--bf16 needs none)",
     ),
+    **REFUSED_FEATURE_FLAGS,  # the features this stack does not have (megatron_lm_unsupported.py)
 }
 
 
@@ -194,8 +278,15 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str],
         takes_value = _takes_value(flag)
         value = inline if inline is not None or not takes_value else (args[i + 1] if i + 1 < len(args) else None)
         step = 2 if takes_value and inline is None else 1
-        if flag in REFUSED:
-            errors.append(f"{flag}: {REFUSED[flag][1]}")
+        if flag in REFUSED or refused_prefix(flag) is not None:  # its bare words are its values (a list too)
+            errors.append(f"{flag}: {REFUSED[flag][1]}" if flag in REFUSED else refused_prefix(flag))
+            step = 1
+            while inline is None and (takes_value or flag not in REFUSED) and i + step < len(args):
+                if args[i + step].startswith("--"):
+                    break
+                step += 1
+        elif refused_value(flag, value) is not None:
+            errors.append(refused_value(flag, value))
         elif flag in RENAMED:
             ours = RENAMED[flag][1]
             kept += [*ours, *([value] if takes_value else [])]
@@ -225,6 +316,8 @@ def _takes_value(flag: str) -> bool:
     for table in (RENAMED, NOT_NEEDED, REFUSED):
         if flag in table:
             return table[flag][0]
+    if flag in REFUSED_VALUE_FLAGS:
+        return True
     return flag in NOT_NEEDED_WITH or flag == "--tokenizer-type"
 
 
