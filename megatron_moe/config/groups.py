@@ -198,6 +198,7 @@ class TrainingConfig:
     lr_warmup_fraction: float | None = arg(
         None, "warm up over this fraction of the decay span (instead of --lr-warmup-iters/samples)"
     )
+    lr_warmup_init: float = arg(0.0, "the learning rate the linear warm-up starts from", applies=only.WARMUP)
     lr_decay_style: str = arg(
         "cosine",
         "decay after warm-up; WSD: constant, then --lr-wsd-decay-style over the last --lr-wsd-decay-iters/samples",

@@ -64,6 +64,12 @@ def check_training(training: TrainingConfig) -> None:
     require_fraction("--adam-beta2", training.adam_beta2, 0.95, below_one=True)
     # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
     require(0 <= training.seed < 2**31, "--seed", training.seed, "must be in [0, 2**31), e.g. --seed 1234")
+    require(
+        0 <= training.lr_warmup_init <= training.lr,
+        "--lr-warmup-init",
+        training.lr_warmup_init,
+        f"must be in [0, --lr={training.lr}] (the warm-up rises from it to --lr)",
+    )
     require(training.lr >= training.min_lr >= 0, "--min-lr", training.min_lr, f"must be in [0, --lr={training.lr}]")
     if training.lr_warmup_fraction is not None:
         require_fraction("--lr-warmup-fraction", training.lr_warmup_fraction, 0.01, below_one=True)

@@ -86,3 +86,81 @@ def test_unknown_flag_names_the_nearest_group_by_prefix():
 def test_parse_args_keeps_the_suggestion_in_its_error():
     with pytest.raises(ConfigError, match="did you mean --num-layers"):
         parse_args([*MOCK, "--num-layer", "2"])
+
+
+# -------------------------------------------------------------------------------------------- Megatron-LM's habits
+
+
+def scheduler_lrs(*flags: str, steps: int = 3) -> list[float]:
+    import torch
+
+    from megatron_moe.training.setup import build_scheduler
+
+    cfg = parse_and_validate([*MOCK, "--lr", "1e-3", "--global-batch-size", "1", "--micro-batch-size", "1", *flags], 1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(cfg, optimizer)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=1)
+    return lrs
+
+
+def test_lr_warmup_init_is_where_the_warm_up_starts_as_megatron_lm():
+    assert scheduler_lrs("--lr-warmup-iters", "4") == pytest.approx([0.0, 2.5e-4, 5e-4])
+    assert scheduler_lrs("--lr-warmup-iters", "4", "--lr-warmup-init", "2e-4") == pytest.approx([2e-4, 4e-4, 6e-4])
+    with pytest.raises(ConfigError, match=r"--lr-warmup-init=0.01: must be in \[0, --lr=0.001\]"):
+        parse_and_validate([*MOCK, "--lr", "1e-3", "--lr-warmup-iters", "4", "--lr-warmup-init", "1e-2"], 1)
+    notes = parse_and_validate([*MOCK, "--lr-warmup-init", "1e-5"], 1).notes
+    assert any(line.startswith("--lr-warmup-init") and "warm-up" in line for line in notes), notes
+
+
+@pytest.mark.parametrize(
+    ("flags", "start"),
+    [
+        (["--optimizer", "muon", "--muon-momentum", "0.9"], "--optimizer=muon: optimizers other than Adam"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp"], "--cuda-graph-impl: CUDA graphs"),
+        (["--fp8-format", "hybrid"], "--fp8-format: FP8 and FP4 training is not supported here"),
+        (["--use-megatron-fsdp"], "--use-megatron-fsdp: Megatron-FSDP and torch FSDP2 is not supported"),
+        (["--fine-grained-activation-offloading"], "--fine-grained-activation-offloading: activation offloading"),
+        (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type=flex: the flex dispatcher"),
+        (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: batch-level EP overlap"),
+        (["--grpo-group-size", "2"], "--grpo-group-size: reinforcement learning and inference"),
+    ],
+)
+def test_a_feature_not_built_here_is_refused_by_its_flag_with_the_reason(flags, start):
+    with pytest.raises(ConfigError) as caught:
+        parse_and_validate([*MOCK, *flags], 1)
+    lines = [str(caught.value)] if "\n" not in str(caught.value) else str(caught.value).splitlines()[1:]
+    assert lines[0].strip().startswith(start), lines
+    assert not any("unexpected argument" in line or "unknown flag" in line for line in lines), lines
+
+
+def test_the_habit_flags_of_megatron_lm_scripts_are_accepted_with_a_line_each():
+    habits = [
+        "--async-save",
+        "--use-persistent-ckpt-worker",
+        "--ckpt-fully-parallel-load",
+        "--no-ckpt-fully-parallel-save",
+        "--ckpt-assume-constant-structure",
+        "--dist-ckpt-strictness",
+        "log_all",
+        "--dist-ckpt-optim-fully-reshardable",
+        "--auto-detect-ckpt-format",
+        "--deterministic-mode",
+        "--manual-gc",
+        "--manual-gc-interval",
+        "100",
+        "--no-check-for-nan-in-loss-and-grad",
+        "--logging-level",
+        "40",
+        "--enable-experimental",
+        "--no-mmap-bin-files",
+        "--attention-backend",
+        "flash",
+        "--optimizer",
+        "adam",
+    ]
+    cfg = parse_and_validate([*MOCK, *habits], 1)
+    answered = [line.split(":")[0].split()[0] for line in cfg.notes]
+    assert answered == [flag for flag in habits if flag.startswith("--")], cfg.notes
