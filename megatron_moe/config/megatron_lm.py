@@ -224,10 +224,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         "input jitter is not supported; --moe-gate noisy adds noise to the router's logits instead",
     ),
     "--moe-apply-probs-on-input": (False, "weighting expert inputs by the router's probabilities is not supported yet"),
-    "--apply-query-key-layer-scaling": (
-        False,
-        "scaling Q.K^T by 1 / layer number is not supported (an fp16 stability aid); drop it (--bf16 needs none)",
-    ),
     **REFUSED_FEATURE_FLAGS,  # the features this stack does not have (megatron_lm_unsupported.py)
 }
 
@@ -270,8 +266,8 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str],
     """(argv with Megatron-LM's flags answered: renamed ones replaced by ours, not-needed ones dropped with their
     values, its SentencePiece tokenizer types read as ours; one note per flag answered; one error per flag
     refused, with its reason)."""
-    kept, notes, errors = [], [], []
-    args = list(argv)
+    args, notes = read_as_pretrain_gpt(argv)
+    kept, errors = [], []
     i = 0
     while i < len(args):
         flag, inline = args[i].split("=", 1) if "=" in args[i] else (args[i], None)
@@ -312,6 +308,42 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str],
     return kept, notes, errors
 
 
+def read_as_pretrain_gpt(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(argv, notes) with what Megatron-LM's pretrain_gpt.py means by flags left out or by a choice our MoE layer
+    makes otherwise: no --tokenizer-type with --vocab-file and --merge-file is GPT2BPETokenizer (its default
+    there); --moe-token-dispatcher-type allgather in our layer is its all-to-all, which sends the same rows to
+    the same experts (the results are the same; megatron-core's layer, --moe-layer-impl mcore, runs allgather;
+    without --num-experts the flag is left to say it changes nothing)."""
+    args, notes = list(argv), []
+    given = {item.split("=", 1)[0] for item in args}
+    if (
+        "--tokenizer-type" not in given
+        and {"--vocab-file", "--merge-file"} <= given
+        and "--tokenizer-model" not in given
+    ):
+        args += ["--tokenizer-type", "GPT2BPETokenizer"]
+        notes.append("--vocab-file, --merge-file without --tokenizer-type: GPT2BPETokenizer, pretrain_gpt.py's default")
+    keep = _last_value(args, "--moe-layer-impl") == "mcore" or _last_value(args, "--num-experts") in (None, "0")
+    for i, item in enumerate(args):
+        inline = item == "--moe-token-dispatcher-type=allgather"
+        if keep or not (inline or (item == "--moe-token-dispatcher-type" and args[i + 1 : i + 2] == ["allgather"])):
+            continue
+        args[i : i + 1 + (not inline)] = ["--moe-token-dispatcher-type=alltoall"]
+        notes.append(
+            "--moe-token-dispatcher-type allgather: read as alltoall in our MoE layer (the same rows reach the same "
+            "experts, only the transport differs; --moe-layer-impl mcore runs megatron-core's allgather)"
+        )
+    return args, notes
+
+
+def _last_value(args: list[str], flag: str) -> str | None:
+    """The value `flag` is given last in `args` (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for item, following in zip(args, [*args[1:], None]):
+        value = item.split("=", 1)[1] if item.startswith(flag + "=") else following if item == flag else value
+    return value
+
+
 def _takes_value(flag: str) -> bool:
     for table in (RENAMED, NOT_NEEDED, REFUSED):
         if flag in table:
@@ -350,7 +382,7 @@ def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:
 def close_flags(flag: str, known: Sequence[str], most: int = 3) -> list[str]:
     """Up to `most` of `known` that `flag` is a typo of: at most one edit per six letters (a letter missing,
     extra, changed or two swapped), or the same words with one word more or fewer; the fewest edits first, then
-    those sharing its first word."""
+    those sharing its first word (a word more or fewer only after the same first word)."""
     name, words = flag.lstrip("-"), flag.lstrip("-").split("-")
     ranked = []
     for option in known:
@@ -358,6 +390,7 @@ def close_flags(flag: str, known: Sequence[str], most: int = 3) -> list[str]:
         edits = typo_distance(name, other, limit=max(1, len(name) // 6))
         other_words = other.split("-")
         one_word = abs(len(words) - len(other_words)) == 1 and min(len(words), len(other_words)) >= 2
+        one_word = one_word and words[0] == other_words[0]  # --mtp-num-layers is no typo of --num-layers
         shorter, longer = sorted((words, other_words), key=len)
         if edits is None and one_word and any(longer[:i] + longer[i + 1 :] == shorter for i in range(len(longer))):
             edits = len(name) // 6 + 1

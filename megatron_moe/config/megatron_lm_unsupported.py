@@ -76,6 +76,12 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         values=(("--ckpt-format", ("fsdp_dtensor",)),),
     ),
     Unsupported(
+        "several distributed-optimizer instances",
+        "one distributed optimizer shards the state over all data-parallel ranks here (Megatron-LM's default, "
+        "--num-distributed-optimizer-instances 1)",
+        values=(("--num-distributed-optimizer-instances", ("2", "4", "8")),),
+    ),
+    Unsupported(
         "activation offloading",
         "activations stay on the device; save memory with --recompute-granularity or --activation-policy",
         flags=(
@@ -94,11 +100,11 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         values=(("--optimizer", ("sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")),),
     ),
     Unsupported(
-        "context parallelism",
-        "attention over a split sequence needs transformer-engine's context-parallel attention, which this stack "
-        "does not wire; use --context-parallel-size 1",
+        "context-parallel variants",
+        "context parallelism here is megatron-core's default (--context-parallel-size, transformer-engine's "
+        "attention on a GPU): its other communication types and hierarchical or hybrid CP are not wired",
         flags=("--cp-comm-type=", "--hierarchical-context-parallel-sizes=", "--hybrid-context-parallel"),
-    ),  # the degree itself (--context-parallel-size > 1) is refused by the flag pass: config/rules.py
+    ),
     Unsupported(
         "the flex dispatcher (DeepEP, HybridEP)",
         "tokens move by torch.distributed all-to-all here (--moe-token-dispatcher-type alltoall), overlapped by "
@@ -136,9 +142,21 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         flags=("--use-tp-pp-dp-mapping",),
     ),
     Unsupported(
+        "query-key layer scaling",
+        "scaling Q.K^T by 1 / layer number (an fp16 stability aid of megatron-core's attention) is not wired; "
+        "--bf16 needs none",
+        flags=("--apply-query-key-layer-scaling",),
+    ),
+    Unsupported(
         "transformer-engine's op fuser",
         "the layers are megatron-core's modules (local or transformer-engine), not TE's fused operations",
         flags=("--use-transformer-engine-op-fuser",),
+    ),
+    Unsupported(
+        "TikTokenizer",
+        "its ids are tiktoken's ranks shifted past its special tokens, which no tokenizer here reproduces "
+        "(--tokenizer-type TikTokenizer is refused with the tokenizers to use)",
+        flags=("--tiktoken-pattern=", "--tiktoken-num-special-tokens=", "--tiktoken-special-tokens="),
     ),
     Unsupported(
         "reinforcement learning and inference",

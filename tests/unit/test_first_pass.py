@@ -164,3 +164,19 @@ def test_the_habit_flags_of_megatron_lm_scripts_are_accepted_with_a_line_each():
     cfg = parse_and_validate([*MOCK, *habits], 1)
     answered = [line.split(":")[0].split()[0] for line in cfg.notes]
     assert answered == [flag for flag in habits if flag.startswith("--")], cfg.notes
+
+
+def test_what_pretrain_gpt_means_by_a_flag_left_out_or_a_transport():
+    """--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer (pretrain_gpt.py's default);
+    allgather in our layer: its all-to-all (the same rows to the same experts); megatron-core's layer keeps it."""
+    cfg = parse_args(["--mock-data", "--vocab-file", "v.json", "--merge-file", "m.txt", "--num-experts", "4",
+                      "--moe-token-dispatcher-type", "allgather"])  # fmt: skip
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.moe.moe_token_dispatcher_type == "alltoall"
+    assert [line.split(":")[0] for line in cfg.notes] == [
+        "--vocab-file, --merge-file without --tokenizer-type",
+        "--moe-token-dispatcher-type allgather",
+    ]
+    mcore = parse_args(
+        [*MOCK, "--num-experts", "4", "--moe-layer-impl", "mcore", "--moe-token-dispatcher-type=allgather"]
+    )
+    assert mcore.moe.moe_token_dispatcher_type == "allgather" and mcore.notes == []

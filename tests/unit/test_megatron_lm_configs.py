@@ -1,0 +1,111 @@
+"""Megatron-LM's 52 MoE functional-test training configs (vendored: tests/data/megatron_lm_moe_configs/SOURCE)
+through our flag pass as written, only the data and tokenizer paths replaced, on the world size their CI ran:
+each passes, or is refused only by flags of features docs/flags.md lists as not supported here."""
+
+import pathlib
+import re
+
+import pytest
+import yaml
+
+from megatron_moe.config import ConfigError, ConfigErrors, parse_and_validate
+from megatron_moe.config.megatron_lm_unsupported import unsupported_flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "tests/data/megatron_lm_moe_configs").glob("*.yaml"))
+PASSING = 7
+"""Configs that pass the flag pass on this branch (the issue's target: >= 40 once MLA, MTP and the router's
+choices land; raise it then)."""
+PENDING = {
+    # Flags that other parts of issue 40 define (the attention, MTP and router helpers): refused or unknown here
+    # until they land; each then leaves this set.
+    "--multi-latent-attention", "--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--v-head-dim",
+    "--qk-pos-emb-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--kv-channels",
+    "--qk-layernorm", "--mtp-num-layers", "--mtp-loss-scaling-factor", "--moe-layer-freq", "--recompute-modules",
+    "--moe-router-load-balancing-type",
+}  # fmt: skip
+MEGATRON_LM_REFUSES_TOO = {
+    "gpt_grpo_tp8tp4_pp1_ep8ep2_dp8_throughputtest": {"--min-lr"},  # megatron-core's scheduler asserts min <= max
+}
+
+
+def argv_of(model_args: dict) -> list[str]:
+    """MODEL_ARGS as Megatron-LM's CI launches them: `true` a bare flag, `false` left out, a list its words;
+    `${DATA_PATH}`-style paths replaced (no file is read: the flag pass without the data check)."""
+    argv = []
+    for flag, value in model_args.items():
+        if value is True or value is False:
+            argv += [flag] if value else []
+            continue
+        words = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        words = re.sub(r"\$\{[A-Z_]+\}", "/data", words)
+        argv += [flag, *(words[1:-1].split() if words.startswith("[") and words.endswith("]") else [words])]
+    return argv
+
+
+def world_of(name: str) -> int:
+    """The GPUs its CI ran on: Megatron-LM's moe recipes (tests/test_utils/recipes) give one node of 8 (h100), the
+    `_1node` cases one GB200 node of 4."""
+    return 4 if name.endswith("_1node") else 8
+
+
+def refusals(path: pathlib.Path) -> list[str]:
+    model_args = yaml.safe_load(path.read_text())["MODEL_ARGS"]
+    try:
+        parse_and_validate(argv_of(model_args), world_of(path.stem))
+    except ConfigErrors as error:
+        return list(error.errors)
+    except ConfigError as error:
+        return [str(error)]
+    return []
+
+
+def flag_of(line: str) -> tuple[str, str | None]:
+    """(the flag an error line refuses, its value where the line names one)."""
+    named = re.match(r"(?:unknown flag |argument )?(--[a-z0-9-_]+)(?:=(\S+?):|:| )", line)
+    assert named, line
+    value = named.group(2) or (re.search(r"invalid choice: '([^']+)'", line) or [None, None])[1]
+    return named.group(1), value
+
+
+def not_supported_in_docs() -> set[str]:
+    """The flags (`--x`, `--x=value`, `--prefix-*`) docs/flags.md's "Not supported here" table names."""
+    text = (ROOT / "docs/flags.md").read_text()
+    table = text[text.index("## Not supported here") :].split("\n## ")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| feature")]
+    return {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-_]+(?:=[a-z0-9_]+|\*)?)`", row.split("|")[2])}
+
+
+def test_docs_list_the_features_refused_by_name_both_ways():
+    assert not_supported_in_docs() == unsupported_flags()
+
+
+def test_each_config_passes_or_is_refused_only_for_a_feature_not_supported_here():
+    listed = not_supported_in_docs() | {"--tokenizer-type=TikTokenizer"}  # refused with the tokenizers to use
+    passing, report = [], {}
+    for path in CONFIGS:
+        lines = refusals(path)
+        if not lines:
+            passing.append(path.stem)
+            continue
+        for line in lines:
+            flag, value = flag_of(line)
+            allowed = {flag, f"{flag}={value}"} & listed or flag in PENDING
+            allowed = allowed or any(flag.startswith(p[:-1]) for p in listed if p.endswith("*"))
+            assert allowed or flag in MEGATRON_LM_REFUSES_TOO.get(path.stem, ()), (path.stem, line)
+        report[path.stem] = sorted({flag_of(line)[0] for line in lines})
+    assert len(CONFIGS) == 52
+    assert len(passing) == PASSING, (passing, report)
+
+
+@pytest.mark.parametrize(
+    ("line", "flag"),
+    [
+        ("unknown flag --mscale (--help lists every flag by group)", ("--mscale", None)),
+        ("argument --moe-router-dtype: invalid choice: 'fp8' (choose", ("--moe-router-dtype", "fp8")),
+        ("--optimizer=muon: optimizers other than Adam", ("--optimizer", "muon")),
+        ("--use-megatron-fsdp: Megatron-FSDP", ("--use-megatron-fsdp", None)),
+    ],
+)  # fmt: skip
+def test_flag_of_reads_each_kind_of_refusal(line, flag):
+    assert flag_of(line) == flag
