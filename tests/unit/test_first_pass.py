@@ -2,11 +2,18 @@
 starts, a derived value is not taken for a given one, and an unknown flag's suggestion is a close one."""
 
 import argparse
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 
-from megatron_moe.config import ConfigError, build_parser, parse_and_validate, parse_args
+from megatron_moe.config import ConfigError, ConfigErrors, build_parser, parse_and_validate, parse_args
+from megatron_moe.config.kernels import Kernels
 from megatron_moe.config.megatron_lm import unknown_flag
+from tests.conftest import ROOT
 
 MOCK = ["--mock-data", "--tokenizer-model", "t.model"]
 SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --seq-length 32".split()
@@ -180,3 +187,53 @@ def test_what_pretrain_gpt_means_by_a_flag_left_out_or_a_transport():
         [*MOCK, "--num-experts", "4", "--moe-layer-impl", "mcore", "--moe-token-dispatcher-type=allgather"]
     )
     assert mcore.moe.moe_token_dispatcher_type == "allgather" and mcore.notes == []
+
+
+# ------------------------------------------------------------------------------- kernels in the first pass (DRY_RUN)
+
+CPU = Kernels(gpu=False, transformer_engine=False, grouped_gemm=False)
+GPU_TE = Kernels(gpu=True, transformer_engine=True, grouped_gemm=False)
+NEEDS_KERNELS = [
+    "--transformer-impl", "transformer_engine", "--use-flash-attn", "--context-parallel-size", "2",
+    "--num-experts", "4", "--moe-layer-impl", "mcore", "--moe-grouped-gemm",
+]  # fmt: skip
+
+
+def test_the_first_pass_refuses_every_flag_whose_kernel_the_machine_lacks_at_once():
+    with pytest.raises(ConfigErrors) as caught:
+        parse_and_validate([*MOCK, *NEEDS_KERNELS], 2, kernels=CPU)
+    assert [line.split(":")[0].split("=")[0].split()[0] for line in caught.value.errors] == [
+        "--transformer-impl", "--use-flash-attn", "--context-parallel-size", "--moe-grouped-gemm",
+    ]  # fmt: skip
+    assert "this machine has no GPU" in caught.value.errors[0]
+    parse_and_validate([*MOCK, *NEEDS_KERNELS], 2, kernels=GPU_TE)  # transformer-engine runs the grouped GEMMs
+    no_te = dataclasses.replace(CPU, gpu=True, grouped_gemm=True)
+    parse_and_validate(
+        [*MOCK, "--num-experts", "4", "--moe-layer-impl", "mcore", "--moe-grouped-gemm"], 1, kernels=no_te
+    )
+
+
+def test_the_probe_imports_no_torch_and_answers_in_milliseconds():
+    code = (
+        "import sys, time; t = time.perf_counter(); from megatron_moe.config.kernels import probe_kernels; "
+        "probe_kernels(); print(time.perf_counter() - t, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    seconds, torch_imported = out.split()
+    assert torch_imported == "False" and float(seconds) < 1.0, out
+
+
+def test_dry_run_says_no_where_the_build_would_fail(tokenizer, monkeypatch, caplog):
+    """DRY_RUN=1 ran the flag pass without the kernel checks: --moe-grouped-gemm in megatron-core's layer then
+    crashed at build on a machine without transformer-engine or grouped_gemm."""
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_moe", os.path.join(ROOT, "pretrain_gpt_moe.py"))
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    monkeypatch.setattr(entry, "probe_kernels", lambda: CPU)
+    monkeypatch.setenv("DRY_RUN", "1")
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    flags = ["--mock-data", "--tokenizer-model", tokenizer.model_path, *SMALL, "--moe-layer-impl", "mcore"]
+    assert entry.main(flags) == 0
+    assert entry.main([*flags, "--moe-grouped-gemm"]) == 2
+    assert "--moe-grouped-gemm: megatron-core's layer (--moe-layer-impl mcore) runs grouped GEMMs" in caplog.text

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from megatron_moe.config import ConfigError, ConfigErrors, parse_and_validate
+from megatron_moe.config.kernels import Kernels
 from megatron_moe.config.megatron_lm_unsupported import unsupported_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -49,10 +50,14 @@ def world_of(name: str) -> int:
     return 4 if name.endswith("_1node") else 8
 
 
+CI_KERNELS = Kernels(gpu=True, transformer_engine=True, grouped_gemm=True)
+"""Megatron-LM's CI containers: GPUs, transformer-engine and grouped_gemm (the kernel checks run as there)."""
+
+
 def refusals(path: pathlib.Path) -> list[str]:
     model_args = yaml.safe_load(path.read_text())["MODEL_ARGS"]
     try:
-        parse_and_validate(argv_of(model_args), world_of(path.stem))
+        parse_and_validate(argv_of(model_args), world_of(path.stem), kernels=CI_KERNELS)
     except ConfigErrors as error:
         return list(error.errors)
     except ConfigError as error:
