@@ -144,8 +144,9 @@ QUANTIZING = When(
 )
 
 GPT2_BPE = When(lambda c: c.data.tokenizer_type == "GPT2BPETokenizer", "with --tokenizer-type GPT2BPETokenizer")
+NULL_TOKENIZER = When(lambda c: c.data.tokenizer_type == "NullTokenizer", "with --tokenizer-type NullTokenizer")
 TOKENIZER_MODEL = When(
-    lambda c: c.data.tokenizer_type != "GPT2BPETokenizer",
+    lambda c: c.data.tokenizer_type not in ("GPT2BPETokenizer", "NullTokenizer"),
     "with --tokenizer-type SentencePieceTokenizer or HuggingFaceTokenizer",
 )
 

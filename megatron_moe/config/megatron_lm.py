@@ -193,7 +193,6 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
 }
 REFUSED: dict[str, tuple[bool, str]] = {
     "--use-legacy-models": (False, "this stack builds megatron-core models only; drop --use-legacy-models"),
-    "--vocab-size": (True, "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it"),
     "--padded-vocab-size": (
         True,
         "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it",
@@ -251,7 +250,6 @@ TOKENIZER_TYPES_REFUSED: dict[str, str] = {
         "not supported: its ids are tiktoken's ranks shifted past --tiktoken-num-special-tokens, which no "
         "tokenizer here reproduces; " + _NO_TOKENIZER
     ),
-    "NullTokenizer": "not supported (ids typed as numbers, the vocabulary from --vocab-size); " + _NO_TOKENIZER,
     "BertWordPieceLowerCase": "a BERT tokenizer; this stack trains GPT models: " + _NO_TOKENIZER,
     "BertWordPieceCase": "a BERT tokenizer; this stack trains GPT models: " + _NO_TOKENIZER,
     "MultimodalTokenizer": "multimodal models are not supported; " + _NO_TOKENIZER,

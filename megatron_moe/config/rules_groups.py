@@ -202,6 +202,9 @@ def check_tokenizer(data: DataConfig) -> None:
     when it loads them; tools/preprocess_data.py calls this too)."""
     kind = data.tokenizer_type
     require(kind in TOKENIZER_TYPES, "--tokenizer-type", kind, f"one of {', '.join(TOKENIZER_TYPES)}")
+    if kind == "NullTokenizer":
+        check_null_tokenizer(data)
+        return
     if kind == "GPT2BPETokenizer":
         for flag, value, what in (
             ("--vocab-file", data.vocab_file, "vocab.json"),
@@ -222,6 +225,31 @@ def check_tokenizer(data: DataConfig) -> None:
         "bytelevel-bpe writes one)"
     )
     require(data.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
+
+
+def check_null_tokenizer(data: DataConfig) -> None:
+    """NullTokenizer: --vocab-size ids, eod one of them; with --mock-data only (real data is tied to the tokenizer
+    it was made with by its sidecar, which a NullTokenizer has no file to match)."""
+    require(
+        data.vocab_size is not None and data.vocab_size > 1,
+        "--vocab-size",
+        data.vocab_size,
+        "--tokenizer-type NullTokenizer needs its vocabulary size (> 1), e.g. --vocab-size 32000",
+    )
+    eod = data.null_tokenizer_eod_id
+    require(
+        eod is None or 0 <= eod < data.vocab_size,
+        "--null-tokenizer-eod-id",
+        eod,
+        f"must be an id of the vocabulary, in [0, --vocab-size={data.vocab_size})",
+    )
+    require(
+        data.mock_data,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "with --mock-data only here: tokenized data is checked against the tokenizer it was made with (its "
+        "sidecar); give that tokenizer's flags",
+    )
 
 
 def check_checkpoint(checkpoint: CheckpointConfig) -> None:

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -237,3 +238,48 @@ def test_dry_run_says_no_where_the_build_would_fail(tokenizer, monkeypatch, capl
     assert entry.main(flags) == 0
     assert entry.main([*flags, "--moe-grouped-gemm"]) == 2
     assert "--moe-grouped-gemm: megatron-core's layer (--moe-layer-impl mcore) runs grouped GEMMs" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------- NullTokenizer
+
+
+def test_null_tokenizer_is_megatron_lms():
+    """Megatron-LM HEAD's NullTokenizer: ids typed as numbers, vocab_size as given, eod the last id, pad -1."""
+    from megatron_moe.data.tokenizer import build_tokenizer
+
+    cfg = parse_and_validate(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"], 1)
+    tokenizer = build_tokenizer(cfg.data)
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (1000, 999, -1)
+    assert tokenizer.tokenize("5 17 998") == [5, 17, 998] and tokenizer.detokenize([5, 17]) == "5 17"
+    eod = parse_and_validate(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                              "--null-tokenizer-eod-id", "0"], 1)  # fmt: skip
+    assert build_tokenizer(eod.data).eod == 0
+    import pickle
+
+    assert pickle.loads(pickle.dumps(tokenizer)).vocab_size == 1000  # data loader workers re-build it
+
+
+@pytest.mark.parametrize(
+    ("flags", "start"),
+    [
+        ([], "--vocab-size=None: --tokenizer-type NullTokenizer needs its vocabulary size"),
+        (["--vocab-size", "8", "--null-tokenizer-eod-id", "8"], "--null-tokenizer-eod-id=8: must be an id"),
+    ],
+)
+def test_null_tokenizer_flags_are_checked(flags, start):
+    with pytest.raises(ConfigError, match="^" + re.escape(start)):
+        parse_and_validate(["--mock-data", "--tokenizer-type", "NullTokenizer", *flags], 1)
+    with pytest.raises(ConfigError, match=r"--tokenizer-type=NullTokenizer: with --mock-data only here"):
+        parse_and_validate(["--data-path", "d", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8"], 1)
+
+
+def test_a_mock_data_run_with_null_tokenizer_gets_its_batches(megatron_world1):
+    """Megatron-LM's tests' habit: --mock-data --tokenizer-type NullTokenizer --vocab-size V."""
+    from megatron_moe.data.tokenizer import build_tokenizer
+    from megatron_moe.training.data import build_run_data
+
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", *SMALL, "--train-iters", "1"]
+    cfg = parse_and_validate([*flags, "--micro-batch-size", "2", "--global-batch-size", "2"], 1)
+    data = build_run_data(cfg, build_tokenizer(cfg.data), 0)
+    batch = next(data.train_iterator)
+    assert batch["tokens"].shape == (2, 32) and int(batch["tokens"].max()) < 200
