@@ -26,6 +26,10 @@ _TIMERS = (
 _UPCYCLING = "upcycling a dense checkpoint into MoE is not supported yet; drop it"
 _SYNC_SAVE = "saves are synchronous here (no async checkpoint worker); the checkpoint is the same"
 _PARALLEL_CKPT = "dist_checkpointing's save and load parallelisation across DP; the checkpoint is the same"
+_ROUTING_TRACE = (
+    "routing traces are not written here; each MoE layer's loads, drops and entropy go to TensorBoard "
+    "(--overlap-report adds the plans)"
+)
 _PROFILE = "nsys capture ranges are not emitted here: profile the whole run (nsys, or torch's profiler)"
 
 RENAMED: dict[str, tuple[bool, tuple[str, ...]]] = {
@@ -149,6 +153,18 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
         "per-MoE-layer figures (aux and z loss, drops, loads, entropy) always go to TensorBoard here",
     ),
     "--moe-router-padding-for-fp8": (False, "no FP8 expert GEMMs here, so nothing to pad for"),
+    "--moe-router-padding-for-quantization": (False, "no FP8/FP4 expert GEMMs here, so nothing to pad for"),
+    "--overlap-dispatch-backward-with-experts-wgrad": (
+        False,
+        "weight gradients are deferred under the backward all-to-alls by --overlap-wgrad here (greedy, the "
+        "default where EP > 1)",
+    ),
+    "--save-tokens-per-expert-interval": (True, _ROUTING_TRACE),
+    "--moe-routing-trace-path": (True, _ROUTING_TRACE),
+    "--moe-routing-trace-max-training-iters": (True, _ROUTING_TRACE),
+    "--moe-routing-trace-capture-logits": (False, _ROUTING_TRACE),
+    "--moe-routing-trace-capture-hidden-states": (False, _ROUTING_TRACE),
+    "--moe-routing-trace-dump-weights": (False, _ROUTING_TRACE),
     "--moe-pad-experts-for-cuda-graph-inference": (False, "an inference option; this stack trains"),
     "--delay-wgrad-compute": (
         False,
@@ -412,3 +428,21 @@ def typo_distance(a: str, b: str, limit: int) -> int | None:
         if min(row) > limit:
             return None
     return row[-1] if row[-1] <= limit else None
+
+
+def status_of(flag: str, ours: set[str]) -> str | None:
+    """How this stack answers Megatron-LM's `flag` (`ours`: our parser's flags), as docs/flags.md lists it: `same`,
+    `read as ...`, `not needed: ...`, `not needed with ...`, `refused: ...`; None for a flag nobody answers."""
+    if flag in ours:
+        return "same"
+    if flag in RENAMED:
+        return f"read as {' '.join(RENAMED[flag][1])}"
+    if flag in NOT_NEEDED:
+        return f"not needed: {NOT_NEEDED[flag][1]}"
+    if flag in NOT_NEEDED_WITH:
+        values, why, otherwise = NOT_NEEDED_WITH[flag]
+        return f"not needed with {', '.join(values)}: {why}; other values refused ({otherwise})"
+    if flag in REFUSED:
+        return f"refused: {REFUSED[flag][1]}"
+    refusal = refused_prefix(flag)
+    return None if refusal is None else "refused: " + refusal.split(": ", 1)[1]

@@ -91,6 +91,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
             "--optimizer-cpu-offload",
             "--optimizer-offload-fraction=",
         ),
+        prefixes=("--moe-paged-stash",),
     ),
     Unsupported(
         "optimizers other than Adam",
@@ -113,10 +114,39 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
             "--moe-enable-deepep",
             "--moe-deepep-num-sms=",
             "--moe-flex-dispatcher-backend=",
-            "--moe-hybridep-num-sms=",
             "--moe-flex-dispatcher-num-sms=",
+            "--moe-permute-fusion-into-hybridep",
+            "--moe-ncclep-zero-copy",
+            "--moe-dispatch-fwd-dtype=",
+            "--moe-combine-bwd-dtype=",
+            "--moe-expert-rank-capacity-factor=",
         ),
+        prefixes=("--moe-hybridep-",),
         values=(("--moe-token-dispatcher-type", ("flex",)),),
+    ),
+    Unsupported(
+        "transformer-engine's grouped-tensor and interleaved-GLU expert layouts",
+        "the experts' weights are one tensor per expert matrix here (our layer's grouped GEMM, or megatron-core's "
+        "GroupedMLP / TEGroupedMLP), GLU halves not interleaved",
+        flags=(
+            "--moe-use-grouped-tensor",
+            "--moe-single-grouped-weight",
+            "--moe-single-grouped-bias",
+            "--use-grouped-gemm-for-shared-expert",
+            "--moe-shared-expert-glu-interleave-size=",
+            "--moe-mlp-glu-interleave-size=",
+        ),
+    ),
+    Unsupported(
+        "MoE latent projections",
+        "the experts read and write the hidden size here (no down/up projection around the MoE layer)",
+        flags=("--moe-latent-size=",),
+    ),
+    Unsupported(
+        "generalised tensor parallelism (expert weight rematerialisation)",
+        "expert weights are sharded by --expert-tensor-parallel-size alone here",
+        flags=("--expert-tensor-parallel-num-weight-shards=",),
+        prefixes=("--gtp-",),
     ),
     Unsupported(
         "batch-level EP overlap",
@@ -161,7 +191,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(
         "reinforcement learning and inference",
         "this stack pretrains: no GRPO, rollouts or inference engine",
-        flags=("--perform-rl-step", "--langrl-env-config=", "--max-tokens-to-oom="),
+        flags=("--perform-rl-step", "--langrl-env-config=", "--max-tokens-to-oom=", "--moe-enable-routing-replay"),
         prefixes=("--grpo-", "--rl-", "--inference-"),
     ),
     Unsupported(
