@@ -46,3 +46,14 @@ def test_docs_list_every_megatron_lm_moe_flag_with_what_the_code_does():
             assert status == "pending" and (flag in PENDING or flag.startswith("--mtp-")), flag
         else:
             assert status == expected, (flag, status, expected)
+
+
+def test_no_flag_of_ours_is_answered_as_a_megatron_lm_habit():
+    """The tables answer flags before parsing: one that named a flag of ours (or a refused family its prefix)
+    would shadow it."""
+    from megatron_moe.config.megatron_lm import NOT_NEEDED, NOT_NEEDED_WITH, REFUSED, RENAMED
+    from megatron_moe.config.megatron_lm_unsupported import refused_prefix
+
+    ours = set(build_parser()._option_string_actions)
+    tables = set(RENAMED) | set(NOT_NEEDED) | set(NOT_NEEDED_WITH) | set(REFUSED)
+    assert not [flag for flag in ours if flag in tables or refused_prefix(flag)]
