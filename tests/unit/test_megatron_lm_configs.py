@@ -11,9 +11,8 @@ import yaml
 from megatron_moe.config import ConfigError, ConfigErrors, parse_and_validate
 from megatron_moe.config.kernels import Kernels
 from megatron_moe.config.megatron_lm_unsupported import unsupported_flags
+from tests.distributed.megatron_lm_configs import CONFIGS, CPU_RUNS, ROOT, argv_of, cpu_argv, model_args, world_of
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-CONFIGS = sorted((ROOT / "tests/data/megatron_lm_moe_configs").glob("*.yaml"))
 PASSING = 7
 """Configs that pass the flag pass on this branch (the issue's target: >= 40 once MLA, MTP and the router's
 choices land; raise it then)."""
@@ -28,26 +27,6 @@ PENDING = {
 MEGATRON_LM_REFUSES_TOO = {
     "gpt_grpo_tp8tp4_pp1_ep8ep2_dp8_throughputtest": {"--min-lr"},  # megatron-core's scheduler asserts min <= max
 }
-
-
-def argv_of(model_args: dict) -> list[str]:
-    """MODEL_ARGS as Megatron-LM's CI launches them: `true` a bare flag, `false` left out, a list its words;
-    `${DATA_PATH}`-style paths replaced (no file is read: the flag pass without the data check)."""
-    argv = []
-    for flag, value in model_args.items():
-        if value is True or value is False:
-            argv += [flag] if value else []
-            continue
-        words = " ".join(map(str, value)) if isinstance(value, list) else str(value)
-        words = re.sub(r"\$\{[A-Z_]+\}", "/data", words)
-        argv += [flag, *(words[1:-1].split() if words.startswith("[") and words.endswith("]") else [words])]
-    return argv
-
-
-def world_of(name: str) -> int:
-    """The GPUs its CI ran on: Megatron-LM's moe recipes (tests/test_utils/recipes) give one node of 8 (h100), the
-    `_1node` cases one GB200 node of 4."""
-    return 4 if name.endswith("_1node") else 8
 
 
 CI_KERNELS = Kernels(gpu=True, transformer_engine=True, grouped_gemm=True)
@@ -114,3 +93,17 @@ def test_each_config_passes_or_is_refused_only_for_a_feature_not_supported_here(
 )  # fmt: skip
 def test_flag_of_reads_each_kind_of_refusal(line, flag):
     assert flag_of(line) == flag
+
+
+def test_the_cpu_runs_keep_their_degrees_and_pass_the_first_pass_shrunk():
+    """The shared 4-rank job trains these 2 steps (tests/distributed/test_megatron_lm_flags.py)."""
+    degrees = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size")
+    for name in CPU_RUNS:
+        assert world_of(name) == 4 and not refusals(ROOT / f"tests/data/megatron_lm_moe_configs/{name}.yaml"), name
+        cfg = parse_and_validate(
+            cpu_argv(name), 4, kernels=Kernels(gpu=False, transformer_engine=False, grouped_gemm=False)
+        )
+        p, written = cfg.parallel, model_args(name)
+        ours = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size)
+        assert ours == tuple(int(written.get(flag, 1)) for flag in degrees), name
+        assert cfg.training.train_iters == 2 and cfg.data.mock_data and cfg.model.hidden_size == 64
