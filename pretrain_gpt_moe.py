@@ -24,6 +24,7 @@ import sys
 import time
 
 from megatron_moe.config import ConfigError, ConfigErrors, layout_line, parse_and_validate
+from megatron_moe.config.kernels import probe_kernels
 from megatron_moe.data.files import check_data_files
 from megatron_moe.failure import exit_now, report_failure, setup_logging, tell_torchrun
 from megatron_moe.lifetime import die_with_parent
@@ -42,8 +43,9 @@ def main(argv=None) -> int:
     try:
         # Before the heavy imports: --help and flag errors come at once. Before any process group: torchrun's
         # WORLD_SIZE is the world size initialize() will see. The input files are looked for, and the data's
-        # documents counted from its .idx header (the splits need some each), not read.
-        cfg = parse_and_validate(argv, world, files=check_data_files)
+        # documents counted from its .idx header (the splits need some each), not read; the kernels the flags
+        # need are looked for without importing torch (the model builder checks them again, the same way).
+        cfg = parse_and_validate(argv, world, files=check_data_files, kernels=probe_kernels())
     except ConfigError as error:
         count = len(error.errors) if isinstance(error, ConfigErrors) else 1
         tell_torchrun(f"{count} configuration error{'s' if count > 1 else ''}, listed above by rank 0; no training")

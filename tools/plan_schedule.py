@@ -59,8 +59,9 @@ def _parser(defaults: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=HelpFormatter
     )
-    for name, group in GROUPS:
-        add_arguments(parser, group, name, defaults=defaults)
+    for name, group in GROUPS:  # --vocab-size is the plan's own (below): the trainer's is NullTokenizer's
+        only = [f.name for f in dataclasses.fields(group) if f.name != "vocab_size"]
+        add_arguments(parser, group, name, defaults=defaults, only=only)
     plan = parser.add_argument_group("plan", "the cluster and the solver")
     default = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     plan.add_argument("--profile", default=default(None), help="a ClusterFits JSON saved by the profiler")
@@ -117,7 +118,7 @@ def _fits(args: argparse.Namespace) -> tuple[ClusterFits, str]:
 def _config(argv: Sequence[str]) -> tuple[RunConfig, argparse.Namespace]:
     args = _parser(True).parse_args(argv)
     cfg = RunConfig(**{name: from_namespace(group, args) for name, group in GROUPS})
-    given = set(vars(_parser(False).parse_args(argv)))
+    given = set(vars(_parser(False).parse_args(argv))) - {"vocab_size"}  # the plan's own flag
     check_given_flags_apply(cfg, GROUPS, given)
     require(cfg.moe.num_experts is not None, "--num-experts", None, "give the experts per MoE layer, e.g. 8")
     rules.check_model(cfg.model)

@@ -39,6 +39,7 @@ from megatron_moe.config.groups import (
     ParallelConfig,
     TrainingConfig,
 )
+from megatron_moe.config.kernels import Kernels, kernel_errors
 from megatron_moe.config.megatron_lm import accept_megatron_lm_flags, unknown_flag
 from megatron_moe.config.moe_layer import MoEConfigError, MoELayerConfig
 from megatron_moe.config.parallel_dims import ParallelDims
@@ -161,6 +162,9 @@ def _parse(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
     cfg = RunConfig(**{name: from_namespace(group, namespace) for name, group in GROUPS})
     given, _ = build_parser(defaults=False).parse_known_args(argv)  # the unknown ones named above
     cfg.notes = notes + flags_that_change_nothing(cfg, GROUPS, set(vars(given)))
+    if {"train_iters", "train_samples"} <= set(vars(given)):  # typed, not filled in by validation (rules_groups)
+        length = "and --train-samples both set the run's length: give one"
+        errors.append(f"--train-iters={cfg.training.train_iters}: {length}")
     return cfg, errors
 
 
@@ -220,16 +224,25 @@ def _flag_named(error: str) -> str | None:
 
 
 def parse_and_validate(
-    argv: Sequence[str] | None, world_size: int, *, files: Callable[[RunConfig], None] | None = None
+    argv: Sequence[str] | None,
+    world_size: int,
+    *,
+    files: Callable[[RunConfig], None] | None = None,
+    kernels: Kernels | None = None,
 ) -> RunConfig:
     """`parse_args` then `RunConfig.validate` on `world_size` ranks, then `files` (the entry point passes the
     data layer's `data.files.check_data_files`: the files exist and the data's documents cover its splits; this
-    layer imports nothing above it), every error found in one pass and raised together. Where a flag did not
-    parse, the run is checked without it, and an error that names that flag again (a consequence of setting it
-    aside) is left out."""
+    layer imports nothing above it), and where `kernels` is given (the entry point's `kernels.probe_kernels()`)
+    the kernels the flags need (`kernels.kernel_errors`), every error found in one pass and raised together. Where
+    a flag did not parse, the run is checked without it, and an error that names that flag again (a consequence
+    of setting it aside) is left out."""
     cfg, errors = _parse(sys.argv[1:] if argv is None else argv)
     unparsed = {flag for flag in map(_flag_named, errors) if flag}
-    checks = (lambda: cfg.validate(world_size), lambda: files(cfg) if files else None)
+    checks = (lambda: cfg.validate(world_size), lambda: files(cfg) if files else None, lambda: check_kernels(cfg))
+
+    def check_kernels(cfg: RunConfig) -> None:
+        raise_errors(kernel_errors(cfg, kernels) if kernels is not None else [])
+
     for check in checks if cfg is not None else ():
         try:
             check()

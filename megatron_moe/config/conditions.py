@@ -109,6 +109,10 @@ ADAPTIVE_GRAD_REDUCE_POSSIBLE = When(
 TENSOR_PARALLEL = When(lambda c: c.parallel.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1")
 
 DECAYING = When(lambda c: c.training.lr_decay_style != "constant", "with a --lr-decay-style other than constant")
+WARMUP = When(
+    lambda c: bool(c.training.lr_warmup_iters or c.training.lr_warmup_samples or c.training.lr_warmup_fraction),
+    "with a learning-rate warm-up (--lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction)",
+)
 WSD = When(lambda c: c.training.lr_decay_style == "WSD", "with --lr-decay-style WSD")
 MIXED_PRECISION = When(lambda c: c.training.fp16 or c.training.bf16, "with --fp16 or --bf16")
 DYNAMIC_SCALE = When(
@@ -149,8 +153,9 @@ QUANTIZING = When(
 )
 
 GPT2_BPE = When(lambda c: c.data.tokenizer_type == "GPT2BPETokenizer", "with --tokenizer-type GPT2BPETokenizer")
+NULL_TOKENIZER = When(lambda c: c.data.tokenizer_type == "NullTokenizer", "with --tokenizer-type NullTokenizer")
 TOKENIZER_MODEL = When(
-    lambda c: c.data.tokenizer_type != "GPT2BPETokenizer",
+    lambda c: c.data.tokenizer_type not in ("GPT2BPETokenizer", "NullTokenizer"),
     "with --tokenizer-type SentencePieceTokenizer or HuggingFaceTokenizer",
 )
 

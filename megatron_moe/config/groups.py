@@ -18,7 +18,7 @@ from megatron_moe.config.groups_attention import AttentionFlags
 from megatron_moe.config.groups_moe import MoEConfig
 from megatron_moe.config.placement import PLACEMENTS
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 """Megatron-LM's --tokenizer-type names this stack builds (megatron_moe/data/tokenizer/)."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 """megatron-core's OptimizerParamScheduler's decay styles (Megatron-LM's --lr-decay-style)."""
@@ -199,6 +199,7 @@ class TrainingConfig:
     lr_warmup_fraction: float | None = arg(
         None, "warm up over this fraction of the decay span (instead of --lr-warmup-iters/samples)"
     )
+    lr_warmup_init: float = arg(0.0, "the learning rate the linear warm-up starts from", applies=only.WARMUP)
     lr_decay_style: str = arg(
         "cosine",
         "decay after warm-up; WSD: constant, then --lr-wsd-decay-style over the last --lr-wsd-decay-iters/samples",
@@ -305,7 +306,7 @@ class DataConfig:
         "SentencePieceTokenizer",
         "the tokenizer's kind (Megatron-LM's names): SentencePieceTokenizer (--tokenizer-model .model), "
         "GPT2BPETokenizer (--vocab-file, --merge-file), HuggingFaceTokenizer (--tokenizer-model tokenizer.json "
-        "or its directory)",
+        "or its directory), NullTokenizer (ids typed as numbers, --vocab-size of them; with --mock-data)",
         choices=TOKENIZER_TYPES,
     )
     tokenizer_model: str | None = arg(
@@ -316,6 +317,10 @@ class DataConfig:
     )
     vocab_file: str | None = arg(None, "GPT-2 BPE vocabulary (vocab.json)", applies=only.GPT2_BPE)
     merge_file: str | None = arg(None, "GPT-2 BPE merges (merges.txt)", applies=only.GPT2_BPE)
+    vocab_size: int | None = arg(None, "NullTokenizer: its vocabulary (eod the last id)", applies=only.NULL_TOKENIZER)
+    null_tokenizer_eod_id: int | None = arg(
+        None, "NullTokenizer: the end-of-document id (unset: --vocab-size - 1)", applies=only.NULL_TOKENIZER
+    )
     data_cache_path: str | None = arg(None, "where dataset index files are cached (default: beside the data)")
     num_workers: int = arg(0, "data loader worker processes")
 

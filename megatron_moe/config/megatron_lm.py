@@ -10,18 +10,27 @@ tokenizer types (`TOKENIZER_TYPES_READ_AS`). An unknown flag gets the closest fl
 from __future__ import annotations
 
 import argparse
-import difflib
 from collections.abc import Sequence
+
+from megatron_moe.config.megatron_lm_unsupported import (
+    REFUSED_FEATURE_FLAGS,
+    REFUSED_VALUE_FLAGS,
+    refused_prefix,
+    refused_value,
+)
 
 _TIMERS = (
     "the timers always go to TensorBoard here (iteration time; exposed and total communication per kind and per MoE "
     "layer)"
 )
-_DEEPEP = (
-    "DeepEP's dispatch kernels are not supported: tokens move by torch.distributed all-to-all "
-    "(--moe-token-dispatcher-type alltoall), overlapped by --overlap-wgrad and --moe-pipeline-degree"
-)
 _UPCYCLING = "upcycling a dense checkpoint into MoE is not supported yet; drop it"
+_SYNC_SAVE = "saves are synchronous here (no async checkpoint worker); the checkpoint is the same"
+_PARALLEL_CKPT = "dist_checkpointing's save and load parallelisation across DP; the checkpoint is the same"
+_ROUTING_TRACE = (
+    "routing traces are not written here; each MoE layer's loads, drops and entropy go to TensorBoard "
+    "(--overlap-report adds the plans)"
+)
+_PROFILE = "nsys capture ranges are not emitted here: profile the whole run (nsys, or torch's profiler)"
 
 RENAMED: dict[str, tuple[bool, tuple[str, ...]]] = {
     # flag -> (takes a value, our flags that mean the same; its value, if any, follows them)
@@ -62,6 +71,71 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
     ),
     "--no-create-attention-mask-in-dataloader": (False, "the data loader never builds attention masks here"),
     "--manual-gc": (False, "Python's automatic garbage collection is kept; it changes no result"),
+    # checkpoints: one format, written and checked one way
+    "--async-save": (
+        False,
+        "a save is written, checksummed and swapped into place before training goes on; the checkpoint is the same",
+    ),
+    "--async-strategy": (True, _SYNC_SAVE),
+    "--use-persistent-ckpt-worker": (False, _SYNC_SAVE),
+    "--async-ckpt-use-cpu-shm": (False, _SYNC_SAVE),
+    "--ckpt-fully-parallel-save": (False, _PARALLEL_CKPT),
+    "--no-ckpt-fully-parallel-save": (False, _PARALLEL_CKPT),
+    "--ckpt-fully-parallel-load": (False, _PARALLEL_CKPT),
+    "--ckpt-assume-constant-structure": (False, "a save-time cache of dist_checkpointing's; the files are the same"),
+    "--dist-ckpt-strictness": (
+        True,
+        "loading checks the checkpoint's tensors against the model itself: tensors it lacks are refused by name, "
+        "tensors it holds beyond the model are left",
+    ),
+    "--dist-ckpt-optim-fully-reshardable": (
+        False,
+        "the optimizer state is saved reshardable across TP, PP, EP and DP here (tools/checkpoint resharding)",
+    ),
+    "--auto-detect-ckpt-format": (False, "torch_dist is the only checkpoint format here"),
+    "--verify-integrity": (False, "every load verifies the checksums recorded at save"),
+    "--no-use-tokenizer-model-from-checkpoint-args": (False, "the tokenizer is never read from a checkpoint here"),
+    # run-time habits that change no result
+    "--deterministic-mode": (
+        False,
+        "the CPU kernels here are deterministic; on a GPU set NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8 and "
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 as Megatron-LM does (its CI configs set them)",
+    ),
+    "--manual-gc-interval": (True, "Python's automatic garbage collection is kept; it changes no result"),
+    "--no-check-for-nan-in-loss-and-grad": (
+        False,
+        "the NaN check stays on: a NaN/inf loss or gradient stops the run naming the iteration and the first "
+        "parameter hit (training on NaN weights would waste the run)",
+    ),
+    "--logging-level": (True, "the log is at INFO here; --verbose (or MEGATRON_MOE_VERBOSE=1) adds debug lines"),
+    "--enable-experimental": (False, "no feature here is behind it"),
+    "--no-mmap-bin-files": (
+        False,
+        "the .bin is memory-mapped here (megatron-core's IndexedDataset); the tokens are the same",
+    ),
+    "--empty-unused-memory-level": (True, "the caching allocator's cache is left alone; it changes no result"),
+    "--check-weight-hash-across-dp-replicas-interval": (
+        True,
+        "not checked here: DP replicas start from one seed and apply the same reduced gradients",
+    ),
+    "--timing-log-option": (True, _TIMERS),
+    "--straggler-minmax-count": (True, "the straggler detector is not built; the comm report names slow ranks"),
+    "--te-rng-tracker": (False, "megatron-core's RNG tracker forks the same streams; TE's is needed for CUDA graphs"),
+    "--attention-backend": (
+        True,
+        "the attention kernel follows --transformer-impl: transformer-engine picks its fastest backend (flash "
+        "where it can, --use-flash-attn to insist), local runs megatron-core's unfused attention",
+    ),
+    "--cross-entropy-loss-fusion": (False, "megatron-core's fused cross entropy computes the same loss"),
+    "--calculate-per-token-loss": (
+        False,
+        "every token counts in the loss here (no loss mask), so each micro-batch holds the same number of tokens "
+        "and the per-token mean over the global batch is the mean of the micro-batches' means",
+    ),
+    "--profile": (False, _PROFILE),
+    "--profile-ranks": (True, _PROFILE),
+    "--profile-step-start": (True, _PROFILE),
+    "--profile-step-end": (True, _PROFILE),
     # MoE
     "--moe-shared-expert-overlap": (
         False,
@@ -79,6 +153,18 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
         "per-MoE-layer figures (aux and z loss, drops, loads, entropy) always go to TensorBoard here",
     ),
     "--moe-router-padding-for-fp8": (False, "no FP8 expert GEMMs here, so nothing to pad for"),
+    "--moe-router-padding-for-quantization": (False, "no FP8/FP4 expert GEMMs here, so nothing to pad for"),
+    "--overlap-dispatch-backward-with-experts-wgrad": (
+        False,
+        "weight gradients are deferred under the backward all-to-alls by --overlap-wgrad here (greedy, the "
+        "default where EP > 1)",
+    ),
+    "--save-tokens-per-expert-interval": (True, _ROUTING_TRACE),
+    "--moe-routing-trace-path": (True, _ROUTING_TRACE),
+    "--moe-routing-trace-max-training-iters": (True, _ROUTING_TRACE),
+    "--moe-routing-trace-capture-logits": (False, _ROUTING_TRACE),
+    "--moe-routing-trace-capture-hidden-states": (False, _ROUTING_TRACE),
+    "--moe-routing-trace-dump-weights": (False, _ROUTING_TRACE),
     "--moe-pad-experts-for-cuda-graph-inference": (False, "an inference option; this stack trains"),
     "--delay-wgrad-compute": (
         False,
@@ -98,6 +184,21 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
         "--recompute-granularity full recomputes megatron-core's uniform way, one layer at a time",
         "only uniform full recompute is supported (with --recompute-granularity full)",
     ),
+    "--optimizer": (
+        ("adam",),
+        "the optimizer is megatron-core's Adam(W) here",
+        "only adam is supported here",
+    ),
+    "--num-distributed-optimizer-instances": (
+        ("1",),
+        "one distributed optimizer over the data-parallel ranks, as Megatron-LM's default",
+        "one distributed optimizer instance over the data-parallel ranks only",
+    ),
+    "--cross-entropy-fusion-impl": (
+        ("native",),
+        "megatron-core's cross entropy (native) computes the same loss",
+        "transformer-engine's parallel cross entropy is not wired here",
+    ),
     "--recompute-num-layers": (
         ("1",),
         "--recompute-granularity full recomputes megatron-core's uniform way, one layer at a time",
@@ -107,7 +208,6 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
 }
 REFUSED: dict[str, tuple[bool, str]] = {
     "--use-legacy-models": (False, "this stack builds megatron-core models only; drop --use-legacy-models"),
-    "--vocab-size": (True, "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it"),
     "--padded-vocab-size": (
         True,
         "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by; drop it",
@@ -133,13 +233,7 @@ REFUSED: dict[str, tuple[bool, str]] = {
         "input jitter is not supported; --moe-gate noisy adds noise to the router's logits instead",
     ),
     "--moe-apply-probs-on-input": (False, "weighting expert inputs by the router's probabilities is not supported yet"),
-    "--moe-enable-deepep": (False, _DEEPEP),
-    "--moe-deepep-num-sms": (True, _DEEPEP),
-    "--overlap-moe-expert-parallel-comm": (
-        False,
-        "overlap between two micro-batches is not supported; here the all-to-alls are hidden inside each "
-        "micro-batch by --overlap-wgrad and --moe-pipeline-degree (both on by default where EP > 1)",
-    ),
+    **REFUSED_FEATURE_FLAGS,  # the features this stack does not have (megatron_lm_unsupported.py)
 }
 
 
@@ -166,7 +260,6 @@ TOKENIZER_TYPES_REFUSED: dict[str, str] = {
         "not supported: its ids are tiktoken's ranks shifted past --tiktoken-num-special-tokens, which no "
         "tokenizer here reproduces; " + _NO_TOKENIZER
     ),
-    "NullTokenizer": "not supported (ids typed as numbers, the vocabulary from --vocab-size); " + _NO_TOKENIZER,
     "BertWordPieceLowerCase": "a BERT tokenizer; this stack trains GPT models: " + _NO_TOKENIZER,
     "BertWordPieceCase": "a BERT tokenizer; this stack trains GPT models: " + _NO_TOKENIZER,
     "MultimodalTokenizer": "multimodal models are not supported; " + _NO_TOKENIZER,
@@ -181,16 +274,23 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str],
     """(argv with Megatron-LM's flags answered: renamed ones replaced by ours, not-needed ones dropped with their
     values, its SentencePiece tokenizer types read as ours; one note per flag answered; one error per flag
     refused, with its reason)."""
-    kept, notes, errors = [], [], []
-    args = list(argv)
+    args, notes = read_as_pretrain_gpt(argv)
+    kept, errors = [], []
     i = 0
     while i < len(args):
         flag, inline = args[i].split("=", 1) if "=" in args[i] else (args[i], None)
         takes_value = _takes_value(flag)
         value = inline if inline is not None or not takes_value else (args[i + 1] if i + 1 < len(args) else None)
         step = 2 if takes_value and inline is None else 1
-        if flag in REFUSED:
-            errors.append(f"{flag}: {REFUSED[flag][1]}")
+        if flag in REFUSED or refused_prefix(flag) is not None:  # its bare words are its values (a list too)
+            errors.append(f"{flag}: {REFUSED[flag][1]}" if flag in REFUSED else refused_prefix(flag))
+            step = 1
+            while inline is None and (takes_value or flag not in REFUSED) and i + step < len(args):
+                if args[i + step].startswith("--"):
+                    break
+                step += 1
+        elif refused_value(flag, value) is not None:
+            errors.append(refused_value(flag, value))
         elif flag in RENAMED:
             ours = RENAMED[flag][1]
             kept += [*ours, *([value] if takes_value else [])]
@@ -216,15 +316,54 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str],
     return kept, notes, errors
 
 
+def read_as_pretrain_gpt(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(argv, notes) with what Megatron-LM's pretrain_gpt.py means by flags left out or by a choice our MoE layer
+    makes otherwise: no --tokenizer-type with --vocab-file and --merge-file is GPT2BPETokenizer (its default
+    there); --moe-token-dispatcher-type allgather in our layer is its all-to-all, which sends the same rows to
+    the same experts (the results are the same; megatron-core's layer, --moe-layer-impl mcore, runs allgather;
+    without --num-experts the flag is left to say it changes nothing)."""
+    args, notes = list(argv), []
+    given = {item.split("=", 1)[0] for item in args}
+    if (
+        "--tokenizer-type" not in given
+        and {"--vocab-file", "--merge-file"} <= given
+        and "--tokenizer-model" not in given
+    ):
+        args += ["--tokenizer-type", "GPT2BPETokenizer"]
+        notes.append("--vocab-file, --merge-file without --tokenizer-type: GPT2BPETokenizer, pretrain_gpt.py's default")
+    keep = _last_value(args, "--moe-layer-impl") == "mcore" or _last_value(args, "--num-experts") in (None, "0")
+    for i, item in enumerate(args):
+        inline = item == "--moe-token-dispatcher-type=allgather"
+        if keep or not (inline or (item == "--moe-token-dispatcher-type" and args[i + 1 : i + 2] == ["allgather"])):
+            continue
+        args[i : i + 1 + (not inline)] = ["--moe-token-dispatcher-type=alltoall"]
+        notes.append(
+            "--moe-token-dispatcher-type allgather: read as alltoall in our MoE layer (the same rows reach the same "
+            "experts, only the transport differs; --moe-layer-impl mcore runs megatron-core's allgather)"
+        )
+    return args, notes
+
+
+def _last_value(args: list[str], flag: str) -> str | None:
+    """The value `flag` is given last in `args` (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for item, following in zip(args, [*args[1:], None]):
+        value = item.split("=", 1)[1] if item.startswith(flag + "=") else following if item == flag else value
+    return value
+
+
 def _takes_value(flag: str) -> bool:
     for table in (RENAMED, NOT_NEEDED, REFUSED):
         if flag in table:
             return table[flag][0]
+    if flag in REFUSED_VALUE_FLAGS:
+        return True
     return flag in NOT_NEEDED_WITH or flag == "--tokenizer-type"
 
 
 def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:
-    """`unknown flag --x; did you mean --y? (flags of group G: --y, --z)`: one line."""
+    """`unknown flag --x; did you mean --y? (...)` where a flag is close (`close_flags`), else `unknown flag --x`
+    with the group whose flags start as it does (`--moe-...`), or --help: one line."""
     flag = flag.split("=", 1)[0]
     if not flag.startswith("-"):
         return f"unexpected argument {flag!r}: flags are --name value (a value without its flag?)"
@@ -235,9 +374,69 @@ def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:
         for option in action.option_strings
         if option.startswith("--")
     }
-    close = difflib.get_close_matches(flag, list(groups), n=3, cutoff=0.6)
-    if not close:
-        return f"unknown flag {flag} (--help lists every flag by group)"
-    group = groups[close[0]]
-    siblings = [option for option in close if groups[option] == group]
-    return f"unknown flag {flag}; did you mean {close[0]}? (similar flags in group {group}: {', '.join(siblings)})"
+    close = close_flags(flag, list(groups))
+    if close:
+        group = groups[close[0]]
+        siblings = [option for option in close if groups[option] == group]
+        return f"unknown flag {flag}; did you mean {close[0]}? (similar flags in group {group}: {', '.join(siblings)})"
+    prefix = flag.lstrip("-").split("-")[0]
+    near = [group for option, group in groups.items() if option.lstrip("-").split("-")[0] == prefix]
+    if len(prefix) > 1 and near:
+        group = max(set(near), key=near.count)
+        return f"unknown flag {flag} (none is close; flags starting --{prefix}- are in group {group}: see --help)"
+    return f"unknown flag {flag} (--help lists every flag by group)"
+
+
+def close_flags(flag: str, known: Sequence[str], most: int = 3) -> list[str]:
+    """Up to `most` of `known` that `flag` is a typo of: at most one edit per six letters (a letter missing,
+    extra, changed or two swapped), or the same words with one word more or fewer; the fewest edits first, then
+    those sharing its first word (a word more or fewer only after the same first word)."""
+    name, words = flag.lstrip("-"), flag.lstrip("-").split("-")
+    ranked = []
+    for option in known:
+        other = option.lstrip("-")
+        edits = typo_distance(name, other, limit=max(1, len(name) // 6))
+        other_words = other.split("-")
+        one_word = abs(len(words) - len(other_words)) == 1 and min(len(words), len(other_words)) >= 2
+        one_word = one_word and words[0] == other_words[0]  # --mtp-num-layers is no typo of --num-layers
+        shorter, longer = sorted((words, other_words), key=len)
+        if edits is None and one_word and any(longer[:i] + longer[i + 1 :] == shorter for i in range(len(longer))):
+            edits = len(name) // 6 + 1
+        if edits is not None:
+            ranked.append((edits, other_words[0] != words[0], option))
+    return [option for *_, option in sorted(ranked)[:most]]
+
+
+def typo_distance(a: str, b: str, limit: int) -> int | None:
+    """Edits (insert, delete, change, swap two neighbours) from `a` to `b`, or None above `limit`."""
+    if abs(len(a) - len(b)) > limit:
+        return None
+    previous, row = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, row = row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(before[j] + 1, row[j - 1] + 1, before[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], previous[j - 2] + 1)
+        previous = before
+        if min(row) > limit:
+            return None
+    return row[-1] if row[-1] <= limit else None
+
+
+def status_of(flag: str, ours: set[str]) -> str | None:
+    """How this stack answers Megatron-LM's `flag` (`ours`: our parser's flags), as docs/flags.md lists it: `same`,
+    `read as ...`, `not needed: ...`, `not needed with ...`, `refused: ...`; None for a flag nobody answers."""
+    if flag in ours:
+        return "same"
+    if flag in RENAMED:
+        return f"read as {' '.join(RENAMED[flag][1])}"
+    if flag in NOT_NEEDED:
+        return f"not needed: {NOT_NEEDED[flag][1]}"
+    if flag in NOT_NEEDED_WITH:
+        values, why, otherwise = NOT_NEEDED_WITH[flag]
+        return f"not needed with {', '.join(values)}: {why}; other values refused ({otherwise})"
+    if flag in REFUSED:
+        return f"refused: {REFUSED[flag][1]}"
+    refusal = refused_prefix(flag)
+    return None if refusal is None else "refused: " + refusal.split(": ", 1)[1]

@@ -64,13 +64,19 @@ def check_training(training: TrainingConfig) -> None:
     require_fraction("--adam-beta2", training.adam_beta2, 0.95, below_one=True)
     # numpy takes seeds below 2**32; 2**31 leaves room for the per-stage and model-parallel offsets.
     require(0 <= training.seed < 2**31, "--seed", training.seed, "must be in [0, 2**31), e.g. --seed 1234")
+    require(
+        0 <= training.lr_warmup_init <= training.lr,
+        "--lr-warmup-init",
+        training.lr_warmup_init,
+        f"must be in [0, --lr={training.lr}] (the warm-up rises from it to --lr)",
+    )
     require(training.lr >= training.min_lr >= 0, "--min-lr", training.min_lr, f"must be in [0, --lr={training.lr}]")
     if training.lr_warmup_fraction is not None:
         require_fraction("--lr-warmup-fraction", training.lr_warmup_fraction, 0.01, below_one=True)
     by_samples = training.train_samples is not None
     unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
     require(
-        not by_samples or training.train_iters is None,
+        not by_samples or training.train_iters in (None, iters_from_samples(training)),
         "--train-iters",
         training.train_iters,
         "and --train-samples both set the run's length: give one",
@@ -106,6 +112,15 @@ def check_training(training: TrainingConfig) -> None:
     )
 
 
+def iters_from_samples(training: TrainingConfig) -> int | None:
+    """The --train-iters that `resolve_train_iters` fills in from --train-samples (None before the global batch is
+    known): a validated config holds it, so validating it again (start-up does, on the real world size) finds it
+    derived, not given."""
+    if training.train_samples is None or training.global_batch_size is None:
+        return None
+    return training.train_samples // training.global_batch_size
+
+
 def resolve_train_iters(training: TrainingConfig) -> None:
     """Fills --train-iters: from --train-samples (whole global batches, Megatron-LM's rule), else its default."""
     if training.train_samples is not None:
@@ -115,7 +130,7 @@ def resolve_train_iters(training: TrainingConfig) -> None:
             training.train_samples,
             f"must be at least one global batch (--global-batch-size={training.global_batch_size})",
         )
-        training.train_iters = training.train_samples // training.global_batch_size
+        training.train_iters = iters_from_samples(training)
     elif training.train_iters is None:
         training.train_iters = 100
 
@@ -187,6 +202,9 @@ def check_tokenizer(data: DataConfig) -> None:
     when it loads them; tools/preprocess_data.py calls this too)."""
     kind = data.tokenizer_type
     require(kind in TOKENIZER_TYPES, "--tokenizer-type", kind, f"one of {', '.join(TOKENIZER_TYPES)}")
+    if kind == "NullTokenizer":
+        check_null_tokenizer(data)
+        return
     if kind == "GPT2BPETokenizer":
         for flag, value, what in (
             ("--vocab-file", data.vocab_file, "vocab.json"),
@@ -207,6 +225,31 @@ def check_tokenizer(data: DataConfig) -> None:
         "bytelevel-bpe writes one)"
     )
     require(data.tokenizer_model is not None, "--tokenizer-model", None, f"--tokenizer-type {kind} needs {made_by}")
+
+
+def check_null_tokenizer(data: DataConfig) -> None:
+    """NullTokenizer: --vocab-size ids, eod one of them; with --mock-data only (real data is tied to the tokenizer
+    it was made with by its sidecar, which a NullTokenizer has no file to match)."""
+    require(
+        data.vocab_size is not None and data.vocab_size > 1,
+        "--vocab-size",
+        data.vocab_size,
+        "--tokenizer-type NullTokenizer needs its vocabulary size (> 1), e.g. --vocab-size 32000",
+    )
+    eod = data.null_tokenizer_eod_id
+    require(
+        eod is None or 0 <= eod < data.vocab_size,
+        "--null-tokenizer-eod-id",
+        eod,
+        f"must be an id of the vocabulary, in [0, --vocab-size={data.vocab_size})",
+    )
+    require(
+        data.mock_data,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "with --mock-data only here: tokenized data is checked against the tokenizer it was made with (its "
+        "sidecar); give that tokenizer's flags",
+    )
 
 
 def check_checkpoint(checkpoint: CheckpointConfig) -> None:

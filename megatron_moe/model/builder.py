@@ -13,6 +13,8 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
+from megatron_moe.config.fields import raise_errors
+from megatron_moe.config.kernels import Kernels, kernel_errors, uses_transformer_engine
 from megatron_moe.model import attention
 from megatron_moe.model.fusions import Fusions, choose_fusions
 from megatron_moe.model.spec import block_spec
@@ -30,23 +32,21 @@ def params_dtype(cfg: RunConfig) -> torch.dtype:
 
 
 def use_transformer_engine(cfg: RunConfig) -> bool:
-    """--transformer-impl: transformer-engine's modules where asked for (refused where it cannot run), or by
-    default where it is installed on a GPU."""
-    available = current_platform().is_accelerator and importlib.util.find_spec("transformer_engine") is not None
-    impl, flash = cfg.model.transformer_impl, cfg.model.use_flash_attn
-    if impl == "transformer_engine" and not available:
-        raise ConfigError(
-            "--transformer-impl=transformer_engine: needs the transformer_engine package on a GPU (this machine "
-            f"has {'no GPU' if not current_platform().is_accelerator else 'no transformer_engine'}); "
-            "use --transformer-impl local"
-        )
-    use = available if impl is None else impl == "transformer_engine"
-    if flash and not use:
-        raise ConfigError(
-            "--use-flash-attn: flash attention is transformer-engine's backend here (megatron-core's local "
-            "attention has no flash kernel); use it on a GPU with transformer-engine, or drop --use-flash-attn"
-        )
-    return use
+    """--transformer-impl: transformer-engine's modules where asked for, or by default where it is installed on a
+    GPU; a flag whose kernel this machine lacks (the first pass's `config.kernels` checks, here with the
+    platform's own answers) is refused."""
+    kernels = platform_kernels()
+    raise_errors(kernel_errors(cfg, kernels))
+    return uses_transformer_engine(cfg, kernels)
+
+
+def platform_kernels() -> Kernels:
+    """The kernels this process has: `config.kernels.Kernels` with the platform's answer for the GPU."""
+    return Kernels(
+        gpu=current_platform().is_accelerator,
+        transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
+        grouped_gemm=importlib.util.find_spec("grouped_gemm") is not None,
+    )
 
 
 def run_fusions(cfg: RunConfig) -> Fusions:
@@ -58,14 +58,8 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
     """The megatron-core TransformerConfig for this run (parallel sizes included); `fusions`: `run_fusions(cfg)`
     unless given."""
     m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.training
-    te = use_transformer_engine(cfg)
+    use_transformer_engine(cfg)  # refuses what this machine cannot run (--context-parallel-size included)
     fusions = run_fusions(cfg) if fusions is None else fusions
-    if p.context_parallel_size > 1 and not te:
-        raise ConfigError(
-            f"--context-parallel-size={p.context_parallel_size} needs transformer-engine's attention on a GPU "
-            f"(megatron-core's local attention has no context parallelism); install the gpu extra on a GPU "
-            f"machine, or use --context-parallel-size 1"
-        )
     dtype = params_dtype(cfg)
     on_cpu = not current_platform().is_accelerator
     interleaved = p.virtual_pipeline_size(m.num_layers) is not None

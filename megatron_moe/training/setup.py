@@ -177,7 +177,7 @@ def build_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:
     spans = t.lr_schedule_samples()
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if spans["warmup"] else t.lr,
+        init_lr=t.lr_warmup_init if spans["warmup"] else t.lr,
         max_lr=t.lr,
         min_lr=t.min_lr,
         lr_warmup_steps=spans["warmup"],

@@ -139,3 +139,15 @@ def test_the_tokenizer_types_saw_their_own_tokens(runs):
     first = {kind: runs[f"{kind}/straight"][0]["lm loss"] for kind in ("SentencePieceTokenizer", "GPT2BPETokenizer")}
     assert computed(runs["GPT2BPETokenizer/straight"]) == computed(runs["HuggingFaceTokenizer/straight"])
     assert first["SentencePieceTokenizer"] != first["GPT2BPETokenizer"]
+
+
+def test_megatron_lms_own_moe_test_configs_train_two_steps_on_cpu(runs):
+    """Megatron-LM's functional-test configs that need no GPU-only feature, degrees as written (4 ranks), sizes
+    shrunk (tests/distributed/megatron_lm_configs.py): each trains its 2 steps with finite, falling-or-flat losses."""
+    from tests.distributed.megatron_lm_configs import CPU_RUNS
+
+    for name in CPU_RUNS:
+        history = runs[f"config:{name}"]
+        losses = [step["lm loss"] for step in history]
+        assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), (name, history)
+        assert losses[1] < losses[0] + 0.1, (name, losses)

@@ -55,6 +55,7 @@ import sys
 import torch.distributed as dist
 
 from tests.distributed.launcher import finish_job, train_in_job
+from tests.distributed.megatron_lm_configs import CPU_RUNS, cpu_argv
 
 SCENARIO, DATA, TOKENIZER, WORKDIR = sys.argv[1:5]
 TOKENIZER_RUNS = sys.argv[5] if len(sys.argv) > 5 else None
@@ -556,6 +557,8 @@ def megatron_lm() -> dict:
     results["distopt_params_norm"] = params_norm_of_checkpoint(ckpt("distopt"))
     results["param_gather_params_norm"] = params_norm_of_checkpoint(ckpt("param_gather"))
     results.update(tokenizer_runs(base, iters))
+    for name in CPU_RUNS:  # Megatron-LM's own MoE test configs, degrees as written, shrunk for a CPU
+        results[f"config:{name}"] = train_in_job(cpu_argv(name))
     return results
 
 

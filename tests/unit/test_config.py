@@ -101,11 +101,6 @@ def test_moe_layer_freq():
             1,
             r"=top1_aux_loss: mega",
         ),
-        (
-            ["--moe-token-dispatcher-type", "allgather"],
-            1,
-            r"--moe-token-dispatcher-type=allgather: megatron_moe's layer",
-        ),
         (["--moe-gate", "soft", "--moe-expert-capacity-factor", "1.0"], 1, r"-capacity-factor=1.0: --moe-gate=soft"),
     ],
 )
