@@ -12,7 +12,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron_moe.activations.apply import apply_activation_policy
-from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
+from megatron_moe.config import MoELayerConfig, RunConfig
 from megatron_moe.config.fields import raise_errors
 from megatron_moe.config.kernels import Kernels, kernel_errors, uses_transformer_engine
 from megatron_moe.model import attention
