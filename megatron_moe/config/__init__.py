@@ -39,7 +39,7 @@ from megatron_moe.config.groups import (
     ParallelConfig,
     TrainingConfig,
 )
-from megatron_moe.config.kernels import Kernels, kernel_errors
+from megatron_moe.config.kernels import Kernels, cpu_stand_ins, kernel_errors
 from megatron_moe.config.megatron_lm import accept_megatron_lm_flags, unknown_flag
 from megatron_moe.config.moe_layer import MoEConfigError, MoELayerConfig
 from megatron_moe.config.parallel_dims import ParallelDims
@@ -241,7 +241,9 @@ def parse_and_validate(
     checks = (lambda: cfg.validate(world_size), lambda: files(cfg) if files else None, lambda: check_kernels(cfg))
 
     def check_kernels(cfg: RunConfig) -> None:
-        raise_errors(kernel_errors(cfg, kernels) if kernels is not None else [])
+        if kernels is not None:
+            raise_errors(kernel_errors(cfg, kernels))
+            cfg.notes += cpu_stand_ins(cfg, kernels)
 
     for check in checks if cfg is not None else ():
         try:

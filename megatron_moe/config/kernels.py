@@ -3,7 +3,8 @@ probe, and the model builder makes again with the platform's own answers (the sa
 
 In: a `RunConfig` and a `Kernels` (a GPU, transformer-engine, the grouped_gemm package). Out: `kernel_errors`
 (one line per flag that needs a kernel the machine lacks, naming the flag, its value and what to use instead),
-`uses_transformer_engine` (whether transformer-engine's modules are built). `probe_kernels()` reads no module
+`uses_transformer_engine` (whether transformer-engine's modules are built), `cpu_stand_ins` (the lines for the GPU
+kernels a CPU run replaces with the same arithmetic). `probe_kernels()` reads no module
 and imports nothing heavy (no torch): a GPU device node, and whether the packages are installed.
 """
 
@@ -42,9 +43,33 @@ def probe_kernels() -> Kernels:
 
 
 def uses_transformer_engine(cfg: RunConfig, kernels: Kernels) -> bool:
-    """--transformer-impl as given, else transformer-engine where it is installed on a GPU."""
+    """--transformer-impl as given, else transformer-engine where it is installed on a GPU; never without a GPU
+    (a GPU script's CPU run builds megatron-core's local modules: `cpu_stand_ins`)."""
     impl = cfg.model.transformer_impl
-    return kernels.gpu and kernels.transformer_engine if impl is None else impl == "transformer_engine"
+    if not kernels.gpu:
+        return False
+    return kernels.transformer_engine if impl is None else impl == "transformer_engine"
+
+
+def cpu_stand_ins(cfg: RunConfig, kernels: Kernels) -> list[str]:
+    """One start-up line per GPU kernel the flags ask for that a machine without a GPU runs otherwise, with the
+    same arithmetic: transformer-engine's modules (megatron-core's local ones: the same parameters under the same
+    checkpoint keys) and its flash attention (megatron-core's local attention). On a GPU they are asked for, not
+    stood in for: `kernel_errors` refuses a missing one."""
+    if kernels.gpu:
+        return []
+    lines = []
+    if cfg.model.transformer_impl == "transformer_engine":
+        lines.append(
+            "--transformer-impl transformer_engine: no GPU here, so megatron-core's local modules run this CPU run "
+            "(the same model under the same checkpoint keys; on a GPU it needs the transformer_engine package)"
+        )
+    if cfg.model.use_flash_attn:
+        lines.append(
+            "--use-flash-attn: no GPU here, so megatron-core's local attention runs this CPU run (the same "
+            "attention, unfused; on a GPU it needs transformer-engine)"
+        )
+    return lines
 
 
 def kernel_errors(cfg: RunConfig, kernels: Kernels) -> list[str]:
@@ -53,12 +78,12 @@ def kernel_errors(cfg: RunConfig, kernels: Kernels) -> list[str]:
     machine = "no GPU" if not kernels.gpu else "no transformer_engine"
     te = uses_transformer_engine(cfg, kernels)
     errors = []
-    if cfg.model.transformer_impl == "transformer_engine" and not te_here:
+    if cfg.model.transformer_impl == "transformer_engine" and not te_here and kernels.gpu:
         errors.append(
             f"--transformer-impl=transformer_engine: needs the transformer_engine package on a GPU (this machine "
             f"has {machine}); use --transformer-impl local"
         )
-    if cfg.model.use_flash_attn and not (te and te_here):
+    if cfg.model.use_flash_attn and not (te and te_here) and kernels.gpu:
         errors.append(
             "--use-flash-attn: flash attention is transformer-engine's backend here (megatron-core's local "
             "attention has no flash kernel); use it on a GPU with transformer-engine, or drop --use-flash-attn"

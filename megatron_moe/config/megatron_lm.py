@@ -319,9 +319,9 @@ def accept_megatron_lm_flags(argv: Sequence[str]) -> tuple[list[str], list[str],
 def read_as_pretrain_gpt(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(argv, notes) with what Megatron-LM's pretrain_gpt.py means by flags left out or by a choice our MoE layer
     makes otherwise: no --tokenizer-type with --vocab-file and --merge-file is GPT2BPETokenizer (its default
-    there); --moe-token-dispatcher-type allgather in our layer is its all-to-all, which sends the same rows to
-    the same experts (the results are the same; megatron-core's layer, --moe-layer-impl mcore, runs allgather;
-    without --num-experts the flag is left to say it changes nothing)."""
+    there); --moe-token-dispatcher-type allgather or flex in our layer is its all-to-all, which sends the same rows
+    to the same experts (`DISPATCHERS_READ_AS_ALLTOALL`; megatron-core's layer, --moe-layer-impl mcore, keeps the
+    flag; without --num-experts it is left to say it changes nothing)."""
     args, notes = list(argv), []
     given = {item.split("=", 1)[0] for item in args}
     if (
@@ -332,16 +332,47 @@ def read_as_pretrain_gpt(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         args += ["--tokenizer-type", "GPT2BPETokenizer"]
         notes.append("--vocab-file, --merge-file without --tokenizer-type: GPT2BPETokenizer, pretrain_gpt.py's default")
     keep = _last_value(args, "--moe-layer-impl") == "mcore" or _last_value(args, "--num-experts") in (None, "0")
-    for i, item in enumerate(args):
-        inline = item == "--moe-token-dispatcher-type=allgather"
-        if keep or not (inline or (item == "--moe-token-dispatcher-type" and args[i + 1 : i + 2] == ["allgather"])):
-            continue
-        args[i : i + 1 + (not inline)] = ["--moe-token-dispatcher-type=alltoall"]
-        notes.append(
-            "--moe-token-dispatcher-type allgather: read as alltoall in our MoE layer (the same rows reach the same "
-            "experts, only the transport differs; --moe-layer-impl mcore runs megatron-core's allgather)"
-        )
+    dispatcher = _last_value(args, "--moe-token-dispatcher-type")
+    if keep or dispatcher not in DISPATCHERS_READ_AS_ALLTOALL:
+        return args, notes
+    args = _without(args, "--moe-token-dispatcher-type", takes_value=True) + ["--moe-token-dispatcher-type=alltoall"]
+    notes.append(
+        f"--moe-token-dispatcher-type {dispatcher}: read as alltoall in our MoE layer "
+        f"({DISPATCHERS_READ_AS_ALLTOALL[dispatcher]})"
+    )
+    for flag in FLEX_KERNEL_FLAGS if dispatcher == "flex" else ():
+        if _last_value(args, flag) is not None:
+            args = _without(args, flag, takes_value=True)
+            notes.append(f"{flag}: not needed here (the flex dispatcher's kernels; tokens move by all-to-all)")
     return args, notes
+
+
+DISPATCHERS_READ_AS_ALLTOALL = {
+    "allgather": (
+        "the same rows reach the same experts, only the transport differs; --moe-layer-impl mcore runs "
+        "megatron-core's allgather"
+    ),
+    "flex": (
+        "flex is megatron-core's dispatcher for DeepEP/HybridEP kernels, which move the same rows to the same "
+        "experts; here torch.distributed's all-to-all moves them, overlapped by --overlap-wgrad and "
+        "--moe-pipeline-degree"
+    ),
+}
+"""Megatron-LM's dispatchers our MoE layer runs as its all-to-all (the same routing and results)."""
+FLEX_KERNEL_FLAGS = ("--moe-flex-dispatcher-backend", "--moe-flex-dispatcher-num-sms")
+
+
+def _without(args: list[str], flag: str, *, takes_value: bool) -> list[str]:
+    """`args` without `flag` (`--flag value` or `--flag=value`, every time it is given)."""
+    kept, skip = [], False
+    for item in args:
+        if skip:
+            skip = False
+        elif item == flag:
+            skip = takes_value
+        elif not item.startswith(flag + "="):
+            kept.append(item)
+    return kept
 
 
 def _last_value(args: list[str], flag: str) -> str | None:

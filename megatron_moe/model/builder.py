@@ -58,7 +58,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
     """The megatron-core TransformerConfig for this run (parallel sizes included); `fusions`: `run_fusions(cfg)`
     unless given."""
     m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.training
-    use_transformer_engine(cfg)  # refuses what this machine cannot run (--context-parallel-size included)
+    te = use_transformer_engine(cfg)  # refuses what this machine cannot run (--context-parallel-size included)
     fusions = run_fusions(cfg) if fusions is None else fusions
     dtype = params_dtype(cfg)
     on_cpu = not current_platform().is_accelerator
@@ -119,7 +119,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         recompute_granularity="full" if cfg.activations.full_recompute else None,
         recompute_method="uniform" if cfg.activations.full_recompute else None,
         recompute_num_layers=1 if cfg.activations.full_recompute else None,
-        attention_backend=AttnBackend.flash if m.use_flash_attn else AttnBackend.auto,
+        attention_backend=AttnBackend.flash if m.use_flash_attn and te else AttnBackend.auto,  # CPU: `cpu_stand_ins`
         **attention.config_kwargs(m),  # head width, q/k norms, MLA and its RoPE
         **moe_kwargs,
     )

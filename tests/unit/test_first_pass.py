@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from megatron_moe.config import ConfigError, ConfigErrors, build_parser, parse_and_validate, parse_args
-from megatron_moe.config.kernels import Kernels
+from megatron_moe.config.kernels import Kernels, uses_transformer_engine
 from megatron_moe.config.megatron_lm import unknown_flag
 from tests.conftest import ROOT
 
@@ -209,17 +209,34 @@ NEEDS_KERNELS = [
 
 
 def test_the_first_pass_refuses_every_flag_whose_kernel_the_machine_lacks_at_once():
+    gpu_without_te = dataclasses.replace(CPU, gpu=True)
     with pytest.raises(ConfigErrors) as caught:
-        parse_and_validate([*MOCK, *NEEDS_KERNELS], 2, kernels=CPU)
+        parse_and_validate([*MOCK, *NEEDS_KERNELS], 2, kernels=gpu_without_te)
     assert [line.split(":")[0].split("=")[0].split()[0] for line in caught.value.errors] == [
         "--transformer-impl", "--use-flash-attn", "--context-parallel-size", "--moe-grouped-gemm",
     ]  # fmt: skip
-    assert "this machine has no GPU" in caught.value.errors[0]
+    assert "this machine has no transformer_engine" in caught.value.errors[0]
     parse_and_validate([*MOCK, *NEEDS_KERNELS], 2, kernels=GPU_TE)  # transformer-engine runs the grouped GEMMs
     no_te = dataclasses.replace(CPU, gpu=True, grouped_gemm=True)
     parse_and_validate(
         [*MOCK, "--num-experts", "4", "--moe-layer-impl", "mcore", "--moe-grouped-gemm"], 1, kernels=no_te
     )
+
+
+def test_without_a_gpu_a_gpu_script_runs_on_local_modules_and_says_so():
+    """A GPU launch script's CPU run (the tests', a laptop's): transformer-engine's modules and flash attention are
+    stood in for by megatron-core's local ones, with the same arithmetic and checkpoint keys, one line each; what
+    has no CPU stand-in (context parallelism, megatron-core's grouped GEMM) is still refused."""
+    with pytest.raises(ConfigErrors) as caught:
+        parse_and_validate([*MOCK, *NEEDS_KERNELS], 2, kernels=CPU)
+    assert [line.split(":")[0].split("=")[0] for line in caught.value.errors] == [
+        "--context-parallel-size",
+        "--moe-grouped-gemm",
+    ]
+    notes = parse_and_validate([*MOCK, "--transformer-impl", "transformer_engine", "--use-flash-attn"], 1, kernels=CPU)
+    stand_ins = [line for line in notes.notes if "no GPU here" in line]
+    assert [line.split(":")[0] for line in stand_ins] == ["--transformer-impl transformer_engine", "--use-flash-attn"]
+    assert not uses_transformer_engine(notes, CPU)
 
 
 def test_the_probe_imports_no_torch_and_answers_in_milliseconds():
@@ -291,3 +308,17 @@ def test_a_mock_data_run_with_null_tokenizer_gets_its_batches(megatron_world1):
     data = build_run_data(cfg, build_tokenizer(cfg.data), 0)
     batch = next(data.train_iterator)
     assert batch["tokens"].shape == (2, 32) and int(batch["tokens"].max()) < 200
+
+
+def test_the_flex_dispatcher_is_read_as_our_all_to_all_with_its_kernel_flags_dropped():
+    """DeepSeek-V3's script: flex + HybridEP are megatron-core's kernels for the same dispatch; our layer runs its
+    all-to-all and says so; megatron-core's layer keeps the flag (and refuses it: no DeepEP/HybridEP here)."""
+    flags = ["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+    cfg = parse_args([*MOCK, *flags])
+    assert cfg.moe.moe_token_dispatcher_type == "alltoall"
+    assert [line.split(":")[0] for line in cfg.notes[:2]] == [
+        "--moe-token-dispatcher-type flex",
+        "--moe-flex-dispatcher-backend",
+    ], cfg.notes
+    with pytest.raises(ConfigError, match="--moe-token-dispatcher-type=flex: the flex dispatcher"):
+        parse_and_validate([*MOCK, *flags, "--moe-layer-impl", "mcore"], 1)
