@@ -469,5 +469,11 @@ def status_of(flag: str, ours: set[str]) -> str | None:
         return f"not needed with {', '.join(values)}: {why}; other values refused ({otherwise})"
     if flag in REFUSED:
         return f"refused: {REFUSED[flag][1]}"
+    if flag in FLEX_KERNEL_FLAGS:
+        return (
+            "with `--moe-token-dispatcher-type flex` in our layer: not needed (flex is read as our all-to-all, a "
+            "line says so); with megatron-core's layer refused: the flex dispatcher (DeepEP, HybridEP) is not "
+            "supported here"
+        )
     refusal = refused_prefix(flag)
     return None if refusal is None else "refused: " + refusal.split(": ", 1)[1]
