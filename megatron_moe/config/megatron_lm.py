@@ -460,6 +460,12 @@ def status_of(flag: str, ours: set[str]) -> str | None:
     `read as ...`, `not needed: ...`, `not needed with ...`, `refused: ...`; None for a flag nobody answers."""
     if flag in ours:
         return "same"
+    if flag in FLEX_KERNEL_FLAGS:
+        return (
+            "with `--moe-token-dispatcher-type flex` in our layer: not needed (flex is read as our all-to-all, a "
+            "line says so); with megatron-core's layer refused: the flex dispatcher (DeepEP, HybridEP) is not "
+            "supported here"
+        )
     if flag in RENAMED:
         return f"read as {' '.join(RENAMED[flag][1])}"
     if flag in NOT_NEEDED:
@@ -469,11 +475,5 @@ def status_of(flag: str, ours: set[str]) -> str | None:
         return f"not needed with {', '.join(values)}: {why}; other values refused ({otherwise})"
     if flag in REFUSED:
         return f"refused: {REFUSED[flag][1]}"
-    if flag in FLEX_KERNEL_FLAGS:
-        return (
-            "with `--moe-token-dispatcher-type flex` in our layer: not needed (flex is read as our all-to-all, a "
-            "line says so); with megatron-core's layer refused: the flex dispatcher (DeepEP, HybridEP) is not "
-            "supported here"
-        )
     refusal = refused_prefix(flag)
     return None if refusal is None else "refused: " + refusal.split(": ", 1)[1]
