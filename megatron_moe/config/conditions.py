@@ -117,6 +117,7 @@ DYNAMIC_SCALE = When(
 )
 
 ROPE = When(lambda c: c.model.position_embedding_type == "rope", "with --position-embedding-type rope")
+MTP = When(lambda c: bool(c.model.mtp_num_layers), "with --mtp-num-layers > 0 (multi-token prediction)")
 
 MCORE_MLP = When(
     lambda c: not c.moe.own_layer or 0 in c.moe.layer_pattern(c.model.num_layers),

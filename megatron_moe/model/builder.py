@@ -14,7 +14,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron_moe.activations.apply import apply_activation_policy
 from megatron_moe.config import ConfigError, MoELayerConfig, RunConfig
 from megatron_moe.model.fusions import Fusions, choose_fusions
-from megatron_moe.model.spec import block_spec
+from megatron_moe.model.spec import block_spec, mtp_block_spec
 from megatron_moe.moe.experts import mark_expert_params
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.fusions import batch_p2p_sync, fused_kernels
@@ -125,6 +125,9 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         recompute_method="uniform" if cfg.activations.full_recompute else None,
         recompute_num_layers=1 if cfg.activations.full_recompute else None,
         attention_backend=AttnBackend.flash if m.use_flash_attn else AttnBackend.auto,
+        # Multi-token prediction: None (not 0) without it, as megatron-core tests `is not None`.
+        mtp_num_layers=m.mtp_num_layers or None,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         **moe_kwargs,
     )
 
@@ -184,16 +187,14 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_s
     device. Its layers carry their global numbers (megatron-core's offset for this rank and virtual stage)."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     m = cfg.model
+    pattern = cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers
+    te, ours = use_transformer_engine(cfg), moe_layer(cfg)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            config,
-            cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers,
-            use_transformer_engine=use_transformer_engine(cfg),
-            pp_rank=pp_rank,
-            vp_stage=vp_stage,
-            moe_layer=moe_layer(cfg),
+            config, pattern, use_transformer_engine=te, pp_rank=pp_rank, vp_stage=vp_stage, moe_layer=ours
         ),
+        mtp_block_spec=mtp_block_spec(config, pattern, use_transformer_engine=te, vp_stage=vp_stage, moe_layer=ours),
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
