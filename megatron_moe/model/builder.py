@@ -204,6 +204,10 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_s
         rotary_base=m.rotary_base,
         vp_stage=vp_stage,
     )
+    if model.mtp_process and model.post_process and not model.pre_process and model.share_embeddings_and_output_weights:
+        # megatron-core 0.16.1 allocates the head's own weight on the MTP stage, yet uses the stage's embedding copy
+        # there (shared_embedding_or_output_weight) and asserts the head has none in its sharded state dict.
+        model.output_layer.weight = None
     model.to(current_platform().device)  # megatron-core puts its own modules there already, ours follow
     for experts in (module for name, module in model.named_modules() if name.endswith(".experts")):
         mark_expert_params(experts)  # ours and megatron-core's
