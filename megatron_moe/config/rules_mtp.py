@@ -20,9 +20,9 @@ def check_mtp(cfg: RunConfig) -> None:
     """--mtp-num-layers >= 0 (0 or unset: none), its loss factor >= 0, and what MTP needs of the model."""
     m = cfg.model
     require_non_negative("--mtp-num-layers", m.mtp_num_layers, 1)
+    require_non_negative("--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor, 0.1)
     if not m.mtp_layers:
         return
-    require_non_negative("--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor, 0.1)
     require(
         m.position_embedding_type == "rope",
         "--position-embedding-type",

@@ -144,4 +144,10 @@ def mtp_block_spec(
         return None
     backend = backend_provider(use_transformer_engine)
     last = layer_spec(config, moe=bool(moe_pattern[-1]), backend=backend, moe_layer=moe_layer)
-    return get_gpt_mtp_block_spec_for_backend(config=config, spec=last, backend=backend, vp_stage=vp_stage)
+    block = get_gpt_mtp_block_spec_for_backend(config=config, spec=last, backend=backend, vp_stage=vp_stage)
+    if block is None:
+        return None
+    # Its norms ours, as the decoder's (the backend's local norm refuses sequence parallelism; TE's adds keys).
+    norms = dict(enorm=SequenceParallelNorm, hnorm=SequenceParallelNorm, layer_norm=SequenceParallelNorm)
+    layers = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms)) for s in block.layer_specs]
+    return dataclasses.replace(block, layer_specs=layers)
