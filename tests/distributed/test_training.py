@@ -223,3 +223,12 @@ def test_multi_token_prediction_at_pp2_ep2_matches_one_process_and_resumes_exact
     assert one[-1]["mtp_1 loss"] < one[0]["mtp_1 loss"] and one[-1]["lm loss"] < one[0]["lm loss"]
     assert [s["iteration"] for s in resumed] == [3, 4]
     assert computed(resumed) == computed(split[2:])
+
+
+def test_multi_token_prediction_composes_with_sequence_parallel_and_lancets_overlaps(runs):
+    """The MTP layer's norms under --sequence-parallel, its MoE in 2 pieces, its dW deferred: as on one process."""
+    _, layouts, _ = runs
+    one, overlapped = layouts["mtp"], layouts["mtp_tp2_ep2_overlaps"]
+    assert_matches(overlapped, one)
+    for step, ref in zip(overlapped, one, strict=True):
+        assert step["mtp_1 loss"] == pytest.approx(ref["mtp_1 loss"], rel=1e-5)
