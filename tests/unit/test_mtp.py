@@ -120,3 +120,33 @@ def test_factor_zero_trains_the_main_weights_exactly_as_without_mtp(megatron_wor
     assert all(s["aux"]["mtp_1 loss"] > 0 for s in zero)  # still computed and reported
     balanced, _ = trained("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0")
     assert [s["lm loss"] for s in balanced][1:] != [s["lm loss"] for s in trained()[0]][1:]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--activation-policy", "arctic"], ["--moe-layer-impl", "mcore"], ["--recompute-granularity", "full"]],
+    ids=["arctic_policy", "mcore_layer", "full_recompute"],
+)
+def test_mtp_composes(megatron_world1, flags):
+    """The activation policy reaches the MTP layer; megatron-core's own MoE layer in it has its aux-loss slot
+    (its tracker is sized num_layers + MTP layers); megatron-core's full recompute checkpoints the MTP layer."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.utils import unwrap_model
+
+    steps, trainer = trained("--mtp-num-layers", "1", *flags, steps=2)
+    assert torch.isfinite(torch.tensor([[s["lm loss"], s["aux"]["mtp_1 loss"]] for s in steps])).all()
+    assert steps[0]["aux"]["moe aux loss"] > 0
+    layer = unwrap_model(trainer.model[0]).mtp.layers[0].transformer_layer
+    assert isinstance(layer, TransformerLayer)
+    if "arctic" in flags:
+        assert "forward" in vars(layer)  # wrapped in the policy's scope, as the decoder's layers
+
+
+def test_the_log_line_and_tensorboard_show_the_mtp_losses():
+    from megatron_moe.training.log_line import short_line
+    from megatron_moe.training.tensorboard_tags import tag_of
+
+    record = {"iteration": 5, "train_iters": 10, "lm loss": 6.5, "mtp_1 loss": 6.75, "mtp_2 loss": 7.0}
+    record |= {"ms_per_iteration": 100.0, "tokens_per_s": 1000.0, "eta_s": 1.0}
+    assert "| lm loss: 6.5000 | mtp_1 loss: 6.7500 | mtp_2 loss: 7.0000 |" in short_line(record)
+    assert tag_of("mtp_1 loss") == "loss/mtp_1 loss"
