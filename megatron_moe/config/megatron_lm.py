@@ -141,6 +141,14 @@ REFUSED: dict[str, tuple[bool, str]] = {
     "--moe-apply-probs-on-input": (False, "weighting expert inputs by the router's probabilities is not supported yet"),
     "--moe-enable-deepep": (False, _DEEPEP),
     "--moe-deepep-num-sms": (True, _DEEPEP),
+    # Multi-token prediction: what Megatron-LM's HEAD adds beyond megatron-core 0.16.1's MTP block
+    "--mtp-use-repeated-layer": (False, "one MTP layer applied repeatedly is not in megatron-core 0.16.1; drop it"),
+    "--mtp-detach-heads": (
+        False,
+        "detached MTP heads are not in megatron-core 0.16.1; drop it",
+    ),
+    "--mtp-hsm": (False, "MTP hidden-state mixing is not in megatron-core 0.16.1; drop it"),
+    "--mtp-hybrid-override-pattern": (True, "for hybrid (Mamba) models, which this stack does not build; drop it"),
     "--overlap-moe-expert-parallel-comm": (
         False,
         "overlap between two micro-batches is not supported; here the all-to-alls are hidden inside each "
