@@ -150,3 +150,10 @@ def test_the_log_line_and_tensorboard_show_the_mtp_losses():
     record |= {"ms_per_iteration": 100.0, "tokens_per_s": 1000.0, "eta_s": 1.0}
     assert "| lm loss: 6.5000 | mtp_1 loss: 6.7500 | mtp_2 loss: 7.0000 |" in short_line(record)
     assert tag_of("mtp_1 loss") == "loss/mtp_1 loss"
+
+
+def test_export_to_mixtral_names_the_mtp_layers():
+    from megatron_moe.checkpointing import hf_mixtral
+
+    cfg = validated("--mtp-num-layers", "1", "--swiglu", "--normalization", "RMSNorm")
+    assert any(p.startswith("--mtp-num-layers=1: Mixtral has no") for p in hf_mixtral.incompatibilities(cfg))
