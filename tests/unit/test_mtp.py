@@ -157,3 +157,17 @@ def test_export_to_mixtral_names_the_mtp_layers():
 
     cfg = validated("--mtp-num-layers", "1", "--swiglu", "--normalization", "RMSNorm")
     assert any(p.startswith("--mtp-num-layers=1: Mixtral has no") for p in hf_mixtral.incompatibilities(cfg))
+
+
+def test_model_flops_count_the_mtp_layers():
+    """Each MTP layer: its projection (2h x h), a layer of the last layer's kind and the output layer again."""
+    from megatron_moe.training.flops import flops_per_token, matmul_params_per_token
+
+    plain, mtp = validated("--num-layers", "1"), validated("--num-layers", "1", "--mtp-num-layers", "1")
+    h, vocab = plain.model.hidden_size, 1000
+    one_layer = matmul_params_per_token(plain, vocab) - h * vocab
+    assert matmul_params_per_token(mtp, vocab) == 2 * one_layer + 2 * h * h + 2 * h * vocab
+    assert (
+        flops_per_token(mtp, vocab) - flops_per_token(plain, vocab)
+        == 6 * (one_layer + 2 * h * h + h * vocab) + 12 * plain.model.seq_length * h
+    )
