@@ -225,10 +225,12 @@ def test_multi_token_prediction_at_pp2_ep2_matches_one_process_and_resumes_exact
     assert computed(resumed) == computed(split[2:])
 
 
-def test_multi_token_prediction_composes_with_sequence_parallel_and_lancets_overlaps(runs):
-    """The MTP layer's norms under --sequence-parallel, its MoE in 2 pieces, its dW deferred: as on one process."""
+@pytest.mark.parametrize("layout", ["mtp_tp2_ep2_overlaps", "mtp_pp2_vpp2_ep2_chunked"])
+def test_multi_token_prediction_composes_with_the_overlaps(runs, layout):
+    """The MTP layer's norms under --sequence-parallel, its MoE in 2 pieces, its dW deferred; on the last virtual
+    stage, its MoE chunked (FSMoE's pipeline at 2 x 2) with shadowing auto: as on one process."""
     _, layouts, _ = runs
-    one, overlapped = layouts["mtp"], layouts["mtp_tp2_ep2_overlaps"]
+    one, overlapped = layouts["mtp"], layouts[layout]
     assert_matches(overlapped, one)
     for step, ref in zip(overlapped, one, strict=True):
         assert step["mtp_1 loss"] == pytest.approx(ref["mtp_1 loss"], rel=1e-5)

@@ -13,7 +13,8 @@ Scenarios (each a list of cases run one after another in this job):
   MoE layer at EP=2; the interleaved pipeline (PP=2 x VPP=2, with EP=2, with the
   distributed optimizer and overlapped reduction and gather) and its checkpoints
   resumed at PP=1 and PP=2, and back; multi-token prediction at PP=2 x EP=2 from the reference's MTP weights,
-  saved and resumed, and at TP=2 + SP x EP=2 under the operator partition and Lancet's dW deferral.
+  saved and resumed, at PP=2 x VPP=2 x EP=2 with the chunked pipeline, and at TP=2 + SP x EP=2 under the operator
+  partition and Lancet's dW deferral.
 - `lancet` (4 ranks): --overlap-wgrad off, all-under-next-a2a and greedy in
   Lancet's layouts and settings (EP=2, TP=2+SP+EP=2 and PP=2+EP=2 with
   2 micro-batches, EP=2 with 4, EP=4 with the distributed optimizer,
@@ -208,6 +209,11 @@ def layouts() -> dict:
     results["mtp_pp2_ep2_resumed"] = train(*mtp, "--load", ckpt("mtp/iter_0000002"))
     # ... and at TP=2 + SP x EP=2 under Lancet's operator partition and dW deferral.
     overlaps = ["--moe-partition-pieces", "2", "--moe-partition-range", "1-4", "--overlap-wgrad", "all-under-next-a2a"]
+    # ... and on the last virtual stage of PP=2 x VPP=2 x EP=2, FSMoE's chunked pipeline on, shadowing auto.
+    chunked = [*degrees(2, 2), "--moe-shadow-experts", "auto"]
+    results["mtp_pp2_vpp2_ep2_chunked"] = train(
+        "--train-iters", str(ITERS), *MTP, "--load", ckpt("mtp_init"), *VPP_LAYOUTS["pp2_vpp2_ep2"], *chunked
+    )
     results["mtp_tp2_ep2_overlaps"] = train(
         "--train-iters", str(ITERS), *MTP, "--load", ckpt("mtp_init"), *LAYOUTS["tp2_ep2"], *overlaps
     )
