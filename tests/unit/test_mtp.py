@@ -122,14 +122,18 @@ def test_factor_zero_trains_the_main_weights_exactly_as_without_mtp(megatron_wor
     assert [s["lm loss"] for s in balanced][1:] != [s["lm loss"] for s in trained()[0]][1:]
 
 
+BIAS = ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
+
+
 @pytest.mark.parametrize(
     "flags",
-    [["--activation-policy", "arctic"], ["--moe-layer-impl", "mcore"], ["--recompute-granularity", "full"]],
-    ids=["arctic_policy", "mcore_layer", "full_recompute"],
+    [["--activation-policy", "arctic"], ["--moe-layer-impl", "mcore"], ["--recompute-granularity", "full"], BIAS],
+    ids=["arctic_policy", "mcore_layer", "full_recompute", "expert_bias"],
 )
 def test_mtp_composes(megatron_world1, flags):
     """The activation policy reaches the MTP layer; megatron-core's own MoE layer in it has its aux-loss slot
-    (its tracker is sized num_layers + MTP layers); megatron-core's full recompute checkpoints the MTP layer."""
+    (its tracker is sized num_layers + MTP layers); megatron-core's full recompute checkpoints the MTP layer; the
+    MTP layer's expert bias moves after each step as the decoder's."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from megatron.core.utils import unwrap_model
 
@@ -138,6 +142,8 @@ def test_mtp_composes(megatron_world1, flags):
     assert steps[0]["aux"]["moe aux loss"] > 0
     layer = unwrap_model(trainer.model[0]).mtp.layers[0].transformer_layer
     assert isinstance(layer, TransformerLayer)
+    if flags is BIAS:
+        assert layer.mlp.gate.expert_bias.abs().sum() > 0
     if "arctic" in flags:
         assert "forward" in vars(layer)  # wrapped in the policy's scope, as the decoder's layers
 
