@@ -34,6 +34,7 @@ def incompatibilities(cfg: RunConfig) -> list[str]:
             "megatron_moe)",
         ),
         (m.swiglu, "GELU experts/MLPs (Mixtral experts are SwiGLU: add --swiglu)"),
+        (not m.mtp_layers, f"--mtp-num-layers={m.mtp_num_layers}: Mixtral has no multi-token prediction layers"),
         (m.normalization == "RMSNorm", f"--normalization={m.normalization} (Mixtral uses RMSNorm)"),
         (
             m.position_embedding_type == "rope",

@@ -113,7 +113,9 @@ def model_state_keys(model) -> list[str]:
 
 def sharded_state(model, optimizer, *, with_optimizer: bool, with_rng: bool, is_loading: bool) -> dict:
     """The sharded state dict to save or to request on load: each model chunk's, the optimizer's, the RNG states."""
-    state = {key: chunk.module.sharded_state_dict() for key, chunk in zip(model_state_keys(model), model)}
+    # metadata={} (not None): megatron-core fills in its dp_cp_group in place, which GPTModel then reads to tie the
+    # MTP stage's embedding copy (with None its own sharded_state_dict indexes None at PP > 1).
+    state = {key: chunk.module.sharded_state_dict(metadata={}) for key, chunk in zip(model_state_keys(model), model)}
     if with_optimizer:
         # The optimizer's keys come from the parameters' sharded tensors, found in every chunk's state.
         state["optimizer"] = optimizer.sharded_state_dict(

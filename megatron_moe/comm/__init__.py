@@ -64,6 +64,7 @@ from megatron_moe.comm.training import (
     count_parameters,
     reduce_lm_loss,
     reduce_moe_metrics,
+    reduce_mtp_losses,
     sum_expert_loads,
 )
 
@@ -112,6 +113,7 @@ __all__ = [
     "shadow_broadcast",
     "shadow_reduce",
     "reduce_lm_loss",
+    "reduce_mtp_losses",
     "reduce_moe_metrics",
     "sum_across_shards",
     "sum_expert_loads",

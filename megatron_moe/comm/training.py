@@ -19,6 +19,14 @@ def reduce_lm_loss(total: torch.Tensor, group) -> torch.Tensor:
     return total
 
 
+def reduce_mtp_losses(values: torch.Tensor, group) -> torch.Tensor:
+    """In place: the step's per-MTP-layer losses summed over the data-parallel ranks of `group` (megatron-core's
+    own reduce averages with ReduceOp.AVG, which gloo lacks; the caller divides)."""
+    record = Collective("other", "reduce_mtp_losses", group, nbytes=nbytes(values))
+    issue(record, lambda: dist.all_reduce(values, group=group))
+    return values
+
+
 def reduce_moe_metrics(table: torch.Tensor, group=None) -> torch.Tensor:
     """In place: a fixed-shape MoE statistics table summed over `group` (None: the world).
 

@@ -130,6 +130,7 @@ MLA_YARN = When(
     lambda c: c.model.multi_latent_attention and c.model.mla_rope_type == "yarn",
     "with --multi-latent-attention and YaRN RoPE (--rope-type yarn, or unset)",
 )
+MTP = When(lambda c: bool(c.model.mtp_num_layers), "with --mtp-num-layers > 0 (multi-token prediction)")
 
 MCORE_MLP = When(
     lambda c: not c.moe.own_layer or 0 in c.moe.layer_pattern(c.model.num_layers),

@@ -77,11 +77,31 @@ class ModelConfig(AttentionFlags):
         "weight gradients computed, then added to the fp32 gradient buffer (not accumulated into it by the GEMM)",
         applies=only.WEIGHT_GRADS_NOT_DEFERRED,
     )
+    mtp_num_layers: int | None = arg(
+        None,
+        "multi-token prediction (DeepSeek-V3): this many MTP layers after the last stage's decoder, each predicting "
+        "one token further (megatron-core's MultiTokenPredictionBlock; its transformer layer is the last layer's "
+        "spec, its MoE our layer); unset or 0: none",
+    )
+    mtp_loss_scaling_factor: float = arg(
+        0.1, "multi-token prediction: the MTP losses' weight (their mean over the MTP layers)", applies=only.MTP
+    )
 
     @property
     def ffn_width(self) -> int:
         """The dense MLP's width: --ffn-hidden-size, else 4 x hidden (the one home of that default)."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def mtp_layers(self) -> int:
+        """The MTP layers (--mtp-num-layers; unset is 0)."""
+        return self.mtp_num_layers or 0
+
+    @property
+    def layer_count(self) -> int:
+        """Transformer layers by their global numbers: --num-layers, then the MTP layers (megatron-core numbers
+        them num_layers + 1, ...): what a table indexed by layer number is sized by."""
+        return self.num_layers + self.mtp_layers
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -172,6 +172,14 @@ class MoERunFlags:
         require(text.isdigit() and int(text) > 0, "--moe-layer-freq", text, "a positive integer or a 0/1 list")
         return [1 if i % int(text) == 0 else 0 for i in range(num_layers)]
 
+    def moe_layer_count(self, model: ModelConfig) -> int:
+        """MoE layers in the whole model: the decoder's (`layer_pattern`) and the MTP layers', whose transformer
+        layer is the decoder's last layer's spec (MoE where the last layer is)."""
+        if not self.is_moe:
+            return 0
+        pattern = self.layer_pattern(model.num_layers)
+        return sum(pattern) + pattern[-1] * model.mtp_layers
+
     def layer_config(self, model: ModelConfig, seed: int | None = None) -> MoELayerConfig:
         """Our MoE layer's config from the run's flags (`seed`: --seed, for the experts' initial weights; None where
         the layer is only measured or checked): each layer flag's value as parsed, the model's widths, and the

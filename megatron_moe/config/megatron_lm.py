@@ -234,6 +234,19 @@ REFUSED: dict[str, tuple[bool, str]] = {
     ),
     "--moe-apply-probs-on-input": (False, "weighting expert inputs by the router's probabilities is not supported yet"),
     **REFUSED_FEATURE_FLAGS,  # the features this stack does not have (megatron_lm_unsupported.py)
+    # Multi-token prediction: what Megatron-LM's HEAD adds beyond megatron-core 0.16.1's MTP block
+    "--mtp-use-repeated-layer": (False, "one MTP layer applied repeatedly is not in megatron-core 0.16.1; drop it"),
+    "--mtp-detach-heads": (
+        False,
+        "detached MTP heads are not in megatron-core 0.16.1; drop it",
+    ),
+    "--mtp-standalone": (
+        False,
+        "a pipeline stage of its own for the MTP layers is not in megatron-core 0.16.1 (they sit on the last "
+        "stage); drop it",
+    ),
+    "--mtp-hsm": (False, "MTP hidden-state mixing is not in megatron-core 0.16.1; drop it"),
+    "--mtp-hybrid-override-pattern": (True, "for hybrid (Mamba) models, which this stack does not build; drop it"),
 }
 
 

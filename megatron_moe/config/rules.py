@@ -39,6 +39,7 @@ from megatron_moe.config.rules_groups import (  # re-exported: the single-group 
     check_training,
     resolve_train_iters,
 )
+from megatron_moe.config.rules_mtp import check_mtp
 
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
@@ -59,7 +60,7 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
         return ParallelDims.from_config(cfg.parallel, world_size)
 
     for name, needs, check in (
-        ("model", (), lambda: check_model(cfg.model)),
+        ("model", (), lambda: (check_model(cfg.model), check_mtp(cfg))),
         ("moe", ("model",), lambda: check_moe(cfg.moe, cfg.model, cfg.parallel)),
         ("parallel", ("model", "moe"), lambda: check_parallel(cfg.parallel, dims(), cfg.model, cfg.moe)),
         ("training", (), lambda: check_training(cfg.training)),

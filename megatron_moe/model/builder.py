@@ -17,7 +17,7 @@ from megatron_moe.config.fields import raise_errors
 from megatron_moe.config.kernels import Kernels, kernel_errors, uses_transformer_engine
 from megatron_moe.model import attention
 from megatron_moe.model.fusions import Fusions, choose_fusions
-from megatron_moe.model.spec import block_spec
+from megatron_moe.model.spec import block_spec, mtp_block_spec
 from megatron_moe.moe.experts import mark_expert_params
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.fusions import batch_p2p_sync, fused_kernels
@@ -121,6 +121,9 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         recompute_num_layers=1 if cfg.activations.full_recompute else None,
         attention_backend=AttnBackend.flash if m.use_flash_attn and te else AttnBackend.auto,  # CPU: `cpu_stand_ins`
         **attention.config_kwargs(m),  # head width, q/k norms, MLA and its RoPE
+        # Multi-token prediction: None (not 0) without it, as megatron-core tests `is not None`.
+        mtp_num_layers=m.mtp_num_layers or None,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         **moe_kwargs,
     )
 
@@ -180,16 +183,14 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_s
     device. Its layers carry their global numbers (megatron-core's offset for this rank and virtual stage)."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     m = cfg.model
+    pattern = cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers
+    te, ours = use_transformer_engine(cfg), moe_layer(cfg)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            config,
-            cfg.moe.layer_pattern(m.num_layers) if cfg.moe.is_moe else [0] * m.num_layers,
-            use_transformer_engine=use_transformer_engine(cfg),
-            pp_rank=pp_rank,
-            vp_stage=vp_stage,
-            moe_layer=moe_layer(cfg),
+            config, pattern, use_transformer_engine=te, pp_rank=pp_rank, vp_stage=vp_stage, moe_layer=ours
         ),
+        mtp_block_spec=mtp_block_spec(config, pattern, use_transformer_engine=te, vp_stage=vp_stage, moe_layer=ours),
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -200,6 +201,10 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_s
         rotary_percent=m.rotary_percent,
         vp_stage=vp_stage,
     )
+    if model.mtp_process and model.post_process and not model.pre_process and model.share_embeddings_and_output_weights:
+        # megatron-core 0.16.1 allocates the head's own weight on the MTP stage, yet uses the stage's embedding copy
+        # there (shared_embedding_or_output_weight) and asserts the head has none in its sharded state dict.
+        model.output_layer.weight = None
     model.to(current_platform().device)  # megatron-core puts its own modules there already, ours follow
     for experts in (module for name, module in model.named_modules() if name.endswith(".experts")):
         mark_expert_params(experts)  # ours and megatron-core's

@@ -18,7 +18,8 @@ import dataclasses
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend, get_mlp_module_spec_for_backend
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -114,3 +115,27 @@ def block_spec(
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=SequenceParallelNorm)
+
+
+def mtp_block_spec(
+    config: TransformerConfig,
+    moe_pattern: list[int],
+    *,
+    use_transformer_engine: bool = False,
+    vp_stage: int | None = None,
+    moe_layer: MoELayerConfig | None = None,
+) -> MultiTokenPredictionBlockSubmodules | None:
+    """The multi-token prediction block this (virtual) stage builds, or None (no --mtp-num-layers, or not the last
+    stage: megatron-core's `get_mtp_num_layers_to_build`). Its transformer layer is the decoder's last layer's spec,
+    as Megatron-LM's gpt_builders takes it: ours (MoE through our layer where the last layer is MoE)."""
+    if not config.mtp_num_layers:
+        return None
+    backend = backend_provider(use_transformer_engine)
+    last = layer_spec(config, moe=bool(moe_pattern[-1]), backend=backend, moe_layer=moe_layer)
+    block = get_gpt_mtp_block_spec_for_backend(config=config, spec=last, backend=backend, vp_stage=vp_stage)
+    if block is None:
+        return None
+    # Its norms ours, as the decoder's (the backend's local norm refuses sequence parallelism; TE's adds keys).
+    norms = dict(enorm=SequenceParallelNorm, hnorm=SequenceParallelNorm, layer_norm=SequenceParallelNorm)
+    layers = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms)) for s in block.layer_specs]
+    return dataclasses.replace(block, layer_specs=layers)

@@ -2,7 +2,8 @@
 
 Every matrix multiply of a token's path costs 2 FLOPs per weight forward and 4 backward (input and weight
 gradients): 6 x the weights a token meets. A token meets the attention projections, the dense MLPs, in an MoE
-layer the router, its top-k experts and the shared expert, and the output layer (the vocabulary, padded).
+layer the router, its top-k experts and the shared expert, and the output layer (the vocabulary, padded); each MTP
+layer (--mtp-num-layers) adds its projection (2h x h), a layer of the last layer's kind and the output layer again.
 Attention scores and their weighted sum add 2 x 2 x s x h forward per token and layer, 12 x s x h with backward
 (the full s x s square, not halved for the causal mask), h being heads x head width (--kv-channels); with MLA
 2 x s x n x (q head + v head) forward, so 6 x s x n x (q + v head) with backward. Norms, biases, softmax and
@@ -28,7 +29,8 @@ def matmul_params_per_token(cfg: RunConfig, vocab_size: int) -> int:
     mats = 3 if m.swiglu else 2
     dense = mats * h * m.ffn_width
     pattern = moe.layer_pattern(m.num_layers) if moe.is_moe else [0] * m.num_layers
-    total = 0
+    pattern += pattern[-1:] * m.mtp_layers  # each MTP layer's transformer layer: the last layer's spec
+    total = m.mtp_layers * (2 * h * h + h * vocab_size)  # each MTP layer's projection and output layer
     for is_moe in pattern:
         total += attention
         if not is_moe:
@@ -64,7 +66,7 @@ def attention_score_width(m: ModelConfig) -> float:
 def flops_per_token(cfg: RunConfig, vocab_size: int) -> float:
     """Forward and backward model FLOPs of one token (module docstring)."""
     m = cfg.model
-    attention_scores = 12 * m.num_layers * m.seq_length * attention_score_width(m)
+    attention_scores = 12 * m.layer_count * m.seq_length * attention_score_width(m)
     return 6.0 * matmul_params_per_token(cfg, vocab_size) + attention_scores
 
 
@@ -79,7 +81,7 @@ def inactive_params_per_token(cfg: RunConfig) -> int:
     moe = cfg.moe
     if not moe.is_moe:
         return 0
-    layers = sum(moe.layer_pattern(cfg.model.num_layers))
+    layers = moe.moe_layer_count(cfg.model)
     return layers * max(moe.num_experts - moe.moe_router_topk, 0) * expert_params_each(cfg)
 
 

@@ -6,24 +6,28 @@ The record holds every figure of the interval (`TrainingLogger._emit`): the cons
 
     iteration  50/200 | lm loss: 6.1902 | grad norm: 0.4123 | 729 ms | 2809 tok/s | comm 6.2% | ETA 0:01:49
 
-lm loss (the mean of the interval's steps), grad norm (the last step's), the mean step time, tokens per second
-(47.5k, 1.23M above 10,000), the exposed communication's share of the step (the time the compute waited for it;
-with the communication timers), the time left, and `skipped N` when steps were skipped: at most 115 characters
-with 6-digit iteration counts (and no skipped steps), about 120 with the log's timestamp for the demo's. MFU,
-the MoE figures, memory and the communication's breakdown are in the record, with losses and norms at full
-precision (the equivalence tests read them there).
+lm loss (the mean of the interval's steps; then each `mtp_N loss` with --mtp-num-layers), grad norm (the last
+step's), the mean step time, tokens per second (47.5k, 1.23M above 10,000), the exposed communication's share of
+the step (the time the compute waited for it; with the communication timers), the time left, and `skipped N` when
+steps were skipped: at most 115 characters with 6-digit iteration counts (and no skipped steps or MTP), about 120
+with the log's timestamp for the demo's. MFU, the MoE figures, memory and the communication's breakdown are in
+the record, with losses and norms at full precision (the equivalence tests read them there).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 from megatron_moe.comm.timers import SUMMARY_KINDS, hidden_share
 
 JSONL_NAME = "log.jsonl"
 """The JSON-lines file of the run's records, in --tensorboard-dir: beside the event files, which TensorBoard reads
 without minding it (not in --save: a checkpoint directory holds checkpoints only)."""
+
+MTP_LOSS = re.compile(r"mtp_\d+ loss")
+"""Multi-token prediction's per-layer losses in a record (Megatron-LM's names; training/mtp_metrics.py)."""
 
 COMM_FIGURES = ("step_ms", "exposed_ms", "wire_ms", "skew_ms", "transfer_ms")
 """The communication timers' figures a step gives the log (`TrainingLogger.step`'s `comm`), in order."""
@@ -96,6 +100,7 @@ def short_line(record: dict) -> str:
     parts = [f"iteration {record['iteration']:>{width}d}/{record['train_iters']:d}"]
     if record.get("lm loss") is not None:
         parts.append(f"lm loss: {record['lm loss']:.4f}")
+    parts += [f"{name}: {record[name]:.4f}" for name in record if MTP_LOSS.fullmatch(name)]  # Megatron-LM's
     if record.get("grad_norm") is not None:
         parts.append(f"grad norm: {record['grad_norm']:.4g}")
     step_ms = record["ms_per_iteration"]

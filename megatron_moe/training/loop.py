@@ -38,6 +38,7 @@ from megatron_moe.training.flops import flops_per_token
 from megatron_moe.training.log_line import exposed_by_group, jsonl_path
 from megatron_moe.training.logger import TrainingLogger, wandb_run_for
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
+from megatron_moe.training.mtp_metrics import clear_mtp_losses, pop_mtp_losses
 from megatron_moe.training.overlap_report import OverlapReport
 from megatron_moe.training.overlap_report import as_text as overlap_report_text
 from megatron_moe.training.preemption import ExitRequest
@@ -112,7 +113,7 @@ class Trainer:
         self.world = dist.get_world_size()
         self.num_microbatches = cfg.num_microbatches(self.world)
         self.forward_backward = get_forward_backward_func()
-        self.num_moe_layers = sum(cfg.moe.layer_pattern(cfg.model.num_layers)) if cfg.moe.is_moe else 0
+        self.num_moe_layers = cfg.moe.moe_layer_count(cfg.model)  # the MTP layers' MoE included
         self.own_moe = cfg.moe.own_layer
         # Router losses the MoE layers compute: only those are logged (a loss not computed is not a 0).
         self.logged_losses = cfg.moe.logged_router_losses(cfg.model)
@@ -217,12 +218,12 @@ class Trainer:
             self._expert_counts = {}
             figures = collect_moe_metrics(
                 self.model,
-                num_layers=self.cfg.model.num_layers,
+                num_layers=self.cfg.model.layer_count,
                 num_experts=moe.num_experts,
                 expert_counts=self._expert_counts,
             )
         else:
-            tracked = pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
+            tracked = pop_moe_aux_losses(self.cfg.model.layer_count, self.num_moe_layers, self.num_microbatches)
             seq = moe.moe_router_load_balancing_type == "seq_aux_loss"  # megatron-core tracks it under its own name
             balancing = tracked.get("seq_load_balancing_loss" if seq else "load_balancing_loss")
             figures = {"moe aux loss": balancing, "moe z loss": tracked.get("z_loss")} if tracked else {}
@@ -270,7 +271,7 @@ class Trainer:
         lm_loss = _reduce_lm_loss(losses)
         if self.check_finite:
             check_loss(lm_loss, iteration=self.state.iteration, rank=self.rank, origin=self.forward_flags.describe)
-        aux = self._aux_figures()
+        aux = self._aux_figures() | pop_mtp_losses(self.cfg.model.mtp_layers, self.num_microbatches)  # the MTP stage
         step_ms = 1000.0 * (time.perf_counter() - started)
         # Read after the step's loss and metrics reached the host: on a GPU nothing more is waited for. Every
         # rank with the timers on takes part: the arrival stamps go to the logging rank's groups (comm/skew.py).
@@ -308,7 +309,8 @@ class Trainer:
             if parallel_state.is_pipeline_last_stage():
                 totals += losses
         if not self.own_moe:  # our layers record nothing in evaluation
-            pop_moe_aux_losses(self.cfg.model.num_layers, self.num_moe_layers, self.num_microbatches)
+            pop_moe_aux_losses(self.cfg.model.layer_count, self.num_moe_layers, self.num_microbatches)
+        clear_mtp_losses()
         for chunk in self.model:
             chunk.train()
         return _reduce_lm_loss(totals)

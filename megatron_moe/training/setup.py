@@ -57,6 +57,7 @@ from megatron_moe.overlap.profiler import (
 from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.overlap.wgrad_queue import WgradQueue
 from megatron_moe.platform import current_platform
+from megatron_moe.training.mtp_metrics import clear_mtp_losses
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def build_wgrad_queue(cfg: RunConfig) -> WgradQueue | None:
     if policy == "off":
         return None
     max_mb = cfg.moe.overlap_wgrad_max_mb or None
-    return WgradQueue(policy, max_mb=max_mb, num_layers=cfg.model.num_layers, report=cfg.moe.overlap_wgrad_report)
+    return WgradQueue(policy, max_mb=max_mb, num_layers=cfg.model.layer_count, report=cfg.moe.overlap_wgrad_report)
 
 
 def build_overlap_runtime(cfg: RunConfig) -> OverlapRuntime:
@@ -84,6 +85,7 @@ def build_ddp_model(
     other chunks' compute anyway); `overlap` is attached to them (`OverlapRuntime.attach`): with its queue, their
     deferrable modules' weight gradients go through it (megatron-core's `delay_wgrad_compute` protocol)."""
     modules = build_model_chunks(cfg, config, vocab_size)
+    clear_mtp_losses(forget=True)  # megatron-core's per-process tracker: this model's MTP layers start it afresh
     if overlap is not None:
         overlap.attach(modules)
     wgrad_queue = overlap.wgrad_queue if overlap is not None else None
@@ -419,7 +421,9 @@ def install_grad_reduce_plan(cfg: RunConfig, model, fits: ClusterFits | None) ->
     if not adaptive_grad_reduce(cfg) or fits is None:
         return None
     ddp = model[0]  # the first stage's only chunk (no virtual pipeline here)
-    layers = [layer.layer_number for layer in moe_layer_modules(model)]
+    # The decoder's MoE layers: the MTP layers' gradients complete with the output layer's (grad_reduce.py
+    # `completion_order`), so their all-to-alls launch no planned share.
+    layers = [layer.layer_number for layer in moe_layer_modules(model) if layer.layer_number <= cfg.model.num_layers]
     if parallel_state.get_pipeline_model_parallel_rank() > 0 or not layers:
         # megatron-core turns bucketing off after the first stage: one bucket, reduced when it is ready
         return None

@@ -48,6 +48,8 @@ def tag_of(name: str) -> str:
     a name already in a group stays; any other goes to `other/` rather than be lost."""
     if name in TAGS:
         return TAGS[name]
+    if re.fullmatch(r"mtp_\d+ loss", name):  # multi-token prediction's per-layer losses, Megatron-LM's names
+        return "loss/" + name
     if name.startswith("moe/layer_"):
         return "moe_layers/" + name.removeprefix("moe/")
     if name.startswith("moe "):

@@ -223,3 +223,28 @@ def test_interleaved_pipeline_checkpoints_resume_in_other_pipeline_layouts(runs,
     reference, layouts, _ = runs
     assert [s["iteration"] for s in layouts[case]] == [3, 4]
     assert_matches(layouts[case], reference)
+
+
+def test_multi_token_prediction_at_pp2_ep2_matches_one_process_and_resumes_exactly(runs):
+    """--mtp-num-layers 1: the MTP layer (our MoE) on the last of 2 stages at EP=2 trains as on one process (lm
+    loss, MTP loss, norms), and its checkpoint (the MTP stage's embedding copy tied to the first stage's) resumes
+    bit-identically."""
+    _, layouts, _ = runs
+    one, split, resumed = layouts["mtp"], layouts["mtp_pp2_ep2"], layouts["mtp_pp2_ep2_resumed"]
+    assert_matches(split, one)
+    for step, ref in zip(split, one, strict=True):
+        assert step["mtp_1 loss"] == pytest.approx(ref["mtp_1 loss"], rel=1e-5)
+    assert one[-1]["mtp_1 loss"] < one[0]["mtp_1 loss"] and one[-1]["lm loss"] < one[0]["lm loss"]
+    assert [s["iteration"] for s in resumed] == [3, 4]
+    assert computed(resumed) == computed(split[2:])
+
+
+@pytest.mark.parametrize("layout", ["mtp_tp2_ep2_overlaps", "mtp_pp2_vpp2_ep2_chunked"])
+def test_multi_token_prediction_composes_with_the_overlaps(runs, layout):
+    """The MTP layer's norms under --sequence-parallel, its MoE in 2 pieces, its dW deferred; on the last virtual
+    stage, its MoE chunked (FSMoE's pipeline at 2 x 2) with shadowing auto: as on one process."""
+    _, layouts, _ = runs
+    one, overlapped = layouts["mtp"], layouts[layout]
+    assert_matches(overlapped, one)
+    for step, ref in zip(overlapped, one, strict=True):
+        assert step["mtp_1 loss"] == pytest.approx(ref["mtp_1 loss"], rel=1e-5)

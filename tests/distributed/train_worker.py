@@ -4,7 +4,7 @@
 
 Scenarios (each a list of cases run one after another in this job):
 - `reference` (1 rank): save the initial weights, then train from them
-  (fp32, and fp16 with a loss scale that fits and one that overflows);
+  (fp32, and fp16 with a loss scale that fits and one that overflows; with an MTP layer);
   megatron-core's MoE layer (--moe-layer-impl mcore) likewise; one step each
   of runs that compute no balancing loss (what their log shows).
 - `layouts` (4 ranks): TP=2, EP=2, PP=2, TP=2+EP=2 and the distributed
@@ -12,7 +12,9 @@ Scenarios (each a list of cases run one after another in this job):
   one layout resumed in another; the resume-exactness check; megatron-core's
   MoE layer at EP=2; the interleaved pipeline (PP=2 x VPP=2, with EP=2, with the
   distributed optimizer and overlapped reduction and gather) and its checkpoints
-  resumed at PP=1 and PP=2, and back.
+  resumed at PP=1 and PP=2, and back; multi-token prediction at PP=2 x EP=2 from the reference's MTP weights,
+  saved and resumed, at PP=2 x VPP=2 x EP=2 with the chunked pipeline, and at TP=2 + SP x EP=2 under the operator
+  partition and Lancet's dW deferral.
 - `lancet` (4 ranks): --overlap-wgrad off, all-under-next-a2a and greedy in
   Lancet's layouts and settings (EP=2, TP=2+SP+EP=2 and PP=2+EP=2 with
   2 micro-batches, EP=2 with 4, EP=4 with the distributed optimizer,
@@ -69,6 +71,8 @@ MODEL = [
     "--split", "90,10,0", "--seed", "7", "--log-params-norm",
 ]  # fmt: skip
 MCORE = ["--moe-layer-impl", "mcore"]  # megatron-core's MoE layer, the layer benchmark's reference
+# Multi-token prediction, its MTP layer's MoE ours (--moe-layer-freq 1: the last layer, whose spec it takes, is MoE)
+MTP = ["--mtp-num-layers", "1", "--moe-layer-freq", "1"]
 
 RECOMPUTE_ALL = [
     "--recompute-modules",
@@ -158,7 +162,9 @@ def reference() -> dict:
     init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
     train("--train-iters", "0", "--save", ckpt("mcore_init"), *MCORE)
     train("--train-iters", "0", "--save", ckpt("swiglu_init"), *SWIGLU_PADDED)
+    train("--train-iters", "0", "--save", ckpt("mtp_init"), *MTP)
     return {
+        "mtp": train("--train-iters", str(ITERS), "--load", ckpt("mtp_init"), *MTP),
         "reference": train(*init, "--save", ckpt("ref"), "--save-interval", "2"),
         "swiglu_padded": train("--train-iters", str(ITERS), "--load", ckpt("swiglu_init"), *SWIGLU_PADDED),
         # fp16 with dynamic loss scaling: a scale that fits, and one so large that the first steps overflow.
@@ -224,6 +230,21 @@ def layouts() -> dict:
     train("--train-iters", "6", "--exit-interval", "3", "--save", ckpt("resume"), *ep)
     results["resumed"] = train("--train-iters", "6", "--load", ckpt("resume"), "--save", ckpt("resume"), *ep)
     results |= virtual_pipeline(init)
+    # MTP at PP=2 x EP=2 (the MTP layer on the last stage, its embedding copy tied to the first's) from the
+    # single-process run's initial weights, saved at 2 and resumed there.
+    mtp = ["--train-iters", str(ITERS), *MTP, *LAYOUTS["pp2_ep2_recompute"][:4]]
+    results["mtp_pp2_ep2"] = train(*mtp, "--load", ckpt("mtp_init"), "--save", ckpt("mtp"), "--save-interval", "2")
+    results["mtp_pp2_ep2_resumed"] = train(*mtp, "--load", ckpt("mtp/iter_0000002"))
+    # ... and at TP=2 + SP x EP=2 under Lancet's operator partition and dW deferral.
+    overlaps = ["--moe-partition-pieces", "2", "--moe-partition-range", "1-4", "--overlap-wgrad", "all-under-next-a2a"]
+    # ... and on the last virtual stage of PP=2 x VPP=2 x EP=2, FSMoE's chunked pipeline on, shadowing auto.
+    chunked = [*degrees(2, 2), "--moe-shadow-experts", "auto"]
+    results["mtp_pp2_vpp2_ep2_chunked"] = train(
+        "--train-iters", str(ITERS), *MTP, "--load", ckpt("mtp_init"), *VPP_LAYOUTS["pp2_vpp2_ep2"], *chunked
+    )
+    results["mtp_tp2_ep2_overlaps"] = train(
+        "--train-iters", str(ITERS), *MTP, "--load", ckpt("mtp_init"), *LAYOUTS["tp2_ep2"], *overlaps
+    )
     results["mcore_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE, *LAYOUTS["ep2"])
     results["timeouts_default"] = timeouts_of_a_run(*LAYOUTS["ep2"])
     results["timeouts_3_minutes"] = timeouts_of_a_run("--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])

@@ -19,7 +19,7 @@ choices land; raise it then)."""
 PENDING = {
     # Flags that other parts of issue 40 define (the attention, MTP and router helpers): refused or unknown here
     # until they land; each then leaves this set.
-    "--mtp-num-layers", "--mtp-loss-scaling-factor", "--moe-layer-freq", "--recompute-modules",
+"--moe-layer-freq", "--recompute-modules",
     "--moe-router-load-balancing-type",
 }  # fmt: skip
 MEGATRON_LM_REFUSES_TOO = {
