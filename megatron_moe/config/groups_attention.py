@@ -30,6 +30,12 @@ class AttentionFlags:
         "biases on the query/key/value projection alone (Qwen2's attention), also with --disable-bias-linear",
         applies=only.NOT_MLA,
     )
+    apply_query_key_layer_scaling: bool = arg(
+        False,
+        "scale Q.K^T by 1 / layer number and the softmax back (megatron-core's fp16 stability aid; the same attention, "
+        "its softmax in fp32)",
+        applies=only.NOT_MLA,
+    )
     qk_layernorm: bool = arg(
         False,
         "normalize queries and keys per head before the dot product (--normalization's norm); with "

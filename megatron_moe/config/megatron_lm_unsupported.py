@@ -172,12 +172,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         flags=("--use-tp-pp-dp-mapping",),
     ),
     Unsupported(
-        "query-key layer scaling",
-        "scaling Q.K^T by 1 / layer number (an fp16 stability aid of megatron-core's attention) is not wired; "
-        "--bf16 needs none",
-        flags=("--apply-query-key-layer-scaling",),
-    ),
-    Unsupported(
         "transformer-engine's op fuser",
         "the layers are megatron-core's modules (local or transformer-engine), not TE's fused operations",
         flags=("--use-transformer-engine-op-fuser",),

@@ -51,6 +51,7 @@ def config_class(model: ModelConfig) -> type[TransformerConfig]:
 def config_kwargs(model: ModelConfig) -> dict:
     """The attention fields of megatron-core's config for `model`'s flags (for `config_class(model)`)."""
     kwargs = {"kv_channels": model.kv_channels, "qk_layernorm": model.qk_layernorm, "add_qkv_bias": model.add_qkv_bias}
+    kwargs["apply_query_key_layer_scaling"] = model.apply_query_key_layer_scaling
     if model.multi_latent_attention:
         kwargs |= {name: getattr(model, name) for name in MLA_FIELDS}
         kwargs |= {"multi_latent_attention": True, "rope_type": model.mla_rope_type}

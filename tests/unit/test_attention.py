@@ -402,3 +402,29 @@ def test_mla_composes_with_the_moe_overlaps_and_recompute(megatron_world1, overl
     for a, b in zip(off, on):
         assert b["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5), (a["lm loss"], b["lm loss"])
         assert b["grad norm"] == pytest.approx(a["grad norm"], rel=1e-4), (a["grad norm"], b["grad norm"])
+
+
+def test_query_key_layer_scaling_is_the_same_attention(megatron_world1):
+    """--apply-query-key-layer-scaling (Megatron-LM's fp16 aid): Q.K^T / layer number, the softmax in fp32 scaled
+    back; in fp32 the same losses and gradients as without it, to rounding."""
+    import torch
+
+    from megatron_moe.model import build_model, transformer_config
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16"]
+    models = []
+    for extra in ([], ["--apply-query-key-layer-scaling"]):
+        cfg = config(*flags, *extra)
+        config_ = transformer_config(cfg)
+        assert config_.apply_query_key_layer_scaling == bool(extra)
+        torch.manual_seed(0)
+        models.append(build_model(cfg, config_, 128))
+    models[1].load_state_dict(models[0].state_dict())
+    tokens = torch.randint(0, 128, (2, 16))
+    position_ids = torch.arange(16).expand(2, 16)
+    losses = [model(tokens, position_ids, None, labels=tokens).sum() for model in models]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
