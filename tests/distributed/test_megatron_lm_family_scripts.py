@@ -37,8 +37,9 @@ def hf_line_data(line_data, tokenizer_flags, tmp_path_factory):
 
 
 def records(path) -> dict[int, dict]:
+    """The training records of log.jsonl by iteration (validation's records aside)."""
     with open(path, encoding="utf-8") as stream:
-        return {record["iteration"]: record for record in map(json.loads, stream)}
+        return {record["iteration"]: record for record in map(json.loads, stream) if "validation" not in record}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
