@@ -22,8 +22,8 @@ DROP_POLICIES = ("probs", "position")
 earliest tokens); unset, the gate's own claim order."""
 ORDERINGS = ("sparse", "dense")
 EXPERT_TYPES = ("gelu", "swiglu")
-LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "none")
-"""Our layer's --moe-router-load-balancing-type choices (megatron-core's seq_aux_loss is not implemented)."""
+LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "seq_aux_loss", "none")
+"""Our layer's --moe-router-load-balancing-type choices (seq_aux_loss: megatron-core's per-sequence loss)."""
 AUTO = "auto"
 """A pipeline degree the training set-up chooses (the cost model's solver)."""
 A2A_ALGORITHMS = ("linear", "2dh", AUTO)
@@ -94,14 +94,15 @@ class MoELayerConfig:
     load_balancing: str = arg(
         "aux_loss",
         "balancing loss E x sum_e f_e x P_e (f_e: share of routed choices on expert e, P_e: its mean router "
-        "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), none; "
-        "seq_aux_loss only with --moe-layer-impl mcore",
+        "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), "
+        "seq_aux_loss (the loss per sequence, averaged over the sequences; DeepSeek-V2/V3), none",
         flag="--moe-router-load-balancing-type",
-        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "none"),
+        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
         applies=only.BALANCING_TYPE,
     )
     """Balancing loss E * sum_e f_e * P_e, one of `LOAD_BALANCING`: aux_loss (f_e counts all k
-    choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), none."""
+    choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), seq_aux_loss (aux_loss per
+    sequence, averaged over the sequences: DeepSeek-V2/V3, megatron-core's formula), none."""
     aux_loss_coeff: float = arg(0.01, "load-balancing loss weight", flag="--moe-aux-loss-coeff", applies=only.BALANCING)
     """Weight of the balancing loss in the backward pass."""
     z_loss_coeff: float = arg(
@@ -298,8 +299,7 @@ class MoELayerConfig:
         r(
             self.load_balancing in LOAD_BALANCING,
             "load_balancing",
-            f"megatron_moe's layer implements {', '.join(LOAD_BALANCING)} (seq_aux_loss only with "
-            f"--moe-layer-impl mcore)",
+            f"megatron_moe's layer implements {', '.join(LOAD_BALANCING)}",
         )
         r(1 <= self.topk <= self.num_experts, "topk", f"must be between 1 and --num-experts={self.num_experts}")
         traits = GATE_TRAITS[self.gate]

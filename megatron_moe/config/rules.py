@@ -42,7 +42,7 @@ from megatron_moe.config.rules_groups import (  # re-exported: the single-group 
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
 
-MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 """megatron-core's MoE layer's --moe-router-load-balancing-type choices (as this CLI offers them)."""
 
 

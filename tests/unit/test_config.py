@@ -95,7 +95,7 @@ def test_moe_layer_freq():
             2,
             r"--expert-model-parallel-size=2: EP x expert-TP = 4 must divide the ranks per pipeline stage",
         ),
-        (["--moe-router-load-balancing-type", "seq_aux_loss"], 1, r"=seq_aux_loss: megatron_moe's layer implements"),
+        (["--moe-router-load-balancing-type", "global_aux_loss"], 1, r"=global_aux_loss: megatron_moe's layer implem"),
         (
             ["--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss"],
             1,
