@@ -142,9 +142,18 @@ class MoELayerConfig:
         None,
         "width of a dense MLP beside the experts (unset: none)",
         flag="--moe-shared-expert-ffn-hidden-size",
-        applies=only.OUR_MOE,
+        applies=only.MOE,
     )
-    """Width of a dense MLP beside the routed experts whose output is added (None: none)."""
+    """Width of a dense MLP beside the routed experts whose output is added (None: none); megatron-core's
+    SharedExpertMLP under --moe-layer-impl mcore (never dropped)."""
+    shared_expert_gate: bool = arg(
+        False,
+        "scale the shared expert's output by sigmoid(x . g), g a learned [1, H] (Qwen2-MoE)",
+        flag="--moe-shared-expert-gate",
+        applies=only.SHARED_EXPERT,
+    )
+    """Qwen2-MoE's gate on the shared expert: its output times sigmoid(x @ gate_weight^T), megatron-core's
+    SharedExpertMLP arithmetic and parameter name (`gate_weight`, [1, H])."""
     pipeline_degree: int | str = arg(
         1,
         "FSMoE's pipeline: the dispatched rows in this many chunks in forward, chunk i's experts running while "
@@ -353,6 +362,11 @@ class MoELayerConfig:
             "ffn_hidden_size",
             f"must be a multiple of --expert-tensor-parallel-size={esp_size} (each expert's width is split over "
             f"it), e.g. {esp_size * max(1, self.ffn_hidden_size // esp_size)}",
+        )
+        r(
+            not self.shared_expert_gate or bool(self.shared_expert_ffn_hidden_size),
+            "shared_expert_gate",
+            "gates a shared expert: give --moe-shared-expert-ffn-hidden-size (e.g. 1024) or drop it",
         )
         if self.shared_expert_ffn_hidden_size is not None:
             r(

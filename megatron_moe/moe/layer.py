@@ -109,6 +109,7 @@ class MoELayer(MegatronModule):
                 output_init_method=config.output_layer_init_method,
                 sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype,
+                gate=self.cfg.shared_expert_gate,
             )
         # Under sequence parallelism each TP rank routes its own tokens: router grads are partial,
         # and the router losses are over the whole sequences' tokens (all TP ranks).
