@@ -24,6 +24,8 @@ ORDERINGS = ("sparse", "dense")
 EXPERT_TYPES = ("gelu", "swiglu")
 LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "seq_aux_loss", "none")
 """Our layer's --moe-router-load-balancing-type choices (seq_aux_loss: megatron-core's per-sequence loss)."""
+FORCE_BALANCE_GATES = ("topk", "noisy_topk", "switch", "bpr", "rts", "sigmoid")
+"""The gates whose logits --moe-router-force-load-balancing replaces (a linear router, softmax or sigmoid)."""
 AUTO = "auto"
 """A pipeline degree the training set-up chooses (the cost model's solver)."""
 A2A_ALGORITHMS = ("linear", "2dh", AUTO)
@@ -223,6 +225,15 @@ class MoELayerConfig:
     )
     """Aux-loss-free balancing (DeepSeek-V3): an fp32 bias per expert added to the scores only to choose the top-k,
     moved after each step toward the mean load (`megatron_moe.moe.expert_bias`). Sigmoid gate, dropless."""
+    force_load_balancing: bool = arg(
+        False,
+        "benchmarks only: the router's logits replaced by random ones (megatron-core's RandomSTE), loads balanced "
+        "in expectation; the model learns nothing useful",
+        flag="--moe-router-force-load-balancing",
+        applies=only.MOE,
+    )
+    """Megatron-LM's --moe-router-force-load-balancing: N(0, 1) logits, gradient straight through (softmax and
+    sigmoid gates; megatron-core's layer does the same)."""
     bias_update_rate: float = arg(
         1e-3,
         "the expert bias's step: bias += rate x sign(mean load - load)",
@@ -362,6 +373,11 @@ class MoELayerConfig:
             "ffn_hidden_size",
             f"must be a multiple of --expert-tensor-parallel-size={esp_size} (each expert's width is split over "
             f"it), e.g. {esp_size * max(1, self.ffn_hidden_size // esp_size)}",
+        )
+        r(
+            not self.force_load_balancing or self.gate in FORCE_BALANCE_GATES,
+            "force_load_balancing",
+            f"--moe-gate={self.gate} has no router logits to replace; use one of {', '.join(FORCE_BALANCE_GATES)}",
         )
         r(
             not self.shared_expert_gate or bool(self.shared_expert_ffn_hidden_size),

@@ -41,6 +41,7 @@ class _TopKGateBase(Gate):
         self.priority = priority
         self.load_balancing, self.aux_coeff, self.z_coeff = cfg.load_balancing, cfg.aux_loss_coeff, cfg.z_loss_coeff
         self.capacity_factor = cfg.capacity_factor
+        self.force_load_balancing = cfg.force_load_balancing  # DeferrableRouter gates: random logits
         self.seq_batch = 1  # sequences B in the [S, B] micro-batch the tokens flatten; the layer sets it
         self.num_groups, self.group_topk = cfg.num_groups, cfg.group_topk
         self.bias_update_rate = cfg.bias_update_rate

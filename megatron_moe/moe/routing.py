@@ -105,6 +105,25 @@ def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, store: WeightGrad
     return store_linear(x_TH.float(), weight_EH, store, cast_weight=True)
 
 
+class RandomLogits(torch.autograd.Function):
+    """megatron-core's RandomSTE (--moe-router-force-load-balancing, for benchmarks): the logits replaced by
+    N(0, 1) draws (on a GPU from the expert-parallel RNG stream, so each EP rank draws its own), the gradient
+    passed straight through to the router."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        if logits.is_cuda:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                return logits.clone().normal_()
+        return logits.clone().normal_()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
 class DeferrableRouter(DeferrableWeights):
     """A gate whose router projection `self.weight` [E, H] may have its weight gradient deferred.
 
@@ -115,9 +134,13 @@ class DeferrableRouter(DeferrableWeights):
     def deferred_params(self) -> list[torch.nn.Parameter]:
         return [self.weight]
 
+    force_load_balancing = False
+    """--moe-router-force-load-balancing: random logits (`RandomLogits`), loads balanced in expectation."""
+
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, E] of `self.weight`."""
-        return router_linear(x_TH, self.weight, self.weight_grad_store)
+        """fp32 logits [T, E] of `self.weight` (random ones, the gradient straight through, when forcing balance)."""
+        logits_TE = router_linear(x_TH, self.weight, self.weight_grad_store)
+        return RandomLogits.apply(logits_TE) if self.force_load_balancing else logits_TE
 
 
 def _masked_mean(values_T: torch.Tensor, valid_T: torch.Tensor | None, group=None) -> torch.Tensor:
