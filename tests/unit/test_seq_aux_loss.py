@@ -54,3 +54,48 @@ def test_padding_counts_as_megatron_core_counts_it():
     valid[-2:] = False  # the last position of both sequences is padding
     kept = seq_load_balancing_loss(probs[:-2], expert[:-2], 2)
     torch.testing.assert_close(seq_load_balancing_loss(probs, expert, 2, valid), kept)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_our_layer_routes_and_balances_per_sequence_as_megatron_cores_router(score, megatron_world1):
+    """64 experts top-8 (fine-grained): the same experts, weights, seq_aux_loss and its router-weight gradient."""
+    import types
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_moe.config import MoELayerConfig
+    from megatron_moe.moe import MoELayer
+
+    h, e, k, s, b, coeff = 32, 64, 8, 10, 3, 0.01
+    config = TransformerConfig(
+        num_layers=1, hidden_size=h, num_attention_heads=2, ffn_hidden_size=8, num_moe_experts=e, add_bias_linear=False,
+        moe_router_dtype="fp32", moe_router_topk=k, moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=coeff, moe_router_score_function=score,
+    )  # fmt: skip
+    ours = dict(gate="sigmoid" if score == "sigmoid" else "topk", topk=k, load_balancing="seq_aux_loss")
+    layer = MoELayer(
+        config, MoELayerConfig(num_experts=e, hidden_size=h, ffn_hidden_size=8, aux_loss_coeff=coeff, **ours)
+    )
+    groups = types.SimpleNamespace(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        cp=parallel_state.get_context_parallel_group(),
+        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
+        tp_dp_cp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
+    )
+    router = TopKRouter(config, pg_collection=groups).train()
+    router.weight.data.copy_(layer.gate.weight.data)
+    x_SBH = torch.randn(s, b, h, generator=torch.Generator().manual_seed(3))
+    theirs_probs, theirs_map = router(x_SBH)
+    (theirs_probs.sum() * 0).backward()  # only the attached aux loss's gradient reaches the router
+    layer.gate.seq_batch = b  # as the layer's forward sets it
+    routing = layer.train().route(x_SBH.reshape(-1, h))
+    token_N = torch.arange(routing.num_tokens).repeat(k)
+    ours_map = torch.zeros(s * b, e, dtype=torch.bool).index_put_((token_N, routing.expert_N), torch.tensor(True))
+    ours_probs = torch.zeros(s * b, e).index_put_((token_N, routing.expert_N), routing.weight_N.detach())
+    assert torch.equal(ours_map, theirs_map)
+    torch.testing.assert_close(ours_probs, theirs_probs.detach(), rtol=0, atol=1e-6)
+    routing.aux_loss.backward()
+    assert layer.gate.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(layer.gate.weight.grad, router.weight.grad, rtol=1e-5, atol=1e-8)
