@@ -34,3 +34,20 @@ def test_flags_reach_our_layer_and_megatron_cores():
     config = transformer_config(c)  # megatron-core's SharedExpertMLP: the shared expert is not dropped
     assert config.moe_shared_expert_intermediate_size == 64 and config.moe_shared_expert_gate is True
     assert transformer_config(cfg("--moe-layer-impl", "mcore")).moe_shared_expert_intermediate_size is None
+
+
+def test_the_gate_and_seq_aux_loss_compose_with_the_chunked_pipeline():
+    """The same output and gradients (the gate's included) with the FSMoE pipeline on (degrees 2, 2) or off."""
+    from tests.unit.test_moe_stages import make_layer, run, tokens
+
+    fields = dict(shared_expert_ffn_hidden_size=16, shared_expert_gate=True, load_balancing="seq_aux_loss")
+    base = make_layer(aux_loss_coeff=0.01, **fields)
+    out0, dx0, grads0 = run(base, tokens())
+    piped = make_layer(aux_loss_coeff=0.01, like=base, **fields)
+    piped.set_pipeline_degrees(2, 2)
+    out1, dx1, grads1 = run(piped, tokens())
+    assert torch.equal(out0, out1) and torch.equal(dx0, dx1)
+    assert grads0.keys() == grads1.keys() and "shared_expert.gate_weight" in grads0
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert base.gate.seq_batch == 3  # the layer told the router its sequences
