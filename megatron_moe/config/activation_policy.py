@@ -37,6 +37,24 @@ MODULES: dict[str, tuple[str, bool]] = {
     "mlp_fc2": ("dense MLP second GEMM", True),
 }
 
+MCORE_MODULES: dict[str, tuple[str, ...]] = {
+    "core_attn": ("core_attention",),
+    "moe_act": ("expert_act",),
+    "layernorm": ("input_norm", "pre_mlp_norm"),
+    "mlp": ("mlp_fc1", "mlp_act", "mlp_fc2"),
+    "shared_experts": ("shared_expert",),
+}
+"""megatron-core's --recompute-modules names (TransformerConfig.recompute_modules, 0.16.1) -> ours, where they
+recompute the same arithmetic: `mlp` recomputes each of the dense MLP's pieces from its own input (megatron-core
+checkpoints the MLP whole, keeping only its input)."""
+MCORE_REFUSED: dict[str, str] = {
+    "moe": "recomputing the whole MoE layer would repeat its all-to-alls; name its pieces instead "
+    "(e.g. --recompute-modules router expert_fc1 moe_act expert_fc2 shared_experts) or --activation-policy arctic",
+    "mla_up_proj": "our activation policies have no module for the MLA up-projection; use "
+    "--recompute-granularity full, or name core_attn / layernorm",
+}
+"""megatron-core's names that mean nothing the same here, with why and what to use."""
+
 PRESETS: dict[str, dict[str, str]] = {
     "none": {},
     # Arctic: recompute the cheap, memory-heavy ops (norms, activation functions) from
@@ -80,9 +98,21 @@ class ActivationPolicy:
 
 
 def _names(flag: str, names: list[str]) -> list[str]:
+    """Our module names, megatron-core's mapped onto them (`MCORE_MODULES`); a refused or unknown name by name."""
+    ours = []
     for name in names:
-        require(name in MODULES, flag, name, f"a module name, one of: {', '.join(MODULES)}")
-    return names
+        require(name not in MCORE_REFUSED, flag, name, MCORE_REFUSED.get(name, ""))
+        if name in MCORE_MODULES:
+            ours += [n for n in MCORE_MODULES[name] if n not in ours]
+            continue
+        require(
+            name in MODULES,
+            flag,
+            name,
+            f"a module name, one of: {', '.join(MODULES)}, or megatron-core's {', '.join(MCORE_MODULES)}",
+        )
+        ours += [] if name in ours else [name]
+    return ours
 
 
 def build_policy(
@@ -95,7 +125,8 @@ def build_policy(
     )
     require(quant_block > 0, "--activation-quant-block", quant_block, "must be positive")
     modes = dict(PRESETS[preset])
-    for name in _names("--recompute-modules", recompute):
+    recompute = _names("--recompute-modules", recompute)
+    for name in recompute:
         modes[name] = "recompute"
     for name in _names("--quantize-activations", quantize):
         if name in recompute:

@@ -20,6 +20,10 @@ EXPERT_GROUPS = When(
     lambda c: c.moe.is_moe and c.parallel.expert_model_parallel_size > 1,
     "with --num-experts and --expert-model-parallel-size > 1 (no expert-parallel groups to place otherwise)",
 )
+SHARED_EXPERT = When(
+    lambda c: c.moe.is_moe and bool(c.moe.moe_shared_expert_ffn_hidden_size),
+    "with --num-experts and --moe-shared-expert-ffn-hidden-size (a shared expert to gate)",
+)
 MCORE_MOE = When(lambda c: c.moe.is_moe and not c.moe.own_layer, "with --num-experts and --moe-layer-impl mcore")
 
 

@@ -7,7 +7,9 @@ values (`__post_init__`). `layer_config(model)` turns the group into the layer's
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import operator
 from typing import TYPE_CHECKING
 
 from megatron_moe.config import conditions as only
@@ -28,7 +30,8 @@ class MoERunFlags:
     num_experts: int | None = arg(None, "experts per MoE layer (unset: a dense model)")
     moe_layer_freq: str = arg(
         "1",
-        "MoE every N layers (N, e.g. 2 = every other layer) or a 0/1 pattern like '[1,0,1,0]'",
+        "MoE every N layers (N, e.g. 2 = every other layer) or a 0/1 pattern, a list or Megatron-LM's list "
+        "expression like '([0]+[1]*3)' (one entry per layer)",
         applies=only.MOE,
     )
     moe_ffn_hidden_size: int | None = arg(None, "expert MLP width (default --ffn-hidden-size)", applies=only.MOE)
@@ -155,18 +158,16 @@ class MoERunFlags:
         return self.overlap_wgrad if self.own_layer and expert_parallel_size > 1 else "off"
 
     def layer_pattern(self, num_layers: int) -> list[int]:
-        """1 for an MoE layer, 0 for a dense one, per layer."""
-        text = self.moe_layer_freq.strip()
-        if text.startswith("["):
-            try:
-                pattern = [int(x) for x in text.strip("[]").split(",")]
-            except ValueError:
-                pattern = []
+        """1 for an MoE layer, 0 for a dense one, per layer (Megatron-LM's moe_freq_type, evaluated safely)."""
+        text = "".join(self.moe_layer_freq.split())
+        if "[" in text:
+            pattern = eval_layer_pattern(text)
             require(
-                len(pattern) == num_layers and set(pattern) <= {0, 1},
+                pattern is not None and len(pattern) == num_layers and set(pattern) <= {0, 1},
                 "--moe-layer-freq",
                 text,
-                f"a list of {num_layers} zeros and ones, e.g. [1,0,1,0]",
+                f"a list (or list expression) of {num_layers} zeros and ones (--num-layers), e.g. "
+                f"([0]+[1]*{num_layers - 1})",
             )
             return pattern
         require(text.isdigit() and int(text) > 0, "--moe-layer-freq", text, "a positive integer or a 0/1 list")
@@ -222,3 +223,30 @@ MoEConfig = dataclasses.make_dataclass(
     namespace={"__module__": __name__, "__doc__": MoERunFlags.__doc__},
 )
 """The MoE flag group: `MoERunFlags` and one flag per `MoELayerConfig` setting (its declaration, named by its flag)."""
+
+
+_LIST_OPS = {ast.Add: operator.add, ast.Mult: operator.mul}
+
+
+def eval_layer_pattern(text: str) -> list | None:
+    """Megatron-LM's --moe-layer-freq list expression (`([0]+[1]*2)`, `[1,0]*2`): lists of int literals joined
+    by + and *, evaluated on the syntax tree (never `eval`); None when it is anything else or not a list."""
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _LIST_OPS:
+            left, right = value(node.left), value(node.right)
+            sizes = [len(x) if isinstance(x, list) else abs(x) for x in (left, right)]
+            if isinstance(node.op, ast.Mult) and sizes[0] * sizes[1] > 1 << 16:
+                raise ValueError("too large")
+            return _LIST_OPS[type(node.op)](left, right)
+        raise ValueError(ast.dump(node))
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+    return result if isinstance(result, list) and all(type(x) is int for x in result) else None

@@ -224,10 +224,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
     ),
     "--moe-use-upcycling": (False, _UPCYCLING),
     "--moe-upcycling-granularity": (True, _UPCYCLING),
-    "--moe-router-force-load-balancing": (
-        False,
-        "use --moe-gate expert_choice for benchmarks with balanced loads (every expert gets exactly its capacity)",
-    ),
     "--moe-input-jitter-eps": (
         True,
         "input jitter is not supported; --moe-gate noisy adds noise to the router's logits instead",

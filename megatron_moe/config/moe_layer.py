@@ -22,8 +22,10 @@ DROP_POLICIES = ("probs", "position")
 earliest tokens); unset, the gate's own claim order."""
 ORDERINGS = ("sparse", "dense")
 EXPERT_TYPES = ("gelu", "swiglu")
-LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "none")
-"""Our layer's --moe-router-load-balancing-type choices (megatron-core's seq_aux_loss is not implemented)."""
+LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "seq_aux_loss", "none")
+"""Our layer's --moe-router-load-balancing-type choices (seq_aux_loss: megatron-core's per-sequence loss)."""
+FORCE_BALANCE_GATES = ("topk", "noisy_topk", "switch", "bpr", "rts", "sigmoid")
+"""The gates whose logits --moe-router-force-load-balancing replaces (a linear router, softmax or sigmoid)."""
 AUTO = "auto"
 """A pipeline degree the training set-up chooses (the cost model's solver)."""
 A2A_ALGORITHMS = ("linear", "2dh", AUTO)
@@ -94,14 +96,15 @@ class MoELayerConfig:
     load_balancing: str = arg(
         "aux_loss",
         "balancing loss E x sum_e f_e x P_e (f_e: share of routed choices on expert e, P_e: its mean router "
-        "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), none; "
-        "seq_aux_loss only with --moe-layer-impl mcore",
+        "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), "
+        "seq_aux_loss (the loss per sequence, averaged over the sequences; DeepSeek-V2/V3), none",
         flag="--moe-router-load-balancing-type",
-        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "none"),
+        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
         applies=only.BALANCING_TYPE,
     )
     """Balancing loss E * sum_e f_e * P_e, one of `LOAD_BALANCING`: aux_loss (f_e counts all k
-    choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), none."""
+    choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), seq_aux_loss (aux_loss per
+    sequence, averaged over the sequences: DeepSeek-V2/V3, megatron-core's formula), none."""
     aux_loss_coeff: float = arg(0.01, "load-balancing loss weight", flag="--moe-aux-loss-coeff", applies=only.BALANCING)
     """Weight of the balancing loss in the backward pass."""
     z_loss_coeff: float = arg(
@@ -141,9 +144,18 @@ class MoELayerConfig:
         None,
         "width of a dense MLP beside the experts (unset: none)",
         flag="--moe-shared-expert-ffn-hidden-size",
-        applies=only.OUR_MOE,
+        applies=only.MOE,
     )
-    """Width of a dense MLP beside the routed experts whose output is added (None: none)."""
+    """Width of a dense MLP beside the routed experts whose output is added (None: none); megatron-core's
+    SharedExpertMLP under --moe-layer-impl mcore (never dropped)."""
+    shared_expert_gate: bool = arg(
+        False,
+        "scale the shared expert's output by sigmoid(x . g), g a learned [1, H] (Qwen2-MoE)",
+        flag="--moe-shared-expert-gate",
+        applies=only.SHARED_EXPERT,
+    )
+    """Qwen2-MoE's gate on the shared expert: its output times sigmoid(x @ gate_weight^T), megatron-core's
+    SharedExpertMLP arithmetic and parameter name (`gate_weight`, [1, H])."""
     pipeline_degree: int | str = arg(
         1,
         "FSMoE's pipeline: the dispatched rows in this many chunks in forward, chunk i's experts running while "
@@ -213,6 +225,15 @@ class MoELayerConfig:
     )
     """Aux-loss-free balancing (DeepSeek-V3): an fp32 bias per expert added to the scores only to choose the top-k,
     moved after each step toward the mean load (`megatron_moe.moe.expert_bias`). Sigmoid gate, dropless."""
+    force_load_balancing: bool = arg(
+        False,
+        "benchmarks only: the router's logits replaced by random ones (megatron-core's RandomSTE), loads balanced "
+        "in expectation; the model learns nothing useful",
+        flag="--moe-router-force-load-balancing",
+        applies=only.MOE,
+    )
+    """Megatron-LM's --moe-router-force-load-balancing: N(0, 1) logits, gradient straight through (softmax and
+    sigmoid gates; megatron-core's layer does the same)."""
     bias_update_rate: float = arg(
         1e-3,
         "the expert bias's step: bias += rate x sign(mean load - load)",
@@ -298,8 +319,7 @@ class MoELayerConfig:
         r(
             self.load_balancing in LOAD_BALANCING,
             "load_balancing",
-            f"megatron_moe's layer implements {', '.join(LOAD_BALANCING)} (seq_aux_loss only with "
-            f"--moe-layer-impl mcore)",
+            f"megatron_moe's layer implements {', '.join(LOAD_BALANCING)}",
         )
         r(1 <= self.topk <= self.num_experts, "topk", f"must be between 1 and --num-experts={self.num_experts}")
         traits = GATE_TRAITS[self.gate]
@@ -353,6 +373,16 @@ class MoELayerConfig:
             "ffn_hidden_size",
             f"must be a multiple of --expert-tensor-parallel-size={esp_size} (each expert's width is split over "
             f"it), e.g. {esp_size * max(1, self.ffn_hidden_size // esp_size)}",
+        )
+        r(
+            not self.force_load_balancing or self.gate in FORCE_BALANCE_GATES,
+            "force_load_balancing",
+            f"--moe-gate={self.gate} has no router logits to replace; use one of {', '.join(FORCE_BALANCE_GATES)}",
+        )
+        r(
+            not self.shared_expert_gate or bool(self.shared_expert_ffn_hidden_size),
+            "shared_expert_gate",
+            "gates a shared expert: give --moe-shared-expert-ffn-hidden-size (e.g. 1024) or drop it",
         )
         if self.shared_expert_ffn_hidden_size is not None:
             r(

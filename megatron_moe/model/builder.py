@@ -150,6 +150,9 @@ def _mcore_moe_settings(cfg: RunConfig) -> dict:
         moe_router_bias_update_rate=moe.moe_router_bias_update_rate,
         moe_router_num_groups=moe.moe_router_num_groups if moe.moe_router_group_topk else None,
         moe_router_group_topk=moe.moe_router_group_topk,
+        moe_shared_expert_intermediate_size=moe.moe_shared_expert_ffn_hidden_size or None,  # never dropped
+        moe_shared_expert_gate=moe.moe_shared_expert_gate,
+        moe_router_force_load_balancing=moe.moe_router_force_load_balancing,
     )
 
 

@@ -41,6 +41,8 @@ class _TopKGateBase(Gate):
         self.priority = priority
         self.load_balancing, self.aux_coeff, self.z_coeff = cfg.load_balancing, cfg.aux_loss_coeff, cfg.z_loss_coeff
         self.capacity_factor = cfg.capacity_factor
+        self.force_load_balancing = cfg.force_load_balancing  # DeferrableRouter gates: random logits
+        self.seq_batch = 1  # sequences B in the [S, B] micro-batch the tokens flatten; the layer sets it
         self.num_groups, self.group_topk = cfg.num_groups, cfg.group_topk
         self.bias_update_rate = cfg.bias_update_rate
         # Aux-loss-free balancing (`megatron_moe.moe.expert_bias`): the bias is state (checkpointed, replicated);
@@ -112,6 +114,7 @@ class _TopKGateBase(Gate):
             z_coeff=self.z_coeff,
             valid_T=valid_T,
             group=self.token_group,
+            batch=self.seq_batch,
         )
 
     @property
@@ -130,6 +133,8 @@ class _TopKGateBase(Gate):
         logits_TE, probs_TE = batch([r.logits_TE for r in routings]), batch([r.probs_TE for r in routings])
         expert_TK = batch([r.expert_N.view(self.topk, -1).t() for r in routings])
         valid_T = batch([valid_T for _, valid_T, _ in pieces])
+        if len(shapes[0]) == 3:
+            self.seq_batch = sum(shape[1] for shape in shapes)  # the micro-batch's sequences, batched back
         aux, parts = self._losses(logits_TE, probs_TE, expert_TK, valid_T)
         num_tokens = sum(r.num_tokens for r in routings)
         return Routing(

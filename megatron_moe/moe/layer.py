@@ -109,6 +109,7 @@ class MoELayer(MegatronModule):
                 output_init_method=config.output_layer_init_method,
                 sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype,
+                gate=self.cfg.shared_expert_gate,
             )
         # Under sequence parallelism each TP rank routes its own tokens: router grads are partial,
         # and the router losses are over the whole sequences' tokens (all TP ranks).
@@ -383,6 +384,8 @@ class MoELayer(MegatronModule):
         ctx = HookContext(self.layer_number)
         x_TH = self._hook("before_moe_start", hidden_states.reshape(-1, shape[-1]), ctx)
         valid_T = None if padding_mask is None else ~padding_mask.transpose(0, 1).reshape(-1).bool()
+        if piece is None and hidden_states.dim() == 3:
+            self.gate.seq_batch = shape[1]  # seq_aux_loss: the sequences the tokens flatten
         with self.gate.losses_later(piece is not None):
             routing = self._region("router", self.route, x_TH, valid_T)
         with self._in_region("ordering"):

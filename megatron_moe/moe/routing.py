@@ -105,6 +105,25 @@ def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, store: WeightGrad
     return store_linear(x_TH.float(), weight_EH, store, cast_weight=True)
 
 
+class RandomLogits(torch.autograd.Function):
+    """megatron-core's RandomSTE (--moe-router-force-load-balancing, for benchmarks): the logits replaced by
+    N(0, 1) draws (on a GPU from the expert-parallel RNG stream, so each EP rank draws its own), the gradient
+    passed straight through to the router."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        if logits.is_cuda:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                return logits.clone().normal_()
+        return logits.clone().normal_()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
 class DeferrableRouter(DeferrableWeights):
     """A gate whose router projection `self.weight` [E, H] may have its weight gradient deferred.
 
@@ -115,9 +134,13 @@ class DeferrableRouter(DeferrableWeights):
     def deferred_params(self) -> list[torch.nn.Parameter]:
         return [self.weight]
 
+    force_load_balancing = False
+    """--moe-router-force-load-balancing: random logits (`RandomLogits`), loads balanced in expectation."""
+
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, E] of `self.weight`."""
-        return router_linear(x_TH, self.weight, self.weight_grad_store)
+        """fp32 logits [T, E] of `self.weight` (random ones, the gradient straight through, when forcing balance)."""
+        logits_TE = router_linear(x_TH, self.weight, self.weight_grad_store)
+        return RandomLogits.apply(logits_TE) if self.force_load_balancing else logits_TE
 
 
 def _masked_mean(values_T: torch.Tensor, valid_T: torch.Tensor | None, group=None) -> torch.Tensor:
@@ -151,6 +174,34 @@ def load_balancing_loss(
     return num_experts * torch.sum(fraction_E.detach() * _masked_mean(probs_TE, valid_T, group))
 
 
+def seq_load_balancing_loss(
+    probs_TE: torch.Tensor, expert_TK: torch.Tensor, batch: int, valid_T: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
+    """DeepSeek-V2/V3's sequence-level balancing loss, as megatron-core's seq_aux_loss: the aux_loss of each
+
+    sequence alone (tokens t = s * batch + b, the [S, B] layout flattened), averaged over the `batch` sequences.
+    Padding counts as megatron-core counts it: one token count, the valid tokens over `batch`.
+    """
+    num_experts = probs_TE.shape[1]
+    one_hot_TE = torch.zeros_like(probs_TE).scatter_add_(
+        1, expert_TK, torch.ones(expert_TK.shape, dtype=probs_TE.dtype, device=expert_TK.device)
+    )
+    if valid_T is not None:
+        mask_T1 = valid_T.to(probs_TE.dtype).unsqueeze(1)
+        one_hot_TE, probs_TE = one_hot_TE * mask_T1, probs_TE * mask_T1
+        count = mask_T1.sum() / batch
+    else:
+        count = probs_TE.new_full((), probs_TE.shape[0] / batch)
+    tokens_X, probs_X = one_hot_TE.view(-1, batch * num_experts).sum(0), probs_TE.view(-1, batch * num_experts).sum(0)
+    if comm.group_size(group) > 1:
+        tokens_X = comm.sum_across_shards(tokens_X, group)
+        probs_X = comm.sum_across_shards(probs_X, group)
+        count = comm.sum_across_shards(count.detach(), group)
+    count = count.clamp(min=1)
+    per_pair = tokens_X.detach() / (count * expert_TK.shape[1]) * probs_X / count
+    return num_experts * per_pair.sum() / batch
+
+
 def z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """ST-MoE router z-loss: mean of logsumexp(logits)^2."""
     return _masked_mean(torch.logsumexp(logits_TE, dim=-1).square(), valid_T, group)
@@ -166,16 +217,20 @@ def entropy_sum(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> 
 
 
 def router_losses(
-    logits_TE, probs_TE, expert_TK, *, kind: str, aux_coeff: float, z_coeff: float, valid_T=None, group=None
+    logits_TE, probs_TE, expert_TK, *, kind: str, aux_coeff: float, z_coeff: float, valid_T=None, group=None, batch=1
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(weighted total with grad or None, unweighted detached parts).
 
     `group`: the ranks whose tokens are shards of the same sequences (TP under
-    sequence parallelism); the losses are over all of their tokens, as on one rank.
+    sequence parallelism); the losses are over all of their tokens, as on one rank. `batch`: the sequences in
+    the [S, B] layout the tokens flatten (seq_aux_loss's per-sequence loss).
     """
     total, parts = None, {}
     if kind != "none" and expert_TK is not None:
-        lb = load_balancing_loss(probs_TE, expert_TK, kind, valid_T, group)
+        if kind == "seq_aux_loss":
+            lb = seq_load_balancing_loss(probs_TE, expert_TK, batch, valid_T, group)
+        else:
+            lb = load_balancing_loss(probs_TE, expert_TK, kind, valid_T, group)
         parts["load_balancing"] = lb.detach()
         if aux_coeff > 0:
             total = aux_coeff * lb

@@ -5,7 +5,9 @@ In: x_TH; out: a dense MLP's output [T, H] that the layer adds to the MoE output
 path, so the layer runs it while the dispatch all-to-all is in flight. Its weights are replicated over TP ranks:
 under sequence parallelism each applies it to its own tokens, so the parameters are `sequence_parallel` and
 `finalize_model_grads` sums their gradients over TP. Both weight-gradient GEMMs can be deferred
-(`DeferrableWeights`): fc1's closure returns (dW1, None), fc2's (None, dW2).
+(`DeferrableWeights`): fc1's closure returns (dW1, None), fc2's (None, dW2). `gate` (--moe-shared-expert-gate,
+Qwen2-MoE): the output times sigmoid(x @ gate_weight^T), megatron-core's SharedExpertMLP arithmetic and name; the
+gate's own [1, H] weight gradient is computed at once (not deferred).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SharedExpert(torch.nn.Module, DeferrableWeights):
         output_init_method: Callable,
         sequence_parallel: bool,
         params_dtype=torch.float32,
+        gate: bool = False,
     ):
         super().__init__()
         self.gated = gated
@@ -39,6 +42,11 @@ class SharedExpert(torch.nn.Module, DeferrableWeights):
         with torch.no_grad():
             init_method(self.weight1)
             output_init_method(self.weight2)
+        self.gate_weight = None
+        if gate:
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=params_dtype))
+            with torch.no_grad():
+                init_method(self.gate_weight)
         for param in self.parameters():
             param.sequence_parallel = sequence_parallel
 
@@ -48,4 +56,7 @@ class SharedExpert(torch.nn.Module, DeferrableWeights):
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         store = self.weight_grad_store
         h_TF = store_linear(x_TH, self.weight1, store, slot=0, slots=2)
-        return store_linear(ffn_activation(h_TF, self.gated), self.weight2, store, slot=1, slots=2)
+        out_TH = store_linear(ffn_activation(h_TF, self.gated), self.weight2, store, slot=1, slots=2)
+        if self.gate_weight is not None:
+            out_TH = out_TH * torch.sigmoid(torch.nn.functional.linear(x_TH, self.gate_weight))
+        return out_TH

@@ -50,6 +50,22 @@ def test_moe_layer_freq():
     assert cfg("--moe-layer-freq", "[0,1,1,0]").moe.layer_pattern(4) == [0, 1, 1, 0]
     with pytest.raises(ConfigError, match="--moe-layer-freq"):
         cfg("--moe-layer-freq", "[1,0]").moe.layer_pattern(4)
+    # Megatron-LM's list expressions (moe_freq_type), evaluated on the syntax tree
+    assert cfg("--moe-layer-freq", "([0]+[1]*2)").moe.layer_pattern(3) == [0, 1, 1]
+    assert cfg("--moe-layer-freq", "([0]*3+[1]*58)").moe.layer_pattern(61) == [0] * 3 + [1] * 58
+    assert cfg("--moe-layer-freq", "([1]*3+[0]*2)*2").moe.layer_pattern(10) == [1, 1, 1, 0, 0] * 2
+    assert cfg("--moe-layer-freq", "[0, 1, 1]").moe.layer_pattern(3) == [0, 1, 1]
+    bad = [
+        ("([0]+[1]*2)", 4, r"--moe-layer-freq=\(\[0\]\+\[1\]\*2\): a list .* of 4 zeros and ones \(--num-layers\)"),
+        ("[0,2,1]", 3, "zeros and ones"),
+        ("[__import__('os')]", 1, "zeros and ones"),
+        ("[1]*10**9", 1, "zeros and ones"),
+        ("[1.0]", 1, "zeros and ones"),
+        ("x", 1, "a positive integer"),
+    ]
+    for text, layers, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            cfg("--moe-layer-freq", text).moe.layer_pattern(layers)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +111,7 @@ def test_moe_layer_freq():
             2,
             r"--expert-model-parallel-size=2: EP x expert-TP = 4 must divide the ranks per pipeline stage",
         ),
-        (["--moe-router-load-balancing-type", "seq_aux_loss"], 1, r"=seq_aux_loss: megatron_moe's layer implements"),
+        (["--moe-router-load-balancing-type", "global_aux_loss"], 1, r"=global_aux_loss: megatron_moe's layer implem"),
         (
             ["--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss"],
             1,

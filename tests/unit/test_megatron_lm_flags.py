@@ -432,7 +432,8 @@ def test_every_configuration_error_is_reported_in_one_pass():
         "--lr=-1.0: must be >= 0, e.g. --lr 0.0003",
         "--recompute-modules=bogus: a module name, one of: input_norm, qkv, core_attention, attn_proj, "
         "pre_mlp_norm, router, ordering, dispatch, expert_fc1, expert_act, expert_fc2, combine, unorder, "
-        "shared_expert, mlp_fc1, mlp_act, mlp_fc2",
+        "shared_expert, mlp_fc1, mlp_act, mlp_fc2, or megatron-core's core_attn, moe_act, layernorm, mlp, "
+        "shared_experts",
         "--tensorboard-log-interval=0: must be > 0, e.g. --tensorboard-log-interval 1",
     ]
     message = str(caught.value)
