@@ -419,7 +419,7 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
         "layer_ms_all": [round(t, 1) for t in times["ours"]],
         "mcore_ms_all": [round(t, 1) for t in times["mcore"]],
         "ideal_ms_all": [round(t, 1) for t in times["ideal"]],
-        "kernel": kernel_name(platform.device.type, dtype, (2 * ffn if swiglu else ffn) * hidden),
+        "kernel": kernel_name(platform.device.type, dtype),
         "threads": torch.get_num_threads(),
         "warmup": warmup,
         "repeats": repeats,

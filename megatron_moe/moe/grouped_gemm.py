@@ -31,10 +31,6 @@ _CPU_ORDER = ("onednn", "bmm", "torch._grouped_mm", "mm-loop")
 GROUPED_GEMM_DTYPES = (torch.bfloat16,)
 """What the `grouped_gemm` package's gmm takes: its csrc/grouped_gemm.cu checks a, b and c for kBFloat16, in the
 tgale96 release and in the fanshiqing fork megatron-core's install hint names (its issue #19: the fp16 error)."""
-SMALL_EXPERT_WEIGHT = 1 << 20
-"""On CPU, experts whose weight has fewer elements than this skip `onednn`: at fine-grained sizes (hidden 512 x FFN
-352, 64 experts; DeepSeek-V3's 448 x 128) torch.mm per expert, written in place, measured 10-25% faster per layer
-step than oneDNN's fresh outputs copied (docs/kernels.md); gpt2s' 768 x 3072 experts keep oneDNN."""
 _forced: str | None = None
 
 
@@ -140,8 +136,6 @@ def _fits(kernel: str, a: torch.Tensor, b: torch.Tensor, counts: list[int], out)
 def _choose(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
     """The kernel for the groups of `a` times `b`: the forced one if it fits, else the first that does."""
     order = _CPU_ORDER if a.device.type == "cpu" else KERNELS
-    if a.device.type == "cpu" and b.dim() == 3 and b[0].numel() < SMALL_EXPERT_WEIGHT:
-        order = tuple(k for k in order if k != "onednn")
     return next(k for k in ((_forced,) if _forced else ()) + order if _fits(k, a, b, counts, out))
 
 
@@ -283,11 +277,7 @@ def grouped_linear(
     return GroupedLinear.apply(x_RI, w_EOI, counts, store)
 
 
-def kernel_name(
-    device_type: str = "cpu", dtype: torch.dtype = torch.float32, weight_elements: int | None = None
-) -> str:
-    """Which grouped kernel runs here in `dtype` for experts with unequal rows and weights of `weight_elements`
-    (None: large ones), for logs and the benchmark."""
-    width = max(16, -(-(weight_elements or SMALL_EXPERT_WEIGHT) // 16))
+def kernel_name(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """Which grouped kernel runs here in `dtype` for experts with unequal rows (for logs and the benchmark)."""
     x = torch.empty(3, 16, dtype=dtype, device=device_type)
-    return _choose(x, torch.empty(2, 16, width, dtype=dtype, device=device_type), [1, 2], None)
+    return _choose(x, torch.empty(2, 16, 16, dtype=dtype, device=device_type), [1, 2], None)

@@ -52,6 +52,16 @@ def test_fine_grained_cases_are_the_issues_shapes():
     )
 
 
+def test_fine_grained_64_experts_top8_match_megatron_core(megatron_world1):
+    """64 small experts, top-8 (the `fine` case's routing at toy widths: small experts, one run)."""
+    from megatron_moe.platform import current_platform
+
+    args = bench.parse_args(["--repeats", "1", "--warmup", "1", "--max-warmup", "1", "--dtype", "fp32"])
+    result = bench.run_case("toy", 32, 24, 128, 64, 8, 0.0, "alltoallv", args, current_platform())
+    assert result["rows_computed"] == 1024
+    assert result["max_abs_diff_vs_mcore"] < 1e-5
+
+
 def test_deepseek_options_run_and_match_megatron_core(megatron_world1):
     """The dsv3 case's router (sigmoid, expert bias, groups, x2.5) and shared expert at toy size, in both layers."""
     from megatron_moe.platform import current_platform
