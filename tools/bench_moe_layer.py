@@ -62,7 +62,20 @@ CASES = {
     "small": (256, 1024, 2048, [(8, 2)]),
     # GPU only (by default): a Mixtral-like layer, 16k tokens.
     "large": (4096, 14336, 16384, [(8, 2)]),
+    # Fine-grained experts (Qwen3-MoE-like widths): many small expert GEMMs, 8 or 4 per token.
+    "fine": (512, 352, 4096, [(64, 8), (32, 4)]),
+    # DeepSeek-V3's ratios at a CPU size: hidden / moe FFN = 7168 / 2048 = 3.5 (448 / 128), 256 experts top-8,
+    # one shared expert as wide as a routed one, ~128 rows per expert at 4096 tokens as in `fine`. Its router
+    # and experts: `CASE_OPTIONS`.
+    "dsv3": (448, 128, 4096, [(256, 8)]),
 }
+CASE_OPTIONS = {
+    # DeepSeek-V3: SwiGLU experts, sigmoid scores with the aux-loss-free expert bias, group-limited routing
+    # (8 groups, a token's experts within its best 4), combine weights x 2.5, a shared expert of the routed width.
+    # No balancing loss: its seq_aux_loss (coefficient 1e-4) is megatron-core's alone (--moe-layer-impl mcore).
+    "dsv3": dict(swiglu=True, sigmoid=True, num_groups=8, group_topk=4, scaling=2.5, shared=128),
+}
+"""Per case, what differs from the plain softmax top-k, aux-loss, GELU (`--swiglu`: SwiGLU), shared-less layer."""
 KERNEL_NAMES = ("grouped_gemm", "bmm", "onednn", "torch._grouped_mm", "mm-loop")
 """megatron_moe.moe.grouped_gemm's KERNELS, for the command line (built before torch loads)."""
 
@@ -74,7 +87,7 @@ def parse_args(argv=None):
         nargs="+",
         default=None,
         choices=sorted(CASES),
-        help="default: small gpt2s on CPU; small gpt2s large on a GPU",
+        help="default: small gpt2s fine dsv3 on CPU; and large on a GPU",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: fp32 on CPU, bf16 on a GPU")
     p.add_argument(
@@ -158,8 +171,12 @@ def cluster_cases(args) -> list[tuple]:
 # ----------------------------------------------------------------------------- the three contenders
 
 
-def transformer_config(hidden, ffn, experts, topk, capacity_factor, swiglu):
-    """megatron-core config as megatron_moe.model.builder maps the run flags (built in fp32 on the host)."""
+def transformer_config(
+    hidden, ffn, experts, topk, capacity_factor, swiglu, *, sigmoid=False, num_groups=None, group_topk=None,
+    scaling=None, shared=None,
+):  # fmt: skip
+    """megatron-core config as megatron_moe.model.builder maps the run flags (built in fp32 on the host); the
+    keywords: `CASE_OPTIONS` (sigmoid: DeepSeek-V3's router, its expert bias and no balancing loss)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -170,10 +187,16 @@ def transformer_config(hidden, ffn, experts, topk, capacity_factor, swiglu):
         num_attention_heads=max(1, hidden // 64),
         num_moe_experts=experts,
         moe_router_topk=topk,
-        moe_router_pre_softmax=topk == 1,
+        moe_router_pre_softmax=topk == 1 and not sigmoid,
         moe_ffn_hidden_size=ffn,
-        moe_aux_loss_coeff=0.01,
-        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.0 if sigmoid else 0.01,
+        moe_router_load_balancing_type="none" if sigmoid else "aux_loss",
+        moe_router_score_function="sigmoid" if sigmoid else "softmax",
+        moe_router_enable_expert_bias=sigmoid,
+        moe_router_num_groups=num_groups,
+        moe_router_group_topk=group_topk,
+        moe_router_topk_scaling_factor=scaling,
+        moe_shared_expert_intermediate_size=shared,
         moe_token_dispatcher_type="alltoall",
         moe_expert_capacity_factor=capacity_factor or None,
         moe_pad_expert_input_to_capacity=bool(capacity_factor),
@@ -216,10 +239,20 @@ def build_ours(config, mcore, capacity_factor, dispatcher):
         pad_expert_input_to_capacity=dispatcher == "padded_alltoall",
         expert_type="swiglu" if config.gated_linear_unit else "gelu",
         aux_loss_coeff=config.moe_aux_loss_coeff,
+        load_balancing=config.moe_router_load_balancing_type,
+        gate="sigmoid" if config.moe_router_score_function == "sigmoid" else "topk",
+        expert_bias=config.moe_router_enable_expert_bias,
+        num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk,
+        topk_scaling_factor=config.moe_router_topk_scaling_factor,
+        shared_expert_ffn_hidden_size=config.moe_shared_expert_intermediate_size,
     )
     ours = MoELayer(config, moe_config, layer_number=1)
     with torch.no_grad():
         ours.gate.weight.copy_(mcore.router.weight)
+        if ours.shared_expert is not None:
+            ours.shared_expert.weight1.copy_(mcore.shared_experts.linear_fc1.weight)
+            ours.shared_expert.weight2.copy_(mcore.shared_experts.linear_fc2.weight)
         for e, expert in enumerate(mcore.experts.local_experts):
             ours.experts.weight1[e].copy_(expert.linear_fc1.weight)
             ours.experts.weight2[e].copy_(expert.linear_fc2.weight)
@@ -238,9 +271,10 @@ def fwd_bwd(layer, x, grad):
     return step
 
 
-def floor_gemms(tokens, hidden, ffn, experts, rows, swiglu, device, dtype, kernel="mm"):
+def floor_gemms(tokens, hidden, ffn, experts, rows, swiglu, device, dtype, kernel="mm", shared=0):
     """The floor's GEMMs, each a step: the gate's in fp32 (router math), the experts' in `dtype`, as
-    one dense matrix of `rows`. `kernel` "mm" is torch.mm; "onednn" is oneDNN's matmul (CPU)."""
+    one dense matrix of `rows`, and a `shared` expert's (that wide) over all tokens. `kernel` "mm" is
+    torch.mm; "onednn" is oneDNN's matmul (CPU)."""
     g = torch.Generator().manual_seed(0)
     w1_cols = 2 * ffn if swiglu else ffn
 
@@ -265,6 +299,18 @@ def floor_gemms(tokens, hidden, ffn, experts, rows, swiglu, device, dtype, kerne
         "gate_dx": (dl_TE, wg_HE.t()),
         "gate_dw": (x_TH.t(), dl_TE),
     }
+    if shared:  # the same six GEMMs over every token, `shared` wide
+        s1_cols = 2 * shared if swiglu else shared
+        xs_TH, s1_HF, dy_TH = randn(tokens, hidden), randn(hidden, s1_cols), randn(tokens, hidden)
+        s_TF, s2_FH, ds_TF = randn(tokens, shared), randn(shared, hidden), randn(tokens, s1_cols)
+        operands |= {
+            "shared_fc1": (xs_TH, s1_HF),
+            "shared_fc2": (s_TF, s2_FH),
+            "shared_fc2_dx": (dy_TH, s2_FH.t()),
+            "shared_fc2_dw": (s_TF.t(), dy_TH),
+            "shared_fc1_dx": (ds_TF, s1_HF.t()),
+            "shared_fc1_dw": (xs_TH.t(), ds_TF),
+        }
     return {name: functools.partial(mm, a, b) for name, (a, b) in operands.items()}
 
 
@@ -283,14 +329,17 @@ def floor_per_round(times: dict, kernels: list[str]) -> list[float]:
 # ----------------------------------------------------------------------------- one case
 
 
-def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatcher, args, platform):
+def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatcher, args, platform, options=None):
+    """One case's JSON object; `options`: the case's `CASE_OPTIONS` (its swiglu, else `--swiglu`)."""
     from megatron.core.transformer.moe import moe_utils
 
     from megatron_moe.platform import synchronize
 
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
-    config = transformer_config(hidden, ffn, experts, topk, capacity_factor, args.swiglu)
+    options = dict(options or {})
+    swiglu = options.pop("swiglu", args.swiglu)
+    config = transformer_config(hidden, ffn, experts, topk, capacity_factor, swiglu, **options)
     mcore = build_mcore(config).to(platform.device, dtype)
     ours = build_ours(config, mcore, capacity_factor, dispatcher).to(platform.device, dtype)
     x = torch.randn(tokens, 1, hidden, device=platform.device, dtype=dtype, requires_grad=True)
@@ -307,7 +356,7 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
         f"floor/{k}/{name}": step
         for k in kernels
         for name, step in floor_gemms(
-            tokens, hidden, ffn, experts, rows, args.swiglu, platform.device, dtype, k
+            tokens, hidden, ffn, experts, rows, swiglu, platform.device, dtype, k, options.get("shared") or 0
         ).items()
     }
     # Same weights, same routing: dropless outputs must agree (capacity semantics differ).
@@ -346,6 +395,8 @@ def run_case(name, hidden, ffn, tokens, experts, topk, capacity_factor, dispatch
         "topk": topk,
         "capacity_factor": capacity_factor,
         "dispatcher": dispatcher,
+        "swiglu": swiglu,
+        **options,
         "layer_ms": round(layer_ms, 2),
         "ideal_ms": round(ideal_ms, 2),
         "efficiency": round(ideal_ms / layer_ms, 3),
@@ -391,7 +442,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     platform = init_single_process()
     args.dtype = args.dtype or ("bf16" if platform.is_accelerator else "fp32")
-    args.cases = args.cases or ["small", "gpt2s", *(["large"] if platform.is_accelerator else [])]
+    args.cases = args.cases or ["small", "gpt2s", "fine", "dsv3", *(["large"] if platform.is_accelerator else [])]
     try:
         for case in args.cases:
             hidden, ffn, tokens, shapes = CASES[case]
@@ -399,12 +450,26 @@ def main(argv=None) -> int:
                 if args.shapes and f"{experts}x{topk}" not in args.shapes:
                     continue
                 for cf in args.capacity_factors:
+                    if cf and CASE_OPTIONS.get(case, {}).get("sigmoid"):
+                        continue  # the expert bias counts every routed pair: dropless only (ours refuses a capacity)
                     dispatchers = ["alltoallv"] + (["padded_alltoall"] if cf > 0 and args.padded_too else [])
                     for dispatcher in dispatchers:
                         suffix = "" if dispatcher == "alltoallv" else "_padded"
                         name = f"{case}_e{experts}_k{topk}_cf{cf:g}{suffix}"
                         with forced_kernel(args.grouped_kernel):
-                            result = run_case(name, hidden, ffn, tokens, experts, topk, cf, dispatcher, args, platform)
+                            result = run_case(
+                                name,
+                                hidden,
+                                ffn,
+                                tokens,
+                                experts,
+                                topk,
+                                cf,
+                                dispatcher,
+                                args,
+                                platform,
+                                CASE_OPTIONS.get(case),
+                            )
                         print(json.dumps(result), flush=True)
     finally:
         from megatron.core import parallel_state

@@ -57,6 +57,11 @@ class Keeping(Protocol):
         ...
 
 
+SMALL_EXPERT_WEIGHT = 1 << 20
+"""Experts whose weight1 has fewer elements than this run as one run on CPU too (`FFNExperts.chunk_bytes` None):
+fine-grained experts (hidden 512 x FFN 352, 64 experts) measured faster so (docs/kernels.md)."""
+
+
 def mark_expert_params(module: torch.nn.Module) -> None:
     """Mark every parameter of `module` an expert parameter: reduced over the expert-data-parallel group only.
 
@@ -271,6 +276,8 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         self.keeping: FusedKeeping | None = SAVE_ALL
         """What the fused node keeps of x, h, a; None: run fc1/act/fc2 as separate regions."""
         self.chunk_bytes = current_platform().expert_chunk_bytes
+        if width * hidden_size < SMALL_EXPERT_WEIGHT:  # small experts: one run (one activation call, less Python)
+            self.chunk_bytes = None
         self.weight_grad_store: WeightGradStore = RUN_NOW
         """Where backward hands the weight-gradient GEMMs (`megatron_moe.moe.weight_grad`); the default runs them."""
 

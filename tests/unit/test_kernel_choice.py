@@ -146,3 +146,17 @@ def test_torch_grouped_mm_is_probed_per_dtype(monkeypatch):
     finally:
         grouped_gemm._torch_grouped_mm_works.cache_clear()  # the real op's answers again
         grouped_gemm._grouped_gemm_backend.cache_clear()
+
+
+def test_small_experts_run_as_one_run():
+    """Below SMALL_EXPERT_WEIGHT FFNExperts runs every expert in one run (CPU too); larger ones keep the platform's."""
+    from megatron_moe.moe.experts import SMALL_EXPERT_WEIGHT, FFNExperts
+    from megatron_moe.platform import current_platform
+
+    def experts(hidden, ffn):
+        init = torch.nn.init.zeros_
+        kw = dict(num_local_experts=2, gated=False, init_method=init, output_init_method=init)
+        return FFNExperts(hidden_size=hidden, ffn_hidden_size=ffn, **kw)
+
+    assert 32 * 24 < SMALL_EXPERT_WEIGHT and experts(32, 24).chunk_bytes is None
+    assert experts(1024, 1024).chunk_bytes == current_platform().expert_chunk_bytes
