@@ -48,8 +48,8 @@ BALANCING_TYPE = When(
     f"with --num-experts, not with --moe-gate {_BALANCED} (they balance by construction)",
 )
 BALANCING = When(
-    lambda c: BALANCING_TYPE.test(c) and c.moe.moe_router_load_balancing_type != "none",
-    f"with a balancing loss: --moe-router-load-balancing-type other than none, not --moe-gate {_BALANCED}",
+    lambda c: BALANCING_TYPE.test(c) and c.moe.moe_router_load_balancing_type not in ("none", "sinkhorn"),
+    f"with a balancing loss: --moe-router-load-balancing-type other than none or sinkhorn, not --moe-gate {_BALANCED}",
 )
 Z_LOSS = When(
     lambda c: c.moe.is_moe and not _our_gate_is(c, "router_logits", False),

@@ -47,10 +47,11 @@ GATE_TRAITS: dict[str, GateTraits] = {
     "soft": dataclasses.replace(_BALANCED, token_picking=False, router_logits=False, slots=True),
     "bpr": GateTraits(own_order=True),
     "rts": GateTraits(own_order=True),
+    "sinkhorn": GateTraits(normalizes=False, tokens_alone=False),
 }
 """One row per gate: topk (GShard softmax), noisy_topk (trainable noise), switch (top-1), sigmoid, xmoe (low-rank
 cosine, learnable temperature), cosine (Tutel), expert_choice, soft (SoftMoE slots), bpr (batch-prioritized),
-rts (random token selection)."""
+rts (random token selection), sinkhorn (megatron-core's: top-k of the Sinkhorn-balanced scores in training)."""
 
 
 def gates_where(trait: str, value: bool = True) -> tuple[str, ...]:

@@ -150,7 +150,10 @@ class MoERunFlags:
 
     @property
     def gate(self) -> str:
-        """Our layer's gate: --moe-gate, or the one --moe-router-score-function names (sigmoid: the sigmoid gate)."""
+        """Our layer's gate: --moe-gate, or the one --moe-router-score-function names (sigmoid: the sigmoid gate),
+        or the one --moe-router-load-balancing-type sinkhorn names (the sinkhorn gate, megatron-core's routing)."""
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            return "sinkhorn"
         return "sigmoid" if self.moe_router_score_function == "sigmoid" else self.moe_gate
 
     def wgrad_policy(self, expert_parallel_size: int) -> str:
@@ -211,7 +214,7 @@ class MoERunFlags:
             layer = self.layer_config(model)
             return layer.has_balancing_loss, layer.has_z_loss
         # megatron-core computes (and tracks) a balancing loss only with a positive coefficient.
-        balancing = self.moe_router_load_balancing_type != "none" and self.moe_aux_loss_coeff > 0
+        balancing = self.moe_router_load_balancing_type not in ("none", "sinkhorn") and self.moe_aux_loss_coeff > 0
         return balancing, bool(self.moe_z_loss_coeff)
 
 

@@ -22,7 +22,7 @@ DROP_POLICIES = ("probs", "position")
 earliest tokens); unset, the gate's own claim order."""
 ORDERINGS = ("sparse", "dense")
 EXPERT_TYPES = ("gelu", "swiglu")
-LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "seq_aux_loss", "sinkhorn", "none")
 """Our layer's --moe-router-load-balancing-type choices (seq_aux_loss: megatron-core's per-sequence loss)."""
 FORCE_BALANCE_GATES = ("topk", "noisy_topk", "switch", "bpr", "rts", "sigmoid")
 """The gates whose logits --moe-router-force-load-balancing replaces (a linear router, softmax or sigmoid)."""
@@ -97,9 +97,10 @@ class MoELayerConfig:
         "aux_loss",
         "balancing loss E x sum_e f_e x P_e (f_e: share of routed choices on expert e, P_e: its mean router "
         "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), "
-        "seq_aux_loss (the loss per sequence, averaged over the sequences; DeepSeek-V2/V3), none",
+        "seq_aux_loss (the loss per sequence, averaged over the sequences; DeepSeek-V2/V3), sinkhorn (no loss: the "
+        "experts are chosen on Sinkhorn-balanced scores, megatron-core's; the sinkhorn gate), none",
         flag="--moe-router-load-balancing-type",
-        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
         applies=only.BALANCING_TYPE,
     )
     """Balancing loss E * sum_e f_e * P_e, one of `LOAD_BALANCING`: aux_loss (f_e counts all k
@@ -293,7 +294,7 @@ class MoELayerConfig:
     @property
     def has_balancing_loss(self) -> bool:
         """Whether the gate computes a balancing loss (what the log shows as `moe aux loss`)."""
-        return self.load_balancing != "none" and not GATE_TRAITS[self.gate].balanced
+        return self.load_balancing not in ("none", "sinkhorn") and not GATE_TRAITS[self.gate].balanced
 
     @property
     def has_z_loss(self) -> bool:

@@ -44,7 +44,7 @@ from megatron_moe.config.rules_mtp import check_mtp
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
 
-MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+MCORE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 """megatron-core's MoE layer's --moe-router-load-balancing-type choices (as this CLI offers them)."""
 
 

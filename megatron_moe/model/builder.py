@@ -133,7 +133,8 @@ def _mcore_moe_settings(cfg: RunConfig) -> dict:
     moe = cfg.moe
     factor = moe.moe_expert_capacity_factor
     return dict(
-        moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+        # megatron-core's sinkhorn routing asserts no balancing loss (it balances by its choice of experts)
+        moe_aux_loss_coeff=0.0 if moe.moe_router_load_balancing_type == "sinkhorn" else moe.moe_aux_loss_coeff,
         moe_z_loss_coeff=moe.moe_z_loss_coeff,
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
         moe_token_dispatcher_type=moe.moe_token_dispatcher_type,

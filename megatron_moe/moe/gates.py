@@ -63,7 +63,7 @@ class _TopKGateBase(Gate):
         """(combine weights [T, K], experts [T, K]): the top-k of `select_TE` (+ the expert bias; within the best
         groups when group-limited), weighted by `scores_TE` at those experts, as megatron-core's
         `topk_routing_with_score_function`."""
-        if self.expert_bias is None and self.group_topk is None:
+        if self.expert_bias is None and self.group_topk is None and select_TE is scores_TE:
             return torch.topk(scores_TE, self.topk, dim=-1)
         if self.expert_bias is not None:
             select_TE = select_TE + self.expert_bias
@@ -197,6 +197,40 @@ class SigmoidGate(_TopKGateBase, DeferrableRouter):
         return self._route(logits_TE, scores_TE, probs_TE, valid_T)
 
 
+class SinkhornGate(_TopKGateBase, DeferrableRouter):
+    """megatron-core's sinkhorn routing: in training the top-k of the Sinkhorn-balanced exp(logits) (no gradient)
+    picks the experts; the weights are sigmoid(logits) for k = 1, else softmax(logits), at those experts, not
+    renormalised; no balancing loss (the choice balances). In evaluation the top-k of the weights picks."""
+
+    def __init__(self, cfg: MoELayerConfig):
+        super().__init__(cfg, normalize=False)
+        self.load_balancing = "none"  # megatron-core asserts no aux loss with sinkhorn; the z-loss stays
+        self.weight = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        torch.nn.init.normal_(self.weight, std=cfg.init_method_std)
+
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        logits_TE = self.router_logits(x_TH)
+        scores_TE = torch.sigmoid(logits_TE) if self.topk == 1 else torch.softmax(logits_TE, dim=-1)
+        select_TE = sinkhorn(logits_TE.detach().float()) if self.training else scores_TE
+        return self._route(logits_TE, scores_TE, torch.softmax(logits_TE, dim=-1), valid_T, select_TE)
+
+
+@torch.no_grad()
+def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """megatron-core's `moe_utils.sinkhorn`, as written: rescale exp(cost) by row and column factors until the
+    column factors move less than `tol` on average (a host read per round, as there)."""
+    cost_TE = torch.exp(cost_TE)
+    d0_T = torch.ones(cost_TE.size(0), device=cost_TE.device, dtype=cost_TE.dtype)
+    d1_E = torch.ones(cost_TE.size(1), device=cost_TE.device, dtype=cost_TE.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1_E
+    while error > tol:
+        d0_T = (1 / d0_T.size(0)) * 1 / (torch.sum(d1_E * cost_TE, 1) + eps)
+        d1_E = (1 / d1_E.size(0)) * 1 / (torch.sum(d0_T.unsqueeze(1) * cost_TE, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1_E))
+        d1_old = d1_E
+    return d1_E * cost_TE * d0_T.unsqueeze(1)
+
+
 class CosineGate(_TopKGateBase):
     """softmax(scale * cos(P x, e_j)) with P a D x H projection and e_j learned expert embeddings.
 
@@ -230,6 +264,7 @@ GATE_BUILDERS: dict[str, Callable[[MoELayerConfig], Gate]] = {
     "bpr": lambda cfg: SoftmaxTopKGate(cfg, priority="importance"),
     "rts": lambda cfg: SoftmaxTopKGate(cfg, priority="random"),
     "sigmoid": SigmoidGate,
+    "sinkhorn": SinkhornGate,
     # X-MoE: 16-wide projection, temperature 0.07 (scale 1/0.07); Tutel: 256 wide, scale 1/0.01.
     "xmoe": lambda cfg: CosineGate(cfg, dim=cfg.router_dim or 16, init_scale=1 / 0.07),
     "cosine": lambda cfg: CosineGate(cfg, dim=cfg.router_dim or 256, init_scale=1 / 0.01),
@@ -244,4 +279,4 @@ def build_gate(cfg: MoELayerConfig) -> Gate:
     return GATE_BUILDERS[cfg.gate](cfg)
 
 
-__all__ = ["GATE_BUILDERS", "CosineGate", "SigmoidGate", "SoftmaxTopKGate", "build_gate"]
+__all__ = ["GATE_BUILDERS", "CosineGate", "SigmoidGate", "SinkhornGate", "SoftmaxTopKGate", "build_gate"]
