@@ -43,17 +43,16 @@ MCORE_MODULES: dict[str, tuple[str, ...]] = {
     "layernorm": ("input_norm", "pre_mlp_norm"),
     "mlp": ("mlp_fc1", "mlp_act", "mlp_fc2"),
     "shared_experts": ("shared_expert",),
+    "moe": ("router", "expert_fc1", "expert_act", "expert_fc2", "unorder", "shared_expert"),
+    "mla_up_proj": ("qkv",),
 }
 """megatron-core's --recompute-modules names (TransformerConfig.recompute_modules, 0.16.1) -> ours, where they
-recompute the same arithmetic: `mlp` recomputes each of the dense MLP's pieces from its own input (megatron-core
-checkpoints the MLP whole, keeping only its input)."""
-MCORE_REFUSED: dict[str, str] = {
-    "moe": "recomputing the whole MoE layer would repeat its all-to-alls; name its pieces instead "
-    "(e.g. --recompute-modules router expert_fc1 moe_act expert_fc2 shared_experts) or --activation-policy arctic",
-    "mla_up_proj": "our activation policies have no module for the MLA up-projection; use "
-    "--recompute-granularity full, or name core_attn / layernorm",
-}
-"""megatron-core's names that mean nothing the same here, with why and what to use."""
+recompute the same arithmetic. Where megatron-core checkpoints a block whole, keeping only its input, ours
+recompute each of its pieces from its own input: `mlp`; `moe` (every computing piece of the MoE layer; the
+all-to-alls' outputs are kept, so no communication repeats); `mla_up_proj` (MLA's projections, the
+down-projections included: more recompute than megatron-core's, the same memory kept)."""
+MCORE_REFUSED: dict[str, str] = {}
+"""megatron-core's names that mean nothing the same here, with why and what to use (none in 0.16.1)."""
 
 PRESETS: dict[str, dict[str, str]] = {
     "none": {},

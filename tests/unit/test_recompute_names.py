@@ -19,13 +19,14 @@ def test_megatron_cores_names_mean_our_modules():
     assert recomputed("mlp") == ["mlp_act", "mlp_fc1", "mlp_fc2"]
     assert recomputed("shared_experts") == ["shared_expert"]
     assert recomputed("core_attn", "core_attention", "expert_fc1") == ["core_attention", "expert_fc1"]  # ours too
+    # megatron-core's whole-block checkpoints: each computing piece from its own input, no all-to-all repeated
+    assert recomputed("moe") == ["expert_act", "expert_fc1", "expert_fc2", "router", "shared_expert", "unorder"]
+    assert recomputed("mla_up_proj") == ["qkv"]
 
 
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("moe", r"--recompute-modules=moe: recomputing the whole MoE layer would repeat its all-to-alls"),
-        ("mla_up_proj", r"--recompute-modules=mla_up_proj: our activation policies have no module"),
         ("attn", r"--recompute-modules=attn: a module name, one of: .*or megatron-core's core_attn"),
     ],
 )
@@ -38,5 +39,8 @@ def test_the_flag_pass_takes_megatron_lms_selective_recompute():
     c = cfg("--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe_act", "core_attn")
     modes = c.activation_policy().modes
     assert {modes[n] for n in ("mlp_fc1", "mlp_act", "mlp_fc2", "expert_act", "core_attention")} == {"recompute"}
-    with pytest.raises(ConfigError, match="--recompute-modules=moe"):
-        cfg("--recompute-granularity", "selective", "--recompute-modules", "moe").activation_policy()
+    deepseek_v3 = cfg(
+        "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm"
+    )
+    modes = deepseek_v3.activation_policy().modes
+    assert not {"dispatch", "combine", "ordering"} & {n for n, mode in modes.items() if mode == "recompute"}
