@@ -150,3 +150,38 @@ def test_mock_data_is_megatron_cores_mock_dataset_counting_up_to_the_vocabulary(
         counted = [pad if token == 0 and before == pad - 1 else token for before, token in zip([None, *tokens], tokens)]
         for a, b in zip(counted, counted[1:]):
             assert b == eod or (a == eod and b == 1) or b == (a + 1) % vocab, (a, b)
+
+
+FAMILIES = {
+    # Megatron-LM's DeepSeek/Qwen model flags as written (their training: tests/distributed/
+    # test_megatron_lm_family_scripts.py): the world each asks torchrun for, and start-up lines each must print.
+    "deepseek_v3": (
+        2,
+        [
+            "--moe-token-dispatcher-type flex: read as alltoall in our MoE layer",
+            "--moe-flex-dispatcher-backend: not needed here",
+            "--transformer-impl transformer_engine: no GPU here, so megatron-core's local modules run",
+            "--use-flash-attn: no GPU here",
+            "--kv-channels 16: changes nothing in this run",
+        ],
+    ),
+    "deepseek_v2_lite": (2, ["--moe-shared-expert-intermediate-size: read as", "--kv-channels 16: changes nothing"]),
+    "qwen3_30b_a3b": (4, ["--group-query-attention: not needed here"]),
+    "qwen2_57b_a14b": (4, ["--moe-shared-expert-intermediate-size: read as --moe-shared-expert-ffn-hidden-size 96"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_deepseek_and_qwen_scripts_pass_the_first_pass_as_written(name, fake_torchrun, bytelevel_dir, files):
+    """Every check that can refuse the run (the kernels included) passes: a script that passes this starts."""
+    world, expected = FAMILIES[name]
+    proc = dry_run(name, fake_torchrun, files[0], bytelevel_dir, files[2], MEGATRON_MOE_FORCE_CPU="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = start_up_lines(proc.stderr)
+    assert lines[-1].startswith(f"DRY_RUN: flags OK for world size {world}: "), lines
+    for line in expected:
+        assert any(note.startswith(line) for note in lines), (line, lines)
+    with open(os.path.join(SCRIPTS, f"{name}.sh"), encoding="utf-8") as f:
+        text = f.read()
+    assert "NVIDIA/Megatron-LM" in text and "Changed, sizes, degrees and paths only:" in text
