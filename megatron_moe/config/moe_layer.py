@@ -294,7 +294,8 @@ class MoELayerConfig:
     @property
     def has_balancing_loss(self) -> bool:
         """Whether the gate computes a balancing loss (what the log shows as `moe aux loss`)."""
-        return self.load_balancing not in ("none", "sinkhorn") and not GATE_TRAITS[self.gate].balanced
+        no_loss = self.load_balancing in ("none", "sinkhorn") or self.gate == "sinkhorn"  # sinkhorn balances by choice
+        return not no_loss and not GATE_TRAITS[self.gate].balanced
 
     @property
     def has_z_loss(self) -> bool:

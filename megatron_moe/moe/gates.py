@@ -40,6 +40,8 @@ class _TopKGateBase(Gate):
         self.scaling = cfg.topk_scaling_factor
         self.priority = priority
         self.load_balancing, self.aux_coeff, self.z_coeff = cfg.load_balancing, cfg.aux_loss_coeff, cfg.z_loss_coeff
+        if self.load_balancing == "sinkhorn":  # a way of choosing experts (the sinkhorn gate), not a loss
+            self.load_balancing = "none"
         self.capacity_factor = cfg.capacity_factor
         self.force_load_balancing = cfg.force_load_balancing  # DeferrableRouter gates: random logits
         self.seq_batch = 1  # sequences B in the [S, B] micro-batch the tokens flatten; the layer sets it
