@@ -178,6 +178,11 @@ def check_data(data: DataConfig) -> None:
         check_tokenizer(data)
     with errors:
         require_non_negative("--num-workers", data.num_workers, 2)
+    with errors:  # also where they change nothing (another tokenizer): a negative size or id is a typo
+        if data.vocab_size is not None:
+            require_positive("--vocab-size", data.vocab_size, 32000)
+        if data.null_tokenizer_eod_id is not None:
+            require_non_negative("--null-tokenizer-eod-id", data.null_tokenizer_eod_id, 0)
     with errors:
         require(
             valid_split(data.split),
