@@ -433,7 +433,7 @@ def test_every_configuration_error_is_reported_in_one_pass():
         "--recompute-modules=bogus: a module name, one of: input_norm, qkv, core_attention, attn_proj, "
         "pre_mlp_norm, router, ordering, dispatch, expert_fc1, expert_act, expert_fc2, combine, unorder, "
         "shared_expert, mlp_fc1, mlp_act, mlp_fc2, or megatron-core's core_attn, moe_act, layernorm, mlp, "
-        "shared_experts",
+        "shared_experts, moe, mla_up_proj",
         "--tensorboard-log-interval=0: must be > 0, e.g. --tensorboard-log-interval 1",
     ]
     message = str(caught.value)
