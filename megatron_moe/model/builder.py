@@ -176,10 +176,23 @@ def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:
 def build_model_chunks(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (`config.virtual_pipeline_model_parallel_size`,
     Megatron-LM's get_model), else the one pipeline stage."""
+    reset_loss_trackers()
     chunks = config.virtual_pipeline_model_parallel_size
     if chunks is None:
         return [build_model(cfg, config, vocab_size)]
     return [build_model(cfg, config, vocab_size, vp_stage=stage) for stage in range(chunks)]
+
+
+def reset_loss_trackers() -> None:
+    """Empty megatron-core's process-wide loss trackers (its MoE aux losses, its MTP losses) before a model is built.
+
+    Each sizes a tracked name's slots by the layer count of the first model that records it, so an earlier model
+    in this process (a test, a notebook) would leave slots too few for a deeper one, or another's figures."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int, vp_stage: int | None = None) -> GPTModel:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch.distributed as dist
@@ -13,18 +12,23 @@ from megatron_moe.platform.device import Platform, init_platform
 from megatron_moe.platform.rng import seed_model_parallel
 
 
-def default_to_single_process() -> None:
-    """Let `python pretrain_gpt_moe.py ...` (or a tool) run as one rank without torchrun."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+def default_to_single_process() -> dist.TCPStore | None:
+    """Let `python pretrain_gpt_moe.py ...` (or a tool) run as one rank without torchrun.
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    Returns the rendezvous store for init_process_group, already listening on a port the system chose (MASTER_PORT
+    then names it, for the watchdog's client), or None under torchrun or with MASTER_PORT set. A port probed free
+    and then bound later by the process group could be taken in between: two single-process jobs started together
+    once met there (EADDRINUSE).
+    """
+    if "RANK" in os.environ:
+        return None
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world_size=1, is_master=True, wait_for_workers=False)
+    os.environ["MASTER_PORT"] = str(store.port)
+    return store
 
 
 def init_single_process(seed: int = 0, backend: str | None = None) -> Platform:

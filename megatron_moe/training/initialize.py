@@ -37,9 +37,10 @@ def initialize(cfg: RunConfig) -> Platform:
     """
     platform = init_platform()
     tap_megatron_core()
-    default_to_single_process()
+    store = default_to_single_process()
     if not dist.is_initialized():
-        dist.init_process_group(backend=platform.backend, timeout=process_group_timeout(cfg))
+        rendezvous = {} if store is None else {"store": store, "rank": 0, "world_size": 1}
+        dist.init_process_group(backend=platform.backend, timeout=process_group_timeout(cfg), **rendezvous)
     cfg.validate(dist.get_world_size())
     dims = cfg.dims(dist.get_world_size())
     per_node = ranks_per_node(dims.world)

@@ -71,9 +71,6 @@ class FixedBatches:
 
 
 def trained(*flags: str, steps: int = 4) -> tuple[list[dict], object]:
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    MTPLossLoggingHelper.tracker.clear()  # megatron-core's, per process: one run per process in production
     torch.manual_seed(0)
     _, trainer = one_rank_trainer("--train-iters", str(steps), "--lr", "1e-3", *flags)
     trainer.data = FixedBatches()
@@ -146,6 +143,18 @@ def test_mtp_composes(megatron_world1, flags):
         assert layer.mlp.gate.expert_bias.abs().sum() > 0
     if "arctic" in flags:
         assert "forward" in vars(layer)  # wrapped in the policy's scope, as the decoder's layers
+
+
+def test_an_earlier_shallower_model_in_the_process_leaves_no_tracker_slots_behind(megatron_world1):
+    """megatron-core sizes its process-wide aux-loss and MTP trackers by the first model that records into them: a
+    one-slot entry left by an earlier model made this deeper one's layer 2 index past the end (CI, test order)."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"] = {"values": torch.zeros(1)}
+    MTPLossLoggingHelper.tracker["values"] = torch.zeros(1)
+    steps, _ = trained("--mtp-num-layers", "2", "--moe-layer-impl", "mcore", steps=1)
+    assert steps[0]["aux"]["moe aux loss"] > 0 and {"mtp_1 loss", "mtp_2 loss"} <= set(steps[0]["aux"])
 
 
 def test_the_log_line_and_tensorboard_show_the_mtp_losses():

@@ -1,5 +1,7 @@
 """The one single-process bootstrap (tests, benchmarks, checkpoint conversion): one rank, idempotent."""
 
+import os
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -18,3 +20,24 @@ def test_single_process_bootstrap_is_idempotent(megatron_world1):
     assert parallel_state.get_expert_model_parallel_world_size() == 1
     after = rng_tracker().get_states()
     assert after.keys() == states.keys() and all(torch.equal(after[k], states[k]) for k in states)
+
+
+def test_a_launch_without_torchrun_listens_on_its_rendezvous_port_before_naming_it():
+    """`python pretrain_gpt_moe.py` picks its own rendezvous: the store is bound to a port the system chose and
+    MASTER_PORT names that port, never a port probed free and bound later (two launches together once collided
+    there, EADDRINUSE, in the save lock's test). Run in a fresh process: this one's environment stays as it is."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, datetime, torch.distributed as dist\n"
+        "from megatron_moe.platform.process import default_to_single_process\n"
+        "store = default_to_single_process()\n"
+        "assert os.environ['MASTER_PORT'] == str(store.port) and os.environ['RANK'] == '0', os.environ\n"
+        "client = dist.TCPStore('127.0.0.1', store.port, is_master=False, timeout=datetime.timedelta(seconds=5))\n"
+        "client.set('k', 'v'); assert store.get('k') == b'v'\n"
+        "assert default_to_single_process() is None  # idempotent: RANK is set now\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
