@@ -113,6 +113,64 @@ def _reshardable_load_copies_every_state_key() -> bool:
     )
 
 
+# 3b. The fully_reshardable save reads each parameter's state at its offset in the gradient buffer
+#    (`param_index_map`, which counts the padding at the end of every bucket) from world tensors that
+#    `get_parameter_state_dp_zero` packs bucket after bucket with that padding cut out. With more than one
+#    bucket (--overlap-grad-reduce with a bucket size under the model, the adaptive partition's one bucket per
+#    parameter) every parameter after the first bucket is saved with another's main weights and moments (a
+#    resume then trains differently; the weights themselves are saved right). Put each bucket back at its
+#    offset in the buffer: the same world tensors, laid out as the offsets they are read at. Megatron-LM fixed
+#    it after 0.16.1 (NVIDIA/Megatron-LM#5077, offsets rebased instead); loading was never affected.
+def _apply_reshardable_bucket_offsets() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_param_state_fully_reshardable
+
+    @functools.wraps(original)
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        self.get_parameter_state_dp_zero = functools.partial(_dp_zero_state_at_buffer_offsets, self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self.get_parameter_state_dp_zero  # the instance attribute only shadowed the method
+
+    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+
+
+def _dp_zero_state_at_buffer_offsets(optimizer, *args, **kwargs):
+    """megatron-core's `get_parameter_state_dp_zero(*args, **kwargs)` with each buffer's world tensors laid out
+    as the buffer: bucket i at `buckets[i].offset` (its own end padding left as zeros)."""
+    state = type(optimizer).get_parameter_state_dp_zero(optimizer, *args, **kwargs)
+    if state is None:
+        return None
+    for gbuf_idx, by_dtype in state.items():
+        if gbuf_idx == "buckets_coalesced":
+            continue
+        buckets = optimizer.buffers[gbuf_idx].buckets
+        for world_tensors in by_dtype.values():
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                if key not in world_tensors:
+                    continue  # a DP rank the state is not returned on
+                packed = world_tensors[key]
+                placed = packed.new_zeros(max(b.offset + b.numel_unpadded for b in buckets))
+                start = 0
+                for bucket in buckets:
+                    placed[bucket.offset : bucket.offset + bucket.numel_unpadded] = packed[
+                        start : start + bucket.numel_unpadded
+                    ]
+                    start += bucket.numel_unpadded
+                world_tensors[key] = placed
+    return state
+
+
+def _reshardable_save_reads_packed_buckets_at_buffer_offsets() -> bool:
+    src = source("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer")
+    return (
+        "offset_in_world_tensors += gbuf_world_numel_unpadded" in src
+        and "world_tensors[state_key][param_world_start:param_world_end]" in src
+    )
+
+
 # 4. The torch_dist save strategy writes through processes that outlive a killed rank (seen: 37 minutes,
 #    274 MB): a spawned multiprocessing Manager holding the results queue (module-global, started at the
 #    first save, shut down only by a normal interpreter exit: never after os._exit or SIGKILL) and, in
@@ -216,6 +274,12 @@ PATCHES: tuple[Patch, ...] = (
         "distributed optimizer fully_reshardable load: KeyError 'step' without apex/TE.",
         _apply_reshardable_step,
         _reshardable_load_copies_every_state_key,
+    ),
+    Patch(
+        "reshardable_bucket_offsets",
+        "distributed optimizer fully_reshardable save: with several buckets, parameters get another's state.",
+        _apply_reshardable_bucket_offsets,
+        _reshardable_save_reads_packed_buckets_at_buffer_offsets,
     ),
     Patch(
         "model_parallel_group_timeouts",

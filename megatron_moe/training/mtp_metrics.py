@@ -30,10 +30,8 @@ def pop_mtp_losses(mtp_layers: int, num_microbatches: int) -> dict[str, float]:
     return {f"mtp_{i + 1} loss": value for i, value in enumerate(values)}
 
 
-def clear_mtp_losses(*, forget: bool = False) -> None:
-    """Zero what was recorded (evaluation records nothing; a step's losses are popped by `pop_mtp_losses`);
-    `forget`: drop the tracker's table too (a new model, whose MTP layer count may differ)."""
-    if forget:
-        MTPLossLoggingHelper.tracker.clear()
-    elif "values" in MTPLossLoggingHelper.tracker:
+def clear_mtp_losses() -> None:
+    """Zero what was recorded (evaluation records nothing; a step's losses are popped by `pop_mtp_losses`). A new
+    model empties the tracker itself (`model.builder.reset_loss_trackers`)."""
+    if "values" in MTPLossLoggingHelper.tracker:
         MTPLossLoggingHelper.clean_loss_in_tracker()

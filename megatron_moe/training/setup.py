@@ -57,7 +57,6 @@ from megatron_moe.overlap.profiler import (
 from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.overlap.wgrad_queue import WgradQueue
 from megatron_moe.platform import current_platform
-from megatron_moe.training.mtp_metrics import clear_mtp_losses
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,6 @@ def build_ddp_model(
     other chunks' compute anyway); `overlap` is attached to them (`OverlapRuntime.attach`): with its queue, their
     deferrable modules' weight gradients go through it (megatron-core's `delay_wgrad_compute` protocol)."""
     modules = build_model_chunks(cfg, config, vocab_size)
-    clear_mtp_losses(forget=True)  # megatron-core's per-process tracker: this model's MTP layers start it afresh
     if overlap is not None:
         overlap.attach(modules)
     wgrad_queue = overlap.wgrad_queue if overlap is not None else None

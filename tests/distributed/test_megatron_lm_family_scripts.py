@@ -1,8 +1,9 @@
 """Megatron-LM's DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-30B-A3B and Qwen2-57B-A14B flags (examples/megatron_lm/, only
 sizes, degrees and paths changed) train as written, each through its own torchrun line on CPU processes (gloo),
 on tokenized data through a HuggingFace tokenizer: 4 iterations, validated and saved at 2 and 4. Resumed from the
-save at 2, iterations 3 and 4 should train to the same losses: they do not yet (a known bug of the distributed
-optimizer's resume under the adaptive gradient partition, held by a strict xfail).
+save at 2, iterations 3 and 4 train to the same losses (this test found megatron-core 0.16.1 saving the distributed
+optimizer's state of every parameter past the first gradient bucket as another's: the Patch
+"reshardable_bucket_offsets", tests/unit/test_optimizer_checkpoint_state.py).
 
 Their dry runs (the flag pass on the world each asks torchrun for) are tests/unit/test_megatron_lm_scripts.py."""
 
@@ -79,13 +80,6 @@ def test_the_family_script_trains_validates_and_saves_as_written(name, trained):
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), losses
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, found by this test: a --use-distributed-optimizer run under the adaptive gradient partition "
-    "(--grad-reduce-schedule adaptive, the default at EP > 1 and DP > 1) resumes into a state that trains "
-    "differently (2 ranks, fp32 too: iteration 3's loss and grad norm differ); with --grad-reduce-schedule "
-    "megatron, or without the distributed optimizer, the same resume is exact",
-)
 def test_a_family_script_resumes_exactly_from_its_save_at_iteration_2(trained):
     cmd, out, first = trained("deepseek_v2_lite")
     assert first.returncode == 0, (first.stdout + first.stderr)[-6000:]

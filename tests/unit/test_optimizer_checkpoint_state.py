@@ -1,0 +1,43 @@
+"""The distributed optimizer's saved state (megatron-core's fully_reshardable format, which every checkpoint
+here uses): each parameter's entry holds that parameter's own main weights and moments, whatever the bucket
+layout. megatron-core 0.16.1 read them at offsets that count every bucket's end padding from tensors packed
+without it: with several buckets (--overlap-grad-reduce with a small --ddp-bucket-size; the adaptive gradient
+partition's one bucket per parameter) parameters were saved with another's state, and a resume trained
+differently (the upstream_fixes Patch "reshardable_bucket_offsets")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.one_rank_run import one_rank_trainer
+
+
+@pytest.mark.parametrize("bucket_size", [None, 1], ids=["one_bucket", "a_bucket_per_parameter"])
+def test_each_parameters_saved_optimizer_state_is_its_own(megatron_world1, bucket_size):
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from megatron_moe.checkpointing.state import OPTIMIZER_SHARDING
+
+    sizes = [] if bucket_size is None else ["--overlap-grad-reduce", "--ddp-bucket-size", str(bucket_size)]
+    _, trainer = one_rank_trainer("--train-iters", "2", "--use-distributed-optimizer", *sizes)
+    trainer.train_step()
+    ddp, optimizer = trainer.model[0], trainer.optimizer
+    buckets = sum(len(buffer.buckets) for buffer in ddp.buffers + ddp.expert_parallel_buffers)
+    assert (buckets > 2) == (bucket_size is not None)
+
+    model_state = {"model": ddp.module.sharded_state_dict(metadata={})}
+    saved = optimizer.sharded_state_dict(dict(model_state), is_loading=False, metadata=OPTIMIZER_SHARDING)
+    by_key = {t.key: t.data for t in nested_values(saved) if hasattr(t, "key")}
+    owners = getattr(optimizer, "chained_optimizers", [optimizer])  # dense and expert parameters' optimizers
+    checked = 0
+    for name, sharded in ((t.key, t) for t in nested_values(model_state) if hasattr(t, "key")):
+        param = sharded.data
+        if not isinstance(param, torch.nn.Parameter) or not param.requires_grad:
+            continue
+        owner = next(opt for opt in owners if param in opt.model_param_group_index_map)
+        moments = owner._get_main_param_and_optimizer_states(param)
+        assert torch.equal(by_key[f"optimizer.state.param.{name}"].flatten(), param.detach().flatten()), name
+        assert torch.equal(by_key[f"optimizer.state.exp_avg.{name}"].flatten(), moments["exp_avg"]), name
+        checked += 1
+    assert checked > 10
