@@ -107,6 +107,10 @@ class _TopKGateBase(Gate):
         )
 
     def _losses(self, logits_TE, probs_TE, expert_TK, valid_T):
+        """The router losses; the balancing loss counts `probs`' own top-k where the expert bias or the groups
+        pick other experts than it (megatron-core's `compute_routing_scores_for_aux_loss`)."""
+        if self.expert_bias is not None or self.group_topk is not None:
+            expert_TK = torch.topk(probs_TE.detach(), self.topk, dim=-1)[1]
         return router_losses(
             logits_TE,
             probs_TE,

@@ -56,9 +56,17 @@ def test_padding_counts_as_megatron_core_counts_it():
     torch.testing.assert_close(seq_load_balancing_loss(probs, expert, 2, valid), kept)
 
 
-@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_our_layer_routes_and_balances_per_sequence_as_megatron_cores_router(score, megatron_world1):
-    """64 experts top-8 (fine-grained): the same experts, weights, seq_aux_loss and its router-weight gradient."""
+DEEPSEEK_V3 = dict(  # megatron-core's names; ours below
+    moe_router_enable_expert_bias=True, moe_router_num_groups=8, moe_router_group_topk=4,
+    moe_router_topk_scaling_factor=2.5,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("score, deepseek", [("softmax", False), ("sigmoid", False), ("sigmoid", True)])
+def test_our_layer_routes_and_balances_per_sequence_as_megatron_cores_router(score, deepseek, megatron_world1):
+    """64 experts top-8 (fine-grained): the same experts, weights, seq_aux_loss and its router-weight gradient.
+    DeepSeek-V3's routing (expert bias, 8 groups of which 4, scaling 2.5): the experts are picked with the bias
+    within the groups, while the balancing loss counts the loss scores' own top-k, as megatron-core's."""
     import types
 
     from megatron.core import parallel_state
@@ -72,9 +80,11 @@ def test_our_layer_routes_and_balances_per_sequence_as_megatron_cores_router(sco
     config = TransformerConfig(
         num_layers=1, hidden_size=h, num_attention_heads=2, ffn_hidden_size=8, num_moe_experts=e, add_bias_linear=False,
         moe_router_dtype="fp32", moe_router_topk=k, moe_router_load_balancing_type="seq_aux_loss",
-        moe_aux_loss_coeff=coeff, moe_router_score_function=score,
+        moe_aux_loss_coeff=coeff, moe_router_score_function=score, **(DEEPSEEK_V3 if deepseek else {}),
     )  # fmt: skip
     ours = dict(gate="sigmoid" if score == "sigmoid" else "topk", topk=k, load_balancing="seq_aux_loss")
+    if deepseek:
+        ours |= dict(expert_bias=True, num_groups=8, group_topk=4, topk_scaling_factor=2.5)
     layer = MoELayer(
         config, MoELayerConfig(num_experts=e, hidden_size=h, ffn_hidden_size=8, aux_loss_coeff=coeff, **ours)
     )
@@ -86,6 +96,10 @@ def test_our_layer_routes_and_balances_per_sequence_as_megatron_cores_router(sco
     )
     router = TopKRouter(config, pg_collection=groups).train()
     router.weight.data.copy_(layer.gate.weight.data)
+    if deepseek:  # a bias that changes the choices
+        bias_E = torch.randn(e, generator=torch.Generator().manual_seed(4)) * 0.05
+        layer.gate.expert_bias.copy_(bias_E)
+        router.expert_bias.copy_(bias_E)
     x_SBH = torch.randn(s, b, h, generator=torch.Generator().manual_seed(3))
     theirs_probs, theirs_map = router(x_SBH)
     (theirs_probs.sum() * 0).backward()  # only the attached aux loss's gradient reaches the router
