@@ -57,7 +57,15 @@ CASES = {
     "noisy_eval_v": (dict(gate="noisy_topk"), False),
     "swiglu_shared_v": (dict(gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24), True),
     "bf16_wire_hook_v": (dict(gate="topk"), True),
-}
+    # DeepSeek-V3's router (sigmoid, expert bias, group-limited top-k, scaled) with its sequence-level balancing loss
+    # and a gated shared expert (Qwen2-MoE); EP=1 equals megatron-core's layer (tests/unit/test_router_deepseek.py).
+    "deepseek_seq_aux_gated_shared_v": (
+        dict(gate="sigmoid", topk=4, expert_bias=True, num_groups=4, group_topk=2, topk_scaling_factor=2.5,
+             load_balancing="seq_aux_loss", aux_loss_coeff=0.1, expert_type="swiglu", shared_expert_ffn_hidden_size=24,
+             shared_expert_gate=True),
+        True,
+    ),
+}  # fmt: skip
 
 
 # name -> layer settings whose host syncs per forward+backward are counted (design: exactly 1, in planning).
@@ -160,6 +168,52 @@ def compare(ep: int, fields: dict, train: bool, solo_group, rank: int, hooks=())
         result["stats_match"] = bool(_all_true(same_counts))
         result["dropped"] = int(_sum(layer.stats.sums[E].item()))
     return result
+
+
+DEEPSEEK_MCORE = dict(  # megatron-core's spelling of the deepseek case (64 experts top-8 at the unit tier)
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+    moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=0.1, moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True, moe_router_topk=4,
+)  # fmt: skip
+
+
+def against_megatron_core(ep: int, rank: int) -> dict:
+    """The deepseek case: our layer and megatron-core's MoELayer at this EP size with the same weights (this rank's
+    experts, the same router, expert bias and gated shared expert) and tokens: output, dX, router/shared/expert dW."""
+    from tools.bench_moe_layer import build_mcore, transformer_config
+
+    config = transformer_config(H, FFN, E, 4, None, swiglu=True)
+    for key, value in {**DEEPSEEK_MCORE, "expert_model_parallel_size": ep, "moe_router_pre_softmax": False}.items():
+        setattr(config, key, value)
+    config.__post_init__()
+    mcore = build_mcore(config).train()
+    ours = MoELayer(config, layer_config(**CASES["deepseek_seq_aux_gated_shared_v"][0]), layer_number=1).train()
+    shared, mine = mcore.shared_experts, ours.shared_expert
+    pairs = [(ours.gate.weight, None, mcore.router.weight), (mine.weight1, None, shared.linear_fc1.weight)]
+    pairs += [(mine.weight2, None, shared.linear_fc2.weight), (mine.gate_weight, None, shared.gate_weight)]
+    first = parallel_state.get_expert_model_parallel_rank() * ours.num_local_experts
+    with torch.no_grad():
+        for i, expert in enumerate(mcore.experts.local_experts):
+            pairs += [(ours.experts.weight1, i, expert.linear_fc1.weight)]
+            pairs += [(ours.experts.weight2, i, expert.linear_fc2.weight)]
+        for seed, (ours_w, i, theirs_w) in enumerate(pairs):
+            seed += 10 * first if seed >= 4 else 0  # every expert its own weights
+            theirs_w.copy_(torch.randn(theirs_w.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
+            (ours_w if i is None else ours_w[i]).copy_(theirs_w)
+        bias_E = torch.randn(E, generator=torch.Generator().manual_seed(5)) * 0.05
+        ours.gate.expert_bias.copy_(bias_E)
+        mcore.router.expert_bias.copy_(bias_E)
+    g = torch.Generator().manual_seed(200 + rank)
+    x, grad = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
+    (out, xg, _), (out_ref, xg_ref, _) = run(ours, x, grad, True), run(mcore, x, grad, True)
+    errors = [(out - out_ref).abs().max(), (xg - xg_ref).abs().max()]
+    for a, i, b in pairs:
+        grad_a = a.grad if i is None else a.grad[i]
+        errors.append((grad_a - b.grad).abs().max() / b.grad.abs().max().clamp(min=1e-6))
+    figures = torch.stack([e.double() for e in errors[:6]] + [torch.stack(errors[6:]).max().double()])
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    names = ("output", "input_grad", "router_rel", "shared_fc1_rel", "shared_fc2_rel", "shared_gate_rel", "expert_rel")
+    return dict(zip(names, figures.tolist()), output_abs_mean=out.abs().mean().item())
 
 
 def _all_true(flag: bool) -> bool:
@@ -308,6 +362,7 @@ def main() -> None:
             hooks = (Bf16OnTheWire(),) if name.startswith("bf16") else ()
             results[f"ep{ep}/{name}"] = compare(ep, fields, train, solo, rank, hooks)
             _progress(rank, ep, name)
+        results[f"ep{ep}/megatron_core/deepseek"] = against_megatron_core(ep, rank)
         for name, fields in SYNC_CASES.items():
             results[f"ep{ep}/host_syncs/{name}"] = host_syncs(ep, fields, rank)
         if ep == 2:

@@ -32,9 +32,15 @@ from tests.distributed.pipeline_worker import _Deferring, differences, host_sync
 
 CASES = {
     "gelu": dict(gate="topk"),
-    "swiglu_shared_losses": dict(
-        gate="topk", expert_type="swiglu", shared_expert_ffn_hidden_size=24, aux_loss_coeff=0.01, z_loss_coeff=0.01
-    ),
+    "swiglu_shared_losses": dict(  # the shared expert gated (Qwen2-MoE), the balancing loss per sequence (DeepSeek)
+        gate="topk",
+        expert_type="swiglu",
+        shared_expert_ffn_hidden_size=24,
+        shared_expert_gate=True,
+        load_balancing="seq_aux_loss",
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.01,
+    ),  # fmt: skip
 }
 SHADOWED = (1, 2, 3)
 DEGREES = ((1, 1), (2, 2))
