@@ -103,12 +103,17 @@ PIPELINE_PARALLEL = When(
 )
 ADAPTIVE_GRAD_REDUCE_POSSIBLE = When(
     lambda c: (
-        c.parallel.grad_reduce_schedule != "adaptive" or c.parallel.virtual_pipeline_size(c.model.num_layers) is None
+        c.parallel.grad_reduce_schedule != "adaptive"
+        or (
+            c.parallel.virtual_pipeline_size(c.model.num_layers) is None
+            and c.parallel.num_distributed_optimizer_instances == 1
+        )
     ),
     "without the interleaved pipeline (--num-virtual-stages-per-pipeline-rank / "
     "--num-layers-per-virtual-pipeline-stage): megatron-core's interleaved schedule starts each model chunk's "
-    "reduction after the chunk's last micro-batch, and chunks after the first have one bucket; use "
-    "--grad-reduce-schedule megatron",
+    "reduction after the chunk's last micro-batch, and chunks after the first have one bucket; and with one "
+    "--num-distributed-optimizer-instances (several reduce within, then all-reduce across, instances in one "
+    "step of megatron-core's own); use --grad-reduce-schedule megatron",
 )
 TENSOR_PARALLEL = When(lambda c: c.parallel.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1")
 

@@ -141,11 +141,25 @@ class ParallelConfig:
         choices=(*PLACEMENTS, "auto"),
         applies=only.EXPERT_GROUPS,
     )
+    use_tp_pp_dp_mapping: bool = arg(
+        False,
+        "Megatron-LM's other rank order: the pipeline dimension before the data-parallel one (megatron-core's "
+        "order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp): a pipeline's stages on nearer ranks, the data-parallel "
+        "replicas farthest apart. Same computation; with --expert-placement e+d only",
+        applies=only.PIPELINE_PARALLEL,
+    )
     context_parallel_size: int = arg(1, "CP: ranks that split the sequence in attention")
     sequence_parallel: bool = arg(
         False, "shard norms/dropout activations over TP (needed for MoE with TP>1)", applies=only.TENSOR_PARALLEL
     )
     use_distributed_optimizer: bool = arg(False, "shard optimizer state over data-parallel ranks")
+    num_distributed_optimizer_instances: int = arg(
+        1,
+        "Megatron-LM's partial distributed optimizer: the data-parallel ranks form this many instances, each "
+        "holding a whole copy of the optimizer state sharded over its own ranks; gradients are reduce-scattered "
+        "inside an instance, then all-reduced across instances (megatron-core's). Must divide DP and expert DP",
+        applies=only.DISTRIBUTED_OPTIMIZER,
+    )
     overlap_grad_reduce: bool = arg(
         False,
         "start each gradient bucket's data-parallel reduce as soon as its last gradient is in (megatron-core DDP), "

@@ -189,11 +189,6 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
         "the optimizer is megatron-core's Adam(W) here",
         "only adam is supported here",
     ),
-    "--num-distributed-optimizer-instances": (
-        ("1",),
-        "one distributed optimizer over the data-parallel ranks, as Megatron-LM's default",
-        "one distributed optimizer instance over the data-parallel ranks only",
-    ),
     "--cross-entropy-fusion-impl": (
         ("native",),
         "megatron-core's cross entropy (native) computes the same loss",

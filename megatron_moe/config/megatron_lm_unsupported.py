@@ -76,12 +76,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         values=(("--ckpt-format", ("fsdp_dtensor",)),),
     ),
     Unsupported(
-        "several distributed-optimizer instances",
-        "one distributed optimizer shards the state over all data-parallel ranks here (Megatron-LM's default, "
-        "--num-distributed-optimizer-instances 1)",
-        values=(("--num-distributed-optimizer-instances", ("2", "4", "8")),),
-    ),
-    Unsupported(
         "activation offloading",
         "activations stay on the device; save memory with --recompute-granularity or --activation-policy",
         flags=(
@@ -165,11 +159,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
             "--account-for-embedding-in-pipeline-split",
             "--account-for-loss-in-pipeline-split",
         ),
-    ),
-    Unsupported(
-        "another rank order",
-        "ranks are laid out as megatron-core's default order here, experts placed by --expert-placement",
-        flags=("--use-tp-pp-dp-mapping",),
     ),
     Unsupported(
         "transformer-engine's op fuser",

@@ -24,14 +24,24 @@ if TYPE_CHECKING:
 PLACEMENTS = ("e+d", "d+e")
 ORDERS = {"e+d": "tp-cp-ep-dp-pp", "d+e": "tp-cp-dp-ep-pp"}
 """Placement -> megatron-core's `order` (initialize_model_parallel's; its RankGenerator's names)."""
+PP_BEFORE_DP = "tp-cp-ep-pp-dp"
+"""--use-tp-pp-dp-mapping's order (Megatron-LM's), e+d's with the pipeline before the data-parallel dimension."""
+
+
+def rank_order(placement: str, pp_before_dp: bool = False) -> str:
+    """megatron-core's `order` for `placement` (--use-tp-pp-dp-mapping: `pp_before_dp`, e+d only)."""
+    assert not pp_before_dp or placement == "e+d", placement
+    return PP_BEFORE_DP if pp_before_dp else ORDERS[placement]
+
+
 GROUP_NAMES = {"ep": "EP", "expert_dp": "expert-DP", "dp": "DP"}
 
 
-def groups(dims: ParallelDims, placement: str) -> dict[str, list[list[int]]]:
-    """The EP, expert-DP and (dense) DP groups megatron-core builds for `placement`, as its RankGenerators
-    (`initialize_model_parallel`) list them; no process group needed (tests/unit/test_placement.py compares them
-    with megatron-core's own)."""
-    order = ORDERS[placement].split("-")
+def groups(dims: ParallelDims, placement: str, pp_before_dp: bool = False) -> dict[str, list[list[int]]]:
+    """The EP, expert-DP and (dense) DP groups megatron-core builds for `placement` (and --use-tp-pp-dp-mapping),
+    as its RankGenerators (`initialize_model_parallel`) list them; no process group needed
+    (tests/unit/test_placement.py compares them with megatron-core's own)."""
+    order = rank_order(placement, pp_before_dp).split("-")
     dense = {"tp": dims.tp, "cp": dims.cp, "ep": 1, "dp": dims.dp, "pp": dims.pp}
     expert = {"tp": dims.esp, "cp": 1, "ep": dims.ep, "dp": dims.expert_dp, "pp": dims.pp}
     return {
@@ -140,6 +150,8 @@ def resolve(cfg: RunConfig, world: int, ranks_per_node: int) -> tuple[str, str]:
     placement = cfg.parallel.expert_placement
     check_nodes(placement, world, ranks_per_node)
     dims = cfg.dims(world)
+    if cfg.parallel.use_tp_pp_dp_mapping and placement == "auto":
+        return "e+d", "expert placement: auto -> e+d (--use-tp-pp-dp-mapping's order is e+d's)"
     if placement == "auto":
         pick, why = choose(dims, min(ranks_per_node, world), StepVolumes.of(cfg, dims))
         return pick, f"expert placement: auto -> {pick} ({why})"
@@ -148,9 +160,9 @@ def resolve(cfg: RunConfig, world: int, ranks_per_node: int) -> tuple[str, str]:
     return placement, f"expert placement: {placement}"
 
 
-def describe(dims: ParallelDims, placement: str, ranks_per_node: int) -> str:
+def describe(dims: ParallelDims, placement: str, ranks_per_node: int, pp_before_dp: bool = False) -> str:
     """E.g. "placement=d+e (nodes of 2 ranks; across nodes: EP, DP)" for the layout line."""
     if ranks_per_node >= dims.world:
         return f"placement={placement} (one node)"
-    crossed = [GROUP_NAMES[name] for name in crossing(groups(dims, placement), ranks_per_node)]
+    crossed = [GROUP_NAMES[name] for name in crossing(groups(dims, placement, pp_before_dp), ranks_per_node)]
     return f"placement={placement} (nodes of {ranks_per_node} ranks; across nodes: {', '.join(crossed) or 'none'})"

@@ -409,6 +409,30 @@ def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelCon
     dims.check_degrees()
     require_positive("--distributed-timeout-minutes", parallel.distributed_timeout_minutes, 10)
     require_positive("--ddp-bucket-size", parallel.ddp_bucket_size, 1_000_000)
+    require(
+        not (parallel.use_tp_pp_dp_mapping and parallel.expert_placement == "d+e"),
+        "--expert-placement",
+        parallel.expert_placement,
+        "--use-tp-pp-dp-mapping orders the ranks as e+d does, the pipeline before DP; no such order puts the "
+        "expert-DP replicas first: use e+d or auto with it",
+    )
+    instances = parallel.num_distributed_optimizer_instances
+    require_positive("--num-distributed-optimizer-instances", instances, 2)
+    require(
+        (dims.dp * dims.cp) % instances == 0 and dims.expert_dp % instances == 0,
+        "--num-distributed-optimizer-instances",
+        instances,
+        f"must divide DP x CP ({dims.dp * dims.cp}) and expert DP ({dims.expert_dp}): each instance is a whole "
+        f"set of data-parallel ranks",
+    )
+    require(
+        not parallel.use_tp_pp_dp_mapping or dims.pp == 1 or dims.expert_dp == dims.dp,
+        "--use-tp-pp-dp-mapping",
+        True,
+        f"megatron-core builds the pipeline before DP only where the experts' DP equals the dense DP (TP x CP = "
+        f"ESP x EP), here {dims.expert_dp} and {dims.dp} (TP={dims.tp} CP={dims.cp}, ESP={dims.esp} EP={dims.ep}); "
+        f"drop the flag or make them equal",
+    )
     check_stall_seconds(parallel)
     dims.check_world()
     require(

@@ -171,6 +171,33 @@ def _reshardable_save_reads_packed_buckets_at_buffer_offsets() -> bool:
     )
 
 
+# 3c. Several distributed-optimizer instances (--num-distributed-optimizer-instances) make megatron-core build its
+#    hierarchical data-parallel groups with einops, an optional package of its (its "dev" extra), for one
+#    pattern: a reshape and a transpose of the rank list. Without einops, that pattern with numpy.
+HIERARCHY_PATTERN = "(l s u) -> (l u) s"
+
+
+class _RankRearrange:
+    """einops' `rearrange` for megatron-core's one use in parallel_state (`HIERARCHY_PATTERN`) only."""
+
+    @staticmethod
+    def rearrange(ranks, pattern: str, *, l: int, s: int, u: int):  # noqa: E741 (einops' axis names)
+        assert pattern == HIERARCHY_PATTERN, pattern
+        return ranks.reshape(l, s, u).transpose(0, 2, 1).reshape(l * u, s)
+
+
+def _apply_rank_rearrange() -> None:
+    from megatron.core import parallel_state
+
+    if not parallel_state.HAVE_EINOPS:
+        parallel_state.einops, parallel_state.HAVE_EINOPS = _RankRearrange(), True
+
+
+def _hierarchical_groups_use_einops_for_one_pattern() -> bool:
+    src = source("megatron.core.parallel_state", "create_hierarchical_groups")
+    return "einops.rearrange(" in src and f'"{HIERARCHY_PATTERN}"' in src and src.count("einops.") == 1
+
+
 # 4. The torch_dist save strategy writes through processes that outlive a killed rank (seen: 37 minutes,
 #    274 MB): a spawned multiprocessing Manager holding the results queue (module-global, started at the
 #    first save, shut down only by a normal interpreter exit: never after os._exit or SIGKILL) and, in
@@ -280,6 +307,12 @@ PATCHES: tuple[Patch, ...] = (
         "distributed optimizer fully_reshardable save: with several buckets, parameters get another's state.",
         _apply_reshardable_bucket_offsets,
         _reshardable_save_reads_packed_buckets_at_buffer_offsets,
+    ),
+    Patch(
+        "hierarchical_groups_without_einops",
+        "--num-distributed-optimizer-instances > 1: megatron-core's hierarchical groups need einops (ImportError).",
+        _apply_rank_rearrange,
+        _hierarchical_groups_use_einops_for_one_pattern,
     ),
     Patch(
         "model_parallel_group_timeouts",

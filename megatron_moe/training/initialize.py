@@ -53,7 +53,8 @@ def initialize(cfg: RunConfig) -> Platform:
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.esp,
-        order=placement.ORDERS[expert_placement],
+        order=placement.rank_order(expert_placement, cfg.parallel.use_tp_pp_dp_mapping),
+        num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
     )
     if cfg.moe.is_moe and cfg.moe.own_layer:  # the MoE layers' planning beside their all-to-alls
         comm.make_planning_groups(parallel_state.get_expert_model_parallel_group(), process_group_timeout(cfg))
@@ -130,13 +131,14 @@ def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
 def describe_layout(cfg: RunConfig, expert_placement: str = "e+d") -> str:
     world = dist.get_world_size()
     dims = cfg.dims(world)
-    where = f" {placement.describe(dims, expert_placement, ranks_per_node(world))}" if dims.ep > 1 else ""
+    per_node, pp_before_dp = ranks_per_node(world), cfg.parallel.use_tp_pp_dp_mapping
+    where = f" {placement.describe(dims, expert_placement, per_node, pp_before_dp)}" if dims.ep > 1 else ""
     return (
         f"world={world} TP={dims.tp} PP={dims.pp} "
         f"{f'VPP={dims.vpp} ' if dims.vpp else ''}"
         f"CP={dims.cp} EP={dims.ep} "
         f"DP={dims.dp} SP={dims.sequence_parallel} "
-        f"microbatches={cfg.num_microbatches(world)}{where}"
+        f"microbatches={cfg.num_microbatches(world)}{' order=tp-cp-ep-pp-dp' if pp_before_dp else ''}{where}"
     )
 
 

@@ -94,6 +94,7 @@ def build_ddp_model(
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce or adaptive,
         bucket_size=1 if adaptive else cfg.parallel.ddp_bucket_size,  # adaptive: one per parameter, regrouped
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
         check_for_nan_in_grad=False,
@@ -217,8 +218,8 @@ def adaptive_grad_reduce(cfg: RunConfig) -> bool:
     moe, par = cfg.moe, cfg.parallel
     if par.grad_reduce_schedule != "adaptive" or not (moe.is_moe and moe.own_layer):
         return False
-    if par.virtual_pipeline_size(cfg.model.num_layers) is not None:
-        return False  # megatron-core's interleaved schedule starts each chunk's reduction (`adaptive_refused`)
+    if par.virtual_pipeline_size(cfg.model.num_layers) is not None or par.num_distributed_optimizer_instances > 1:
+        return False  # megatron-core's own schedule starts each chunk's or instance's reduction (`adaptive_refused`)
     dp = parallel_state.get_data_parallel_world_size()
     expert_dp = parallel_state.get_expert_data_parallel_world_size()
     return par.expert_model_parallel_size > 1 and max(dp, expert_dp) > 1
@@ -229,7 +230,14 @@ def adaptive_refused(cfg: RunConfig) -> str | None:
     pipeline (None where it does not); a typed `--grad-reduce-schedule adaptive` there is refused at parsing."""
     par = cfg.parallel
     chunks = par.virtual_pipeline_size(cfg.model.num_layers)
-    if par.grad_reduce_schedule != "adaptive" or chunks is None or not cfg.moe.own_layer:
+    if par.grad_reduce_schedule != "adaptive" or not cfg.moe.own_layer:
+        return None
+    if par.num_distributed_optimizer_instances > 1:
+        return (
+            f"{par.num_distributed_optimizer_instances} distributed-optimizer instances: megatron-core reduces "
+            "within each instance and then across them, bucket by bucket, in its own step"
+        )
+    if chunks is None:
         return None
     return (
         f"the interleaved pipeline, {chunks} model chunks per pipeline rank: megatron-core's interleaved schedule "

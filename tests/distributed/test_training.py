@@ -42,15 +42,21 @@ def esp_runs(train_data, reference_runs):
 
 
 @pytest.mark.parametrize(
-    "layout", ["tp2", "ep2", "pp2", "tp2_ep2", "ep4_distopt", "tp2_ep2_recompute", "pp2_ep2_recompute"]
-)
+    "layout",
+    [
+        "tp2", "ep2", "pp2", "pp2_dp_last", "tp2_ep2", "ep4_distopt", "ep2_distopt_2instances", "tp2_ep2_recompute",
+        "pp2_ep2_recompute",
+    ],
+)  # fmt: skip
 def test_layout_matches_single_process(runs, layout):
     reference, layouts, _ = runs
     assert len(layouts[layout]) == len(reference) == 4
     assert_matches(layouts[layout], reference)
 
 
-@pytest.mark.parametrize("case", ["resume_ref_as_tp2_ep2", "resume_ep4_distopt_as_pp2"])
+@pytest.mark.parametrize(
+    "case", ["resume_ref_as_tp2_ep2", "resume_ep4_distopt_as_pp2", "resume_ep4_distopt_as_2instances"]
+)
 def test_checkpoint_resumes_in_another_layout(runs, case):
     reference, layouts, _ = runs
     assert [s["iteration"] for s in layouts[case]] == [3, 4]

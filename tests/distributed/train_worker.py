@@ -96,8 +96,18 @@ LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "ep2": ["--expert-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    # Megatron-LM's other rank order: the stages on ranks (0, 1) and (2, 3), the DP replicas (0, 2) and (1, 3)
+    "pp2_dp_last": ["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"],
     "tp2_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"],
     "ep4_distopt": ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
+    # Megatron-LM's partial distributed optimizer: 2 instances of 2 DP ranks (expert DP 2: 2 of 1)
+    "ep2_distopt_2instances": [
+        "--expert-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        "--num-distributed-optimizer-instances",
+        "2",
+    ],
     # Selective activation recompute changes nothing numerically, under TP+SP, EP and PP.
     "tp2_ep2_recompute": [
         "--tensor-model-parallel-size",
@@ -223,6 +233,9 @@ def layouts() -> dict:
     train(*init, *LAYOUTS["ep4_distopt"], "--exit-interval", "2", "--save", ckpt("distopt"))
     results["resume_ep4_distopt_as_pp2"] = train(
         "--train-iters", str(ITERS), "--load", ckpt("distopt"), *LAYOUTS["pp2"], "--use-distributed-optimizer"
+    )
+    results["resume_ep4_distopt_as_2instances"] = train(
+        "--train-iters", str(ITERS), "--load", ckpt("distopt"), *LAYOUTS["ep2_distopt_2instances"]
     )
     # Resume exactness in one layout: 6 straight vs 3 + resume + 3 (EP=2, DP=4: per-rank RNG).
     ep = LAYOUTS["ep2"] + ["--hidden-dropout", "0.1"]

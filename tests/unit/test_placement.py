@@ -225,3 +225,32 @@ def test_the_benchmark_runs_each_placement_and_compares_them():
     assert (ed_row["dp_grad_reduce_exposed_ms"], de_row["a2a_exposed_ms"]) == (30.0, 20.0)
     assert ed_row["model_link_bytes"]["a2a"] == 0 and de_row["model_link_bytes"]["expert_grads"] == 0
     assert out["auto"]["picks"] in P.PLACEMENTS
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,ep,esp", [(16, 2, 2, 1, 2, 1), (8, 1, 2, 2, 2, 1), (16, 2, 2, 2, 2, 2)])
+def test_the_tp_pp_dp_mapping_is_megatron_lms_order_and_moves_the_pipeline_before_dp(world, tp, pp, cp, ep, esp):
+    """--use-tp-pp-dp-mapping: Megatron-LM's order "tp-cp-ep-pp-dp" (its initialize.py); our groups are the ones
+    megatron-core builds under it; a pipeline's stages are nearer ranks than under the default order."""
+    degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "esp": esp}
+    dims = dims_of(world, **degrees)
+    built = megatron_core_groups(world, "tp-cp-ep-pp-dp", **degrees)
+    ours = P.groups(dims, "e+d", pp_before_dp=True)
+    assert {name: built[name] for name in ours} == ours
+    default = megatron_core_groups(world, P.ORDERS["e+d"], **degrees)
+    spread = lambda groups: max(g[-1] - g[0] for g in groups)  # noqa: E731
+    assert spread(built["pp"]) < spread(default["pp"]) and spread(built["dp"]) > spread(default["dp"])
+
+
+def test_the_tp_pp_dp_mapping_takes_e_plus_d_and_is_refused_with_d_plus_e():
+    flags = [*MOE, "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    flags += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # expert DP = dense DP = 2 on 8 ranks
+    cfg = parse_args([*flags, "--use-tp-pp-dp-mapping", "--expert-placement", "auto"])
+    cfg.validate(8)
+    assert P.resolve(cfg, 8, 2) == ("e+d", "expert placement: auto -> e+d (--use-tp-pp-dp-mapping's order is e+d's)")
+    cfg = parse_args([*flags, "--use-tp-pp-dp-mapping", "--expert-placement", "d+e"])
+    with pytest.raises(ConfigError, match=r"^--expert-placement=d\+e: --use-tp-pp-dp-mapping orders the ranks as e\+d"):
+        cfg.validate(8)
+    # megatron-core's own condition (it asserts otherwise, after start-up): expert DP 8 / (2 x 4) = 1, dense DP 2
+    cfg = parse_args([*flags, "--use-tp-pp-dp-mapping", "--expert-model-parallel-size", "4"])
+    with pytest.raises(ConfigError, match=r"^--use-tp-pp-dp-mapping=True: megatron-core builds .* here 1 and 2 "):
+        cfg.validate(8)

@@ -269,3 +269,20 @@ def test_every_group_initialize_model_parallel_makes_gets_its_timeout():
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def test_the_rank_rearrangement_without_einops_is_megatron_cores_example():
+    """create_hierarchical_groups' docstring: 16 ranks, sizes [2, 2, 4] (upstream_fixes 3c, for several
+    distributed-optimizer instances without einops)."""
+    import numpy as np
+
+    from megatron_moe.platform.upstream_fixes import HIERARCHY_PATTERN, _RankRearrange
+
+    def level(sizes, i):
+        l, u = int(np.prod(sizes[i + 1 :])), int(np.prod(sizes[:i]))
+        return _RankRearrange.rearrange(np.arange(16), HIERARCHY_PATTERN, l=l, s=sizes[i], u=u).tolist()
+
+    sizes = [2, 2, 4]
+    assert level(sizes, 0)[:2] == [[0, 1], [2, 3]] and len(level(sizes, 0)) == 8
+    assert level(sizes, 1)[:4] == [[0, 2], [1, 3], [4, 6], [5, 7]] and len(level(sizes, 1)) == 8
+    assert level(sizes, 2) == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
