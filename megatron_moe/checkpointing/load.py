@@ -91,6 +91,30 @@ def load_model_state(module, state: dict, path: str) -> None:
         )
 
 
+OPTIMIZER_STATE_AT = "parameter"
+"""Saved in each checkpoint since the distributed optimizer's state is saved at each parameter's own offsets
+(platform/upstream_fixes.py, the Patch reshardable_bucket_offsets); older saves lack it."""
+
+
+def misplaced_optimizer_state(common: dict, path: str) -> str | None:
+    """A warning for a distributed-optimizer checkpoint saved before that fix by a run that may have had several
+    gradient buckets (--overlap-grad-reduce, or the adaptive gradient partition's bucket per parameter at EP > 1):
+    its parameters after the first bucket were saved with other parameters' Adam state. None for any other."""
+    if not common.get("distributed_optimizer") or not common.get("has_optimizer") or "optimizer_state_at" in common:
+        return None
+    parallel = common.get("config", {}).get("parallel", {})
+    adaptive = parallel.get("grad_reduce_schedule", "adaptive") == "adaptive"
+    if not parallel.get("overlap_grad_reduce") and not (adaptive and parallel.get("expert_model_parallel_size", 1) > 1):
+        return None
+    return (
+        f"--load={path}: saved before megatron_moe fixed megatron-core 0.16.1's distributed-optimizer save with "
+        f"several gradient buckets (--overlap-grad-reduce or the adaptive --grad-reduce-schedule, as this run was "
+        f"saved): if it had several, the Adam moments and fp32 main weights of every parameter past the first "
+        f"bucket belong to other parameters, and resuming trains differently from the saved run. Its weights are "
+        f"right: --no-load-optim loads them with a fresh optimizer"
+    )
+
+
 def _materialize_optimizer_state(optimizer) -> None:
     """Give a fresh distributed optimizer its Adam state so a checkpoint can load into it.
 
@@ -130,6 +154,8 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
         )
     with_rng = same_layout and not cfg.checkpoint.no_load_rng
     if with_optimizer:
+        if warning := misplaced_optimizer_state(common, path):
+            log.warning("%s", warning, extra=ONCE)
         _materialize_optimizer_state(optimizer)
     request = sharded_state(model, optimizer, with_optimizer=with_optimizer, with_rng=with_rng, is_loading=True)
     keys = model_state_keys(model)

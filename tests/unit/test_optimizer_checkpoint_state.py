@@ -41,3 +41,23 @@ def test_each_parameters_saved_optimizer_state_is_its_own(megatron_world1, bucke
         assert torch.equal(by_key[f"optimizer.state.exp_avg.{name}"].flatten(), moments["exp_avg"]), name
         checked += 1
     assert checked > 10
+
+
+def test_a_save_from_before_the_fix_that_may_have_had_several_buckets_is_named_on_load():
+    from megatron_moe.checkpointing.load import OPTIMIZER_STATE_AT, misplaced_optimizer_state
+    from megatron_moe.config import parse_args
+
+    def common(*flags, **fields):
+        config = parse_args(["--data-path", "d", "--tokenizer-model", "t", *flags]).to_dict()
+        return {"distributed_optimizer": True, "has_optimizer": True, "config": config, **fields}
+
+    warned = misplaced_optimizer_state(common("--overlap-grad-reduce"), "/ck")
+    assert warned.startswith("--load=/ck: saved before megatron_moe fixed") and "--no-load-optim" in warned
+    assert misplaced_optimizer_state(
+        common("--num-experts", "4", "--expert-model-parallel-size", "2"), "/ck"
+    )  # adaptive
+    assert misplaced_optimizer_state(common(), "/ck") is None  # one bucket: nothing was misplaced
+    assert (
+        misplaced_optimizer_state(common("--overlap-grad-reduce", optimizer_state_at=OPTIMIZER_STATE_AT), "/ck") is None
+    )
+    assert misplaced_optimizer_state(common("--overlap-grad-reduce", has_optimizer=False), "/ck") is None
