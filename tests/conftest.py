@@ -11,6 +11,17 @@ VOCAB = 600
 TIERS = ("unit", "distributed", "faults", "slurm")  # folders under tests/, each its own pytest marker (pyproject.toml)
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def shell_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a launch without torchrun, as from a user's shell: without torch.distributed's
+    rendezvous variables, which a run in this pytest process may have set (two launches that inherited its
+    MASTER_PORT met there: EADDRINUSE)."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    return env | extra
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier, the folder it lives in: tests/unit/... -> unit, and so on."""

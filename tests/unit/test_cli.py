@@ -7,20 +7,18 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, shell_env
 
 pytestmark = pytest.mark.slow  # each case starts the entry point in a fresh interpreter: ~5 s
 
 
 def run_cli(*flags, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *flags],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=env,
+        env=shell_env(OMP_NUM_THREADS="1"),
         timeout=300,
     )
 

@@ -8,13 +8,14 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
 from megatron_moe.config import ConfigError, ConfigErrors, build_parser, parse_and_validate, parse_args
 from megatron_moe.config.kernels import Kernels, uses_transformer_engine
 from megatron_moe.config.megatron_lm import unknown_flag
-from tests.conftest import ROOT
+from tests.conftest import ROOT, shell_env
 
 MOCK = ["--mock-data", "--tokenizer-model", "t.model"]
 SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --seq-length 32".split()
@@ -38,17 +39,17 @@ def test_train_iters_and_train_samples_typed_together_are_refused_even_when_they
         parse_and_validate([*MOCK, "--train-iters", "4", "--train-samples", "32", "--global-batch-size", "8"], 1)
 
 
-def test_a_mock_data_run_by_train_samples_starts(monkeypatch):
+def test_a_mock_data_run_by_train_samples_starts():
     """The entry point's path: the first pass, then start-up (`initialize`), which validates again."""
     from megatron_moe.training.initialize import initialize, shutdown
 
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
     cfg = parse_and_validate([*MOCK, *SMALL, "--train-samples", "16", "--global-batch-size", "4"], 1)
-    try:
-        initialize(cfg)
-    finally:
-        shutdown()
+    # as from a shell; what start-up sets in the environment (its rendezvous) is taken away again after
+    with mock.patch.dict(os.environ, shell_env(), clear=True):
+        try:
+            initialize(cfg)
+        finally:
+            shutdown()
     assert cfg.training.train_iters == 4 and cfg.training.lr_schedule_samples()["decay"] == 16
 
 

@@ -16,7 +16,7 @@ import pytest
 from megatron_moe.checkpointing import lock as save_lock
 from megatron_moe.checkpointing.lock import LOCK_FILE, Holder, SaveLock, SaveLockBusy
 from megatron_moe.config import parse_args
-from tests.conftest import ROOT
+from tests.conftest import ROOT, shell_env
 
 
 def write_lock(root, holder: Holder, age_s: float = 0.0) -> str:
@@ -165,8 +165,7 @@ def test_pretrain_refuses_a_held_directory_before_the_model(tmp_path, monkeypatc
 
 
 def launch(data, tokenizer, save, *extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
+    env = shell_env(OMP_NUM_THREADS="1")
     flags = [
         "--num-experts", "4", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--data-path", data,

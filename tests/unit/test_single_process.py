@@ -1,7 +1,5 @@
 """The one single-process bootstrap (tests, benchmarks, checkpoint conversion): one rank, idempotent."""
 
-import os
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -29,6 +27,8 @@ def test_a_launch_without_torchrun_listens_on_its_rendezvous_port_before_naming_
     import subprocess
     import sys
 
+    from tests.conftest import shell_env
+
     code = (
         "import os, datetime, torch.distributed as dist\n"
         "from megatron_moe.platform.process import default_to_single_process\n"
@@ -38,6 +38,5 @@ def test_a_launch_without_torchrun_listens_on_its_rendezvous_port_before_naming_
         "client.set('k', 'v'); assert store.get('k') == b'v'\n"
         "assert default_to_single_process() is None  # idempotent: RANK is set now\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=shell_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
