@@ -13,6 +13,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_moe.checkpointing import integrity
 from megatron_moe.checkpointing.state import (
+    OPTIMIZER_STATE_AT,
     SHAPE_FIELDS,
     TrainState,
     current_layout,
@@ -91,16 +92,15 @@ def load_model_state(module, state: dict, path: str) -> None:
         )
 
 
-OPTIMIZER_STATE_AT = "parameter"
-"""Saved in each checkpoint since the distributed optimizer's state is saved at each parameter's own offsets
-(platform/upstream_fixes.py, the Patch reshardable_bucket_offsets); older saves lack it."""
-
-
 def misplaced_optimizer_state(common: dict, path: str) -> str | None:
     """A warning for a distributed-optimizer checkpoint saved before that fix by a run that may have had several
     gradient buckets (--overlap-grad-reduce, or the adaptive gradient partition's bucket per parameter at EP > 1):
     its parameters after the first bucket were saved with other parameters' Adam state. None for any other."""
-    if not common.get("distributed_optimizer") or not common.get("has_optimizer") or "optimizer_state_at" in common:
+    if (
+        not common.get("distributed_optimizer")
+        or not common.get("has_optimizer")
+        or common.get("optimizer_state_at") == OPTIMIZER_STATE_AT
+    ):
         return None
     parallel = common.get("config", {}).get("parallel", {})
     adaptive = parallel.get("grad_reduce_schedule", "adaptive") == "adaptive"

@@ -23,9 +23,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import integrity
-from megatron_moe.checkpointing.load import OPTIMIZER_STATE_AT
 from megatron_moe.checkpointing.paths import TRACKER, iter_dir, publish
-from megatron_moe.checkpointing.state import TrainState, current_layout, sharded_state
+from megatron_moe.checkpointing.state import OPTIMIZER_STATE_AT, TrainState, current_layout, sharded_state
 from megatron_moe.config import RunConfig
 from megatron_moe.failure import ONCE
 from megatron_moe.platform import current_platform
@@ -73,7 +72,7 @@ def save_checkpoint(
         layout=current_layout(),
         has_optimizer=with_optimizer,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        optimizer_state_at=OPTIMIZER_STATE_AT,  # a save after megatron-core's several-bucket fix (load.py)
+        optimizer_state_at=OPTIMIZER_STATE_AT,  # saved after megatron-core's several-bucket fix
         vocab_size=getattr(model[0].module, "vocab_size", None),  # every chunk's: the padded vocabulary
     )
     with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state), every_rank=True):

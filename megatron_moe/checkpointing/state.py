@@ -27,6 +27,10 @@ log = logging.getLogger("megatron_moe")
 # No "chained_N." key prefix: with EP>1 megatron chains a dense and an expert
 # optimizer, and the keys must not depend on that for a checkpoint to move layouts.
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+OPTIMIZER_STATE_AT = "parameter"
+"""Saved in each checkpoint (`optimizer_state_at`) since the distributed optimizer's state is saved at each
+parameter's own offsets (platform/upstream_fixes.py, the Patch reshardable_bucket_offsets); older saves lack it
+(load.py's `misplaced_optimizer_state`)."""
 
 
 # Flags whose change makes a checkpoint's weights meaningless for this model.

@@ -138,7 +138,7 @@ def describe_layout(cfg: RunConfig, expert_placement: str = "e+d") -> str:
         f"{f'VPP={dims.vpp} ' if dims.vpp else ''}"
         f"CP={dims.cp} EP={dims.ep} "
         f"DP={dims.dp} SP={dims.sequence_parallel} "
-        f"microbatches={cfg.num_microbatches(world)}{' order=tp-cp-ep-pp-dp' if pp_before_dp else ''}{where}"
+        f"microbatches={cfg.num_microbatches(world)}{f' order={placement.PP_BEFORE_DP}' if pp_before_dp else ''}{where}"
     )
 
 

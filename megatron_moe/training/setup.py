@@ -216,10 +216,8 @@ def adaptive_grad_reduce(cfg: RunConfig) -> bool:
     """--grad-reduce-schedule adaptive in force: our MoE layer with all-to-alls to launch from (EP > 1) and a
     gradient reduction across data-parallel ranks (dense over DP, experts over expert-DP)."""
     moe, par = cfg.moe, cfg.parallel
-    if par.grad_reduce_schedule != "adaptive" or not (moe.is_moe and moe.own_layer):
+    if par.grad_reduce_schedule != "adaptive" or not (moe.is_moe and moe.own_layer) or adaptive_refused(cfg):
         return False
-    if par.virtual_pipeline_size(cfg.model.num_layers) is not None or par.num_distributed_optimizer_instances > 1:
-        return False  # megatron-core's own schedule starts each chunk's or instance's reduction (`adaptive_refused`)
     dp = parallel_state.get_data_parallel_world_size()
     expert_dp = parallel_state.get_expert_data_parallel_world_size()
     return par.expert_model_parallel_size > 1 and max(dp, expert_dp) > 1
@@ -227,7 +225,8 @@ def adaptive_grad_reduce(cfg: RunConfig) -> bool:
 
 def adaptive_refused(cfg: RunConfig) -> str | None:
     """Why the default --grad-reduce-schedule adaptive falls back to megatron-core's buckets under the interleaved
-    pipeline (None where it does not); a typed `--grad-reduce-schedule adaptive` there is refused at parsing."""
+    pipeline or several distributed-optimizer instances (None where it does not); a typed `--grad-reduce-schedule
+    adaptive` there is refused at parsing."""
     par = cfg.parallel
     chunks = par.virtual_pipeline_size(cfg.model.num_layers)
     if par.grad_reduce_schedule != "adaptive" or not cfg.moe.own_layer:

@@ -44,7 +44,8 @@ def test_each_parameters_saved_optimizer_state_is_its_own(megatron_world1, bucke
 
 
 def test_a_save_from_before_the_fix_that_may_have_had_several_buckets_is_named_on_load():
-    from megatron_moe.checkpointing.load import OPTIMIZER_STATE_AT, misplaced_optimizer_state
+    from megatron_moe.checkpointing.load import misplaced_optimizer_state
+    from megatron_moe.checkpointing.state import OPTIMIZER_STATE_AT
     from megatron_moe.config import parse_args
 
     def common(*flags, **fields):
