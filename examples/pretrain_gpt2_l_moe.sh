@@ -12,7 +12,7 @@
 #
 # Environment: DATA_PATH and its tokenizer (required: TOKENIZER_MODEL, or
 # VOCAB_FILE and MERGE_FILE for GPT-2's BPE; see data_from_env in common.sh); RUN_DIR (default
-# REPO/runs/gpt2_l_moe); TP (1), EP (8); and the launcher variables of
+# REPO/runs/gpt2_l_moe); TP (1), EP (8), ETP (1); and the launcher variables of
 # examples/common.sh. Resumes from RUN_DIR/checkpoints. Extra arguments
 # override the flags below.
 set -euo pipefail
@@ -21,6 +21,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RUN_DIR="${RUN_DIR:-$REPO_ROOT/runs/gpt2_l_moe}"
 TP="${TP:-1}"
 EP="${EP:-8}"
+ETP="${ETP:-1}"  # experts whole on each rank (unset, Megatron-LM shards them over TP)
 data_from_env
 
 MODEL_ARGS=(
@@ -61,6 +62,7 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size 1
     --expert-model-parallel-size "$EP"
+    --expert-tensor-parallel-size "$ETP"
     --use-distributed-optimizer
 )
 if [[ "$TP" -gt 1 ]]; then

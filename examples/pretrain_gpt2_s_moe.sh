@@ -10,7 +10,7 @@
 #
 # Environment: DATA_PATH and its tokenizer (required: TOKENIZER_MODEL, or
 # VOCAB_FILE and MERGE_FILE for GPT-2's BPE; see data_from_env in common.sh); RUN_DIR (default
-# REPO/runs/gpt2_s_moe: checkpoints/ and tensorboard/); EP (8); and the
+# REPO/runs/gpt2_s_moe: checkpoints/ and tensorboard/); EP (8); ETP (1); and the
 # launcher variables of examples/common.sh (GPUS_PER_NODE defaults to the
 # GPUs on this node). The run resumes from RUN_DIR/checkpoints when a
 # checkpoint is there. Extra arguments override the flags below.
@@ -19,6 +19,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 RUN_DIR="${RUN_DIR:-$REPO_ROOT/runs/gpt2_s_moe}"
 EP="${EP:-8}"
+ETP="${ETP:-1}"  # experts whole on each rank (unset, Megatron-LM shards them over TP)
 data_from_env
 
 MODEL_ARGS=(
@@ -64,6 +65,7 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size 1
     --pipeline-model-parallel-size 1
     --expert-model-parallel-size "$EP"
+    --expert-tensor-parallel-size "$ETP"
     --use-distributed-optimizer
 )
 LOGGING_ARGS=(

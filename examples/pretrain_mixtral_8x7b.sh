@@ -17,7 +17,7 @@
 # Environment: DATA_PATH and its tokenizer (required: TOKENIZER_MODEL, or
 # VOCAB_FILE and MERGE_FILE for GPT-2's BPE, see data_from_env in common.sh; Mixtral's own
 # tokenizer.model is a SentencePiece model and works); RUN_DIR (default
-# REPO/runs/mixtral_8x7b); TP (2), PP (4), EP (8); and the launcher
+# REPO/runs/mixtral_8x7b); TP (2), PP (4), EP (8), ETP (1); and the launcher
 # variables of examples/common.sh. Resumes from RUN_DIR/checkpoints. Extra
 # arguments override the flags below.
 set -euo pipefail
@@ -27,6 +27,7 @@ RUN_DIR="${RUN_DIR:-$REPO_ROOT/runs/mixtral_8x7b}"
 TP="${TP:-2}"
 PP="${PP:-4}"
 EP="${EP:-8}"
+ETP="${ETP:-1}"  # experts whole on each rank (unset, Megatron-LM shards them over TP)
 data_from_env
 
 MODEL_ARGS=(
@@ -78,6 +79,7 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
     --expert-model-parallel-size "$EP"
+    --expert-tensor-parallel-size "$ETP"
     --use-distributed-optimizer
 )
 if [[ "$TP" -gt 1 ]]; then

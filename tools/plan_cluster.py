@@ -259,7 +259,7 @@ def given_layout(cfg: RunConfig, world: int) -> tuple[Layout | None, str | None]
         pp=p.pipeline_model_parallel_size,
         vpp=p.virtual_pipeline_size(cfg.model.num_layers) or 1,
         ep=p.expert_model_parallel_size,
-        esp=p.expert_tensor_parallel_size or 1,
+        esp=p.expert_tensor_parallel,
         dp=world // model,
         micro_batch=cfg.training.micro_batch_size,
         placement=p.expert_placement,  # auto: resolved by `resolve_auto`

@@ -127,7 +127,8 @@ class ParallelConfig:
         None,
         "ESP (expert-sharded parallelism, megatron-core's expert tensor parallelism): ranks that split each "
         "expert's FFN width, consecutive ranks (inside a node); tokens are all-gathered over them before the "
-        "experts and reduce-scattered after, the EP all-to-all runs between these groups (default 1)",
+        "experts and reduce-scattered after, the EP all-to-all runs between these groups (unset: "
+        "--tensor-model-parallel-size, Megatron-LM's default)",
         applies=only.MOE,
     )
     expert_placement: str = arg(
@@ -206,6 +207,13 @@ class ParallelConfig:
         "is stopped, hung or dead: the collective cannot finish), without waiting for --distributed-timeout-"
         "minutes; unset: 5 x --stall-report-seconds (150 s by default); not a Megatron-LM flag",
     )
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """ESP: --expert-tensor-parallel-size, where unset TP (Megatron-LM's arguments.py: the experts are sharded
+        as the dense layers are unless told otherwise)."""
+        given = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if given is None else given
 
     def virtual_pipeline_size(self, num_layers: int) -> int | None:
         """Model chunks per pipeline rank (megatron-core's virtual_pipeline_model_parallel_size) from either

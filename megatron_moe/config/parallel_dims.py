@@ -54,7 +54,7 @@ class ParallelDims:
             pp=parallel.pipeline_model_parallel_size,
             cp=parallel.context_parallel_size,
             ep=parallel.expert_model_parallel_size,
-            esp=parallel.expert_tensor_parallel_size or 1,
+            esp=parallel.expert_tensor_parallel,
             vpp=None if num_layers is None else parallel.virtual_pipeline_size(num_layers),
             sequence_parallel=parallel.sequence_parallel,
         )

@@ -319,7 +319,7 @@ def check_moe(moe: MoEConfig, model: ModelConfig, parallel=None) -> None:
         )
         layer = moe.layer_config(model).validate()  # names the flag, value and a valid choice
         if parallel is not None:  # each feature asked for by value against its blocker, at the run's sizes
-            ep, esp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size or 1
+            ep, esp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel
             refuse_blocked(layer, ep_size=ep, esp_size=esp, error=ConfigError)
         return
     require(
@@ -465,17 +465,19 @@ def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelCon
             f"e.g. {next(d for d in range(esp, 0, -1) if ffn % d == 0)}",
         )
         require(
-            esp == 1 or moe.own_layer,
-            "--expert-tensor-parallel-size",
-            esp,
-            "use 1 with --moe-layer-impl mcore (expert-sharded parallelism is megatron_moe's layer's)",
-        )
-        require(
             moe.num_experts % ep == 0,
             "--num-experts",
             moe.num_experts,
             f"must be a multiple of --expert-model-parallel-size={ep} "
             f"(e.g. --num-experts {ep * max(1, moe.num_experts // ep)})",
+        )
+        require(
+            esp == 1 or moe.own_layer or model.disable_bias_linear,
+            "--expert-tensor-parallel-size",
+            esp,
+            "megatron-core's layer (--moe-layer-impl mcore) has expert biases only at 1 (unset, ESP is "
+            "--tensor-model-parallel-size, as in Megatron-LM): give --expert-tensor-parallel-size 1 or "
+            "--disable-bias-linear",
         )
         dims.check_expert_layout()
         require(

@@ -95,9 +95,9 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(m.num_layers),
         expert_model_parallel_size=p.expert_model_parallel_size,
         # The ESP group comes from parallel_state (training/initialize.py). megatron-core's modules read this
-        # field only to refuse biases in its own MoE layer with ESP > 1; ours has no expert biases, and
-        # --moe-layer-impl mcore with ESP > 1 is refused by the config.
-        expert_tensor_parallel_size=1,
+        # field to refuse expert biases with ESP > 1 in its own MoE layer (its expert tensor parallelism, over
+        # that same group); ours shards its experts by the group alone.
+        expert_tensor_parallel_size=p.expert_tensor_parallel if not moe.own_layer else 1,
         context_parallel_size=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel,
         use_cpu_initialization=on_cpu,

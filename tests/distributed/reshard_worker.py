@@ -40,8 +40,8 @@ VPP2_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-p
 HOPS = {
     "tp2_sp": (
         "ep2",
-        Target(tensor_parallel_size=2, expert_parallel_size=1),
-        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        Target(tensor_parallel_size=2, expert_parallel_size=1),  # ESP unset: the source's (1)
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"],
     ),
     "pp2": (
         "tp2_sp",

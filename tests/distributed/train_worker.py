@@ -92,13 +92,16 @@ RECOMPUTE_ALL = [
     "mlp_fc2",
 ]
 
+# TP=2 + SP with the experts whole on each rank: unset, ESP follows TP (Megatron-LM's default, which "tp2" runs),
+# and the expert DP that the EP layouts below are written for would halve.
+TP2_WHOLE_EXPERTS = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "ep2": ["--expert-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     # Megatron-LM's other rank order: the stages on ranks (0, 1) and (2, 3), the DP replicas (0, 2) and (1, 3)
     "pp2_dp_last": ["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"],
-    "tp2_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"],
+    "tp2_ep2": [*TP2_WHOLE_EXPERTS, "--expert-model-parallel-size", "2"],
     "ep4_distopt": ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
     # Megatron-LM's partial distributed optimizer: 2 instances of 2 DP ranks (expert DP 2: 2 of 1)
     "ep2_distopt_2instances": [
@@ -109,14 +112,7 @@ LAYOUTS = {
         "2",
     ],
     # Selective activation recompute changes nothing numerically, under TP+SP, EP and PP.
-    "tp2_ep2_recompute": [
-        "--tensor-model-parallel-size",
-        "2",
-        "--sequence-parallel",
-        "--expert-model-parallel-size",
-        "2",
-        *RECOMPUTE_ALL,
-    ],
+    "tp2_ep2_recompute": [*TP2_WHOLE_EXPERTS, "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
     "pp2_ep2_recompute": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
 }
 # megatron-core's interleaved 1F1B, 2 model chunks per pipeline rank (rank 0: layers 1 and 3, rank 1: 2 and
@@ -130,9 +126,7 @@ VPP_LAYOUTS = {
                                      "--overlap-grad-reduce", "--overlap-param-gather"],
 }  # fmt: skip
 # Quantized activations change the backward only: the first loss is exact, the rest close.
-ARCTIC = (
-    "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --activation-policy arctic"
-).split()
+ARCTIC = [*TP2_WHOLE_EXPERTS, *"--pipeline-model-parallel-size 2 --activation-policy arctic".split()]
 
 
 SWIGLU_PADDED = ["--swiglu", "--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor", "1.5"]

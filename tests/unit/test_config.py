@@ -104,7 +104,13 @@ def test_moe_layer_freq():
         (
             ["--expert-tensor-parallel-size", "2", "--moe-layer-impl", "mcore"],
             2,
-            r"--expert-tensor-parallel-size=2: use 1 with --moe-layer-impl mcore",
+            r"--expert-tensor-parallel-size=2: megatron-core's layer .* expert biases only at 1 .* "
+            r"--expert-tensor-parallel-size 1 or --disable-bias-linear",
+        ),
+        (  # unset: TP (Megatron-LM's default), so the same refusal names it
+            ["--tensor-model-parallel-size", "2", "--moe-layer-impl", "mcore"],
+            2,
+            r"--expert-tensor-parallel-size=2: megatron-core's layer .* \(unset, ESP is --tensor-model-parallel-size",
         ),
         (
             ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"],

@@ -113,7 +113,7 @@ def test_the_derived_sizes_are_megatron_cores(world, tp, pp, cp, ep, esp):
 
 
 def test_the_sizes_of_a_layout():
-    dims = dims_of(16, tp=2, pp=2, cp=2, ep=2, esp=None)
+    dims = dims_of(16, tp=2, pp=2, cp=2, ep=2, esp=1)
     assert (dims.esp, dims.replica_size, dims.dp, dims.ranks_per_stage) == (1, 8, 2, 8)
     assert (dims.expert_shards, dims.expert_dp) == (2, 4)
     assert (dims.sequence_split, dims.token_split) == (1, 2)  # CP alone splits the tokens without SP
@@ -122,11 +122,12 @@ def test_the_sizes_of_a_layout():
     assert dims_of(4, tp=4).sequence_split == 1  # TP without SP: every TP rank holds the whole sequence
 
 
-def test_unset_expert_tensor_parallel_size_is_1_not_tp():
-    """megatron-core's unset expert TP means TP; this stack's flag means 1 (and passes 1 to megatron-core)."""
+def test_unset_expert_tensor_parallel_size_is_tp_as_in_megatron_lm():
+    """Megatron-LM's arguments.py: an unset --expert-tensor-parallel-size is --tensor-model-parallel-size."""
     dims = dims_of(8, tp=2, ep=2, esp=None)
-    assert dims.esp == 1 and dims.expert_dp == 4
-    assert megatron_core_sizes(8, tp=2, pp=1, cp=1, ep=2, esp=1)["expert_dp"] == dims.expert_dp
+    assert dims.esp == 2 and dims.expert_dp == 2
+    assert megatron_core_sizes(8, tp=2, pp=1, cp=1, ep=2, esp=2)["expert_dp"] == dims.expert_dp
+    assert dims_of(8, tp=2, ep=2, esp=1).esp == 1  # given: as given
 
 
 def test_the_virtual_pipeline_comes_from_either_flag():
@@ -140,7 +141,10 @@ def test_the_virtual_pipeline_comes_from_either_flag():
 
 def test_the_world_when_not_given():
     parallel = ParallelConfig(
-        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=4
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=1,
     )
     smallest = ParallelDims.from_config(parallel)
     assert smallest.world == smallest.smallest_world == 2 * 4  # PP x lcm(TP x CP, EP x ESP)

@@ -243,7 +243,8 @@ def test_the_tp_pp_dp_mapping_is_megatron_lms_order_and_moves_the_pipeline_befor
 
 def test_the_tp_pp_dp_mapping_takes_e_plus_d_and_is_refused_with_d_plus_e():
     flags = [*MOE, "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
-    flags += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # expert DP = dense DP = 2 on 8 ranks
+    flags += ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    # expert DP = dense DP = 2 on 8 ranks
     cfg = parse_args([*flags, "--use-tp-pp-dp-mapping", "--expert-placement", "auto"])
     cfg.validate(8)
     assert P.resolve(cfg, 8, 2) == ("e+d", "expert placement: auto -> e+d (--use-tp-pp-dp-mapping's order is e+d's)")

@@ -237,7 +237,10 @@ def make_reshard_job(load: str, save: str, target: Target, *, overwrite: bool = 
     path, common = _read_source(load)
     source_root = os.path.dirname(load) if os.path.isfile(os.path.join(load, "metadata.json")) else load
     _check_destination(save, source_root, overwrite)
-    cfg = _target_config(_saved_config(common, path), target)
+    source = _saved_config(common, path)
+    # The ESP the source ran with (an unset flag means TP now, 1 before): kept where the target leaves it unset.
+    source.parallel.expert_tensor_parallel_size = common["layout"].get("esp", 1)
+    cfg = _target_config(source, target)
     world = _validate_layout(cfg)
     with_optimizer = _check_optimizer(common, cfg, target)
     cfg.checkpoint.load, cfg.checkpoint.save = load, save
