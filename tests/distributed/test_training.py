@@ -134,13 +134,15 @@ def test_params_norm_is_the_norm_of_the_weights(runs):
 
 
 def test_megatron_core_moe_layer_trains_and_matches_itself_at_ep2(runs):
-    """--moe-layer-impl mcore (the layer benchmark's reference) stays trainable from the CLI."""
+    """--moe-layer-impl mcore (the layer benchmark's reference) stays trainable from the CLI, at EP=2 and at TP=2
+    with ESP unset (megatron-core's expert tensor parallelism over the TP ranks, Megatron-LM's default)."""
     _, layouts, _ = runs
-    single, ep2 = layouts["mcore"], layouts["mcore_ep2"]
-    assert len(single) == len(ep2) == 4
+    single, ep2, tp2 = layouts["mcore"], layouts["mcore_ep2"], layouts["mcore_tp2"]
+    assert len(single) == len(ep2) == len(tp2) == 4
     assert single[-1]["lm loss"] < single[0]["lm loss"]
     assert all(step["moe aux loss"] > 0 for step in single)  # megatron-core's tracker, logged
     assert_matches(ep2, single)
+    assert_matches(tp2, single)
 
 
 def test_a_balancing_loss_not_computed_is_not_logged(runs):

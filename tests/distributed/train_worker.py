@@ -70,7 +70,8 @@ MODEL = [
     "--eval-interval", "0", "--log-interval", "1", "--data-path", DATA, "--tokenizer-model", TOKENIZER,
     "--split", "90,10,0", "--seed", "7", "--log-params-norm",
 ]  # fmt: skip
-MCORE = ["--moe-layer-impl", "mcore"]  # megatron-core's MoE layer, the layer benchmark's reference
+# megatron-core's MoE layer, the layer benchmark's reference (without biases: it has expert biases only at ESP 1)
+MCORE = ["--moe-layer-impl", "mcore", "--disable-bias-linear"]
 # Multi-token prediction, its MTP layer's MoE ours (--moe-layer-freq 1: the last layer, whose spec it takes, is MoE)
 MTP = ["--mtp-num-layers", "1", "--moe-layer-freq", "1"]
 
@@ -253,6 +254,8 @@ def layouts() -> dict:
         "--train-iters", str(ITERS), *MTP, "--load", ckpt("mtp_init"), *LAYOUTS["tp2_ep2"], *overlaps
     )
     results["mcore_ep2"] = train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE, *LAYOUTS["ep2"])
+    # ESP unset at TP=2: megatron-core's expert TP over 2 ranks (Megatron-LM's default)
+    results["mcore_tp2"] = train("--train-iters", str(ITERS), "--load", ckpt("mcore_init"), *MCORE, *LAYOUTS["tp2"])
     results["timeouts_default"] = timeouts_of_a_run(*LAYOUTS["ep2"])
     results["timeouts_3_minutes"] = timeouts_of_a_run("--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])
     # Read by one plain model; after the timeouts are taken (its parallel state has megatron-core's own timeout).
