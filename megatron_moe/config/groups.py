@@ -16,6 +16,7 @@ from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg
 from megatron_moe.config.groups_attention import AttentionFlags
 from megatron_moe.config.groups_moe import MoEConfig
+from megatron_moe.config.pipeline_layout import pipeline_layout_stages
 from megatron_moe.config.placement import PLACEMENTS
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -122,6 +123,14 @@ class ParallelConfig:
         "(PP x N) layers; the other way to say --num-layers-per-virtual-pipeline-stage (unset: one chunk per rank)",
         applies=only.PIPELINE_PARALLEL,
     )
+    pipeline_model_parallel_layout: str | None = arg(
+        None,
+        "uneven pipeline stages (Megatron-LM's, e.g. DeepSeek-V3's \"Et*3|(tt|)*29,m|L\"): E the embedding, t a "
+        "transformer layer, m an MTP layer, L the loss; | ends a stage, (..)*n repeats, commas are cosmetic. PP x V "
+        "stages give each pipeline rank V model chunks (the interleaved pipeline; instead of the two virtual-stage "
+        "flags); megatron-core places the layers (unset: --num-layers split evenly)",
+        applies=only.PIPELINE_PARALLEL,
+    )
     expert_model_parallel_size: int = arg(1, "EP: ranks that split the experts", applies=only.MOE)
     expert_tensor_parallel_size: int | None = arg(
         None,
@@ -219,6 +228,9 @@ class ParallelConfig:
         """Model chunks per pipeline rank (megatron-core's virtual_pipeline_model_parallel_size) from either
         interleaved-pipeline flag; None without an interleaved pipeline (also for 1 chunk: plain 1F1B)."""
         chunks = self.num_virtual_stages_per_pipeline_rank
+        if self.pipeline_model_parallel_layout is not None:
+            stages = pipeline_layout_stages(self.pipeline_model_parallel_layout)
+            chunks = len(stages) // self.pipeline_model_parallel_size
         if self.num_layers_per_virtual_pipeline_stage:
             chunks = num_layers // self.pipeline_model_parallel_size // self.num_layers_per_virtual_pipeline_stage
         return chunks if chunks is not None and chunks > 1 else None

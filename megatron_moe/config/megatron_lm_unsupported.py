@@ -149,11 +149,10 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         flags=("--overlap-moe-expert-parallel-comm",),
     ),
     Unsupported(
-        "custom pipeline layouts",
-        "--pipeline-model-parallel-size splits the layers evenly here (virtual stages: "
-        "--num-virtual-stages-per-pipeline-rank); no per-stage layout string",
+        "stage sizes by first/last stage",
+        'uneven stages are said with --pipeline-model-parallel-layout here (e.g. "Et*3|(tt|)*6L"), not by '
+        "first/last stage sizes",
         flags=(
-            "--pipeline-model-parallel-layout=",
             "--decoder-first-pipeline-num-layers=",
             "--decoder-last-pipeline-num-layers=",
             "--account-for-embedding-in-pipeline-split",

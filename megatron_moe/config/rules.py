@@ -30,6 +30,8 @@ from megatron_moe.config.groups import (
 )
 from megatron_moe.config.moe_layer import group_limited_error
 from megatron_moe.config.parallel_dims import ParallelDims
+from megatron_moe.config.pipeline_layout import FLAG as PIPELINE_LAYOUT_FLAG
+from megatron_moe.config.pipeline_layout import check_pipeline_layout
 from megatron_moe.config.rules_attention import check_attention, check_attention_parallel
 from megatron_moe.config.rules_groups import (  # re-exported: the single-group checks
     check_activations,
@@ -364,6 +366,14 @@ def check_virtual_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None
     """The interleaved pipeline's flags (Megatron-LM's rules): one of the two, PP > 1, whole layers per chunk."""
     per_stage, chunks = parallel.num_layers_per_virtual_pipeline_stage, parallel.num_virtual_stages_per_pipeline_rank
     pp, layers = parallel.pipeline_model_parallel_size, model.num_layers
+    layout = parallel.pipeline_model_parallel_layout
+    if layout is not None:
+        named = [("--num-layers-per-virtual-pipeline-stage", per_stage)]
+        named += [("--num-virtual-stages-per-pipeline-rank", chunks)]
+        given = " and ".join(flag for flag, value in named if value is not None)
+        require(not given, PIPELINE_LAYOUT_FLAG, layout, f"sets the model chunks per rank itself; drop {given}")
+        check_pipeline_layout(layout, pp, layers, model.mtp_num_layers)
+        return
     if per_stage is None and chunks is None:
         return
     require(
@@ -448,11 +458,12 @@ def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelCon
         model.make_vocab_size_divisible_by,
         f"must be a multiple of --tensor-model-parallel-size={tp}",
     )
+    layout = parallel.pipeline_model_parallel_layout
     require(
-        model.num_layers % pp == 0,
+        model.num_layers % pp == 0 or layout is not None,
         "--pipeline-model-parallel-size",
         pp,
-        f"must divide --num-layers={model.num_layers}",
+        f"must divide --num-layers={model.num_layers} (or place the layers unevenly: --pipeline-model-parallel-layout)",
     )
     check_virtual_pipeline(parallel, model)
     if moe.is_moe:

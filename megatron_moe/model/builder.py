@@ -93,6 +93,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(m.num_layers),
+        pipeline_model_parallel_layout=p.pipeline_model_parallel_layout,
         expert_model_parallel_size=p.expert_model_parallel_size,
         # The ESP group comes from parallel_state (training/initialize.py). megatron-core's modules read this
         # field to refuse expert biases with ESP > 1 in its own MoE layer (its expert tensor parallelism, over

@@ -45,7 +45,7 @@ def esp_runs(train_data, reference_runs):
     "layout",
     [
         "tp2", "ep2", "pp2", "pp2_dp_last", "tp2_ep2", "ep4_distopt", "ep2_distopt_2instances", "tp2_ep2_recompute",
-        "pp2_ep2_recompute",
+        "pp2_ep2_recompute", "pp2_uneven_ep2",
     ],
 )  # fmt: skip
 def test_layout_matches_single_process(runs, layout):
@@ -247,7 +247,7 @@ def test_multi_token_prediction_at_pp2_ep2_matches_one_process_and_resumes_exact
     assert computed(resumed) == computed(split[2:])
 
 
-@pytest.mark.parametrize("layout", ["mtp_tp2_ep2_overlaps", "mtp_pp2_vpp2_ep2_chunked"])
+@pytest.mark.parametrize("layout", ["mtp_tp2_ep2_overlaps", "mtp_pp2_vpp2_ep2_chunked", "mtp_pp2_vpp2_layout"])
 def test_multi_token_prediction_composes_with_the_overlaps(runs, layout):
     """The MTP layer's norms under --sequence-parallel, its MoE in 2 pieces, its dW deferred; on the last virtual
     stage, its MoE chunked (FSMoE's pipeline at 2 x 2) with shadowing auto: as on one process."""

@@ -7,13 +7,14 @@ Scenarios (each a list of cases run one after another in this job):
   (fp32, and fp16 with a loss scale that fits and one that overflows; with an MTP layer);
   megatron-core's MoE layer (--moe-layer-impl mcore) likewise; one step each
   of runs that compute no balancing loss (what their log shows).
-- `layouts` (4 ranks): TP=2, EP=2, PP=2, TP=2+EP=2 and the distributed
+- `layouts` (4 ranks): TP=2, EP=2, PP=2 (even, and uneven by a layout string), TP=2+EP=2 and the distributed
   optimizer, each from the same initial weights; a checkpoint saved mid-run in
   one layout resumed in another; the resume-exactness check; megatron-core's
   MoE layer at EP=2; the interleaved pipeline (PP=2 x VPP=2, with EP=2, with the
   distributed optimizer and overlapped reduction and gather) and its checkpoints
   resumed at PP=1 and PP=2, and back; multi-token prediction at PP=2 x EP=2 from the reference's MTP weights,
-  saved and resumed, at PP=2 x VPP=2 x EP=2 with the chunked pipeline, and at TP=2 + SP x EP=2 under the operator
+  saved and resumed, at PP=2 x VPP=2 x EP=2 with the chunked pipeline and by a layout string, and at TP=2 + SP x
+  EP=2 under the operator
   partition and Lancet's dW deferral.
 - `lancet` (4 ranks): --overlap-wgrad off, all-under-next-a2a and greedy in
   Lancet's layouts and settings (EP=2, TP=2+SP+EP=2 and PP=2+EP=2 with
@@ -115,7 +116,12 @@ LAYOUTS = {
     # Selective activation recompute changes nothing numerically, under TP+SP, EP and PP.
     "tp2_ep2_recompute": [*TP2_WHOLE_EXPERTS, "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
     "pp2_ep2_recompute": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *RECOMPUTE_ALL],
-}
+    # Uneven stages (Megatron-LM's layout string): rank 0 the embedding and layers 1-3, rank 1 layer 4 and the loss
+    "pp2_uneven_ep2": [
+        "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et*3|tL",
+        "--expert-model-parallel-size", "2",
+    ],
+}  # fmt: skip
 # megatron-core's interleaved 1F1B, 2 model chunks per pipeline rank (rank 0: layers 1 and 3, rank 1: 2 and
 # 4); 4 ranks, so DP=2 and 2 micro-batches (a multiple of PP). Each Megatron-LM spelling of it once.
 VPP2 = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
@@ -249,6 +255,19 @@ def layouts() -> dict:
     chunked = [*degrees(2, 2), "--moe-shadow-experts", "auto"]
     results["mtp_pp2_vpp2_ep2_chunked"] = train(
         "--train-iters", str(ITERS), *MTP, "--load", ckpt("mtp_init"), *VPP_LAYOUTS["pp2_vpp2_ep2"], *chunked
+    )
+    # ... and placed by a layout string: PP=2 x 2 chunks, the MTP layer with the loss on rank 1's second chunk
+    results["mtp_pp2_vpp2_layout"] = train(
+        "--train-iters",
+        str(ITERS),
+        *MTP,
+        "--load",
+        ckpt("mtp_init"),
+        "--pipeline-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-layout",
+        "Et|t|t|tmL",
+        *LAYOUTS["ep2"],
     )
     results["mtp_tp2_ep2_overlaps"] = train(
         "--train-iters", str(ITERS), *MTP, "--load", ckpt("mtp_init"), *LAYOUTS["tp2_ep2"], *overlaps
