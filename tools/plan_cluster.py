@@ -246,6 +246,8 @@ def given_layout(cfg: RunConfig, world: int) -> tuple[Layout | None, str | None]
     p = cfg.parallel
     if p.context_parallel_size != 1:
         return None, "the planner models CP = 1"
+    if p.pipeline_model_parallel_layout is not None:
+        return None, "the planner models even pipeline stages, not --pipeline-model-parallel-layout"
     model = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if world % model:
         return None, f"TP x PP = {model} does not divide {world} GPUs"
@@ -324,6 +326,8 @@ def layout_flags(cfg: RunConfig, pred: Prediction, variables: Sequence[str] = ()
         notes.append("remove --sequence-parallel (TP = 1)")
     if lay.vpp == 1 and (p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank):
         notes.append("remove the script's virtual-pipeline flag")
+    if p.pipeline_model_parallel_layout is not None:
+        notes.append("remove --pipeline-model-parallel-layout (the planned layout splits the layers evenly)")
     return env, flags, notes
 
 

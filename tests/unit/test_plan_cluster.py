@@ -258,6 +258,14 @@ def test_the_tool_plans_mixtral_on_64_h100s(capsys):
     assert "where #1's step goes" in out and "bubble" in out
 
 
+def test_a_pipeline_layout_string_is_left_unplanned_and_named():
+    cfg = parse_args([*TINY, "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tL"])
+    assert plan_tool.given_layout(cfg, 2) == (
+        None,
+        "the planner models even pipeline stages, not --pipeline-model-parallel-layout",
+    )
+
+
 def test_the_tool_refuses_what_it_cannot_plan(capsys):
     tiny = ["--nodes", "1", "--gpus-per-node", "2", *TINY, "--global-batch-size", "4"]
     assert plan_tool.main([*tiny, "--gpu", "cpu"]) == 2
