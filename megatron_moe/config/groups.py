@@ -22,6 +22,9 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTok
 """Megatron-LM's --tokenizer-type names this stack builds (megatron_moe/data/tokenizer/)."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 """megatron-core's OptimizerParamScheduler's decay styles (Megatron-LM's --lr-decay-style)."""
+MUON_COEFFICIENT_SET_LENGTHS = {"simple": 1, "quintic": 5, "polar_express": 8, "aol": 4}
+"""Muon's Newton-Schulz coefficient sets (emerging_optimizers v0.1.0's, platform/emerging_optimizers.py; a unit test
+compares) and their lengths: --muon-num-ns-steps must be a multiple."""
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
@@ -250,10 +253,58 @@ class TrainingConfig:
     lr_wsd_decay_samples: int | None = arg(
         None, "WSD: samples of the final decay (with --train-samples)", applies=only.WSD
     )
-    weight_decay: float = arg(0.01, "AdamW weight decay")
+    weight_decay: float = arg(0.01, "weight decay, decoupled (AdamW's; Muon's too)")
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.95, "Adam beta2")
     adam_eps: float = arg(1e-8, "Adam epsilon")
+    optimizer: str = arg(
+        "adam",
+        "adam: megatron-core's Adam(W) for every parameter; muon: megatron-core's Muon (TensorParallelMuon) for the "
+        "2-D weights of the transformer layers (each expert's matrix of our MoE layer on its own) and Adam(W) for "
+        "the rest (embeddings, output layer, norms, biases); with --use-distributed-optimizer, Muon's layer-wise "
+        "distributed optimizer (whole parameters assigned to data-parallel ranks, updated ones all-gathered); "
+        "dist_muon: Megatron-LM's deprecated name for muon with --use-distributed-optimizer",
+        choices=("adam", "muon", "dist_muon"),
+    )
+    muon_momentum: float = arg(0.9, "Muon: the momentum (EMA) coefficient", applies=only.MUON)
+    muon_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", applies=only.MUON)
+    muon_no_split_qkv: bool = arg(
+        False,
+        "Muon: orthogonalize the fused QKV weight whole instead of its query, key and value parts apart",
+        applies=only.MUON,
+    )
+    muon_scale_mode: str = arg(
+        "spectral",
+        "Muon: the update's scale, spectral sqrt(max(out, in)), unit_rms_norm sqrt(out/in) or shape_scaling "
+        "sqrt(max(1, out/in))",
+        choices=("spectral", "unit_rms_norm", "shape_scaling"),
+        applies=only.MUON,
+    )
+    muon_extra_scale_factor: float = arg(1.0, "Muon: a further factor on the update", applies=only.MUON)
+    muon_fp32_matmul_prec: str = arg(
+        "medium",
+        "Muon: torch's float32 matmul precision in Newton-Schulz (medium: the iteration runs in bfloat16; high: "
+        "float32, TF32 on a GPU that has it)",
+        choices=("low", "medium", "high"),
+        applies=only.MUON,
+    )
+    muon_coefficient_type: str = arg(
+        "quintic",
+        "Muon: the Newton-Schulz coefficient set (emerging_optimizers v0.1.0's)",
+        choices=tuple(MUON_COEFFICIENT_SET_LENGTHS),
+        applies=only.MUON,
+    )
+    muon_num_ns_steps: int = arg(
+        5, "Muon: Newton-Schulz steps (a multiple of the coefficient set's length: quintic 5)", applies=only.MUON
+    )
+    muon_tp_mode: str = arg(
+        "duplicated",
+        "Muon: Newton-Schulz of a tensor-parallel weight: duplicated (all-gathered, each rank orthogonalizes the "
+        "whole matrix) or distributed (on the shards, Gram matrices all-reduced): both TP-invariant; blockwise "
+        "(each shard alone: the update depends on TP)",
+        choices=("blockwise", "duplicated", "distributed"),
+        applies=only.MUON,
+    )
     clip_grad: float = arg(1.0, "clip the global grad norm to this (0: off)")
     bf16: bool = arg(False, "bfloat16 parameters and compute with fp32 main weights")
     fp16: bool = arg(False, "float16 with dynamic loss scaling")
@@ -271,6 +322,11 @@ class TrainingConfig:
     seed: int = arg(1234, "random seed")
     eval_interval: int = arg(50, "validation every N steps (0: only at the end)")
     eval_iters: int = arg(4, "validation micro-batch rounds per evaluation")
+
+    @property
+    def uses_muon(self) -> bool:
+        """--optimizer muon or dist_muon."""
+        return self.optimizer in ("muon", "dist_muon")
 
     def lr_schedule_samples(self) -> dict:
         """The scheduler's spans in samples (it counts samples, as Megatron-LM's): warm-up, decay, WSD's decay."""

@@ -40,6 +40,7 @@ from megatron_moe.config.rules_groups import (  # re-exported: the single-group 
     resolve_train_iters,
 )
 from megatron_moe.config.rules_mtp import check_mtp
+from megatron_moe.config.rules_optimizer import check_optimizer
 
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
@@ -91,6 +92,9 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
                 cfg.model.seq_length,
                 "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
             )
+    if not failed & {"parallel", "training"}:
+        with errors:
+            check_optimizer(cfg)
     with errors:
         require(
             not (cfg.moe.overlap_report and cfg.logging.no_comm_timers),

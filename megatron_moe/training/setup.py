@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer import TransformerConfig
@@ -57,6 +58,7 @@ from megatron_moe.overlap.profiler import (
 from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.overlap.wgrad_queue import WgradQueue
 from megatron_moe.platform import current_platform
+from megatron_moe.training.muon import MuonSettings, build_muon_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ def build_ddp_model(
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce or adaptive,
         bucket_size=1 if adaptive else cfg.parallel.ddp_bucket_size,  # adaptive: one per parameter, regrouped
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=cfg.sharded_by_ddp,  # Muon's layer-wise optimizer: DDP all-reduces
         num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
@@ -109,6 +111,9 @@ def build_ddp_model(
 
 
 def build_optimizer(cfg: RunConfig, model: list[DistributedDataParallel]):
+    """megatron-core's optimizer as --optimizer says: Adam(W) (`get_megatron_optimizer`, distributed with
+    --use-distributed-optimizer), or Muon chained with Adam(W) for the rest (training/muon.py; layer-wise
+    distributed with --use-distributed-optimizer or dist_muon)."""
     t = cfg.training
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -127,11 +132,25 @@ def build_optimizer(cfg: RunConfig, model: list[DistributedDataParallel]):
         loss_scale_window=t.loss_scale_window,
         hysteresis=t.hysteresis,
         params_dtype=params_dtype(cfg),
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        use_distributed_optimizer=cfg.sharded_by_ddp,
+        overlap_param_gather=cfg.parallel.overlap_param_gather and cfg.sharded_by_ddp,
         log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
+        muon_momentum=t.muon_momentum,
+        muon_split_qkv=not t.muon_no_split_qkv,
+        muon_use_nesterov=t.muon_nesterov,
+        muon_scale_mode=t.muon_scale_mode,
+        muon_fp32_matmul_prec=t.muon_fp32_matmul_prec,
+        muon_num_ns_steps=t.muon_num_ns_steps,
+        muon_tp_mode=t.muon_tp_mode,
+        muon_extra_scale_factor=t.muon_extra_scale_factor,
     )
-    optimizer = get_megatron_optimizer(opt_config, model)
+    if t.uses_muon:
+        settings = MuonSettings(
+            coefficient_type=t.muon_coefficient_type, layer_wise=cfg.optimizer_kind == "layer_wise_muon"
+        )
+        optimizer = build_muon_optimizer(opt_config, model, settings)
+    else:
+        optimizer = get_megatron_optimizer(opt_config, model)
     _set_tensor_parallel_groups(optimizer)
     return optimizer
 
@@ -161,14 +180,22 @@ def params_norm(optimizer) -> float:
     grad norm, over the parameters it steps (fp32 main copies under bf16/fp16,
     this rank's shards under the distributed optimizer), leaving out shared and
     TP-duplicated ones, each sub-optimizer (dense, expert) reduced over its own
-    group: the same figure in every layout as in a single process.
+    group: the same figure in every layout as in a single process. Under Muon's
+    layer-wise distributed optimizer each parameter is stepped on one data-parallel
+    rank: the squares are summed over every rank, as its grad norm is.
     """
-    squares = 0.0
+    layer_wise = isinstance(optimizer, LayerWiseDistributedOptimizer)
+    squares, local = 0.0, []
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         tp_group = getattr(sub, "tp_group", None)
         once = [p for p in sub.get_parameters() if param_is_not_shared(p)]
         once = [p for p in once if param_is_not_tensor_parallel_duplicate(p, tp_group)]
+        if layer_wise:
+            local += once
+            continue
         squares += get_grad_norm_fp32(once, grad_stats_parallel_group=sub.get_grad_stats_parallel_group()) ** 2
+    if layer_wise:
+        squares = get_grad_norm_fp32(local, grad_stats_parallel_group=None) ** 2  # None: over every rank
     return math.sqrt(squares)
 
 
