@@ -269,9 +269,7 @@ class TrainingConfig:
     muon_momentum: float = arg(0.9, "Muon: the momentum (EMA) coefficient", applies=only.MUON)
     muon_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", applies=only.MUON)
     muon_no_split_qkv: bool = arg(
-        False,
-        "Muon: orthogonalize the fused QKV weight whole instead of its query, key and value parts apart",
-        applies=only.MUON,
+        False, "Muon: orthogonalize the fused QKV weight whole, not Q, K, V apart", applies=only.MUON
     )
     muon_scale_mode: str = arg(
         "spectral",
@@ -294,9 +292,7 @@ class TrainingConfig:
         choices=tuple(MUON_COEFFICIENT_SET_LENGTHS),
         applies=only.MUON,
     )
-    muon_num_ns_steps: int = arg(
-        5, "Muon: Newton-Schulz steps (a multiple of the coefficient set's length: quintic 5)", applies=only.MUON
-    )
+    muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz steps (a multiple of the set's length)", applies=only.MUON)
     muon_tp_mode: str = arg(
         "duplicated",
         "Muon: Newton-Schulz of a tensor-parallel weight: duplicated (all-gathered, each rank orthogonalizes the "

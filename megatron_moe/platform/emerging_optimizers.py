@@ -14,20 +14,16 @@
 # limitations under the License.
 """A stand-in for the parts of NVIDIA's `emerging_optimizers` that megatron-core 0.16.1's Muon imports.
 
-megatron-core 0.16.1's `megatron/core/optimizer/muon.py` (`TensorParallelMuon`) subclasses
-`emerging_optimizers.orthogonalized_optimizers.OrthogonalizedOptimizer` and calls `get_muon_scale_factor` and
-`muon_utils.newton_schulz_tp`; the package is not on PyPI (its name there is a placeholder). Megatron-LM's
-core_v0.16.1 pins it at v0.1.0, commit d5363b4a418128cd8111983b191c4b8869a9766b
-(github.com/NVIDIA-NeMo/Emerging-Optimizers, 2025-11-11): this module is that commit's code for what 0.16.1
-calls, ported as written (`mixin.WeightDecayMixin`, `orthogonalized_optimizer.OrthogonalizedOptimizer`,
-`muon.get_muon_scale_factor`, `muon_utils.newton_schulz{,_tp,_step}` and `_COEFFICIENT_SETS`,
-`utils.fp32_matmul_precision`). Left out: the Triton SYRK step (GPU only; `newton_schulz_tp` never asks for it)
-and absl logging (the standard library's). `install()` registers it under the package's module names where the
-real package is absent (the Patch `emerging_optimizers_stand_in`, platform/upstream_fixes.py); where the real
-package is installed, it is used instead.
-
-Inputs: float32 tensors (Newton-Schulz), parameter groups (the optimizer). Outputs: orthogonalized updates,
-in-place parameter updates. Invariant: the same arithmetic as v0.1.0, step for step.
+megatron-core 0.16.1's optimizer/muon.py (`TensorParallelMuon`) subclasses its `OrthogonalizedOptimizer` and calls
+`get_muon_scale_factor` and `muon_utils.newton_schulz_tp`; the package is not on PyPI. This is its v0.1.0 code
+(github.com/NVIDIA-NeMo/Emerging-Optimizers, commit d5363b4a418128cd8111983b191c4b8869a9766b, the one Megatron-LM
+core_v0.16.1 pins), ported as written for what 0.16.1 calls: `mixin.WeightDecayMixin`, `OrthogonalizedOptimizer`,
+`get_muon_scale_factor`, `newton_schulz{,_tp,_step}` with `_COEFFICIENT_SETS`, `utils.fp32_matmul_precision`. Left
+out: the Triton SYRK step (GPU only; `newton_schulz_tp` never asks for it) and absl logging. `install()` registers
+it under the package's module names where the real package is absent (the Patch `emerging_optimizers_stand_in`,
+platform/upstream_fixes.py); where the real package is installed, it is used instead.
+Inputs: float32 tensors, parameter groups. Outputs: orthogonalized updates, parameters updated in place.
+Invariant: v0.1.0's arithmetic, step for step.
 """
 
 from __future__ import annotations

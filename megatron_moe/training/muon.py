@@ -7,7 +7,7 @@ below fails when upstream changes it), with three changes:
    orthogonalized on its own (`expert_matrix_muon`): what Megatron-LM does with transformer-engine's grouped experts
    (a 2-D weight per expert); upstream's 2-D test would give them to Adam;
 2. expert parameters get their own Muon optimizer under the layer-wise optimizer too (upstream chains them in one
-   there), so that each sub-optimizer's TP group is one group (`setup._set_tensor_parallel_groups`); the same
+   there), so that each sub-optimizer's TP group is one group (`optimizer._set_tensor_parallel_groups`); the same
    arithmetic (Muon steps each parameter alone);
 3. `coefficient_type` is passed (Megatron-LM HEAD's --muon-coefficient-type; 0.16.1 always uses quintic), and the
    expert groups are taken out of the list without removing from it while iterating it (upstream skips the group
