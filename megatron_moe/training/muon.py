@@ -9,9 +9,8 @@ below fails when upstream changes it), with three changes:
 2. expert parameters get their own Muon optimizer under the layer-wise optimizer too (upstream chains them in one
    there), so that each sub-optimizer's TP group is one group (`optimizer._set_tensor_parallel_groups`); the same
    arithmetic (Muon steps each parameter alone);
-3. `coefficient_type` is passed (Megatron-LM HEAD's --muon-coefficient-type; 0.16.1 always uses quintic), and the
-   expert groups are taken out of the list without removing from it while iterating it (upstream skips the group
-   after each one it removes).
+3. `coefficient_type` is passed (HEAD's --muon-coefficient-type; 0.16.1 uses quintic), and expert groups are not
+   removed from the list while iterating it (upstream skips the group after each one it removes).
 Inputs: megatron-core's OptimizerConfig, the DDP model chunks, the Muon settings. Output: the chained optimizer.
 """
 
