@@ -135,6 +135,20 @@ def _materialize_optimizer_state(optimizer) -> None:
             group["lr"], group["weight_decay"] = lr, wd
 
 
+OPTIMIZER_KINDS = {
+    "adam": "--optimizer adam",
+    "distributed_adam": "--optimizer adam --use-distributed-optimizer",
+    "muon": "--optimizer muon",
+    "layer_wise_muon": "--optimizer muon --use-distributed-optimizer (layer-wise)",
+}
+"""`RunConfig.optimizer_kind` -> the flags that make it."""
+
+
+def saved_optimizer_kind(common: dict) -> str:
+    """The optimizer a checkpoint's state is of (`RunConfig.optimizer_kind`); saves before Muon: Adam's."""
+    return common.get("optimizer_kind") or ("distributed_adam" if common["distributed_optimizer"] else "adam")
+
+
 def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> TrainState:
     """Load `path` into this layout; returns the training position to continue from."""
     if not integrity.verify_manifest(path):
@@ -144,13 +158,19 @@ def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> T
     check_vocab_size(common.get("vocab_size"), model, path)
     same_layout = {"esp": 1, "vpp": 1, **common["layout"]} == current_layout()  # saved before ESP / VPP: 1
     with_optimizer = not cfg.checkpoint.no_load_optim and common["has_optimizer"]
-    saved_distributed = common["distributed_optimizer"]
-    if with_optimizer and saved_distributed != cfg.parallel.use_distributed_optimizer:
-        # The two keep different state: the distributed one also saves fp32 main params.
+    saved_kind = saved_optimizer_kind(common)
+    if with_optimizer and saved_kind != cfg.optimizer_kind:
+        # Each keeps different state: the distributed one also saves fp32 main params, Muon a momentum buffer.
         raise ConfigError(
-            f"--load={path}: its optimizer state was saved with --use-distributed-optimizer="
-            f"{saved_distributed}, this run has {cfg.parallel.use_distributed_optimizer}; use the same "
-            f"setting, or --no-load-optim to load the weights only"
+            f"--load={path}: its optimizer state was saved by {OPTIMIZER_KINDS[saved_kind]}, this run has "
+            f"{OPTIMIZER_KINDS[cfg.optimizer_kind]}; use the same --optimizer and --use-distributed-optimizer, "
+            f"or --no-load-optim to load the weights only"
+        )
+    if with_optimizer and saved_kind == "layer_wise_muon" and not same_layout:
+        raise ConfigError(
+            f"--load={path}: Muon's layer-wise distributed optimizer state loads into the layout it was saved in "
+            f"only (megatron-core 0.16.1 saves it for a fixed data-parallel layout: {common['layout']}); resume in "
+            "that layout, or add --no-load-optim to load the weights only"
         )
     with_rng = same_layout and not cfg.checkpoint.no_load_rng
     if with_optimizer:

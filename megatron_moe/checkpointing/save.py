@@ -71,7 +71,8 @@ def save_checkpoint(
         config=cfg.to_dict(),
         layout=current_layout(),
         has_optimizer=with_optimizer,
-        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        distributed_optimizer=cfg.sharded_by_ddp,
+        optimizer_kind=cfg.optimizer_kind,  # Adam's and Muon's states differ (load.py `saved_optimizer_kind`)
         optimizer_state_at=OPTIMIZER_STATE_AT,  # saved after megatron-core's several-bucket fix
         vocab_size=getattr(model[0].module, "vocab_size", None),  # every chunk's: the padded vocabulary
     )

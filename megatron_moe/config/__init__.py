@@ -65,6 +65,21 @@ class RunConfig:
         derived from them (DP, expert-DP, the token split)."""
         return ParallelDims.from_config(self.parallel, world_size, self.model.num_layers)
 
+    @property
+    def optimizer_kind(self) -> str:
+        """The optimizer megatron-core builds: adam, distributed_adam (its DistributedOptimizer), muon, or
+        layer_wise_muon (Megatron-LM's rule: muon with --use-distributed-optimizer, or dist_muon, is Muon's
+        layer-wise distributed optimizer, megatron-core's DistributedOptimizer and DDP's sharding off)."""
+        distributed = self.parallel.use_distributed_optimizer
+        if self.training.uses_muon:
+            return "layer_wise_muon" if distributed or self.training.optimizer == "dist_muon" else "muon"
+        return "distributed_adam" if distributed else "adam"
+
+    @property
+    def sharded_by_ddp(self) -> bool:
+        """megatron-core's distributed optimizer in force (DDP reduce-scatters into its shards)."""
+        return self.optimizer_kind == "distributed_adam"
+
     def num_microbatches(self, world_size: int) -> int:
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.dims(world_size).dp)

@@ -97,6 +97,7 @@ GROUP_LIMITED = When(
 PROJECTING = When(lambda c: _our_gate_is(c, "projecting"), "with --moe-gate xmoe or cosine")
 SOFT = When(lambda c: _our_gate_is(c, "slots"), "with --moe-gate soft")
 
+MUON = When(lambda c: c.training.uses_muon, "with --optimizer muon")
 DISTRIBUTED_OPTIMIZER = When(lambda c: c.parallel.use_distributed_optimizer, "with --use-distributed-optimizer")
 PIPELINE_PARALLEL = When(
     lambda c: c.parallel.pipeline_model_parallel_size > 1, "with --pipeline-model-parallel-size > 1"

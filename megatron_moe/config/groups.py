@@ -16,6 +16,7 @@ from megatron_moe.config.activation_policy import QUANT_FORMATS
 from megatron_moe.config.fields import arg
 from megatron_moe.config.groups_attention import AttentionFlags
 from megatron_moe.config.groups_moe import MoEConfig
+from megatron_moe.config.groups_optimizer import OptimizerFlags
 from megatron_moe.config.pipeline_layout import pipeline_layout_stages
 from megatron_moe.config.placement import PLACEMENTS
 
@@ -237,7 +238,7 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainingConfig:
+class TrainingConfig(OptimizerFlags):
     """Batch sizes, iterations, optimizer, learning-rate schedule, precision."""
 
     micro_batch_size: int = arg(4, "samples per micro-batch per data-parallel rank")
@@ -270,7 +271,7 @@ class TrainingConfig:
     lr_wsd_decay_samples: int | None = arg(
         None, "WSD: samples of the final decay (with --train-samples)", applies=only.WSD
     )
-    weight_decay: float = arg(0.01, "AdamW weight decay")
+    weight_decay: float = arg(0.01, "weight decay, decoupled (AdamW's; Muon's too)")
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.95, "Adam beta2")
     adam_eps: float = arg(1e-8, "Adam epsilon")

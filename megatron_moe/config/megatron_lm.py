@@ -36,6 +36,7 @@ RENAMED: dict[str, tuple[bool, tuple[str, ...]]] = {
     # flag -> (takes a value, our flags that mean the same; its value, if any, follows them)
     "--moe-shared-expert-intermediate-size": (True, ("--moe-shared-expert-ffn-hidden-size",)),
     "--use-rotary-position-embeddings": (False, ("--position-embedding-type", "rope")),
+    "--muon-use-nesterov": (False, ("--muon-nesterov",)),  # Megatron-LM core_v0.16.1's name
     "--recompute-activations": (
         False,
         ("--recompute-granularity", "selective", "--recompute-modules", "core_attention"),
@@ -55,6 +56,17 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
     ),
     "--distributed-backend": (True, "the platform layer picks it: nccl on a GPU, gloo on CPU"),
     "--use-torch-optimizer-for-cpu-offload": (False, "the optimizer is megatron-core's, on the device"),
+    "--no-use-layer-wise-param-layout": (
+        False,
+        "Muon's layer-wise distributed optimizer is megatron-core 0.16.1's, the legacy path this flag selects in "
+        "Megatron-LM (all parameters in DDP's buffers, updated ones all-gathered after the step); the same "
+        "arithmetic as the precomputed layout, which only orders bf16 reductions otherwise",
+    ),
+    "--muon-use-syrk": (
+        False,
+        "a Triton kernel (GPU) for Newton-Schulz's Gram matrix X X^T; megatron-core 0.16.1's Muon computes the same "
+        "matrix with a matmul",
+    ),
     "--log-timers-to-tensorboard": (False, _TIMERS),
     "--timing-log-level": (True, _TIMERS),
     "--log-memory-to-tensorboard": (False, "mem-bytes (device memory, or resident set size on CPU) always goes there"),
@@ -184,10 +196,11 @@ NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
         "--recompute-granularity full recomputes megatron-core's uniform way, one layer at a time",
         "only uniform full recompute is supported (with --recompute-granularity full)",
     ),
-    "--optimizer": (
+    "--muon-scalar-optimizer": (
         ("adam",),
-        "the optimizer is megatron-core's Adam(W) here",
-        "only adam is supported here",
+        "with Muon, megatron-core 0.16.1 steps the other parameters (embeddings, output layer, norms, biases) with "
+        "its Adam(W)",
+        "megatron-core 0.16.1 has no Lion: the parameters Muon does not take get Adam(W) (adam)",
     ),
     "--cross-entropy-fusion-impl": (
         ("native",),

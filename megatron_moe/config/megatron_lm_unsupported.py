@@ -88,11 +88,10 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         prefixes=("--moe-paged-stash",),
     ),
     Unsupported(
-        "optimizers other than Adam",
-        "the optimizer is megatron-core's Adam(W) here (--optimizer adam); Muon, SGD, Lion and SOAP are not built",
-        prefixes=("--muon-",),
-        flags=("--no-use-layer-wise-param-layout",),
-        values=(("--optimizer", ("sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")),),
+        "optimizers other than Adam and Muon",
+        "megatron-core 0.16.1 builds Adam(W) and Muon here (--optimizer adam, muon); SGD is not wired, and Lion, "
+        "SOAP and adaptive Muon are not in megatron-core 0.16.1",
+        values=(("--optimizer", ("sgd", "lion", "soap", "adaptive_muon")),),
     ),
     Unsupported(
         "context-parallel variants",
@@ -204,7 +203,7 @@ REFUSED_VALUE_FLAGS = frozenset(name for item in UNSUPPORTED for name, _ in item
 
 
 def refused_prefix(flag: str) -> str | None:
-    """The refusal of a flag of a refused family (`--muon-...`, `--rl-...`), or None."""
+    """The refusal of a flag of a refused family (`--gtp-...`, `--rl-...`), or None."""
     for item in UNSUPPORTED:
         if flag.startswith(item.prefixes or ("\0",)):
             return f"{flag}: {item.feature} is not supported here: {item.reason}"
@@ -212,7 +211,7 @@ def refused_prefix(flag: str) -> str | None:
 
 
 def refused_value(flag: str, value: str | None) -> str | None:
-    """The refusal of `flag value` where that value asks for a refused feature (`--optimizer muon`), or None."""
+    """The refusal of `flag value` where that value asks for a refused feature (`--optimizer sgd`), or None."""
     for item in UNSUPPORTED:
         for name, values in item.values:
             if flag == name and value in values:
@@ -221,6 +220,6 @@ def refused_value(flag: str, value: str | None) -> str | None:
 
 
 def unsupported_flags() -> set[str]:
-    """Every flag name refused by feature (prefixes as `--muon-*`), and `flag=value` for the refused values."""
+    """Every flag name refused by feature (prefixes as `--gtp-*`), and `flag=value` for the refused values."""
     names = set(REFUSED_FEATURE_FLAGS) | {p + "*" for item in UNSUPPORTED for p in item.prefixes}
     return names | {f"{flag}={v}" for item in UNSUPPORTED for flag, values in item.values for v in values}

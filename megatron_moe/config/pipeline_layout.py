@@ -1,4 +1,5 @@
-"""--pipeline-model-parallel-layout: Megatron-LM's per-stage layout string, read and checked at the flag pass.
+"""The pipeline's stage flags: Megatron-LM's interleaved-pipeline flags and --pipeline-model-parallel-layout, its
+per-stage layout string, read and checked at the flag pass.
 
 megatron-core builds from the string itself (`TransformerConfig.pipeline_model_parallel_layout`); the flag pass
 must not import it (seconds of start-up), so the grammar and megatron-core's checks
@@ -9,8 +10,12 @@ each refusal naming the flag. tests/unit/test_pipeline_layout.py holds the two t
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from megatron_moe.config.fields import require
+from megatron_moe.config.fields import require, require_positive
+
+if TYPE_CHECKING:
+    from megatron_moe.config.groups import ModelConfig, ParallelConfig
 
 FLAG = "--pipeline-model-parallel-layout"
 SYMBOLS = {"E": "the embedding", "t": "a transformer layer", "m": "an MTP layer", "L": "the loss"}
@@ -91,3 +96,59 @@ def check_pipeline_layout(layout: str, pp: int, num_layers: int, mtp_num_layers:
         "the MTP layers (m) go on the last pipeline rank, in the loss's stage, here (megatron-core's standalone MTP "
         f"stage on another rank is not run here), e.g. the last stage ...mL of the {pp} x {chunks}",
     )
+
+
+def check_virtual_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """The interleaved pipeline's flags (Megatron-LM's rules): one of the two, PP > 1, whole layers per chunk."""
+    per_stage, chunks = parallel.num_layers_per_virtual_pipeline_stage, parallel.num_virtual_stages_per_pipeline_rank
+    pp, layers = parallel.pipeline_model_parallel_size, model.num_layers
+    layout = parallel.pipeline_model_parallel_layout
+    if layout is not None:
+        named = [("--num-layers-per-virtual-pipeline-stage", per_stage)]
+        named += [("--num-virtual-stages-per-pipeline-rank", chunks)]
+        given = " and ".join(flag for flag, value in named if value is not None)
+        require(not given, FLAG, layout, f"sets the model chunks per rank itself; drop {given}")
+        check_pipeline_layout(layout, pp, layers, model.mtp_num_layers)
+        return
+    if per_stage is None and chunks is None:
+        return
+    require(
+        per_stage is None or chunks is None,
+        "--num-layers-per-virtual-pipeline-stage",
+        per_stage,
+        f"give it or --num-virtual-stages-per-pipeline-rank={chunks}, not both (they say the same thing)",
+    )
+    flag, value = (
+        ("--num-layers-per-virtual-pipeline-stage", per_stage)
+        if per_stage is not None
+        else ("--num-virtual-stages-per-pipeline-rank", chunks)
+    )
+    require_positive(flag, value, 1)
+    require(
+        pp > 1,
+        flag,
+        value,
+        "the interleaved pipeline splits each pipeline rank's layers into chunks; it needs "
+        f"--pipeline-model-parallel-size > 1 (now {pp}), e.g. --pipeline-model-parallel-size 2",
+    )
+    if per_stage is not None:
+        require(
+            layers % pp == 0 and (layers // pp) % per_stage == 0,
+            flag,
+            value,
+            f"must divide the layers per pipeline stage (--num-layers={layers} / "
+            f"--pipeline-model-parallel-size={pp}), e.g. {_largest_divisor(layers // pp, per_stage)}",
+        )
+    else:
+        require(
+            layers % (pp * chunks) == 0,
+            flag,
+            value,
+            f"--num-layers={layers} must be a multiple of --pipeline-model-parallel-size x chunks = "
+            f"{pp} x {chunks}, e.g. {flag} {_largest_divisor(layers // pp if layers % pp == 0 else 1, chunks)}",
+        )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` that is at most `at_most` (1 at least): a valid choice to name in an error."""
+    return next(d for d in range(max(min(n, at_most), 1), 0, -1) if n % d == 0)

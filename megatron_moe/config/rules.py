@@ -30,8 +30,7 @@ from megatron_moe.config.groups import (
 )
 from megatron_moe.config.moe_layer import group_limited_error
 from megatron_moe.config.parallel_dims import ParallelDims
-from megatron_moe.config.pipeline_layout import FLAG as PIPELINE_LAYOUT_FLAG
-from megatron_moe.config.pipeline_layout import check_pipeline_layout
+from megatron_moe.config.pipeline_layout import check_virtual_pipeline
 from megatron_moe.config.rules_attention import check_attention, check_attention_parallel
 from megatron_moe.config.rules_groups import (  # re-exported: the single-group checks
     check_activations,
@@ -42,6 +41,7 @@ from megatron_moe.config.rules_groups import (  # re-exported: the single-group 
     resolve_train_iters,
 )
 from megatron_moe.config.rules_mtp import check_mtp
+from megatron_moe.config.rules_optimizer import check_optimizer
 
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
@@ -93,6 +93,9 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
                 cfg.model.seq_length,
                 "must be a multiple of --tensor-model-parallel-size under --sequence-parallel",
             )
+    if not failed & {"parallel", "training"}:
+        with errors:
+            check_optimizer(cfg)
     with errors:
         require(
             not (cfg.moe.overlap_report and cfg.logging.no_comm_timers),
@@ -362,57 +365,6 @@ def check_stall_seconds(parallel: ParallelConfig) -> None:
     )
 
 
-def check_virtual_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None:
-    """The interleaved pipeline's flags (Megatron-LM's rules): one of the two, PP > 1, whole layers per chunk."""
-    per_stage, chunks = parallel.num_layers_per_virtual_pipeline_stage, parallel.num_virtual_stages_per_pipeline_rank
-    pp, layers = parallel.pipeline_model_parallel_size, model.num_layers
-    layout = parallel.pipeline_model_parallel_layout
-    if layout is not None:
-        named = [("--num-layers-per-virtual-pipeline-stage", per_stage)]
-        named += [("--num-virtual-stages-per-pipeline-rank", chunks)]
-        given = " and ".join(flag for flag, value in named if value is not None)
-        require(not given, PIPELINE_LAYOUT_FLAG, layout, f"sets the model chunks per rank itself; drop {given}")
-        check_pipeline_layout(layout, pp, layers, model.mtp_num_layers)
-        return
-    if per_stage is None and chunks is None:
-        return
-    require(
-        per_stage is None or chunks is None,
-        "--num-layers-per-virtual-pipeline-stage",
-        per_stage,
-        f"give it or --num-virtual-stages-per-pipeline-rank={chunks}, not both (they say the same thing)",
-    )
-    flag, value = (
-        ("--num-layers-per-virtual-pipeline-stage", per_stage)
-        if per_stage is not None
-        else ("--num-virtual-stages-per-pipeline-rank", chunks)
-    )
-    require_positive(flag, value, 1)
-    require(
-        pp > 1,
-        flag,
-        value,
-        "the interleaved pipeline splits each pipeline rank's layers into chunks; it needs "
-        f"--pipeline-model-parallel-size > 1 (now {pp}), e.g. --pipeline-model-parallel-size 2",
-    )
-    if per_stage is not None:
-        require(
-            layers % pp == 0 and (layers // pp) % per_stage == 0,
-            flag,
-            value,
-            f"must divide the layers per pipeline stage (--num-layers={layers} / "
-            f"--pipeline-model-parallel-size={pp}), e.g. {_largest_divisor(layers // pp, per_stage)}",
-        )
-    else:
-        require(
-            layers % (pp * chunks) == 0,
-            flag,
-            value,
-            f"--num-layers={layers} must be a multiple of --pipeline-model-parallel-size x chunks = "
-            f"{pp} x {chunks}, e.g. {flag} {_largest_divisor(layers // pp if layers % pp == 0 else 1, chunks)}",
-        )
-
-
 def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelConfig, moe: MoEConfig) -> None:
     """The parallel flags, and the layout `dims` (their degrees on the run's world) against the model's shape."""
     tp, pp, ep, esp = dims.tp, dims.pp, dims.ep, dims.esp
@@ -499,8 +451,3 @@ def check_parallel(parallel: ParallelConfig, dims: ParallelDims, model: ModelCon
         )
     elif ep > 1:
         require(False, "--expert-model-parallel-size", ep, "needs --num-experts; use 1 for a dense model")
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    """The largest divisor of `n` that is at most `at_most` (1 at least): a valid choice to name in an error."""
-    return next(d for d in range(max(min(n, at_most), 1), 0, -1) if n % d == 0)

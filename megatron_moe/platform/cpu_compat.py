@@ -22,6 +22,7 @@ import types
 import torch
 
 # Patch and the source probes live in patch.py; other folders still import them from here.
+from megatron_moe.platform.layer_wise_gather import apply_layer_wise_gather, layer_wise_gathers_uneven_lists
 from megatron_moe.platform.patch import Patch, source, source_sha256  # noqa: F401
 
 _CPU = torch.device("cpu")
@@ -449,6 +450,12 @@ PATCHES: tuple[Patch, ...] = (
         "dispatcher split sizes stay tensors on CPU; gloo all_to_all_single wants lists.",
         _apply_split_sizes_to_host,
         _split_sizes_only_converted_on_cuda,
+    ),
+    Patch(
+        "layer_wise_uneven_gather_gloo",
+        "Muon's layer-wise distributed optimizer all-gathers unequal parameter shards; gloo wants equal sizes.",
+        apply_layer_wise_gather,
+        layer_wise_gathers_uneven_lists,
     ),
 )
 

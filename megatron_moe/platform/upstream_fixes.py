@@ -283,6 +283,24 @@ def _mla_trusts_the_extension_import() -> bool:
     return "isinstance(self.linear_proj, TELinear)" in src and "transformer_engine.HAVE_TE" not in src
 
 
+# 7. megatron-core's Muon (optimizer/muon.py: TensorParallelMuon, get_megatron_muon_optimizer) needs NVIDIA's
+#    emerging_optimizers, which is not on PyPI: without it TensorParallelMuon derives from `object` and
+#    get_megatron_muon_optimizer asserts. The stand-in (platform/emerging_optimizers.py, that package's v0.1.0 code
+#    that Megatron-LM core_v0.16.1 pins) under its module names; the real package, when installed, is used.
+def _apply_emerging_optimizers_stand_in() -> None:
+    from megatron_moe.platform import emerging_optimizers
+
+    emerging_optimizers.install()
+
+
+def _muon_needs_emerging_optimizers_and_it_is_absent() -> bool:
+    from megatron_moe.platform import emerging_optimizers
+
+    src = source("megatron.core.optimizer.muon")
+    needs = "from emerging_optimizers.orthogonalized_optimizers import" in src and "newton_schulz_tp" in src
+    return needs and not emerging_optimizers.real_package_installed()
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "te_general_gemm",
@@ -331,6 +349,12 @@ PATCHES: tuple[Patch, ...] = (
         "MLASelfAttention raises TypeError without transformer-engine (isinstance of a MagicMock stand-in).",
         _apply_mla_have_te,
         _mla_trusts_the_extension_import,
+    ),
+    Patch(
+        "emerging_optimizers_stand_in",
+        "--optimizer muon: megatron-core's Muon imports emerging_optimizers, not on PyPI (its v0.1.0 code stands in).",
+        _apply_emerging_optimizers_stand_in,
+        _muon_needs_emerging_optimizers_and_it_is_absent,
     ),
 )
 

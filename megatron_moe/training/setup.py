@@ -12,23 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe.config import RunConfig
 from megatron_moe.config.moe_layer import AUTO
 from megatron_moe.config.rules import parse_pieces, parse_ranges, partition_blocker
-from megatron_moe.model.builder import build_model_chunks, params_dtype
+from megatron_moe.model.builder import build_model_chunks
 from megatron_moe.model.partition import install_partition
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
@@ -57,6 +51,7 @@ from megatron_moe.overlap.profiler import (
 from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.overlap.wgrad_queue import WgradQueue
 from megatron_moe.platform import current_platform
+from megatron_moe.training.optimizer import build_optimizer, params_norm  # noqa: F401 (set-up's entry points)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +88,7 @@ def build_ddp_model(
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce or adaptive,
         bucket_size=1 if adaptive else cfg.parallel.ddp_bucket_size,  # adaptive: one per parameter, regrouped
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=cfg.sharded_by_ddp,  # Muon's layer-wise optimizer: DDP all-reduces
         num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         # Ours instead (training/divergence.py, off under fp16): it names the iteration, rank and parameter.
@@ -106,70 +101,6 @@ def build_ddp_model(
     for chunk in model:
         chunk.broadcast_params()
     return model
-
-
-def build_optimizer(cfg: RunConfig, model: list[DistributedDataParallel]):
-    t = cfg.training
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=t.lr,
-        min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad,
-        bf16=t.bf16,
-        fp16=t.fp16,
-        loss_scale=t.loss_scale,
-        initial_loss_scale=t.initial_loss_scale,
-        min_loss_scale=t.min_loss_scale,
-        loss_scale_window=t.loss_scale_window,
-        hysteresis=t.hysteresis,
-        params_dtype=params_dtype(cfg),
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        overlap_param_gather=cfg.parallel.overlap_param_gather,
-        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
-    )
-    optimizer = get_megatron_optimizer(opt_config, model)
-    _set_tensor_parallel_groups(optimizer)
-    return optimizer
-
-
-def _set_tensor_parallel_groups(optimizer) -> None:
-    """Tell each optimizer which TP group its replicated parameters are duplicated over.
-
-    The grad norm counts a parameter that is not TP-sharded on TP rank 0 only.
-    Without a `tp_group` megatron-core uses the global TP rank for expert
-    parameters too, so with TP>1 and expert-TP=1 the norm on TP rank 1 left out
-    the experts' biases (and differed between ranks).
-    """
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        is_expert = any(group.get("is_expert_parallel", False) for group in sub.optimizer.param_groups)
-        sub.tp_group = (
-            parallel_state.get_expert_tensor_parallel_group()
-            if is_expert
-            else parallel_state.get_tensor_model_parallel_group()
-        )
-
-
-@torch.no_grad()
-def params_norm(optimizer) -> float:
-    """L2 norm of every parameter of the model, each counted once (Megatron-LM's --log-params-norm).
-
-    Collective: every rank calls it. The norm is taken as the optimizer takes the
-    grad norm, over the parameters it steps (fp32 main copies under bf16/fp16,
-    this rank's shards under the distributed optimizer), leaving out shared and
-    TP-duplicated ones, each sub-optimizer (dense, expert) reduced over its own
-    group: the same figure in every layout as in a single process.
-    """
-    squares = 0.0
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        tp_group = getattr(sub, "tp_group", None)
-        once = [p for p in sub.get_parameters() if param_is_not_shared(p)]
-        once = [p for p in once if param_is_not_tensor_parallel_duplicate(p, tp_group)]
-        squares += get_grad_norm_fp32(once, grad_stats_parallel_group=sub.get_grad_stats_parallel_group()) ** 2
-    return math.sqrt(squares)
 
 
 def build_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:

@@ -256,3 +256,23 @@ def test_multi_token_prediction_composes_with_the_overlaps(runs, layout):
     assert_matches(overlapped, one)
     for step, ref in zip(overlapped, one, strict=True):
         assert step["mtp_1 loss"] == pytest.approx(ref["mtp_1 loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["muon", "muon_layer_wise"])
+def test_muon_at_ep2_trains_and_resumes_exactly(runs, name):
+    """--optimizer muon (and its layer-wise distributed optimizer, bf16) at EP=2 with our MoE layer: 4 steps from
+    the reference's initial weights, saved at 2; resumed from there, steps 3 and 4 are bit-identical."""
+    reference, layouts, _ = runs
+    straight, resumed = layouts[f"{name}_ep2"], layouts[f"{name}_ep2_resumed"]
+    assert [s["iteration"] for s in straight] == [1, 2, 3, 4] and [s["iteration"] for s in resumed] == [3, 4]
+    assert computed(resumed) == computed(straight[2:])
+    assert straight[-1]["lm loss"] < straight[0]["lm loss"]
+    assert [s["lm loss"] for s in straight[1:]] != [s["lm loss"] for s in reference[1:]]  # not Adam's steps
+
+
+def test_tensor_parallel_newton_schulz_equals_the_unsharded(runs):
+    """emerging_optimizers' newton_schulz_tp (the stand-in) over 4 ranks: duplicated gathers and computes the whole
+    matrix (bit-identical), distributed all-reduces the Gram matrices (float32 rounding)."""
+    errors = runs[1]["muon_tp_modes"]
+    assert errors["duplicated_0"] == errors["duplicated_1"] == 0.0
+    assert errors["distributed_0"] < 1e-5 and errors["distributed_1"] < 1e-5

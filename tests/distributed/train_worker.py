@@ -279,7 +279,50 @@ def layouts() -> dict:
     results["timeouts_3_minutes"] = timeouts_of_a_run("--distributed-timeout-minutes", "3", *LAYOUTS["ep2"])
     # Read by one plain model; after the timeouts are taken (its parallel state has megatron-core's own timeout).
     results["vpp_params_norm_from_checkpoint"] = params_norm_of_checkpoint(ckpt("vpp"))
-    return results | mla_layouts()
+    return results | mla_layouts() | muon_runs(init)
+
+
+MUON = {
+    "muon": ["--optimizer", "muon"],
+    # Muon's layer-wise distributed optimizer (megatron-core 0.16.1 saves it in bf16 only)
+    "muon_layer_wise": ["--optimizer", "muon", "--use-distributed-optimizer", "--bf16"],
+}
+
+
+def muon_runs(init: list[str]) -> dict:
+    """--optimizer muon at EP=2 (dense DP 4, expert DP 2) from the reference's initial weights, saved at step 2 and
+    resumed from there; the same with Muon's layer-wise distributed optimizer; and emerging_optimizers' TP
+    Newton-Schulz (the stand-in) over the 4 ranks against the unsharded one."""
+    results = {}
+    for name, flags in MUON.items():
+        results[f"{name}_ep2"] = train(*init, *LAYOUTS["ep2"], *flags, "--save", ckpt(name), "--save-interval", "2")
+        results[f"{name}_ep2_resumed"] = train(
+            "--train-iters", str(ITERS), "--load", ckpt(f"{name}/iter_0000002"), *LAYOUTS["ep2"], *flags
+        )
+    return results | {"muon_tp_modes": newton_schulz_tp_errors()}
+
+
+def newton_schulz_tp_errors() -> dict:
+    """Per TP mode and sharded dimension, the largest difference (over the ranks) between a rank's slice of the
+    orthogonalized whole matrix and what `newton_schulz_tp` gives it from its shard."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_moe.platform import emerging_optimizers as eo
+
+    group, size, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(5))
+    errors = {}
+    with eo.fp32_matmul_precision("highest"):
+        whole = eo.newton_schulz(x, steps=5)
+        for dim in (0, 1):
+            shard = x.chunk(size, dim=dim)[rank].contiguous()
+            for mode in ("duplicated", "distributed"):
+                mine = eo.newton_schulz_tp(shard, 5, "quintic", group, partition_dim=dim, mode=mode)
+                error = (mine - whole.chunk(size, dim=dim)[rank]).abs().max()
+                dist.all_reduce(error, op=dist.ReduceOp.MAX)
+                errors[f"{mode}_{dim}"] = error.item()
+    return errors
 
 
 def virtual_pipeline(init: list[str]) -> dict:

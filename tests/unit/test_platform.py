@@ -21,6 +21,7 @@ from megatron_moe.model import attention, partition
 from megatron_moe.overlap import grad_reduce, install, linears
 from megatron_moe.platform import cpu_compat, current_platform, init_platform, upstream_fixes
 from megatron_moe.platform.norms import SequenceParallelNorm
+from megatron_moe.training import muon
 
 ALL_PATCHES = (
     cpu_compat.PATCHES
@@ -29,6 +30,7 @@ ALL_PATCHES = (
     + overlap.PROBES
     + partition.PROBES
     + attention.PROBES
+    + muon.PROBES
 )
 ON_GPU = current_platform().is_accelerator
 cpu_only = pytest.mark.skipif(ON_GPU, reason="the CPU patches apply only without CUDA (MEGATRON_MOE_FORCE_CPU=1)")

@@ -207,6 +207,12 @@ def _check_optimizer(common: dict, cfg: RunConfig, target: Target) -> bool:
     """Whether optimizer state moves; refuses a move between the two optimizer formats."""
     if not common["has_optimizer"] or target.drop_optimizer:
         return False
+    if common.get("optimizer_kind") in ("muon", "layer_wise_muon"):
+        raise ReshardError(
+            "the source's optimizer state is Muon's (--optimizer muon), which this tool does not move (megatron-core "
+            "0.16.1's layer-wise Muon saves for a fixed data-parallel layout); add --no-optimizer to convert the "
+            "weights only (a run resumed from it starts the optimizer afresh, as --no-load-optim does)"
+        )
     saved, wanted = common["distributed_optimizer"], cfg.parallel.use_distributed_optimizer
     if saved != wanted:
         flag = "--target-use-distributed-optimizer" if wanted else "--no-target-use-distributed-optimizer"
