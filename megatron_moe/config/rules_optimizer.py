@@ -16,29 +16,15 @@ if TYPE_CHECKING:
 
 
 def check_optimizer(cfg: RunConfig) -> None:
-    """Muon's settings and the flags it cannot run with (nothing to check for Adam)."""
+    """Muon's settings (their values always) and the flags Muon cannot run with."""
     t, par = cfg.training, cfg.parallel
-    if not t.uses_muon:
-        return
-    require(
-        not t.fp16,
-        "--fp16",
-        True,
-        f"with --optimizer {t.optimizer}: megatron-core's Muon refuses fp16 (it has no loss scaler); use --bf16",
-    )
+    # the values, whichever optimizer runs (a bad one is refused even where it does not apply)
     require(0 <= t.muon_momentum < 1, "--muon-momentum", t.muon_momentum, "must be in [0, 1), e.g. --muon-momentum 0.9")
     require(
         t.muon_extra_scale_factor > 0,
         "--muon-extra-scale-factor",
         t.muon_extra_scale_factor,
         "must be > 0, e.g. --muon-extra-scale-factor 1.0",
-    )
-    require(
-        t.muon_fp32_matmul_prec != "low",
-        "--muon-fp32-matmul-prec",
-        "low",
-        "torch's float32 matmul precision is highest, high or medium (torch.set_float32_matmul_precision refuses "
-        "low); use medium (bfloat16 iterations) or high",
     )
     length = MUON_COEFFICIENT_SET_LENGTHS.get(t.muon_coefficient_type, 1)
     require(
@@ -47,6 +33,21 @@ def check_optimizer(cfg: RunConfig) -> None:
         t.muon_num_ns_steps,
         f"must be a positive multiple of {length}, the length of --muon-coefficient-type "
         f"{t.muon_coefficient_type}'s coefficient set, e.g. {length}",
+    )
+    if not t.uses_muon:
+        return
+    require(
+        not t.fp16,
+        "--fp16",
+        True,
+        f"with --optimizer {t.optimizer}: megatron-core's Muon refuses fp16 (it has no loss scaler); use --bf16",
+    )
+    require(
+        t.muon_fp32_matmul_prec != "low",
+        "--muon-fp32-matmul-prec",
+        "low",
+        "torch's float32 matmul precision is highest, high or medium (torch.set_float32_matmul_precision refuses "
+        "low); use medium (bfloat16 iterations) or high",
     )
     layer_wise = cfg.optimizer_kind == "layer_wise_muon"
     require(
