@@ -39,10 +39,10 @@ from megatron_moe.training.log_line import exposed_by_group, jsonl_path
 from megatron_moe.training.logger import TrainingLogger, wandb_run_for
 from megatron_moe.training.moe_metrics import pop_moe_aux_losses
 from megatron_moe.training.mtp_metrics import clear_mtp_losses, pop_mtp_losses
+from megatron_moe.training.optimizer import params_norm
 from megatron_moe.training.overlap_report import OverlapReport
 from megatron_moe.training.overlap_report import as_text as overlap_report_text
 from megatron_moe.training.preemption import ExitRequest
-from megatron_moe.training.setup import params_norm
 from megatron_moe.training.step import forward_step
 from megatron_moe.training.tensorboard_tags import TagLayout
 

@@ -51,7 +51,7 @@ from megatron_moe.overlap.profiler import (
 from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.overlap.wgrad_queue import WgradQueue
 from megatron_moe.platform import current_platform
-from megatron_moe.training.optimizer import build_optimizer, params_norm  # noqa: F401 (set-up's entry points)
+from megatron_moe.training.optimizer import build_optimizer  # noqa: F401 (one of set-up's entry points)
 
 log = logging.getLogger(__name__)
 
