@@ -53,6 +53,7 @@ from megatron_moe.comm.moe import (
     shadow_broadcast,
     shadow_reduce,
     sum_across_shards,
+    sum_global_batch_counts,
 )
 from megatron_moe.comm.timers import CommSummary, CommTimers
 from megatron_moe.comm.training import (
@@ -117,4 +118,5 @@ __all__ = [
     "reduce_moe_metrics",
     "sum_across_shards",
     "sum_expert_loads",
+    "sum_global_batch_counts",
 ]

@@ -398,3 +398,14 @@ class _SumAcrossShards(torch.autograd.Function):
 def sum_across_shards(x: torch.Tensor, group) -> torch.Tensor:
     """Router loss statistics summed over the TP ranks that hold shards of the same sequences."""
     return x if group_size(group) == 1 else _SumAcrossShards.apply(x, group)
+
+
+def sum_global_batch_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
+    """global_aux_loss's routed choices per expert of one micro-batch summed over `group` (megatron-core's TP x DP x
+    CP group: every rank of the pipeline stage), in the training forward of each MoE layer; counts carry no grad."""
+    if group_size(group) == 1:
+        return counts_E
+    counts_E = counts_E.clone()
+    record = Collective("other", "sum_global_batch_counts", group, nbytes=nbytes(counts_E))
+    issue(record, lambda: dist.all_reduce(counts_E, group=group))
+    return counts_E

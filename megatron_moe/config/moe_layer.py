@@ -22,8 +22,9 @@ DROP_POLICIES = ("probs", "position")
 earliest tokens); unset, the gate's own claim order."""
 ORDERINGS = ("sparse", "dense")
 EXPERT_TYPES = ("gelu", "swiglu")
-LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "seq_aux_loss", "sinkhorn", "none")
-"""Our layer's --moe-router-load-balancing-type choices (seq_aux_loss: megatron-core's per-sequence loss)."""
+LOAD_BALANCING = ("aux_loss", "top1_aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+"""Our layer's --moe-router-load-balancing-type choices (seq_aux_loss, global_aux_loss: megatron-core's per-sequence
+and global-batch losses)."""
 FORCE_BALANCE_GATES = ("topk", "noisy_topk", "switch", "bpr", "rts", "sigmoid")
 """The gates whose logits --moe-router-force-load-balancing replaces (a linear router, softmax or sigmoid)."""
 AUTO = "auto"
@@ -97,15 +98,18 @@ class MoELayerConfig:
         "aux_loss",
         "balancing loss E x sum_e f_e x P_e (f_e: share of routed choices on expert e, P_e: its mean router "
         "probability): aux_loss (all k choices counted), top1_aux_loss (the first choice only, GShard), "
-        "seq_aux_loss (the loss per sequence, averaged over the sequences; DeepSeek-V2/V3), sinkhorn (no loss: the "
-        "experts are chosen on Sinkhorn-balanced scores, megatron-core's; the sinkhorn gate), none",
+        "seq_aux_loss (the loss per sequence, averaged over the sequences; DeepSeek-V2/V3), global_aux_loss (f_e "
+        "over the global batch so far: the TP x DP x CP ranks' micro-batches of the step, megatron-core's), sinkhorn "
+        "(no loss: the experts are chosen on Sinkhorn-balanced scores, megatron-core's; the sinkhorn gate), none",
         flag="--moe-router-load-balancing-type",
-        choices=("aux_loss", "top1_aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+        choices=LOAD_BALANCING,
         applies=only.BALANCING_TYPE,
     )
     """Balancing loss E * sum_e f_e * P_e, one of `LOAD_BALANCING`: aux_loss (f_e counts all k
     choices, Switch/Megatron), top1_aux_loss (f_e counts the first choice only, GShard), seq_aux_loss (aux_loss per
-    sequence, averaged over the sequences: DeepSeek-V2/V3, megatron-core's formula), none."""
+    sequence, averaged over the sequences: DeepSeek-V2/V3, megatron-core's formula), global_aux_loss (f_e of the
+    step's micro-batches so far over the TP x DP x CP ranks, P_e this rank's: megatron-core's, computed only with a
+    positive coefficient), sinkhorn (the sinkhorn gate's choice, no loss), none."""
     aux_loss_coeff: float = arg(0.01, "load-balancing loss weight", flag="--moe-aux-loss-coeff", applies=only.BALANCING)
     """Weight of the balancing loss in the backward pass."""
     z_loss_coeff: float = arg(
@@ -295,7 +299,8 @@ class MoELayerConfig:
     def has_balancing_loss(self) -> bool:
         """Whether the gate computes a balancing loss (what the log shows as `moe aux loss`)."""
         no_loss = self.load_balancing in ("none", "sinkhorn") or self.gate == "sinkhorn"  # sinkhorn balances by choice
-        return not no_loss and not GATE_TRAITS[self.gate].balanced
+        unweighted = self.load_balancing == "global_aux_loss" and self.aux_loss_coeff == 0  # megatron-core: none
+        return not (no_loss or unweighted or GATE_TRAITS[self.gate].balanced)
 
     @property
     def has_z_loss(self) -> bool:

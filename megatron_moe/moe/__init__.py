@@ -13,7 +13,7 @@ from megatron_moe.moe.capacity import capacity_limit, expert_capacity
 from megatron_moe.moe.dispatch import AllToAllV, Dispatcher, PaddedAllToAll
 from megatron_moe.moe.expert_bias import group_limited_topk, update_expert_biases
 from megatron_moe.moe.experts import Experts, FFNExperts, ModuleListExperts
-from megatron_moe.moe.gates import build_gate
+from megatron_moe.moe.gates import build_gate, finish_router_step
 from megatron_moe.moe.hooks import HOOK_POINTS, Bf16OnTheWire, HookContext, MoEHook
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import collect_moe_metrics, set_moe_aux_loss_scale
@@ -44,6 +44,7 @@ __all__ = [
     "capacity_limit",
     "collect_moe_metrics",
     "expert_capacity",
+    "finish_router_step",
     "group_limited_topk",
     "moe_layer_spec",
     "set_moe_aux_loss_scale",

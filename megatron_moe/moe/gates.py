@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.moe_layer import MoELayerConfig
-from megatron_moe.moe.expert_bias import group_limited_topk
+from megatron_moe.moe.expert_bias import group_limited_topk, update_expert_biases
 from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
 from megatron_moe.moe.pieces import batch_order
 from megatron_moe.moe.routing import DeferrableRouter, Gate, Routing, router_linear, router_losses
@@ -52,11 +52,19 @@ class _TopKGateBase(Gate):
         zeros_E = torch.zeros(cfg.num_experts, dtype=torch.float32) if cfg.expert_bias else None
         self.register_buffer("expert_bias", zeros_E)
         self.register_buffer("local_tokens_per_expert", None if zeros_E is None else zeros_E.clone(), persistent=False)
+        # global_aux_loss (with a weight only: megatron-core counts nothing at coefficient 0): the step's routed
+        # choices per expert over the TP x DP x CP ranks so far, and its micro-batches; zeroed after each step, not
+        # checkpointed.
+        tally = cfg.load_balancing == "global_aux_loss" and cfg.aux_loss_coeff > 0
+        counts_E = torch.zeros(cfg.num_experts) if tally else None
+        self.register_buffer("global_tokens_per_expert", counts_E, persistent=False)
+        self.register_buffer("ga_steps", torch.zeros(()) if tally else None, persistent=False)
 
     def _apply(self, fn, *args, **kwargs):
-        """The bias and load stay fp32 whatever the model's dtype (`.to(bf16)`, Float16Module), as megatron-core."""
+        """The bias, loads and counts stay fp32 whatever the model's dtype (`.to(bf16)`, Float16Module), as
+        megatron-core."""
         super()._apply(fn, *args, **kwargs)
-        for name in ("expert_bias", "local_tokens_per_expert"):
+        for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "ga_steps"):
             if self._buffers.get(name) is not None:
                 self._buffers[name] = self._buffers[name].float()
         return self
@@ -106,21 +114,34 @@ class _TopKGateBase(Gate):
             logits_TE=logits_TE if self._losses_later else None,
         )
 
+    def reset_global_tally(self) -> None:
+        """A new step: global_aux_loss's f_e starts afresh (megatron-core's `reset_global_aux_loss_tracker`)."""
+        if self.ga_steps is not None:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
+
     def _losses(self, logits_TE, probs_TE, expert_TK, valid_T):
         """The router losses; the balancing loss counts `probs`' own top-k where the expert bias or the groups
-        pick other experts than it (megatron-core's `compute_routing_scores_for_aux_loss`)."""
+        pick other experts than it (megatron-core's `compute_routing_scores_for_aux_loss`). global_aux_loss only in
+        a training forward with grad and a coefficient, as megatron-core: evaluation, the no-grad first pass of a
+        recomputed layer and a recomputed router region neither count nor communicate."""
         if self.expert_bias is not None or self.group_topk is not None:
             expert_TK = torch.topk(probs_TE.detach(), self.topk, dim=-1)[1]
+        kind = self.load_balancing
+        if kind == "global_aux_loss" and not (self.ga_steps is not None and self.training and torch.is_grad_enabled()):
+            kind = "none"
         return router_losses(
             logits_TE,
             probs_TE,
             expert_TK,
-            kind=self.load_balancing,
+            kind=kind,
             aux_coeff=self.aux_coeff,
             z_coeff=self.z_coeff,
             valid_T=valid_T,
             group=self.token_group,
             batch=self.seq_batch,
+            tally=(self.global_tokens_per_expert, self.ga_steps),
+            global_group=self.global_group,
         )
 
     @property
@@ -285,4 +306,24 @@ def build_gate(cfg: MoELayerConfig) -> Gate:
     return GATE_BUILDERS[cfg.gate](cfg)
 
 
-__all__ = ["GATE_BUILDERS", "CosineGate", "SigmoidGate", "SinkhornGate", "SoftmaxTopKGate", "build_gate"]
+@torch.no_grad()
+def finish_router_step(model_chunks) -> None:
+    """After a training step's backward, where megatron-core's `finalize_model_grads` does the same for its router:
+    every expert bias moved toward its layer's mean load (`update_expert_biases`: one collective where a gate has
+    one), every global_aux_loss tally zeroed (no collective)."""
+    update_expert_biases(model_chunks)
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, _TopKGateBase):
+                module.reset_global_tally()
+
+
+__all__ = [
+    "GATE_BUILDERS",
+    "CosineGate",
+    "SigmoidGate",
+    "SinkhornGate",
+    "SoftmaxTopKGate",
+    "build_gate",
+    "finish_router_step",
+]

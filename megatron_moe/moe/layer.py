@@ -117,6 +117,8 @@ class MoELayer(MegatronModule):
             param.sequence_parallel = config.sequence_parallel
         if config.sequence_parallel and parallel_state.model_parallel_is_initialized():
             self.gate.token_group = parallel_state.get_tensor_model_parallel_group()
+        if parallel_state.model_parallel_is_initialized():  # global_aux_loss counts over every rank of the stage
+            self.gate.global_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         self.gate.to(config.params_dtype)
         self.hooks: list[MoEHook] = list(hooks)
         self.stats = MoEStats(self.cfg.num_experts)

@@ -66,6 +66,8 @@ class Gate(torch.nn.Module, abc.ABC):
 
     token_group = None
     """Ranks holding other shards of the same sequences (TP under sequence parallelism), for the losses."""
+    global_group = None
+    """Ranks whose micro-batches make the global batch (megatron-core's TP x DP x CP group), for global_aux_loss."""
 
     routes_pieces = False
     """True when a piece of a micro-batch routes exactly as in the whole micro-batch (each token alone: no capacity,
@@ -202,6 +204,38 @@ def seq_load_balancing_loss(
     return num_experts * per_pair.sum() / batch
 
 
+def global_load_balancing_loss(
+    probs_TE: torch.Tensor,
+    expert_TK: torch.Tensor,
+    tally: tuple[torch.Tensor, torch.Tensor],
+    valid_T: torch.Tensor | None = None,
+    group=None,
+) -> torch.Tensor:
+    """megatron-core's global_aux_loss (arXiv 2501.11873): aux_loss with f_e over the global batch so far.
+
+    1. this micro-batch's routed choices per expert (valid tokens), summed over `group` (megatron-core's TP x DP x
+       CP group: every rank of the pipeline stage, each issuing it in the same forward);
+    2. added in place to `tally` = (running sum [E], micro-batches []), which is zeroed after each step; f_e is the
+       running sum's mean over the micro-batches so far, over k x the group's tokens of this micro-batch;
+    3. P_e: this rank's (valid) tokens' probability sum over the group's tokens, so each rank's loss is its share
+       of the global one: megatron-core's value and gradient (`switch_load_balancing_loss_func`).
+    """
+    num_tokens, num_experts = probs_TE.shape
+    topk = expert_TK.shape[1]
+    one_hot_TE = torch.zeros_like(probs_TE).scatter_add_(
+        1, expert_TK, torch.ones(expert_TK.shape, dtype=probs_TE.dtype, device=expert_TK.device)
+    )
+    if valid_T is not None:
+        mask_T1 = valid_T.to(probs_TE.dtype).unsqueeze(1)
+        one_hot_TE, probs_TE = one_hot_TE * mask_T1, probs_TE * mask_T1
+    counts_E = comm.sum_global_batch_counts(one_hot_TE.sum(dim=0), group)  # 1.
+    running_E, steps = tally
+    running_E.add_(counts_E)  # 2.
+    steps.add_(1)
+    total = num_tokens * comm.group_size(group) if valid_T is None else counts_E.sum() / topk
+    return torch.sum(probs_TE.sum(dim=0) * (running_E / steps)) * (num_experts / (topk * total * total))  # 3.
+
+
 def z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """ST-MoE router z-loss: mean of logsumexp(logits)^2."""
     return _masked_mean(torch.logsumexp(logits_TE, dim=-1).square(), valid_T, group)
@@ -217,21 +251,37 @@ def entropy_sum(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> 
 
 
 def router_losses(
-    logits_TE, probs_TE, expert_TK, *, kind: str, aux_coeff: float, z_coeff: float, valid_T=None, group=None, batch=1
+    logits_TE,
+    probs_TE,
+    expert_TK,
+    *,
+    kind: str,
+    aux_coeff: float,
+    z_coeff: float,
+    valid_T=None,
+    group=None,
+    batch=1,
+    tally=None,
+    global_group=None,
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(weighted total with grad or None, unweighted detached parts).
 
     `group`: the ranks whose tokens are shards of the same sequences (TP under
     sequence parallelism); the losses are over all of their tokens, as on one rank. `batch`: the sequences in
-    the [S, B] layout the tokens flatten (seq_aux_loss's per-sequence loss).
+    the [S, B] layout the tokens flatten (seq_aux_loss's per-sequence loss). `tally`, `global_group`:
+    global_aux_loss's running counts (added to) and the ranks whose micro-batches make the global batch.
     """
     total, parts = None, {}
     if kind != "none" and expert_TK is not None:
         if kind == "seq_aux_loss":
             lb = seq_load_balancing_loss(probs_TE, expert_TK, batch, valid_T, group)
+        elif kind == "global_aux_loss":
+            lb = global_load_balancing_loss(probs_TE, expert_TK, tally, valid_T, global_group)
         else:
             lb = load_balancing_loss(probs_TE, expert_TK, kind, valid_T, group)
         parts["load_balancing"] = lb.detach()
+        if kind == "global_aux_loss":  # a rank's share: the log's mean over the stage's ranks is then their sum,
+            parts["load_balancing"] = parts["load_balancing"] * comm.group_size(global_group)  # megatron-core's
         if aux_coeff > 0:
             total = aux_coeff * lb
     if z_coeff > 0:

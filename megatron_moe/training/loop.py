@@ -21,7 +21,7 @@ from megatron_moe.comm.skew import Arrivals, ClockOffset, estimate_clock_offset
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
 from megatron_moe.model.builder import params_dtype
-from megatron_moe.moe import collect_moe_metrics, set_moe_aux_loss_scale, update_expert_biases
+from megatron_moe.moe import collect_moe_metrics, finish_router_step, set_moe_aux_loss_scale
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.platform import peak_flops_per_s
@@ -37,7 +37,7 @@ from megatron_moe.training.divergence import ForwardFiniteFlags, LossSpikeDetect
 from megatron_moe.training.flops import flops_per_token
 from megatron_moe.training.log_line import exposed_by_group, jsonl_path
 from megatron_moe.training.logger import TrainingLogger, wandb_run_for
-from megatron_moe.training.moe_metrics import pop_moe_aux_losses
+from megatron_moe.training.moe_metrics import BALANCING_NAMES, pop_moe_aux_losses
 from megatron_moe.training.mtp_metrics import clear_mtp_losses, pop_mtp_losses
 from megatron_moe.training.optimizer import params_norm
 from megatron_moe.training.overlap_report import OverlapReport
@@ -224,8 +224,7 @@ class Trainer:
             )
         else:
             tracked = pop_moe_aux_losses(self.cfg.model.layer_count, self.num_moe_layers, self.num_microbatches)
-            seq = moe.moe_router_load_balancing_type == "seq_aux_loss"  # megatron-core tracks it under its own name
-            balancing = tracked.get("seq_load_balancing_loss" if seq else "load_balancing_loss")
+            balancing = tracked.get(BALANCING_NAMES.get(moe.moe_router_load_balancing_type, "load_balancing_loss"))
             figures = {"moe aux loss": balancing, "moe z loss": tracked.get("z_loss")} if tracked else {}
         return computed_losses_only(figures, aux=aux, z=z)
 
@@ -256,8 +255,8 @@ class Trainer:
         self.overlap.start_iteration()  # counted from this job's start: a resumed job profiles its own cluster
         losses = self._run_microbatches(self.data.train_iterator, forward_only=False)
         self.overlap.end_iteration()
-        if self.own_moe and self.cfg.moe.moe_router_enable_expert_bias:
-            update_expert_biases(self.model)  # where megatron-core's finalize_model_grads moves its own
+        if self.own_moe:  # where megatron-core's finalize_model_grads moves its expert biases, resets its tallies
+            finish_router_step(self.model)
         with comm.host_read("optimizer step (found-inf, grad norm)"):  # megatron-core reads them inside
             update_successful, grad_norm, num_zeros = self.optimizer.step()
         # Megatron-LM's --log-params-norm: after the update, on every rank (a collective).

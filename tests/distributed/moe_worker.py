@@ -216,6 +216,86 @@ def against_megatron_core(ep: int, rank: int) -> dict:
     return dict(zip(names, figures.tolist()), output_abs_mean=out.abs().mean().item())
 
 
+def global_aux_against_megatron_core(ep: int, rank: int) -> dict:
+    """global_aux_loss (coefficient 0.1) in our layer and megatron-core's MoELayer at this EP size, the same weights,
+    each rank its own tokens: a step of 2 micro-batches, the step's reset, a step of 1. After each micro-batch the
+    outputs, dX, the accumulated router and expert grads and each rank's tracked loss (ours: its share times the 4
+    ranks, `routing.router_losses`); after each step the logged figure (megatron-core's: its tracker summed over the
+    TP x DP x CP ranks, averaged over the micro-batches). The counts are summed over all 4 ranks through `issue`."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_moe.moe import finish_router_step
+    from megatron_moe.moe.metrics import SCALARS
+    from tools.bench_moe_layer import build_mcore, build_ours, transformer_config
+
+    config = transformer_config(H, FFN, E, 2, None, swiglu=False)
+    config.moe_router_load_balancing_type, config.moe_aux_loss_coeff = "global_aux_loss", 0.1
+    config.expert_model_parallel_size = ep
+    config.__post_init__()
+    mcore = build_mcore(config).train()
+    with torch.no_grad():  # one router on every rank, as after the DP broadcast
+        mcore.router.weight.copy_(torch.randn(E, H, generator=torch.Generator().manual_seed(3)))
+    ours = build_ours(config, mcore, None, "alltoallv").train()
+    pairs = [(ours.gate.weight, None, mcore.router.weight)]  # the router first, then every local expert's
+    for i, expert in enumerate(mcore.experts.local_experts):
+        pairs += [
+            (ours.experts.weight1, i, expert.linear_fc1.weight),
+            (ours.experts.weight2, i, expert.linear_fc2.weight),
+        ]
+    column, world = E + SCALARS.index("load_balancing_sum"), dist.get_world_size()
+    moe_utils.clear_aux_losses_tracker()
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+
+    def tracked() -> tuple[float, float]:  # (ours, megatron-core's) this rank's sums so far
+        theirs = tracker.get("global_load_balancing_loss", {"values": torch.zeros(1)})["values"][0].item()
+        return (0.0 if ours.stats.sums is None else ours.stats.sums[column].item()), theirs
+
+    counted, issue = [], comm_moe.issue
+
+    def counting(record, start):
+        counted.append(record.purpose == "sum_global_batch_counts")
+        return issue(record, start)
+
+    comm_moe.issue, errors = counting, {}
+    try:
+        for step, micro_batches in enumerate((2, 1)):
+            for micro in range(micro_batches):
+                g = torch.Generator().manual_seed(300 + 10 * rank + 3 * step + micro)
+                x, grad = torch.randn(S, B, H, generator=g) * 2, torch.randn(S, B, H, generator=g)
+                before = tracked()
+                (out, xg, _), (out_ref, xg_ref, _) = run(ours, x, grad, True), run(mcore, x, grad, True)
+                ours_loss, theirs_loss = (now - then for now, then in zip(tracked(), before))
+                figures = {
+                    "output": (out - out_ref).abs().max().item(),
+                    "input_grad": (xg - xg_ref).abs().max().item(),
+                    "tracked_loss_rel": abs(ours_loss - world * theirs_loss) / (world * theirs_loss),
+                }
+                rel = [
+                    ((mine.grad if i is None else mine.grad[i]) - theirs.grad).abs().max() / theirs.grad.abs().max()
+                    for mine, i, theirs in pairs
+                ]
+                figures["router_rel"], figures["expert_rel"] = rel[0].item(), max(rel[1:]).item()
+                errors |= {k: max(errors.get(k, 0.0), v) for k, v in figures.items()}
+            logged = collect_moe_metrics([ours], num_layers=1, num_experts=E)["moe aux loss"]
+            theirs_values = tracker["global_load_balancing_loss"]["values"].clone()
+            dist.all_reduce(theirs_values)  # megatron-core's reduce_aux_losses_tracker_across_ranks (TP x DP x CP)
+            theirs_logged = theirs_values[0].item() / micro_batches
+            errors[f"logged_rel_step{step}"] = abs(logged - theirs_logged) / theirs_logged
+            moe_utils.clear_aux_losses_tracker()
+            mcore.router.reset_global_aux_loss_tracker()  # megatron-core's finalize_model_grads
+            finish_router_step([ours])  # our loop's
+            for param in (*ours.parameters(), *mcore.parameters()):
+                param.grad = None
+    finally:
+        comm_moe.issue = issue
+    figures = torch.tensor([errors[k] for k in sorted(errors)], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    result = dict(zip(sorted(errors), figures.tolist()))
+    result["count_reductions"] = int(_sum(sum(counted)))  # 3 micro-batches x 4 ranks
+    result["logged"] = theirs_logged
+    return result
+
+
 def _all_true(flag: bool) -> bool:
     t = torch.tensor([0 if flag else 1])
     dist.all_reduce(t)
@@ -363,6 +443,7 @@ def main() -> None:
             results[f"ep{ep}/{name}"] = compare(ep, fields, train, solo, rank, hooks)
             _progress(rank, ep, name)
         results[f"ep{ep}/megatron_core/deepseek"] = against_megatron_core(ep, rank)
+        results[f"ep{ep}/megatron_core/global_aux_loss"] = global_aux_against_megatron_core(ep, rank)
         for name, fields in SYNC_CASES.items():
             results[f"ep{ep}/host_syncs/{name}"] = host_syncs(ep, fields, rank)
         if ep == 2:

@@ -1,7 +1,8 @@
 """Our MoE layer at EP=2 and EP=4 equals the EP=1 layer (4 gloo ranks, one torchrun job).
 
 Also in that job: one host sync per layer forward+backward, every collective through megatron_moe.comm, and the
-DeepSeek-V3-style layer (seq_aux_loss, gated shared expert) against megatron-core's MoELayer at EP=2 and EP=4.
+DeepSeek-V3-style layer (seq_aux_loss, gated shared expert) and global_aux_loss over two steps against
+megatron-core's MoELayer at EP=2 and EP=4.
 
 Tolerance: 1e-5 absolute on outputs and gradients of magnitude ~0.1-10 (fp32;
 only the summation order of GEMM blocks may differ); for the case that sends
@@ -55,6 +56,17 @@ def test_deepseek_layer_equals_megatron_cores_at_ep2_and_ep4(results):
         figures = results[f"{ep}/megatron_core/deepseek"]
         assert figures["output_abs_mean"] > 1e-2, figures
         assert max(v for k, v in figures.items() if k != "output_abs_mean") < TOL, (ep, figures)
+
+
+def test_global_aux_loss_layer_equals_megatron_cores_at_ep2_and_ep4(results):
+    """DP 4: the routed counts summed over the 4 ranks (one reduction per micro-batch, through `issue`) and over a
+    step's 2 micro-batches, then reset for the next step; outputs, dX, router and expert grads, each rank's tracked
+    loss and the logged figure as megatron-core's."""
+    for ep in ("ep2", "ep4"):
+        figures = results[f"{ep}/megatron_core/global_aux_loss"]
+        assert figures["count_reductions"] == 3 * 4 and figures["logged"] > 0.5, (ep, figures)
+        assert max(figures["output"], figures["input_grad"]) < TOL, (ep, figures)
+        assert max(v for k, v in figures.items() if k.endswith("_rel")) < TOL, (ep, figures)
 
 
 def test_bf16_wire_hook_really_changed_the_bits(results):

@@ -117,7 +117,6 @@ def test_moe_layer_freq():
             2,
             r"--expert-model-parallel-size=2: EP x expert-TP = 4 must divide the ranks per pipeline stage",
         ),
-        (["--moe-router-load-balancing-type", "global_aux_loss"], 1, r"=global_aux_loss: megatron_moe's layer implem"),
         (
             ["--moe-layer-impl", "mcore", "--moe-router-load-balancing-type", "top1_aux_loss"],
             1,
@@ -129,6 +128,13 @@ def test_moe_layer_freq():
 def test_bad_layouts_name_flag_value_and_choice(flags, world, message):
     with pytest.raises(ConfigError, match=message):
         cfg(*flags).validate(world_size=world)
+
+
+def test_our_layer_takes_global_aux_loss():
+    """megatron-core's global-batch balancing loss, once refused by name in our layer (--moe-layer-impl mcore only)."""
+    c = cfg("--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01")
+    c.validate(world_size=2)
+    assert c.moe.own_layer and c.moe.layer_config(c.model).load_balancing == "global_aux_loss"
 
 
 def test_loss_scale_flags():
@@ -252,6 +258,8 @@ LOGGED_ROUTER_LOSSES = [
     ("--moe-layer-impl mcore", True, False),
     ("--moe-layer-impl mcore --moe-aux-loss-coeff 0", False, False),  # megatron-core then skips it
     ("--moe-layer-impl mcore --moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 0.1", True, True),
+    ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01", True, False),
+    ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0", False, False),  # as megatron-core
 ]
 
 

@@ -69,12 +69,6 @@ def test_docs_list_the_features_refused_by_name_both_ways():
 
 def test_each_config_passes_or_is_refused_only_for_a_feature_not_supported_here():
     listed = not_supported_in_docs() | {"--tokenizer-type=TikTokenizer"}  # refused with the tokenizers to use
-    # megatron-core's layer only (docs/flags.md's row says so): our layer refuses it by name, naming the others
-    assert (
-        "| `--moe-router-load-balancing-type global_aux_loss` | only with `--moe-layer-impl mcore`"
-        in (ROOT / "docs/flags.md").read_text()
-    )
-    listed |= {"--moe-router-load-balancing-type=global_aux_loss"}
     passing, report = [], {}
     for path in CONFIGS:
         lines = refusals(path)

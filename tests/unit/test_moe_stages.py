@@ -416,9 +416,9 @@ def test_bad_settings_name_the_flag():
         layer_config(gate="gshard").validate()
     with pytest.raises(MoEConfigError, match=r"--moe-router-topk=2: --moe-gate=switch"):
         layer_config(gate="switch").validate()
-    implements = r"--moe-router-load-balancing-type=global_aux_loss: megatron_moe's layer implements aux_loss, top1"
+    implements = r"--moe-router-load-balancing-type=switch: megatron_moe's layer implements aux_loss, top1"
     with pytest.raises(MoEConfigError, match=implements):
-        make_layer(load_balancing="global_aux_loss")
+        make_layer(load_balancing="switch")
     with pytest.raises(TypeError, match="dispatcher"):  # now --moe-pad-expert-input-to-capacity
         layer_config(dispatcher="alltoall")
 
