@@ -63,7 +63,7 @@ CASES = {
         layers=1,
         flags=(
             "--num-layers 1 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 3072 --num-experts 8 "
-            "--moe-router-topk 2 --seq-length 512"
+            "--moe-router-topk 2 --moe-aux-loss-coeff 0.01 --seq-length 512"
         ).split(),
         micro_batch=2,
     ),
@@ -84,7 +84,7 @@ CASES = {
         layers=None,
         flags=(
             "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --num-experts 8 --moe-router-topk 2 "
-            "--moe-layer-freq 2 --seq-length 256"
+            "--moe-layer-freq 2 --moe-aux-loss-coeff 0.01 --seq-length 256"
         ).split(),
         micro_batch=8,
     ),

@@ -7,7 +7,8 @@
 Issue 29's item 4, on tools/bench_step.py's machinery (its `MODEL`, dropless top-2 with every layer MoE, its
 `trainer_flags`, `run_case` and `summarize`, the demo data, one `EmulatedCluster`). The methods (`METHODS`):
 
-- `aux`: today's balancing, the aux loss at its default --moe-aux-loss-coeff (0.01), softmax scores;
+- `aux`: today's balancing, the aux loss at bench_step's --moe-aux-loss-coeff 0.01 (the trainer's default was 0.01;
+  it is Megatron-LM's 0 now), softmax scores;
 - `bias`: aux-loss-free balancing as DeepSeek-V3 and Megatron-LM run it: --moe-router-enable-expert-bias (each
   layer's per-expert bias, moved by --moe-router-bias-update-rate, default 1e-3, toward the mean load after every
   step), with --moe-router-score-function sigmoid (the code biases sigmoid scores only, config/rules.py) and
@@ -73,7 +74,7 @@ BIAS_FLAGS = (
 )  # fmt: skip
 SHADOW_FLAGS = ("--moe-shadow-experts", "auto")
 METHODS = {"aux": (), "bias": BIAS_FLAGS, "shadow": SHADOW_FLAGS, "both": (*BIAS_FLAGS, *SHADOW_FLAGS)}
-"""Trainer flags of each balancing method, after bench_step's MODEL (`aux`: the trainer's default aux loss)."""
+"""Trainer flags of each balancing method, after bench_step's `trainer_flags` (`aux`: its aux loss, weight 0.01)."""
 START_OF = {"aux": "aux", "bias": "bias", "shadow": "aux", "both": "bias"}
 """The starting checkpoint (balancing family) each method resumes from: shadowing changes no routing."""
 QUALITY_OF = {"aux": "aux", "bias": "bias", "shadow": "aux", "both": "bias"}

@@ -32,8 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = (
     "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --num-experts 8 --moe-router-topk 2 "
-    "--expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 8 --log-interval 1000 "
-    "--eval-interval 0 --eval-iters 0 --split 98,2,0"
+    "--moe-aux-loss-coeff 0.01 --expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 8 "
+    "--log-interval 1000 --eval-interval 0 --eval-iters 0 --split 98,2,0"
 ).split()
 SKIP = 2  # steps of each run not counted (warm-up)
 

@@ -48,7 +48,8 @@ MARKER = ".bench_data_startup"
 FIRST_ITERATION = re.compile(r"iteration\s+1/")
 MODEL = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 --num-experts 4 --micro-batch-size 2 "
-    "--train-iters 1 --lr 1e-3 --eval-iters 0 --eval-interval 0 --log-interval 1 --split 98,2,0"
+    "--moe-aux-loss-coeff 0.01 --train-iters 1 --lr 1e-3 --eval-iters 0 --eval-interval 0 --log-interval 1 "
+    "--split 98,2,0"
 ).split()
 
 

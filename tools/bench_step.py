@@ -265,6 +265,7 @@ def trainer_flags(
     return [
         *MODEL,
         *TRAINING,
+        "--moe-aux-loss-coeff", "0.01",  # the balancing loss these figures were measured with (the former default)
         "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(esp),
         "--global-batch-size", str(micro * world),
         "--train-iters", str(steps), "--data-path", data[0], "--tokenizer-model", data[1],

@@ -139,7 +139,9 @@ def build_layer(world: int):
         gradient_accumulation_fusion=False,
         use_cpu_initialization=True,
     )
-    moe = MoELayerConfig(num_experts=8, hidden_size=256, ffn_hidden_size=512, topk=2, expert_type="swiglu")
+    moe = MoELayerConfig(
+        num_experts=8, hidden_size=256, ffn_hidden_size=512, topk=2, expert_type="swiglu", aux_loss_coeff=0.01
+    )
     group = torch.distributed.group.WORLD if world > 1 else None
     return MoELayer(config, moe, ep_group=group, layer_number=1)
 

@@ -110,8 +110,14 @@ class MoELayerConfig:
     sequence, averaged over the sequences: DeepSeek-V2/V3, megatron-core's formula), global_aux_loss (f_e of the
     step's micro-batches so far over the TP x DP x CP ranks, P_e this rank's: megatron-core's, computed only with a
     positive coefficient), sinkhorn (the sinkhorn gate's choice, no loss), none."""
-    aux_loss_coeff: float = arg(0.01, "load-balancing loss weight", flag="--moe-aux-loss-coeff", applies=only.BALANCING)
-    """Weight of the balancing loss in the backward pass."""
+    aux_loss_coeff: float = arg(
+        0.0,
+        "load-balancing loss weight (Megatron-LM's default 0: the loss is still computed and logged in our layer, "
+        "except global_aux_loss, but not weighted)",
+        flag="--moe-aux-loss-coeff",
+        applies=only.BALANCING,
+    )
+    """Weight of the balancing loss in the backward pass (0, Megatron-LM's default: logged, not weighted)."""
     z_loss_coeff: float = arg(
         0.0, "router z-loss weight (unset: off)", flag="--moe-z-loss-coeff", applies=only.Z_LOSS, flag_default=None
     )

@@ -36,8 +36,9 @@ def tiny_pretrain_command(train_data, *flags: str) -> list[str]:
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node=2", f"--master-port={free_port()}", os.path.join(ROOT, "pretrain_gpt_moe.py"),
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--num-experts", "4", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "0",
+        "--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--expert-model-parallel-size", "2",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "0",
+        "--eval-iters", "0",
         "--data-path", data, "--tokenizer-model", tokenizer, "--split", "98,2,0",
         "--moe-pipeline-degree", "1", "--moe-bp-pipeline-degree", "1", "--grad-reduce-schedule", "megatron", *flags,
     ]  # fmt: skip

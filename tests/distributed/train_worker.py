@@ -66,10 +66,10 @@ ITERS = 4
 
 MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
-    "--eval-interval", "0", "--log-interval", "1", "--data-path", DATA, "--tokenizer-model", TOKENIZER,
-    "--split", "90,10,0", "--seed", "7", "--log-params-norm",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "0.01",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1",
+    "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1", "--data-path", DATA,
+    "--tokenizer-model", TOKENIZER, "--split", "90,10,0", "--seed", "7", "--log-params-norm",
 ]  # fmt: skip
 # megatron-core's MoE layer, the layer benchmark's reference (without biases: it has expert biases only at ESP 1)
 MCORE = ["--moe-layer-impl", "mcore", "--disable-bias-linear"]

@@ -9,8 +9,9 @@ import torch
 
 VOCAB, SEQ, MICRO = 128, 32, 2
 SMALL = (
-    f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --seq-length {SEQ} "
-    f"--micro-batch-size {MICRO} --global-batch-size 4 --log-interval 1 --log-params-norm --log-num-zeros-in-grad"
+    f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4 --moe-aux-loss-coeff 0.01 "
+    f"--seq-length {SEQ} --micro-batch-size {MICRO} --global-batch-size 4 --log-interval 1 --log-params-norm "
+    "--log-num-zeros-in-grad"
 ).split()
 """The model and batch flags both tests train with; each adds its iteration and validation flags."""
 

@@ -212,7 +212,7 @@ def test_flags_become_the_layer_config_in_one_place():
     flags = (
         "--moe-expert-capacity-factor -1.5 --moe-pad-expert-input-to-capacity --swiglu --moe-ffn-hidden-size 96 "
         "--moe-router-load-balancing-type top1_aux_loss --moe-gate xmoe --moe-router-dim 8 --moe-z-loss-coeff 0.001 "
-        "--moe-router-topk 1 --init-method-std 0.01"
+        "--moe-router-topk 1 --init-method-std 0.01 --moe-aux-loss-coeff 0.01"
     )
     c = cfg(*flags.split())
     layer = c.moe.layer_config(c.model)
@@ -255,9 +255,14 @@ LOGGED_ROUTER_LOSSES = [
     ("--moe-gate expert_choice", False, False),  # balanced by construction: no loss to log
     ("--moe-gate expert_choice --moe-z-loss-coeff 0.001", False, True),
     ("--moe-gate soft", False, False),
-    ("--moe-layer-impl mcore", True, False),
-    ("--moe-layer-impl mcore --moe-aux-loss-coeff 0", False, False),  # megatron-core then skips it
-    ("--moe-layer-impl mcore --moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 0.1", True, True),
+    ("--moe-layer-impl mcore --moe-aux-loss-coeff 0.01", True, False),
+    ("--moe-layer-impl mcore", False, False),  # the default 0 (Megatron-LM's): megatron-core then skips it
+    (
+        "--moe-layer-impl mcore --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 "
+        "--moe-z-loss-coeff 0.1",
+        True,
+        True,
+    ),
     ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01", True, False),
     ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0", False, False),  # as megatron-core
 ]

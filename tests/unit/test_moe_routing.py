@@ -171,7 +171,7 @@ def test_sigmoid_gate_scores_are_independent_sigmoids():
 
 
 def test_noisy_topk_is_random_in_training_and_learns_its_noise():
-    gate = build_gate(cfg(gate="noisy_topk"))
+    gate = build_gate(cfg(gate="noisy_topk", aux_loss_coeff=0.01))
     x = x_TH()
     a, b = gate(x), gate(x)
     assert not torch.equal(a.probs_TE, b.probs_TE)
