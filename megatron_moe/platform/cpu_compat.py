@@ -22,6 +22,7 @@ import types
 import torch
 
 # Patch and the source probes live in patch.py; other folders still import them from here.
+from megatron_moe.import_hooks import after_import
 from megatron_moe.platform.layer_wise_gather import apply_layer_wise_gather, layer_wise_gathers_uneven_lists
 from megatron_moe.platform.patch import Patch, source, source_sha256  # noqa: F401
 
@@ -129,8 +130,11 @@ def _apply_torch_cuda_standins() -> None:
     # CUDA interface, which took torch.cuda.is_available at import, whether to read the GPU's properties. With the
     # CPU forced on a GPU host it said yes, then indexed the properties by the stand-in current device (a
     # torch.device) and failed: "list indices must be integers or slices, not torch.device" (seen on an H200).
-    from torch._dynamo import device_interface
+    # Told when dynamo loads (3 s of imports: not before a compile needs it).
+    after_import("torch._dynamo.device_interface", _dynamo_sees_no_cuda)
 
+
+def _dynamo_sees_no_cuda(device_interface) -> None:
     device_interface.CudaInterface.is_available = staticmethod(_false)
 
 

@@ -18,6 +18,7 @@ from multiprocessing.managers import SyncManager
 
 import torch
 
+from megatron_moe.import_hooks import JIT_MODULE
 from megatron_moe.lifetime import writer_process_start
 from megatron_moe.platform.patch import Patch, source
 
@@ -301,7 +302,18 @@ def _muon_needs_emerging_optimizers_and_it_is_absent() -> bool:
     return needs and not emerging_optimizers.real_package_installed()
 
 
+def _jit_fuser_is_torch_compile() -> bool:
+    return "jit_fuser = torch.compile" in source(JIT_MODULE)
+
+
 PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "deferred_jit_fuser",
+        "megatron-core decorates ~40 functions with torch.compile as it loads (3.5 s of dynamo and inductor imports "
+        "per process): they compile on first call instead (megatron_moe/import_hooks.py, installed on import).",
+        None,
+        _jit_fuser_is_torch_compile,
+    ),
     Patch(
         "te_general_gemm",
         "router gating raises NameError te_general_gemm without transformer-engine.",
@@ -366,5 +378,6 @@ def apply_all() -> None:
     global _applied
     if not _applied:
         for patch in PATCHES:
-            patch.apply()
+            if patch.apply:  # None: applied by its owner (the deferred jit_fuser: on import)
+                patch.apply()
         _applied = True

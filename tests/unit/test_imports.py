@@ -80,7 +80,7 @@ def find_cycle(edges: dict[str, dict[str, str]]) -> list[str] | None:
 
 
 LAYERS = (
-    ("config", "files", "failure", "lifetime"),
+    ("config", "files", "failure", "lifetime", "import_hooks"),
     ("platform",),
     ("comm", "data", "activations"),
     ("moe",),
