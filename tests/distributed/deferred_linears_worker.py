@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import megatron_moe  # noqa: F401  before megatron-core: its fused functions then compile on first call
+
 warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state  # noqa: E402

@@ -17,6 +17,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+import megatron_moe  # noqa: F401  before megatron-core: its fused functions then compile on first call
+
 warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state  # noqa: E402
