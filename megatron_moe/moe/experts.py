@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron_moe import comm
 from megatron_moe.activations.engine import SAVE_ALL, FusedKeeping
 from megatron_moe.moe.ffn import ffn_activation, ffn_activation_backward_
-from megatron_moe.moe.grouped_gemm import grouped_linear, grouped_mm, grouped_weight_grad
+from megatron_moe.moe.grouped_gemm import SMALL_EXPERT_WEIGHT, grouped_linear, grouped_mm, grouped_weight_grad
 from megatron_moe.moe.weight_grad import RUN_NOW, DeferrableWeights, WeightGrad, WeightGradStore, at_position
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.rng import host_rng_keyed
@@ -55,11 +55,6 @@ class Keeping(Protocol):
     def fetch(self, kept: Any, start: int, end: int) -> torch.Tensor | None:
         """Backward: rows [start, end) of what `keep` returned, or None: recompute them."""
         ...
-
-
-SMALL_EXPERT_WEIGHT = 1 << 20
-"""Experts whose weight1 has fewer elements than this run as one run on CPU too (`FFNExperts.chunk_bytes` None):
-fine-grained experts (hidden 512 x FFN 352, 64 experts) measured faster so (docs/kernels.md)."""
 
 
 def mark_expert_params(module: torch.nn.Module) -> None:
@@ -276,7 +271,7 @@ class FFNExperts(torch.nn.Module, DeferrableWeights):
         self.keeping: FusedKeeping | None = SAVE_ALL
         """What the fused node keeps of x, h, a; None: run fc1/act/fc2 as separate regions."""
         self.chunk_bytes = current_platform().expert_chunk_bytes
-        if width * hidden_size < SMALL_EXPERT_WEIGHT:  # small experts: one run (one activation call, less Python)
+        if width * hidden_size < SMALL_EXPERT_WEIGHT:  # one run on CPU too: one activation call, less Python
             self.chunk_bytes = None
         self.weight_grad_store: WeightGradStore = RUN_NOW
         """Where backward hands the weight-gradient GEMMs (`megatron_moe.moe.weight_grad`); the default runs them."""

@@ -26,8 +26,17 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("grouped_gemm", "bmm", "onednn", "torch._grouped_mm", "mm-loop")
 """In the order tried on an accelerator; on CPU `onednn` goes first, before bmm too (its per-group GEMMs beat
-MKL's batched one), and the grouped_gemm package (a GPU build) runs only where forced."""
+MKL's batched one), but `mm-loop` before it for small experts (`SMALL_EXPERT_WEIGHT`), and the grouped_gemm
+package (a GPU build) runs only where forced."""
 _CPU_ORDER = ("onednn", "bmm", "torch._grouped_mm", "mm-loop")
+_CPU_SMALL_ORDER = ("mm-loop", *_CPU_ORDER)
+SMALL_EXPERT_WEIGHT = 1 << 20
+"""Experts whose weight has fewer elements than this run `mm-loop` on CPU (where `mm_rows_independent`): MKL
+writes each expert's rows in place, where oneDNN's fresh output is copied in, and its GEMMs are no slower at
+these sizes (docs/kernels.md: fine-grained layers 10-13% faster)."""
+MM_MIN_ROWS = 16
+"""`mm-loop` on CPU runs an expert of fewer rows through a zero-padded block of this many: MKL's sgemm takes
+another path for 1-3, 5-7 and 9-11 rows, whose bits differ from the same rows' in a bigger call."""
 GROUPED_GEMM_DTYPES = (torch.bfloat16,)
 """What the `grouped_gemm` package's gmm takes: its csrc/grouped_gemm.cu checks a, b and c for kBFloat16, in the
 tgale96 release and in the fanshiqing fork megatron-core's install hint names (its issue #19: the fp16 error)."""
@@ -63,6 +72,40 @@ def _torch_grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return bool(y.shape == (3, 16) and dw.shape == (2, 16, 8) and float(y[0, 0]) == 8.0)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+@functools.cache
+def mm_rows_independent(dtype: torch.dtype, width_in: int, width_out: int, transposed: bool) -> bool:
+    """Probe CPU torch.mm (MKL) at one weight shape and layout for the invariant `mm-loop` needs to stand in for
+    oneDNN: a row's result is the same bits whatever the call's row count (small ones padded to `MM_MIN_ROWS`)
+    and the row's place in it, so the pipelined experts and the EP layouts equal the single process bit for bit.
+    It holds at the experts' sizes measured (hidden 128-3072 by FFN 128-3072); not at some tiny ones (8 x 6)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(67, width_in, generator=g).to(dtype)
+    w = torch.randn(width_in, width_out, generator=g).to(dtype)
+    w = w.t().contiguous().t() if transposed else w
+    whole = torch.mm(x, w)
+    for count in (1, 3, 5, 11, 16, 17, 31, 40, 67):
+        rows = torch.randperm(67, generator=g)[:count]
+        if not torch.equal(_mm_rows(x[rows], w, whole.new_empty(count, width_out)), whole[rows]):
+            return False
+    return True
+
+
+def _mm_rows(x_RI: torch.Tensor, w_IO: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ w by torch.mm, fewer than `MM_MIN_ROWS` rows on CPU through a zero-padded block."""
+    if x_RI.shape[0] >= MM_MIN_ROWS or x_RI.device.type != "cpu":
+        return torch.mm(x_RI, w_IO, out=out)
+    padded = x_RI.new_zeros(MM_MIN_ROWS, x_RI.shape[1])
+    padded[: x_RI.shape[0]] = x_RI
+    return out.copy_(torch.mm(padded, w_IO)[: x_RI.shape[0]])
+
+
+def _small_on_cpu(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """An expert GEMM of `mm-loop`'s sizes on a CPU whose torch.mm keeps its rows independent (b: [E, I, O])."""
+    if b.dim() != 3 or b.shape[1] * b.shape[2] >= SMALL_EXPERT_WEIGHT or a.device.type != "cpu":
+        return False
+    return mm_rows_independent(a.dtype, b.shape[1], b.shape[2], b.stride(1) < b.stride(2))
 
 
 def onednn_linear(x_RI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
@@ -135,7 +178,9 @@ def _fits(kernel: str, a: torch.Tensor, b: torch.Tensor, counts: list[int], out)
 
 def _choose(a: torch.Tensor, b: torch.Tensor, counts: list[int], out) -> str:
     """The kernel for the groups of `a` times `b`: the forced one if it fits, else the first that does."""
-    order = _CPU_ORDER if a.device.type == "cpu" else KERNELS
+    order = KERNELS
+    if a.device.type == "cpu":
+        order = _CPU_SMALL_ORDER if _small_on_cpu(a, b) else _CPU_ORDER
     return next(k for k in ((_forced,) if _forced else ()) + order if _fits(k, a, b, counts, out))
 
 
@@ -204,7 +249,7 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=N
         if kernel == "onednn":
             out[rows].copy_(onednn_linear(x_RI[rows], w_EIO[e].t()))
         else:
-            torch.mm(x_RI[rows], w_EIO[e], out=out[rows])
+            _mm_rows(x_RI[rows], w_EIO[e], out[rows])
     return out
 
 

@@ -3,7 +3,8 @@ chosen logged once per (device type, dtype, kernel), and `kernel_name` saying wh
 
 The package is a fake whose gmm refuses what its CUDA build refuses (`gpu_like_kernels.GpuLikeGroupedGemm`).
 On CPU the package is never in the order tried, so the tests that ask what an accelerator would run put CPU
-tensors through the accelerator's order (`_CPU_ORDER` set to `KERNELS`); on CPU `onednn` still fits fp32 there.
+tensors through the accelerator's order (`_CPU_ORDER` and `_CPU_SMALL_ORDER` set to `KERNELS`); on CPU `onednn`
+still fits fp32 there.
 """
 
 import logging
@@ -38,6 +39,7 @@ def package(monkeypatch):
 def accelerator_order(monkeypatch):
     """CPU tensors go through the kernel order of an accelerator (the package first)."""
     monkeypatch.setattr(grouped_gemm, "_CPU_ORDER", KERNELS)
+    monkeypatch.setattr(grouped_gemm, "_CPU_SMALL_ORDER", KERNELS)
 
 
 def _inputs(dtype):
@@ -71,6 +73,7 @@ def test_the_grouped_gemm_package_runs_bf16_only(package, monkeypatch, dtype, ho
     another kernel computes correctly."""
     if how == "accelerator_order":
         monkeypatch.setattr(grouped_gemm, "_CPU_ORDER", KERNELS)
+        monkeypatch.setattr(grouped_gemm, "_CPU_SMALL_ORDER", KERNELS)
     x, w1, w2, dy = _inputs(dtype)
     with forced_kernel("grouped_gemm" if how == "forced" else None):
         chosen = _kernel(x, w1.transpose(1, 2), COUNTS, None)
@@ -160,3 +163,47 @@ def test_small_experts_run_as_one_run():
 
     assert 32 * 24 < SMALL_EXPERT_WEIGHT and experts(32, 24).chunk_bytes is None
     assert experts(1024, 1024).chunk_bytes == current_platform().expert_chunk_bytes
+
+
+def test_small_experts_run_mm_loop_on_cpu_where_its_rows_are_independent(monkeypatch):
+    """Below SMALL_EXPERT_WEIGHT the CPU runs torch.mm per expert into the output (`mm-loop`) where the probe finds
+    a row's bits independent of the rows beside it; larger experts, or a torch.mm whose rows depend on the call,
+    run oneDNN."""
+    small, large = torch.empty(4, 32, 24).transpose(1, 2), torch.empty(1, 1024, 1024)
+    x_small, x_large = torch.empty(9, 24), torch.empty(9, 1024)
+    if not grouped_gemm.mm_rows_independent(torch.float32, 24, 32, True):
+        pytest.skip("this CPU's torch.mm gives rows bits that depend on the call: oneDNN runs (the next test)")
+    assert _kernel(x_small, small, [3, 0, 4, 2], None) == "mm-loop"
+    assert _kernel(x_large, large, [9], None) == "onednn"
+    assert kernel_name("cpu", torch.float32) == "mm-loop"  # what the logs and the benchmark report
+
+
+def test_a_torch_mm_whose_rows_depend_on_the_call_leaves_the_experts_on_onednn(monkeypatch):
+    """The probe compares rows computed in calls of other sizes: a BLAS that rounds by the call's row count (here a
+    stand-in adding an ulp per row of the call) fails it, and the kernel is oneDNN."""
+    real = grouped_gemm._mm_rows
+
+    def row_count_dependent(x, w, out):
+        return real(x, w, out).mul_(1 + x.shape[0] * 2**-23)
+
+    monkeypatch.setattr(grouped_gemm, "_mm_rows", row_count_dependent)
+    grouped_gemm.mm_rows_independent.cache_clear()
+    try:
+        assert not grouped_gemm.mm_rows_independent(torch.float32, 24, 32, True)
+        assert _kernel(torch.empty(9, 24), torch.empty(4, 32, 24).transpose(1, 2), [3, 0, 4, 2], None) == "onednn"
+    finally:
+        grouped_gemm.mm_rows_independent.cache_clear()
+
+
+def test_mm_loop_pads_an_expert_of_few_rows_so_its_rows_match_a_bigger_call():
+    """MKL takes another path for a few rows: each expert's rows, 1 to 40 of them, give the bits they get in one
+    call over all 67 (the pipelined experts' chunks rely on it; oneDNN's 1-row path differs, see its test)."""
+    g = torch.Generator().manual_seed(1)
+    x, w_EOI = torch.randn(67, 512, generator=g), torch.randn(1, 352, 512, generator=g)
+    whole = torch.mm(x, w_EOI[0].t())
+    if not all(torch.equal(torch.mm(x[:n], w_EOI[0].t()), whole[:n]) for n in (16, 24, 40)):
+        pytest.skip("this CPU's torch.mm gives rows bits that depend on the call even at 16 rows and more")
+    with forced_kernel("mm-loop"):
+        for count in range(1, 41):
+            got = grouped_gemm.grouped_mm(x[:count], w_EOI.transpose(1, 2), [count])
+            assert torch.equal(got, whole[:count]), count

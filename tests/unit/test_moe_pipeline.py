@@ -8,6 +8,8 @@ communication) equals the experts run whole: bit-identical with the forward unch
 weight gradients, any r_b), within 1e-6 relative otherwise (a GEMM over 1 row takes another kernel path).
 """
 
+import functools
+
 import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
@@ -128,6 +130,34 @@ def test_the_pipelined_node_equals_the_experts_run_whole(gated, counts, degrees)
             assert torch.equal(got, want)
         else:
             assert _close(got, want)
+
+
+def _pipelined(rows, *, experts, counts, degrees):
+    return pipelined_experts(rows, experts, counts, [counts], degrees, Links(None, None, None, None))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_pipelined_node_equals_the_experts_run_whole_under_mm_loop(gated):
+    """Small experts run torch.mm per expert on CPU (`mm-loop`, where its rows are independent of the call): the
+    backward's chunks of 1-5 rows per expert still change no bit (they go through a padded block)."""
+    from megatron_moe.moe import grouped_gemm
+
+    hidden, ffn = 32, 24
+    experts = FFNExperts(
+        num_local_experts=4, hidden_size=hidden, ffn_hidden_size=ffn, gated=gated,
+        init_method=torch.nn.init.normal_, output_init_method=torch.nn.init.normal_,
+    )  # fmt: skip
+    counts = [3, 0, 5, 2]
+    x, grad = torch.randn(sum(counts), hidden), torch.randn(sum(counts), hidden)
+    if grouped_gemm._kernel(x, experts.weight1.transpose(1, 2), counts, None) != "mm-loop":
+        pytest.skip("this CPU's torch.mm gives rows bits that depend on the call: oneDNN runs (the test above)")
+    whole = _run(lambda t: experts(t, counts), x, grad)
+    whole_w = (experts.weight1.grad, experts.weight2.grad)
+    for degrees in ((1, 2), (1, 4)):
+        experts.zero_grad(set_to_none=True)
+        chunked = _run(functools.partial(_pipelined, experts=experts, counts=counts, degrees=degrees), x, grad)
+        for got, want in zip((*chunked, experts.weight1.grad, experts.weight2.grad), (*whole, *whole_w)):
+            assert torch.equal(got, want), degrees
 
 
 def _layer(**fields) -> MoELayer:
