@@ -135,7 +135,8 @@ def test_params_norm_is_the_norm_of_the_weights(runs):
 
 def test_megatron_core_moe_layer_trains_and_matches_itself_at_ep2(runs):
     """--moe-layer-impl mcore (the layer benchmark's reference) stays trainable from the CLI, at EP=2 and at TP=2
-    with ESP unset (megatron-core's expert tensor parallelism over the TP ranks, Megatron-LM's default)."""
+    with ESP unset (megatron-core's expert tensor parallelism over the TP ranks, Megatron-LM's default), and logs
+    the single process's balancing loss in both."""
     _, layouts, _ = runs
     single, ep2, tp2 = layouts["mcore"], layouts["mcore_ep2"], layouts["mcore_tp2"]
     assert len(single) == len(ep2) == len(tp2) == 4
@@ -143,6 +144,10 @@ def test_megatron_core_moe_layer_trains_and_matches_itself_at_ep2(runs):
     assert all(step["moe aux loss"] > 0 for step in single)  # megatron-core's tracker, logged
     assert_matches(ep2, single)
     assert_matches(tp2, single)
+    # Its logged balancing loss too: at TP=2 each rank tracks its share of the TP group's (was half the figure).
+    for layout in (ep2, tp2):
+        for step, ref in zip(layout, single):
+            assert step["moe aux loss"] == pytest.approx(ref["moe aux loss"], rel=1e-5), (step, ref)
 
 
 def test_a_balancing_loss_not_computed_is_not_logged(runs):
