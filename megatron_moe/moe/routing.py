@@ -180,20 +180,15 @@ def seq_load_balancing_loss(
     probs_TE: torch.Tensor, expert_TK: torch.Tensor, batch: int, valid_T: torch.Tensor | None = None, group=None
 ) -> torch.Tensor:
     """DeepSeek-V2/V3's sequence-level balancing loss, as megatron-core's seq_aux_loss: the aux_loss of each
-
     sequence alone (tokens t = s * batch + b, the [S, B] layout flattened), averaged over the `batch` sequences.
     Padding counts as megatron-core counts it: one token count, the valid tokens over `batch`.
     """
     num_experts = probs_TE.shape[1]
-    one_hot_TE = torch.zeros_like(probs_TE).scatter_add_(
-        1, expert_TK, torch.ones(expert_TK.shape, dtype=probs_TE.dtype, device=expert_TK.device)
-    )
-    if valid_T is not None:
-        mask_T1 = valid_T.to(probs_TE.dtype).unsqueeze(1)
-        one_hot_TE, probs_TE = one_hot_TE * mask_T1, probs_TE * mask_T1
-        count = mask_T1.sum() / batch
-    else:
+    one_hot_TE, probs_TE = _routed_of_valid(probs_TE, expert_TK, valid_T)
+    if valid_T is None:
         count = probs_TE.new_full((), probs_TE.shape[0] / batch)
+    else:
+        count = valid_T.to(probs_TE.dtype).sum() / batch
     tokens_X, probs_X = one_hot_TE.view(-1, batch * num_experts).sum(0), probs_TE.view(-1, batch * num_experts).sum(0)
     if comm.group_size(group) > 1:
         tokens_X = comm.sum_across_shards(tokens_X, group)
@@ -222,12 +217,7 @@ def global_load_balancing_loss(
     """
     num_tokens, num_experts = probs_TE.shape
     topk = expert_TK.shape[1]
-    one_hot_TE = torch.zeros_like(probs_TE).scatter_add_(
-        1, expert_TK, torch.ones(expert_TK.shape, dtype=probs_TE.dtype, device=expert_TK.device)
-    )
-    if valid_T is not None:
-        mask_T1 = valid_T.to(probs_TE.dtype).unsqueeze(1)
-        one_hot_TE, probs_TE = one_hot_TE * mask_T1, probs_TE * mask_T1
+    one_hot_TE, probs_TE = _routed_of_valid(probs_TE, expert_TK, valid_T)
     counts_E = comm.sum_global_batch_counts(one_hot_TE.sum(dim=0), group)  # 1.
     running_E, steps = tally
     running_E.add_(counts_E)  # 2.
@@ -294,3 +284,16 @@ def router_losses(
 def expert_choice_slots(num_tokens: int, topk: int, num_experts: int) -> int:
     """Tokens each expert picks so that on average a token gets `topk` experts."""
     return max(1, min(num_tokens, math.ceil(topk * num_tokens / num_experts)))
+
+
+def _routed_of_valid(
+    probs_TE: torch.Tensor, expert_TK: torch.Tensor, valid_T: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's routed choices as a [T, E] count, its probabilities), both zero on tokens not `valid_T`."""
+    one_hot_TE = torch.zeros_like(probs_TE).scatter_add_(
+        1, expert_TK, torch.ones(expert_TK.shape, dtype=probs_TE.dtype, device=expert_TK.device)
+    )
+    if valid_T is None:
+        return one_hot_TE, probs_TE
+    mask_T1 = valid_T.to(probs_TE.dtype).unsqueeze(1)
+    return one_hot_TE * mask_T1, probs_TE * mask_T1

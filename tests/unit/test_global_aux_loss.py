@@ -6,6 +6,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
 from megatron_moe.moe import MoELayerConfig, build_gate, finish_router_step
+from tests.unit.test_seq_aux_loss import router_groups
 
 H, E, K, T, COEFF = 16, 8, 2, 24, 0.01
 
@@ -82,9 +83,7 @@ def test_the_counts_stay_fp32_and_out_of_the_checkpoint():
 def test_our_layer_equals_megatron_cores_router_over_a_step(score, megatron_world1, monkeypatch):
     """Our MoE layer's router and megatron-core's TopKRouter (global_aux_loss) on the same weights and micro-batches
     (one padded): the same tracked loss and router-weight gradient after each, and after the step's reset."""
-    import types
 
-    from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter
@@ -100,13 +99,7 @@ def test_our_layer_equals_megatron_cores_router_over_a_step(score, megatron_worl
     gate = "sigmoid" if score == "sigmoid" else "topk"
     ours = dict(gate=gate, topk=K, load_balancing="global_aux_loss", aux_loss_coeff=COEFF)
     layer = MoELayer(config, MoELayerConfig(num_experts=E, hidden_size=H, ffn_hidden_size=8, **ours), layer_number=1)
-    groups = types.SimpleNamespace(
-        tp=parallel_state.get_tensor_model_parallel_group(),
-        cp=parallel_state.get_context_parallel_group(),
-        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
-        tp_dp_cp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
-    )
-    router = TopKRouter(config, pg_collection=groups).train()
+    router = TopKRouter(config, pg_collection=router_groups()).train()
     router.set_layer_number(1)
     # its aux-loss gradient scale as a schedule sets it ([1]), undone after (the loop tests' schedules set theirs)
     monkeypatch.setattr(moe_utils.MoEAuxLossAutoScaler, "main_loss_backward_scale", torch.ones(1))

@@ -1,10 +1,23 @@
 """--moe-router-load-balancing-type seq_aux_loss in our router: megatron-core's per-sequence formula."""
 
+import types
+
 import pytest
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
 from megatron_moe.moe.routing import load_balancing_loss, router_losses, seq_load_balancing_loss
+
+
+def router_groups() -> types.SimpleNamespace:
+    """The process groups megatron-core's TopKRouter reads (its `pg_collection`), from the parallel state."""
+    return types.SimpleNamespace(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        cp=parallel_state.get_context_parallel_group(),
+        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
+        tp_dp_cp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
+    )
 
 
 def mcore_seq_aux_loss(probs_TE, expert_TK, seq, batch, coeff):
@@ -67,9 +80,7 @@ def test_our_layer_routes_and_balances_per_sequence_as_megatron_cores_router(sco
     """64 experts top-8 (fine-grained): the same experts, weights, seq_aux_loss and its router-weight gradient.
     DeepSeek-V3's routing (expert bias, 8 groups of which 4, scaling 2.5): the experts are picked with the bias
     within the groups, while the balancing loss counts the loss scores' own top-k, as megatron-core's."""
-    import types
 
-    from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -88,13 +99,7 @@ def test_our_layer_routes_and_balances_per_sequence_as_megatron_cores_router(sco
     layer = MoELayer(
         config, MoELayerConfig(num_experts=e, hidden_size=h, ffn_hidden_size=8, aux_loss_coeff=coeff, **ours)
     )
-    groups = types.SimpleNamespace(
-        tp=parallel_state.get_tensor_model_parallel_group(),
-        cp=parallel_state.get_context_parallel_group(),
-        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
-        tp_dp_cp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
-    )
-    router = TopKRouter(config, pg_collection=groups).train()
+    router = TopKRouter(config, pg_collection=router_groups()).train()
     router.weight.data.copy_(layer.gate.weight.data)
     if deepseek:  # a bias that changes the choices
         bias_E = torch.randn(e, generator=torch.Generator().manual_seed(4)) * 0.05

@@ -24,11 +24,6 @@ def test_a_launch_without_torchrun_listens_on_its_rendezvous_port_before_naming_
     """`python pretrain_gpt_moe.py` picks its own rendezvous: the store is bound to a port the system chose and
     MASTER_PORT names that port, never a port probed free and bound later (two launches together once collided
     there, EADDRINUSE, in the save lock's test). Run in a fresh process: this one's environment stays as it is."""
-    import subprocess
-    import sys
-
-    from tests.conftest import shell_env
-
     code = (
         "import os, datetime, torch.distributed as dist\n"
         "from megatron_moe.platform.process import default_to_single_process\n"
@@ -38,19 +33,13 @@ def test_a_launch_without_torchrun_listens_on_its_rendezvous_port_before_naming_
         "client.set('k', 'v'); assert store.get('k') == b'v'\n"
         "assert default_to_single_process() is None  # idempotent: RANK is set now\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=shell_env(), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _runs_clean(code, timeout=120)
 
 
 def test_a_run_sets_the_imported_objects_aside_from_the_collector_and_still_collects_its_own():
     """`initialize` freezes what is alive at a run's start (torch's and megatron-core's ~430k objects), so the
     collections at teardown and during the run scan only the run's objects; garbage made after it, cycles
     included, is still collected. In a fresh process: this one's collector stays as it is."""
-    import subprocess
-    import sys
-
-    from tests.conftest import shell_env
-
     code = (
         "import gc, weakref\n"
         "from megatron_moe.config import parse_args\n"
@@ -65,5 +54,15 @@ def test_a_run_sets_the_imported_objects_aside_from_the_collector_and_still_coll
         "a, b = Node(), Node(); a.other, b.other = b, a; gone = weakref.ref(a); del a, b\n"
         "assert gone() is not None; gc.collect(); assert gone() is None\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=shell_env(), capture_output=True, text=True, timeout=300)
+    _runs_clean(code, timeout=300)
+
+
+def _runs_clean(code: str, timeout: int) -> None:
+    """`code` in a fresh Python process exits 0."""
+    import subprocess
+    import sys
+
+    from tests.conftest import shell_env
+
+    out = subprocess.run([sys.executable, "-c", code], env=shell_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]
