@@ -1,10 +1,7 @@
 """Aux-loss-free balancing and group-limited routing against megatron-core 0.16.1's own router, single process."""
 
-import types
-
 import pytest
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import moe_utils
@@ -14,6 +11,7 @@ from megatron_moe.config import ConfigError, parse_args
 from megatron_moe.config.megatron_lm import REFUSED
 from megatron_moe.model.builder import transformer_config
 from megatron_moe.moe import MoELayer, MoELayerConfig, group_limited_topk, update_expert_biases
+from tests.unit.mcore_router import router_groups
 
 H, E, S, B = 16, 8, 6, 4
 
@@ -51,13 +49,7 @@ def both(name):
     layer = MoELayer(
         config, MoELayerConfig(num_experts=E, hidden_size=H, ffn_hidden_size=8, load_balancing="none", **ours)
     )
-    groups = types.SimpleNamespace(
-        tp=parallel_state.get_tensor_model_parallel_group(),
-        cp=parallel_state.get_context_parallel_group(),
-        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
-        tp_dp_cp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
-    )
-    router = TopKRouter(config, pg_collection=groups)
+    router = TopKRouter(config, pg_collection=router_groups())
     router.weight.data.copy_(layer.gate.weight.data)
     return layer.train(), router.train(), config
 

@@ -6,7 +6,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
 from megatron_moe.moe import MoELayerConfig, build_gate, finish_router_step
-from tests.unit.test_seq_aux_loss import router_groups
+from tests.unit.mcore_router import router_groups
 
 H, E, K, T, COEFF = 16, 8, 2, 24, 0.01
 
@@ -83,7 +83,6 @@ def test_the_counts_stay_fp32_and_out_of_the_checkpoint():
 def test_our_layer_equals_megatron_cores_router_over_a_step(score, megatron_world1, monkeypatch):
     """Our MoE layer's router and megatron-core's TopKRouter (global_aux_loss) on the same weights and micro-batches
     (one padded): the same tracked loss and router-weight gradient after each, and after the step's reset."""
-
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter

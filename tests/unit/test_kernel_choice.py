@@ -165,7 +165,7 @@ def test_small_experts_run_as_one_run():
     assert experts(1024, 1024).chunk_bytes == current_platform().expert_chunk_bytes
 
 
-def test_small_experts_run_mm_loop_on_cpu_where_its_rows_are_independent(monkeypatch):
+def test_small_experts_run_mm_loop_on_cpu_where_its_rows_are_independent():
     """Below SMALL_EXPERT_WEIGHT the CPU runs torch.mm per expert into the output (`mm-loop`) where the probe finds
     a row's bits independent of the rows beside it; larger experts, or a torch.mm whose rows depend on the call,
     run oneDNN."""

@@ -1,23 +1,11 @@
 """--moe-router-load-balancing-type seq_aux_loss in our router: megatron-core's per-sequence formula."""
 
-import types
-
 import pytest
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
 from megatron_moe.moe.routing import load_balancing_loss, router_losses, seq_load_balancing_loss
-
-
-def router_groups() -> types.SimpleNamespace:
-    """The process groups megatron-core's TopKRouter reads (its `pg_collection`), from the parallel state."""
-    return types.SimpleNamespace(
-        tp=parallel_state.get_tensor_model_parallel_group(),
-        cp=parallel_state.get_context_parallel_group(),
-        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
-        tp_dp_cp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
-    )
+from tests.unit.mcore_router import router_groups
 
 
 def mcore_seq_aux_loss(probs_TE, expert_TK, seq, batch, coeff):

@@ -3,18 +3,16 @@ same experts and weights as its TopKRouter in training (top-k of the Sinkhorn-ba
 (top-k of the weights), k = 1 (sigmoid) and k = 2 (softmax), with no balancing loss; 24 of Megatron-LM's MoE
 functional-test configs route this way."""
 
-import types
-
 import pytest
 import torch
 
 from megatron_moe.config import parse_args
+from tests.unit.mcore_router import router_groups
 
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("topk", [1, 2])
 def test_the_sinkhorn_gate_routes_as_megatron_core(megatron_world1, topk, training):
-    from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -30,13 +28,7 @@ def test_the_sinkhorn_gate_routes_as_megatron_core(megatron_world1, topk, traini
     layer = MoELayer(
         config, MoELayerConfig(num_experts=e, hidden_size=h, ffn_hidden_size=8, gate="sinkhorn", topk=topk)
     )
-    groups = types.SimpleNamespace(
-        tp=parallel_state.get_tensor_model_parallel_group(),
-        cp=parallel_state.get_context_parallel_group(),
-        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
-        tp_dp_cp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
-    )
-    router = TopKRouter(config, pg_collection=groups).train(training)
+    router = TopKRouter(config, pg_collection=router_groups()).train(training)
     router.weight.data.copy_(layer.gate.weight.data)
     x_SBH = torch.randn(s, b, h, generator=torch.Generator().manual_seed(3))
     theirs_probs, theirs_map = router(x_SBH)
