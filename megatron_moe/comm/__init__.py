@@ -24,6 +24,7 @@ from megatron_moe.comm.core import (
     host_read,
     is_distributed,
     issue,
+    join_reaper,
     monitoring,
 )
 from megatron_moe.comm.hierarchy import (
@@ -91,6 +92,7 @@ __all__ = [
     "combine_all_to_all",
     "count_parameters",
     "destroy_groups_but_world",
+    "join_reaper",
     "dispatch_all_to_all",
     "esp_all_gather",
     "esp_gather_counts",

@@ -42,6 +42,10 @@ def test_the_teardown_destroys_every_group_but_the_world_and_their_threads(gloo_
     assert with_groups > alone  # each group runs threads of its own
     assert comm.destroy_groups_but_world() == 4
     assert list(distributed_c10d._world.pg_map) == [distributed_c10d._get_default_group()]
+    reaper = comm.core._REAPER  # frees the groups while the caller goes on
+    assert reaper is not None and reaper.name == "process-group-reaper" and not reaper.daemon  # exit waits for it
+    comm.join_reaper()
+    assert comm.core._REAPER is None
     deadline = time.monotonic() + 5
     while gloo_threads() > alone and time.monotonic() < deadline:  # a thread's exit is asynchronous
         time.sleep(0.05)

@@ -112,11 +112,11 @@ def _layer(**fields) -> MoELayer:
 
 
 def _syncs_of_one_step(layer: MoELayer) -> list[str]:
-    x = torch.randn(12, 2, H)
-    out, _ = layer(x)  # warm-up: kernel probes run once per process
+    x = torch.randn(12, 2, H, requires_grad=True)
+    out, _ = layer(x)  # warm-up: kernel probes run once per process and GEMM shape (the input's gradient's too)
     out.sum().backward()
     with count_host_syncs(CPU) as syncs:
-        out, _ = layer(x.requires_grad_())
+        out, _ = layer(x)
         out.sum().backward()
     return syncs.events
 
