@@ -283,10 +283,9 @@ def destroy_groups_but_world() -> int:
     join_reaper()
     world = distributed_c10d._get_default_group()
     groups = [group for group in distributed_c10d._world.pg_map if group is not world]
-    for group in groups:
-        dist.destroy_process_group(group)
     count = len(groups)
-    del groups
+    while groups:  # popped: this frame keeps no reference for the reaper to miss
+        dist.destroy_process_group(groups.pop())
     _REAPER = threading.Thread(target=gc.collect, name="process-group-reaper")
     _REAPER.start()
     return count
