@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.distributed.launcher import reset_megatron_core_aux_loss_scale
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 600
 TIERS = ("unit", "distributed", "faults", "slurm")  # folders under tests/, each its own pytest marker (pyproject.toml)
@@ -166,18 +168,8 @@ def megatron_world1():
     from megatron_moe.platform.process import init_single_process
 
     init_single_process(seed=0, backend="gloo")
-    _reset_megatron_core_aux_loss_scale()
+    reset_megatron_core_aux_loss_scale()
     yield
-    _reset_megatron_core_aux_loss_scale()
+    reset_megatron_core_aux_loss_scale()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-
-
-def _reset_megatron_core_aux_loss_scale():
-    """megatron-core keeps the MoE aux-loss scale in a class attribute, per process: its schedule creates it
-    with shape [1], but its MoEAuxLossAutoScaler.backward creates it 0-dim when a layer runs backward outside
-    a schedule (tools/bench_moe_layer.py does), and the next schedule's copy_ of shape [1] into it then fails.
-    One training run per process never meets this; a test process runs many, so each starts from none."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None

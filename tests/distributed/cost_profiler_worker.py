@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks) of tests/distributed/test_cost_profiler.py: the cost-model profiler.
+"""A shared job's part (job_runner.py, 4 gloo ranks) of test_cost_profiler.py: the cost-model profiler.
 
 Layout of an emulated 2 nodes x 2 ranks: ESP groups {0, 1} and {2, 3} (inside a node), EP groups {0, 2} and
 {1, 3} (across), data-parallel group the world. Cases:
@@ -25,9 +25,7 @@ warnings.filterwarnings("ignore")
 from megatron_moe import comm  # noqa: E402
 from megatron_moe.comm.profiling import esp_traffic  # noqa: E402
 from megatron_moe.overlap.profiler import ExpertWork, ProfileGroups, ProfileSettings, load_or_measure  # noqa: E402
-from megatron_moe.platform import init_platform  # noqa: E402
 from tests.conftest import load_tool  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
 
 SETTINGS = ProfileSettings(
     comm_bytes=(16 << 10, 32 << 10, 64 << 10),
@@ -96,9 +94,7 @@ def parallel_state_case() -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     rank = dist.get_rank()
     esp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank joins every new_group
     ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -113,8 +109,4 @@ def main() -> None:
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    finish_job({case: [ranks[case] for ranks in everyone] for case in mine})
-
-
-if __name__ == "__main__":
-    main()
+    return {case: [ranks[case] for ranks in everyone] for case in mine}

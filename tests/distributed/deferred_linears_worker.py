@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks, TP=2): deferrable Column/RowParallelLinear, deferred vs not, bit for bit.
+"""A shared job's part (2 gloo ranks, TP=2): deferrable Column/RowParallelLinear, deferred vs not, bit for bit.
 
 A stack of two blocks (column-parallel -> GELU -> row-parallel), two
 micro-batches, with sequence parallelism (the column linear all-gathers its
@@ -31,8 +31,6 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from megatron_moe.moe.weight_grad import RUN_NOW  # noqa: E402
 from megatron_moe.overlap.linears import DeferrableColumnParallelLinear, DeferrableRowParallelLinear  # noqa: E402
-from megatron_moe.platform import init_platform  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
 from tests.unit.test_deferred_linears import Queue  # noqa: E402  (keeps closures; `run` sets .grad)
 
 H, FFN, S, B, BLOCKS, MICRO_BATCHES = 16, 32, 8, 2, 2, 2
@@ -125,7 +123,7 @@ def micro_batches(sequence_parallel: bool):
     return batches
 
 
-def cases() -> dict:
+def rank_cases() -> dict:
     results = {}
     for sequence_parallel in (True, False):
         config = TransformerConfig(
@@ -164,14 +162,8 @@ def all_ranks(results: dict) -> dict:
     return merged
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    results = all_ranks(cases())
+    results = all_ranks(rank_cases())
     parallel_state.destroy_model_parallel()
-    finish_job(results)
-
-
-if __name__ == "__main__":
-    main()
+    return results

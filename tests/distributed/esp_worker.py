@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks): expert-sharded parallelism (ESP).
+"""A shared job's part (job_runner.py, 4 gloo ranks): expert-sharded parallelism (ESP).
 
 1. The collectives `esp_all_gather` / `esp_reduce_scatter` over ESP groups of 2 and 4 ranks, with uneven
    sizes and zero rows: values and gradients against what every rank can compute on its own (all inputs are
@@ -36,8 +36,7 @@ from megatron_moe import comm  # noqa: E402
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.comm.transport import all_to_all_single  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
-from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
+from megatron_moe.platform import count_host_syncs  # noqa: E402
 from tests.distributed.moe_worker import FFN, _inputs, _max, global_weights, layer_config, run  # noqa: E402
 from tests.distributed.moe_worker import tconfig as ep_tconfig  # noqa: E402
 
@@ -285,9 +284,7 @@ def _progress(rank: int, name: str) -> None:
         print(f"[rank {rank}] {name} done", file=sys.stderr, flush=True)
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     solo = [dist.new_group([r]) for r in range(world)][rank]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -315,8 +312,4 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
-    finish_job(results)
-
-
-if __name__ == "__main__":
-    main()
+    return results

@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks): the routed experts' initial weights do not depend on the layout or the device.
+"""A shared job's part (4 gloo ranks): the routed experts' initial weights depend on neither layout nor device.
 
 Global expert e of layer l starts from (seed, l, e) alone: built at EP=1 (x DP=4), EP=2,
 EP=4 and ESP=2 x EP=2, every rank's slices gathered into whole experts equal the single-process layer's
@@ -24,9 +24,7 @@ warnings.filterwarnings("ignore")
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_moe.moe import MoELayer  # noqa: E402
-from megatron_moe.platform import init_platform  # noqa: E402
 from megatron_moe.platform.rng import seed_model_parallel  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
 from tests.distributed.moe_worker import layer_config, tconfig  # noqa: E402
 from tests.unit.gpu_emulation import device_generator_apart  # noqa: E402
 
@@ -127,9 +125,7 @@ def check(fields: dict, esp: int, reference: MoELayer) -> dict:
     return result
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     results = {}
     for mode, rng in RNG_MODES.items():
@@ -145,8 +141,4 @@ def main() -> None:
                             other.experts.weight1, reference.experts.weight1
                         )
                 parallel_state.destroy_model_parallel()
-    finish_job(results)
-
-
-if __name__ == "__main__":
-    main()
+    return results

@@ -1,6 +1,6 @@
-"""torchrun worker (4 gloo ranks) of tests/distributed/test_lancet.py's memory-cap cases.
+"""A shared job's part (job_runner.py, 4 gloo ranks) of tests/distributed/test_lancet.py's memory-cap cases.
 
-    torchrun --nproc-per-node 4 lancet_cap_worker.py cap DATA_PREFIX TOKENIZER WORKDIR
+    argv: cap DATA_PREFIX TOKENIZER WORKDIR; entry: `cap`
 
 TP=2+SP+EP=2 (DP=2 for the dense and the expert parameters: a sum of two is exact in any order, so every run below
 is bit-identical to --overlap-wgrad off when the reductions pair up right). Dropless routing made uneven on
@@ -20,14 +20,14 @@ Per run, besides the logging rank's history: per rank, the order its bucket grou
 held per iteration.
 """
 
+import contextlib
 import dataclasses
 import os
-import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from tests.distributed.launcher import finish_job
 from tests.distributed.train_worker import LAYOUTS, TRUSTED_PROFILE, WORKDIR, slow_link_profile, train
 
 BIAS = 0.3
@@ -40,8 +40,8 @@ RECORD: dict = {"starts": [], "counts": [], "held": [], "ep": None, "edp": None}
 """This rank's figures of the current run, and its EP and expert-data-parallel ranks."""
 
 
-def install() -> None:
-    """The biased router, the pinned schedule and the recorders (this process, every run after)."""
+def install(stack: contextlib.ExitStack) -> None:
+    """The biased router, the pinned schedule and the recorders, until `stack` closes."""
     from megatron.core import parallel_state
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
@@ -60,7 +60,7 @@ def install() -> None:
         return logits_TE + bias_E
 
     logits = routing.DeferrableRouter.router_logits
-    routing.DeferrableRouter.router_logits = biased_logits
+    stack.enter_context(mock.patch.object(routing.DeferrableRouter, "router_logits", biased_logits))
 
     def named_model(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -71,14 +71,14 @@ def install() -> None:
         return model
 
     build = training.build_ddp_model
-    training.build_ddp_model = named_model
+    stack.enter_context(mock.patch.object(training, "build_ddp_model", named_model))
 
     def noted_start(self, *args, **kwargs):
         RECORD["starts"].append(sorted(NAMES[p] for bucket in self.buckets for p in bucket.params_list))
         return start(self, *args, **kwargs)
 
     start = _ParamAndGradBucketGroup.start_grad_sync
-    _ParamAndGradBucketGroup.start_grad_sync = noted_start
+    stack.enter_context(mock.patch.object(_ParamAndGradBucketGroup, "start_grad_sync", noted_start))
 
     def pinned_schedule(self):
         schedule = make_schedule(self)
@@ -86,7 +86,7 @@ def install() -> None:
         return dataclasses.replace(schedule, under={f"L{layers[-1]}.experts": f"L{layers[0]}.dispatch"})
 
     make_schedule = WgradQueue._schedule_from_profile
-    WgradQueue._schedule_from_profile = pinned_schedule
+    stack.enter_context(mock.patch.object(WgradQueue, "_schedule_from_profile", pinned_schedule))
 
     def noted_put(self, item):
         if self.schedule is not None and item.module.store_key in self.schedule.under:
@@ -94,21 +94,21 @@ def install() -> None:
         return put(self, item)
 
     put = WgradQueue.put
-    WgradQueue.put = noted_put
+    stack.enter_context(mock.patch.object(WgradQueue, "put", noted_put))
 
     def noted_iteration(self, iteration):
         RECORD["held"].append(0)
         return start_iteration(self, iteration)
 
     start_iteration = WgradQueue.start_iteration
-    WgradQueue.start_iteration = noted_iteration
+    stack.enter_context(mock.patch.object(WgradQueue, "start_iteration", noted_iteration))
 
     def noted_end(self):
         RECORD["counts"].append(dict(self.counts))
         return end_iteration(self)
 
     end_iteration = WgradQueue.end_iteration
-    WgradQueue.end_iteration = noted_end
+    stack.enter_context(mock.patch.object(WgradQueue, "end_iteration", noted_end))
 
 
 def run(*flags: str) -> dict:
@@ -146,7 +146,8 @@ def cases() -> dict:
     return results
 
 
-if __name__ == "__main__":
-    assert sys.argv[1] == "cap", sys.argv
-    install()
-    finish_job(cases())
+def cap() -> dict:
+    """The part's entry: `cases` with the router, the schedule and the recorders patched."""
+    with contextlib.ExitStack() as stack:
+        install(stack)
+        return cases()

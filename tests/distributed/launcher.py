@@ -1,8 +1,10 @@
 """Run a worker script under torchrun (gloo on CPU by default) and hand its JSON results to pytest.
 
-A torchrun job costs 10-20 s to start here, so each worker script runs many
-cases in one job and writes `{case: result}` to `$RESULTS` (rank 0). The
-launcher also checks that the job left no child process behind.
+A torchrun job costs 10-20 s to start here, so each worker runs many cases
+and writes `{case: result}` to `$RESULTS` (rank 0), and most workers are parts
+of the shared jobs (`shared_jobs.py`); `run_torchrun` is for the jobs that run
+alone (GPU ones, 8 ranks, a conversion between two jobs). The launcher also
+checks that the job left no child process behind.
 """
 
 from __future__ import annotations
@@ -137,3 +139,15 @@ def finish_job(results: dict) -> None:
         with open(os.environ["RESULTS"], "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()
+
+
+def reset_megatron_core_aux_loss_scale() -> None:
+    """megatron-core keeps the MoE aux-loss scale in a class attribute, per process: a training run's schedule
+    leaves it at 1 / its micro-batches (0.5 in a 2-micro-batch run), which scales the aux-loss gradient of a layer
+    run backward outside a schedule afterwards; and its MoEAuxLossAutoScaler.backward creates it 0-dim there
+    (tools/bench_moe_layer.py does), which the next schedule's copy_ of shape [1] into it then fails on. One
+    training run per process never meets this; a test process and a shared job run many, so each starts from
+    none."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None

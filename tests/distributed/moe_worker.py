@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks): our MoE layer at EP=2 and EP=4 against the EP=1 layer.
+"""A shared job's part (job_runner.py, 4 gloo ranks): our MoE layer at EP=2 and EP=4 against the EP=1 layer.
 
 The EP=1 reference is the same layout with DP instead of EP: every rank runs a
 single-rank layer holding ALL experts on its own tokens. With the same global
@@ -32,8 +32,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import Bf16OnTheWire, MoELayer, MoELayerConfig, collect_moe_metrics  # noqa: E402
-from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
+from megatron_moe.platform import count_host_syncs  # noqa: E402
 
 H, FFN, E = 32, 48, 8
 S, B = 12, 2
@@ -428,9 +427,7 @@ def _progress(rank: int, ep: int, name: str) -> None:
         print(f"[rank {rank}] ep{ep}/{name} done", file=sys.stderr, flush=True)
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank joins every new_group call
     ckpt_dir = os.path.join(tempfile.gettempdir(), f"moe_worker_ckpt_{os.environ.get('MASTER_PORT', '0')}")
@@ -461,8 +458,4 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-    finish_job(results)
-
-
-if __name__ == "__main__":
-    main()
+    return results

@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks) of tests/distributed/test_overlap_plan.py: `agree` of the dW-overlap profile.
+"""A shared job's part (job_runner.py, 2 gloo ranks) of test_overlap_plan.py: `agree` of the dW-overlap profile.
 
 Cases, each rank with its own profile (`PROFILES`):
 - same_layers: both ranks hold layers 1-2 (data/expert-parallel peers of one stage) with different times;
@@ -21,8 +21,6 @@ warnings.filterwarnings("ignore")
 
 from megatron_moe import comm  # noqa: E402
 from megatron_moe.overlap.wgrad_schedule import Event, agree, make_wgrad_schedule  # noqa: E402
-from megatron_moe.platform import init_platform  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
 
 # case -> (num_layers, {rank: [(kind, key, ms, held_mb)]})
 PROFILES = {
@@ -116,9 +114,7 @@ def run_case(case: str, rank: int, group=None) -> dict:
     }
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     rank = dist.get_rank()
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]  # every rank joins every new_group
     mine = {
@@ -129,8 +125,4 @@ def main() -> None:
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    finish_job({case: [ranks[case] for ranks in everyone] for case in mine})
-
-
-if __name__ == "__main__":
-    main()
+    return {case: [ranks[case] for ranks in everyone] for case in mine}

@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks): the chunked pipeline of our MoE layer against the same layer unpipelined.
+"""A shared job's part (4 gloo ranks): the chunked pipeline of our MoE layer against the same layer unpipelined.
 
 Each case builds one EP layer (the same global weights on every rank), runs a training forward+backward with
 degrees (1, 1), then with each pair of degrees (r_f, r_b) from the same inputs; the figures are the largest
@@ -27,8 +27,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
 from megatron_moe.overlap.wgrad_queue import deliver  # noqa: E402
-from megatron_moe.platform import count_host_syncs, init_platform  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
+from megatron_moe.platform import count_host_syncs  # noqa: E402
 from tests.distributed.moe_worker import _inputs, global_weights, layer_config, tconfig  # noqa: E402
 
 PADDED = {"pad_expert_input_to_capacity": True}
@@ -153,9 +152,7 @@ def collectives(degrees, rank: int) -> list:
     return [[r.kind, r.purpose, r.layer, r.backward] for r in seen]
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     rank = dist.get_rank()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
     model_parallel_cuda_manual_seed(1234)
@@ -173,8 +170,4 @@ def main() -> None:
     results["esp2_ep2/host_syncs"] = {"3x2": host_syncs((3, 2), rank)}
     results["esp2_ep2/collectives"] = {f"{f}x{b}": collectives((f, b), rank) for f, b in ((1, 1), (3, 2))}
     parallel_state.destroy_model_parallel()
-    finish_job(results)
-
-
-if __name__ == "__main__":
-    main()
+    return results

@@ -1,6 +1,6 @@
-"""torchrun worker (4 ranks): --expert-placement e+d, d+e and auto at EP=2 x expert-DP=2, in one job.
+"""A shared job's part (job_runner.py, 4 ranks): --expert-placement e+d, d+e and auto at EP=2 x expert-DP=2, in one job.
 
-    torchrun --nproc-per-node 4 placement_worker.py DATA_PREFIX TOKENIZER WORKDIR
+    argv: DATA_PREFIX TOKENIZER WORKDIR
 
 Cases, each a short fp32 run from the same seed (expert e's initial weights depend on (seed, layer, e) alone, the
 dense ones on the seed: both placements start from the same model):
@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from tests.distributed.launcher import finish_job, train_in_job
+from tests.distributed.launcher import train_in_job
 
 DATA, TOKENIZER, WORKDIR = sys.argv[1:4]
 MODEL = [
@@ -74,7 +74,7 @@ def auto() -> dict:
     return result
 
 
-def main() -> dict:
+def cases() -> dict:
     results = {}
     for p in ("e+d", "d+e"):
         results[p] = run("--train-iters", "4", "--expert-placement", p, "--save", ckpt(p), "--save-interval", "2")
@@ -84,7 +84,3 @@ def main() -> dict:
     results["d+e_resumed"] = run(*resume, ckpt("d+e/iter_0000002"), "--expert-placement", "d+e")
     results["auto"] = auto()
     return results
-
-
-if __name__ == "__main__":
-    finish_job(main())

@@ -1,4 +1,4 @@
-"""torchrun worker (4 gloo ranks): our MoE layer with shadow experts against the same layer without.
+"""A shared job's part (job_runner.py, 4 gloo ranks): our MoE layer with shadow experts against the same layer without.
 
 Per layout (EP=2 with expert-DP 2; EP=4) and case (GELU dropless; SwiGLU with a shared expert and router losses),
 one layer (the same weights on every rank, `moe_worker.global_weights`), a training forward+backward with
@@ -27,8 +27,6 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_moe.comm import moe as comm_moe  # noqa: E402
 from megatron_moe.moe import MoELayer  # noqa: E402
-from megatron_moe.platform import init_platform  # noqa: E402
-from tests.distributed.launcher import finish_job  # noqa: E402
 from tests.distributed.moe_worker import _inputs, global_weights, layer_config, tconfig  # noqa: E402
 from tests.distributed.pipeline_worker import _Deferring, differences, host_syncs_of, run  # noqa: E402
 
@@ -108,9 +106,7 @@ def host_syncs(ep: int, rank: int) -> dict:
     return host_syncs_of(layer, rank)
 
 
-def main() -> None:
-    init_platform()
-    dist.init_process_group("gloo")
+def cases() -> dict:
     rank = dist.get_rank()
     results = {}
     for ep in (2, 4):
@@ -120,8 +116,4 @@ def main() -> None:
             results[f"ep{ep}/{name}"] = equivalence(ep, fields, rank)
         results[f"ep{ep}/host_syncs"] = host_syncs(ep, rank)
         parallel_state.destroy_model_parallel()
-    finish_job(results)
-
-
-if __name__ == "__main__":
-    main()
+    return results

@@ -7,16 +7,15 @@ import pytest
 
 from megatron_moe.overlap import profile_cache
 from megatron_moe.overlap.cost_model import BACKWARD_KINDS, FIT_KINDS, OVERHEAD_KINDS, ClusterFits
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_profiler_worker.py")
+JOB_PARTS = {"cost_profiler": Part("cost_profiler_worker", "cases", 4, ("{workdir}",))}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("profile")
-    out = run_torchrun(WORKER, nproc=4, args=[str(directory)], timeout=300)
-    return out | {"path": str(directory / "fits.json")}
+def results(shared_jobs):
+    out = shared_jobs.result("cost_profiler")
+    return out | {"path": os.path.join(shared_jobs.workdir("cost_profiler"), "fits.json")}
 
 
 def test_esp_gloo_form_gathers_and_sums(results):

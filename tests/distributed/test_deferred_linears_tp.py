@@ -6,20 +6,18 @@ backward (RUN_NOW, and a deferring store that runs them at once) and when a
 store queues them and runs them after two micro-batches of two blocks.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deferred_linears_worker.py")
+JOB_PARTS = {"deferred_linears_tp": Part("deferred_linears_worker", "cases", 2, timeout=300)}
 LAYOUTS = ("sp_nobias", "sp_bias", "no_sp_nobias", "no_sp_bias")
 STORES = ("run_now", "immediate", "queue")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=2, timeout=300)
+def results(shared_jobs):
+    return shared_jobs.result("deferred_linears_tp")
 
 
 def test_every_layout_and_store_ran(results):

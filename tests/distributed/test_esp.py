@@ -11,13 +11,11 @@
 - Checkpoints reshard between ESP and EP sizes on load (dist_checkpointing), exactly.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "esp_worker.py")
+JOB_PARTS = {"esp_layer": Part("esp_worker", "cases", 4, timeout=600)}
 TOL = 1e-5
 LAYOUTS = ("esp2_ep2", "esp2", "esp4")
 CASES = (
@@ -34,8 +32,8 @@ CASES = (
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=4, timeout=600)
+def results(shared_jobs):
+    return shared_jobs.result("esp_layer")
 
 
 def test_all_gather_and_reduce_scatter_values_and_gradients(results):

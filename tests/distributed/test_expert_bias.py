@@ -4,21 +4,18 @@ EP size. In the same job, FasterMoE's shadow experts (`train_worker.shadow_runs`
 per layer, under Lancet's greedy dW plan and the chunked pipeline, matches training without, at EP=2 and EP=4, and
 --moe-shadow-experts auto decides on the profile measured at start-up."""
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import assert_matches, run_torchrun
+from tests.distributed.launcher import assert_matches
+from tests.distributed.shared_jobs import train_part
 
-WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
+JOB_PARTS = {"expert_bias": train_part("expert_bias", timeout=900)}
 RATE = 0.01
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    workdir = str(tmp_path_factory.mktemp("expert_bias"))
-    return run_torchrun(WORKER, 4, ["expert_bias", data, tokenizer, workdir], timeout=900)
+def runs(shared_jobs):
+    return shared_jobs.result("expert_bias")
 
 
 def test_ep2_and_ep4_train_alike_and_move_the_bias_alike(runs):

@@ -7,21 +7,19 @@ shared expert are the same on every rank; all of it also with megatron-core's RN
 (its fork swaps a generator the host-side init does not draw from).
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expert_init_worker.py")
+JOB_PARTS = {"expert_init": Part("expert_init_worker", "cases", 4, timeout=300)}
 MODES = ("cpu_tracker", "gpu_like_tracker")
 LAYOUTS = ("ep1", "ep2", "ep4", "esp2_ep2")
 CASES = ("gelu", "swiglu_shared")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=4, timeout=300)
+def results(shared_jobs):
+    return shared_jobs.result("expert_init")
 
 
 def layout_cases(results):

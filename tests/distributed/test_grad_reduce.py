@@ -10,23 +10,20 @@ the first stage runs the plan (megatron-core keeps one bucket on the other). The
 MoE layers' all-to-alls released the planned bucket groups in every step.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import computed, run_torchrun
+from tests.distributed.launcher import computed
+from tests.distributed.shared_jobs import train_part
 
-WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
+JOB_PARTS = {"grad_reduce": train_part("grad_reduce", timeout=900)}
 EXACT = ["tp2_ep2", "tp2_ep2_lancet", "tp2_ep2_accumulate"]
 CLOSE = ["tp2_ep2_distopt", "ep2", "pp2_ep2"]
 REL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    workdir = str(tmp_path_factory.mktemp("grad_reduce"))
-    return run_torchrun(WORKER, 4, ["grad_reduce", data, tokenizer, workdir], timeout=900)
+def runs(shared_jobs):
+    return shared_jobs.result("grad_reduce")
 
 
 def numbers(history: list[dict]) -> list[tuple]:

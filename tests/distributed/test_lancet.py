@@ -20,14 +20,15 @@ adaptive partition and megatron-core's overlapped reduction on: every rank start
 and the numbers are bit-identical to the uncapped run and to Lancet off.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import computed, run_torchrun
+from tests.distributed.launcher import computed
+from tests.distributed.shared_jobs import Part, train_part
 
-WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
-CAP_WORKER = os.path.join(os.path.dirname(__file__), "lancet_cap_worker.py")
+JOB_PARTS = {
+    "lancet": train_part("lancet", timeout=1500),
+    "lancet_cap": Part("lancet_cap_worker", "cap", 4, ("cap", "{data}", "{tokenizer}", "{workdir}"), timeout=1200),
+}
 LAYOUTS = [
     "ep2",
     "tp2_ep2",
@@ -48,10 +49,8 @@ LAYOUTS = [
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    workdir = str(tmp_path_factory.mktemp("lancet"))
-    return run_torchrun(WORKER, 4, ["lancet", data, tokenizer, workdir], timeout=1500)
+def runs(shared_jobs):
+    return shared_jobs.result("lancet")
 
 
 def numbers(history: list[dict]) -> list[tuple]:
@@ -95,10 +94,8 @@ def test_a_memory_cap_runs_some_closures_gemms_at_once(runs):
 
 
 @pytest.fixture(scope="module")
-def capped_runs(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    workdir = str(tmp_path_factory.mktemp("lancet_cap"))
-    return run_torchrun(CAP_WORKER, 4, ["cap", data, tokenizer, workdir], timeout=1200)
+def capped_runs(shared_jobs):
+    return shared_jobs.result("lancet_cap")
 
 
 def test_the_cap_is_passed_by_one_rank_of_each_expert_data_parallel_pair(capped_runs):

@@ -2,30 +2,27 @@
 ranks at EP=2, one torchrun job, 4 steps per run from the same seed), and the same corpus through each
 --tokenizer-type, trained and resumed."""
 
-import json
 import math
 import os
 
 import pytest
 
-from tests.distributed.launcher import computed, run_torchrun
+from tests.distributed.launcher import computed
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
+TRAIN_ARGS = ("megatron_lm", "{data}", "{tokenizer}", "{workdir}", "{tokenizer_runs}")
+JOB_PARTS = {"megatron_lm": Part("train_worker", "megatron_lm", 4, TRAIN_ARGS, timeout=900)}
 LR, MIN_LR = 1e-3, 1e-4
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("megatron_lm"))
+def workdir(shared_jobs):
+    return shared_jobs.workdir("megatron_lm")
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, tokenizer_train_data, workdir):
-    data, tokenizer = train_data
-    tokenizer_runs = os.path.join(workdir, "tokenizer_runs.json")
-    with open(tokenizer_runs, "w") as f:
-        json.dump(tokenizer_train_data, f)
-    return run_torchrun(WORKER, 4, ["megatron_lm", data, tokenizer, workdir, tokenizer_runs], timeout=900)
+def runs(shared_jobs):
+    return shared_jobs.result("megatron_lm")
 
 
 def lrs(history):

@@ -9,20 +9,18 @@ only the summation order of GEMM blocks may differ); for the case that sends
 bf16 over the wire through hooks, 2e-2 relative to the largest value.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_worker.py")
+JOB_PARTS = {"moe_layer": Part("moe_worker", "cases", 4, timeout=300)}
 TOL = 1e-5
 BF16_REL_TOL = 2e-2
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=4, timeout=300)
+def results(shared_jobs):
+    return shared_jobs.result("moe_layer")
 
 
 def equivalence_cases(results):

@@ -8,13 +8,14 @@ take another kernel path, e.g. a single row's), and bit-identical when the forwa
 backward's chunks change no arithmetic, and the weight gradients are one GEMM over all rows, as at r = 1).
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part, train_part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_worker.py")
+JOB_PARTS = {
+    "pipeline_layer": Part("pipeline_worker", "cases", 4),
+    "pipeline_training": train_part("pipeline", timeout=900),
+}
 REL_TOL = 1e-6
 GROUPS = ("output", "input_grad", "expert_grads", "router_and_shared_grads")
 CASES = (
@@ -33,8 +34,8 @@ CASES = (
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=4, timeout=300)
+def results(shared_jobs):
+    return shared_jobs.result("pipeline_layer")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -78,15 +79,12 @@ def test_each_chunk_has_its_own_all_to_alls_forward_and_backward(results):
             assert count(esp, purpose, True) == backward, (purpose, esp)
 
 
-TRAIN_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_worker.py")
 LAYOUTS = ("ep2", "ep2_swiglu_padded", "tp2_ep2", "pp2_ep2", "ep2_arctic", "ep2_accumulate", "esp2_ep2", "tp2_esp2_ep2")
 
 
 @pytest.fixture(scope="module")
-def training(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    workdir = str(tmp_path_factory.mktemp("pipeline"))
-    return run_torchrun(TRAIN_WORKER, 4, ["pipeline", data, tokenizer, workdir], timeout=900)
+def training(shared_jobs):
+    return shared_jobs.result("pipeline_training")
 
 
 def _figures(history: list[dict]) -> list[tuple]:

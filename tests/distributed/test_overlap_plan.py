@@ -6,18 +6,16 @@ is the max over the ranks that hold it, indexed by global layer, so pipeline sta
 the same module names) do not mix. Expected values are worked by hand below.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlap_plan_worker.py")
+JOB_PARTS = {"overlap_plan": Part("overlap_plan_worker", "cases", 2, timeout=300)}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=2, timeout=300)
+def results(shared_jobs):
+    return shared_jobs.result("overlap_plan")
 
 
 def test_ranks_of_one_stage_agree_on_the_max_of_each_key(results):

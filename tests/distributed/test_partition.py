@@ -8,23 +8,20 @@ agree within 1e-6 relative: a piece's attention, norms, router and experts compu
 sequences (GEMMs of other row counts may round differently), and the router losses are the micro-batch's.
 """
 
-import os
-
 import pytest
 
 from megatron_moe.comm.timers import hidden_share
-from tests.distributed.launcher import computed, run_torchrun
+from tests.distributed.launcher import computed
+from tests.distributed.shared_jobs import train_part
 
-WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
+JOB_PARTS = {"partition": train_part("partition", timeout=900)}
 LAYOUTS = ["ep2", "ep4", "tp2_ep2", "pp2_ep2", "pp2_vpp2_ep2", "ep2_shared_recompute"]
 A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd")
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    workdir = str(tmp_path_factory.mktemp("partition"))
-    return run_torchrun(WORKER, 4, ["partition", data, tokenizer, workdir], timeout=900)
+def runs(shared_jobs):
+    return shared_jobs.result("partition")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

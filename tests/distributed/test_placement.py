@@ -12,13 +12,12 @@
 - auto builds the groups of the placement its rule picks for the run's shapes on 2 nodes of 2.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import assert_matches, computed, run_torchrun
+from tests.distributed.launcher import assert_matches, computed
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(__file__), "placement_worker.py")
+JOB_PARTS = {"placement": Part("placement_worker", "cases", 4, ("{data}", "{tokenizer}", "{workdir}"))}
 E_D = {"ep": [[0, 1], [2, 3]], "expert_dp": [[0, 2], [1, 3]], "dp": [[0, 1, 2, 3]]}
 D_E = {"ep": [[0, 2], [1, 3]], "expert_dp": [[0, 1], [2, 3]], "dp": [[0, 1, 2, 3]]}
 ROUNDING = 1e-6
@@ -27,9 +26,8 @@ grad norm's sums of squares add up in another order (seen: 2.6e-9 and, on an AVX
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    return run_torchrun(WORKER, 4, [data, tokenizer, str(tmp_path_factory.mktemp("placement"))])
+def runs(shared_jobs):
+    return shared_jobs.result("placement")
 
 
 def test_each_placement_builds_the_groups_it_names(runs):

@@ -6,13 +6,11 @@ are within 1e-6 of the largest value of the layer without shadowing. Every rank 
 shadowed expert costs one broadcast forward and one reduce backward; the host still waits once per forward+backward.
 """
 
-import os
-
 import pytest
 
-from tests.distributed.launcher import run_torchrun
+from tests.distributed.shared_jobs import Part
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shadow_worker.py")
+JOB_PARTS = {"shadow_layer": Part("shadow_worker", "cases", 4, timeout=300)}
 REL_TOL = 1e-6
 GROUPS = ("output", "input_grad", "expert_grads", "router_and_shared_grads")
 LAYOUTS = ("ep2", "ep4")
@@ -20,8 +18,8 @@ CASES = ("gelu", "swiglu_shared_losses")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_torchrun(WORKER, nproc=4, timeout=300)
+def results(shared_jobs):
+    return shared_jobs.result("shadow_layer")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -13,32 +13,33 @@ import os
 
 import pytest
 
-from tests.distributed.launcher import assert_matches, computed, run_torchrun
+from tests.distributed.launcher import assert_matches, computed
+from tests.distributed.shared_jobs import train_part
 
-WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
-
-
-@pytest.fixture(scope="module")
-def reference_runs(train_data, tmp_path_factory):
-    data, tokenizer = train_data
-    workdir = str(tmp_path_factory.mktemp("ckpts"))
-    return run_torchrun(WORKER, 1, ["reference", data, tokenizer, workdir]), workdir
+JOB_PARTS = {  # the 4-rank parts load the reference's initial weights from its directory
+    "reference": train_part("reference", 1, workdir="training"),
+    "layouts": train_part("layouts", workdir="training", after=("reference",), timeout=900),
+    "training_esp": train_part("esp", workdir="training", after=("reference",), timeout=900),
+}
 
 
 @pytest.fixture(scope="module")
-def runs(train_data, reference_runs):
-    data, tokenizer = train_data
+def reference_runs(shared_jobs):
+    return shared_jobs.result("reference"), shared_jobs.workdir("reference")
+
+
+@pytest.fixture(scope="module")
+def runs(shared_jobs, reference_runs):
     reference, workdir = reference_runs
-    layouts = run_torchrun(WORKER, 4, ["layouts", data, tokenizer, workdir])
+    layouts = dict(shared_jobs.result("layouts"))
     layouts.update({k: v for k, v in reference.items() if k != "reference"})
     return reference["reference"], layouts, workdir
 
 
 @pytest.fixture(scope="module")
-def esp_runs(train_data, reference_runs):
-    data, tokenizer = train_data
-    reference, workdir = reference_runs
-    return reference, run_torchrun(WORKER, 4, ["esp", data, tokenizer, workdir])
+def esp_runs(shared_jobs, reference_runs):
+    reference, _ = reference_runs
+    return reference, shared_jobs.result("training_esp")
 
 
 @pytest.mark.parametrize(

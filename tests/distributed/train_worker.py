@@ -1,8 +1,8 @@
-"""torchrun worker: many short training runs in one job, results as JSON for pytest.
+"""Shared jobs' parts (job_runner.py): many short training runs, results as JSON for pytest.
 
-    torchrun --nproc-per-node N train_worker.py SCENARIO DATA_PREFIX TOKENIZER WORKDIR [TOKENIZER_RUNS_JSON]
+    argv: SCENARIO DATA_PREFIX TOKENIZER WORKDIR [TOKENIZER_RUNS_JSON]; the part's entry is the function SCENARIO
 
-Scenarios (each a list of cases run one after another in this job):
+Scenarios (each a list of cases run one after another):
 - `reference` (1 rank): save the initial weights, then train from them
   (fp32, and fp16 with a loss scale that fits and one that overflows; with an MTP layer);
   megatron-core's MoE layer (--moe-layer-impl mcore) likewise; one step each

@@ -1,0 +1,35 @@
+"""A shared job's parts for test_shared_jobs.py: one that reports what it was given, one that fails on one rank."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from megatron_moe.comm.moe import make_planning_groups
+
+ARGS = sys.argv[1:]
+
+
+def report() -> dict:
+    """The arguments this part was imported with, the world, and the groups it found (the job's tidying)."""
+    from torch.distributed import distributed_c10d
+
+    found = {
+        "groups_found": len(distributed_c10d._world.pg_map),
+        "threads_found": len(os.listdir("/proc/self/task")),
+        "aux_loss_scale_found": MoEAuxLossAutoScaler.main_loss_backward_scale is not None,
+    }
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([0.5]))  # as a training run's schedule leaves it
+    parallel_state.initialize_model_parallel()  # left up: the runner tears it down
+    make_planning_groups(dist.new_group(list(range(dist.get_world_size()))))  # likewise, and a twin comm keeps
+    return {"args": ARGS, "world": dist.get_world_size(), "pid": os.getpid(), **found}
+
+
+def fail() -> dict:
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise RuntimeError(f"part failed on purpose with {ARGS}")
+    dist.barrier()
+    return {}

@@ -1,0 +1,128 @@
+"""Test modules' torchrun parts run together: one job per world size for every module this pytest session runs.
+
+A module declares its parts (`JOB_PARTS = {name: Part(...)}`) and asks `shared_jobs.result(name)` for one; the
+first request of a world size runs every part of that size that the session's selected tests declare, in one job
+(`job_runner.py`), so selecting one module runs only its parts. A part that fails fails its own module's tests:
+the job stops at it, its error is that job's output, and the parts after it run in a new job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import psutil
+
+from tests.distributed.launcher import ROOT, free_port
+
+RUNNER = os.path.join(ROOT, "tests", "distributed", "job_runner.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """`WORKER.ENTRY()` on `nproc` ranks, sys.argv[1:] = `args` with {data}, {tokenizer}, {workdir} and
+    {tokenizer_runs} filled in (the session's corpus, tokenizer, this part's directory, `tokenizer_train_data`'s
+    JSON)."""
+
+    worker: str
+    entry: str
+    nproc: int
+    args: tuple[str, ...] = ()
+    workdir: str | None = None
+    """Parts naming the same workdir share one directory (one saves a checkpoint that another loads)."""
+    after: tuple[str, ...] = ()
+    """Parts (in smaller jobs) that must have run first: this one reads what they wrote."""
+    timeout: int = 300
+
+
+class PartFailed(AssertionError):
+    pass
+
+
+class SharedJobs:
+    """`parts` by name; `values` fills their arguments' fields; `mktemp(key)` makes a directory."""
+
+    def __init__(self, parts: dict[str, Part], values: dict[str, str], mktemp):
+        self.parts, self.values, self.mktemp = parts, values, mktemp
+        self.outcomes: dict[str, dict | str] = {}
+        self.workdirs: dict[str, str] = {}
+
+    def workdir(self, name: str) -> str:
+        """Part `name`'s directory (its `workdir` key's, made on first use)."""
+        key = self.parts[name].workdir or name
+        if key not in self.workdirs:
+            self.workdirs[key] = self.mktemp(key)
+        return self.workdirs[key]
+
+    def result(self, name: str) -> dict:
+        """Part `name`'s {case: result}, its job run on first request; raises PartFailed with its job's output."""
+        if name not in self.outcomes:
+            self._run(self.parts[name].nproc)
+        outcome = self.outcomes[name]
+        if isinstance(outcome, str):
+            raise PartFailed(outcome)
+        return outcome
+
+    def _run(self, nproc: int) -> None:
+        pending = [name for name, part in self.parts.items() if part.nproc == nproc and name not in self.outcomes]
+        for name in pending:
+            for before in self.parts[name].after:
+                if before not in self.outcomes:
+                    self._run(self.parts[before].nproc)
+        while pending:
+            done, output = self._job(nproc, pending)
+            self.outcomes.update(done)
+            if output and all(name in done for name in pending):  # failed after its parts (its teardown)
+                self.outcomes.update(dict.fromkeys(pending, output))
+            pending = [name for name in pending if name not in done]
+            if pending:  # the job stopped at its first pending part
+                self.outcomes[pending.pop(0)] = output or "the job ended without a result for it"
+
+    def _job(self, nproc: int, names: list[str]) -> tuple[dict, str]:
+        """One torchrun job of `names`: the results of those that finished, and the job's output if it failed."""
+        spec = [
+            {"name": name, "worker": self.parts[name].worker, "entry": self.parts[name].entry,
+             "args": [arg.format(**self.values, workdir=self.workdir(name)) for arg in self.parts[name].args]}
+            for name in names
+        ]  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            results, spec_path = os.path.join(tmp, "results.json"), os.path.join(tmp, "spec.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "RESULTS": results, "PYTHONPATH": python_path,
+                   "MEGATRON_MOE_FORCE_CPU": "1"}  # fmt: skip
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   f"--master-port={free_port()}", RUNNER, spec_path]  # fmt: skip
+            timeout = sum(self.parts[name].timeout for name in names)
+            before = {p.pid for p in psutil.Process().children(recursive=True)}
+            proc = subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+                failure = f"{' '.join(cmd)} failed ({proc.returncode})" if proc.returncode else ""
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                failure = f"{' '.join(cmd)} ran past {timeout} s"
+            leftovers = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            done = {}
+            if os.path.exists(results):
+                with open(results) as f:
+                    done = json.load(f)
+        if not failure and leftovers:
+            failure = f"processes outlived the job: {leftovers}"
+            done = {}
+        return done, f"{failure}; parts {names}:\n{stdout[-6000:]}\n{stderr[-6000:]}" if failure else ""
+
+
+def train_part(scenario: str, nproc: int = 4, **fields) -> Part:
+    """train_worker.py's `scenario` on the session's corpus and tokenizer."""
+    return Part("train_worker", scenario, nproc, (scenario, "{data}", "{tokenizer}", "{workdir}"), **fields)
