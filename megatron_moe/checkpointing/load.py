@@ -43,11 +43,15 @@ def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
         raise ConfigError(f"--load={path}: the checkpoint's model differs: " + "; ".join(diffs))
 
 
+RECORD_KEYS = {"mock_data", "data_path", "fingerprints"}
+"""What `data_record` holds."""
+
+
 def check_same_data(saved: dict | None, data: dict, cfg: RunConfig, path: str) -> None:
     """Refuse to resume on other data than the checkpoint's (`data_record`s compared: --data-path, blend weights,
     each prefix's sizes, documents and contents), naming each change, unless --allow-data-change says it is
     intended (then the changes are a warning); a checkpoint saved before the record: one warning."""
-    if saved is None:
+    if not isinstance(saved, dict) or not RECORD_KEYS <= set(saved):  # saved before the record (or unreadable)
         log.warning("--load=%s: saved without a record of its data, so the data could not be checked", path, extra=ONCE)
         return
     changes = data_changes(saved, data)

@@ -89,9 +89,14 @@ def _sampled_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _blend(data_path: list[str]) -> tuple[list[str], list[str]]:
+    """(weights, prefixes) of --data-path: one prefix alone weighs 1."""
+    return (list(data_path[0::2]), list(data_path[1::2])) if len(data_path) > 1 else (["1"] * len(data_path), data_path)
+
+
 def data_record(data_path: list[str], mock_data: bool) -> dict:
     """A run's data as a checkpoint records it: --data-path as given and each prefix's fingerprint (JSON)."""
-    prefixes = data_path[1::2] if len(data_path) > 1 else data_path
+    prefixes = _blend(data_path)[1]
     return {
         "mock_data": mock_data,
         "data_path": list(data_path),
@@ -109,12 +114,10 @@ def data_changes(saved: dict, now: dict) -> list[str]:
     if saved["mock_data"] != now["mock_data"] or len(saved["fingerprints"]) != len(now["fingerprints"]):
         return [f"the checkpoint was trained on {described(saved)}, this run reads {described(now)}"]
     changes = []
-    saved_paths, now_paths = saved["data_path"], now["data_path"]
-    if len(saved_paths) > 1 and saved_paths[0::2] != now_paths[0::2]:
-        changes.append(f"blend weights {' '.join(saved_paths[0::2])} -> {' '.join(now_paths[0::2])}")
-    saved_prefixes = saved_paths[1::2] if len(saved_paths) > 1 else saved_paths
-    now_prefixes = now_paths[1::2] if len(now_paths) > 1 else now_paths
-    for old_prefix, prefix, old, new in zip(saved_prefixes, now_prefixes, saved["fingerprints"], now["fingerprints"]):
+    (saved_weights, saved_prefixes), (weights, prefixes) = _blend(saved["data_path"]), _blend(now["data_path"])
+    if [float(w) for w in saved_weights] != [float(w) for w in weights]:
+        changes.append(f"blend weights {' '.join(saved_weights)} -> {' '.join(weights)}")
+    for old_prefix, prefix, old, new in zip(saved_prefixes, prefixes, saved["fingerprints"], now["fingerprints"]):
         old, new = PrefixFingerprint(**old), PrefixFingerprint(**new)
         if old != new:
             moved = f" (the checkpoint's: {old_prefix})" if old_prefix != prefix else ""

@@ -70,6 +70,7 @@ def test_fingerprints_name_what_changed(corpus, tokenizer, tmp_path):
     blend = data_record(["0.5", prefix, "0.5", prefix], False)
     reweighted = data_record(["0.7", prefix, "0.3", prefix], False)
     assert data_changes(blend, reweighted) == ["blend weights 0.5 0.5 -> 0.7 0.3"]
+    assert data_changes(data_record([prefix], False), data_record(["1.0", prefix], False)) == []  # a blend of one
     assert data_changes(old, data_record([], True)) == [
         f"the checkpoint was trained on --data-path {prefix}, this run reads --mock-data"
     ]
