@@ -22,6 +22,7 @@ from megatron_moe.checkpointing.state import (
     sharded_state,
 )
 from megatron_moe.config import ConfigError, RunConfig
+from megatron_moe.data.fingerprint import data_changes
 from megatron_moe.failure import ONCE
 from megatron_moe.platform import current_platform
 
@@ -40,6 +41,29 @@ def check_compatible(saved: dict, cfg: RunConfig, path: str) -> None:
     ]
     if diffs:
         raise ConfigError(f"--load={path}: the checkpoint's model differs: " + "; ".join(diffs))
+
+
+RECORD_KEYS = {"mock_data", "data_path", "fingerprints"}
+"""What `data_record` holds."""
+
+
+def check_same_data(saved: dict | None, data: dict, cfg: RunConfig, path: str) -> None:
+    """Refuse to resume on other data than the checkpoint's (`data_record`s compared: --data-path, blend weights,
+    each prefix's sizes, documents and contents), naming each change, unless --allow-data-change says it is
+    intended (then the changes are a warning); a checkpoint saved before the record: one warning."""
+    if not isinstance(saved, dict) or not RECORD_KEYS <= set(saved):  # saved before the record (or unreadable)
+        log.warning("--load=%s: saved without a record of its data, so the data could not be checked", path, extra=ONCE)
+        return
+    changes = data_changes(saved, data)
+    if not changes:
+        return
+    if cfg.checkpoint.allow_data_change:
+        log.warning("--load=%s: resuming on other data (--allow-data-change): %s", path, "; ".join(changes), extra=ONCE)
+        return
+    raise ConfigError(
+        f"--load={path}: the data differs from the checkpoint's: {'; '.join(changes)}. Resume on the data it was "
+        "trained on, or add --allow-data-change if the change is intended"
+    )
 
 
 def check_vocab_size(saved: int | None, model, path: str) -> None:
@@ -149,12 +173,15 @@ def saved_optimizer_kind(common: dict) -> str:
     return common.get("optimizer_kind") or ("distributed_adam" if common["distributed_optimizer"] else "adam")
 
 
-def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler) -> TrainState:
-    """Load `path` into this layout; returns the training position to continue from."""
+def load_checkpoint(path: str, cfg: RunConfig, model, optimizer, scheduler, *, data: dict | None = None) -> TrainState:
+    """Load `path` into this layout; returns the training position to continue from. `data`: this run's
+    `data_record`, checked against the checkpoint's (None: not checked, e.g. tools that only move weights)."""
     if not integrity.verify_manifest(path):
         log.warning("--load=%s: saved without %s, files not verified", path, integrity.MANIFEST, extra=ONCE)
     common = dist_checkpointing.load_common_state_dict(path)
     check_compatible(common["config"], cfg, path)
+    if data is not None:
+        check_same_data(common.get("data"), data, cfg, path)
     check_vocab_size(common.get("vocab_size"), model, path)
     same_layout = {"esp": 1, "vpp": 1, **common["layout"]} == current_layout()  # saved before ESP / VPP: 1
     with_optimizer = not cfg.checkpoint.no_load_optim and common["has_optimizer"]

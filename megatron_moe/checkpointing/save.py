@@ -47,8 +47,10 @@ def save_checkpoint(
     train_state: TrainState,
     *,
     after_step: Callable[[str], None] | None = None,
+    data: dict | None = None,
 ) -> str:
-    """Collective: every rank calls it. Returns the published checkpoint directory.
+    """Collective: every rank calls it. Returns the published checkpoint directory. `data`: the run's
+    `data_record` (data/fingerprint.py), which a resume checks (None: none recorded).
 
     `after_step(name)` runs on rank 0 after each step of publishing ("written",
     "old_moved", "new_in_place", "published"): tests inject a crash there.
@@ -75,6 +77,7 @@ def save_checkpoint(
         optimizer_kind=cfg.optimizer_kind,  # Adam's and Muon's states differ (load.py `saved_optimizer_kind`)
         optimizer_state_at=OPTIMIZER_STATE_AT,  # saved after megatron-core's several-bucket fix
         vocab_size=getattr(model[0].module, "vocab_size", None),  # every chunk's: the padded vocabulary
+        data=data,
     )
     with _disk_full_reported(root, tmp, lambda: _bytes_needed(root, state), every_rank=True):
         dist_checkpointing.save(state, tmp)

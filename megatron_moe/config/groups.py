@@ -395,6 +395,12 @@ class CheckpointConfig:
     )
     no_load_optim: bool = arg(False, "load weights only, not optimizer state", applies=only.LOADING)
     no_load_rng: bool = arg(False, "do not restore RNG states", applies=only.LOADING)
+    allow_data_change: bool = arg(
+        False,
+        "resume although the data differs from the checkpoint's (another --data-path or blend, or its .bin/.idx "
+        "rewritten): the change is listed, not refused; not a Megatron-LM flag",
+        applies=only.LOADING,
+    )
     no_save_optim: bool = arg(False, "save weights only", applies=only.SAVING)
     exit_interval: int | None = arg(None, "save and exit after this many steps of this run")
     exit_duration_in_mins: float | None = arg(None, "save and exit once this run has trained this long")

@@ -3,12 +3,15 @@
 Tokenized data is megatron-core's IndexedDataset format: ``PREFIX.bin`` (token ids) and
 ``PREFIX.idx`` (lengths, offsets, document boundaries), written by
 ``tools/preprocess_data.py`` with a metadata sidecar ``PREFIX.meta.json`` (see
-``megatron_moe.data.metadata``). Start-up reads the ``.idx`` and the sidecar, never the
-``.bin``'s tokens, so it does not grow with the corpus. ``--data-path`` takes one prefix
-or a blend ``W1 PREFIX1 W2 PREFIX2 ...``, as in Megatron-LM.
+``megatron_moe.data.metadata``). Start-up reads the ``.idx`` and the sidecar, not the
+``.bin``'s tokens (only a prefix without a sidecar is scanned, once, its result cached), so it
+does not grow with the corpus. megatron-core's index cache is keyed by each prefix's contents
+(`GPTDataset`). ``--data-path`` takes one prefix or a blend ``W1 PREFIX1 W2 PREFIX2 ...``.
 """
 
 import copy
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -16,18 +19,28 @@ from dataclasses import asdict, dataclass
 
 import numpy
 import torch
+from megatron.core.datasets import gpt_dataset
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import (
     BlendedMegatronDatasetBuilder,
 )
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.utils import log_single_rank
 
 from megatron_moe.config.rules_groups import valid_split
 from megatron_moe.data import DataError
 from megatron_moe.data.files import DATA_PATH_FLAG, check_split_coverage, read_idx_header
-from megatron_moe.data.metadata import WRITE_HINT, TokenizerIdentity, TokenMetadata, metadata_path, read_metadata
+from megatron_moe.data.fingerprint import fingerprint_prefix
+from megatron_moe.data.metadata import (
+    WRITE_HINT,
+    TokenizerIdentity,
+    TokenMetadata,
+    metadata_path,
+    read_metadata,
+    scan_max_token_id,
+)
+from megatron_moe.files import write_json_atomic
 
 PREPROCESS_HINT = (
     "create it with: python -m tools.preprocess_data --input CORPUS.jsonl "
@@ -91,8 +104,8 @@ class DataSummary:
     num_documents: int
     num_sequences: int
     num_tokens: int
-    max_token_id: int | None
-    """From the metadata sidecar; None when the prefix has none (the range was not checked)."""
+    max_token_id: int
+    """From the metadata sidecar, else from one scan of the ``.bin`` (`scanned_max_token_id`); -1: no tokens."""
 
 
 def _read_idx_counts(idx_path: str) -> tuple[type, int, int]:
@@ -196,33 +209,60 @@ def _check_metadata(metadata: TokenMetadata, prefix: str, files: PrefixFiles) ->
         )
 
 
-def validate_data_prefix(prefix: str, vocab_size: int, tokenizer: TokenizerIdentity | None = None) -> DataSummary:
+def validate_data_prefix(
+    prefix: str, vocab_size: int, tokenizer: TokenizerIdentity | None = None, *, cache_dir: str | None = None
+) -> DataSummary:
     """Check that ``PREFIX.bin/.idx`` exist, are intact and fit a ``vocab_size`` tokenizer.
 
-    Reads the ``.idx`` and the metadata sidecar (``PREFIX.meta.json``), never the ``.bin``'s
-    tokens: the ``.bin``'s size is checked against the ``.idx``, its largest token id comes from
-    the sidecar. Without a sidecar the token ids are not checked; a warning says how to write it.
-    With `tokenizer` (the identity of ``--tokenizer-model``), a sidecar recording another
-    vocabulary (larger, smaller, or the same size with other pieces) is refused.
+    Reads the ``.idx`` and the metadata sidecar (``PREFIX.meta.json``), not the ``.bin``'s tokens: the
+    ``.bin``'s size is checked against the ``.idx``, its largest token id comes from the sidecar. Without a
+    sidecar the ``.bin`` is scanned once for it (`scanned_max_token_id`, cached under `cache_dir`) and a warning
+    says how to write the sidecar. With `tokenizer` (the identity of ``--tokenizer-model``), a sidecar recording
+    another vocabulary (larger, smaller, or the same size with other pieces) is refused.
     """
     files = check_prefix_files(prefix)
     metadata = read_metadata(prefix)
     if metadata is None:
+        max_id, cached = scanned_max_token_id(prefix, files, cache_dir)
         log_single_rank(
             log,
             logging.WARNING,
-            f"{DATA_PATH_FLAG} {prefix}: no {metadata_path(prefix)}, so its token ids were not "
-            f"checked against the tokenizer's vocabulary ({vocab_size}); write it once with: "
+            f"{DATA_PATH_FLAG} {prefix}: no {metadata_path(prefix)}, so the tokenizer it was made with is not "
+            f"known; its largest token id is {max_id} ({cached}); write the file once with: "
             f"{WRITE_HINT.format(prefix=prefix)}",
         )
-        max_id = None
     else:
         _check_metadata(metadata, prefix, files)
         if tokenizer is not None:
             check_same_vocabulary(metadata.tokenizer, tokenizer, prefix)
         max_id = metadata.max_token_id
-        check_vocabulary_covers(max_id, vocab_size, prefix + ".bin")
+    check_vocabulary_covers(max_id, vocab_size, prefix + ".bin")
     return DataSummary(prefix, files.num_documents, files.num_sequences, files.num_tokens, max_id)
+
+
+SCAN_CACHE = "max_token_id"
+"""The folder of the token-id scans' results, in the index cache's (--data-cache-path, else PREFIX/cache)."""
+
+
+def scanned_max_token_id(prefix: str, files: PrefixFiles, cache_dir: str | None) -> tuple[int, str]:
+    """(The largest token id of a prefix without a sidecar, where it came from): read once with numpy, chunk by
+    chunk, from the memory-mapped ``.bin``, then from its cache file, keyed by the prefix's fingerprint (a
+    rebuilt prefix is scanned again). A cache that cannot be read is scanned over; one that cannot be written
+    is said and the scan repeats at the next start."""
+    digest = fingerprint_prefix(prefix).digest
+    path = os.path.join(cache_dir or os.path.join(prefix, "cache"), SCAN_CACHE, f"{digest}.json")
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return int(json.load(stream)["max_token_id"]), f"an earlier scan's, from {path}"
+    except (OSError, ValueError, LookupError, TypeError):
+        pass
+    max_id = scan_max_token_id(prefix + ".bin", numpy.dtype(files.dtype), files.num_tokens)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json_atomic(path, {"prefix": prefix, "max_token_id": max_id})
+    except OSError as error:
+        return max_id, f"scanned; not cached, {path}: {error.strerror or error}: scanned again at the next start"
+    return max_id, f"scanned once, cached in {path}"
 
 
 def check_vocabulary_covers(max_token_id: int, vocab_size: int, bin_path: str) -> None:
@@ -274,6 +314,35 @@ class _Builder(BlendedMegatronDatasetBuilder):
             config.path_to_cache = None
             args = (*rest, config)
         return BlendedMegatronDatasetBuilder.build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args)
+
+
+class GPTDataset(gpt_dataset.GPTDataset):
+    """megatron-core's GPTDataset with its index cache keyed by the contents of its prefix, not only its path.
+
+    megatron-core 0.16.1's key (`unique_description_hash`) names the prefix's path, the split and the sizes: a
+    prefix rebuilt in place read the indices made for its old documents (other sample counts, and an IndexError
+    at step 1 when it shrank). Its fingerprint (data/fingerprint.py) joins the key, so other contents build and
+    cache their own indices. The same class name keeps megatron-core's file names and its default directory,
+    PREFIX/cache/GPTDataset_indices. Each prefix is fingerprinted once, as its low-level dataset is opened.
+    """
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+        dataset = gpt_dataset.GPTDataset.build_low_level_dataset(dataset_path, config)
+        dataset.fingerprint = fingerprint_prefix(dataset_path)
+        return dataset
+
+    def _build_document_sample_shuffle_indices(self):
+        # megatron-core's MegatronDataset.__init__ has just made the key; it is remade with the fingerprint
+        # before its one use, the cache's file names (a BlendedDataset's key reads these identifiers too).
+        self.unique_identifiers["data_fingerprint"] = self.dataset.fingerprint.digest
+        self.unique_description = json.dumps(
+            self.unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers
+        )
+        self.unique_description_hash = hashlib.md5(
+            self.unique_description.encode("utf-8"), usedforsecurity=False
+        ).hexdigest()
+        return super()._build_document_sample_shuffle_indices()
 
 
 def check_split(split: str) -> None:
@@ -343,7 +412,7 @@ def build_gpt_datasets(
     config = _gpt_config(tokenizer, seq_length, seed, cache_dir, sizes, blend=(prefixes, weights), split=split)
     identity = TokenizerIdentity.of(tokenizer)
     for prefix in prefixes:
-        summary = validate_data_prefix(prefix, tokenizer.vocab_size, identity)
+        summary = validate_data_prefix(prefix, tokenizer.vocab_size, identity, cache_dir=cache_dir)
         check_split_coverage(prefix, summary.num_sequences, split, sizes)
     train, valid, test = _Builder(GPTDataset, sizes, is_built_on_rank, config).build()
     return train, valid, test

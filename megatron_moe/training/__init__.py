@@ -17,6 +17,7 @@ from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
 from megatron_moe.checkpointing.lock import SaveLock, SaveLockBusy
 from megatron_moe.config import RunConfig
+from megatron_moe.data.fingerprint import data_record
 from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import exit_now
 from megatron_moe.model import run_fusions, transformer_config
@@ -98,8 +99,9 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     wire_model_config(cfg, config, model, optimizer)
-    state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler) if load_dir else TrainState()
-    data = build_run_data(cfg, tokenizer, state.consumed_train_samples)
+    record = data_record(cfg.data.data_path, cfg.data.mock_data)  # cheap: sizes, the .idx, 64 KiB of each .bin
+    state = load_checkpoint(load_dir, cfg, model, optimizer, scheduler, data=record) if load_dir else TrainState()
+    data = build_run_data(cfg, tokenizer, state.consumed_train_samples, record)
     counts = parameter_counts(cfg, model)
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes, fusions)

@@ -20,6 +20,8 @@ class RunData:
     _loader_args: dict
     sizes: dict = dataclasses.field(default_factory=dict)
     """Split -> (documents, sequences) or None (`summary.dataset_sizes`), for the start-up summary."""
+    record: dict | None = None
+    """The data's `data_record` (data/fingerprint.py), saved in each checkpoint."""
 
     def valid_iterator(self):
         """A fresh iterator over the same validation batches (comparable across evaluations)."""
@@ -28,8 +30,9 @@ class RunData:
         return iter(build_data_loader(self._valid_dataset, 0, cyclic=True, **self._loader_args))
 
 
-def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int) -> RunData:
-    """Datasets for this run; the train iterator resumes after `consumed_train_samples`."""
+def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int, record: dict | None = None) -> RunData:
+    """Datasets for this run; the train iterator resumes after `consumed_train_samples`; `record`: the data's
+    `data_record`, kept for the checkpoints."""
     t = cfg.training
     gbs = t.global_batch_size
     common = dict(
@@ -51,7 +54,7 @@ def build_run_data(cfg: RunConfig, tokenizer, consumed_train_samples: int) -> Ru
     if consumed_train_samples < t.train_iters * gbs:
         train_iterator = iter(build_data_loader(train, consumed_train_samples, **args))
     sizes = {"train": dataset_sizes(train), "valid": dataset_sizes(valid)}
-    return RunData(train_iterator, valid, args, sizes)
+    return RunData(train_iterator, valid, args, sizes, record)
 
 
 def loader_args(cfg: RunConfig) -> dict:

@@ -2,7 +2,8 @@
 
 tools/preprocess_data.py writes PREFIX.meta.json (largest token id, counts, the tokenizer's
 identity); start-up checks the tokenizer against it instead of scanning the .bin. Data without
-it loads with a warning; `--write-metadata` scans once and writes it.
+it is scanned once (the result cached by the data's fingerprint) with a warning; `--write-metadata`
+writes the file.
 """
 
 import ctypes
@@ -20,7 +21,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from megatron_moe.data import DataError
-from megatron_moe.data.datasets import build_gpt_datasets, validate_data_prefix
+from megatron_moe.data.datasets import SCAN_CACHE, build_gpt_datasets, validate_data_prefix
+from megatron_moe.data.fingerprint import SAMPLE_BLOCKS
 from megatron_moe.data.metadata import SUFFIX, TokenizerIdentity, metadata_path, read_metadata
 from tests.conftest import VOCAB, preprocess_tool
 
@@ -95,15 +97,25 @@ def test_identity_tells_vocabularies_apart(corpus, tokenizer, tmp_path):
     assert theirs.pieces_sha256 != ours.pieces_sha256 and theirs.model_sha256 != ours.model_sha256
 
 
-def test_data_without_sidecar_loads_with_a_warning_until_one_is_written(train_data, tokenizer, tmp_path, caplog):
-    prefix = copy_prefix(train_data[0], tmp_path)  # as Megatron-LM's preprocess_data.py leaves it
+def test_data_without_sidecar_is_scanned_once_and_checked_until_one_is_written(train_data, tokenizer, tmp_path, caplog):
+    """A prefix without PREFIX.meta.json (as Megatron-LM's preprocess_data.py leaves it): its largest token id is
+    scanned once, cached under the index cache, and checked like a sidecar's; a warning says how to write one."""
+    prefix = copy_prefix(train_data[0], tmp_path)
+    true_max = true_max_token_id(prefix)
+    with pytest.raises(DataError) as error:  # main: not checked, a 300-piece tokenizer passed
+        validate_data_prefix(prefix, 300)
+    assert str(error.value).startswith(
+        f"tokenizer vocabulary (300) smaller than the data's token ids (max {true_max}) in {prefix}.bin"
+    )
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megatron_moe"):
-        summary = validate_data_prefix(prefix, 300)  # not checked: a 300-piece tokenizer passes
+        summary = validate_data_prefix(prefix, VOCAB)
         train, valid, _ = build(prefix, tokenizer, str(tmp_path / "cache"))
-    assert summary.max_token_id is None and len(train) >= 40 and len(valid) >= 8
+    assert summary.max_token_id == true_max and len(train) >= 40 and len(valid) >= 8
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all(metadata_path(prefix) in w for w in warnings), warnings
-    assert f"--write-metadata {prefix} --tokenizer-model" in warnings[0] and "(300)" in warnings[0]
+    assert f"--write-metadata {prefix} --tokenizer-model" in warnings[0]
+    assert f"token id is {true_max} (an earlier scan's" in warnings[0]
 
     preprocess_tool.main(["--write-metadata", prefix, "--tokenizer-model", tokenizer.model_path])
     written, made = read_metadata(prefix), read_metadata(train_data[0])
@@ -111,6 +123,50 @@ def test_data_without_sidecar_loads_with_a_warning_until_one_is_written(train_da
     assert {**vars(written), "written_by": ""} == {**vars(made), "written_by": ""}  # the scan agrees
     with pytest.raises(DataError, match=r"tokenizer vocabulary \(300\) smaller than the data's token ids"):
         validate_data_prefix(prefix, 300)
+
+
+def test_the_scan_is_cached_by_the_data_contents(train_data, tmp_path):
+    """The scan's result is read back at the next start (a forged value shows it is not scanned again); other
+    contents at the same prefix are scanned again; a cache that cannot be written is said, and still checked."""
+    prefix = copy_prefix(train_data[0], tmp_path)
+    cache = tmp_path / "cache"
+    first = validate_data_prefix(prefix, VOCAB, cache_dir=str(cache)).max_token_id
+    (cached,) = (cache / SCAN_CACHE).iterdir()
+    assert json.loads(cached.read_text())["max_token_id"] == first == true_max_token_id(prefix)
+    cached.write_text(json.dumps({"max_token_id": 7}))
+    assert validate_data_prefix(prefix, VOCAB, cache_dir=str(cache)).max_token_id == 7  # read, not scanned
+    cached.write_text("null")  # valid JSON of another shape: scanned over
+    assert validate_data_prefix(prefix, VOCAB, cache_dir=str(cache)).max_token_id == first
+
+    tokens = numpy.memmap(prefix + ".bin", dtype=numpy.uint16, mode="r+")
+    tokens[0] = VOCAB + 50  # rewritten in place: same sizes, other contents (the first sampled block)
+    tokens.flush()
+    del tokens
+    with pytest.raises(DataError, match=rf"smaller than the data's token ids \(max {VOCAB + 50}\)"):
+        validate_data_prefix(prefix, VOCAB, cache_dir=str(cache))
+    assert len(list((cache / SCAN_CACHE).iterdir())) == 2
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with pytest.raises(DataError, match=rf"\(max {VOCAB + 50}\)"):
+        validate_data_prefix(prefix, VOCAB, cache_dir=str(blocked))
+
+
+def test_tokens_beyond_the_vocabulary_without_sidecar_are_refused_before_training(tokenizer, tmp_path):
+    """A .bin made with a larger vocabulary and no sidecar: one line naming the file, its largest id and the
+    vocabulary (main: accepted, then `IndexError: index out of range in self` at step 1)."""
+    prefix = str(tmp_path / "big_ids")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for i in range(40):
+        builder.add_item(torch.tensor([5, 9, 2, 7] * 20 + ([VOCAB + 100] if i == 30 else []) + [2]))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    with pytest.raises(DataError) as error:
+        build(prefix, tokenizer, str(tmp_path / "cache"))
+    assert str(error.value) == (
+        f"tokenizer vocabulary ({VOCAB}) smaller than the data's token ids (max {VOCAB + 100}) in {prefix}.bin; "
+        "use the tokenizer the data was preprocessed with (--tokenizer-model, or --vocab-file/--merge-file)"
+    )
 
 
 def test_write_metadata_refuses_a_tokenizer_too_small_for_the_data(tokenizer, tmp_path):
@@ -176,10 +232,11 @@ def resident_pages(path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) page residency is Linux's")
 def test_start_up_never_touches_the_bin_tokens(train_data, tokenizer, tmp_path):
-    """Validation and dataset building (cold and warm index cache) leave every page of the .bin unread.
+    """Validation and dataset building (cold and warm index cache) leave the .bin's pages unread but the
+    fingerprint's sampled blocks (data/fingerprint.py: at most SAMPLE_BLOCKS pages, whatever the size).
 
     The .bin is a sparse file of the right size (no page of it cached), beside the real .idx and
-    sidecar; a page read by anyone (numpy, mmap, read) shows up in mincore. Reading one sample
+    sidecar; a page read by anyone (numpy, mmap, read) shows up in mincore. Reading the samples
     afterwards must show up, or this check could not fail.
     """
     source = train_data[0]
@@ -192,14 +249,14 @@ def test_start_up_never_touches_the_bin_tokens(train_data, tokenizer, tmp_path):
     resident, pages = resident_pages(prefix + ".bin")
     if resident:
         pytest.skip(f"cannot start with the .bin out of the page cache here ({resident}/{pages} pages)")
-    assert pages > 16
+    assert pages > 2 * SAMPLE_BLOCKS
     for cache in ("cold", "warm"):
         summary = validate_data_prefix(prefix, VOCAB)
         train, valid, _ = build(prefix, tokenizer, str(tmp_path / "cache"))
         assert summary.max_token_id == read_metadata(source).max_token_id and len(train) >= 40
-        assert resident_pages(prefix + ".bin") == (0, pages), cache
-    assert train[0]["tokens"].shape == (32,)
-    assert resident_pages(prefix + ".bin")[0] > 0  # the check sees a read
+        assert resident_pages(prefix + ".bin")[0] <= SAMPLE_BLOCKS, cache
+    assert all(train[i]["tokens"].shape == (32,) for i in range(40))
+    assert resident_pages(prefix + ".bin")[0] > SAMPLE_BLOCKS  # the check sees a read
 
 
 # ------------------------------------------------- the .idx against the .bin, the tokenizer against the data

@@ -88,6 +88,7 @@ class ReshardJob:
     vocab_size: int  # padded rows of the embedding, read from the checkpoint
     with_optimizer: bool
     scheduler: dict  # the source's LR scheduler state, kept even when the optimizer is dropped
+    data: dict | None = None  # the source's record of its data (data/fingerprint.py), kept for a resume to check
 
     def config(self) -> RunConfig:
         return RunConfig.from_dict(self.target_config)
@@ -261,6 +262,7 @@ def make_reshard_job(load: str, save: str, target: Target, *, overwrite: bool = 
         vocab_size=_vocab_rows(path),
         with_optimizer=with_optimizer,
         scheduler=common.get("scheduler") or {},
+        data=common.get("data"),
     )
 
 
@@ -293,7 +295,7 @@ def reshard_on_this_rank(job: ReshardJob, save_root: str, *, keep_process_group:
         if not job.with_optimizer and job.scheduler:
             scheduler.load_state_dict(job.scheduler)  # load_checkpoint restores it with the optimizer only
         log.info("reshard: saving iteration %d", state.iteration)
-        return save_checkpoint(save_root, cfg, model, optimizer, scheduler, state)
+        return save_checkpoint(save_root, cfg, model, optimizer, scheduler, state, data=job.data)
     finally:
         shutdown(destroy_process_group=not keep_process_group)
 
