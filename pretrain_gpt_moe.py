@@ -27,6 +27,10 @@ import signal
 import sys
 import time
 
+if __name__ == "__mp_main__":  # re-imported by a spawned checkpoint-writer process (dist_checkpointing's Manager):
+    for _stop in (signal.SIGINT, signal.SIGTERM):  # torchrun's Ctrl-C reaches it too, mid-import; the rank decides
+        signal.signal(_stop, signal.SIG_IGN)
+
 from megatron_moe.config import ConfigError, ConfigErrors, layout_line, parse_and_validate
 from megatron_moe.config.kernels import probe_kernels
 from megatron_moe.data.files import check_data_files
