@@ -316,7 +316,7 @@ class Watchdog:
             return sorted({r for ranks in self._last for r in ranks})
 
     def _dead_peers(self, blocked: _Blocked | _Reading) -> list[int]:
-        """The peers `blocked` waits for with no sign of life (`_last_sign`) for `dead_s` or more; none while the
+        """The peers `blocked` waits for with no sign of life (`_silence`) for `dead_s` or more; none while the
         store does not answer this rank (no news is then no evidence)."""
         if self.dead_s is None or self._store is None or self._store_down_since is not None:
             return []
