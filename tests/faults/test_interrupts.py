@@ -69,6 +69,7 @@ def ctrl_c(run, save: str) -> tuple:
 @pytest.mark.parametrize("case", ["training", "save_begin", "writers"])
 def test_ctrl_c_saves_and_stops_within_seconds_with_one_line(interrupted, case):
     run, seconds, saved, names = interrupted[case]
+    print(f"Ctrl-C {case}: the job ended {seconds:.1f} s later, iteration {saved} saved")  # seen with -s
     text = run.text
     assert seconds < STOPPED_WITHIN_S, (seconds, run.tail())
     stops = re.findall(
