@@ -30,7 +30,7 @@ from megatron_moe.platform.upstream_fixes import WRITER_PAUSE_ENV
 from tests.faults.jobs import POINTER, error_lines, pointer, rank_tracebacks, tiny_job
 
 FLAGS = ("--train-iters", "100000", "--lr", "1e-3")
-STOPPED_WITHIN_S = 20  # the save and the exit of 2 ranks on 2 shared cores; a lost Ctrl-C runs until torchrun's 30 s
+STOPPED_WITHIN_S = 25  # measured 9-17 s on 2 loaded cores (the first save spawns the writer Manager)
 
 
 def next_save(iteration: int, interval: int = 2) -> int:
