@@ -13,6 +13,9 @@ exits non-zero) with rank 0 as the failure and the configuration errors as its c
 DRY_RUN=1 (as the example scripts take it; e.g. `DRY_RUN=1 bash your_megatron_lm_script.sh`): the flags and
 files are checked and the start-up notes printed, then every rank exits 0 before any process group.
 
+SIGTERM or SIGINT (Ctrl-C; torchrun forwards it to each worker's process group): every rank saves at the next
+step (with --save) and exits 0, one line; a second one 3 s or more later exits at once without saving.
+
 Fail fast: an exception on any rank ends that rank at once with "rank R: <message>" and the place it was
 raised (the full traceback with MEGATRON_MOE_VERBOSE=1), exit code 1 (2 for a flag, data or tokenizer
 error); no collective runs on the way out, and torchrun then stops the other ranks.
@@ -20,8 +23,13 @@ error); no collective runs on the way out, and torchrun then stops the other ran
 
 import logging
 import os
+import signal
 import sys
 import time
+
+if __name__ == "__mp_main__":  # re-imported by a spawned checkpoint-writer process (dist_checkpointing's Manager):
+    for _stop in (signal.SIGINT, signal.SIGTERM):  # torchrun's Ctrl-C reaches it too, mid-import; the rank decides
+        signal.signal(_stop, signal.SIG_IGN)
 
 from megatron_moe.config import ConfigError, ConfigErrors, layout_line, parse_and_validate
 from megatron_moe.config.kernels import probe_kernels
@@ -62,6 +70,15 @@ def main(argv=None) -> int:
         if rank == 0:
             log.info("DRY_RUN: flags OK for world size %d: %s; nothing started", world, layout_line(cfg, world))
         return 0
+    try:
+        run(cfg)  # SIGTERM and SIGINT are stop requests in there: save, then return
+    except KeyboardInterrupt:  # during the imports, or with --no-exit-signal-handler
+        log.error("rank %d: interrupted (SIGINT): exiting without saving", rank)
+        exit_now(128 + signal.SIGINT)
+    return 0
+
+
+def run(cfg) -> None:
     from megatron_moe.data import DataError
     from megatron_moe.data.tokenizer import TokenizerError
     from megatron_moe.training import pretrain
@@ -72,7 +89,6 @@ def main(argv=None) -> int:
         expected = isinstance(error, (ConfigError, DataError, TokenizerError))
         report_failure(error, expected=expected)
         exit_now(2 if expected else 1)
-    return 0
 
 
 if __name__ == "__main__":  # the guard matters: the checkpoint writer spawns processes

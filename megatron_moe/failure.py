@@ -16,6 +16,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 
 VERBOSE_ENV = "MEGATRON_MOE_VERBOSE"  # "1": every error report carries its whole traceback
 
@@ -153,10 +154,35 @@ def tell_torchrun(message: str) -> None:
         pass
 
 
+_UNDO_ON_EXIT: list[Callable[[], None]] = []  # what `exit_now` removes first (the save lock, a partial save)
+os.register_at_fork(after_in_child=_UNDO_ON_EXIT.clear)  # a forked writer's exit must not remove its rank's lock
+
+
+def undo_on_exit(cleanup: Callable[[], None]) -> None:
+    """Have `exit_now` call `cleanup` (quick, filesystem only) until `forget_on_exit(cleanup)`: the ways out that
+    skip `finally` blocks (the watchdog's end of the job, a second stop signal) then leave no lock or `.tmp`."""
+    _UNDO_ON_EXIT.append(cleanup)
+
+
+def forget_on_exit(cleanup: Callable[[], None]) -> None:
+    if cleanup in _UNDO_ON_EXIT:
+        _UNDO_ON_EXIT.remove(cleanup)
+
+
 def exit_now(code: int) -> None:
     """End the process without interpreter teardown: no process-group destructor, checkpoint-writer join
-    or atexit hook can then wait on a rank that is inside a collective."""
+    or atexit hook can then wait on a rank that is inside a collective. What `undo_on_exit` registered is
+    undone first, the newest first."""
+    for cleanup in reversed(list(_UNDO_ON_EXIT)):
+        try:
+            cleanup()
+        except Exception as error:  # the exit must happen whatever is left behind
+            logging.getLogger("megatron_moe").warning("on exit: %s", error)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    _end_process(code)
+
+
+def _end_process(code: int) -> None:  # tests replace it (not os._exit itself: forked writers call that)
     os._exit(code)

@@ -2,10 +2,10 @@
 
 `SaveLock.take(root)` creates `root/megatron_moe.lock` (JSON: host, pid, the process's start, the command line,
 the slurm job) or refuses, naming the job that holds it and the lock file. The holder refreshes the file's mtime
-every `HEARTBEAT_S` seconds (a thread) and removes it on release (normal exit, an error, the preemption save's
-SIGTERM). A lock left by a killed job is stale and taken over with a warning line: holder on this host not
-running (or another process, or the host rebooted), an earlier run of this slurm job (a requeue), or a holder
-on another host whose heartbeat is older than `STALE_AFTER_S`.
+every `HEARTBEAT_S` seconds (a thread) and removes it on release (normal exit, an error, a stop signal's save,
+the watchdog's exit, a second stop signal). A lock left by a killed job is stale and taken over with a warning
+line: holder on this host not running (or another process, or the host rebooted), an earlier run of this slurm
+job (a requeue), or a holder on another host whose heartbeat is older than `STALE_AFTER_S`.
 Assumed of the filesystem: `os.link` onto an existing name fails atomically for every client, `os.rename` is
 atomic, mtimes propagate within seconds, clocks agree well within `STALE_AFTER_S`. The rules in full and why
 fcntl is not used: docs/internals/checkpointing.md.
@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from megatron_moe.config import ConfigError
+from megatron_moe.failure import forget_on_exit, undo_on_exit
 
 log = logging.getLogger("megatron_moe")
 
@@ -129,6 +130,7 @@ class SaveLock:
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,), name="save-lock-heartbeat")
         self._thread.daemon = True
         self._thread.start()
+        undo_on_exit(self.release)  # the watchdog's exit and a second stop signal skip `finally` blocks
 
     @classmethod
     def take(cls, root: str, *, stale_after_s: float = STALE_AFTER_S, heartbeat_s: float = HEARTBEAT_S) -> SaveLock:
@@ -162,6 +164,7 @@ class SaveLock:
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock file, if it is still this process's."""
+        forget_on_exit(self.release)
         self._stop.set()
         found = _read(self.path)
         if found is not None and found[0] == self.holder:

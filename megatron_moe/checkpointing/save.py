@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -26,7 +27,7 @@ from megatron_moe.checkpointing import integrity
 from megatron_moe.checkpointing.paths import TRACKER, iter_dir, publish
 from megatron_moe.checkpointing.state import OPTIMIZER_STATE_AT, TrainState, current_layout, sharded_state
 from megatron_moe.config import RunConfig
-from megatron_moe.failure import ONCE
+from megatron_moe.failure import ONCE, forget_on_exit, undo_on_exit
 from megatron_moe.platform import current_platform
 
 log = logging.getLogger("megatron_moe")
@@ -57,11 +58,25 @@ def save_checkpoint(
     """
     final = iter_dir(root, train_state.iteration)
     tmp = final + ".tmp"
+    drop_tmp = functools.partial(shutil.rmtree, tmp, ignore_errors=True)
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         _recover_swap(final)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
+        drop_tmp()  # a save that was killed earlier
+        undo_on_exit(drop_tmp)  # the watchdog's exit and a second stop signal skip the handlers below
         os.makedirs(tmp)
+    try:
+        _save_and_publish(root, tmp, final, cfg, model, optimizer, scheduler, train_state, after_step)
+    except KeyboardInterrupt:  # Ctrl-C is Python's only with --no-exit-signal-handler: the partial copy goes too
+        if dist.get_rank() == 0:
+            drop_tmp()
+        raise
+    finally:
+        forget_on_exit(drop_tmp)
+    return final
+
+
+def _save_and_publish(root, tmp, final, cfg, model, optimizer, scheduler, train_state, after_step) -> None:
     comm.barrier("checkpoint_save_begin")
     _test_pause("begin", train_state.iteration)
     # Before the first step the optimizer holds no state (Adam's moments are lazy).
@@ -91,7 +106,6 @@ def save_checkpoint(
             _retain(root, cfg.checkpoint.keep_last_n, final)
         log.info("saved checkpoint at iteration %d to %s", train_state.iteration, final)
     comm.barrier("checkpoint_published")
-    return final
 
 
 def _test_pause(phase: str, iteration: int) -> None:

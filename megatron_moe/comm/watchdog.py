@@ -5,9 +5,10 @@ A `Monitor` (core.py) plus one daemon thread per rank. The monitor counts the co
 group and what each thread is blocked on (a collective or a `core.host_read`). Every `period` seconds, and at
 once when a step starts, the thread publishes this rank's heartbeat to the rendezvous store; past half the stall
 threshold it reads the group's heartbeats; past the threshold it logs the report (kind, purpose, layer, step,
-group, bytes, and each peer's arrival and liveness); a peer silent for `dead_s` (--dead-peer-seconds), or the
-deadline (--distributed-timeout-minutes), ends the job (`end_job`). Invariant: the process groups' own
-timeouts are a minute later, so this named report comes before gloo's or NCCL's anonymous one.
+group, bytes, and each peer's arrival and liveness); a peer with no sign of life (a heartbeat, a late one, a
+collective completed with it) for `dead_s` (--dead-peer-seconds), or the deadline (--distributed-timeout-minutes),
+ends the job (`end_job`); a store that does not answer (a slow link) is retried, never given up. Invariant: the
+process groups' own timeouts are a minute later, so this named report comes before gloo's or NCCL's anonymous one.
 The steps in full, and how a rank stuck on NCCL is found in its host read: docs/internals/comm.md.
 """
 
@@ -17,6 +18,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -74,26 +76,43 @@ class _Reading:
 
 
 class HeartbeatStore:
-    """This job's heartbeats in the rendezvous store: our own client, so a stopped store host cannot hang the
-    watchdog's thread for longer than `timeout_s` (the process group's client keeps its own timeout)."""
+    """This job's heartbeats in the rendezvous store: our own client, so a stopped or slow store host cannot hang
+    the watchdog's thread for longer than `timeout_s` (the process group's client keeps its own timeout). A call
+    that fails drops the client (a timed-out one may still hold half a reply); the next call connects again."""
 
     def __init__(self, prefix: str, timeout_s: float = 5.0):
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-        self._store = dist.PrefixStore(prefix, store)
+        self._prefix, self._timeout_s = prefix, timeout_s
+        self._store = None
+        self._client()
+
+    def _client(self):
+        if self._store is None:
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self._timeout_s),
+                wait_for_workers=False,
+            )
+            self._store = dist.PrefixStore(self._prefix, store)
+        return self._store
+
+    def _call(self, use):
+        try:
+            return use(self._client())
+        except Exception:
+            self._store = None
+            raise
 
     def publish(self, rank: int, beat: dict) -> None:
-        self._store.set(f"beat/{rank}", json.dumps(beat))
+        self._call(lambda store: store.set(f"beat/{rank}", json.dumps(beat)))
 
     def read(self, ranks) -> dict[int, dict]:
-        keys = [f"beat/{r}" for r in ranks]
-        present = [r for r, k in zip(ranks, keys) if self._store.check([k])]
-        return {r: json.loads(self._store.get(f"beat/{r}")) for r in present}
+        def read(store):
+            present = [r for r in ranks if store.check([f"beat/{r}"])]
+            return {r: json.loads(store.get(f"beat/{r}")) for r in present}
+
+        return self._call(read)
 
 
 def job_prefix() -> str:
@@ -140,6 +159,9 @@ class Watchdog:
         self._issued = 0
         self._waiting: dict[int, list[_Blocked | _Reading]] = {}  # thread id -> what it waits for, innermost last
         self._beats: dict[int, dict] = {}
+        self._news: dict[int, float] = {}  # rank -> when a new heartbeat of it was last read (`clock`)
+        self._completed: dict[int, float] = {}  # rank -> when a collective with it last completed here (`clock`)
+        self._store_down_since: float | None = None  # time.monotonic() of this outage's first failed store call
         self._step = 0
         self._counter = 0
         self._last_check: float | None = None
@@ -165,6 +187,8 @@ class Watchdog:
         self._enter(token)
 
     def unblocked(self, token: _Blocked, *, completed: bool) -> None:
+        if completed:  # every rank of the group took part: each was alive just now, however late its heartbeat
+            self._completed.update(dict.fromkeys(token.ranks, self._clock()))
         self._leave(token)
 
     def read_started(self, read: HostRead) -> _Reading:
@@ -217,11 +241,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while True:
-            try:
-                self.check()
-            except Exception as error:  # the store is gone (the launcher ended?): go on without heartbeats
-                log.warning("rank %d: watchdog: heartbeats off, peers will not be reported: %s", self.rank, error)
-                self._store = None
+            self.check()
             # At most one round per 50 ms however short the steps: the store is shared by every rank.
             if self._stop.wait(0.05) or (self._wake.wait(self.period) and self._stop.is_set()):
                 return
@@ -270,7 +290,24 @@ class Watchdog:
             seq = {",".join(map(str, ranks)): n for ranks, n in self._seq.items()}
         blocked = next((self._name(b) for b in waiting if b.since is not None), None)
         beat = {"n": self._counter, "time": time.time(), "step": self._step, "seq": seq, "blocked": blocked}
-        self._store.publish(self.rank, beat)
+        self._with_store(lambda: self._store.publish(self.rank, beat))
+
+    def _with_store(self, call) -> bool:
+        """Run a store call; a failure (a slow link's timeout, the store's host gone) is one line per outage and
+        leaves the heartbeats on: the next round reconnects. False: the store did not answer."""
+        try:
+            call()
+        except Exception as error:
+            if self._store_down_since is None:
+                self._store_down_since = time.monotonic()
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                log.warning("rank %d: watchdog: heartbeat store not answering (%s); retrying", self.rank, first)
+            return False
+        if self._store_down_since is not None:
+            away = time.monotonic() - self._store_down_since
+            log.warning("rank %d: watchdog: heartbeat store answering again after %.0f s", self.rank, away)
+            self._store_down_since = None
+        return True
 
     def _peers_of(self, blocked: _Blocked | _Reading) -> list[int]:
         if isinstance(blocked, _Blocked):
@@ -279,16 +316,30 @@ class Watchdog:
             return sorted({r for ranks in self._last for r in ranks})
 
     def _dead_peers(self, blocked: _Blocked | _Reading) -> list[int]:
-        """The peers `blocked` waits for whose last heartbeat is `dead_s` old or more (read this round)."""
-        if self.dead_s is None or self._store is None:
+        """The peers `blocked` waits for with no sign of life (`_silence`) for `dead_s` or more; none while the
+        store does not answer this rank (no news is then no evidence)."""
+        if self.dead_s is None or self._store is None or self._store_down_since is not None:
             return []
-        now = time.time()  # wall clocks, as in `_peer_status`
         peers = [r for r in self._peers_of(blocked) if r != self.rank]
-        return [r for r in peers if r in self._beats and now - self._beats[r]["time"] >= self.dead_s]
+        return [r for r in peers if r in self._beats and self._silence(r) >= self.dead_s]
+
+    def _silence(self, rank: int) -> float:
+        """Seconds since `rank` was last known alive: since its newest heartbeat's time (wall clocks), since a new
+        heartbeat of it arrived (a slow link delivers them late), or since a collective with it completed here."""
+        local = max(self._news.get(rank, -math.inf), self._completed.get(rank, -math.inf))
+        return min(time.time() - self._beats[rank]["time"], self._clock() - local)
 
     def _read_peers(self, ranks) -> None:
-        if self._store is not None:
-            self._beats.update(self._store.read([r for r in ranks if r != self.rank]))
+        if self._store is None:
+            return
+        read: dict[int, dict] = {}
+        if not self._with_store(lambda: read.update(self._store.read([r for r in ranks if r != self.rank]))):
+            return
+        now = self._clock()
+        for rank, beat in read.items():
+            if rank in self._beats and beat["n"] != self._beats[rank]["n"]:
+                self._news[rank] = now
+        self._beats.update(read)
 
     # -- the report -------------------------------------------------------------------------------------------
 
@@ -332,18 +383,23 @@ class Watchdog:
     def _peer_status(self, blocked: _Blocked, *, in_read: bool = False) -> str:
         if self._store is None:
             return "peers unknown (no heartbeat store)"
+        if self._store_down_since is not None:
+            away = time.monotonic() - self._store_down_since
+            return f"peers unknown (the heartbeat store has not answered for {away:.0f} s: a slow or broken link?)"
         peers = [r for r in blocked.ranks if r != self.rank]
-        missing, silent = [], []
+        missing, silent, slow = [], [], []
         for rank in peers:
             beat = self._beats.get(rank)
             if beat is None:
                 missing.append(f"rank {rank} (no heartbeat yet)")
                 continue
             arrived = beat["seq"].get(",".join(map(str, blocked.ranks)), 0) >= blocked.seq
-            quiet = time.time() - beat["time"]  # wall clocks: hosts of one job agree to well under a period
-            alive = quiet < self.silent_s
+            quiet, sign = time.time() - beat["time"], self._silence(rank)  # wall: hosts agree to well under a period
             state = f"step {beat['step']}, " + (f"blocked in {beat['blocked']}" if beat["blocked"] else "computing")
-            if not alive:
+            if quiet >= self.silent_s and arrived and sign < quiet:  # in it, collectives completing: slow, alive
+                slow.append(rank)
+                state = f"heartbeat {quiet:.0f} s old but alive {sign:.0f} s ago: slow, not dead; last seen at {state}"
+            elif quiet >= self.silent_s:
                 silent.append(rank)
                 state = f"no heartbeat for {quiet:.0f} s: stopped or hung; last seen at {state}"
             if not arrived:
@@ -354,4 +410,6 @@ class Watchdog:
             return f"every peer arrived (ranks {silent} send no heartbeat)" if silent else "every peer arrived"
         if silent:
             return f"every peer arrived, but ranks {silent} send no heartbeat (stopped or hung inside it)"
+        if slow:
+            return f"every peer arrived; ranks {slow} are slow, not dead (late heartbeats): the link is slow"
         return "every peer arrived and is alive: the transfer itself is stalled (network?)"

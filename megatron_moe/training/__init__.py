@@ -26,6 +26,7 @@ from megatron_moe.training.cost_profile import cluster_fits, log_profile
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
+from megatron_moe.training.preemption import StopSignals
 from megatron_moe.training.setup import (
     build_ddp_model,
     build_optimizer,
@@ -50,24 +51,27 @@ def pretrain(cfg: RunConfig, *, keep_process_group: bool = False) -> list[dict]:
     An exception propagates without `shutdown()`: its barrier would wait for ranks that are inside a
     training collective (a hang until the timeout); the caller ends the process (pretrain_gpt_moe.main).
     """
-    check_save_dir(cfg)  # filesystem only: refused before any process group or model
-    lock, refusal = take_save_lock(cfg)
-    try:
-        initialize(cfg)
-        refusal = comm.agree_startup_refusal(refusal)  # every rank ends alike, before the model
-        if refusal:
-            raise SaveLockBusy(refusal)
-        watchdog = start_watchdog(cfg, end_job=end_job_with_report)
+    rank = int(os.environ.get("RANK", 0))
+    # SIGTERM and SIGINT set a flag from here on, on every rank: the loop saves and exits at the next step.
+    with StopSignals(enabled=cfg.checkpoint.exit_signal_handler, rank=rank) as signals:
+        check_save_dir(cfg)  # filesystem only: refused before any process group or model
+        lock, refusal = take_save_lock(cfg)
         try:
-            with comm.monitoring(watchdog) if watchdog else contextlib.nullcontext():
-                history = _train(cfg, watchdog)
-                shutdown(destroy_process_group=not keep_process_group)
+            initialize(cfg)
+            refusal = comm.agree_startup_refusal(refusal)  # every rank ends alike, before the model
+            if refusal:
+                raise SaveLockBusy(refusal)
+            watchdog = start_watchdog(cfg, end_job=end_job_with_report)
+            try:
+                with comm.monitoring(watchdog) if watchdog else contextlib.nullcontext():
+                    history = _train(cfg, watchdog, signals)
+                    shutdown(destroy_process_group=not keep_process_group)
+            finally:
+                if watchdog:
+                    watchdog.stop()
         finally:
-            if watchdog:
-                watchdog.stop()
-    finally:
-        if lock:
-            lock.release()
+            if lock:
+                lock.release()
     return history
 
 
@@ -82,7 +86,7 @@ def take_save_lock(cfg: RunConfig) -> tuple[SaveLock | None, str | None]:
         return None, str(busy)
 
 
-def _train(cfg: RunConfig, watchdog) -> list[dict]:
+def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
     tokenizer = build_tokenizer(cfg.data)
     load_dir = resolve_load_dir(cfg)
     fusions = run_fusions(cfg)
@@ -116,11 +120,21 @@ def _train(cfg: RunConfig, watchdog) -> list[dict]:
         "operator_partition": partition,
     }
     return Trainer(
-        cfg, model, optimizer, scheduler, state, data, watchdog=watchdog, startup=startup, overlap=overlap
+        cfg,
+        model,
+        optimizer,
+        scheduler,
+        state,
+        data,
+        watchdog=watchdog,
+        startup=startup,
+        overlap=overlap,
+        signals=signals,
     ).train()
 
 
 def end_job_with_report(report: str) -> None:
-    """The watchdog's deadline: the report, then this process ends at once (torchrun stops the others)."""
+    """The watchdog's deadline: the report, then this process ends at once (torchrun stops the others); the save
+    lock and a partial save are removed on the way (`failure.exit_now`)."""
     log.error("%s: ending the job", report)
     exit_now(1)

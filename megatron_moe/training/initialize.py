@@ -136,7 +136,7 @@ def start_watchdog(cfg: RunConfig, end_job) -> Watchdog | None:
         deadline_s=60 * p.distributed_timeout_minutes,
         dead_s=p.dead_peer_seconds,
         end_job=end_job,
-        store=HeartbeatStore(job_prefix()),
+        store=HeartbeatStore(job_prefix(), timeout_s=min(5.0, max(1.0, p.stall_report_seconds / 4))),
         rank=dist.get_rank(),
     ).start()
 

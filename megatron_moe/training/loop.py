@@ -20,6 +20,7 @@ from megatron_moe.checkpointing import TrainState, save_checkpoint
 from megatron_moe.comm.skew import Arrivals, ClockOffset, estimate_clock_offset
 from megatron_moe.comm.timers import CommTimers
 from megatron_moe.config import RunConfig
+from megatron_moe.failure import ONCE
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe import collect_moe_metrics, finish_router_step, set_moe_aux_loss_scale
 from megatron_moe.moe.metrics import moe_layer_modules
@@ -42,7 +43,7 @@ from megatron_moe.training.mtp_metrics import clear_mtp_losses, pop_mtp_losses
 from megatron_moe.training.optimizer import params_norm
 from megatron_moe.training.overlap_report import OverlapReport
 from megatron_moe.training.overlap_report import as_text as overlap_report_text
-from megatron_moe.training.preemption import ExitRequest
+from megatron_moe.training.preemption import ExitRequest, StopSignals
 from megatron_moe.training.step import forward_step
 from megatron_moe.training.tensorboard_tags import TagLayout
 
@@ -100,8 +101,10 @@ class Trainer:
         watchdog=None,
         startup: dict | None = None,
         overlap: OverlapRuntime | None = None,
+        signals: StopSignals | None = None,
     ):
         self.cfg = cfg
+        self.signals = signals  # preemption.StopSignals, installed by `pretrain` (None: signals keep their defaults)
         # The run's overlap runtime (Lancet's queue, the gradient-reduce launcher, the plans and fits); the model's
         # dispatchers hold the same object. None: nothing overlapped (a runtime with every feature off).
         self.overlap = overlap if overlap is not None else OverlapRuntime()
@@ -429,9 +432,7 @@ class Trainer:
         history = []
         start_iteration = self.state.iteration
         started = time.perf_counter()
-        exit_request = ExitRequest(
-            exit_duration_in_mins=ck.exit_duration_in_mins, handle_sigterm=ck.exit_signal_handler, rank=self.rank
-        )
+        exit_request = ExitRequest(exit_duration_in_mins=ck.exit_duration_in_mins, signals=self.signals)
         preempted = False
         saved_at = None  # the iteration the last interval save wrote
         while self.state.iteration < t.train_iters:
@@ -463,9 +464,9 @@ class Trainer:
                 break
             if exit_request.requested():
                 if saved_at == it:  # the request came during that save (it completed): nothing more to write
-                    log.info("%s: iteration %d is saved; exiting", exit_request.reason, it)
+                    log.info("%s: iteration %d is saved; exiting", exit_request.reason, it, extra=ONCE)
                 else:
-                    log.info("%s: saving at iteration %d and exiting", exit_request.reason, it)
+                    log.info("%s: saving at iteration %d and exiting", exit_request.reason, it, extra=ONCE)
                 preempted = True
                 break
         self.overlap.started()
@@ -476,7 +477,6 @@ class Trainer:
         for entry in history:  # the validations of the steps the history holds (the last one's included)
             if entry["iteration"] in self._validation_losses:
                 entry["validation lm loss"] = self._validation_losses[entry["iteration"]]
-        exit_request.restore_default_handler()
         if self.logger:
             log.info(
                 "trained %d iterations in %.1f s", self.state.iteration - start_iteration, time.perf_counter() - started

@@ -1,10 +1,12 @@
-"""Leaving early on purpose: SIGTERM (slurm's warning before the time limit) or a time budget.
+"""Leaving early on purpose: SIGTERM (slurm's warning before the time limit), SIGINT (Ctrl-C) or a time budget.
 
-Every rank joins one small all-reduce per step, so all ranks agree to stop at the same step even when the signal
-reached only some of them; the loop then saves a checkpoint and exits cleanly, and the next start resumes.
-A second SIGTERM (or a SIGINT after a SIGTERM) more than SAME_REQUEST_S after the first ends the process at once,
-without saving and without a collective, even while the main thread is blocked in a collective (a thread reads
-the wakeup fd). Why closer ones count as one request, and how the signal is seen: docs/internals/training.md.
+`StopSignals` (installed by `pretrain` before anything else, on every rank) turns SIGTERM and SIGINT into a flag:
+no handler raises, so no KeyboardInterrupt can land inside logging's or a fork's internals (where Python
+ignores it) or inside a save. Every rank joins one small all-reduce per step, so all ranks agree to stop at the
+same step even when the signal reached only some of them; the loop then saves and exits 0. A second stop signal
+more than SAME_REQUEST_S after the first ends the process at once (`exit_now`: lock and partial save removed),
+without a collective, even while the main thread is blocked in one (a thread reads the wakeup fd). Why closer
+ones count as one request, and how the signal is seen: docs/internals/training.md.
 """
 
 from __future__ import annotations
@@ -41,27 +43,21 @@ os.register_at_fork(after_in_child=_forget_wakeup_fd)
 
 
 class _SignalWatcher:
-    """Counts SIGTERM/SIGINT as they arrive: the first SIGTERM sets `signalled`; either one more than
+    """Counts SIGTERM/SIGINT as they arrive: the first sets `signalled` (and `signum`); either one more than
     SAME_REQUEST_S after it exits."""
 
     def __init__(self, rank: int | None):
         self.signalled = False
-        self._first_at: float | None = None  # time.monotonic() of the first SIGTERM
+        self.signum = 0  # the first stop signal's number
+        self._first_at: float | None = None  # time.monotonic() of the first stop signal
         self._rank = rank
         read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        # A Python handler is what makes the C handler write the fd. SIGTERM's does nothing more (the thread acts);
-        # SIGINT's raises KeyboardInterrupt as by default, unless a SIGTERM came first (then the thread exits).
-        self._previous = {
-            signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: None),
-            signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
-        }
+        # A Python handler is what makes the C handler write the fd; it does nothing more (the thread acts). Never
+        # raising is the point: a KeyboardInterrupt raised in an at-fork hook or a `finally` is lost or half-done.
+        self._previous = {signum: signal.signal(signum, lambda signum, frame: None) for signum in _STOP_SIGNALS}
         threading.Thread(target=self._watch, args=(read_fd,), name="megatron_moe-sigterm", daemon=True).start()
-
-    def _on_sigint(self, signum, frame) -> None:
-        if not self.signalled:
-            raise KeyboardInterrupt
 
     def _watch(self, read_fd: int) -> None:
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
@@ -76,9 +72,8 @@ class _SignalWatcher:
                         where = f"rank {self._rank}: " if self._rank is not None else ""
                         log.error("%ssecond %s: exiting without saving", where, name)
                         exit_now(128 + signum)
-                    if signum == signal.SIGTERM:
-                        self._first_at = time.monotonic()
-                        self.signalled = True
+                    self._first_at, self.signum = time.monotonic(), signum
+                    self.signalled = True
 
     def close(self) -> None:
         """Restore the previous handlers and wakeup fd; the thread ends once no process holds the pipe."""
@@ -88,29 +83,45 @@ class _SignalWatcher:
         os.close(self._write_fd)
 
 
-class ExitRequest:
-    """Knows whether this run should stop after the current step, and why."""
+class StopSignals:
+    """SIGTERM and SIGINT as stop requests for as long as it is open (a context manager); `enabled` False
+    (--no-exit-signal-handler): Python's defaults stay."""
 
-    def __init__(self, *, exit_duration_in_mins: float | None, handle_sigterm: bool, rank: int | None = None):
-        self._deadline = time.monotonic() + 60 * exit_duration_in_mins if exit_duration_in_mins else None
-        self._watcher = _SignalWatcher(rank) if handle_sigterm else None
-        self.reason: str | None = None
+    def __init__(self, *, enabled: bool, rank: int | None = None):
+        self._watcher = _SignalWatcher(rank) if enabled else None
 
-    def requested(self) -> bool:
-        """Collective: True on every rank once any rank got SIGTERM or ran out of time."""
-        signalled = self._watcher is not None and self._watcher.signalled
-        local = [signalled, self._deadline is not None and time.monotonic() > self._deadline]
-        flags = torch.tensor(local, dtype=torch.int32, device=current_platform().device)
-        comm.agree_exit(flags)
-        with comm.host_read("exit flags"):
-            signalled_anywhere, out_of_time = flags.tolist()
-        if signalled_anywhere:
-            self.reason = "SIGTERM received"
-        elif out_of_time:
-            self.reason = "--exit-duration-in-mins reached"
-        return self.reason is not None
+    @property
+    def received(self) -> int:
+        """The first stop signal's number on this rank, 0 if none came."""
+        return self._watcher.signum if self._watcher is not None else 0
 
-    def restore_default_handler(self) -> None:
+    def __enter__(self) -> StopSignals:
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+
+
+class ExitRequest:
+    """Knows whether this run should stop after the current step, and why."""
+
+    def __init__(self, *, exit_duration_in_mins: float | None, signals: StopSignals | None):
+        self._deadline = time.monotonic() + 60 * exit_duration_in_mins if exit_duration_in_mins else None
+        self._signals = signals
+        self.reason: str | None = None
+
+    def requested(self) -> bool:
+        """Collective: True on every rank once any rank got SIGTERM or SIGINT, or ran out of time."""
+        signum = self._signals.received if self._signals is not None else 0
+        local = [signum, self._deadline is not None and time.monotonic() > self._deadline]
+        flags = torch.tensor(local, dtype=torch.int32, device=current_platform().device)
+        comm.agree_exit(flags)  # the max: SIGTERM's number where ranks got different ones
+        with comm.host_read("exit flags"):
+            signalled_anywhere, out_of_time = flags.tolist()
+        if signalled_anywhere:
+            self.reason = f"{signal.Signals(signalled_anywhere).name} received"
+        elif out_of_time:
+            self.reason = "--exit-duration-in-mins reached"
+        return self.reason is not None

@@ -133,21 +133,21 @@ def test_a_forked_childs_sigterms_are_not_counted_as_the_parents():
 
 
 @pytest.mark.slow
-def test_sigint_is_a_keyboard_interrupt_unless_a_sigterm_came_first():
+def test_sigint_is_a_stop_request_like_sigterm():
+    """Before: SIGINT raised KeyboardInterrupt unless a SIGTERM came first (lost inside a fork's hook)."""
     body = """
         try:
             print("ready", flush=True)
-            time.sleep(20)
+            time.sleep(2)
         except KeyboardInterrupt:
             print("KeyboardInterrupt", flush=True)
-        time.sleep(0.5)
-        print("watcher signalled:", watcher.signalled, flush=True)
+        print("watcher signalled:", watcher.signalled, watcher.signum == signal.SIGINT, flush=True)
         watcher.close()
         print("handlers restored:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
     """
     code, lines = run_watcher(body, signal.SIGINT)
     assert code == 0, lines
-    assert lines[1:] == ["KeyboardInterrupt", "watcher signalled: False", "handlers restored: True"], lines
+    assert lines[1:] == ["watcher signalled: True True", "handlers restored: True"], lines
     code, lines = run_watcher("print('ready', flush=True); time.sleep(20)", signal.SIGTERM, signal.SIGINT)
     assert code == 128 + signal.SIGINT, lines
     assert lines[1:] == ["rank 3: second SIGINT: exiting without saving"], lines

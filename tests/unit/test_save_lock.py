@@ -138,7 +138,7 @@ def stub_startup(monkeypatch, train):
 def test_pretrain_holds_the_lock_and_releases_it_on_exit_and_on_error(tmp_path, monkeypatch):
     seen = []
 
-    def train(cfg, watchdog):
+    def train(cfg, watchdog, signals):
         seen.append((tmp_path / LOCK_FILE).exists())
         (tmp_path / "iter_0000001").mkdir(exist_ok=True)
         return []
@@ -147,7 +147,7 @@ def test_pretrain_holds_the_lock_and_releases_it_on_exit_and_on_error(tmp_path, 
     training.pretrain(small_cfg(tmp_path))
     assert seen == [True] and not (tmp_path / LOCK_FILE).exists()
 
-    def fail(cfg, watchdog):
+    def fail(cfg, watchdog, signals):
         raise RuntimeError("boom")
 
     stub_startup(monkeypatch, fail)
