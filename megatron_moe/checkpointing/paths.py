@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 from megatron_moe.checkpointing import integrity
 from megatron_moe.config import ConfigError, RunConfig
@@ -22,6 +23,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def iter_dir(root: str, iteration: int) -> str:
     """The directory of checkpoint `iteration` under `root`."""
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def saved_iteration(path: str | None) -> int | None:
+    """The iteration of checkpoint directory `path` (iter_N, or iter_N.old), from its name; None for none."""
+    match = re.search(r"iter_(\d+)(\.old)?$", os.path.normpath(path)) if path else None
+    return int(match.group(1)) if match else None
 
 
 def publish(root: str, iteration: int) -> None:

@@ -145,3 +145,28 @@ def test_a_truncated_or_foreign_checksums_file_is_named(tmp_path, content):
         verify_manifest(str(tmp_path))
     assert str(error.value).startswith(f"--load={tmp_path}: its {MANIFEST} is unreadable (")
     assert str(error.value).endswith(f"delete {tmp_path / MANIFEST} to load the checkpoint unverified")
+
+
+def test_a_resume_with_nothing_left_to_train_says_so_in_one_line_before_the_model(tmp_path, monkeypatch, caplog):
+    """Before: the model built, a validation, the checkpoint saved again and "trained 0 iterations", unexplained (the
+    README's rehearsal after `make demo`)."""
+    import logging
+
+    import megatron_moe.training as training
+
+    publish(tmp_path, 200)
+    monkeypatch.setattr(training, "build_tokenizer", lambda data: None)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was set up")
+
+    monkeypatch.setattr(training, "transformer_config", no_model)
+    run = cfg("--load", str(tmp_path), "--save", str(tmp_path), "--train-iters", "200")
+    with caplog.at_level(logging.INFO, logger="megatron_moe"):
+        assert training._train(run, None) == []
+    assert caplog.messages == [
+        f"checkpoint at iteration 200 >= --train-iters 200: nothing to train ({tmp_path / 'iter_0000200'}); raise "
+        "--train-iters to train on, or give another --load/--save to start a new run"
+    ]
+    with pytest.raises(AssertionError, match="the model was set up"):  # iterations left: on to the model
+        training._train(cfg("--load", str(tmp_path), "--train-iters", "201"), None)
