@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
-from megatron_moe.checkpointing.paths import saved_iteration
 from megatron_moe.checkpointing.lock import SaveLock, SaveLockBusy
+from megatron_moe.checkpointing.paths import saved_iteration
 from megatron_moe.config import RunConfig
 from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import ONCE, exit_now

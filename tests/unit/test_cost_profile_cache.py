@@ -230,12 +230,23 @@ def test_the_write_is_atomic(world, measured, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "content",
-    ["null", "[]", '"text"', "{}", '{"format": 1, "fits": []}', '{"format": 1, "fits": {"a2a": null}}', "{", "\x00\xff"],
+    [
+        "null",
+        "[]",
+        '"text"',
+        "{}",
+        '{"format": 1, "fits": []}',
+        '{"format": 1, "fits": {"a2a": null}}',
+        "{",
+        "\x00\xff",
+    ],
 )
 def test_a_cache_file_of_any_content_is_warned_about_naming_it_and_measured_again(world, measured, tmp_path, content):
     """Valid JSON of the wrong shape (`null`, a list) raised AttributeError, unnamed, on every run until deleted."""
     measured.results = [fits_with(), fits_with()]
-    path = profile_cache.cache_path(str(tmp_path), profiler.describe_cluster(ProfileGroups(), profiler.DEFAULT_SETTINGS, dtype="torch.float32"))
+    path = profile_cache.cache_path(
+        str(tmp_path), profiler.describe_cluster(ProfileGroups(), profiler.DEFAULT_SETTINGS, dtype="torch.float32")
+    )
     with open(path, "w", encoding="latin-1") as stream:
         stream.write(content)
     profile = obtain(tmp_path)
@@ -255,7 +266,9 @@ def test_an_unwritable_cache_directory_is_warned_about_once_and_not_cached(world
         profile.save()
         assert os.listdir(cache) == []
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].startswith(f"cost model: cannot write the profile cache {cache} ("), warnings
+    assert len(warnings) == 1 and warnings[0].startswith(f"cost model: cannot write the profile cache {cache} ("), (
+        warnings
+    )
     assert profile.measured and profile.path is None
     _, text = profile_line(profile, None)
     assert "saved to" not in text

@@ -287,7 +287,7 @@ def test_export_onto_a_full_or_read_only_disk_is_one_line_and_leaves_no_tmp(our_
     from tests.unit.unwritable import full, read_only
 
     folder = str(tmp_path / "out")
-    with (full(folder, "64k") if disk == "full" else read_only(folder)), pytest.raises(ConfigError) as error:
+    with full(folder, "64k") if disk == "full" else read_only(folder), pytest.raises(ConfigError) as error:
         export_hf(our_checkpoint, os.path.join(folder, "hf"))
     assert os.listdir(folder) == []  # no hf.tmp/, no hf/
     text = str(error.value)
