@@ -11,7 +11,6 @@ import tempfile
 import pytest
 
 from megatron_moe.config import ConfigError, parse_and_validate
-from megatron_moe.config.directories import directory_errors
 from tests.conftest import ROOT
 from tests.unit.unwritable import read_only
 
@@ -46,18 +45,17 @@ def check_unreadable_load(load):
     load.mkdir()
     load.chmod(0o300)
     code = (
-        "from megatron_moe.config import parse_args; from megatron_moe.config.directories import directory_errors; "
-        f"print(directory_errors(parse_args({[*BASE, '--load', str(load)]!r})))"
+        "from megatron_moe.config import ConfigError, parse_and_validate\n"
+        f"try: parse_and_validate({[*BASE, '--load', str(load)]!r}, 1); print('accepted')\n"
+        "except ConfigError as error: print(error)"
     )
     command = [sys.executable, "-c", code]
     if os.geteuid() == 0:
         command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(
-        [f"--load={load}: cannot read it (permission denied); give a directory this user can read"]
+    assert done.stdout.strip() == (
+        f"--load={load}: cannot read it (permission denied); give a directory this user can read"
     )
     load.chmod(0o755)
-    from megatron_moe.config import parse_args
-
-    assert directory_errors(parse_args([*BASE, "--load", str(load)])) == []
+    assert parse_and_validate([*BASE, "--load", str(load)], 1) is not None
