@@ -8,7 +8,8 @@
 Flag errors come first, all of them in one block from rank 0 ("3 configuration errors:" and one line each),
 before any process group, profile or data scan, with exit code 2 and no Python traceback of ours; torchrun
 then prints its ChildFailedError summary (its own traceback included: torchrun prints it for any worker that
-exits non-zero) with rank 0 as the failure and the configuration errors as its cause.
+exits non-zero) with rank 0 as the failure and the configuration errors as its cause; `python -m megatron_moe.launch`
+(torchrun's arguments, as the example scripts launch) prints that summary in one line and exits 2.
 
 DRY_RUN=1 (as the example scripts take it; e.g. `DRY_RUN=1 bash your_megatron_lm_script.sh`): the flags and
 files are checked and the start-up notes printed, then every rank exits 0 before any process group.

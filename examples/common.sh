@@ -10,7 +10,8 @@
 #   gpus_on_node FALLBACK        GPUs here (Slurm, nvidia-smi), else FALLBACK
 #   data_from_env                DATA_PATHS and TOKENIZER_ARGS from DATA_PATH and the tokenizer variables
 #   check_args WORLD ARGS...     parse and validate trainer flags for a world size
-#   launch_pretrain ARGS...      check_args, then torchrun pretrain_gpt_moe.py ARGS on this node (exporting
+#   launch_pretrain ARGS...      check_args, then torchrun pretrain_gpt_moe.py ARGS on this node, through
+#                                `python -m megatron_moe.launch` (torchrun's arguments, one line per failure) (exporting
 #                                CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP, see one_device_connection)
 #
 # Environment knobs every example honours:
@@ -207,9 +208,10 @@ EOF
 # CUDA_DEVICE_MAX_CONNECTIONS=1 where one_device_connection says megatron-core
 # needs it (a value already in the environment is kept).
 launch_pretrain() {
-    # torchrun beside the interpreter, else the same module run by it.
-    local torchrun=("$(dirname "$PYTHON")/torchrun")
-    [[ -x "${torchrun[0]}" ]] || torchrun=("$PYTHON" -m torch.distributed.run)
+    # torchrun (the interpreter's own: no venv to activate) through megatron_moe.launch: a failed job ends in one
+    # line per failing rank and torchrun's summary in one line, with the first failed rank's exit code (2 for a
+    # flag, data or tokenizer error), not ChildFailedError's traceback and exit code 1.
+    local torchrun=(env "PYTHONPATH=$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_moe.launch)
     if [[ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ]] && one_device_connection "$@"; then
         export CUDA_DEVICE_MAX_CONNECTIONS=1
     fi

@@ -24,6 +24,7 @@ Examples:
 """
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -273,10 +274,24 @@ def write_datasets(
 ) -> dict[str, int]:
     """Tokenize all documents into temporary files, sidecars included; return token counts per key."""
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {
-        key: IndexedDatasetBuilder(temporary_path(output_paths(args.output_prefix, key)[0]), dtype=dtype)
-        for key in args.json_keys
-    }
+    builders = {}
+    for key in args.json_keys:
+        with writing(output_paths(args.output_prefix, key)[0]):
+            builders[key] = IndexedDatasetBuilder(temporary_path(output_paths(args.output_prefix, key)[0]), dtype=dtype)
+    try:
+        return fill_datasets(args, data, tokenizer, paths, builders)
+    except BaseException:  # closed now: a buffer flushed at exit onto a full disk would print a second error
+        for builder in builders.values():
+            with contextlib.suppress(OSError):
+                builder.data_file.close()
+        raise
+
+
+def fill_datasets(
+    args: argparse.Namespace, data: DataConfig, tokenizer: Tokenizer, paths: list[str], builders: dict
+) -> dict[str, int]:
+    """`write_datasets`' work into its open `builders` (key -> IndexedDatasetBuilder)."""
+    dtype = builders[args.json_keys[0]].dtype
     tokens = {key: 0 for key in args.json_keys}
     documents = {key: 0 for key in args.json_keys}
     max_ids = {key: -1 for key in args.json_keys}
@@ -286,13 +301,13 @@ def write_datasets(
     for encoded, num_bytes in encoded_documents(tasks, args.workers):
         for key, ids in encoded.items():
             if ids.size:
-                builders[key].add_item(torch.from_numpy(ids))
-                builders[key].end_document()
+                with writing(output_paths(args.output_prefix, key)[0]):
+                    builders[key].add_item(torch.from_numpy(ids))
+                    builders[key].end_document()
                 tokens[key] += int(ids.size)
                 documents[key] += 1
                 max_ids[key] = max(max_ids[key], int(ids.max()))
         progress.update(num_bytes)
-    progress.finish()
     empty = [key for key, count in documents.items() if count == 0]
     if empty:
         raise DataError(
@@ -302,21 +317,39 @@ def write_datasets(
         )
     identity = TokenizerIdentity.of(tokenizer)
     for key, builder in builders.items():
-        builder.finalize(temporary_path(output_paths(args.output_prefix, key)[1]))
-        write_metadata(
-            temporary_path(sidecar_path(args.output_prefix, key)),
-            TokenMetadata(
-                dtype=numpy.dtype(dtype).name,
-                num_tokens=tokens[key],
-                num_sequences=documents[key],
-                num_documents=documents[key],
-                bin_bytes=tokens[key] * numpy.dtype(dtype).itemsize,
-                max_token_id=max_ids[key],
-                tokenizer=identity,
-                written_by="tools/preprocess_data.py",
-            ),
-        )
+        with writing(output_paths(args.output_prefix, key)[0]):  # the .bin's last bytes
+            builder.data_file.flush()
+        with writing(output_paths(args.output_prefix, key)[1]):
+            builder.finalize(temporary_path(output_paths(args.output_prefix, key)[1]))
+        with writing(sidecar_path(args.output_prefix, key)):
+            write_metadata(
+                temporary_path(sidecar_path(args.output_prefix, key)),
+                TokenMetadata(
+                    dtype=numpy.dtype(dtype).name,
+                    num_tokens=tokens[key],
+                    num_sequences=documents[key],
+                    num_documents=documents[key],
+                    bin_bytes=tokens[key] * numpy.dtype(dtype).itemsize,
+                    max_token_id=max_ids[key],
+                    tokenizer=identity,
+                    written_by="tools/preprocess_data.py",
+                ),
+            )
+    progress.finish()  # every file written: only now "done:"
     return tokens
+
+
+@contextlib.contextmanager
+def writing(path: str, flag: str = "--output-prefix"):
+    """An OSError while writing `path` (a full disk, a read-only or unwritable folder) as one DataError naming the
+    file (its final name; a temporary one is written) and what to do; the caller removes what was written."""
+    try:
+        yield
+    except OSError as error:
+        raise DataError(
+            f"{flag}: cannot write {path}: {error.strerror or error}; free space there or give a {flag} "
+            f"in a writable folder with room (nothing was written)"
+        ) from None
 
 
 def remove_temporaries(args: argparse.Namespace) -> None:
@@ -355,7 +388,8 @@ def describe_existing(prefix: str, tokenizer: Tokenizer) -> TokenMetadata:
         tokenizer=TokenizerIdentity.of(tokenizer),
         written_by="tools/preprocess_data.py --write-metadata",
     )
-    write_metadata(metadata_path(prefix), metadata)
+    with writing(metadata_path(prefix), "--write-metadata"):
+        write_metadata(metadata_path(prefix), metadata)
     print(f"Wrote {metadata_path(prefix)} ({files.num_tokens} tokens, max id {max_id})", file=sys.stderr)
     return metadata
 
@@ -378,15 +412,17 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     paths = expand_input_paths(args.input, flag="--input")
     folder = os.path.dirname(os.path.abspath(args.output_prefix))
     created = not os.path.isdir(folder)
-    os.makedirs(folder, exist_ok=True)
+    with writing(folder):
+        os.makedirs(folder, exist_ok=True)
     try:
         tokens = write_datasets(args, data, tokenizer, paths)
+        with writing(args.output_prefix):
+            publish(args)
     except BaseException:
         remove_temporaries(args)
         if created and not os.listdir(folder):  # nothing left behind, not even the folder
             os.rmdir(folder)
         raise
-    publish(args)
     for key, count in tokens.items():
         print(
             f"Wrote {count} tokens to {output_paths(args.output_prefix, key)[0]} (and .idx, .meta.json)",

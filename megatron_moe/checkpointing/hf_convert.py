@@ -7,6 +7,8 @@ loads into any layout. The whole model sits in host memory once.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -78,15 +80,36 @@ def load_single(ckpt: str, tokenizer_model: str | None = None):
     return cfg, model, tokenizer
 
 
-def _fresh_dir(path: str, overwrite: bool, flag: str) -> str:
+@contextlib.contextmanager
+def _fresh_dir(path: str, overwrite: bool, flag: str):
+    """A new `path`.tmp to write into, renamed to `path` by the caller; removed on any error (a full disk, a
+    read-only folder: `unwritable` names it), so that nothing partial is left, no `hf.tmp/`."""
     if os.path.exists(path) and os.listdir(path):
         if not overwrite:
             raise ConfigError(f"{flag}={path} exists and is not empty; choose a new directory or pass --overwrite")
         shutil.rmtree(path)
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
+    try:
+        os.makedirs(tmp)
+        yield tmp
+    except OSError as error:
+        raise unwritable(flag, path, error) from None
+    except Exception as error:
+        if "No space left on device" in str(error) or "StorageFull" in str(error):  # safetensors' own error type
+            raise unwritable(flag, path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def unwritable(flag: str, path: str, error: OSError) -> ConfigError:
+    """One line for an output that could not be written: the flag, the file, why, what to do."""
+    where = error.filename or path
+    return ConfigError(
+        f"{flag}={path}: cannot write {where}: {error.strerror or error}; free space there or give a {flag} in a "
+        f"writable folder with room (nothing was written)"
+    )
 
 
 def export_hf(
@@ -98,11 +121,17 @@ def export_hf(
     progress: Callable[[str], None] = log.info,
 ) -> str:
     """Write `ckpt` as an HF Mixtral directory (config, safetensors, tokenizer); returns `out`."""
-    from safetensors.torch import save_file
-
     cfg, model, tokenizer = load_single(ckpt, tokenizer_model)
     hf_mixtral.check_exportable(cfg)
-    tmp = _fresh_dir(out, overwrite, "--save")
+    with _fresh_dir(out, overwrite, "--save") as tmp:
+        _write_hf(tmp, cfg, model, tokenizer, progress)
+        os.replace(tmp, out)
+    return out
+
+
+def _write_hf(tmp: str, cfg: RunConfig, model, tokenizer, progress: Callable[[str], None]) -> None:
+    from safetensors.torch import save_file
+
     ours = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {}
     for layer, group in hf_mixtral.to_hf(ours, cfg, tokenizer.vocab_size):
@@ -118,8 +147,6 @@ def export_hf(
     written = write_hf_tokenizer(tokenizer, tmp)
     progress(f"export: tokenizer {tokenizer.description} as {', '.join(written)}")
     give_usual_permissions(tmp)  # safetensors writes 0600
-    os.replace(tmp, out)
-    return out
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -198,12 +225,12 @@ def import_hf(
         raise ConfigError(
             f"--load={hf_dir}: weights do not match the model: missing {missing}, unexpected {unexpected}"
         )
-    tmp = _fresh_dir(out, overwrite, "--save")
-    for path in (*tokenizer.files, *getattr(tokenizer, "config_files", ())):
-        shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
-    cfg.data.tokenizer_model = os.path.join(out, os.path.basename(tokenizer.files[0]))
-    save_single(tmp, cfg, model)
-    os.replace(tmp, out)
+    with _fresh_dir(out, overwrite, "--save") as tmp:
+        for path in (*tokenizer.files, *getattr(tokenizer, "config_files", ())):
+            shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+        cfg.data.tokenizer_model = os.path.join(out, os.path.basename(tokenizer.files[0]))
+        save_single(tmp, cfg, model)
+        os.replace(tmp, out)
     return out
 
 

@@ -74,16 +74,23 @@ def verify_manifest(path: str) -> bool:
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest):
         return False
-    with open(manifest) as f:
-        files = json.load(f)["files"]
-    for name, want in files.items():
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+        files = {name: (int(want["bytes"]), str(want["sha256"])) for name, want in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # truncated, or not a manifest
+        raise CheckpointError(
+            f"--load={path}: its {MANIFEST} is unreadable ({type(error).__name__}: {error}), so its files cannot be "
+            f"verified; restore it from a copy, or delete {manifest} to load the checkpoint unverified"
+        ) from None
+    for name, (size_saved, sha_saved) in files.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"--load={path}: {name} is missing (the checkpoint lists it in {MANIFEST})")
         size = os.path.getsize(file)
-        if size != want["bytes"]:
-            raise CheckpointError(f"--load={path}: {name} holds {size} bytes, {want['bytes']} were saved (truncated?)")
-        if sha256(file) != want["sha256"]:
+        if size != size_saved:
+            raise CheckpointError(f"--load={path}: {name} holds {size} bytes, {size_saved} were saved (truncated?)")
+        if sha256(file) != sha_saved:
             raise CheckpointError(f"--load={path}: {name} is corrupt: its sha256 differs from the one saved")
     return True
 

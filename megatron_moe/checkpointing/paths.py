@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 from megatron_moe.checkpointing import integrity
 from megatron_moe.config import ConfigError, RunConfig
@@ -24,6 +25,12 @@ def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def saved_iteration(path: str | None) -> int | None:
+    """The iteration of checkpoint directory `path` (iter_N, or iter_N.old), from its name; None for none."""
+    match = re.search(r"iter_(\d+)(\.old)?$", os.path.normpath(path)) if path else None
+    return int(match.group(1)) if match else None
+
+
 def publish(root: str, iteration: int) -> None:
     """Point `root`'s tracker at `iteration` (atomically: tmp file + rename)."""
     write_atomic(os.path.join(root, TRACKER), str(iteration))
@@ -36,6 +43,8 @@ def latest_checkpoint(root: str) -> str | None:
         return None
     text = open(pointer).read().strip()
     if not text.isdigit():
+        if os.path.isdir(os.path.join(root, text)):  # Megatron-LM's "release" (a converted model)
+            check_not_legacy(root, os.path.join(root, text))
         raise ConfigError(f"--load={root}: {TRACKER} holds {text!r}, not an iteration number")
     path = iter_dir(root, int(text))
     if not os.path.isdir(path) and integrity.is_complete(path + ".old"):  # a re-save killed mid-swap
@@ -48,6 +57,28 @@ def latest_checkpoint(root: str) -> str | None:
 
 def resolve_load_dir(cfg: RunConfig) -> str | None:
     """The checkpoint to resume from, None to start fresh; a clear error for a bad --load."""
+    path = _resolve_load_dir(cfg)
+    if path is not None and not integrity.is_complete(path):
+        check_not_legacy(cfg.checkpoint.load, path)
+    return path
+
+
+LEGACY_FILE = "model_optim_rng.pt"
+"""Megatron-LM's torch-format checkpoint: iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt (--ckpt-format torch)."""
+
+
+def check_not_legacy(root: str, path: str) -> None:
+    """Refuse an old-format Megatron-LM checkpoint, saying what it is and how to convert it."""
+    ranks = sorted(name for name in os.listdir(path) if name.startswith("mp_rank_"))
+    if any(os.path.isfile(os.path.join(path, name, LEGACY_FILE)) for name in ranks):
+        raise ConfigError(
+            f"--load={root}: {path} is an old-format Megatron-LM checkpoint (torch format: {ranks[0]}/{LEGACY_FILE}), "
+            f"not a distributed one; convert it once with Megatron-LM (its training script with --load {root} "
+            f"--ckpt-convert-format torch_dist --ckpt-convert-save NEW_DIR) and give NEW_DIR as --load"
+        )
+
+
+def _resolve_load_dir(cfg: RunConfig) -> str | None:
     root = cfg.checkpoint.load
     if root is None:
         return None
@@ -69,6 +100,7 @@ def resolve_load_dir(cfg: RunConfig) -> str | None:
         )
         return newest
     if found:
+        check_not_legacy(root, os.path.join(root, found[-1]))
         raise ConfigError(
             f"--load={root}: no {TRACKER} there and none of its {len(found)} iter_* directories ({found[-1]}, ...) "
             f"is complete (no metadata.json); remove them or give another --save/--load directory"

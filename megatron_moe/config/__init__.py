@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from megatron_moe.config import rules, rules_groups
 from megatron_moe.config.activation_policy import ActivationPolicy, build_policy
+from megatron_moe.config.directories import directory_errors
 from megatron_moe.config.fields import (
     ConfigError,
     ConfigErrors,
@@ -248,12 +249,18 @@ def parse_and_validate(
     """`parse_args` then `RunConfig.validate` on `world_size` ranks, then `files` (the entry point passes the
     data layer's `data.files.check_data_files`: the files exist and the data's documents cover its splits; this
     layer imports nothing above it), and where `kernels` is given (the entry point's `kernels.probe_kernels()`)
-    the kernels the flags need (`kernels.kernel_errors`), every error found in one pass and raised together. Where
+    the kernels the flags need (`kernels.kernel_errors`), then the directories (`directories.directory_errors`: --save
+    and --tensorboard-dir writable, --load readable), every error found in one pass and raised together. Where
     a flag did not parse, the run is checked without it, and an error that names that flag again (a consequence
     of setting it aside) is left out."""
     cfg, errors = _parse(sys.argv[1:] if argv is None else argv)
     unparsed = {flag for flag in map(_flag_named, errors) if flag}
-    checks = (lambda: cfg.validate(world_size), lambda: files(cfg) if files else None, lambda: check_kernels(cfg))
+    checks = (
+        lambda: cfg.validate(world_size),
+        lambda: files(cfg) if files else None,
+        lambda: check_kernels(cfg),
+        lambda: raise_errors(directory_errors(cfg)),
+    )
 
     def check_kernels(cfg: RunConfig) -> None:
         if kernels is not None:

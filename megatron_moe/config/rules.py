@@ -333,6 +333,17 @@ def check_moe(moe: MoEConfig, model: ModelConfig, parallel=None) -> None:
         moe.moe_router_load_balancing_type,
         f"megatron-core's layer (--moe-layer-impl mcore) implements {', '.join(MCORE_LOAD_BALANCING)}",
     )
+    require(  # megatron-core's TransformerConfig refuses it at start-up, after "flags OK"
+        moe.moe_router_topk > 1
+        or moe.moe_router_score_function == "sigmoid"
+        or moe.moe_router_pre_softmax
+        or moe.moe_router_load_balancing_type == "sinkhorn",
+        "--moe-router-topk",
+        moe.moe_router_topk,
+        "megatron-core's layer (--moe-layer-impl mcore) routes one expert by softmax only with "
+        "--moe-router-pre-softmax (a softmax over the one chosen expert is 1: no gradient to the router); add it, or "
+        "--moe-router-score-function sigmoid, or --moe-router-topk 2",
+    )
     require(
         not moe.moe_pad_expert_input_to_capacity or (moe.moe_expert_capacity_factor or 0) > 0,
         "--moe-pad-expert-input-to-capacity",

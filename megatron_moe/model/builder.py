@@ -75,6 +75,8 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         )
         if not moe.own_layer:
             moe_kwargs.update(_mcore_moe_settings(cfg))
+        elif moe.moe_router_topk == 1:  # our top-1 weight is the softmax over all experts: megatron-core's
+            moe_kwargs["moe_router_pre_softmax"] = True  # pre-softmax, which its config requires at k = 1
     return attention.config_class(m)(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

@@ -135,13 +135,22 @@ class ClusterFits:
 
     @classmethod
     def from_json(cls, data: dict) -> ClusterFits:
+        """ValueError for anything but a profile's JSON (`null`, a list, a field of the wrong type)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"cluster fits: a JSON {type(data).__name__}, not a profile's object")
         if data.get("format") != FORMAT:
             raise ValueError(f"cluster fits: format {data.get('format')!r}; expected {FORMAT!r}")
-        return cls(
-            fits={k: LinearFit.from_json(v) for k, v in data["fits"].items()},
-            cluster=data.get("cluster", {}),
-            model_error={d: float(e) for d, e in data.get("model_error", {}).items()},
-        )
+        try:
+            fits = cls(
+                fits={k: LinearFit.from_json(v) for k, v in data["fits"].items()},
+                cluster=data.get("cluster", {}),
+                model_error={d: float(e) for d, e in data.get("model_error", {}).items()},
+            )
+        except (AttributeError, KeyError, TypeError) as error:
+            raise ValueError(f"cluster fits: not a profile's fields ({type(error).__name__}: {error})") from None
+        if not isinstance(fits.cluster, dict):
+            raise ValueError(f"cluster fits: its cluster is a JSON {type(fits.cluster).__name__}, not an object")
+        return fits
 
     def save(self, path: str) -> None:
         """Write the JSON atomically (a reader never sees half a file)."""

@@ -33,6 +33,7 @@ from megatron_moe.overlap.cost_model import (
 )
 from megatron_moe.overlap.measure import DENSE_MEASURED, comm_calls, measure_fits, model_error, timed_ms
 from megatron_moe.overlap.profile_cache import (
+    CACHE_ENV,
     FitCheck,
     cache_path,
     code_version,
@@ -177,11 +178,32 @@ class Profile:
         takes the same defaults, without measuring (--cost-profile-remeasure tries again). Not collective."""
         if self.saved or not self.measured or self.path is None:
             return
-        if dist.get_rank() == 0:
-            if os.path.dirname(self.path):
-                os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self.fits.save(self.path)
+        if dist.get_rank() == 0 and not _written(self.path, self.fits.save):
+            self.path = None  # warned: not cached
         self.saved = True
+
+
+UNREADABLE = "the saved one is unreadable"
+
+
+def _written(path: str, write) -> bool:
+    """`write(path)` into a cache directory made where missing; False, with one warning naming the directory,
+    where it cannot be written (read-only, full, not a directory): the profile is then used, not cached."""
+    try:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        write(path)
+        return True
+    except OSError as error:
+        where = os.path.dirname(path) or "."
+        log.warning(
+            "cost model: cannot write the profile cache %s (%s); the profile is used but not cached (give "
+            "--cost-profile-cache or $%s a writable directory)",
+            where,
+            error.strerror or error,
+            CACHE_ENV,
+        )
+        return False
 
 
 def _saved_decision(path: str | None, description: dict, remeasure: bool) -> tuple[dict | None, str]:
@@ -195,7 +217,7 @@ def _saved_decision(path: str | None, description: dict, remeasure: bool) -> tup
     try:
         saved = ClusterFits.load(path)
     except (OSError, ValueError, KeyError) as error:
-        return None, f"the saved one is unreadable ({error})"
+        return None, f"{UNREADABLE} ({error}): ignored, measured again"
     changed = differences(saved.cluster, description)
     if changed:
         return None, f"the saved one differs in {', '.join(changed)}"
@@ -238,10 +260,9 @@ def obtain_profile(
     profile = Profile(
         fits=fits, path=path, measured=True, why=why, problems=problems, seconds=time.perf_counter() - started
     )
-    if path is not None and dist.get_rank() == 0:
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(table_path(path), fits_table(fits, f"measured: {why}"))
+    if path is not None and dist.get_rank() == 0:  # rank 0 alone writes, and alone reads `path` from here on
+        if not _written(table_path(path), lambda table: write_atomic(table, fits_table(fits, f"measured: {why}"))):
+            profile.path = None
     return profile
 
 

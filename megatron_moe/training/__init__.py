@@ -16,10 +16,11 @@ import torch.distributed as dist
 from megatron_moe import comm
 from megatron_moe.checkpointing import TrainState, check_save_dir, load_checkpoint, resolve_load_dir
 from megatron_moe.checkpointing.lock import SaveLock, SaveLockBusy
+from megatron_moe.checkpointing.paths import saved_iteration
 from megatron_moe.config import RunConfig
 from megatron_moe.data.fingerprint import data_record
 from megatron_moe.data.tokenizer import build_tokenizer
-from megatron_moe.failure import exit_now
+from megatron_moe.failure import ONCE, exit_now
 from megatron_moe.model import run_fusions, transformer_config
 from megatron_moe.overlap.runtime import OverlapPlans
 from megatron_moe.training.cost_profile import cluster_fits, log_profile
@@ -89,6 +90,16 @@ def take_save_lock(cfg: RunConfig) -> tuple[SaveLock | None, str | None]:
 def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
     tokenizer = build_tokenizer(cfg.data)
     load_dir = resolve_load_dir(cfg)
+    if (saved := saved_iteration(load_dir)) is not None and saved >= cfg.training.train_iters:
+        log.info(  # not "trained 0 iterations" after a model built, a validation and a re-save
+            "checkpoint at iteration %d >= --train-iters %d: nothing to train (%s); raise --train-iters to train on, "
+            "or give another --load/--save to start a new run",
+            saved,
+            cfg.training.train_iters,
+            load_dir,
+            extra=ONCE,
+        )
+        return []
     fusions = run_fusions(cfg)
     config = transformer_config(cfg, fusions)
     overlap = build_overlap_runtime(cfg)

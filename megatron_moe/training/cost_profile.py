@@ -14,7 +14,7 @@ from megatron_moe.model.builder import params_dtype
 from megatron_moe.overlap.cost_model import ClusterFits, Schedule
 from megatron_moe.overlap.degrees import layer_sizes
 from megatron_moe.overlap.profile_cache import FitCheck, default_cache_dir, fits_table, quality, table_path, usable_fits
-from megatron_moe.overlap.profiler import Profile, ProfileGroups, obtain_profile
+from megatron_moe.overlap.profiler import UNREADABLE, Profile, ProfileGroups, obtain_profile
 from megatron_moe.training.setup import adaptive_grad_reduce, partition_planned, profile_settings
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,8 @@ def profile_line(profile: Profile, schedules: dict[int, Schedule] | None) -> tup
     else:
         got = f"profile reused from {profile.path} ({profile.why}; --cost-profile-remeasure to measure again)"
     parts = [got, quality(profile.fits), degrees_text(schedules), table]
-    return logging.INFO, "cost model: " + "; ".join(part for part in parts if part)
+    level = logging.WARNING if profile.why.startswith(UNREADABLE) else logging.INFO  # a cache file ignored
+    return level, "cost model: " + "; ".join(part for part in parts if part)
 
 
 def log_profile(profile: Profile | None, schedules: dict[int, Schedule] | None) -> None:

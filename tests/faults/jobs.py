@@ -187,7 +187,8 @@ def stop_rank_1_until_the_job_ends(run: Job, at_step: int = 3) -> float:
 
 def is_torchrun(proc: psutil.Process | None) -> bool:
     return proc is not None and any(
-        part == "torch.distributed.run" or part.endswith("/torchrun") for part in proc.cmdline()
+        part in ("torch.distributed.run", "megatron_moe.launch") or part.endswith("/torchrun")
+        for part in proc.cmdline()
     )
 
 

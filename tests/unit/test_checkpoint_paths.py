@@ -114,3 +114,59 @@ def test_checkpoint_of_another_model_definition_is_refused_by_name(megatron_worl
         r"this model does not have \(e\.g\. decoder\.layers\.0\.mlp\.experts\.weight1\)",
     ):
         load_checkpoint(path, run, model, optimizer, scheduler)
+
+
+@pytest.mark.parametrize("tracker", ["200", "release", None])
+def test_an_old_format_megatron_lm_checkpoint_is_named_with_how_to_convert_it(tmp_path, tracker):
+    """Megatron-LM's torch format (iter_N/mp_rank_00/model_optim_rng.pt): before, megatron-core's raw "is not a
+    distributed checkpoint" at load (with the pointer) or "none ... is complete" (without)."""
+    name = "release" if tracker == "release" else "iter_0000200"
+    os.makedirs(tmp_path / name / "mp_rank_00")
+    (tmp_path / name / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"torch")
+    if tracker:
+        (tmp_path / TRACKER).write_text(tracker)
+    with pytest.raises(ConfigError) as error:
+        resolve_load_dir(cfg("--load", str(tmp_path)))
+    text = str(error.value)
+    assert text.startswith(f"--load={tmp_path}: {tmp_path / name} is an old-format Megatron-LM checkpoint"), text
+    assert "--ckpt-convert-format torch_dist --ckpt-convert-save NEW_DIR" in text and "\n" not in text
+
+
+@pytest.mark.parametrize("content", ["", '{"files": {"a": {"bytes": 1', "null", "[]", '{"files": [1]}'])
+def test_a_truncated_or_foreign_checksums_file_is_named(tmp_path, content):
+    """Before: json's JSONDecodeError (or a TypeError), naming neither the file nor the checkpoint."""
+    from megatron_moe.checkpointing.integrity import MANIFEST, CheckpointError, verify_manifest, write_manifest
+
+    (tmp_path / "a").write_bytes(b"x")
+    write_manifest(str(tmp_path))
+    assert verify_manifest(str(tmp_path))
+    (tmp_path / MANIFEST).write_text(content)
+    with pytest.raises(CheckpointError) as error:
+        verify_manifest(str(tmp_path))
+    assert str(error.value).startswith(f"--load={tmp_path}: its {MANIFEST} is unreadable (")
+    assert str(error.value).endswith(f"delete {tmp_path / MANIFEST} to load the checkpoint unverified")
+
+
+def test_a_resume_with_nothing_left_to_train_says_so_in_one_line_before_the_model(tmp_path, monkeypatch, caplog):
+    """Before: the model built, a validation, the checkpoint saved again and "trained 0 iterations", unexplained (the
+    README's rehearsal after `make demo`)."""
+    import logging
+
+    import megatron_moe.training as training
+
+    publish(tmp_path, 200)
+    monkeypatch.setattr(training, "build_tokenizer", lambda data: None)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was set up")
+
+    monkeypatch.setattr(training, "transformer_config", no_model)
+    run = cfg("--load", str(tmp_path), "--save", str(tmp_path), "--train-iters", "200")
+    with caplog.at_level(logging.INFO, logger="megatron_moe"):
+        assert training._train(run, None) == []
+    assert caplog.messages == [
+        f"checkpoint at iteration 200 >= --train-iters 200: nothing to train ({tmp_path / 'iter_0000200'}); raise "
+        "--train-iters to train on, or give another --load/--save to start a new run"
+    ]
+    with pytest.raises(AssertionError, match="the model was set up"):  # iterations left: on to the model
+        training._train(cfg("--load", str(tmp_path), "--train-iters", "201"), None)

@@ -14,6 +14,7 @@ from megatron_moe.overlap.cost_model import ClusterFits, LinearFit, Schedule, fi
 from megatron_moe.overlap.profile_cache import FitCheck, fit_problems, usable_fits
 from megatron_moe.overlap.profiler import ProfileGroups, obtain_profile
 from megatron_moe.training.cost_profile import profile_line
+from tests.unit.unwritable import read_only
 
 KINDS = ("a2a", "ag", "rs", "ar", "gemm")
 
@@ -215,9 +216,61 @@ def test_the_write_is_atomic(world, measured, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
-    with pytest.raises(OSError, match="disk full"):
-        profile.save()
-    with open(profile.path) as stream:
+    path = profile.path
+    profile.save()  # warned, not raised: a cache that cannot be written does not stop the run
+    assert profile.path is None
+    with open(path) as stream:
         assert stream.read() == "old"  # the old file whole, never a part
-    table = profile_cache.table_path(profile.path)
-    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (profile.path, table))  # no tmp left
+    table = profile_cache.table_path(path)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (path, table))  # no tmp left
+
+
+# ------------------------------------------------------------------ a cache file of any content, an unwritable cache
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "null",
+        "[]",
+        '"text"',
+        "{}",
+        '{"format": 1, "fits": []}',
+        '{"format": 1, "fits": {"a2a": null}}',
+        "{",
+        "\x00\xff",
+    ],
+)
+def test_a_cache_file_of_any_content_is_warned_about_naming_it_and_measured_again(world, measured, tmp_path, content):
+    """Valid JSON of the wrong shape (`null`, a list) raised AttributeError, unnamed, on every run until deleted."""
+    measured.results = [fits_with(), fits_with()]
+    path = profile_cache.cache_path(
+        str(tmp_path), profiler.describe_cluster(ProfileGroups(), profiler.DEFAULT_SETTINGS, dtype="torch.float32")
+    )
+    with open(path, "w", encoding="latin-1") as stream:
+        stream.write(content)
+    profile = obtain(tmp_path)
+    assert profile.measured and profile.path == path and profile.why.startswith(profiler.UNREADABLE), profile.why
+    level, text = profile_line(profile, None)
+    assert level == logging.WARNING and path in text and "\n" not in text and "measured again" in text, text
+    profile.save()  # written over: the next run reuses it
+    assert not obtain(tmp_path).measured and measured.calls == 1
+
+
+def test_an_unwritable_cache_directory_is_warned_about_once_and_not_cached(world, measured, tmp_path, caplog):
+    """A read-only cache directory raised a raw OSError (exit 1); now one warning naming it, the run goes on."""
+    measured.results = [fits_with(), fits_with()]
+    cache = str(tmp_path / "cache")
+    with read_only(cache), caplog.at_level(logging.WARNING):
+        profile = obtain(cache)
+        profile.save()
+        assert os.listdir(cache) == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"cost model: cannot write the profile cache {cache} ("), (
+        warnings
+    )
+    assert profile.measured and profile.path is None
+    _, text = profile_line(profile, None)
+    assert "saved to" not in text
+    (tmp_path / "file").write_text("")  # a cache "directory" under a file: ENOTDIR, the same warning
+    assert obtain(tmp_path / "file" / "cache").path is None

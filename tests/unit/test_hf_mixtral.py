@@ -278,3 +278,43 @@ def test_how_a_model_was_trained_does_not_stop_its_export(megatron_world1, token
     out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     _, model, _ = load_single(str(tmp_path / "ckpt"))
     assert max_logit_difference(model, out, probe_tokens(tokenizer.vocab_size)) < TOLERANCE
+
+
+@pytest.mark.parametrize("disk", ["full", "read_only"])
+def test_export_onto_a_full_or_read_only_disk_is_one_line_and_leaves_no_tmp(our_checkpoint, tmp_path, disk):
+    """Before: a 20-line traceback (safetensors' or os' error) and an empty `hf.tmp/` left behind (issue 41)."""
+    from megatron_moe.config import ConfigError
+    from tests.unit.unwritable import full, read_only
+
+    folder = str(tmp_path / "out")
+    with full(folder, "64k") if disk == "full" else read_only(folder), pytest.raises(ConfigError) as error:
+        export_hf(our_checkpoint, os.path.join(folder, "hf"))
+    assert os.listdir(folder) == []  # no hf.tmp/, no hf/
+    text = str(error.value)
+    assert text.startswith(f"--save={folder}/hf: cannot write ") and "\n" not in text, text
+    assert ("No space left on device" if disk == "full" else "Read-only file system") in text, text
+
+
+def test_import_into_a_read_only_folder_is_one_line_and_leaves_nothing(megatron_world1, tokenizer, tmp_path):
+    from megatron_moe.config import ConfigError
+    from tests.unit.unwritable import read_only
+
+    hf_dir = str(tmp_path / "hf")
+    _random_hf_mixtral(tokenizer, hf_dir, published_names=False)
+    with read_only(str(tmp_path / "ro")) as folder, pytest.raises(ConfigError) as error:
+        import_hf(hf_dir, os.path.join(folder, "ckpt"))
+    assert str(error.value).startswith(f"--save={folder}/ckpt: cannot write {folder}/ckpt.tmp: Read-only file system")
+
+
+def test_reshard_into_a_read_only_folder_is_one_line_with_exit_code_2(our_checkpoint, tmp_path, capsys):
+    """Before: a raw OSError traceback from the staging directory (exit 1)."""
+    from tests.unit.unwritable import read_only
+    from tools.checkpoint.convert import main
+
+    with read_only(str(tmp_path / "ro")) as folder:
+        code = main(["reshard", "--load", our_checkpoint, "--save", os.path.join(folder, "dst")])
+        assert os.listdir(folder) == []
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in out.err, out
+    assert lines[0].startswith(f"error: --save={folder}/dst: cannot write {folder}") and "Read-only" in lines[0]

@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ReshardError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    except OSError as error:  # an output the subcommand could not write (a full disk, a read-only folder)
+        save = getattr(args, "save", "")
+        why = f"cannot write {error.filename or save}: {error.strerror or error}"
+        print(f"error: --save={save}: {why}; free space there or give a --save in a writable folder with room")
+        return 2
     print(f"{args.command}: done in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
 

@@ -319,7 +319,7 @@ def _launch(job_path: str, world: int, save_root: str) -> int:
     env.setdefault("MEGATRON_MOE_FORCE_CPU", "1")  # offline: the CPU, even where GPUs exist
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))  # `-m tools...` from any cwd
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "megatron_moe.launch",  # torchrun; a failure in one line per rank, its exit code
         "--standalone", f"--nproc-per-node={world}", "-m", "tools.checkpoint.reshard", "--job", job_path,
         "--save-root", save_root,
     ]  # fmt: skip
@@ -357,6 +357,8 @@ def run_reshard_job(job: ReshardJob) -> str:
             job_path = os.path.join(tmp, "job.json")
             job.save(job_path)
             code = _launch(job_path, job.world_size, staging)
+        if code == 2:  # the worker named why in its one line
+            raise ReshardError(f"{job.destination} was not written (the conversion failed: the line above)")
         if code != 0:
             raise ReshardError(f"the conversion job failed (exit code {code}); {job.destination} was not written")
         _publish(staging, job.destination)
@@ -388,7 +390,12 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-root", required=True, help="where to save (run_reshard_job's staging directory)")
     args = parser.parse_args(argv)
     _setup_worker_logging()
-    reshard_on_this_rank(ReshardJob.load(args.job), args.save_root)
+    try:
+        reshard_on_this_rank(ReshardJob.load(args.job), args.save_root)
+    except ConfigError as error:  # a full disk (CheckpointError) included: one line, as the command's own
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
