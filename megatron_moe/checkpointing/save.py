@@ -66,7 +66,7 @@ def save_checkpoint(
         undo_on_exit(drop_tmp)  # the watchdog's exit and a second stop signal skip the handlers below
         os.makedirs(tmp)
     try:
-        _save_and_publish(root, tmp, final, cfg, model, optimizer, scheduler, train_state, after_step)
+        _save_and_publish(root, tmp, final, cfg, model, optimizer, scheduler, train_state, after_step, data)
     except KeyboardInterrupt:  # Ctrl-C is Python's only with --no-exit-signal-handler: the partial copy goes too
         if dist.get_rank() == 0:
             drop_tmp()
@@ -76,7 +76,7 @@ def save_checkpoint(
     return final
 
 
-def _save_and_publish(root, tmp, final, cfg, model, optimizer, scheduler, train_state, after_step) -> None:
+def _save_and_publish(root, tmp, final, cfg, model, optimizer, scheduler, train_state, after_step, data) -> None:
     comm.barrier("checkpoint_save_begin")
     _test_pause("begin", train_state.iteration)
     # Before the first step the optimizer holds no state (Adam's moments are lazy).
