@@ -171,7 +171,19 @@ def shutdown(destroy_process_group: bool = True) -> None:
         parallel_state.destroy_model_parallel()
         comm.forget_planning_groups()
         comm.forget_hierarchies()
+        forget_rotary_caches()
         if destroy_process_group:
             dist.destroy_process_group()
         else:
             comm.destroy_groups_but_world()  # with their transport threads: the next run creates its own
+
+
+def forget_rotary_caches() -> None:
+    """megatron-core's rotary embeddings keep `forward` in an lru_cache keyed by the module (32 entries): each
+    run's embedding, with its context-parallel group and that group's transport threads, outlived the run (a
+    gloo group and 3 threads a run, in a process that runs many: the tests' shared jobs)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    for embedding in (RotaryEmbedding, YarnRotaryEmbedding):
+        embedding.forward.cache_clear()

@@ -52,3 +52,28 @@ def test_the_teardown_destroys_every_group_but_the_world_and_their_threads(gloo_
     assert gloo_threads() <= alone < with_groups
     assert comm.destroy_groups_but_world() == 0
     dist.barrier()  # the world still works
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_the_teardown_frees_the_group_megatron_cores_rotary_cache_held(gloo_world):
+    """megatron-core's RotaryEmbedding.forward is an lru_cache keyed by the module, which holds its context-parallel
+    group: each run's group (and its threads) outlived the run, 1,099 threads a rank by a shared job's 15th part."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_moe.platform import init_platform
+    from megatron_moe.training.initialize import forget_rotary_caches
+
+    init_platform()  # megatron-core's embedding on the CPU
+    alone = gloo_threads()
+    embedding = RotaryEmbedding(
+        kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True, cp_group=dist.new_group([0])
+    )
+    embedding(16)  # cached, with the module
+    del embedding
+    forget_rotary_caches()
+    assert comm.destroy_groups_but_world() == 1
+    comm.join_reaper()
+    deadline = time.monotonic() + 5
+    while gloo_threads() > alone and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gloo_threads() <= alone
