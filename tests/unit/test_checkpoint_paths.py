@@ -163,10 +163,10 @@ def test_a_resume_with_nothing_left_to_train_says_so_in_one_line_before_the_mode
     monkeypatch.setattr(training, "transformer_config", no_model)
     run = cfg("--load", str(tmp_path), "--save", str(tmp_path), "--train-iters", "200")
     with caplog.at_level(logging.INFO, logger="megatron_moe"):
-        assert training._train(run, None) == []
+        assert training._train(run, None, None) == []
     assert caplog.messages == [
         f"checkpoint at iteration 200 >= --train-iters 200: nothing to train ({tmp_path / 'iter_0000200'}); raise "
         "--train-iters to train on, or give another --load/--save to start a new run"
     ]
     with pytest.raises(AssertionError, match="the model was set up"):  # iterations left: on to the model
-        training._train(cfg("--load", str(tmp_path), "--train-iters", "201"), None)
+        training._train(cfg("--load", str(tmp_path), "--train-iters", "201"), None, None)

@@ -41,8 +41,9 @@ def test_an_example_script_keeps_the_workers_exit_code_2_for_a_data_error(exampl
     """A truncated .idx, found by the workers' flag pass (the script's own check reads no file): exit 2, not 1."""
     data = tmp_path / "data"
     data.mkdir()
-    for name in os.listdir(example_data):
-        shutil.copyfile(os.path.join(example_data, name), data / name)
+    for name in os.listdir(example_data):  # the prefix's files (not megatron-core's index cache beside them)
+        if os.path.isfile(os.path.join(example_data, name)):
+            shutil.copyfile(os.path.join(example_data, name), data / name)
     idx = data / "stdlib_text_document.idx"
     idx.write_bytes(idx.read_bytes()[:-8])
     script = os.path.join(ROOT, "examples", "pretrain_gpt_moe_tiny_cpu.sh")
