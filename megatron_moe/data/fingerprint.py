@@ -12,6 +12,7 @@ unseen (the ``.idx`` hash sees any change of lengths). This module stays free of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 
@@ -56,7 +57,16 @@ _HASHES = {".idx": "idx_sha256", ".bin": "bin_samples_sha256"}
 
 
 def fingerprint_prefix(prefix: str) -> PrefixFingerprint:
-    """The fingerprint of ``prefix`` (its files must exist; the ``.idx`` header is checked)."""
+    """The fingerprint of ``prefix`` (its files must exist; the ``.idx`` header is checked). Hashed once per
+    process while its files stay the same (inode, size, mtime): a start-up asks three times (the run's record,
+    the token-id scan's cache, megatron-core's index cache key)."""
+    files = tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in map(os.stat, (prefix + ".idx", prefix + ".bin")))
+    return _fingerprint(prefix, files)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(prefix: str, files: tuple) -> PrefixFingerprint:
+    del files  # the cache key only: other files, another hash
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     num_documents = read_idx_header(idx_path)[2] - 1  # boundaries: documents + 1
     idx_hash = hashlib.sha256()

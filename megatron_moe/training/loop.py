@@ -344,9 +344,8 @@ class Trainer:
     def _save(self) -> None:
         if self.cfg.checkpoint.save:
             with self._params_gathered():
-                record = getattr(self.data, "record", None)  # test doubles of RunData have none
                 args = (self.cfg.checkpoint.save, self.cfg, self.model, self.optimizer, self.scheduler, self.state)
-                save_checkpoint(*args, data=record)
+                save_checkpoint(*args, data=self.data.record)
 
     def _log_step(self, iteration: int, figures: dict) -> dict:
         """Log one step's figures (logging rank); returns its history entry: what the log line shows."""

@@ -19,6 +19,8 @@ SMALL = (
 class RandomBatches:
     """The run's data: random tokens, as many as asked for."""
 
+    record = None  # RunData's: no data record to save (random tokens)
+
     def __init__(self):
         self.train_iterator = self.valid_iterator()
 
