@@ -38,6 +38,7 @@ from megatron_moe.training.setup import (
     install_shadow_costs,
     link_fits,
     resolve_pipeline_degrees,
+    unwire_model_config,
     wire_model_config,
 )
 from megatron_moe.training.summary import log_startup_summary, parameter_counts
@@ -130,7 +131,7 @@ def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
         "fusions": fusions.on(),
         "operator_partition": partition,
     }
-    return Trainer(
+    trainer = Trainer(
         cfg,
         model,
         optimizer,
@@ -141,7 +142,11 @@ def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
         startup=startup,
         overlap=overlap,
         signals=signals,
-    ).train()
+    )
+    try:
+        return trainer.train()
+    finally:
+        unwire_model_config(config, model)
 
 
 def end_job_with_report(report: str) -> None:

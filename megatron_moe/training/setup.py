@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -138,6 +139,26 @@ def wire_model_config(cfg: RunConfig, config: TransformerConfig, model, optimize
     config.no_sync_func = [chunk.no_sync for chunk in model]
     if cfg.parallel.overlap_grad_reduce:
         config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+
+
+def unwire_model_config(config: TransformerConfig, model) -> None:
+    """A finished run's teardown: undo `wire_model_config` and drop the autograd graphs its modules kept.
+
+    Both held the run's model, optimizer, DDP and process groups past the run, through edges the garbage collector
+    cannot see. megatron-core's distributed optimizer shards an fp32 parameter as a view of it (`param.view(-1)[a:b]`,
+    no detach), so the shard's autograd graph reaches the parameter's AccumulateGrad node, whose hook holds the DDP;
+    megatron-core's token dispatcher keeps its last `probs`, graph and all. With `config.grad_scale_func` naming the
+    optimizer, that made a cycle through C++ (config -> optimizer -> shard -> node -> hook -> DDP -> model -> config):
+    a process running many runs (the tests' shared jobs) kept each one, 5-6 gloo groups and 15-17 threads a rank.
+    """
+    config.finalize_model_grads_func = config.grad_scale_func = None
+    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    for module in (module for chunk in model for module in chunk.modules()):
+        helpers = [value for value in vars(module).values() if hasattr(value, "__dict__") and not callable(value)]
+        for holder in (module, *helpers):  # a module, and what it keeps that is not a module (the dispatcher)
+            for name, value in list(vars(holder).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(holder, name, None)
 
 
 # ---------------------------------------------------------------------------------------------- pipeline degrees

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -13,13 +14,25 @@ from megatron_moe.comm.moe import make_planning_groups
 ARGS = sys.argv[1:]
 
 
+def settled_thread_count(quiet_s: float = 1.0, limit_s: float = 15.0) -> int:
+    """This process's threads once none has ended for `quiet_s`: a destroyed gloo group's threads end
+    asynchronously, so a count taken at once can include one still on its way out (11 for 10 in a CI run)."""
+    count, since, deadline = len(os.listdir("/proc/self/task")), time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = len(os.listdir("/proc/self/task"))
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def report() -> dict:
     """The arguments this part was imported with, the world, and the groups it found (the job's tidying)."""
     from torch.distributed import distributed_c10d
 
     found = {
         "groups_found": len(distributed_c10d._world.pg_map),
-        "threads_found": len(os.listdir("/proc/self/task")),
+        "threads_found": settled_thread_count(),
         "aux_loss_scale_found": MoEAuxLossAutoScaler.main_loss_backward_scale is not None,
     }
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([0.5]))  # as a training run's schedule leaves it

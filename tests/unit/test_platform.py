@@ -198,7 +198,9 @@ def test_unknown_normalization_is_rejected():
 
 
 _FAULTS_PROBE = """
-import resource, torch
+import ctypes, resource
+ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: a fault is one 4 KiB page, not 2 MiB
+import torch
 from megatron_moe.platform.host_memory import keep_freed_host_memory
 applied = keep_freed_host_memory()
 def step():  # a training step in miniature: big buffers of two sizes and small tensors, all freed at the end
@@ -224,7 +226,9 @@ def test_host_allocator_reuses_freed_blocks(mode):
     Reuse serves them from the heap; a 64 MiB buffer still lands on fresh heap
     now and then (memalign slack keeps a block from fitting its own hole): up
     to three times in five steps when measured (49152 faults in one CI run),
-    while the 16 MiB one came back every time.
+    while the 16 MiB one came back every time. The probe turns transparent huge pages off for itself: a
+    host with THP `always` (one CI run's) faults a 64 MiB block in 2 MiB pages, 53250 faults where 4 KiB
+    pages give 81920 and more.
     """
     env = {**os.environ, "MEGATRON_MOE_HOST_ALLOCATOR": mode}
     out = subprocess.run([sys.executable, "-c", _FAULTS_PROBE], env=env, capture_output=True, text=True, check=True)
