@@ -7,6 +7,8 @@ import pytest
 
 from tests.distributed.shared_jobs import SharedJobs
 
+_SESSION_JOBS: list[SharedJobs] = []
+
 
 @pytest.fixture(scope="session")
 def shared_jobs(request, tmp_path_factory):
@@ -20,4 +22,16 @@ def shared_jobs(request, tmp_path_factory):
         values["tokenizer_runs"] = str(tmp_path_factory.mktemp("tokenizer_runs") / "runs.json")
         with open(values["tokenizer_runs"], "w") as f:
             json.dump(request.getfixturevalue("tokenizer_train_data"), f)
-    return SharedJobs(parts, values, lambda key: str(tmp_path_factory.mktemp(key)))
+    jobs = SharedJobs(parts, values, lambda key: str(tmp_path_factory.mktemp(key)))
+    _SESSION_JOBS.append(jobs)
+    return jobs
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each shared-job part's time and rank 0's threads after it: where the tier's time goes, and a leak shows
+    as a count that climbs from part to part."""
+    timings = {name: took for jobs in _SESSION_JOBS for name, took in jobs.timings.items()}
+    if timings:
+        terminalreporter.section("shared torchrun jobs: seconds per part, threads after it")
+        for name, (secs, threads) in sorted(timings.items(), key=lambda item: -item[1][0]):
+            terminalreporter.write_line(f"{secs:8.1f} s  {threads:5d} threads  {name}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import psutil
 from tests.distributed.launcher import ROOT, free_port
 
 RUNNER = os.path.join(ROOT, "tests", "distributed", "job_runner.py")
+TIMING = re.compile(r"\[job\] (\S+): ([0-9.]+) s, (\d+) threads after$", re.M)
+"""job_runner.py's line after each part (rank 0's stderr)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,8 @@ class SharedJobs:
         self.parts, self.values, self.mktemp = parts, values, mktemp
         self.outcomes: dict[str, dict | str] = {}
         self.workdirs: dict[str, str] = {}
+        self.timings: dict[str, tuple[float, int]] = {}
+        """{part: (seconds, rank 0's threads after it)} of the parts that finished: the session's summary."""
 
     def workdir(self, name: str) -> str:
         """Part `name`'s directory (its `workdir` key's, made on first use)."""
@@ -112,6 +117,7 @@ class SharedJobs:
                 os.killpg(proc.pid, signal.SIGKILL)
                 stdout, stderr = proc.communicate()
                 failure = f"{' '.join(cmd)} ran past {timeout} s"
+            self.timings.update({name: (float(secs), int(threads)) for name, secs, threads in TIMING.findall(stderr)})
             leftovers = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.pid not in before]
             done = {}
             if os.path.exists(results):

@@ -52,6 +52,13 @@ def test_parts_of_a_world_size_share_one_job_and_start_clean(jobs):
     assert not any(outcomes[name]["aux_loss_scale_found"] for name in ("first", "second", "third"))
 
 
+def test_the_session_summary_has_each_finished_parts_time_and_threads(jobs):
+    jobs, outcomes = jobs
+    assert set(jobs.timings) == {name for name, outcome in outcomes.items() if isinstance(outcome, dict)}
+    assert "broken" not in jobs.timings
+    assert all(secs > 0 and threads > 1 for secs, threads in jobs.timings.values())
+
+
 def test_a_failing_part_fails_alone_and_the_rest_run_in_a_new_job(jobs):
     jobs, outcomes = jobs
     assert isinstance(outcomes["broken"], PartFailed)
