@@ -118,6 +118,14 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         values=(("--moe-token-dispatcher-type", ("flex",)),),
     ),
     Unsupported(
+        "quantile balancing",
+        "Megatron-LM's quantile-balancing router (a per-expert bias by dual coordinate descent, added after "
+        "megatron-core 0.16.1) is not built here; balance with --moe-router-enable-expert-bias (DeepSeek-V3's "
+        "aux-loss-free bias) or a balancing loss",
+        flags=("--moe-router-quantile-balancing-ema=",),
+        values=(("--moe-router-load-balancing-type", ("quantile_balancing",)),),
+    ),
+    Unsupported(
         "transformer-engine's grouped-tensor and interleaved-GLU expert layouts",
         "the experts' weights are one tensor per expert matrix here (our layer's grouped GEMM, or megatron-core's "
         "GroupedMLP / TEGroupedMLP), GLU halves not interleaved",

@@ -245,6 +245,16 @@ class MoELayerConfig:
     )
     """Megatron-LM's --moe-router-force-load-balancing: N(0, 1) logits, gradient straight through (softmax and
     sigmoid gates; megatron-core's layer does the same)."""
+    force_biased: float | None = arg(
+        None,
+        "benchmarks only: the router's logits replaced by random ones plus a random bias per expert, N(0, |STD|) "
+        "and the same on every rank, so the load is skewed (Megatron-LM's, after megatron-core 0.16.1): STD > 0 "
+        "a new bias each forward, STD < 0 one bias per layer for the run; the model learns nothing useful",
+        flag="--moe-router-force-biased",
+        applies=only.MOE,
+    )
+    """Megatron-LM's --moe-router-force-biased (`megatron_moe.moe.routing.ForcedBias`); megatron-core 0.16.1's
+    layer has no such option, so with --moe-layer-impl mcore it is refused (rules.py)."""
     bias_update_rate: float = arg(
         1e-3,
         "the expert bias's step: bias += rate x sign(mean load - load)",
@@ -387,11 +397,13 @@ class MoELayerConfig:
             f"must be a multiple of --expert-tensor-parallel-size={esp_size} (each expert's width is split over "
             f"it), e.g. {esp_size * max(1, self.ffn_hidden_size // esp_size)}",
         )
-        r(
-            not self.force_load_balancing or self.gate in FORCE_BALANCE_GATES,
-            "force_load_balancing",
-            f"--moe-gate={self.gate} has no router logits to replace; use one of {', '.join(FORCE_BALANCE_GATES)}",
-        )
+        for forced in ("force_load_balancing", "force_biased"):
+            r(
+                getattr(self, forced) in (False, None) or self.gate in FORCE_BALANCE_GATES,
+                forced,
+                f"--moe-gate={self.gate} has no router logits to replace; use one of {', '.join(FORCE_BALANCE_GATES)}",
+            )
+        r(self.force_biased != 0, "force_biased", "a standard deviation: > 0 (a new bias each step) or < 0 (one bias)")
         r(
             not self.shared_expert_gate or bool(self.shared_expert_ffn_hidden_size),
             "shared_expert_gate",

@@ -328,6 +328,13 @@ def check_moe(moe: MoEConfig, model: ModelConfig, parallel=None) -> None:
             refuse_blocked(layer, ep_size=ep, esp_size=esp, error=ConfigError)
         return
     require(
+        moe.moe_router_force_biased is None,
+        "--moe-router-force-biased",
+        moe.moe_router_force_biased,
+        "megatron-core 0.16.1's router has no forced bias (Megatron-LM added it later); our layer has it: drop "
+        "--moe-layer-impl mcore, or drop the flag",
+    )
+    require(
         moe.moe_router_load_balancing_type in MCORE_LOAD_BALANCING,
         "--moe-router-load-balancing-type",
         moe.moe_router_load_balancing_type,

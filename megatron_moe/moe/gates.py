@@ -23,7 +23,7 @@ from megatron_moe.config.moe_layer import MoELayerConfig
 from megatron_moe.moe.expert_bias import group_limited_topk, update_expert_biases
 from megatron_moe.moe.gates_balanced import ExpertChoiceGate, SoftMoEGate
 from megatron_moe.moe.pieces import batch_order
-from megatron_moe.moe.routing import DeferrableRouter, Gate, Routing, router_linear, router_losses
+from megatron_moe.moe.routing import DeferrableRouter, ForcedBias, Gate, Routing, router_linear, router_losses
 
 PRIORITIES = ("token", "importance", "random", "probs", "position")
 
@@ -44,6 +44,8 @@ class _TopKGateBase(Gate):
             self.load_balancing = "none"
         self.capacity_factor = cfg.capacity_factor
         self.force_load_balancing = cfg.force_load_balancing  # DeferrableRouter gates: random logits
+        if cfg.force_biased is not None:  # DeferrableRouter gates: random logits and a shared bias
+            self.forced_bias = ForcedBias(cfg.force_biased, cfg.num_experts, (cfg.init_seed, 0))
         self.seq_batch = 1  # sequences B in the [S, B] micro-batch the tokens flatten; the layer sets it
         self.num_groups, self.group_topk = cfg.num_groups, cfg.group_topk
         self.bias_update_rate = cfg.bias_update_rate

@@ -97,6 +97,7 @@ class MoELayer(MegatronModule):
         self.layer_number = layer_number
         self.num_local_experts = self.dispatcher.num_local_experts
         self.gate = build_gate(self.cfg)
+        self._key_forced_bias()
         self.ordering = build_ordering(self.cfg.ordering)
         self.experts = self._build_experts(config, experts, ep_group, expert_dp_group, esp_group)
         self.shared_expert = None
@@ -268,6 +269,12 @@ class MoELayer(MegatronModule):
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = self.dispatcher.layer = layer_number
+        self._key_forced_bias()
+
+    def _key_forced_bias(self) -> None:
+        """--moe-router-force-biased with a negative STD: the layer's one bias is keyed by (--seed, layer)."""
+        if getattr(self.gate, "forced_bias", None) is not None:
+            self.gate.forced_bias.key = (self.cfg.init_seed, self.layer_number or 0)
 
     def register_moe_hook(self, hook: MoEHook) -> HookHandle:
         self.hooks.append(hook)

@@ -126,6 +126,35 @@ class RandomLogits(torch.autograd.Function):
         return grad_output
 
 
+class ForcedBias:
+    """Megatron-LM's --moe-router-force-biased STD (benchmarks only; megatron-core's RandomSTEShared, after
+    0.16.1): a bias per expert drawn N(0, |STD|) and added to the random logits, the same on every rank, so the
+    load is skewed as a real router's can be. STD > 0: a new bias each forward, from megatron-core's
+    data-parallel RNG stream (seeded alike on every rank, replayed by a recompute like dropout's, saved with the
+    checkpoint's RNG state). STD < 0: one bias per layer for the whole run, keyed by (--seed, layer) alone (the
+    same after a resume; megatron-core draws it once from the stream and does not keep it across one)."""
+
+    def __init__(self, std: float, num_experts: int, key: tuple[int, ...] = (0, 0)):
+        self.std, self.num_experts, self.key = std, num_experts, key
+        self._kept_E: torch.Tensor | None = None
+
+    def bias_E(self, like: torch.Tensor) -> torch.Tensor:
+        from megatron_moe.platform.rng import host_rng_keyed, rng_tracker
+
+        if self.std < 0:
+            if self._kept_E is None or self._kept_E.device != like.device:
+                with host_rng_keyed(*self.key):
+                    self._kept_E = torch.randn(self.num_experts).mul_(-self.std).to(like.device, like.dtype)
+            return self._kept_E
+        from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
+
+        tracker, name = rng_tracker(), get_data_parallel_rng_tracker_name()
+        if name not in tracker.get_states():  # a layer used outside training (no streams seeded): the host's
+            return like.new_empty(self.num_experts).normal_(std=self.std)
+        with tracker.fork(name):
+            return like.new_empty(self.num_experts).normal_(std=self.std)
+
+
 class DeferrableRouter(DeferrableWeights):
     """A gate whose router projection `self.weight` [E, H] may have its weight gradient deferred.
 
@@ -138,11 +167,18 @@ class DeferrableRouter(DeferrableWeights):
 
     force_load_balancing = False
     """--moe-router-force-load-balancing: random logits (`RandomLogits`), loads balanced in expectation."""
+    forced_bias: ForcedBias | None = None
+    """--moe-router-force-biased: random logits plus a random bias per expert shared by the ranks: loads skewed."""
 
     def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, E] of `self.weight` (random ones, the gradient straight through, when forcing balance)."""
+        """fp32 logits [T, E] of `self.weight` (random ones, the gradient straight through, when forcing balance;
+        plus a bias shared by every rank when forcing a skew)."""
         logits_TE = router_linear(x_TH, self.weight, self.weight_grad_store)
-        return RandomLogits.apply(logits_TE) if self.force_load_balancing else logits_TE
+        if self.force_load_balancing or self.forced_bias is not None:
+            logits_TE = RandomLogits.apply(logits_TE)
+        if self.forced_bias is not None:
+            logits_TE = logits_TE + self.forced_bias.bias_E(logits_TE)  # a constant: the gradient passes as is
+        return logits_TE
 
 
 def _masked_mean(values_T: torch.Tensor, valid_T: torch.Tensor | None, group=None) -> torch.Tensor:

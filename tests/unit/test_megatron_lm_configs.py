@@ -17,12 +17,6 @@ from tests.distributed.megatron_lm_configs import CONFIGS, CPU_RUNS, ROOT, argv_
 PASSING = 37
 """Configs that pass the flag pass as written (the issue's target is 40: the rest need Megatron-FSDP, FP8,
 batch-level overlap, offloading, CUDA graphs or the TE op fuser)."""
-PENDING = {
-    # Flags that other parts of issue 40 define (the attention, MTP and router helpers): refused or unknown here
-    # until they land; each then leaves this set.
-"--moe-layer-freq", "--recompute-modules",
-
-}  # fmt: skip
 CONSEQUENCES = {
     # a refused flag -> the errors that follow from setting it aside (Megatron-LM reads them with it)
     "--pipeline-model-parallel-layout": {"--pipeline-model-parallel-size"},  # uneven stages: PP need not divide
@@ -80,7 +74,7 @@ def test_each_config_passes_or_is_refused_only_for_a_feature_not_supported_here(
             flag, value = flag_of(line)
             if flag in following:
                 continue
-            allowed = {flag, f"{flag}={value}"} & listed or flag in PENDING
+            allowed = {flag, f"{flag}={value}"} & listed
             allowed = allowed or any(flag.startswith(p[:-1]) for p in listed if p.endswith("*"))
             assert allowed or flag in MEGATRON_LM_REFUSES_TOO.get(path.stem, ()), (path.stem, line)
         report[path.stem] = sorted({flag_of(line)[0] for line in lines})

@@ -14,8 +14,6 @@ MOE_RELEVANT = {
     "--save-tokens-per-expert-interval",
 }  # fmt: skip
 """Megatron-LM's MoE flags beyond `--moe-*` and `--mtp-*` (expert parallelism, the MoE overlaps)."""
-PENDING = {"--moe-shared-expert-gate", "--moe-router-force-biased", "--moe-router-quantile-balancing-ema"}
-"""Answered by other parts of issue 40 (the router's; the MTP flags too): `pending` in the list until they land."""
 
 
 def megatron_lm_moe_flags() -> list[str]:
@@ -42,10 +40,7 @@ def test_docs_list_every_megatron_lm_moe_flag_with_what_the_code_does():
     assert list(listed) == megatron_lm_moe_flags()
     for flag, status in listed.items():
         expected = status_of(flag, ours)
-        if expected is None:
-            assert status == "pending" and (flag in PENDING or flag.startswith("--mtp-")), flag
-        else:
-            assert status == expected, (flag, status, expected)
+        assert expected is not None and status == expected, (flag, status, expected)
 
 
 def test_no_flag_of_ours_is_answered_as_a_megatron_lm_habit():
