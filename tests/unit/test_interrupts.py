@@ -39,6 +39,7 @@ def exits(monkeypatch):
 
 
 def test_sigint_is_a_stop_request_that_raises_nothing_and_a_later_one_exits(exits):
+    before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler; SIG_IGN in a shell's background job
     watcher = preemption._SignalWatcher(rank=0)
     try:
         try:
@@ -54,10 +55,11 @@ def test_sigint_is_a_stop_request_that_raises_nothing_and_a_later_one_exits(exit
         assert wait_for(lambda: exits == [128 + signal.SIGINT])
     finally:
         watcher.close()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_stop_signals_name_the_first_signal_and_restore_the_handlers(exits):
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # as the process inherited them
     with preemption.StopSignals(enabled=True, rank=0) as signals:
         assert signals.received == 0
         os.kill(os.getpid(), signal.SIGINT)
@@ -65,10 +67,9 @@ def test_stop_signals_name_the_first_signal_and_restore_the_handlers(exits):
         os.kill(os.getpid(), signal.SIGTERM)  # the same stop by another route: still SIGINT's
         time.sleep(0.1)
         assert signals.received == signal.SIGINT and exits == []
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    with preemption.StopSignals(enabled=False) as disabled:  # --no-exit-signal-handler: Python's defaults
-        assert disabled.received == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    with preemption.StopSignals(enabled=False) as disabled:  # --no-exit-signal-handler: the handlers untouched
+        assert disabled.received == 0 and signal.getsignal(signal.SIGINT) is before[0]
 
 
 class Exited(BaseException):
