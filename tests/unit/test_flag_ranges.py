@@ -63,7 +63,10 @@ def test_bad_flag_is_one_line_naming_flag_value_and_choice(flags, flag, value):
     assert re.search(r"must|e\.g\.|use|choose", message), message
 
 
-SIGNED = {"moe_expert_capacity_factor"}  # < 0 means dropless capped at |f| (Tutel semantics)
+SIGNED = {
+    "moe_expert_capacity_factor",  # < 0 means dropless capped at |f| (Tutel semantics)
+    "moe_router_force_biased",  # < 0: one bias per layer for the run (Megatron-LM's meaning)
+}
 
 
 def numeric_fields():
