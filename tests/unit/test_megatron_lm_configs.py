@@ -96,7 +96,9 @@ def test_flag_of_reads_each_kind_of_refusal(line, flag):
 
 
 def test_the_cpu_runs_keep_their_degrees_and_pass_the_first_pass_shrunk():
-    """The shared 4-rank job trains these 2 steps (tests/distributed/test_megatron_lm_flags.py)."""
+    """The shared 4-rank job trains these 2 steps (tests/distributed/test_megatron_lm_flags.py): every config that
+    passes on 4 ranks as written."""
+    assert set(CPU_RUNS) == {path.stem for path in CONFIGS if world_of(path.stem) == 4 and not refusals(path)}
     degrees = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size")
     for name in CPU_RUNS:
         assert world_of(name) == 4 and not refusals(ROOT / f"tests/data/megatron_lm_moe_configs/{name}.yaml"), name
