@@ -139,17 +139,15 @@ class ForcedBias:
         self._kept_E: torch.Tensor | None = None
 
     def bias_E(self, like: torch.Tensor) -> torch.Tensor:
-        from megatron_moe.platform.rng import host_rng_keyed, rng_tracker
+        from megatron_moe.platform.rng import data_parallel_stream, host_rng_keyed, rng_tracker
 
         if self.std < 0:
             if self._kept_E is None or self._kept_E.device != like.device:
                 with host_rng_keyed(*self.key):
                     self._kept_E = torch.randn(self.num_experts).mul_(-self.std).to(like.device, like.dtype)
             return self._kept_E
-        from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
-
-        tracker, name = rng_tracker(), get_data_parallel_rng_tracker_name()
-        if name not in tracker.get_states():  # a layer used outside training (no streams seeded): the host's
+        tracker, name = rng_tracker(), data_parallel_stream()
+        if name not in tracker.get_states():  # a layer used outside training (no streams seeded): the device's own
             return like.new_empty(self.num_experts).normal_(std=self.std)
         with tracker.fork(name):
             return like.new_empty(self.num_experts).normal_(std=self.std)

@@ -28,6 +28,11 @@ def expert_parallel_stream() -> str:
     return _mc_random.get_expert_parallel_rng_tracker_name()
 
 
+def data_parallel_stream() -> str:
+    """Name of the stream seeded alike on every rank (megatron-core's data-parallel one)."""
+    return _mc_random.get_data_parallel_rng_tracker_name()
+
+
 def keyed_seed(*keys: int) -> int:
     """A 63-bit seed that depends on `keys` alone (numpy's SeedSequence hash: nearby keys give unrelated seeds)."""
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0]) & (2**63 - 1)

@@ -23,8 +23,8 @@ CPU_RUNS = (
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node",
 )
 """Every config that passes the flag pass on the 4 ranks its CI ran (the `_1node` ones; none needs a GPU-only
-feature): the shared 4-rank job trains each 2 steps. The 8-rank ones are not run (the same flags as their
-`_1node` twins at twice the degrees, but for the context-parallel and TP=2 x PP=2 cases)."""
+feature): the shared 4-rank job trains each 2 steps. The 27 that pass on 8 ranks are not run (10 of them are
+these configs' twins at twice the degrees)."""
 CPU_SIZES = {
     "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 64,
     "--max-position-embeddings": 64, "--ffn-hidden-size": 128, "--moe-ffn-hidden-size": 64, "--micro-batch-size": 1,

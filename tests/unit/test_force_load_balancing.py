@@ -46,14 +46,12 @@ def test_the_flag_reaches_both_layers_and_is_refused_for_gates_without_logits():
 
 def seed_model_parallel(seed: int) -> None:
     """The tracker's data-parallel stream seeded from --seed alone, as megatron-core seeds it on every rank."""
-    from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
-
     from megatron_moe.platform import init_platform
-    from megatron_moe.platform.rng import rng_tracker
+    from megatron_moe.platform.rng import data_parallel_stream, rng_tracker
 
     init_platform()  # on the CPU the tracker's streams are the host generator's
     rng_tracker().reset()
-    rng_tracker().add(get_data_parallel_rng_tracker_name(), seed)
+    rng_tracker().add(data_parallel_stream(), seed)
 
 
 def test_force_biased_skews_the_load_by_a_bias_every_rank_draws_alike():
