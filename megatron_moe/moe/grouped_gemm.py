@@ -6,7 +6,8 @@ Legend: R = rows (all experts), E = experts, I = input width, O = output width.
 `KERNELS` that fits the operands (`grouped_gemm`, `bmm`, `onednn`, `torch._grouped_mm`, `mm-loop`; each that runs
 is logged once; `forced_kernel(name)` pins one). The backward is two steps, dX = `grouped_mm(dY, w)` (on the
 critical path) and `grouped_weight_grad` (dW, a closure handed to the node's `WeightGradStore`). Invariant: an
-expert without rows gets a weight gradient of exactly zero from every kernel. Each kernel and why:
+expert without rows gets a weight gradient of exactly zero from every kernel. On CPU `mm-loop` and the dW loop
+hand their per-expert sgemms to MKL as one batch where it gives the same bits (`mkl_batch`). Each kernel and why:
 docs/internals/moe.md and docs/kernels.md.
 """
 
@@ -19,6 +20,7 @@ import logging
 
 import torch
 
+from megatron_moe.moe import mkl_batch
 from megatron_moe.moe.weight_grad import RUN_NOW, WeightGrad, WeightGradStore
 from megatron_moe.platform import from_host
 
@@ -245,12 +247,82 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int], out=N
     if kernel == "onednn" and out is None and len(groups) == 1:
         return onednn_linear(x_RI, w_EIO[groups[0][0]].t())  # one expert has all the rows: no copy
     out = x_RI.new_empty(x_RI.shape[0], w_EIO.shape[2]) if out is None else out
+    if kernel == "mm-loop":
+        return _mm_loop(x_RI, w_EIO, groups, out)
     for e, rows in groups:
-        if kernel == "onednn":
-            out[rows].copy_(onednn_linear(x_RI[rows], w_EIO[e].t()))
-        else:
-            _mm_rows(x_RI[rows], w_EIO[e], out[rows])
+        out[rows].copy_(onednn_linear(x_RI[rows], w_EIO[e].t()))
     return out
+
+
+def _mm_loop(x_RI: torch.Tensor, w_EIO: torch.Tensor, groups: list[tuple[int, slice]], out: torch.Tensor):
+    """`mm-loop`'s GEMMs: torch.mm per expert (`_mm_rows`); those of `MM_MIN_ROWS` rows or more as one MKL
+    batch (`mkl_batch`) where the probe finds it gives each expert torch.mm's bits."""
+    big = [(e, rows) for e, rows in groups if rows.stop - rows.start >= MM_MIN_ROWS]
+    if len(big) > 1 and _batch_matches_mm("y", x_RI.dtype, w_EIO.shape[1], w_EIO.shape[2], w_EIO.stride(1) == 1):
+        if _batched_mm(x_RI, w_EIO, big, out):
+            groups = [(e, rows) for e, rows in groups if rows.stop - rows.start < MM_MIN_ROWS]
+    for e, rows in groups:
+        _mm_rows(x_RI[rows], w_EIO[e], out[rows])
+    return out
+
+
+def _batched_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, groups: list[tuple[int, slice]], out: torch.Tensor) -> bool:
+    """out[rows of e] = x[rows of e] @ w[e] for `groups`, in one MKL batch (False: the operands do not fit it)."""
+    if out.stride(1) != 1:
+        return False
+    starts = torch.tensor([rows.start for _, rows in groups])
+    experts = torch.tensor([e for e, _ in groups])
+    counts = torch.tensor([rows.stop - rows.start for _, rows in groups])
+    return mkl_batch.grouped_sgemm(
+        x_RI, starts * x_RI.stride(0), x_RI.stride(),
+        w_EIO, experts * w_EIO.stride(0), (w_EIO.stride(1), w_EIO.stride(2)),
+        out, starts * out.stride(0), out.stride(0),
+        m=counts, n=w_EIO.shape[2], k=w_EIO.shape[1],
+    )  # fmt: skip
+
+
+def _batched_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int], dw_EOI: torch.Tensor) -> bool:
+    """dw[e] = grad[rows of e].T @ x[rows of e] for every expert with rows, in one MKL batch (False: the operands
+    do not fit it; an expert without rows is left as it was)."""
+    groups = _groups(counts)
+    if len(groups) < 2 or dw_EOI.stride(2) != 1:
+        return False
+    starts = torch.tensor([rows.start for _, rows in groups])
+    experts = torch.tensor([e for e, _ in groups])
+    rows = torch.tensor([rows.stop - rows.start for _, rows in groups])
+    return mkl_batch.grouped_sgemm(
+        grad_RO, starts * grad_RO.stride(0), (grad_RO.stride(1), grad_RO.stride(0)),
+        x_RI, starts * x_RI.stride(0), x_RI.stride(),
+        dw_EOI, experts * dw_EOI.stride(0), dw_EOI.stride(1),
+        m=grad_RO.shape[1], n=x_RI.shape[1], k=rows,
+    )  # fmt: skip
+
+
+@functools.cache
+def _batch_matches_mm(kind: str, dtype: torch.dtype, width_in: int, width_out: int, transposed: bool) -> bool:
+    """Probe, per GEMM kind (`y`: x @ w[e]; `dw`: grad.T @ x) and weight shape and layout, that MKL's batch gives
+    every expert the bits torch.mm gives it alone: then `mm-loop` may issue its GEMMs as one batch and every
+    invariant of the loop (`mm_rows_independent`, dW as torch.mm's) holds unchanged."""
+    if dtype != torch.float32 or not mkl_batch.available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    counts = [16, 17, 31, 67, 40] + ([1, 5] if kind == "dw" else [])  # `mm-loop` pads small ones for y
+    x = torch.randn(sum(counts), width_in, generator=g)
+    w = torch.randn(len(counts), width_in, width_out, generator=g)
+    w = w.transpose(1, 2).contiguous().transpose(1, 2) if transposed else w
+    groups = _groups(counts)
+    if kind == "y":
+        batched, want = x.new_zeros(x.shape[0], width_out), [torch.mm(x[rows], w[e]) for e, rows in groups]
+        if not _batched_mm(x, w, groups, batched):
+            return False
+        got = [batched[rows] for _, rows in groups]
+    else:
+        grad = torch.randn(x.shape[0], width_out, generator=g)
+        batched, want = x.new_zeros(len(counts), width_out, width_in), [grad[r].t() @ x[r] for _, r in groups]
+        if not _batched_weight_grad(grad, x, counts, batched):
+            return False
+        got = [batched[e] for e, _ in groups]
+    return all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def grouped_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[int], out=None) -> torch.Tensor:
@@ -276,8 +348,10 @@ def grouped_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[
         dw = torch._grouped_mm(grad_RO.t(), x_RI, offs=_offsets(counts, x_RI.device))
     else:
         dw = x_RI.new_empty(len(counts), grad_RO.shape[1], x_RI.shape[1]) if out is None else out
-        for e, rows in _groups(counts):
-            torch.mm(grad_RO[rows].t(), x_RI[rows], out=dw[e])
+        shape = (x_RI.dtype, x_RI.shape[1], grad_RO.shape[1], False)
+        if not (_batch_matches_mm("dw", *shape) and _batched_weight_grad(grad_RO, x_RI, counts, dw)):
+            for e, rows in _groups(counts):
+                torch.mm(grad_RO[rows].t(), x_RI[rows], out=dw[e])
     return _zero_empty_experts(dw, counts)
 
 
