@@ -258,7 +258,11 @@ def _mm_loop(x_RI: torch.Tensor, w_EIO: torch.Tensor, groups: list[tuple[int, sl
     """`mm-loop`'s GEMMs: torch.mm per expert (`_mm_rows`); those of `MM_MIN_ROWS` rows or more as one MKL
     batch (`mkl_batch`) where the probe finds it gives each expert torch.mm's bits."""
     big = [(e, rows) for e, rows in groups if rows.stop - rows.start >= MM_MIN_ROWS]
-    if len(big) > 1 and _batch_matches_mm("y", x_RI.dtype, w_EIO.shape[1], w_EIO.shape[2], w_EIO.stride(1) == 1):
+    if (
+        len(big) > 1
+        and _batching_pays()
+        and _batch_matches_mm("y", x_RI.dtype, w_EIO.shape[1], w_EIO.shape[2], w_EIO.stride(1) == 1)
+    ):
         if _batched_mm(x_RI, w_EIO, big, out):
             groups = [(e, rows) for e, rows in groups if rows.stop - rows.start < MM_MIN_ROWS]
     for e, rows in groups:
@@ -296,6 +300,12 @@ def _batched_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list
         dw_EOI, experts * dw_EOI.stride(0), dw_EOI.stride(1),
         m=grad_RO.shape[1], n=x_RI.shape[1], k=rows,
     )  # fmt: skip
+
+
+def _batching_pays() -> bool:
+    """The batch gains by giving whole GEMMs to threads: with one intra-op thread it only adds its set-up (some
+    100 us a call; the shared jobs' ranks run one thread each). The bits are the same either way."""
+    return torch.get_num_threads() > 1
 
 
 @functools.cache
@@ -349,7 +359,8 @@ def grouped_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, counts: list[
     else:
         dw = x_RI.new_empty(len(counts), grad_RO.shape[1], x_RI.shape[1]) if out is None else out
         shape = (x_RI.dtype, x_RI.shape[1], grad_RO.shape[1], False)
-        if not (_batch_matches_mm("dw", *shape) and _batched_weight_grad(grad_RO, x_RI, counts, dw)):
+        batched = _batching_pays() and _batch_matches_mm("dw", *shape)
+        if not (batched and _batched_weight_grad(grad_RO, x_RI, counts, dw)):
             for e, rows in _groups(counts):
                 torch.mm(grad_RO[rows].t(), x_RI[rows], out=dw[e])
     return _zero_empty_experts(dw, counts)

@@ -16,6 +16,15 @@ pytestmark = pytest.mark.skipif(not mkl_batch.available(), reason="this torch ex
 COUNTS = [130, 0, 7, 16, 200, 1, 90, 33]  # empty, small (padded by mm-loop) and big experts
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The experts batch their GEMMs only with more than one intra-op thread (`_batching_pays`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def _views(t: torch.Tensor, unit_rows: bool) -> torch.Tensor:
     """`t` as a view with unit column stride (as it is) or unit row stride (a transposed copy's transpose)."""
     return t.t().contiguous().t() if unit_rows else t
@@ -124,3 +133,16 @@ def test_a_batch_that_differs_from_torch_mm_is_not_used(monkeypatch):
         assert torch.equal(y, want[0]) and torch.equal(dx, want[1]) and torch.equal(dw, want[2])
     finally:
         grouped_gemm._batch_matches_mm.cache_clear()
+
+
+def test_one_thread_runs_the_loop(monkeypatch):
+    """With one intra-op thread the batch has nothing to share out: the loop runs, with the same bits."""
+    calls = []
+    monkeypatch.setattr(mkl_batch, "grouped_sgemm", lambda *a, **k: calls.append(1))
+    torch.set_num_threads(1)
+    looped = _expert_gemms(448, 256)
+    assert not calls
+    monkeypatch.undo()
+    torch.set_num_threads(2)
+    for got, want in zip(looped, _expert_gemms(448, 256)):
+        assert torch.equal(got, want)
