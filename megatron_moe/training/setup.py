@@ -20,6 +20,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
+from megatron_moe import comm
 from megatron_moe.config import RunConfig
 from megatron_moe.config.moe_layer import AUTO
 from megatron_moe.config.rules import parse_pieces, parse_ranges, partition_blocker
@@ -100,7 +101,7 @@ def build_ddp_model(
         for index, module in enumerate(modules)
     ]
     for chunk in model:
-        chunk.broadcast_params()
+        comm.broadcast_params(chunk)
     return model
 
 

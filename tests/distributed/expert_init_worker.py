@@ -6,6 +6,10 @@ experts exactly, and no two experts are alike. The router and the shared expert 
 Each layout runs twice: with the tracker as the CPU platform has it (its fork swaps the host generator) and as
 on a GPU (`device_generator_apart`: its fork swaps a generator the host-side init never draws from, where the
 old init gave every EP rank the same experts). Rank 0 writes `{case: figures}` to $RESULTS.
+
+`broadcast_params` (EP=2 on 4 ranks: dense DP 4, expert DP 2): our coalesced broadcast of the replicas' start
+leaves every rank's parameters as megatron-core DDP's per-parameter `broadcast_params` does, bit for bit, from
+parameters that differ on every rank (fp32 and bf16, dense and expert).
 """
 
 from __future__ import annotations
@@ -125,6 +129,46 @@ def check(fields: dict, esp: int, reference: MoELayer) -> dict:
     return result
 
 
+def broadcast_params_cases() -> dict:
+    """Our `comm.broadcast_params` against megatron-core DDP's own on the same start (each rank's own numbers)."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_moe import comm
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    groups = dict(
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        expt_dp_group=parallel_state.get_expert_data_parallel_group(),
+    )
+    results = {}
+    for name, broadcast in (
+        ("ours", comm.broadcast_params),
+        ("megatron_core", DistributedDataParallel.broadcast_params),
+    ):
+        torch.manual_seed(100 + dist.get_rank())  # every rank starts elsewhere
+        module = torch.nn.Module()
+        module.dense = torch.nn.Parameter(torch.randn(37, 5))
+        module.dense_bf16 = torch.nn.Parameter(torch.randn(11).bfloat16())
+        module.expert = torch.nn.Parameter(torch.randn(3, 7))
+        module.expert.allreduce = False
+        module.bias = torch.nn.Parameter(torch.randn(5))
+        broadcast(SimpleNamespace(module=module, **groups))
+        results[name] = [p.detach().float().tolist() for p in module.parameters()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    parallel_state.destroy_model_parallel()
+    return {
+        "ours_equals_megatron_core": all(r["ours"] == r["megatron_core"] for r in gathered),
+        "dense_from_rank_0": all(r["ours"][0] == gathered[0]["ours"][0] for r in gathered),
+        "experts_per_expert_dp_group": [
+            r["ours"][2] == gathered[rank % 2]["ours"][2] for rank, r in enumerate(gathered)
+        ],
+        "experts_differ_across_ep": gathered[0]["ours"][2] != gathered[1]["ours"][2],
+    }
+
+
 def cases() -> dict:
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     results = {}
@@ -141,4 +185,4 @@ def cases() -> dict:
                             other.experts.weight1, reference.experts.weight1
                         )
                 parallel_state.destroy_model_parallel()
-    return results
+    return results | {"broadcast_params": broadcast_params_cases()}

@@ -47,3 +47,14 @@ def test_router_and_shared_expert_identical_on_every_rank_and_layout(results):
 
 def test_the_layer_number_is_part_of_the_key(results):
     assert all(results[f"{m}/other_layer/{c}"] for m in MODES for c in CASES)
+
+
+def test_the_coalesced_parameter_broadcast_leaves_what_megatron_cores_leaves(results):
+    """comm.broadcast_params (2 collectives at this size) against DistributedDataParallel.broadcast_params (one per
+    parameter): the same numbers on every rank, dense ones from rank 0, expert ones from each expert-DP group's
+    first rank (ranks 0 and 1 at EP=2)."""
+    figures = results["broadcast_params"]
+    assert figures["ours_equals_megatron_core"]
+    assert figures["dense_from_rank_0"]
+    assert figures["experts_per_expert_dp_group"] == [True] * 4
+    assert figures["experts_differ_across_ep"]
