@@ -13,7 +13,6 @@ import json
 from collections.abc import Iterable
 
 import numpy as np
-from scipy.optimize import nnls
 
 from megatron_moe.files import write_json_atomic
 
@@ -78,6 +77,8 @@ def fit_linear(points: Iterable[tuple[float, float]]) -> LinearFit:
     design_N2 = np.stack([np.ones_like(n_N), n_N / scale], axis=1)
     (alpha, beta), *_ = np.linalg.lstsq(design_N2, ms_N, rcond=None)
     if alpha < 0 or beta < 0:
+        from scipy.optimize import nnls  # scipy.optimize: 0.65 s of every process's import, here only when needed
+
         (alpha, beta), _ = nnls(design_N2, ms_N)
     beta /= scale
     residual = float(np.sum((ms_N - (alpha + beta * n_N)) ** 2))

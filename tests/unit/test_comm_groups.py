@@ -20,7 +20,7 @@ def gloo_threads() -> int:
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
                 names.append(f.read().strip())
-        except FileNotFoundError:  # the thread ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile (ESRCH once it is reaped)
             pass
     return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
 

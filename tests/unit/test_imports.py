@@ -160,3 +160,14 @@ def test_config_is_the_bottom_layer():
     probe = f"import sys, megatron_moe.config; print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy}))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_training_process_imports_no_solver_it_does_not_run():
+    """scipy.optimize (0.65 s of every process's import, hundreds of processes a test suite) comes in only where a
+    plan is solved or a fit constrained (overlap.cost_model, grad_partition, fits), not with the trainer."""
+    imports = "import sys, megatron_moe.training, pretrain_gpt_moe"
+    probe = f"{imports}; print(sorted(m for m in sys.modules if m.startswith('scipy')))"
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
