@@ -302,6 +302,18 @@ def _muon_needs_emerging_optimizers_and_it_is_absent() -> bool:
     return needs and not emerging_optimizers.real_package_installed()
 
 
+def _apply_eager_optim() -> None:
+    from megatron_moe.platform import eager_optim
+
+    eager_optim.install()
+
+
+def _optim_guards_import_dynamo() -> bool:
+    from megatron_moe.platform import eager_optim
+
+    return eager_optim.still_needed()
+
+
 def _jit_fuser_is_torch_compile() -> bool:
     return "jit_fuser = torch.compile" in source(JIT_MODULE)
 
@@ -313,6 +325,13 @@ PATCHES: tuple[Patch, ...] = (
         "per process): they compile on first call instead (megatron_moe/import_hooks.py, installed on import).",
         None,
         _jit_fuser_is_torch_compile,
+    ),
+    Patch(
+        "eager_torch_optim",
+        "torch.optim's guards against tracing import all of dynamo on first use (1.3 s of CPU per training "
+        "process) for no-ops outside torch.compile: they run eager until dynamo is loaded (platform/eager_optim.py).",
+        _apply_eager_optim,
+        _optim_guards_import_dynamo,
     ),
     Patch(
         "te_general_gemm",
