@@ -2,17 +2,14 @@
 
 Legend: G = GEMMs in the batch; each computes C_g[m_g, n_g] = A_g[m_g, k_g] @ B_g[k_g, n_g].
 
-torch's x86 CPU builds link MKL into libtorch_cpu.so and export its Fortran `SGEMM_BATCH` (LP64: 32-bit
-integers; the CBLAS wrapper beside it refuses its transpose arrays). torch has no grouped GEMM on the host
-(`torch._grouped_mm` there is a loop of the same sgemm), and a Python loop of torch.mm hands MKL one small GEMM at
-a time, each split over the intra-op threads: at fine-grained expert sizes (128-512 rows) that split costs more
-than it gains. One batched call lets MKL give whole GEMMs to threads instead, and each GEMM runs the sgemm a
-torch.mm of that size runs (the same bits: `batch_matches_mm` probes it per operand layout and the tests hold
-it). Measured: docs/kernels.md.
+torch's x86 CPU builds export MKL's Fortran `SGEMM_BATCH` from libtorch_cpu.so (LP64). A loop of torch.mm hands
+MKL one small GEMM at a time, each split over the intra-op threads; one batched call gives whole GEMMs to threads,
+each running the sgemm a torch.mm of its size runs (the same bits: `grouped_gemm._batch_matches_mm` probes it).
+Why and what it gains: docs/kernels.md.
 
-`grouped_sgemm` takes the G operands as base tensors plus per-GEMM element offsets and one pair of strides per
-operand (each operand a row-major view with one stride 1, as torch's 2-D slices and transposes of them are).
-Where the symbol is absent (an OpenBLAS build, another architecture) `available()` is False and callers loop.
+`grouped_sgemm` takes the G operands as base tensors, per-GEMM element offsets and one pair of strides per operand
+(a row-major view with one unit stride), all sizes and offsets as host integers: building the call reads nothing
+back from a tensor. Where the symbol is absent (an OpenBLAS build, another architecture) `available()` is False.
 """
 
 from __future__ import annotations
@@ -56,39 +53,43 @@ def _column_major(strides: tuple[int, int], rows: int, cols: int) -> tuple[int, 
     return None
 
 
-def _most(size) -> int:
-    return int(size.max()) if torch.is_tensor(size) else int(size)
+def _most(size: int | list[int]) -> int:
+    return max(size) if isinstance(size, list) else size
 
 
-def _int32(values, count: int) -> torch.Tensor:
-    if torch.is_tensor(values):
-        return values.to(torch.int32)
+def _int32(values: int | list[int], count: int) -> torch.Tensor:
+    if isinstance(values, list):
+        return torch.tensor(values, dtype=torch.int32)
     return torch.full((count,), values, dtype=torch.int32)
 
 
+def _pointers(t: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """The addresses of `t`'s elements at `offsets`, as Fortran's pointer array."""
+    return torch.tensor(offsets, dtype=torch.int64).mul_(t.element_size()).add_(t.data_ptr())
+
+
 def grouped_sgemm(
-    a: torch.Tensor, a_offsets: torch.Tensor, a_strides: tuple[int, int],
-    b: torch.Tensor, b_offsets: torch.Tensor, b_strides: tuple[int, int],
-    c: torch.Tensor, c_offsets: torch.Tensor, c_row_stride: int,
-    m, n, k,
+    a: torch.Tensor, a_offsets: list[int], a_strides: tuple[int, int],
+    b: torch.Tensor, b_offsets: list[int], b_strides: tuple[int, int],
+    c: torch.Tensor, c_offsets: list[int], c_row_stride: int,
+    m: int | list[int], n: int | list[int], k: int | list[int],
 ) -> bool:  # fmt: skip
     """C_g = A_g @ B_g for each g in one SGEMM_BATCH call (overwriting C_g); False, running nothing, where an
     operand does not fit (not fp32 on the host, no unit stride, a leading dimension BLAS refuses, no symbol).
 
     A_g is the [m_g, k_g] view of `a` at element offset `a_offsets[g]` with `a_strides`; B_g [k_g, n_g] and
-    C_g [m_g, n_g] (column stride 1, row stride `c_row_stride`) likewise. m, n, k: an int (every GEMM) or a [G]
-    tensor, each at least 1 (the caller leaves empty GEMMs out: k = 0 would leave C_g as it was, not zero). The
+    C_g [m_g, n_g] (column stride 1, row stride `c_row_stride`) likewise. m, n, k: an int (every GEMM) or G
+    ints, each at least 1 (the caller leaves empty GEMMs out: k = 0 would leave C_g as it was, not zero). The
     caller owns the bounds: every view must lie inside its tensor. Row-major C = A B is column-major
     C^T = B^T A^T, so B goes in as Fortran's first operand.
     """
-    fn, groups = _sgemm_batch(), a_offsets.numel()
+    fn, groups = _sgemm_batch(), len(a_offsets)
     big_m, big_n, big_k = _most(m), _most(n), _most(k)
     a_layout, b_layout = _column_major(a_strides, big_m, big_k), _column_major(b_strides, big_k, big_n)
     dtypes_fit = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (a, b, c))
     if fn is None or not dtypes_fit or a_layout is None or b_layout is None or c_row_stride < max(1, big_n):
         return False
     (a_op, a_ld), (b_op, b_ld) = a_layout, b_layout
-    size = a.element_size()
     args = [
         torch.full((groups,), b_op, dtype=torch.uint8),
         torch.full((groups,), a_op, dtype=torch.uint8),
@@ -96,12 +97,12 @@ def grouped_sgemm(
         _int32(m, groups),
         _int32(k, groups),
         torch.ones(groups, dtype=torch.float32),  # alpha
-        b.data_ptr() + b_offsets * size,
+        _pointers(b, b_offsets),
         _int32(b_ld, groups),
-        a.data_ptr() + a_offsets * size,
+        _pointers(a, a_offsets),
         _int32(a_ld, groups),
         torch.zeros(groups, dtype=torch.float32),  # beta: overwrite
-        c.data_ptr() + c_offsets * size,
+        _pointers(c, c_offsets),
         _int32(c_row_stride, groups),
         torch.tensor([groups], dtype=torch.int32),
         torch.ones(groups, dtype=torch.int32),  # group sizes: one GEMM per group

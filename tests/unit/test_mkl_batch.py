@@ -41,25 +41,24 @@ def test_each_gemm_of_a_batch_has_torch_mms_bits_in_every_layout(a_unit_rows, b_
     a_store = torch.cat([p.t().reshape(-1) if a_unit_rows else p.reshape(-1) for p in a_parts])
     b_store = torch.cat([p.t().reshape(-1) if b_unit_rows else p.reshape(-1) for p in b_parts])
     sizes_a, sizes_b = [p.numel() for p in a_parts], [p.numel() for p in b_parts]
-    a_offsets = torch.tensor([0, *sizes_a[:-1]]).cumsum(0)
-    b_offsets = torch.tensor([0, *sizes_b[:-1]]).cumsum(0)
-    m = torch.tensor([s[0] for s in shapes])
-    c = torch.full((int(m.sum()), 300), float("nan"))
-    c_offsets = torch.tensor([0, *m[:-1].tolist()]).cumsum(0) * 300
+    a_offsets = [sum(sizes_a[:g]) for g in range(len(shapes))]
+    b_offsets = [sum(sizes_b[:g]) for g in range(len(shapes))]
+    m = [s[0] for s in shapes]
+    c = torch.full((sum(m), 300), float("nan"))
+    c_offsets = [sum(m[:g]) * 300 for g in range(len(shapes))]
     k, n = 448, 256
-    a_strides = (1, m.max().item()) if a_unit_rows else (k, 1)
+    a_strides = (1, max(m)) if a_unit_rows else (k, 1)
     b_strides = (1, k) if b_unit_rows else (n, 1)
     if a_unit_rows:  # one leading dimension for the batch: each A part stored as a [k, m_max] column block
-        a_store = torch.cat(
-            [torch.nn.functional.pad(p.t(), (0, m.max().item() - p.shape[0])).reshape(-1) for p in a_parts]
-        )
-        a_offsets = torch.arange(len(shapes)) * k * m.max().item()
+        pad = torch.nn.functional.pad
+        a_store = torch.cat([pad(p.t(), (0, max(m) - p.shape[0])).reshape(-1) for p in a_parts])
+        a_offsets = [g * k * max(m) for g in range(len(shapes))]
     ran = mkl_batch.grouped_sgemm(
         a_store, a_offsets, a_strides, b_store, b_offsets, b_strides, c, c_offsets, 300, m=m, n=n, k=k
     )
     assert ran
     start = 0
-    for a_part, b_part, rows in zip(a_parts, b_parts, m.tolist()):
+    for a_part, b_part, rows in zip(a_parts, b_parts, m):
         assert torch.equal(c[start : start + rows, :n], torch.mm(a_part, b_part))
         start += rows
     assert c[:, n:].isnan().all()  # the columns beyond n untouched
@@ -67,7 +66,7 @@ def test_each_gemm_of_a_batch_has_torch_mms_bits_in_every_layout(a_unit_rows, b_
 
 def test_operands_it_cannot_take_are_refused_and_nothing_is_written():
     a, b, c = torch.randn(8, 6), torch.randn(6, 4), torch.zeros(8, 4)
-    one = torch.zeros(1, dtype=torch.long)
+    one = [0]
     strided = (2, 2)  # no unit stride: not a BLAS operand
     assert not mkl_batch.grouped_sgemm(a, one, strided, b, one, (4, 1), c, one, 4, m=4, n=4, k=3)
     assert not mkl_batch.grouped_sgemm(a.double(), one, (6, 1), b, one, (4, 1), c, one, 4, m=8, n=4, k=6)
