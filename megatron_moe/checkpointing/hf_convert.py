@@ -1,4 +1,4 @@
-"""Export to / import from HuggingFace Mixtral, and verify by comparing logits with transformers.
+"""Export to / import from HuggingFace (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), checked by logits with transformers.
 
 All three run in one CPU process (TP=PP=EP=1, fp32): dist_checkpointing
 reshards a checkpoint of any layout into it on load, and a checkpoint it saves
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from megatron.core import dist_checkpointing
 
-from megatron_moe.checkpointing import TrainState, hf_mixtral
+from megatron_moe.checkpointing import TrainState, hf_families
 from megatron_moe.checkpointing.hf_tokenizer import tokenizer_flags_of, write_hf_tokenizer
 from megatron_moe.config import ConfigError, DataConfig, RunConfig, parse_args
 from megatron_moe.data.tokenizer import build_tokenizer
@@ -43,9 +43,14 @@ SINGLE_MOE = dict(
     moe_token_drop_policy=None,
     moe_pipeline_degree=1,
     moe_bp_pipeline_degree=1,
+    moe_router_force_load_balancing=False,
+    moe_router_force_biased=None,
 )
-"""Our MoE layer as HF Mixtral runs it: dropless (a run trained with a capacity is compared with it, and served,
-without one); not pipelined (one process has no all-to-all to hide; "auto" would say so once per layer)."""
+"""Our MoE layer as transformers runs these families: dropless (a run trained with a capacity is compared with it,
+and served, without one); not pipelined (one process has no all-to-all to hide; "auto" would say so once per
+layer); routed by its router (a benchmark run's --moe-router-force-load-balancing / --moe-router-force-biased
+replace the logits by random ones in training: what is exported, and checked, is the router the weights hold, as
+Megatron-LM's own DeepSeek-V3 script trains with the first)."""
 
 
 def build_single(cfg: RunConfig, vocab_size: int):
@@ -120,9 +125,10 @@ def export_hf(
     overwrite: bool = False,
     progress: Callable[[str], None] = log.info,
 ) -> str:
-    """Write `ckpt` as an HF Mixtral directory (config, safetensors, tokenizer); returns `out`."""
+    """Write `ckpt` as an HF model directory of its family (config, safetensors, tokenizer); returns `out`."""
     cfg, model, tokenizer = load_single(ckpt, tokenizer_model)
-    hf_mixtral.check_exportable(cfg)
+    family = hf_families.check_exportable(cfg)
+    progress(f"export: as HuggingFace {family.name} ({family.architecture})")
     with _fresh_dir(out, overwrite, "--save") as tmp:
         _write_hf(tmp, cfg, model, tokenizer, progress)
         os.replace(tmp, out)
@@ -134,14 +140,14 @@ def _write_hf(tmp: str, cfg: RunConfig, model, tokenizer, progress: Callable[[st
 
     ours = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {}
-    for layer, group in hf_mixtral.to_hf(ours, cfg, tokenizer.vocab_size):
+    for layer, group in hf_families.to_hf(ours, cfg, tokenizer.vocab_size):
         tensors.update({k: v.contiguous().to("cpu", copy=True) for k, v in group.items()})
         progress(
             f"export: {'embeddings, final norm, lm head' if layer is None else f'layer {layer}'} ({len(group)} tensors)"
         )
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     bos = tokenizer.bos if tokenizer.bos >= 0 else None
-    config = hf_mixtral.hf_config(cfg, tokenizer.vocab_size, bos, tokenizer.eod)
+    config = hf_families.hf_config(cfg, tokenizer.vocab_size, bos, tokenizer.eod)
     _write_json(os.path.join(tmp, "config.json"), config)
     _write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": tokenizer.eod})
     written = write_hf_tokenizer(tokenizer, tmp)
@@ -159,19 +165,22 @@ def read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
 
     files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
     if not files:
-        raise ConfigError(f"--load={hf_dir}: no *.safetensors files; give an HF Mixtral model directory")
+        raise ConfigError(f"--load={hf_dir}: no *.safetensors files; give {HF_DIRECTORY}")
     tensors = {}
     for name in files:
         tensors.update(load_file(os.path.join(hf_dir, name)))
     return tensors
 
 
-HF_DIRECTORY = "an HF Mixtral model directory (config.json, *.safetensors, tokenizer.model or tokenizer.json)"
+HF_DIRECTORY = (
+    f"an HF model directory of model_type {hf_families.MODEL_TYPES} (config.json, *.safetensors, tokenizer.model or "
+    "tokenizer.json)"
+)
 
 
 def read_hf_config(hf_dir: str) -> dict:
     """`hf_dir`'s config.json, refused in one line (the file, what is wrong, what is valid) unless it describes an
-    HF Mixtral model whose architecture flags can be read."""
+    HF model of one of the families whose architecture flags can be read."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isdir(hf_dir):
         raise ConfigError(f"--load={hf_dir}: no such directory; give {HF_DIRECTORY}")
@@ -183,16 +192,19 @@ def read_hf_config(hf_dir: str) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         where = f"line {error.lineno} column {error.colno}: {error.msg}" if hasattr(error, "lineno") else str(error)
         raise ConfigError(
-            f"--load={hf_dir}: {path} is not valid JSON ({where}); give the config.json of an HF Mixtral model"
+            f"--load={hf_dir}: {path} is not valid JSON ({where}); give the config.json of an HF model"
         ) from None
-    if not isinstance(config, dict) or config.get("model_type") != "mixtral":
+    if not isinstance(config, dict) or config.get("model_type") not in hf_families.FAMILIES:
         found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
-        raise ConfigError(f"--load={hf_dir}: {path} has model_type={found!r}; only 'mixtral' imports")
+        raise ConfigError(f"--load={hf_dir}: {path} has model_type={found!r}; these import: {hf_families.MODEL_TYPES}")
+    family = hf_families.FAMILIES[config["model_type"]].name
     try:
-        hf_mixtral.run_flags_from_hf(config)
+        hf_families.run_flags_from_hf(config)
     except KeyError as error:
         missing = f"--load={hf_dir}: {path} lacks {error}"
-        raise ConfigError(f"{missing}; give the config.json of an HF Mixtral model") from None
+        raise ConfigError(f"{missing}; give the config.json of an HF {family} model") from None
+    except ConfigError as error:
+        raise ConfigError(f"--load={hf_dir}: {path}{str(error).removeprefix('config.json')}") from None
     return config
 
 
@@ -203,21 +215,27 @@ def import_hf(
     extra_flags: list[str] = (),
     overwrite: bool = False,
     progress: Callable[[str], None] = log.info,
+    tokenizer_home: str | None = None,
 ) -> str:
-    """Write an HF Mixtral directory as a megatron_moe checkpoint (iteration 0, no optimizer). Its tokenizer
-    (tokenizer.model, else tokenizer.json) is copied into the checkpoint and recorded as the run's."""
+    """Write an HF model directory of one of the families as a megatron_moe checkpoint (iteration 0, no
+    optimizer). Its tokenizer (tokenizer.model, else tokenizer.json) is copied into the checkpoint and recorded as
+    the run's, as the copy in `tokenizer_home` (default `out`; `import-hf` into a layout names the resharded
+    directory, which gets the copy, not this staging one). DeepSeek-V3's MTP layers come along where its
+    safetensors carry them (said either way)."""
     config = read_hf_config(hf_dir)
     init_single_process(backend="gloo")
     data = tokenizer_flags_of(hf_dir, DataConfig(), flag="--load")
     tokenizer_flags = ["--tokenizer-type", data.tokenizer_type, "--tokenizer-model", data.tokenizer_model]
-    cfg = parse_args([*hf_mixtral.run_flags_from_hf(config), "--data-path", "unset", *tokenizer_flags, *extra_flags])
+    hf = read_hf_tensors(hf_dir)
+    mtp = _mtp_layers_carried(config, hf, progress)
+    flags = hf_families.run_flags_from_hf(config, mtp)
+    cfg = parse_args([*flags, "--data-path", "unset", *tokenizer_flags, *extra_flags])
     tokenizer = build_tokenizer(cfg.data)
     vocab = max(config["vocab_size"], tokenizer.vocab_size)
     model = build_single(cfg, vocab)
     from megatron_moe.model.builder import padded_vocab_size
 
-    hf = read_hf_tensors(hf_dir)
-    ours = hf_mixtral.from_hf(hf, cfg, padded_vocab_size(vocab, cfg))
+    ours = hf_families.from_hf(hf, cfg, padded_vocab_size(vocab, cfg))
     progress(f"import: {len(hf)} HF tensors -> {len(ours)} megatron_moe tensors")
     missing, unexpected = model.load_state_dict(ours, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -228,10 +246,27 @@ def import_hf(
     with _fresh_dir(out, overwrite, "--save") as tmp:
         for path in (*tokenizer.files, *getattr(tokenizer, "config_files", ())):
             shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
-        cfg.data.tokenizer_model = os.path.join(out, os.path.basename(tokenizer.files[0]))
+        home = os.path.abspath(tokenizer_home or out)
+        cfg.data.tokenizer_model = os.path.join(home, os.path.basename(tokenizer.files[0]))
         save_single(tmp, cfg, model)
         os.replace(tmp, out)
     return out
+
+
+def _mtp_layers_carried(config: dict, hf: dict, progress: Callable[[str], None]) -> int:
+    """DeepSeek-V3's MTP layers that `hf` holds (its published `model.layers.{L+k}.eh_proj`), said when config.json
+    announces more than it carries (transformers' own save_pretrained writes none)."""
+    announced = config.get("num_nextn_predict_layers", 0) if config["model_type"] == "deepseek_v3" else 0
+    layers = config["num_hidden_layers"]
+    carried = 0
+    while carried < announced and f"model.layers.{layers + carried}.eh_proj.weight" in hf:
+        carried += 1
+    if carried < announced:
+        progress(
+            f"import: config.json's num_nextn_predict_layers={announced}, its tensors carry {carried} MTP layers "
+            f"(no model.layers.{layers + carried}.eh_proj.weight): imported with --mtp-num-layers {carried}"
+        )
+    return carried
 
 
 def save_single(root: str, cfg: RunConfig, model) -> None:
@@ -260,11 +295,23 @@ def probe_tokens(vocab_size: int, batch: int = 2, length: int = 24) -> torch.Ten
 @torch.no_grad()
 def max_logit_difference(model, hf_dir: str, tokens: torch.Tensor) -> float:
     """max |ours - transformers| over the logits of `tokens` [B, S] (first vocab_size entries)."""
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    hf_model = MixtralForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     hf_logits = hf_model(tokens).logits
-    tokens = tokens.to(next(model.parameters()).device)  # ours may sit on the GPU
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    ours = model(tokens, positions, None)  # [B, S, V_pad]
+    ours = logits(model, tokens.to(next(model.parameters()).device))  # ours may sit on the GPU
     return (ours[..., : hf_logits.shape[-1]].float().cpu() - hf_logits.float()).abs().max().item()
+
+
+@torch.no_grad()
+def logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """The main model's logits [B, S, V_pad] of `tokens_BS`, as transformers gives them: without the MTP layers,
+    which are for training (megatron-core 0.16.1's GPTModel.forward runs them whenever it has them, and needs labels
+    for that: `labels.clone()` of None)."""
+    positions_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+    kept = model.mtp_process, model.config.mtp_num_layers
+    model.mtp_process, model.config.mtp_num_layers = False, None
+    try:
+        return model(tokens_BS, positions_BS, None)
+    finally:
+        model.mtp_process, model.config.mtp_num_layers = kept

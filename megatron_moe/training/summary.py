@@ -10,7 +10,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_moe import comm
-from megatron_moe.checkpointing.hf_mixtral import startup_note
+from megatron_moe.checkpointing.hf_families import startup_note
 from megatron_moe.config import RunConfig
 from megatron_moe.data.datasets import MOCK_SPLIT
 from megatron_moe.model.fusions import Fusions

@@ -94,3 +94,20 @@ def test_a_family_script_resumes_exactly_from_its_save_at_iteration_2(trained):
     resumed = records(tensorboard / "log.jsonl")
     assert sorted(resumed) == [3, 4], output[-6000:]
     assert [resumed[i]["lm loss"] for i in (3, 4)] == [before[i]["lm loss"] for i in (3, 4)]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_family_scripts_checkpoint_exports_as_its_family(name, trained, megatron_world1, tmp_path, capsys):
+    """What the script trained (its layout, 4 ranks) goes out to HuggingFace as its own family, checked by
+    `export-hf`'s own logit comparison with transformers' class of it (issue 42)."""
+    from tools.checkpoint import convert
+
+    architecture = {"deepseek_v3": "DeepseekV3", "deepseek_v2_lite": "DeepseekV2", "qwen3_30b_a3b": "Qwen3Moe"}
+    _, out, first = trained(name)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-6000:]
+    checkpoints = out / "checkpoints" if name == "deepseek_v3" else out
+    assert convert.main(["export-hf", "--load", str(checkpoints), "--save", str(tmp_path / "hf")]) == 0
+    printed = capsys.readouterr().out
+    assert f"({architecture.get(name, 'Qwen2Moe')}ForCausalLM)" in printed, printed
+    diff = re.search(r"verify: max \|logits\(megatron_moe\) - logits\(transformers\)\| = (\S+)", printed)
+    assert diff and float(diff.group(1)) < 1e-4, printed

@@ -341,12 +341,12 @@ def test_the_transformer_engine_spec_is_megatron_cores_with_our_norms(mla):
     ],
 )
 def test_export_to_mixtral_refuses_attention_it_cannot_write(flags, named):
-    from megatron_moe.checkpointing import hf_mixtral
+    from megatron_moe.checkpointing import hf_families
 
     mixtral = "--num-experts 4 --moe-layer-freq 1 --swiglu --normalization RMSNorm --disable-bias-linear"
     cfg = config(*mixtral.split(), "--untie-embeddings-and-output-weights", "--hidden-size", "64", *flags)
-    assert hf_mixtral.incompatibilities(config(*mixtral.split(), "--untie-embeddings-and-output-weights")) == []
-    (problem,) = hf_mixtral.incompatibilities(cfg)
+    assert hf_families.incompatibilities(config(*mixtral.split(), "--untie-embeddings-and-output-weights")) == []
+    (problem,) = hf_families.incompatibilities(cfg, hf_families.MIXTRAL)
     assert named in problem
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from megatron_moe.checkpointing import hf_mixtral
+from megatron_moe.checkpointing import hf_families
 from megatron_moe.checkpointing.hf_convert import (
     build_single,
     export_hf,
@@ -122,7 +122,7 @@ def test_unexpressible_features_are_listed(tokenizer):
             "--position-embedding-type learned_absolute --moe-gate sigmoid --data-path x --tokenizer-model x"
         ).split()
     )
-    problems = hf_mixtral.incompatibilities(cfg)
+    problems = hf_families.incompatibilities(cfg, hf_families.MIXTRAL)
     text = "\n".join(problems)
     for feature in (
         "--moe-layer-freq=2",
@@ -135,16 +135,17 @@ def test_unexpressible_features_are_listed(tokenizer):
         "shared expert",
     ):
         assert feature in text, (feature, text)
-    with pytest.raises(ConfigError, match="cannot be written as Mixtral"):
-        hf_mixtral.check_exportable(cfg)
-    assert hf_mixtral.incompatibilities(mixtral_cfg(tokenizer)) == []
+    with pytest.raises(ConfigError, match="cannot be written as Qwen2-MoE") as error:  # a shared expert: Qwen2's
+        hf_families.check_exportable(cfg)
+    assert "--moe-shared-expert-gate" in str(error.value)
+    assert hf_families.incompatibilities(mixtral_cfg(tokenizer)) == []
 
 
 def test_hf_config_round_trip(tokenizer):
     cfg = mixtral_cfg(tokenizer)
-    config = hf_mixtral.hf_config(cfg, tokenizer.vocab_size, tokenizer.bos, tokenizer.eod)
+    config = hf_families.hf_config(cfg, tokenizer.vocab_size, tokenizer.bos, tokenizer.eod)
     assert json.loads(json.dumps(config))["num_key_value_heads"] == 2
-    again = parse_args([*hf_mixtral.run_flags_from_hf(config), "--data-path", "x", "--tokenizer-model", "x"])
+    again = parse_args([*hf_families.run_flags_from_hf(config), "--data-path", "x", "--tokenizer-model", "x"])
     assert again.model.num_query_groups == 2 and again.moe.num_experts == 4 and again.model.swiglu
 
 
@@ -178,9 +179,10 @@ def test_export_carries_the_runs_tokenizer_and_import_reads_it_back(
 @torch.no_grad()
 def _greedy(model, tokens_BS: torch.Tensor, steps: int) -> torch.Tensor:
     """Our model's greedy continuation of `tokens_BS` by `steps` tokens, recomputing the whole prefix each step."""
+    from megatron_moe.checkpointing.hf_convert import logits
+
     for _ in range(steps):
-        positions = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
-        next_B = model(tokens_BS, positions, None)[:, -1].argmax(dim=-1)
+        next_B = logits(model, tokens_BS)[:, -1].argmax(dim=-1)
         tokens_BS = torch.cat([tokens_BS, next_B[:, None]], dim=1)
     return tokens_BS
 
@@ -195,7 +197,8 @@ def test_the_demo_model_exports_and_transformers_generates_from_it(megatron_worl
     flags = dry_run("pretrain_gpt_moe_tiny_cpu", 1, 2, TOKENIZER_MODEL=tokenizer.model_path, RUN_DIR=str(tmp_path))
     cfg = parse_args(flags)
     assert cfg.moe.layer_pattern(cfg.model.num_layers) == [1, 1, 1, 1] and cfg.checkpoint.save
-    assert hf_mixtral.incompatibilities(cfg) == [] and hf_mixtral.startup_note(cfg) is None
+    assert hf_families.incompatibilities(cfg) == []
+    assert hf_families.startup_note(cfg) == "export-hf writes this model as HuggingFace Mixtral (MixtralForCausalLM)"
     torch.manual_seed(5)
     model = build_single(cfg, tokenizer.vocab_size)
     with torch.no_grad():  # non-trivial norms, so a swapped norm would show
@@ -238,12 +241,16 @@ def test_a_run_that_saves_a_model_export_would_refuse_is_told_at_start_up(tokeni
 
     cfg = parse_args([*old_demo, "--save", "s"])
     (note,) = summary(cfg)
-    assert note.startswith("note: this model cannot be exported to HuggingFace Mixtral (convert.py export-hf): ")
-    assert "\n" not in note and note.endswith("; ".join(hf_mixtral.incompatibilities(cfg)))
+    assert note.startswith(
+        "note: this model cannot be exported to HuggingFace (convert.py export-hf); as Mixtral, the nearest family: "
+    )
+    assert "\n" not in note and note.endswith("; ".join(hf_families.incompatibilities(cfg)))
     for feature in ("--moe-layer-freq=2", "--swiglu", "--normalization=LayerNorm", "--disable-bias-linear"):
         assert feature in note, (feature, note)
     assert summary(parse_args(old_demo)) == []  # nothing saved, nothing to export
-    assert summary(mixtral_cfg(tokenizer, "--save", "s", *old_demo[-4:])) == []
+    assert summary(mixtral_cfg(tokenizer, "--save", "s", *old_demo[-4:])) == [
+        "export-hf writes this model as HuggingFace Mixtral (MixtralForCausalLM)"
+    ]
 
 
 def test_the_export_rules_name_each_routing_mixtral_cannot_express(tokenizer):
@@ -254,7 +261,7 @@ def test_the_export_rules_name_each_routing_mixtral_cannot_express(tokenizer):
         (["--moe-router-pre-softmax"], "not renormalised"),
         (["--moe-gate", "noisy_topk"], "--moe-gate=noisy_topk"),
     ]:
-        (problem,) = hf_mixtral.incompatibilities(mixtral_cfg(tokenizer, *extra))
+        (problem,) = hf_families.incompatibilities(mixtral_cfg(tokenizer, *extra))
         assert named in problem, (extra, problem)
 
 
@@ -263,15 +270,16 @@ def test_the_export_rules_name_each_routing_mixtral_cannot_express(tokenizer):
     [
         "--moe-expert-capacity-factor 0.5 --moe-token-drop-policy probs",
         "--expert-model-parallel-size 2 --moe-shadow-experts auto --moe-pipeline-degree 2 --moe-a2a-algorithm 2dh",
+        "--moe-router-force-load-balancing",  # Megatron-LM's DeepSeek-V3 script: random logits in training
     ],
-    ids=["capacity", "ep2_overlaps"],
+    ids=["capacity", "ep2_overlaps", "forced_routing"],
 )
 def test_how_a_model_was_trained_does_not_stop_its_export(megatron_world1, tokenizer, tmp_path, training):
     """A capacity factor and the overlaps of a layout are training choices, not weights: export and its logit check
     run our model in one process as transformers runs Mixtral, dropless (a capacity of half the tokens would drop
     some of the probe's)."""
     cfg = mixtral_cfg(tokenizer, *training.split())
-    assert hf_mixtral.incompatibilities(cfg) == []
+    assert hf_families.incompatibilities(cfg) == []
     torch.manual_seed(3)
     model = build_single(copy.deepcopy(cfg), tokenizer.vocab_size)
     save_single(str(tmp_path / "ckpt"), cfg, model)  # the run's config recorded

@@ -168,10 +168,10 @@ def test_the_log_line_and_tensorboard_show_the_mtp_losses():
 
 
 def test_export_to_mixtral_names_the_mtp_layers():
-    from megatron_moe.checkpointing import hf_mixtral
+    from megatron_moe.checkpointing import hf_families
 
     cfg = validated("--mtp-num-layers", "1", "--swiglu", "--normalization", "RMSNorm")
-    assert any(p.startswith("--mtp-num-layers=1: Mixtral has no") for p in hf_mixtral.incompatibilities(cfg))
+    assert any(p.startswith("--mtp-num-layers=1: Mixtral has no") for p in hf_families.incompatibilities(cfg))
 
 
 def test_model_flops_count_the_mtp_layers():

@@ -71,15 +71,24 @@ def test_preprocess_refuses_input_without_documents(tokenizer, tmp_path, content
     [
         (
             None,
-            "no config.json there; give an HF Mixtral model directory (config.json, *.safetensors, "
-            "tokenizer.model or tokenizer.json)",
+            "no config.json there; give an HF model directory of model_type 'mixtral', 'qwen2_moe', 'qwen3_moe', "
+            "'deepseek_v2', 'deepseek_v3' (config.json, *.safetensors, tokenizer.model or tokenizer.json)",
         ),
         (
             '{"model_type": "mixtral",\n "hidden_size": 64,,}',
             "{dir}/config.json is not valid JSON (line 2 column "
-            "20: Expecting property name enclosed in double quotes); give the config.json of an HF Mixtral model",
+            "20: Expecting property name enclosed in double quotes); give the config.json of an HF model",
         ),
-        ('{"model_type": "llama"}', "{dir}/config.json has model_type='llama'; only 'mixtral' imports"),
+        (
+            '{"model_type": "llama"}',
+            "{dir}/config.json has model_type='llama'; these import: 'mixtral', 'qwen2_moe', 'qwen3_moe', "
+            "'deepseek_v2', 'deepseek_v3'",
+        ),
+        (
+            '{"model_type": "deepseek_v3", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, '
+            '"num_experts_per_tok": 2, "rope_scaling": {"type": "longrope"}}',
+            "{dir}/config.json: rope_type='longrope': not supported (MLA here takes 'default' or 'yarn')",
+        ),
         (
             '{"model_type": "mixtral", "hidden_size": 64}',
             "{dir}/config.json lacks 'num_attention_heads'; give the config.json of an HF Mixtral model",

@@ -8,9 +8,9 @@
 Subcommands:
   reshard    move a checkpoint to another TP/PP/VPP/EP/ESP layout offline, on CPU,
              optimizer state included (see reshard.py)
-  export-hf  write a checkpoint as a HuggingFace Mixtral directory, then verify logits
-  import-hf  write a HuggingFace Mixtral directory as a checkpoint, then verify logits
-  verify     largest logit difference between a checkpoint and an HF Mixtral directory
+  export-hf  write a checkpoint as a HuggingFace model of its family, then verify logits
+  import-hf  write a HuggingFace Mixtral/Qwen-MoE/DeepSeek directory as a checkpoint, then verify logits
+  verify     largest logit difference between a checkpoint and an HF model directory
 
 A new subcommand is a module with `add_arguments(parser)` and `run(args)`
 registered in SUBCOMMANDS. Every subcommand writes a new directory and never

@@ -1,8 +1,8 @@
-"""`export-hf`, `import-hf` and `verify`: HuggingFace Mixtral in both directions, checked by logits.
+"""`export-hf`, `import-hf` and `verify`: HuggingFace Mixtral, Qwen2/3-MoE and DeepSeek-V2/V3 both ways, by logits.
 
-Each ends by running our model and transformers' MixtralForCausalLM on the
-same tokens (CPU, fp32) and printing the largest absolute logit difference;
-it fails (exit 2) above --tolerance.
+Each ends by running our model and transformers' own class of the family
+(AutoModelForCausalLM) on the same tokens (CPU, fp32) and printing the
+largest absolute logit difference; it fails (exit 2) above --tolerance.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def _common(parser: argparse.ArgumentParser, load_help: str, save_help: str) -> 
 
 
 class ExportHFCommand:
-    help = "write a checkpoint (any layout) as a HuggingFace Mixtral model directory"
+    help = (
+        "write a checkpoint (any layout) as a HuggingFace model directory of its family (Mixtral, Qwen2-MoE, "
+        "Qwen3-MoE, DeepSeek-V2/V3)"
+    )
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,13 +65,13 @@ class ExportHFCommand:
 
 
 class ImportHFCommand:
-    help = "write a HuggingFace Mixtral model directory as a megatron_moe checkpoint"
+    help = "write a HuggingFace Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 directory as a megatron_moe checkpoint"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _common(
             parser,
-            "HF Mixtral directory (config.json, *.safetensors, tokenizer.model or tokenizer.json)",
+            "HF model directory (config.json, *.safetensors, tokenizer.model or tokenizer.json)",
             "the new --save directory (loads into any TP/PP/EP layout)",
         )
         for name, what in [("tensor", "TP"), ("pipeline", "PP"), ("expert", "EP")]:
@@ -99,7 +102,7 @@ class ImportHFCommand:
 
             staging = tempfile.mkdtemp(prefix="import-hf-")
             try:
-                imported = import_hf(args.load, f"{staging}/ckpt", progress=progress)
+                imported = import_hf(args.load, f"{staging}/ckpt", progress=progress, tokenizer_home=args.save)
                 target = Target(
                     tensor_parallel_size=layout[0],
                     pipeline_parallel_size=layout[1],
@@ -121,12 +124,12 @@ class ImportHFCommand:
 
 
 class VerifyCommand:
-    help = "compare a checkpoint's logits with a HuggingFace Mixtral directory's"
+    help = "compare a checkpoint's logits with a HuggingFace model directory's"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--load", required=True, help="megatron_moe checkpoint")
-        parser.add_argument("--hf", required=True, help="HF Mixtral directory")
+        parser.add_argument("--hf", required=True, help="HF model directory")
         parser.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted logit difference")
 
     @staticmethod
