@@ -82,7 +82,7 @@ def read_and_write(path: str, destination: str) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gigabytes", type=float, default=1.0, help="checkpoint size (default 1.0)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement; the best is kept")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement; the best is kept (default 2)")
     args = parser.parse_args(argv)
 
     from megatron_moe.checkpointing.hf_convert import export_hf, import_hf

@@ -9,8 +9,8 @@ into any TP/PP/EP/ESP/VPP layout; RNG states are restored only in the same layou
 The save sequence and the per-chunk keys: docs/internals/checkpointing.md.
 
 `paths.py` (the pointer, which checkpoint to load), `state.py` (what a checkpoint holds), `save.py`, `load.py`;
-`integrity.py` (checksums, disk space), `lock.py` (one job per `--save`), `hf_families.py` / `hf_convert.py`
-(HuggingFace Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
+`integrity.py` (checksums, disk space), `lock.py` (one job per `--save`), `hf_families.py` / `hf_tensors.py` /
+`hf_convert.py` (HuggingFace Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
 """
 
 from megatron_moe.checkpointing import integrity

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from megatron.core import dist_checkpointing
 
-from megatron_moe.checkpointing import TrainState, hf_families
+from megatron_moe.checkpointing import TrainState, hf_families, hf_tensors
 from megatron_moe.checkpointing.hf_tokenizer import tokenizer_flags_of, write_hf_tokenizer
 from megatron_moe.config import ConfigError, DataConfig, RunConfig, parse_args
 from megatron_moe.data.tokenizer import build_tokenizer
@@ -140,7 +140,7 @@ def _write_hf(tmp: str, cfg: RunConfig, model, tokenizer, progress: Callable[[st
 
     ours = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {}
-    for layer, group in hf_families.to_hf(ours, cfg, tokenizer.vocab_size):
+    for layer, group in hf_tensors.to_hf(ours, cfg, tokenizer.vocab_size):
         tensors.update({k: v.contiguous().to("cpu", copy=True) for k, v in group.items()})
         progress(
             f"export: {'embeddings, final norm, lm head' if layer is None else f'layer {layer}'} ({len(group)} tensors)"
@@ -235,7 +235,7 @@ def import_hf(
     model = build_single(cfg, vocab)
     from megatron_moe.model.builder import padded_vocab_size
 
-    ours = hf_families.from_hf(hf, cfg, padded_vocab_size(vocab, cfg))
+    ours = hf_tensors.from_hf(hf, cfg, padded_vocab_size(vocab, cfg))
     progress(f"import: {len(hf)} HF tensors -> {len(ours)} megatron_moe tensors")
     missing, unexpected = model.load_state_dict(ours, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
