@@ -204,7 +204,7 @@ def read_hf_config(hf_dir: str) -> dict:
         missing = f"--load={hf_dir}: {path} lacks {error}"
         raise ConfigError(f"{missing}; give the config.json of an HF {family} model") from None
     except ConfigError as error:
-        raise ConfigError(f"--load={hf_dir}: {path}{str(error).removeprefix('config.json')}") from None
+        raise ConfigError(f"--load={hf_dir}: {path}: {error}") from None
     return config
 
 

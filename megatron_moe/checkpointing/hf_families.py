@@ -116,7 +116,7 @@ def _mlp_requirements(cfg: RunConfig, f: Family, pattern: list[int]) -> list[tup
     shared = moe.moe_shared_expert_ffn_hidden_size if moe.is_moe else None
     scale = moe.moe_router_topk_scaling_factor
     sigmoid = moe.gate == "sigmoid"
-    normalized = moe.moe_normalize_topk and not moe.moe_router_pre_softmax
+    normalized = moe.topk_normalized
     leading_dense = pattern.index(1) if 1 in pattern else len(pattern)
     checks = []
     if f is MIXTRAL:
@@ -235,7 +235,7 @@ def hf_config(cfg: RunConfig, vocab_size: int, bos_id: int | None, eos_id: int) 
     }
     if f is MIXTRAL:
         return config | {"intermediate_size": expert, "num_local_experts": moe.num_experts, "head_dim": m.head_dim}
-    normalized = moe.moe_normalize_topk and not moe.moe_router_pre_softmax
+    normalized = moe.topk_normalized
     config |= {"intermediate_size": m.ffn_width, "moe_intermediate_size": expert, "norm_topk_prob": normalized}
     if not f.mla:  # Qwen
         config |= {"num_experts": moe.num_experts, "head_dim": m.head_dim, "decoder_sparse_step": 1}
@@ -287,7 +287,7 @@ def run_flags_from_hf(config: dict, mtp_layers: int = 0) -> list[str]:
     flags expresses; KeyError a field it lacks."""
     f = FAMILIES[config["model_type"]]
     rope = _rope(config)
-    rope_flags = _rope_flags(config, rope, f)
+    rope_flags = _rope_flags(rope, f)
     heads = config["num_attention_heads"]
     layers = config["num_hidden_layers"]
     flags = [
@@ -300,10 +300,10 @@ def run_flags_from_hf(config: dict, mtp_layers: int = 0) -> list[str]:
         "--max-position-embeddings", str(config.get("max_position_embeddings", 4096)),
     ]  # fmt: skip
     if config.get("tie_word_embeddings"):
-        raise _unsupported(config, "tie_word_embeddings=true", "an MoE run here unties them")
+        raise _unsupported("tie_word_embeddings=true", "an MoE run here unties them")
     if f is MIXTRAL:
         if config.get("head_dim") not in (None, config["hidden_size"] // heads):
-            raise _unsupported(config, f"head_dim={config['head_dim']}", "Mixtral's are hidden_size / heads wide")
+            raise _unsupported(f"head_dim={config['head_dim']}", "Mixtral's are hidden_size / heads wide")
         return flags + [
             "--num-query-groups", str(config.get("num_key_value_heads", heads)),
             "--ffn-hidden-size", str(config["intermediate_size"]), "--num-experts", str(config["num_local_experts"]),
@@ -323,7 +323,7 @@ def _qwen_flags(config: dict, f: Family, layers: int, normalized: bool) -> list[
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     if config.get("attention_bias") or config.get("use_sliding_window"):
         what = "attention_bias=true" if config.get("attention_bias") else "use_sliding_window=true"
-        raise _unsupported(config, what, "attention here has no output bias and no sliding window")
+        raise _unsupported(what, "attention here has no output bias and no sliding window")
     flags = [
         "--num-query-groups", str(config.get("num_key_value_heads", heads)),
         "--kv-channels", str(config.get("head_dim") or config["hidden_size"] // heads),
@@ -364,18 +364,18 @@ def _deepseek_flags(config: dict, f: Family, layers: int, normalized: bool, mtp:
         if config.get("topk_method", "greedy") == "group_limited_greedy" and groups > 1:
             if topk // group_topk != 1:
                 why = "DeepSeek-V2 ranks groups by their best score, ours by the top num_experts_per_tok / topk_group"
-                raise _unsupported(config, f"topk_group={group_topk} with num_experts_per_tok={topk}", why)
+                raise _unsupported(f"topk_group={group_topk} with num_experts_per_tok={topk}", why)
             flags += ["--moe-router-num-groups", str(groups), "--moe-router-group-topk", str(group_topk)]
         return flags
     if config.get("rope_interleave", True) is False:
-        raise _unsupported(config, "rope_interleave=false", "MLA here rotates interleaved pairs, as DeepSeek-V3 does")
+        raise _unsupported("rope_interleave=false", "MLA here rotates interleaved pairs, as DeepSeek-V3 does")
     flags += ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
     if not normalized and topk > 1:
         flags.append("--no-moe-normalize-topk")
     if groups > 1:
         if topk // group_topk != 2:
             why = "DeepSeek-V3 ranks groups by their top 2 scores, our router by num_experts_per_tok / topk_group"
-            raise _unsupported(config, f"topk_group={group_topk} with num_experts_per_tok={topk}", why)
+            raise _unsupported(f"topk_group={group_topk} with num_experts_per_tok={topk}", why)
         flags += ["--moe-router-num-groups", str(groups), "--moe-router-group-topk", str(group_topk)]
     return flags + (["--mtp-num-layers", str(mtp)] if mtp else [])
 
@@ -388,25 +388,26 @@ def _rope(config: dict) -> dict:
     return rope
 
 
-def _rope_flags(config: dict, rope: dict, f: Family) -> list[str]:
+def _rope_flags(rope: dict, f: Family) -> list[str]:
     """MLA's --rope-type (and YaRN's flags); nothing for the other families, whose RoPE is unscaled here."""
     kind = rope["rope_type"]
     if not f.mla:
         if kind != "default":
-            raise _unsupported(config, f"rope_type={kind!r}", f"{f.name}'s RoPE here is unscaled: 'default'")
+            raise _unsupported(f"rope_type={kind!r}", f"{f.name}'s RoPE here is unscaled: 'default'")
         return []
     if kind == "default":
         return ["--rope-type", "rope"]
     if kind != "yarn":
-        raise _unsupported(config, f"rope_type={kind!r}", "MLA here takes 'default' or 'yarn'")
+        raise _unsupported(f"rope_type={kind!r}", "MLA here takes 'default' or 'yarn'")
     for name, default in YARN_DEFAULTS.items():
         if rope.get(name, default) != default:
-            raise _unsupported(config, f"YaRN's {name}={rope[name]}", f"no flag here sets it from {default}")
+            raise _unsupported(f"YaRN's {name}={rope[name]}", f"no flag here sets it from {default}")
     return [
         "--rope-type", "yarn", "--rotary-scaling-factor", str(rope["factor"]),
         "--mscale", str(rope.get("mscale", 1.0)), "--mscale-all-dim", str(rope.get("mscale_all_dim", 0.0)),
     ]  # fmt: skip
 
 
-def _unsupported(config: dict, what: str, why: str) -> ConfigError:
-    return ConfigError(f"config.json: {what}: not supported ({why})")
+def _unsupported(what: str, why: str) -> ConfigError:
+    """A config.json field no flag here expresses (`read_hf_config` names the file)."""
+    return ConfigError(f"{what}: not supported ({why})")

@@ -135,6 +135,12 @@ class MoERunFlags:
     def __post_init__(self):
         parse_flag_values(self)  # typed values whoever built the group: no flag text is compared after this
 
+    @property
+    def topk_normalized(self) -> bool:
+        """The k combine weights renormalised to sum to 1: --moe-normalize-topk, unless Megatron-LM's
+        --moe-router-pre-softmax takes them from the softmax over all experts."""
+        return self.moe_normalize_topk and not self.moe_router_pre_softmax
+
     def expert_ffn_width(self, model: ModelConfig) -> int:
         """One routed expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's (`ModelConfig.ffn_width`)."""
         return self.moe_ffn_hidden_size or model.ffn_width
@@ -194,7 +200,7 @@ class MoERunFlags:
             **flags
             | {
                 "gate": self.gate,
-                "normalize_topk": self.moe_normalize_topk and not self.moe_router_pre_softmax,
+                "normalize_topk": self.topk_normalized,
                 "num_groups": self.moe_router_num_groups if self.moe_router_group_topk else None,
                 "z_loss_coeff": self.moe_z_loss_coeff or 0.0,
             },
