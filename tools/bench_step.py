@@ -36,6 +36,10 @@ and each at its default-on setting (Lancet greedy, pipeline degrees auto, the ad
 `features` row per layout and rate (step ratio against all off, hidden share, exposed / wire / skew / transfer ms,
 the planner's ranges and predicted ms). `unchunked` and `unchunked_partition2` (asked for by name) are all on and 2
 pieces with degrees 1 / 1. The
+`batch`, `batch_greedy`, `batch_adaptive` and `batch_all` (by name) add batch-level overlap
+(--overlap-moe-expert-parallel-comm) to `off`, `greedy`, Lancet with the adaptive partition (degrees 1 / 1) and
+`adaptive`; it pairs micro-batches, so give `--micro-batches` 2 or more (micro-batches per step and rank; default 1).
+The
 `2x2dp` layout (asked for by name) keeps EP=2 inside each node and puts the data-parallel reduction on the link
 (--expert-placement e+d); `2x2de` (by name) is the same run under d+e: each EP group spans the two nodes, each
 expert's expert-DP pair shares a node. Given both (`--cluster 2x2dp 2x2de`, alternated as any two layouts), a
@@ -112,6 +116,7 @@ A2A_KINDS = ("a2a_dispatch", "a2a_dispatch_bwd", "a2a_combine", "a2a_combine_bwd
 BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
 PARTITION_AUTO = ("--moe-partition-pieces", "auto", "--moe-partition-range", "auto")
 PARTITION_2 = ("--moe-partition-pieces", "2", "--moe-partition-range", "all")
+BATCH = ("--overlap-moe-expert-parallel-comm",)
 SMALL_BUCKET = 250_000
 """--ddp-bucket-size of `grad_small`: megatron-core's buckets made small by hand (~1 MB of fp32 gradients, 10-20
 buckets in MODEL; its default is 40M parameters, one bucket here)."""
@@ -140,6 +145,11 @@ SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pip
     # the same two without FSMoE's pipeline (degrees 1 / 1): the partition's pieces against whole micro-batches
     "unchunked": ("greedy", "1", "1", ("--grad-reduce-schedule", "adaptive")),
     "unchunked_partition2": ("greedy", "1", "1", ("--grad-reduce-schedule", "adaptive", *PARTITION_2)),
+    # batch-level overlap (one micro-batch's forward beside another's backward): alone, and with every overlap on
+    "batch": ("off", "1", "1", ("--grad-reduce-schedule", "megatron", *BATCH)),
+    "batch_greedy": ("greedy", "1", "1", ("--grad-reduce-schedule", "megatron", *BATCH)),
+    "batch_adaptive": ("greedy", "1", "1", ("--grad-reduce-schedule", "adaptive", *BATCH)),
+    "batch_all": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive", *BATCH)),
 }
 DEFAULT_SETTINGS = ("off", "greedy", "pipeline", "grad_overlap", "grad_small", "adaptive")
 FEATURES = (
@@ -172,6 +182,10 @@ CASE_SUFFIX = {
     "partition2": "_partition2",
     "unchunked": "_unchunked",
     "unchunked_partition2": "_unchunked_partition2",
+    "batch": "_batch",
+    "batch_greedy": "_batch_greedy",
+    "batch_adaptive": "_batch_adaptive",
+    "batch_all": "_batch_all",
 }
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
@@ -190,6 +204,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--link-gbit", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
     choices = [*SETTINGS, *ALIASES, "features"]
     p.add_argument("--overlap", nargs="+", default=list(DEFAULT_SETTINGS), choices=choices, help="overlap settings")
+    p.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches per step and rank (batch-level overlap needs 2+)"
+    )
     add_case_arguments(p)
     args = p.parse_args(argv)
     named = [setting for name in args.overlap for setting in (FEATURES if name == "features" else (name,))]
@@ -256,7 +273,12 @@ def cluster_of(layout: str) -> tuple[int, int]:
 
 
 def trainer_flags(
-    layout: str, steps: int, data: tuple[str, str], model: list[str] | None, setting: str = "off"
+    layout: str,
+    steps: int,
+    data: tuple[str, str],
+    model: list[str] | None,
+    setting: str = "off",
+    micro_batches: int = 1,
 ) -> list[str]:
     nodes, procs = cluster_of(layout)
     (ep, esp), world = LAYOUTS[layout], nodes * procs
@@ -267,7 +289,7 @@ def trainer_flags(
         *TRAINING,
         "--moe-aux-loss-coeff", "0.01",  # the balancing loss these figures were measured with (the former default)
         "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(esp),
-        "--global-batch-size", str(micro * world),
+        "--global-batch-size", str(micro * world * micro_batches),
         "--train-iters", str(steps), "--data-path", data[0], "--tokenizer-model", data[1],
         "--overlap-wgrad", wgrad, "--moe-pipeline-degree", degree, "--moe-bp-pipeline-degree", bp_degree, *grad,
         *(["--expert-placement", PLACEMENT_LAYOUTS[layout]] if layout in PLACEMENT_LAYOUTS else []),
@@ -469,7 +491,8 @@ def run_case(
     them (tools/bench_balance.py's balancing method, starting checkpoint and iterations)."""
     _, procs = cluster_of(layout)
     cluster.set_link_gbit(rate)
-    flags = trainer_flags(layout, args.steps, data, [*(args.model or []), *(extra or [])], setting)
+    micro_batches = getattr(args, "micro_batches", 1)
+    flags = trainer_flags(layout, args.steps, data, [*(args.model or []), *(extra or [])], setting, micro_batches)
     profile_dir = getattr(args, "profile_dir", None)  # main() makes it; without it every job measures its own
     if profile_dir and "--moe-cost-profile" not in (args.model or []):  # measured once per layout and rate
         dense = "_dense" if PARTITION_AUTO[0] in SETTINGS[setting][3] else ""  # the planner's lines too
@@ -580,7 +603,7 @@ def main(argv=None) -> int:
             print(f"bench_step: {layout} at {rate:g} Gbit/s, overlap {policy}: step ms {steps}", file=sys.stderr)
     rows = {}
     for (layout, rate, policy), runs in histories.items():
-        flags = trainer_flags(layout, args.steps, data, args.model, policy)
+        flags = trainer_flags(layout, args.steps, data, args.model, policy, args.micro_batches)
         rows[layout, rate, policy] = summarize(layout, rate, runs, args.warmup, flags, policy)
         print(json.dumps(rows[layout, rate, policy]), flush=True)
     for (layout, rate, policy), row in rows.items():

@@ -104,6 +104,20 @@ class MoERunFlags:
         choices=("off", "greedy", "all-under-next-a2a"),
         applies=only.EXPERT_PARALLEL,
     )
+    overlap_moe_expert_parallel_comm: bool = arg(
+        False,
+        "Megatron-LM's batch-level overlap: with two or more micro-batches in flight (gradient accumulation, the "
+        "interleaved pipeline's steady state), one's forward runs beside another's backward stage by stage, so each "
+        "all-to-all of one is in flight under the other's attention or experts (megatron-core's combined 1F1B "
+        "schedules, on our layer's stages; bit-identical results)",
+        applies=only.EXPERT_PARALLEL,
+    )
+    delay_wgrad_compute: bool = arg(
+        False,
+        "Megatron-LM's: weight gradients apart from the input gradients, under the backward all-to-alls; here "
+        "Lancet's queue (--overlap-wgrad), which it needs on; only with --overlap-moe-expert-parallel-comm",
+        applies=only.EXPERT_PARALLEL,
+    )
     overlap_wgrad_max_mb: float = arg(
         1024.0,
         "--overlap-wgrad: at most this many MiB held by queued weight-gradient inputs at once (0: no cap); "

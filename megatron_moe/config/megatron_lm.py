@@ -178,11 +178,6 @@ NOT_NEEDED: dict[str, tuple[bool, str]] = {
     "--moe-routing-trace-capture-hidden-states": (False, _ROUTING_TRACE),
     "--moe-routing-trace-dump-weights": (False, _ROUTING_TRACE),
     "--moe-pad-experts-for-cuda-graph-inference": (False, "an inference option; this stack trains"),
-    "--delay-wgrad-compute": (
-        False,
-        "weight gradients are deferred under the backward all-to-alls by --overlap-wgrad here (greedy, the "
-        "default where EP > 1)",
-    ),
 }
 NOT_NEEDED_WITH: dict[str, tuple[tuple[str, ...], str, str]] = {
     # flag -> (values that change nothing here, why, why any other value is refused)

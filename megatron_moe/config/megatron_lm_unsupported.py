@@ -150,12 +150,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         prefixes=("--gtp-",),
     ),
     Unsupported(
-        "batch-level EP overlap",
-        "overlap between two micro-batches is not built (issue 43); here the all-to-alls are hidden inside each "
-        "micro-batch by --overlap-wgrad and --moe-pipeline-degree (both on by default where EP > 1)",
-        flags=("--overlap-moe-expert-parallel-comm",),
-    ),
-    Unsupported(
         "stage sizes by first/last stage",
         'uneven stages are said with --pipeline-model-parallel-layout here (e.g. "Et*3|(tt|)*6L"), not by '
         "first/last stage sizes",

@@ -42,6 +42,7 @@ from megatron_moe.config.rules_groups import (  # re-exported: the single-group 
 )
 from megatron_moe.config.rules_mtp import check_mtp
 from megatron_moe.config.rules_optimizer import check_optimizer
+from megatron_moe.config.rules_overlap import check_batch_overlap, check_pipelined_micro_batches
 
 if TYPE_CHECKING:
     from megatron_moe.config import RunConfig
@@ -84,8 +85,11 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
         with errors:
             check_batch(cfg, world_size)
             check_interleaved_microbatches(cfg, world_size)
+            check_pipelined_micro_batches(cfg, cfg.num_microbatches(world_size))
         with errors:
             check_partition(cfg)
+        with errors:
+            check_batch_overlap(cfg)
         with errors:
             require(
                 cfg.model.seq_length % cfg.dims(world_size).sequence_split == 0,

@@ -19,6 +19,7 @@ from megatron_moe.model import attention
 from megatron_moe.model.fusions import Fusions, choose_fusions
 from megatron_moe.model.spec import block_spec, mtp_block_spec
 from megatron_moe.moe.experts import mark_expert_params
+from megatron_moe.overlap import batch
 from megatron_moe.platform import current_platform
 from megatron_moe.platform.fusions import batch_p2p_sync, fused_kernels
 
@@ -62,7 +63,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
     fusions = run_fusions(cfg) if fusions is None else fusions
     dtype = params_dtype(cfg)
     on_cpu = not current_platform().is_accelerator
-    interleaved = p.virtual_pipeline_size(m.num_layers) is not None
+    interleaved = p.virtual_pipeline_size(m.num_layers) is not None or batch.one_chunk_pipeline(cfg)
     moe_kwargs = {}
     if moe.is_moe:
         # Where the MoE layers sit and their sizes; how they route only for megatron-core's own layer
@@ -77,7 +78,7 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
             moe_kwargs.update(_mcore_moe_settings(cfg))
         elif moe.moe_router_topk == 1:  # our top-1 weight is the softmax over all experts: megatron-core's
             moe_kwargs["moe_router_pre_softmax"] = True  # pre-softmax, which its config requires at k = 1
-    return attention.config_class(m)(
+    config = attention.config_class(m)(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_width,
@@ -129,6 +130,10 @@ def transformer_config(cfg: RunConfig, fusions: Fusions | None = None) -> Transf
         mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         **moe_kwargs,
     )
+    if moe.own_layer and moe.overlap_moe_expert_parallel_comm:  # set after its checks: ours are rules_overlap.py's
+        config.overlap_moe_expert_parallel_comm = True  # megatron-core's schedules take their combined 1F1B path
+        batch.install()  # which runs on our MoE layers' stages
+    return config
 
 
 def _mcore_moe_settings(cfg: RunConfig) -> dict:

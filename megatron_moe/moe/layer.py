@@ -28,6 +28,7 @@ from megatron_moe import comm
 from megatron_moe.config import features
 from megatron_moe.config.fields import require
 from megatron_moe.config.moe_layer import AUTO, MoELayerConfig
+from megatron_moe.moe import handover
 from megatron_moe.moe.aux_loss import AuxLossAutoScaler
 from megatron_moe.moe.capacity import expert_capacity
 from megatron_moe.moe.dispatch import DispatchSplits, build_dispatcher
@@ -374,11 +375,12 @@ class MoELayer(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """hidden [S, B, H] -> ([S, B, H], None). `padding_mask` [B, S], True = padding (kept out of stats)."""
         stages = self.stages(hidden_states, padding_mask)
-        while True:  # straight through the yields (the operator partition interleaves them: moe/pieces.py)
+        while True:  # through the yields (the operator partition interleaves them: moe/pieces.py)
             try:
                 next(stages)
             except StopIteration as done:
                 return done.value
+            handover.at_yield()  # --overlap-moe-expert-parallel-comm: another micro-batch's backward runs on here
 
     def stages(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None, piece: Piece | None = None):
         """The forward as a generator that yields while an all-to-all is in flight, and returns what `forward`

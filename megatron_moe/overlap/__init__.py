@@ -23,7 +23,7 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name == "PROBES":  # the engine's interventions in megatron-core (a subclass, a class swap, a copy), probed
-        parts = ("grad_reduce", "install", "linears")
+        parts = ("batch", "grad_reduce", "install", "linears")
         return tuple(p for part in parts for p in importlib.import_module(f"megatron_moe.overlap.{part}").PROBES)
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_moe.comm.core import Collective, CommHandle
+from megatron_moe.moe import handover
 from megatron_moe.moe.weight_grad import DeferrableWeights
 from megatron_moe.overlap import install
 from megatron_moe.overlap.grad_reduce import GradReduceLauncher
@@ -83,6 +84,7 @@ class OverlapRuntime:
         reductions, then run the queue's closures for it and wait (or wait)."""
         if self.grad_reduce is not None:
             self.grad_reduce.release_layer(record.layer)
+        handover.under_backward_comm()  # --overlap-moe-expert-parallel-comm: the paired forward's next stage
         if self.wgrad_queue is not None:
             return self.wgrad_queue.run_under(record, handle)
         return handle.wait()

@@ -12,7 +12,6 @@ import time
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config, unwrap_model
 
 from megatron_moe import comm
@@ -24,6 +23,7 @@ from megatron_moe.failure import ONCE
 from megatron_moe.model.builder import params_dtype
 from megatron_moe.moe import collect_moe_metrics, finish_router_step, set_moe_aux_loss_scale
 from megatron_moe.moe.metrics import moe_layer_modules
+from megatron_moe.overlap import batch
 from megatron_moe.overlap.runtime import OverlapRuntime
 from megatron_moe.platform import peak_flops_per_s
 from megatron_moe.platform.timing import comm_stamps
@@ -115,7 +115,7 @@ class Trainer:
         self.data = data  # megatron_moe.training.data.RunData
         self.world = dist.get_world_size()
         self.num_microbatches = cfg.num_microbatches(self.world)
-        self.forward_backward = get_forward_backward_func()
+        self.forward_backward = batch.schedule(cfg, get_model_config(model[0]), self.num_microbatches)
         self.num_moe_layers = cfg.moe.moe_layer_count(cfg.model)  # the MTP layers' MoE included
         self.own_moe = cfg.moe.own_layer
         # Router losses the MoE layers compute: only those are logged (a loss not computed is not a 0).
@@ -198,7 +198,7 @@ class Trainer:
 
     def _run_microbatches(self, data_iterator, *, forward_only: bool) -> list[dict]:
         seq = self.cfg.model.seq_length
-        if len(self.model) > 1:
+        if len(self.model) > 1 or batch.one_chunk_pipeline(self.cfg):
             # The interleaved schedule takes one iterator per model chunk; each chunk reads every micro-batch of
             # the step once, so `tee` hands them the same batches and `data_iterator` advances by one step.
             data_iterator = list(itertools.tee(data_iterator, len(self.model)))

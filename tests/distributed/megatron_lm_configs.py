@@ -16,6 +16,7 @@ CPU_RUNS = (
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances_1node",
     "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_ddp_average_in_collective_1node",
     "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_overlap_grad_reduce_param_gather_groupedGEMM_1node",
+    "gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4_1node",  # --overlap-moe-expert-parallel-comm
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_1node",
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout_1node",
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer_1node",
@@ -23,7 +24,7 @@ CPU_RUNS = (
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node",
 )
 """Every config that passes the flag pass on the 4 ranks its CI ran (the `_1node` ones; none needs a GPU-only
-feature): the shared 4-rank job trains each 2 steps. The 27 that pass on 8 ranks are not run (10 of them are
+feature): the shared 4-rank job trains each 2 steps. The 29 that pass on 8 ranks are not run (10 of them are
 these configs' twins at twice the degrees)."""
 CPU_SIZES = {
     "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 64,

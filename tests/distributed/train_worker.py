@@ -45,6 +45,10 @@ Scenarios (each a list of cases run one after another):
 - `expert_bias` (4 ranks): aux-loss-free balancing with group-limited routing at EP=2 and EP=4 from the same
   seed, EP=2's step-2 checkpoint resumed at EP=4, the same run without the bias; the checkpoints' biases read at
   EP=1.
+- `batch_overlap` (4 ranks): batch-level overlap (--overlap-moe-expert-parallel-comm) against none, from the same
+  seed: EP=2, EP=4, TP=2+SP+EP=2, PP=2+EP=2 (the interleaved schedule with one chunk), PP=2 x VPP=2 + EP=2, EP=2 with
+  DeepSeek-V3's parts (MLA, a dense first layer, a gated shared expert, MTP), and TP=2+SP+EP=2 with the adaptive
+  gradient partition, FSMoE's pipeline and Lancet's queue on.
 - `gpu` (1 rank on a CUDA GPU, nccl): the reference's initial weights trained
   in fp32, in bf16 with the arctic policy and in fp16; resume exactness.
 """
@@ -556,6 +560,45 @@ def grad_reduce() -> dict:
         slow_link_profile(path)
         for schedule in ("megatron", "adaptive"):
             results[f"{name}/{schedule}"] = train(*init, *args, *profile, "--grad-reduce-schedule", schedule)
+    return results
+
+
+BATCH_FLAG = "--overlap-moe-expert-parallel-comm"
+BATCH = {  # layout -> flags, 2-4 micro-batches a step (a global batch of 16 or 32 sequences)
+    "ep2": ["--expert-model-parallel-size", "2", "--global-batch-size", "32"],
+    "ep4": ["--expert-model-parallel-size", "4", "--global-batch-size", "16"],
+    "tp2_ep2": [*LAYOUTS["tp2_ep2"], "--global-batch-size", "16"],
+    "pp2_ep2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                "--global-batch-size", "16"],
+    "pp2_vpp2_ep2": [*VPP2, "--expert-model-parallel-size", "2", "--moe-layer-freq", "1", "--global-batch-size", "16"],
+    # DeepSeek-V3's parts: MLA with qk-norm, a dense first layer, 8 experts top-4 with a gated shared expert, MTP
+    "ep2_deepseek": [*MLA, "--expert-model-parallel-size", "2", "--global-batch-size", "16", "--num-experts", "8",
+                     "--moe-router-topk", "4", "--moe-layer-freq", "([0]+[1]*3)", "--moe-shared-expert-ffn-hidden-size",
+                     "64", "--moe-shared-expert-gate", "--mtp-num-layers", "1"],
+}  # fmt: skip
+BATCH_ALL_ON = ["--grad-reduce-schedule", "adaptive", *degrees(2, 2), "--delay-wgrad-compute"]
+"""tp2_ep2_all_on: the adaptive gradient partition (on a profile made slow), FSMoE's pipeline at 2 x 2 and Lancet's
+greedy queue (--delay-wgrad-compute: Megatron-LM's name for it) beside batch-level overlap."""
+
+
+def batch_overlap() -> dict:
+    """Each BATCH layout, and TP=2+SP+EP=2 with every other overlap on, without and with batch-level overlap from the
+    same seed: per run its history and this rank's pairings (`overlap.batch.COUNTS`: forward-backward pairs, forward
+    stages run under a backward all-to-all)."""
+    from megatron_moe.overlap import batch
+
+    path = os.path.join(WORKDIR, "batch_all_on.json")
+    all_on = [*LAYOUTS["tp2_ep2"], "--global-batch-size", "16", "--moe-cost-profile", path, *TRUSTED_PROFILE]
+    train("--train-iters", "0", *all_on, "--grad-reduce-schedule", "adaptive")
+    slow_link_profile(path)
+    results = {}
+    for name, args in {**BATCH, "tp2_ep2_all_on": [*all_on, *BATCH_ALL_ON]}.items():
+        for setting in ("off", "on"):
+            before = dict(batch.COUNTS)
+            flags = [*args, BATCH_FLAG] if setting == "on" else [a for a in args if a != "--delay-wgrad-compute"]
+            history = train("--train-iters", "3", *flags)
+            counts = {key: batch.COUNTS[key] - before[key] for key in before}
+            results[f"{name}/{setting}"] = {"history": history, "counts": counts}
     return results
 
 

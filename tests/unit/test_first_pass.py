@@ -141,7 +141,6 @@ def test_lr_warmup_init_is_where_the_warm_up_starts_as_megatron_lm():
         (["--use-megatron-fsdp"], "--use-megatron-fsdp: Megatron-FSDP and torch FSDP2 is not supported"),
         (["--fine-grained-activation-offloading"], "--fine-grained-activation-offloading: activation offloading"),
         (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type=flex: the flex dispatcher"),
-        (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: batch-level EP overlap"),
         (["--grpo-group-size", "2"], "--grpo-group-size: reinforcement learning and inference"),
     ],
 )

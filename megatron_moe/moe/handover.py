@@ -1,0 +1,166 @@
+"""Where one micro-batch's forward hands over to another's backward (batch-level overlap, overlap/batch.py).
+
+`run_paired(forward, backward)` runs `forward` on a `Coroutine` (the process's one coroutine thread, run only while
+its caller waits) until its first MoE all-to-all is in flight (`at_yield`, called by `MoELayer.forward` at each
+stage's yield), then `backward` on the caller's thread, whose MoE all-to-alls each run the forward's next stage
+under them once started (`under_backward_comm`, called by `OverlapRuntime.run_under`), then the forward's rest.
+Invariant: one thread runs at a time, handing over only at those points, so every rank of a stage issues its
+collectives in the same order. Outside `run_paired` both points do nothing.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from megatron_moe.platform import current_platform
+
+
+class _Closed(BaseException):
+    """Raised in a paused coroutine that is closed before its end (its caller failed): it unwinds its frames."""
+
+
+class Coroutine:
+    """`fn()` run in turns with the caller on the process's one coroutine thread: `resume()` runs it until it calls
+    `pause()` or returns, while the caller waits; `result` is its return value. Its error is raised by the
+    `resume()` that ran into it. It takes the caller's grad mode and device (thread-local in torch and CUDA).
+    The thread lives for the process (`_worker`): a thread made per coroutine starts with cold per-thread state
+    (its allocator arena's pages first-touched again): a forward on it cost 1.5x the CPU of one on a thread
+    that had run many."""
+
+    def __init__(self, fn: Callable):
+        self._fn = fn
+        self._turn = threading.Condition()
+        self._its_turn = False
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.done = False
+        self.result = None
+
+    @property
+    def is_current(self) -> bool:
+        """Whether the calling thread is running this coroutine."""
+        return self._thread is not None and not self.done and threading.current_thread() is self._thread
+
+    def resume(self) -> bool:
+        """Run the coroutine until its next `pause()` or its end; True while it has more to run."""
+        if self.done:
+            return False
+        if self._thread is None:
+            self._thread = _worker().start(self, torch.is_grad_enabled(), current_platform().device)
+        self._hand_over(to_coroutine=True)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return not self.done
+
+    def pause(self) -> None:
+        """From inside the coroutine: back to the caller until the next `resume()`."""
+        self._hand_over(to_coroutine=False)
+        if self._closing:
+            raise _Closed
+
+    def close(self) -> None:
+        """End a coroutine that has not finished: its `pause()` raises, its frames unwind (no result)."""
+        if self._thread is not None and not self.done:
+            self._closing = True
+            self._hand_over(to_coroutine=True)
+
+    def _hand_over(self, *, to_coroutine: bool) -> None:
+        with self._turn:
+            self._its_turn = to_coroutine
+            self._turn.notify_all()
+            while self._its_turn == to_coroutine and not (to_coroutine and self.done):
+                self._turn.wait()
+
+    def _run(self, grad: bool, device: torch.device) -> None:
+        """On the coroutine thread: wait for the first `resume()`, run `fn` to its end, hand back."""
+        with self._turn:
+            while not self._its_turn:
+                self._turn.wait()
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                self.result = self._fn()
+        except _Closed:
+            pass
+        except BaseException as error:  # raised in the caller by the resume() that ran into it
+            self._error = error
+        finally:
+            with self._turn:
+                self.done, self._its_turn = True, False
+                self._turn.notify_all()
+
+
+class _Worker:
+    """The process's coroutine thread: runs the started coroutines one after another."""
+
+    def __init__(self):
+        self._started: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="megatron_moe-batch-forward", daemon=True)
+        self.thread.start()
+
+    def start(self, coroutine: Coroutine, grad: bool, device: torch.device) -> threading.Thread:
+        self._started.put((coroutine, grad, device))
+        return self.thread
+
+    def _loop(self) -> None:
+        while True:
+            coroutine, grad, device = self._started.get()
+            coroutine._run(grad, device)
+
+
+_WORKER: _Worker | None = None
+
+
+def _worker() -> _Worker:
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = _Worker()
+    return _WORKER
+
+
+_PAIRED: Coroutine | None = None
+"""The forward running beside this rank's backward now (inside `combined_step`), or None."""
+
+COUNTS = {"paired": 0, "under": 0}
+"""Since the process started: forward-backward pairs run (`combined_step` with both), forward stages run under a
+backward all-to-all (`under_backward_comm`). What the tests and the step log read to see the overlap happen."""
+
+
+def at_yield() -> None:
+    """An MoE layer's forward has an all-to-all in flight: inside a paired forward, the backward runs on now."""
+    if _PAIRED is not None and _PAIRED.is_current:
+        _PAIRED.pause()
+
+
+def under_backward_comm() -> None:
+    """A backward all-to-all has started: the paired forward (if any, and not this thread) runs its next stage."""
+    if _PAIRED is not None and not _PAIRED.is_current and not _PAIRED.done:
+        COUNTS["under"] += 1
+        _PAIRED.resume()
+
+
+def run_paired(forward: Callable, backward: Callable) -> tuple:
+    """(forward(), backward()) run as steps 2-3 of the module docstring: `forward` on a `Coroutine` until its first
+    `at_yield`, then `backward` here, the forward's next stage at each of its `under_backward_comm`s, then the
+    forward's rest."""
+    global _PAIRED
+    paired = Coroutine(forward)
+    COUNTS["paired"] += 1
+    try:
+        _PAIRED = paired
+        paired.resume()
+        gradients = backward()
+        _PAIRED = None
+        while paired.resume():
+            pass
+        return paired.result, gradients
+    finally:
+        _PAIRED = None
+        paired.close()

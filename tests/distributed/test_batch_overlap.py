@@ -1,0 +1,38 @@
+"""Batch-level overlap (--overlap-moe-expert-parallel-comm, overlap/batch.py) changes no number.
+
+Every layout of `train_worker.BATCH` (EP=2 with 4 micro-batches a step; EP=4; TP=2+SP+EP=2; PP=2+EP=2, run in
+megatron-core's interleaved schedule with one chunk; PP=2 x VPP=2 + EP=2; EP=2 with MLA and qk-norm, a dense first
+layer, a gated shared expert and an MTP layer), and TP=2+SP+EP=2 with the adaptive gradient partition, FSMoE's
+pipeline at 2 x 2 and Lancet's greedy queue, trains 3 steps from the same seed without and with it: every computed
+figure of the step log (lm loss, the router's losses and loads, grad norm, params norm) is bit-identical step by
+step (each micro-batch's arithmetic is the same, and the gradients accumulate in the same order). The pairing
+happened: forward-backward pairs ran, and forward stages ran under backward all-to-alls (none without the flag).
+"""
+
+import pytest
+
+from tests.distributed.launcher import computed
+from tests.distributed.shared_jobs import train_part
+
+JOB_PARTS = {"batch_overlap": train_part("batch_overlap", timeout=1500)}
+LAYOUTS = ["ep2", "ep4", "tp2_ep2", "pp2_ep2", "pp2_vpp2_ep2", "ep2_deepseek", "tp2_ep2_all_on"]
+
+
+@pytest.fixture(scope="module")
+def runs(shared_jobs):
+    return shared_jobs.result("batch_overlap")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batch_level_overlap_is_bit_identical_to_none(runs, layout):
+    off, on = runs[f"{layout}/off"], runs[f"{layout}/on"]
+    figures = computed(on["history"])
+    assert len(figures) == 3 and {"lm loss", "moe aux loss", "grad norm", "params norm"} <= set(figures[-1])
+    assert figures == computed(off["history"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_forward_ran_under_the_other_micro_batchs_backward_all_to_alls(runs, layout):
+    off, on = runs[f"{layout}/off"]["counts"], runs[f"{layout}/on"]["counts"]
+    assert off == {"paired": 0, "under": 0}
+    assert on["paired"] > 0 and on["under"] >= 2 * on["paired"], on

@@ -1,0 +1,197 @@
+"""Batch-level overlap (overlap/batch.py) in one process: the coroutine that runs one micro-batch's forward in turns
+with another's backward, the order in which their stages run, and the flag pass's rules. The equivalence of whole
+runs (EP=2, EP=4, TP=2+SP+EP=2, PP=2+EP=2, PP=2 x VPP=2 + EP=2): tests/distributed/test_batch_overlap.py."""
+
+import threading
+
+import pytest
+import torch
+
+from megatron_moe.config import ConfigError, parse_and_validate
+from megatron_moe.moe import handover
+from megatron_moe.overlap import batch
+from megatron_moe.overlap.batch import Coroutine, at_yield, run_paired, under_backward_comm
+
+FLAG = "--overlap-moe-expert-parallel-comm"
+MOCK = ["--mock-data", "--tokenizer-model", "t.model", "--num-layers", "4", "--hidden-size", "64"]
+MOE = [*MOCK, "--num-attention-heads", "4", "--num-experts", "4", "--seq-length", "32", "--micro-batch-size", "2"]
+
+
+# ------------------------------------------------------------------------------------------------ the coroutine
+
+
+def test_a_coroutine_runs_only_between_resume_and_pause_and_returns_its_result():
+    trace = []
+
+    def fn():
+        trace.append("a")
+        coroutine.pause()
+        trace.append("b")
+        coroutine.pause()
+        trace.append("c")
+        return 42
+
+    coroutine = Coroutine(fn)
+    assert coroutine.resume() and trace == ["a"]
+    trace.append("caller")
+    assert coroutine.resume() and trace == ["a", "caller", "b"]
+    assert not coroutine.resume() and trace == ["a", "caller", "b", "c"]
+    assert coroutine.done and coroutine.result == 42
+    assert not coroutine.resume()  # a finished coroutine runs nothing more
+
+
+def test_a_coroutines_error_is_raised_by_the_resume_that_ran_into_it():
+    def fn():
+        coroutine.pause()
+        raise ValueError("forward failed")
+
+    coroutine = Coroutine(fn)
+    coroutine.resume()
+    with pytest.raises(ValueError, match="forward failed"):
+        coroutine.resume()
+    assert coroutine.done
+
+
+def test_closing_a_paused_coroutine_unwinds_its_frames():
+    unwound = threading.Event()
+
+    def fn():
+        try:
+            coroutine.pause()
+            raise AssertionError("ran on after close")
+        finally:
+            unwound.set()
+
+    coroutine = Coroutine(fn)
+    coroutine.resume()
+    coroutine.close()
+    assert unwound.is_set() and coroutine.done and coroutine.result is None
+
+
+def test_the_coroutine_takes_the_callers_grad_mode():
+    def fn():
+        return torch.is_grad_enabled()
+
+    with torch.no_grad():
+        off = Coroutine(fn)
+        off.resume()
+    on = Coroutine(fn)
+    on.resume()
+    assert off.result is False and on.result is True
+
+
+# ------------------------------------------------------------------------------------------------ the pairing
+
+
+def test_each_backward_all_to_all_runs_the_forwards_next_stage_under_it():
+    """The forward runs to its first all-to-all (`at_yield`), then the backward; each backward all-to-all started
+    (`under_backward_comm`) runs the forward up to its next all-to-all; the forward's rest runs after the backward."""
+    trace = []
+
+    def forward():
+        for stage in ("attention+dispatch", "experts+combine", "next layer", "loss"):
+            trace.append(f"F {stage}")
+            if stage != "loss":
+                at_yield()
+        return "output"
+
+    def backward():
+        for stage in ("loss", "combine bwd", "dispatch bwd"):
+            trace.append(f"B {stage}")
+            if stage != "loss":
+                under_backward_comm()
+        return "grads"
+
+    assert run_paired(forward, backward) == ("output", "grads")
+    assert trace == [
+        "F attention+dispatch",
+        "B loss",
+        "B combine bwd",
+        "F experts+combine",
+        "B dispatch bwd",
+        "F next layer",
+        "F loss",
+    ]
+
+
+def test_outside_a_pair_the_hand_over_points_do_nothing():
+    at_yield()
+    under_backward_comm()
+    paired = batch.COUNTS["paired"]
+
+    def forward():  # a forward that itself reaches a backward all-to-all (a recompute inside it) does not resume itself
+        under_backward_comm()
+        return 1
+
+    assert run_paired(forward, lambda: 2) == (1, 2)
+    assert batch.COUNTS["paired"] == paired + 1
+
+
+def test_a_failed_backward_ends_the_paired_forward():
+    ended = threading.Event()
+
+    def forward():
+        try:
+            at_yield()
+            at_yield()
+        finally:
+            ended.set()
+
+    def backward():
+        raise RuntimeError("backward failed")
+
+    with pytest.raises(RuntimeError, match="backward failed"):
+        run_paired(forward, backward)
+    assert ended.is_set() and handover._PAIRED is None
+
+
+# ------------------------------------------------------------------------------------------------ the flag pass
+
+
+@pytest.mark.parametrize(
+    "flags, world",
+    [
+        (["--expert-model-parallel-size", "2", "--global-batch-size", "8"], 2),
+        (["--expert-model-parallel-size", "2", "--global-batch-size", "8", "--delay-wgrad-compute"], 2),
+        (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], 4),
+        (["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 4),
+    ],
+)
+def test_batch_level_overlap_is_accepted_with_expert_parallelism(flags, world):
+    cfg = parse_and_validate([*MOE, FLAG, *flags], world)
+    assert cfg.moe.overlap_moe_expert_parallel_comm
+
+
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (["--expert-model-parallel-size", "2", "--recompute-granularity", "full"], 2,
+         rf"^{FLAG}=True: off with full activation recompute"),
+        (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], 4,
+         rf"^--global-batch-size=4: at least --pipeline-model-parallel-size=2 micro-batches a step with {FLAG}"),
+    ],
+)  # fmt: skip
+def test_batch_level_overlap_is_refused_by_name_where_it_cannot_run(flags, world, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_and_validate([*MOE, FLAG, *flags], world)
+
+
+def test_without_expert_parallelism_the_flag_changes_nothing_and_is_set_back():
+    """As the house's other EP-only flags: accepted with a start-up line (nothing to hide at EP=1), not run."""
+    assert not parse_and_validate([*MOE, FLAG], 1).moe.overlap_moe_expert_parallel_comm
+
+
+def test_delay_wgrad_compute_needs_the_overlap_and_lancets_queue():
+    ep2 = [*MOE, "--expert-model-parallel-size", "2", "--delay-wgrad-compute"]
+    with pytest.raises(ConfigError, match=rf"^--delay-wgrad-compute=True: only with {FLAG}"):
+        parse_and_validate(ep2, 2)
+    with pytest.raises(ConfigError, match=r"^--overlap-wgrad=off: greedy or all-under-next-a2a with --delay-wgrad"):
+        parse_and_validate([*ep2, FLAG, "--overlap-wgrad", "off"], 2)
+
+
+def test_pp_without_virtual_stages_runs_the_interleaved_schedule_with_one_chunk():
+    pp2 = [*MOE, "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    assert batch.one_chunk_pipeline(parse_and_validate([*pp2, FLAG], 4))
+    assert not batch.one_chunk_pipeline(parse_and_validate(pp2, 4))
+    vpp = [*pp2, FLAG, "--num-layers-per-virtual-pipeline-stage", "1"]
+    assert not batch.one_chunk_pipeline(parse_and_validate(vpp, 4))
