@@ -45,13 +45,14 @@ def combined_step(
     encoder_decoder_xattn=False,
 ):
     """megatron-core's `combined_forward_backward_step` (its arguments and returns: (forward output, tokens,
-    input gradient)), run as the module docstring's steps 1-4 with megatron-core's own forward and backward steps."""
+    input gradient)): the receives, the forward and backward paired (`run_paired`) with megatron-core's own forward and
+    backward steps, the sends."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.utils import get_model_type
 
     assert checkpoint_activations_microbatch is None, "partial activation checkpoints: not with batch-level overlap"
-    if f_model is not None and pre_forward is not None:  # 1.
+    if f_model is not None and pre_forward is not None:
         pre_forward(None)
     if b_model is not None and pre_backward is not None:
         pre_backward(None)
@@ -89,8 +90,8 @@ def combined_step(
     elif f_model is None:
         input_tensor_grad = backward()
     else:
-        (output_tensor, num_tokens), input_tensor_grad = run_paired(forward, backward)  # 2., 3.
-    if f_model is not None and post_forward is not None:  # 4.
+        (output_tensor, num_tokens), input_tensor_grad = run_paired(forward, backward)
+    if f_model is not None and post_forward is not None:
         post_forward(output_tensor, None)
     if b_model is not None and post_backward is not None:
         post_backward(input_tensor_grad, None)
