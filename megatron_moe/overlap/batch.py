@@ -112,16 +112,25 @@ def one_chunk_pipeline(cfg) -> bool:
 
 def schedule(cfg, config, num_microbatches: int):
     """megatron-core's forward-backward function for this run; under `one_chunk_pipeline` its interleaved schedule
-    with one chunk: `config` (the model's) then says one virtual stage, in one group of every micro-batch (the
-    schedule table is then the plain order; megatron-core adds its one warm-up forward for the pairing)."""
+    with one chunk: while it runs, `config` (the model's) says one virtual stage, in one group of every micro-batch
+    (the schedule table is then the plain order; megatron-core adds its one warm-up forward for the pairing), and
+    says none again after it, for what else reads it (the checkpoint's layer offsets, the model's own)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
 
     if not one_chunk_pipeline(cfg):
         return get_forward_backward_func()
-    config.virtual_pipeline_model_parallel_size = 1  # after the model is built: its layer offsets are PP's
-    config.microbatch_group_size_per_vp_stage = num_microbatches
-    return forward_backward_pipelining_with_interleaving
+
+    def one_chunk(**kwargs):
+        saved = config.virtual_pipeline_model_parallel_size, config.microbatch_group_size_per_vp_stage
+        config.virtual_pipeline_model_parallel_size = 1
+        config.microbatch_group_size_per_vp_stage = num_microbatches
+        try:
+            return forward_backward_pipelining_with_interleaving(**kwargs)
+        finally:
+            config.virtual_pipeline_model_parallel_size, config.microbatch_group_size_per_vp_stage = saved
+
+    return one_chunk
 
 
 def _no_streams(comp_stream=None, comm_stream=None) -> None:
