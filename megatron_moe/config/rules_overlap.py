@@ -2,8 +2,9 @@
 
 In: the RunConfig (model, moe, parallel and activations passed their own checks). Out: a ConfigError naming the
 flag, its value and a valid choice, before any process group or model exists. Megatron-LM's rules are kept where
-they mean the same here (expert parallelism, no full recompute, an interleaved pipeline under PP, --delay-wgrad-
-compute only with the overlap); its bf16/fp16 and dispatcher rules are megatron-core's layer's, not ours.
+they mean the same here (expert parallelism, no full recompute, --delay-wgrad-compute only with the overlap); not
+its virtual stages under PP (the one chunk runs the interleaved schedule), nor its bf16/fp16 and dispatcher rules,
+which are megatron-core's layer's.
 How it runs: overlap/batch.py.
 """
 
@@ -20,8 +21,8 @@ FLAG = "--overlap-moe-expert-parallel-comm"
 
 
 def check_batch_overlap(cfg: RunConfig) -> None:
-    """What batch-level overlap needs: our MoE layer with EP > 1 (the flag's `applies`), layers whose forward
-    can pause, and megatron-core's combined schedules; --delay-wgrad-compute: the overlap and Lancet's queue."""
+    """What batch-level overlap needs beyond the flag's `applies` (our MoE layer, EP > 1): no full recompute;
+    --delay-wgrad-compute: the overlap and Lancet's queue."""
     moe = cfg.moe
     if moe.delay_wgrad_compute:
         require(

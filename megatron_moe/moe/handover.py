@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_moe.platform import current_platform
+from megatron_moe.platform import bind_thread
 
 
 class _Closed(BaseException):
@@ -51,7 +51,7 @@ class Coroutine:
         if self.done:
             return False
         if self._thread is None:
-            self._thread = _worker().start(self, torch.is_grad_enabled(), current_platform().device)
+            self._thread = _worker().start(self, torch.is_grad_enabled())
         self._hand_over(to_coroutine=True)
         if self._error is not None:
             error, self._error = self._error, None
@@ -77,14 +77,12 @@ class Coroutine:
             while self._its_turn == to_coroutine and not (to_coroutine and self.done):
                 self._turn.wait()
 
-    def _run(self, grad: bool, device: torch.device) -> None:
+    def _run(self, grad: bool) -> None:
         """On the coroutine thread: wait for the first `resume()`, run `fn` to its end, hand back."""
         with self._turn:
             while not self._its_turn:
                 self._turn.wait()
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad):
                 self.result = self._fn()
         except _Closed:
@@ -105,14 +103,15 @@ class _Worker:
         self.thread = threading.Thread(target=self._loop, name="megatron_moe-batch-forward", daemon=True)
         self.thread.start()
 
-    def start(self, coroutine: Coroutine, grad: bool, device: torch.device) -> threading.Thread:
-        self._started.put((coroutine, grad, device))
+    def start(self, coroutine: Coroutine, grad: bool) -> threading.Thread:
+        self._started.put((coroutine, grad))
         return self.thread
 
     def _loop(self) -> None:
+        bind_thread()
         while True:
-            coroutine, grad, device = self._started.get()
-            coroutine._run(grad, device)
+            coroutine, grad = self._started.get()
+            coroutine._run(grad)
 
 
 _WORKER: _Worker | None = None
@@ -147,9 +146,8 @@ def under_backward_comm() -> None:
 
 
 def run_paired(forward: Callable, backward: Callable) -> tuple:
-    """(forward(), backward()) run as steps 2-3 of the module docstring: `forward` on a `Coroutine` until its first
-    `at_yield`, then `backward` here, the forward's next stage at each of its `under_backward_comm`s, then the
-    forward's rest."""
+    """(forward(), backward()) as the module docstring says: `forward` on a `Coroutine` until its first `at_yield`,
+    then `backward` here, the forward's next stage at each of its `under_backward_comm`s, then the forward's rest."""
     global _PAIRED
     paired = Coroutine(forward)
     COUNTS["paired"] += 1

@@ -15,10 +15,8 @@ code path overlaps on CPU and GPU. The stage pairing, the measurements: docs/ove
 
 from __future__ import annotations
 
-from megatron_moe.moe.handover import COUNTS, Coroutine, at_yield, run_paired, under_backward_comm
+from megatron_moe.moe.handover import run_paired
 from megatron_moe.platform.patch import Patch, source_sha256
-
-__all__ = ["COUNTS", "Coroutine", "at_yield", "combined_step", "install", "run_paired", "under_backward_comm"]
 
 
 def combined_step(

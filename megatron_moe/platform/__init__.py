@@ -11,6 +11,7 @@ instead of naming one.
 from megatron_moe.platform.device import (
     PeakRate,
     Platform,
+    bind_thread,
     current_platform,
     device_name,
     from_host,
@@ -28,6 +29,7 @@ __all__ = [
     "HostSyncs",
     "PeakRate",
     "Platform",
+    "bind_thread",
     "count_host_syncs",
     "current_platform",
     "device_name",

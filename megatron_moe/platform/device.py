@@ -64,15 +64,21 @@ def init_platform() -> Platform:
 
     platform = current_platform()
     upstream_fixes.apply_all()
-    if platform.is_accelerator:
-        torch.cuda.set_device(platform.device)
-    else:
+    bind_thread()
+    if not platform.is_accelerator:
         from megatron_moe.platform import cpu_compat
         from megatron_moe.platform.host_memory import keep_freed_host_memory
 
         cpu_compat.apply_all()
         keep_freed_host_memory()
     return platform
+
+
+def bind_thread() -> None:
+    """The calling thread computes on this process's device (CUDA's current device is per thread); nothing on CPU."""
+    platform = current_platform()
+    if platform.is_accelerator:
+        torch.cuda.set_device(platform.device)
 
 
 def from_host(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -583,9 +583,9 @@ greedy queue (--delay-wgrad-compute: Megatron-LM's name for it) beside batch-lev
 
 def batch_overlap() -> dict:
     """Each BATCH layout, and TP=2+SP+EP=2 with every other overlap on, without and with batch-level overlap from the
-    same seed: per run its history and this rank's pairings (`overlap.batch.COUNTS`: forward-backward pairs, forward
+    same seed: per run its history and this rank's pairings (`moe.handover.COUNTS`: forward-backward pairs, forward
     stages run under a backward all-to-all)."""
-    from megatron_moe.overlap import batch
+    from megatron_moe.moe import handover
 
     path = os.path.join(WORKDIR, "batch_all_on.json")
     all_on = [*LAYOUTS["tp2_ep2"], "--global-batch-size", "16", "--moe-cost-profile", path, *TRUSTED_PROFILE]
@@ -594,10 +594,10 @@ def batch_overlap() -> dict:
     results = {}
     for name, args in {**BATCH, "tp2_ep2_all_on": [*all_on, *BATCH_ALL_ON]}.items():
         for setting in ("off", "on"):
-            before = dict(batch.COUNTS)
+            before = dict(handover.COUNTS)
             flags = [*args, BATCH_FLAG] if setting == "on" else [a for a in args if a != "--delay-wgrad-compute"]
             history = train("--train-iters", "3", *flags)
-            counts = {key: batch.COUNTS[key] - before[key] for key in before}
+            counts = {key: handover.COUNTS[key] - before[key] for key in before}
             results[f"{name}/{setting}"] = {"history": history, "counts": counts}
     return results
 

@@ -9,8 +9,8 @@ import torch
 
 from megatron_moe.config import ConfigError, parse_and_validate
 from megatron_moe.moe import handover
+from megatron_moe.moe.handover import Coroutine, at_yield, run_paired, under_backward_comm
 from megatron_moe.overlap import batch
-from megatron_moe.overlap.batch import Coroutine, at_yield, run_paired, under_backward_comm
 
 FLAG = "--overlap-moe-expert-parallel-comm"
 MOCK = ["--mock-data", "--tokenizer-model", "t.model", "--num-layers", "4", "--hidden-size", "64"]
@@ -117,14 +117,14 @@ def test_each_backward_all_to_all_runs_the_forwards_next_stage_under_it():
 def test_outside_a_pair_the_hand_over_points_do_nothing():
     at_yield()
     under_backward_comm()
-    paired = batch.COUNTS["paired"]
+    paired = handover.COUNTS["paired"]
 
     def forward():  # a forward that itself reaches a backward all-to-all (a recompute inside it) does not resume itself
         under_backward_comm()
         return 1
 
     assert run_paired(forward, lambda: 2) == (1, 2)
-    assert batch.COUNTS["paired"] == paired + 1
+    assert handover.COUNTS["paired"] == paired + 1
 
 
 def test_a_failed_backward_ends_the_paired_forward():
