@@ -36,3 +36,14 @@ def test_the_forward_ran_under_the_other_micro_batchs_backward_all_to_alls(runs,
     off, on = runs[f"{layout}/off"]["counts"], runs[f"{layout}/on"]["counts"]
     assert off == {"paired": 0, "under": 0}
     assert on["paired"] > 0 and on["under"] >= 2 * on["paired"], on
+
+
+def test_a_checkpoint_saved_under_the_one_chunk_schedule_resumes_to_the_same_step(runs):
+    """PP=2 without virtual stages says one virtual stage only while the schedule runs: a save reads the model's own
+    layout (it asked for a vp_stage before), and the resumed step 3 is the uninterrupted run's."""
+    resumed = computed(runs["pp2_ep2/resumed"]["history"])
+    assert [step["iteration"] for step in resumed] == [3]
+    (uninterrupted,) = computed(runs["pp2_ep2/on"]["history"])[2:]
+    differ = {key: (resumed[0].get(key), uninterrupted.get(key)) for key in {*resumed[0], *uninterrupted}
+              if resumed[0].get(key) != uninterrupted.get(key)}  # fmt: skip
+    assert not differ

@@ -584,7 +584,7 @@ greedy queue (--delay-wgrad-compute: Megatron-LM's name for it) beside batch-lev
 def batch_overlap() -> dict:
     """Each BATCH layout, and TP=2+SP+EP=2 with every other overlap on, without and with batch-level overlap from the
     same seed: per run its history and this rank's pairings (`moe.handover.COUNTS`: forward-backward pairs, forward
-    stages run under a backward all-to-all)."""
+    stages run under a backward all-to-all); PP=2+EP=2 with it, saved at step 2 and resumed."""
     from megatron_moe.moe import handover
 
     path = os.path.join(WORKDIR, "batch_all_on.json")
@@ -599,6 +599,10 @@ def batch_overlap() -> dict:
             history = train("--train-iters", "3", *flags)
             counts = {key: handover.COUNTS[key] - before[key] for key in before}
             results[f"{name}/{setting}"] = {"history": history, "counts": counts}
+    # PP=2+EP=2 (the one-chunk interleaved schedule) saved at step 2 and resumed, overlap on: its step 3
+    pp2 = [*BATCH["pp2_ep2"], BATCH_FLAG, "--train-iters", "3"]
+    train(*pp2, "--exit-interval", "2", "--save", ckpt("batch_pp2"))
+    results["pp2_ep2/resumed"] = {"history": train(*pp2, "--load", ckpt("batch_pp2"))}
     return results
 
 
