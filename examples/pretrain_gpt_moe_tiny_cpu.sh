@@ -107,6 +107,7 @@ TRAINING_ARGS=(
 )
 PARALLEL_ARGS=(
     --expert-model-parallel-size 2   # 4 experts per rank
+    --moe-overlap-choice auto        # the cost model keeps only the overlap that pays (on one host's loopback: none)
 )
 LOGGING_ARGS=(
     --log-interval 10

@@ -39,12 +39,18 @@ pieces with degrees 1 / 1. The
 `batch`, `batch_greedy`, `batch_adaptive` and `batch_all` (by name) add batch-level overlap
 (--overlap-moe-expert-parallel-comm) to `off`, `greedy`, Lancet with the adaptive partition (degrees 1 / 1) and
 `adaptive`; it pairs micro-batches, so give `--micro-batches` 2 or more (micro-batches per step and rank; default 1).
+`choice` (by name) is `adaptive` with --moe-overlap-choice auto (the cost model keeps or turns off Lancet's queue
+and the adaptive partition and turns batch-level overlap on where each is predicted to win; its row carries the
+choice and the predicted step); `mcore` (by name) is megatron-core's MoE layer with megatron-core's overlapped
+gradient reduction (ours do not apply to it).
 The
 `2x2dp` layout (asked for by name) keeps EP=2 inside each node and puts the data-parallel reduction on the link
 (--expert-placement e+d); `2x2de` (by name) is the same run under d+e: each EP group spans the two nodes, each
 expert's expert-DP pair shares a node. Given both (`--cluster 2x2dp 2x2de`, alternated as any two layouts), a
 `placement` row per rate and overlap setting compares them (`compare_placement`; docs/placement.md).
 
+`--warm-start N` first trains a starting checkpoint of N steps (2x1, every overlap off, one micro-batch, at
+`WARM_LINK_GBIT`), and every case resumes from it: the router past its first steps, in its natural imbalance.
 One cluster serves every case: the link rate changes in place (`set_link_gbit`) and the cases alternate (layouts
 interleaved, rates rotated round by round, each overlap setting right after the other, in turn first), so
 the machine's drift hits them alike. Each case runs `--rounds` times,
@@ -98,6 +104,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from megatron_moe.config import parse_args as parse_run_args
 from megatron_moe.config import placement
@@ -117,6 +124,8 @@ BWD_A2A_KINDS = ("a2a_dispatch_bwd", "a2a_combine_bwd")
 PARTITION_AUTO = ("--moe-partition-pieces", "auto", "--moe-partition-range", "auto")
 PARTITION_2 = ("--moe-partition-pieces", "2", "--moe-partition-range", "all")
 BATCH = ("--overlap-moe-expert-parallel-comm",)
+CHOICE = ("--moe-overlap-choice", "auto")
+MCORE = ("--moe-layer-impl", "mcore")
 SMALL_BUCKET = 250_000
 """--ddp-bucket-size of `grad_small`: megatron-core's buckets made small by hand (~1 MB of fp32 gradients, 10-20
 buckets in MODEL; its default is 40M parameters, one bucket here)."""
@@ -150,6 +159,10 @@ SETTINGS = {  # setting -> (--overlap-wgrad, --moe-pipeline-degree, --moe-bp-pip
     "batch_greedy": ("greedy", "1", "1", ("--grad-reduce-schedule", "megatron", *BATCH)),
     "batch_adaptive": ("greedy", "1", "1", ("--grad-reduce-schedule", "adaptive", *BATCH)),
     "batch_all": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive", *BATCH)),
+    # the defaults with the cost model choosing among them and batch-level overlap (--moe-overlap-choice auto)
+    "choice": ("greedy", "auto", "auto", ("--grad-reduce-schedule", "adaptive", *CHOICE)),
+    # megatron-core's MoE layer with the overlap it has here (DDP's bucketed reduction; ours are ignored for it)
+    "mcore": ("off", "1", "1", ("--grad-reduce-schedule", "megatron", "--overlap-grad-reduce", *MCORE)),
 }
 DEFAULT_SETTINGS = ("off", "greedy", "pipeline", "grad_overlap", "grad_small", "adaptive")
 FEATURES = (
@@ -186,6 +199,8 @@ CASE_SUFFIX = {
     "batch_greedy": "_batch_greedy",
     "batch_adaptive": "_batch_adaptive",
     "batch_all": "_batch_all",
+    "choice": "_choice",
+    "mcore": "_mcore",
 }
 MODEL = [
     "--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "6", "--seq-length", "256",
@@ -206,6 +221,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", nargs="+", default=list(DEFAULT_SETTINGS), choices=choices, help="overlap settings")
     p.add_argument(
         "--micro-batches", type=int, default=1, help="micro-batches per step and rank (batch-level overlap needs 2+)"
+    )
+    p.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        help="first train a starting checkpoint of this many steps (2x1 at WARM_LINK_GBIT, one micro-batch), from "
+        "which every case resumes: the router past its first steps (0: every case from its initial weights)",
+    )
+    p.add_argument(
+        "--warm-start-dir",
+        default=None,
+        help="where --warm-start's checkpoint is kept, reused when it holds one of that many steps (unset: a new "
+        "temporary directory)",
     )
     add_case_arguments(p)
     args = p.parse_args(argv)
@@ -365,6 +393,7 @@ def summarize(
         "overlap": overlap,
         "pipeline_degrees": histories[0][0].get("pipeline_degrees"),
         "operator_partition": (histories[0][0].get("startup") or {}).get("operator_partition"),
+        "overlap_choice": (histories[0][0].get("startup") or {}).get("overlap_choice"),
         "wgrad": _wgrad_figures(wgrad),
         "grad_reduce_floor_ms": _floor_ms(timed),
         "steps": len(histories[0]),
@@ -495,7 +524,8 @@ def run_case(
     flags = trainer_flags(layout, args.steps, data, [*(args.model or []), *(extra or [])], setting, micro_batches)
     profile_dir = getattr(args, "profile_dir", None)  # main() makes it; without it every job measures its own
     if profile_dir and "--moe-cost-profile" not in (args.model or []):  # measured once per layout and rate
-        dense = "_dense" if PARTITION_AUTO[0] in SETTINGS[setting][3] else ""  # the planner's lines too
+        planned = PARTITION_AUTO[0] in SETTINGS[setting][3] or CHOICE[0] in SETTINGS[setting][3]
+        dense = "_dense" if planned else ""  # the planners' lines too
         name = f"cost_profile_{layout}_{rate:g}gbit{dense}.json"
         flags += ["--moe-cost-profile", os.path.join(profile_dir, name)]
     return run_job(cluster, procs, ["-m", "tools.bench_step", "--worker", *flags])
@@ -585,6 +615,28 @@ def worker(flags: list[str]) -> None:
         write_result(history)
 
 
+WARM_LINK_GBIT = 10.0
+"""The starting checkpoint's link (`--warm-start`): fast enough that it costs its job nothing."""
+
+
+def warm_start(cluster: EmulatedCluster, args, data) -> list[str]:
+    """Train `--warm-start` steps on 2x1 with every overlap off and one micro-batch, saved at the end; the flags
+    that resume each case from it for `--steps` more (a 2x1 checkpoint loads at EP=4, resharded)."""
+    from megatron_moe.checkpointing.paths import TRACKER
+
+    checkpoint = args.warm_start_dir or os.path.join(args.profile_dir, "warm_start")
+    tracker = os.path.join(checkpoint, TRACKER)
+    if os.path.exists(tracker) and open(tracker).read().strip() == str(args.warm_start):
+        print(f"bench_step: starting checkpoint of {args.warm_start} steps reused from {checkpoint}", file=sys.stderr)
+    else:
+        warm = argparse.Namespace(**{**vars(args), "steps": args.warm_start, "micro_batches": 1})
+        started = time.perf_counter()
+        run_case(cluster, "2x1", WARM_LINK_GBIT, "off", warm, data, ["--save", checkpoint])
+        wall_s = time.perf_counter() - started
+        print(f"bench_step: starting checkpoint, {args.warm_start} steps in {wall_s:.0f} s", file=sys.stderr)
+    return ["--load", checkpoint, "--train-iters", str(args.warm_start + args.steps)]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -596,8 +648,10 @@ def main(argv=None) -> int:
     nodes = {cluster_of(layout)[0] for layout in args.cluster}
     histories: dict[tuple[str, float, str], list] = {}
     with EmulatedCluster(max(nodes), args.link_gbit[0]) as cluster:
+        resume = warm_start(cluster, args, data) if args.warm_start else []
         for layout, rate, policy in plan(args.cluster, args.link_gbit, args.rounds, args.overlap):
-            history = run_case(cluster, layout, rate, policy, args, data)
+            # megatron-core's layer cannot load our layer's checkpoint: it starts from its initial weights
+            history = run_case(cluster, layout, rate, policy, args, data, resume if policy != "mcore" else [])
             histories.setdefault((layout, rate, policy), []).append(history)
             steps = ", ".join(f"{h['step_ms']:.0f}" for h in history)
             print(f"bench_step: {layout} at {rate:g} Gbit/s, overlap {policy}: step ms {steps}", file=sys.stderr)

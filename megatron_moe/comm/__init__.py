@@ -3,7 +3,8 @@
     purpose-named call  ->  core.issue(Collective(kind, purpose, group, layer, ...), start)  ->  torch.distributed
 
 - moe.py: the MoE layer's all-to-alls, ESP all-gather / reduce-scatter and their planning exchanges.
-- training.py: loss and metric reductions, the agreements (exit, non-finite, start-up refusal, save failure), barriers.
+- training.py: loss and metric reductions, the agreements (exit, non-finite, start-up refusal, save failure, the
+  overlap choice's predictions), barriers.
 - profiling.py: the cost-model profiler's timed traffic and its agreement.
 Invariants (each kept by a test): `core.issue` is the only start of a torch.distributed collective in the package
 (test_comm_choke_point.py); every host read of device values in the step runs inside `core.host_read`
@@ -60,6 +61,7 @@ from megatron_moe.comm.timers import CommSummary, CommTimers
 from megatron_moe.comm.training import (
     agree_exit,
     agree_nonfinite,
+    agree_predictions,
     agree_save_failure,
     agree_startup_refusal,
     barrier,
@@ -86,6 +88,7 @@ __all__ = [
     "Monitor",
     "agree_capacity",
     "agree_exit",
+    "agree_predictions",
     "agree_nonfinite",
     "agree_save_failure",
     "agree_startup_refusal",

@@ -111,6 +111,16 @@ def agree_wgrad_profile(table: torch.Tensor, group=None) -> torch.Tensor:
     return table
 
 
+def agree_predictions(table: torch.Tensor) -> torch.Tensor:
+    """In place: each candidate's predicted step (`megatron_moe.overlap.choice`), the max over the world: the
+    pipeline runs at its slowest stage's pace, and every rank then makes the same choice. A single process: already
+    agreed."""
+    if is_distributed():
+        record = Collective("other", "agree_predictions", nbytes=nbytes(table))
+        issue(record, lambda: dist.all_reduce(table, op=dist.ReduceOp.MAX))
+    return table
+
+
 def count_parameters(counts: torch.Tensor) -> torch.Tensor:
     """In place: each rank's count of the parameters it holds first (`training.summary.parameter_counts`), summed
     over the world."""

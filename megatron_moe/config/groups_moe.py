@@ -118,6 +118,16 @@ class MoERunFlags:
         "Lancet's queue (--overlap-wgrad), which it needs on; only with --overlap-moe-expert-parallel-comm",
         applies=only.EXPERT_PARALLEL,
     )
+    moe_overlap_choice: str = arg(
+        "given",
+        "auto: the cost model (its profile with the dense lines) predicts the whole step for each setting of the "
+        "overlap features left at their defaults (batch-level overlap, Lancet's queue, the operator partition under "
+        "auto; the pipeline degrees as their solver chooses; the adaptive gradient partition by its own plan) and "
+        "turns on only those predicted to save 5%% of the step; the choice and its predicted step are logged at "
+        "start-up and in --overlap-report. given: every overlap flag as given",
+        choices=("given", "auto"),
+        applies=only.EXPERT_PARALLEL,
+    )
     overlap_wgrad_max_mb: float = arg(
         1024.0,
         "--overlap-wgrad: at most this many MiB held by queued weight-gradient inputs at once (0: no cap); "

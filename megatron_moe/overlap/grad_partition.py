@@ -66,6 +66,11 @@ class GradPartition:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def pays(self, min_gain: float) -> bool:
+        """Whether the plan's backward is predicted at least `min_gain` faster than megatron-core's reduction after
+        it (what --moe-overlap-choice auto keeps the partition for)."""
+        return self.predicted_ms["total"] <= self.predicted_ms["megatron"] * (1.0 - min_gain)
+
 
 def t_ar_ms(fits: ClusterFits, n: float) -> float:
     """The all-reduce of n bytes; 0 for none."""

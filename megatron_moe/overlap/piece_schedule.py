@@ -4,9 +4,10 @@ Legend: B = micro-batch size, k = pieces, p = piece index, r = a MoE layer's FSM
 Inputs: the cluster's fits, a `StageModel` (one pipeline stage: its layers, sizes, degrees, what Lancet defers),
 a range `first`..`last` and k. Outputs: `range_schedule` (the interleaved instructions on COMPUTE / LINK / PLAN),
 `simulate` (each instruction's start and end), `range_times` -> `RangeTimes` (P(i, n, k): forward, backward, link
-time, link time hidden). Invariant: an instruction starts at the latest of its dependencies' ends and the end of
-the previous instruction on its resource; a host read also holds the next compute instruction. The instruction
-lists per layer kind and the backward's dW pool: docs/internals/overlap.md ("The operator partition").
+time, link time hidden), `paired_times` (batch-level overlap: a forward beside another micro-batch's backward).
+Invariant: an instruction starts at the latest of its dependencies' ends and the end of the previous instruction
+on its resource; a host read also holds the next compute instruction. The instruction lists per layer kind and
+the backward's dW pool: docs/internals/overlap.md ("The operator partition").
 """
 
 from __future__ import annotations
@@ -297,9 +298,27 @@ def range_times(
     for direction in ("forward", "backward"):
         schedule, pool = range_schedule(fits, stage, first, last, pieces, direction, unchunked=unchunked)
         spans = simulate(schedule)
-        makespan = max((end for _, end in spans), default=0.0)
-        idle = makespan - math.fsum(i.ms for i in schedule if i.resource == COMPUTE)
-        out[direction] = makespan + max(0.0, pool - idle)
+        out[direction] = _makespan(schedule, pool, spans)
         a2a += math.fsum(i.ms for i in schedule if i.resource == LINK)
         hidden += overlap_ms(schedule, spans)
     return RangeTimes(forward=out["forward"], backward=out["backward"], a2a=a2a, hidden=hidden)
+
+
+def paired_times(fits: ClusterFits, stage: StageModel) -> tuple[float, float, float]:
+    """Batch-level overlap (moe/handover.py) on this stage: (one micro-batch's forward alone, its backward alone,
+    one micro-batch's forward beside another's backward), ms. The pair is the two whole micro-batches' stages
+    interleaved, forward first: the stages end where the MoE layer hands over (its dispatch and its combine in
+    flight, `MoELayer.stages`), which is where the executor switches between the two."""
+    span = range(len(stage.layers))
+    forward, _ = _piece(fits, stage, span, 1.0, "forward", unchunked=False)
+    backward, pool = _piece(fits, stage, span, 1.0, "backward", unchunked=False)
+    alone = [_makespan(interleave([(0, piece)]), extra) for piece, extra in ((forward, 0.0), (backward, pool))]
+    return alone[0], alone[1], _makespan(interleave([(0, forward), (1, backward)]), pool)
+
+
+def _makespan(schedule: Sequence[Instr], pool: float, spans: Sequence[tuple[float, float]] | None = None) -> float:
+    """The schedule's end plus the deferred dW the compute's idle time does not absorb."""
+    spans = simulate(schedule) if spans is None else spans
+    makespan = max((end for _, end in spans), default=0.0)
+    idle = makespan - math.fsum(i.ms for i in schedule if i.resource == COMPUTE)
+    return makespan + max(0.0, pool - idle)

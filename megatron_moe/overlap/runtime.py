@@ -37,6 +37,8 @@ class OverlapPlans:
     """setup.install_operator_partition's figures, one per model chunk that runs pieces or was planned."""
     grad_reduce: object | None = None
     """grad_partition.GradPartition of the adaptive schedule; None with megatron-core's buckets."""
+    choice: object | None = None
+    """choice.OverlapChoice (--moe-overlap-choice auto); None where the flags were taken as given."""
 
 
 class OverlapRuntime:

@@ -1,8 +1,9 @@
 """Pretraining: start-up, the model/optimizer set-up, the loop and its logging.
 
-`pretrain(cfg)` runs a job end to end. `_train`'s order: tokenizer, config, the `OverlapRuntime`, the model (the
-runtime attached once), the cluster's fits, the planners (their results put on the runtime), the optimizer, the
-checkpoint, the data, then the `Trainer` (given the runtime).
+`pretrain(cfg)` runs a job end to end. `_train`'s order: tokenizer, config, the cluster's fits, the overlap choice
+(`--moe-overlap-choice auto`: the run goes on with the chosen flags), the `OverlapRuntime`, the model (the runtime
+attached once), the planners (their results put on the runtime), the optimizer, the checkpoint, the data, then the
+`Trainer` (given the runtime).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron_moe.training.cost_profile import cluster_fits, log_profile
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
 from megatron_moe.training.loop import Trainer
+from megatron_moe.training.overlap_choice import choose_overlap
 from megatron_moe.training.preemption import StopSignals
 from megatron_moe.training.setup import (
     build_ddp_model,
@@ -103,9 +105,12 @@ def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
         return []
     fusions = run_fusions(cfg)
     config = transformer_config(cfg, fusions)
+    fits, source, profile = cluster_fits(cfg)
+    cfg, choice = choose_overlap(cfg, config, fits, source)  # the run goes on with the chosen flags
+    if choice is not None:
+        config = transformer_config(cfg, fusions)  # which set the model's (batch-level overlap: its schedules)
     overlap = build_overlap_runtime(cfg)
     model = build_ddp_model(cfg, config, tokenizer.vocab_size, overlap)
-    fits, source, profile = cluster_fits(cfg, model)
     overlap.grad_reduce = install_grad_reduce_plan(cfg, model, fits)
     partition_plan = overlap.grad_reduce.partition if overlap.grad_reduce else None
     schedules = resolve_pipeline_degrees(cfg, model, fits, source, partition_plan, quiet=profile is not None)
@@ -121,7 +126,9 @@ def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
     counts = parameter_counts(cfg, model)
     if dist.get_rank() == 0:
         log_startup_summary(cfg, counts, tokenizer, data.sizes, fusions)
-    overlap.plans = OverlapPlans(degrees=schedules or {}, partition=partition, grad_reduce=partition_plan)
+    overlap.plans = OverlapPlans(
+        degrees=schedules or {}, partition=partition, grad_reduce=partition_plan, choice=choice
+    )
     overlap.fits = link_fits(cfg, fits)
     overlap.on_started = profile.save if profile else None  # a launch that fails before leaves no profile
     startup = {
@@ -130,6 +137,7 @@ def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
         "tokenizer": tokenizer.description,
         "fusions": fusions.on(),
         "operator_partition": partition,
+        "overlap_choice": None if choice is None else {"on": sorted(choice.on), "steps_ms": choice.steps},
     }
     trainer = Trainer(
         cfg,

@@ -21,17 +21,17 @@ log = logging.getLogger(__name__)
 UNRELIABLE = "the cost profile is not to be trusted"
 
 
-def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str, Profile | None]:
+def cluster_fits(cfg: RunConfig) -> tuple[ClusterFits | None, str, Profile | None]:
     """The cost model's fits when a choice needs them (pipeline degrees auto, the adaptive gradient partition, the
-    shadows' or the operator partition's auto): `--moe-cost-profile`, else this cluster's file in
-    `--cost-profile-cache`, reused when its fingerprint is this run's, else measured on this run's EP / ESP / DP
-    groups. (fits, source for the log lines, the profile); fits None where nothing needs them (the profile None
-    too) or where a line they need is not to be trusted (`profile_cache.usable_fits`: the choices' defaults).
-    Every rank calls it (collective)."""
+    shadows' or the operator partition's auto, --moe-overlap-choice auto; before the model is built):
+    `--moe-cost-profile`, else this cluster's file in `--cost-profile-cache`, reused when its fingerprint is this
+    run's, else measured on this run's EP / ESP / DP groups. (fits, source for the log lines, the profile); fits
+    None where nothing needs them (the profile None too) or where a line they need is not to be trusted
+    (`profile_cache.usable_fits`: the choices' defaults). Every rank calls it (collective)."""
     moe = cfg.moe
     auto = AUTO in (moe.moe_pipeline_degree, moe.moe_bp_pipeline_degree, moe.moe_shadow_experts)
-    planned = partition_planned(cfg)
-    if not (moe.is_moe and moe.own_layer) or not (auto or adaptive_grad_reduce(cfg) or planned):
+    dense = partition_planned(cfg) or moe.moe_overlap_choice == AUTO  # the simulations need the dense lines
+    if not (moe.is_moe and moe.own_layer) or not (auto or adaptive_grad_reduce(cfg) or dense):
         return None, "no choice needs the cost model", None
     sizes = layer_sizes(cfg)
     if sizes.ep * sizes.esp == 1:
@@ -39,7 +39,7 @@ def cluster_fits(cfg: RunConfig, model) -> tuple[ClusterFits | None, str, Profil
     profile = obtain_profile(
         moe.moe_cost_profile,
         ProfileGroups.from_parallel_state(),
-        profile_settings(sizes, cfg, dense=planned),
+        profile_settings(sizes, cfg, dense=dense),
         cache_dir=None if moe.moe_cost_profile else moe.cost_profile_cache or default_cache_dir(),
         dtype=str(params_dtype(cfg)),
         remeasure=moe.cost_profile_remeasure,

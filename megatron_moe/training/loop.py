@@ -443,7 +443,7 @@ class Trainer:
                 if self.hidden_check and figures["comm"] is not None:
                     self.hidden_check.observe(figures["comm"])
                 if self.overlap_report and figures["comm"] is not None:
-                    if (report := self.overlap_report.observe(it, figures["comm"])) is not None:
+                    if (report := self.overlap_report.observe(it, figures["comm"], figures["step_ms"])) is not None:
                         history[-1]["overlap_report"] = report
                         log.info("%s", overlap_report_text(report))
                 if self.overlap.wgrad_report_due():

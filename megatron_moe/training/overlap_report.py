@@ -1,16 +1,17 @@
 """`--overlap-report`: what the overlap planners chose and predicted at start-up, beside what the communication
 timers measured once every plan is in force.
 
-Inputs: the start-up `OverlapPlans` (FSMoE's degrees, Lancet's operator partition, FSMoE's gradient partition)
-and each step's `CommSummary` from the job's `FIRST_STEP`-th for `STEPS` steps. Output: one report (`observe`,
-then `as_text`): per kind, per MoE layer, the partition and the gradient reduction, each prediction beside the
-measured figure of the same thing. Figures are the logging rank's (the only one timed). What each figure
-compares: docs/internals/overlap.md ("The overlap report").
+Inputs: the start-up `OverlapPlans` (FSMoE's degrees, Lancet's operator partition, FSMoE's gradient partition,
+the overlap choice) and each step's `CommSummary` and time from the job's `FIRST_STEP`-th for `STEPS` steps.
+Output: one report (`observe`, then `as_text`): per kind, per MoE layer, the partition, the gradient reduction
+and the overlap choice's step, each prediction beside the measured figure of the same thing. Figures are the
+logging rank's (the only one timed). What each figure compares: docs/internals/overlap.md ("The overlap report").
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 
 from megatron_moe.comm.timers import SUMMARY_KINDS, CommSummary, hidden_share
 from megatron_moe.overlap.runtime import OverlapPlans
@@ -38,15 +39,18 @@ class OverlapReport:
         self._kinds = {figure: dict.fromkeys(SUMMARY_KINDS, 0.0) for figure in KIND_FIGURES}
         self._layers: dict[int, dict[str, float]] = {}
         self._steps = 0
+        self._step_ms: list[float] = []
         self.done = False
 
-    def observe(self, iteration: int, summary: CommSummary) -> dict | None:
-        """Add the job's next step's summary (`iteration`: its global number, for the report); the report (`as_text`
-        renders it) after the window's last step."""
+    def observe(self, iteration: int, summary: CommSummary, step_ms: float | None = None) -> dict | None:
+        """Add the job's next step's summary and time (`iteration`: its global number, for the report); the report
+        (`as_text` renders it) after the window's last step."""
         self._job_step += 1
         if self.done or self._job_step < self.first:
             return None
         self._steps += 1
+        if step_ms is not None:
+            self._step_ms.append(step_ms)
         for figure, sums in self._kinds.items():
             for kind in SUMMARY_KINDS:
                 sums[kind] += getattr(summary, figure).get(kind, 0.0)
@@ -87,6 +91,13 @@ class OverlapReport:
             "layers": layers,
             "partition": [self._partition(chunk, layers) for chunk in plans.partition],
         }
+        if (choice := plans.choice) is not None:
+            report["choice"] = {
+                "on": sorted(choice.on),
+                "predicted_step_ms": choice.predicted_ms,
+                "predicted_none_ms": choice.none_ms,
+                "step_ms": statistics.median(self._step_ms) if self._step_ms else None,
+            }
         if plans.grad_reduce is not None:
             report["grad_reduce"] = {
                 "predicted_exposed_ms": plans.grad_reduce.predicted_ms["tail"],
@@ -148,6 +159,12 @@ def as_text(report: dict) -> str:
         lines.append(
             f"  operator partition, layers {chunk['layers'][0]}-{chunk['layers'][1]} ({ranges} pieces): "
             f"all-to-all ms hidden a micro-batch: {compared}"
+        )
+    if (choice := report.get("choice")) is not None:
+        measured = "not timed" if choice["step_ms"] is None else f"measured {choice['step_ms']:.1f} (median)"
+        lines.append(
+            f"  overlap choice: {', '.join(choice['on']) or 'none'} on; step predicted "
+            f"{choice['predicted_step_ms']:.1f} (with none: {choice['predicted_none_ms']:.1f}), {measured}"
         )
     if (grad := report.get("grad_reduce")) is not None:
         lines.append(

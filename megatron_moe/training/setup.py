@@ -29,7 +29,15 @@ from megatron_moe.model.partition import install_partition
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.metrics import moe_layer_modules
 from megatron_moe.moe.shadow import ShadowCosts
-from megatron_moe.overlap.cost_model import FIT_KINDS, ClusterFits, LayerSizes, LinearFit, Schedule, fit_linear
+from megatron_moe.overlap.cost_model import (
+    FIT_KINDS,
+    MIN_GAIN,
+    ClusterFits,
+    LayerSizes,
+    LinearFit,
+    Schedule,
+    fit_linear,
+)
 from megatron_moe.overlap.degrees import experts_defer_wgrad, layer_sizes, olp_dense_ms, plan_degrees
 from megatron_moe.overlap.grad_partition import GradPartition, t_ar_ms
 from megatron_moe.overlap.grad_partition import partition as grad_partition
@@ -389,6 +397,15 @@ def install_grad_reduce_plan(cfg: RunConfig, model, fits: ClusterFits | None) ->
     dense = olp_dense_ms(cfg, fits)
     generalized = [dataclasses.replace(g, t_olp_dense_ms=dense[g.layer]) for g in generalized]
     partition = grad_partition(fits, generalized, tail, dw_in_backward=not experts_defer_wgrad(cfg))
+    predicted = partition.predicted_ms
+    if cfg.moe.moe_overlap_choice == AUTO and not partition.pays(MIN_GAIN):
+        if dist.get_rank() == 0:  # the choice leaves off what it predicts to lose (the same plan on every rank)
+            log.info(
+                "gradient reduction: megatron-core's buckets (overlap choice: the adaptive partition's backward "
+                "predicted %.2f ms against %.2f, under %.0f%% saved)",
+                predicted["total"], predicted["megatron"], 100 * MIN_GAIN,
+            )  # fmt: skip
+        return None
     launch = assign_layers(ddp, partition, cfg.model.num_layers, reduced_params(ddp))
     launcher = GradReduceLauncher(partition=partition)
     groups = regroup(ddp, launch, launcher, cfg.model.num_layers)["groups"]

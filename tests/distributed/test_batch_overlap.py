@@ -7,6 +7,8 @@ pipeline at 2 x 2 and Lancet's greedy queue, trains 3 steps from the same seed w
 figure of the step log (lm loss, the router's losses and loads, grad norm, params norm) is bit-identical step by
 step (each micro-batch's arithmetic is the same, and the gradients accumulate in the same order). The pairing
 happened: forward-backward pairs ran, and forward stages ran under backward all-to-alls (none without the flag).
+--moe-overlap-choice auto chooses by the profile's link (a slow one: batch-level overlap and Lancet's queue; a free
+one: neither), and its run is the run of the chosen flags typed.
 """
 
 import pytest
@@ -47,3 +49,22 @@ def test_a_checkpoint_saved_under_the_one_chunk_schedule_resumes_to_the_same_ste
     differ = {key: (resumed[0].get(key), uninterrupted.get(key)) for key in {*resumed[0], *uninterrupted}
               if resumed[0].get(key) != uninterrupted.get(key)}  # fmt: skip
     assert not differ
+
+
+@pytest.mark.parametrize("link", ["slow", "free"])
+def test_the_cost_model_chooses_and_the_run_is_the_chosen_flags_typed(runs, link):
+    """--moe-overlap-choice auto at EP=2, 2 micro-batches: on a slow link batch-level overlap is predicted to save
+    more than 5% and runs; on a free one nothing is predicted to gain, so nothing runs (the demo's case). Either way
+    the run is the run of the chosen flags typed, figure for figure, and the chosen overlap ran (pairs)."""
+    auto, typed = runs[f"choice/{link}/auto"]["history"], runs[f"choice/{link}/typed"]["history"]
+    choice = auto[0]["startup"]["overlap_choice"]
+    steps = choice["steps_ms"]
+    assert {"none", "batch", "wgrad", "pipeline", "batch+wgrad+pipeline"} <= set(steps) and len(steps) == 8
+    counts = runs[f"choice/{link}/auto"]["counts"]
+    if link == "slow":
+        assert "batch" in choice["on"] and steps["batch"] < 0.95 * steps["none"], choice
+        assert counts["paired"] > 0 and counts["under"] >= 2 * counts["paired"], counts  # the chosen overlap ran
+    else:
+        assert choice["on"] == [] and max(steps.values()) == pytest.approx(min(steps.values())), choice
+        assert counts == {"paired": 0, "under": 0}
+    assert computed(auto) == computed(typed) and len(computed(auto)) == 3

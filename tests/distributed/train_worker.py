@@ -57,6 +57,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 
 import torch.distributed as dist
@@ -438,7 +439,7 @@ PIPELINE = {
 }
 
 
-def degrees(forward: int, backward: int) -> list[str]:
+def degrees(forward: int | str, backward: int | str) -> list[str]:
     return ["--moe-pipeline-degree", str(forward), "--moe-bp-pipeline-degree", str(backward)]
 
 
@@ -534,16 +535,16 @@ GRAD_REDUCE = {
 }
 
 
-def slow_link_profile(path: str) -> None:
-    """Replace the measured all-reduce line of the profile at `path` by a slow link's (0.05 ms + 0.4 GB/s). On
-    loopback an all-reduce's start-up dwarfs its bytes, and the plan rightly keeps every byte for one reduction
-    after backward: it would launch nothing from the MoE layers, and the runs would not test the launching."""
+def slow_link_profile(path: str, kind: str = "ar", alpha: float = 0.05, beta: float = 2.5e-6) -> None:
+    """Replace the measured `kind` line of the profile at `path` (by default the all-reduce's, by a slow link's:
+    0.05 ms + 0.4 GB/s). On loopback an all-reduce's start-up dwarfs its bytes, and the plan rightly keeps every
+    byte for one reduction after backward: it would launch nothing from the MoE layers, and the runs would not test
+    the launching."""
     from megatron_moe.overlap.cost_model import ClusterFits, LinearFit
 
     if dist.get_rank() == 0:
         fits = ClusterFits.load(path)
-        slow = LinearFit(alpha=0.05, beta=2.5e-6)
-        dataclasses.replace(fits, fits={**fits.fits, "ar": slow}).save(path)
+        dataclasses.replace(fits, fits={**fits.fits, kind: LinearFit(alpha=alpha, beta=beta)}).save(path)
     dist.barrier()
 
 
@@ -603,6 +604,39 @@ def batch_overlap() -> dict:
     pp2 = [*BATCH["pp2_ep2"], BATCH_FLAG, "--train-iters", "3"]
     train(*pp2, "--exit-interval", "2", "--save", ckpt("batch_pp2"))
     results["pp2_ep2/resumed"] = {"history": train(*pp2, "--load", ckpt("batch_pp2"))}
+    return results | overlap_choice()
+
+
+CHOICE = ["--expert-model-parallel-size", "2", "--global-batch-size", "16", "--grad-reduce-schedule", "megatron"]
+CHOICE_AUTO = ["--moe-overlap-choice", "auto", *degrees("auto", "auto")]
+CHOICE_LINKS = {"slow": (0.5, 1e-4), "free": (0.0, 0.0)}
+"""The all-to-all line of the overlap choice's profile: a slow link (0.5 ms + 10 MB/s: the pair hides much of
+it) and a free one (nothing to hide: every feature is predicted to gain nothing)."""
+
+
+def overlap_choice() -> dict:
+    """--moe-overlap-choice auto at EP=2 with 2 micro-batches a step, on a measured profile (its dense lines too)
+    whose all-to-all line is each of CHOICE_LINKS': the choice's run, and the run of the flags it chose typed (per
+    run its history and pairings, `moe.handover.COUNTS`; the chosen run's start-up figures carry the choice)."""
+    from megatron_moe.moe import handover
+
+    results = {}
+    measured = os.path.join(WORKDIR, "choice.json")  # measured once, its all-to-all line set per link
+    train("--train-iters", "0", *CHOICE, "--moe-cost-profile", measured, *TRUSTED_PROFILE, *CHOICE_AUTO)
+    for link, (alpha, beta) in CHOICE_LINKS.items():
+        path = os.path.join(WORKDIR, f"choice_{link}.json")
+        profile = ["--moe-cost-profile", path, *TRUSTED_PROFILE]
+        if dist.get_rank() == 0:
+            shutil.copyfile(measured, path)
+        slow_link_profile(path, "a2a", alpha, beta)  # its barrier: the copy is there for every rank
+        before = dict(handover.COUNTS)
+        chosen = train("--train-iters", "3", *CHOICE, *profile, *CHOICE_AUTO)
+        counts = {key: handover.COUNTS[key] - before[key] for key in before}
+        on = chosen[0]["startup"]["overlap_choice"]["on"]
+        typed = [*([BATCH_FLAG] if "batch" in on else []), "--overlap-wgrad", "greedy" if "wgrad" in on else "off"]
+        typed += degrees("auto", "auto") if "pipeline" in on else []  # else the launcher's 1 / 1
+        results[f"choice/{link}/auto"] = {"history": chosen, "counts": counts}
+        results[f"choice/{link}/typed"] = {"history": train("--train-iters", "3", *CHOICE, *profile, *typed)}
     return results
 
 

@@ -111,3 +111,15 @@ def test_planned_and_when_ready_groups_are_ordered_as_backward_reaches_them():
     keys = [(None, 0), (1, None), (None, 1), (None, 5), (3, None), (None, 3), (None, 4), (2, None)]
     order = _backward_order(dict.fromkeys(keys))
     assert order == [(None, 5), (None, 4), (3, None), (None, 3), (2, None), (1, None), (None, 1), (None, 0)]
+
+
+def test_the_plan_pays_only_where_it_saves_the_share_asked():
+    """--moe-overlap-choice auto keeps the adaptive partition only where its backward beats megatron-core's by 5%."""
+    from megatron_moe.overlap.grad_partition import GradPartition
+
+    def plan(total: float) -> GradPartition:
+        return GradPartition(first={}, assigned={}, tail_bytes=0.0, olp_ms={},
+                             predicted_ms={"total": total, "megatron": 100.0})  # fmt: skip
+
+    assert plan(95.0).pays(0.05) and plan(60.0).pays(0.05)
+    assert not plan(95.1).pays(0.05) and not plan(101.0).pays(0.05)

@@ -116,3 +116,18 @@ def test_a_resumed_job_reports_its_own_steps_3_to_12():
     out = {i: report.observe(i, step(10.0, 2.0, 20.0, 6.0)) for i in range(101, 121)}
     assert [i for i, r in out.items() if r is not None] == [112]
     assert out[112]["iterations"] == [103, 112]
+
+
+def test_the_overlap_choice_is_reported_beside_the_measured_step():
+    """--moe-overlap-choice auto: the chosen features and their predicted step beside the window's median step."""
+    from megatron_moe.overlap.choice import OverlapChoice
+
+    choice = OverlapChoice(open=("batch", "wgrad"), on=frozenset({"batch"}), steps={"none": 120.0, "batch": 90.0,
+                           "wgrad": 118.0, "batch+wgrad": 89.0})  # fmt: skip
+    report = OverlapReport(OverlapPlans(choice=choice), job_steps=100, micro_batches=2)
+    out = None
+    for it, ms in enumerate([500.0, 500.0, 100.0, 300.0, 110.0, 105.0, 95.0, 100.0, 102.0, 98.0, 101.0, 99.0], 1):
+        out = report.observe(it, step(10.0, 5.0, 0.0, 0.0), ms) or out
+    assert out["choice"] == {"on": ["batch"], "predicted_step_ms": 90.0, "predicted_none_ms": 120.0,
+                             "step_ms": 100.5}  # fmt: skip
+    assert "overlap choice: batch on; step predicted 90.0 (with none: 120.0), measured 100.5 (median)" in as_text(out)
