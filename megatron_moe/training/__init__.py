@@ -24,6 +24,7 @@ from megatron_moe.data.tokenizer import build_tokenizer
 from megatron_moe.failure import ONCE, exit_now
 from megatron_moe.model import run_fusions, transformer_config
 from megatron_moe.overlap.runtime import OverlapPlans
+from megatron_moe.platform.rng import get_rng_states, set_rng_states
 from megatron_moe.training.cost_profile import cluster_fits, log_profile
 from megatron_moe.training.data import build_run_data
 from megatron_moe.training.initialize import initialize, shutdown, start_watchdog
@@ -105,7 +106,9 @@ def _train(cfg: RunConfig, watchdog, signals: StopSignals) -> list[dict]:
         return []
     fusions = run_fusions(cfg)
     config = transformer_config(cfg, fusions)
+    rng = get_rng_states()  # the profile's micro-benchmarks draw: the model's weights must not depend on them
     fits, source, profile = cluster_fits(cfg)
+    set_rng_states(rng)
     cfg, choice = choose_overlap(cfg, config, fits, source)  # the run goes on with the chosen flags
     if choice is not None:
         config = transformer_config(cfg, fusions)  # which set the model's (batch-level overlap: its schedules)
