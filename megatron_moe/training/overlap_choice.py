@@ -129,7 +129,8 @@ def choose_overlap(
         stages = [stage_model(trial, chunk, solved) for chunk in layers]
         times = stage_times(fits, stages, candidate, partitioned)
         steps.append(predicted_step_ms(times, micro_batches, pp))
-    agreed = comm.agree_predictions(torch.tensor(steps, dtype=torch.float64)).tolist()
+    with comm.host_read("overlap choice"):
+        agreed = comm.agree_predictions(torch.tensor(steps, dtype=torch.float64)).tolist()
     table = {candidate.label(): ms for candidate, ms in zip(tried, agreed)}
     on = decide(features, table)
     choice = OverlapChoice(open=features, on=on, steps=table, fixed=fixed, degrees=schedules)
