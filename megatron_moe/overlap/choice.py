@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from megatron_moe.overlap.cost_model import MIN_GAIN, ClusterFits, Schedule
+from megatron_moe.overlap.cost_model import MIN_GAIN, ClusterFits
 from megatron_moe.overlap.piece_schedule import StageModel, paired_times
 
 FEATURES = ("batch", "wgrad", "pipeline", "partition")
@@ -97,7 +97,6 @@ class OverlapChoice:
     """Candidate label -> predicted step ms."""
     fixed: dict[str, str] = dataclasses.field(default_factory=dict)
     """Feature -> why the choice left it as given."""
-    degrees: dict[int, Schedule] = dataclasses.field(default_factory=dict)
 
     @property
     def predicted_ms(self) -> float:

@@ -133,7 +133,7 @@ def choose_overlap(
         agreed = comm.agree_predictions(torch.tensor(steps, dtype=torch.float64)).tolist()
     table = {candidate.label(): ms for candidate, ms in zip(tried, agreed)}
     on = decide(features, table)
-    choice = OverlapChoice(open=features, on=on, steps=table, fixed=fixed, degrees=schedules)
+    choice = OverlapChoice(open=features, on=on, steps=table, fixed=fixed)
     if dist.get_rank() == 0:
         log.info("overlap choice (cost model, profile %s): %s", source, choice.text())
     return with_features(cfg, features, on), choice
