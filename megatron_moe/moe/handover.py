@@ -90,6 +90,7 @@ class Coroutine:
         except BaseException as error:  # raised in the caller by the resume() that ran into it
             self._error = error
         finally:
+            self._fn = None  # its closure (the step's model and data) is not this coroutine's to keep
             with self._turn:
                 self.done, self._its_turn = True, False
                 self._turn.notify_all()
@@ -112,6 +113,7 @@ class _Worker:
         while True:
             coroutine, grad = self._started.get()
             coroutine._run(grad)
+            del coroutine  # held until the next one arrives, its forward's model would outlive its run, groups too
 
 
 _WORKER: _Worker | None = None
@@ -158,7 +160,8 @@ def run_paired(forward: Callable, backward: Callable) -> tuple:
         _PAIRED = None
         while paired.resume():
             pass
-        return paired.result, gradients
+        result, paired.result = paired.result, None  # the coroutine thread may still hold `paired` a moment
+        return result, gradients
     finally:
         _PAIRED = None
         paired.close()

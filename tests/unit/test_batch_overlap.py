@@ -2,7 +2,9 @@
 with another's backward, the order in which their stages run, and the flag pass's rules. The equivalence of whole
 runs (EP=2, EP=4, TP=2+SP+EP=2, PP=2+EP=2, PP=2 x VPP=2 + EP=2): tests/distributed/test_batch_overlap.py."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -143,6 +145,30 @@ def test_a_failed_backward_ends_the_paired_forward():
     with pytest.raises(RuntimeError, match="backward failed"):
         run_paired(forward, backward)
     assert ended.is_set() and handover._PAIRED is None
+
+
+def test_a_finished_pair_keeps_nothing_of_its_forward_alive():
+    """The coroutine thread outlives its coroutines: what a forward's closure and result hold (the step's model, with
+    its process groups and their transport threads) must be freed when the caller lets go of them. It was not: the
+    thread held its last coroutine, and a 4-rank job kept 179 destroyed gloo groups (537 threads) per rank alive,
+    their TCP loops polling, which made each later part up to 3x slower."""
+
+    class Model:
+        pass
+
+    held = {"model": Model()}
+    alive = weakref.ref(held["model"])
+
+    def forward():
+        at_yield()
+        return [held["model"]]
+
+    result, _ = run_paired(forward, lambda: under_backward_comm())
+    assert result == [alive()]
+    held.clear()
+    del forward, result
+    gc.collect()
+    assert alive() is None
 
 
 # ------------------------------------------------------------------------------------------------ the flag pass
