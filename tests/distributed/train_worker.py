@@ -609,9 +609,10 @@ def batch_overlap() -> dict:
 
 CHOICE = ["--expert-model-parallel-size", "2", "--global-batch-size", "16", "--grad-reduce-schedule", "megatron"]
 CHOICE_AUTO = ["--moe-overlap-choice", "auto", *degrees("auto", "auto")]
-CHOICE_LINKS = {"slow": (0.5, 1e-4), "free": (0.0, 0.0)}
-"""The all-to-all line of the overlap choice's profile: a slow link (0.5 ms + 10 MB/s: the pair hides much of
-it) and a free one (nothing to hide: every feature is predicted to gain nothing)."""
+CHOICE_LINKS = {"slow": ({"a2a"}, 0.5, 1e-4), "free": ({"a2a", "ag", "rs", "ar"}, 0.0, 0.0)}
+"""The lines set in the overlap choice's profile, to alpha and beta: a slow all-to-all (0.5 ms + 10 MB/s: the
+pair hides much of it), or every collective free (nothing to hide: every feature is predicted to gain nothing; a
+measured loopback line left in can predict a gain, as CI's all-reduce did for Lancet's queue)."""
 
 
 def overlap_choice() -> dict:
@@ -623,12 +624,13 @@ def overlap_choice() -> dict:
     results = {}
     measured = os.path.join(WORKDIR, "choice.json")  # measured once, its all-to-all line set per link
     train("--train-iters", "0", *CHOICE, "--moe-cost-profile", measured, *TRUSTED_PROFILE, *CHOICE_AUTO)
-    for link, (alpha, beta) in CHOICE_LINKS.items():
+    for link, (kinds, alpha, beta) in CHOICE_LINKS.items():
         path = os.path.join(WORKDIR, f"choice_{link}.json")
         profile = ["--moe-cost-profile", path, *TRUSTED_PROFILE]
         if dist.get_rank() == 0:
             shutil.copyfile(measured, path)
-        slow_link_profile(path, "a2a", alpha, beta)  # its barrier: the copy is there for every rank
+        for kind in sorted(kinds):
+            slow_link_profile(path, kind, alpha, beta)  # its barrier: the copy is there for every rank
         before = dict(handover.COUNTS)
         chosen = train("--train-iters", "3", *CHOICE, *profile, *CHOICE_AUTO)
         counts = {key: handover.COUNTS[key] - before[key] for key in before}
