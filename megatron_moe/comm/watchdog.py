@@ -161,7 +161,8 @@ class Watchdog:
         self._beats: dict[int, dict] = {}
         self._news: dict[int, float] = {}  # rank -> when a new heartbeat of it was last read (`clock`)
         self._completed: dict[int, float] = {}  # rank -> when a collective with it last completed here (`clock`)
-        self._store_down_since: float | None = None  # time.monotonic() of this outage's first failed store call
+        self._store_down: dict[str, float] = {}  # store call ("publish", "read") -> time.monotonic() of its outage's
+        # first failure: per call, so a store that reads but does not take writes is one outage, not one a round
         self._step = 0
         self._counter = 0
         self._last_check: float | None = None
@@ -290,24 +291,29 @@ class Watchdog:
             seq = {",".join(map(str, ranks)): n for ranks, n in self._seq.items()}
         blocked = next((self._name(b) for b in waiting if b.since is not None), None)
         beat = {"n": self._counter, "time": time.time(), "step": self._step, "seq": seq, "blocked": blocked}
-        self._with_store(lambda: self._store.publish(self.rank, beat))
+        self._with_store("publish", lambda: self._store.publish(self.rank, beat))
 
-    def _with_store(self, call) -> bool:
-        """Run a store call; a failure (a slow link's timeout, the store's host gone) is one line per outage and
-        leaves the heartbeats on: the next round reconnects. False: the store did not answer."""
+    def _with_store(self, what: str, call) -> bool:
+        """Run the store call `what`; a failure (a slow link's timeout, the store's host gone) is one line per
+        outage of that call and leaves the heartbeats on: the next round reconnects. False: it did not answer."""
         try:
             call()
         except Exception as error:
-            if self._store_down_since is None:
-                self._store_down_since = time.monotonic()
+            if not self._store_down:
                 first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 log.warning("rank %d: watchdog: heartbeat store not answering (%s); retrying", self.rank, first)
+            self._store_down.setdefault(what, time.monotonic())
             return False
-        if self._store_down_since is not None:
-            away = time.monotonic() - self._store_down_since
+        since = self._store_down.pop(what, None)
+        if since is not None and not self._store_down:
+            away = time.monotonic() - since
             log.warning("rank %d: watchdog: heartbeat store answering again after %.0f s", self.rank, away)
-            self._store_down_since = None
         return True
+
+    @property
+    def _store_down_since(self) -> float | None:
+        """time.monotonic() of the current outage's first failed store call; None while every call answers."""
+        return min(self._store_down.values(), default=None)
 
     def _peers_of(self, blocked: _Blocked | _Reading) -> list[int]:
         if isinstance(blocked, _Blocked):
@@ -333,7 +339,7 @@ class Watchdog:
         if self._store is None:
             return
         read: dict[int, dict] = {}
-        if not self._with_store(lambda: read.update(self._store.read([r for r in ranks if r != self.rank]))):
+        if not self._with_store("read", lambda: read.update(self._store.read([r for r in ranks if r != self.rank]))):
             return
         now = self._clock()
         for rank, beat in read.items():

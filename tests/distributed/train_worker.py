@@ -609,10 +609,13 @@ def batch_overlap() -> dict:
 
 CHOICE = ["--expert-model-parallel-size", "2", "--global-batch-size", "16", "--grad-reduce-schedule", "megatron"]
 CHOICE_AUTO = ["--moe-overlap-choice", "auto", *degrees("auto", "auto")]
-CHOICE_LINKS = {"slow": ({"a2a"}, 0.5, 1e-4), "free": ({"a2a", "ag", "rs", "ar"}, 0.0, 0.0)}
+CHOICE_FREE = {"a2a", "ag", "rs", "ar", "chunk", "chunk_bwd", "unchunked", "unchunked_bwd"}
+CHOICE_LINKS = {"slow": ({"a2a"}, 0.5, 1e-4), "free": (CHOICE_FREE, 0.0, 0.0)}
 """The lines set in the overlap choice's profile, to alpha and beta: a slow all-to-all (0.5 ms + 10 MB/s: the
-pair hides much of it), or every collective free (nothing to hide: every feature is predicted to gain nothing; a
-measured loopback line left in can predict a gain, as CI's all-reduce did for Lancet's queue)."""
+pair hides much of it), or every collective and the pipeline's overhead free (nothing to hide: every feature is
+predicted to gain nothing). A measured line left in can predict a gain: CI's all-reduce did for Lancet's queue, and
+the overhead lines, the measured time beyond the model fitted against the measured all-to-all line, did for the
+pipeline (r = 1's larger than r = 2's once the all-to-all they were fitted against is gone)."""
 
 
 def overlap_choice() -> dict:
