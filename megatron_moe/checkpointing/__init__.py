@@ -11,13 +11,42 @@ The save sequence and the per-chunk keys: docs/internals/checkpointing.md.
 `paths.py` (the pointer, which checkpoint to load), `state.py` (what a checkpoint holds), `save.py`, `load.py`;
 `integrity.py` (checksums, disk space), `lock.py` (one job per `--save`), `hf_families.py` / `hf_tensors.py` /
 `hf_convert.py` (HuggingFace Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
+Loaded on first use (PEP 562): `hf_families` (reading an HF config.json) imports without torch and megatron-core,
+so `import-hf` refuses a bad config.json before they load.
 """
 
-from megatron_moe.checkpointing import integrity
-from megatron_moe.checkpointing.load import check_compatible, load_checkpoint, load_model_state
-from megatron_moe.checkpointing.paths import TRACKER, check_save_dir, latest_checkpoint, publish, resolve_load_dir
-from megatron_moe.checkpointing.save import SAVE_PAUSE_ENV, save_checkpoint
-from megatron_moe.checkpointing.state import TrainState
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_moe.checkpointing import integrity
+    from megatron_moe.checkpointing.load import check_compatible, load_checkpoint, load_model_state
+    from megatron_moe.checkpointing.paths import TRACKER, check_save_dir, latest_checkpoint, publish, resolve_load_dir
+    from megatron_moe.checkpointing.save import SAVE_PAUSE_ENV, save_checkpoint
+    from megatron_moe.checkpointing.state import TrainState
+
+_LAZY = {
+    "check_compatible": "load",
+    "load_checkpoint": "load",
+    "load_model_state": "load",
+    "TRACKER": "paths",
+    "check_save_dir": "paths",
+    "latest_checkpoint": "paths",
+    "publish": "paths",
+    "resolve_load_dir": "paths",
+    "SAVE_PAUSE_ENV": "save",
+    "save_checkpoint": "save",
+    "TrainState": "state",
+}
+
+
+def __getattr__(name: str):
+    if name == "integrity":
+        return importlib.import_module("megatron_moe.checkpointing.integrity")
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"megatron_moe.checkpointing.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "SAVE_PAUSE_ENV",

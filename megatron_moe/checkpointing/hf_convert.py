@@ -19,6 +19,7 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megatron_moe.checkpointing import TrainState, hf_families, hf_tensors
+from megatron_moe.checkpointing.hf_families import HF_DIRECTORY, read_hf_config
 from megatron_moe.checkpointing.hf_tokenizer import tokenizer_flags_of, write_hf_tokenizer
 from megatron_moe.config import ConfigError, DataConfig, RunConfig, parse_args
 from megatron_moe.data.tokenizer import build_tokenizer
@@ -170,42 +171,6 @@ def read_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
     for name in files:
         tensors.update(load_file(os.path.join(hf_dir, name)))
     return tensors
-
-
-HF_DIRECTORY = (
-    f"an HF model directory of model_type {hf_families.MODEL_TYPES} (config.json, *.safetensors, tokenizer.model or "
-    "tokenizer.json)"
-)
-
-
-def read_hf_config(hf_dir: str) -> dict:
-    """`hf_dir`'s config.json, refused in one line (the file, what is wrong, what is valid) unless it describes an
-    HF model of one of the families whose architecture flags can be read."""
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isdir(hf_dir):
-        raise ConfigError(f"--load={hf_dir}: no such directory; give {HF_DIRECTORY}")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--load={hf_dir}: no config.json there; give {HF_DIRECTORY}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        where = f"line {error.lineno} column {error.colno}: {error.msg}" if hasattr(error, "lineno") else str(error)
-        raise ConfigError(
-            f"--load={hf_dir}: {path} is not valid JSON ({where}); give the config.json of an HF model"
-        ) from None
-    if not isinstance(config, dict) or config.get("model_type") not in hf_families.FAMILIES:
-        found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
-        raise ConfigError(f"--load={hf_dir}: {path} has model_type={found!r}; these import: {hf_families.MODEL_TYPES}")
-    family = hf_families.FAMILIES[config["model_type"]].name
-    try:
-        hf_families.run_flags_from_hf(config)
-    except KeyError as error:
-        missing = f"--load={hf_dir}: {path} lacks {error}"
-        raise ConfigError(f"{missing}; give the config.json of an HF {family} model") from None
-    except ConfigError as error:
-        raise ConfigError(f"--load={hf_dir}: {path}: {error}") from None
-    return config
 
 
 def import_hf(

@@ -5,12 +5,14 @@ requires of a run's flags (`_requirements`) and its config.json both ways (`hf_c
 tensor names are `hf_tensors.py`'s. `family_of(cfg)` is the family a run's structure points to (MLA: DeepSeek;
 query/key norms: Qwen3; a gated shared expert or QKV bias: Qwen2; else Mixtral), and `incompatibilities(cfg)` what
 of the run that family cannot express (empty: it exports). `run_flags_from_hf` refuses, naming the field, what of
-an HF config no flag here expresses.
+an HF config no flag here expresses; `read_hf_config` reads and checks a directory's config.json (without torch).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 from megatron_moe.config import ConfigError, RunConfig
 
@@ -411,3 +413,38 @@ def _rope_flags(rope: dict, f: Family) -> list[str]:
 def _unsupported(what: str, why: str) -> ConfigError:
     """A config.json field no flag here expresses (`read_hf_config` names the file)."""
     return ConfigError(f"{what}: not supported ({why})")
+
+
+HF_DIRECTORY = (
+    f"an HF model directory of model_type {MODEL_TYPES} (config.json, *.safetensors, tokenizer.model or tokenizer.json)"
+)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """`hf_dir`'s config.json, refused in one line (the file, what is wrong, what is valid) unless it describes an
+    HF model of one of the families whose architecture flags can be read."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"--load={hf_dir}: no such directory; give {HF_DIRECTORY}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--load={hf_dir}: no config.json there; give {HF_DIRECTORY}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        where = f"line {error.lineno} column {error.colno}: {error.msg}" if hasattr(error, "lineno") else str(error)
+        raise ConfigError(
+            f"--load={hf_dir}: {path} is not valid JSON ({where}); give the config.json of an HF model"
+        ) from None
+    if not isinstance(config, dict) or config.get("model_type") not in FAMILIES:
+        found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
+        raise ConfigError(f"--load={hf_dir}: {path} has model_type={found!r}; these import: {MODEL_TYPES}")
+    family = FAMILIES[config["model_type"]].name
+    try:
+        run_flags_from_hf(config)
+    except KeyError as error:
+        missing = f"--load={hf_dir}: {path} lacks {error}"
+        raise ConfigError(f"{missing}; give the config.json of an HF {family} model") from None
+    except ConfigError as error:
+        raise ConfigError(f"--load={hf_dir}: {path}: {error}") from None
+    return config

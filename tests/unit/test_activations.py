@@ -71,12 +71,24 @@ def test_arctic_quantized_gradients_close_and_fewer_bytes(megatron_world1, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_round_trip(fmt):
-    x = torch.randn(300, 70) * torch.linspace(0.01, 10, 70)
+    """int8: each element within half a step of its group's scale (its group's largest magnitude / 127), the group
+    a row, or a block of 64 of the flattened tensor (before: within 1% of its row's largest, which a block
+    straddling into a larger row can exceed: 1.03% after another selection of tests drew other numbers)."""
+    x = torch.randn(300, 70, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 10, 70)
     p = quantize(x, fmt, block=64)
     y = dequantize(p)
     assert y.shape == x.shape and y.dtype == x.dtype
     assert p.nbytes < x.nbytes / 3
-    assert ((y - x).abs() / x.abs().amax(dim=-1, keepdim=True)).max() < (0.07 if fmt == "fp8_row" else 0.01)
+    error, row_max = (y - x).abs(), x.abs().amax(dim=-1, keepdim=True)
+    if fmt == "fp8_row":
+        assert (error / row_max).max() < 0.07
+    else:
+        if fmt == "int8_block":
+            blocks = torch.nn.functional.pad(x.abs().flatten(), (0, -x.numel() % 64)).view(-1, 64).amax(dim=1)
+            group_max = blocks.repeat_interleave(64)[: x.numel()].view_as(x)
+        else:
+            group_max = row_max.expand_as(x)
+        assert (error <= group_max / 254 * (1 + 1e-4)).all(), (error / group_max).max()
     for start, end in ((0, 300), (5, 9), (299, 300)):  # int8_block: groups of 64 straddle the rows of 70
         assert torch.equal(dequantize_rows(p, start, end), y[start:end])
 

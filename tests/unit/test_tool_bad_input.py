@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow  # each case starts a tool in a fresh interpreter: ~5 s
+pytestmark = pytest.mark.slow  # each case starts a tool in a fresh interpreter: ~5 s for preprocess_data
 
 
 def run_tool(*command, cwd):
@@ -101,7 +101,17 @@ def test_import_hf_names_the_config_file_and_writes_nothing(tmp_path, config, me
     if config is not None:
         (hf / "config.json").write_text(config)
     out = tmp_path / "ckpt"
-    proc = run_tool("-m", "tools.checkpoint.convert", "import-hf", "--load", str(hf), "--save", str(out), cwd=tmp_path)
+    proc = run_tool(
+        "-c", CONVERT_SAYING_IF_TORCH_LOADED, "import-hf", "--load", str(hf), "--save", str(out), cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error_lines(proc.stderr) == [f"error: --load={hf}: {message.format(dir=hf)}"]
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither --save nor its .tmp
+    assert proc.stdout.splitlines()[-1] == "torch loaded: False"  # refused before the heavy start-up (before: ~5 s)
+
+
+CONVERT_SAYING_IF_TORCH_LOADED = (
+    "import sys; from tools.checkpoint.convert import main; code = main(sys.argv[1:]); "
+    "print('torch loaded:', 'torch' in sys.modules); sys.exit(code)"
+)
+"""tools/checkpoint/convert.py's main, then whether torch was imported (stdout's last line)."""

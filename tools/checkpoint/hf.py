@@ -87,6 +87,9 @@ class ImportHFCommand:
         import shutil
         import tempfile
 
+        from megatron_moe.checkpointing.hf_families import read_hf_config
+
+        read_hf_config(args.load)  # a bad config.json refused before torch and megatron-core load (seconds)
         from megatron_moe.checkpointing.hf_convert import import_hf
 
         layout = [
