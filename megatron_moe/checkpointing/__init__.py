@@ -10,9 +10,8 @@ The save sequence and the per-chunk keys: docs/internals/checkpointing.md.
 
 `paths.py` (the pointer, which checkpoint to load), `state.py` (what a checkpoint holds), `save.py`, `load.py`;
 `integrity.py` (checksums, disk space), `lock.py` (one job per `--save`), `hf_families.py` / `hf_tensors.py` /
-`hf_convert.py` (HuggingFace Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
-Loaded on first use (PEP 562): `hf_families` (reading an HF config.json) imports without torch and megatron-core,
-so `import-hf` refuses a bad config.json before they load.
+`hf_convert.py` (HuggingFace Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3). Loaded on first use (PEP 562):
+`hf_families` imports without torch and megatron-core (`import-hf` refuses a bad config.json before they load).
 """
 
 import importlib

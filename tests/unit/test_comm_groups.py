@@ -25,6 +25,17 @@ def gloo_threads() -> int:
     return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
 
 
+def settled_gloo_threads() -> int:
+    """`gloo_threads` once the count holds for 0.2 s (5 s at most): a group's threads start, and take their names,
+    asynchronously after it is made (a world counted at once after init_process_group read 0 threads, then 3)."""
+    count, since, deadline = gloo_threads(), time.monotonic(), time.monotonic() + 5
+    while time.monotonic() - since < 0.2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        if (now := gloo_threads()) != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 @pytest.fixture
 def gloo_world():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -35,7 +46,7 @@ def gloo_world():
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
 def test_the_teardown_destroys_every_group_but_the_world_and_their_threads(gloo_world):
     assert hasattr(distributed_c10d, "_world") and isinstance(distributed_c10d._world.pg_map, dict)  # what it reads
-    alone = gloo_threads()  # the world's, and any an earlier test's groups left for the garbage collector
+    alone = settled_gloo_threads()  # the world's, and any an earlier test's groups left for the garbage collector
     for _ in range(4):
         dist.all_reduce(torch.ones(1), group=dist.new_group([0]))  # held by torch's registry only, as after a run
     with_groups = gloo_threads()
@@ -64,7 +75,7 @@ def test_the_teardown_frees_the_group_megatron_cores_rotary_cache_held(gloo_worl
     from megatron_moe.training.initialize import forget_rotary_caches
 
     init_platform()  # megatron-core's embedding on the CPU
-    alone = gloo_threads()
+    alone = settled_gloo_threads()
     embedding = RotaryEmbedding(
         kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True, cp_group=dist.new_group([0])
     )
