@@ -158,15 +158,24 @@ MLA = (
 """DeepSeek-V3's attention shrunk: q and kv latents with their norms, YaRN RoPE (issue 40)."""
 
 
-def train(*extra: str, model: list[str] = MODEL) -> list[dict]:
+TIMED_SCENARIOS = {"esp", "pipeline", "partition"}
+"""The parts whose tests read the communication timers' figures of every run (the collectives each run issued);
+the other parts' runs train with --no-comm-timers unless a run asks (`train(timed=True)`)."""
+
+
+def train(*extra: str, model: list[str] = MODEL, timed: bool = False) -> list[dict]:
     """One run; every rank returns the logging rank's per-step figures.
 
     Our layer's runs pin the pipeline degrees to 1 and the gradient reduction to megatron-core's unless they say
     otherwise: auto's degrees and the adaptive partition come from timings measured at start-up, so two runs a
-    test compares could differ in them (`pipeline` tests auto itself, `grad_reduce` the adaptive partition)."""
+    test compares could differ in them (`pipeline` tests auto itself, `grad_reduce` the adaptive partition).
+    The communication timers are on in `TIMED_SCENARIOS`, in a run that says `timed` or asks for --overlap-report
+    (which reads them), and off elsewhere: they only observe (their arrival exchange, ~0.5 s a run at 4 ranks on
+    2 cores with the start-up link probe), and the runs compared here are compared by their losses and norms."""
     ours = not any(a == "--moe-layer-impl" and b == "mcore" for a, b in zip(extra, extra[1:]))
     pinned = [*degrees(1, 1), "--grad-reduce-schedule", "megatron"] if ours else []
-    return train_in_job([*model, *pinned, *extra])
+    timers = timed or SCENARIO in TIMED_SCENARIOS or "--overlap-report" in extra
+    return train_in_job([*model, *pinned, *([] if timers else ["--no-comm-timers"]), *extra])
 
 
 def ckpt(name: str) -> str:
@@ -229,7 +238,7 @@ def params_norm_of_checkpoint(path: str) -> float:
 
 def layouts() -> dict:
     init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
-    results = {name: train(*init, *args) for name, args in LAYOUTS.items()}
+    results = {name: train(*init, *args, timed=True) for name, args in LAYOUTS.items()}  # their TP calls read
     results["tp2_pp2_arctic"] = train(*init, *ARCTIC)
     # Iteration 2 of the single-process run, resumed under other layouts (optimizer resharded).
     results["resume_ref_as_tp2_ep2"] = train(
@@ -700,8 +709,8 @@ def megatron_lm() -> dict:
     base, iters = EP2, ["--train-iters", str(ITERS)]
     capacity = ["--moe-expert-capacity-factor", "1.0"]
 
-    def run(*flags: str) -> list[dict]:
-        return train(*flags, model=model)
+    def run(*flags: str, timed: bool = False) -> list[dict]:
+        return train(*flags, model=model, timed=timed)
 
     distopt = [*iters, "--use-distributed-optimizer", "--eval-interval", "2", "--eval-iters", "1"]
     results = {
@@ -731,7 +740,8 @@ def megatron_lm() -> dict:
         "param_gather": run(*base, *distopt, "--overlap-param-gather", "--save", ckpt("param_gather")),
         "logging": run(*base, *iters, "--log-throughput", "--log-num-zeros-in-grad", "--tensorboard-dir",
                          os.path.join(WORKDIR, "tb"), "--tensorboard-log-interval", "2",
-                         "--log-validation-ppl-to-tensorboard", "--eval-interval", "2", "--eval-iters", "1"),
+                         "--log-validation-ppl-to-tensorboard", "--eval-interval", "2", "--eval-iters", "1",
+                         timed=True),  # its comm/ tags
     }  # fmt: skip
     results["distopt_params_norm"] = params_norm_of_checkpoint(ckpt("distopt"))
     results["param_gather_params_norm"] = params_norm_of_checkpoint(ckpt("param_gather"))
