@@ -238,7 +238,7 @@ def params_norm_of_checkpoint(path: str) -> float:
 
 def layouts() -> dict:
     init = ["--train-iters", str(ITERS), "--load", ckpt("init")]
-    results = {name: train(*init, *args, timed=True) for name, args in LAYOUTS.items()}  # their TP calls read
+    results = {name: train(*init, *args, timed=True) for name, args in LAYOUTS.items()}  # TP call counts read
     results["tp2_pp2_arctic"] = train(*init, *ARCTIC)
     # Iteration 2 of the single-process run, resumed under other layouts (optimizer resharded).
     results["resume_ref_as_tp2_ep2"] = train(
