@@ -1,4 +1,5 @@
-"""The distributed tier's shared torchrun jobs (`shared_jobs.py`): the parts the selected tests' modules declare."""
+"""The distributed tier's shared torchrun jobs (`shared_jobs.py`): the parts the selected tests' modules declare,
+started in the background at the tier's first test; the modules that read them run last in the session."""
 
 import json
 import string
@@ -24,7 +25,26 @@ def shared_jobs(request, tmp_path_factory):
             json.dump(request.getfixturevalue("tokenizer_train_data"), f)
     jobs = SharedJobs(parts, values, lambda key: str(tmp_path_factory.mktemp(key)))
     _SESSION_JOBS.append(jobs)
-    return jobs
+    yield jobs
+    jobs.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_jobs_in_background(request):
+    """The shared jobs, started with the tier's first test: the modules that read them come last (below), and the
+    tests before them run while the jobs take the cores those tests leave idle."""
+    if any(getattr(item.module, "JOB_PARTS", None) for item in request.session.items if hasattr(item, "module")):
+        request.getfixturevalue("shared_jobs").start()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The tests of modules that declare shared-job parts last, each module's in its order: the others run while
+    the jobs do (`shared_jobs_in_background`)."""
+    reads = [item for item in items if getattr(getattr(item, "module", None), "JOB_PARTS", None)]
+    if reads:
+        first = set(map(id, reads))
+        items[:] = [item for item in items if id(item) not in first] + reads
 
 
 def pytest_terminal_summary(terminalreporter):

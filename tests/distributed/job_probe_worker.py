@@ -1,4 +1,5 @@
-"""A shared job's parts for test_shared_jobs.py: one that reports what it was given, one that fails on one rank."""
+"""A shared job's parts for test_shared_jobs.py: one that reports what it was given, one that fails on one rank, one
+that sleeps (until the job is stopped)."""
 
 import os
 import sys
@@ -10,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_moe.comm.moe import make_planning_groups
+from tests.distributed.launcher import BACKGROUND
 
 ARGS = sys.argv[1:]
 
@@ -34,6 +36,9 @@ def report() -> dict:
         "groups_found": len(distributed_c10d._world.pg_map),
         "threads_found": settled_thread_count(),
         "aux_loss_scale_found": MoEAuxLossAutoScaler.main_loss_backward_scale is not None,
+        "niceness": os.nice(0),
+        "autogroup": open("/proc/self/autogroup").read() if os.path.exists("/proc/self/autogroup") else None,
+        "background_job": os.environ.get(BACKGROUND),
     }
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([0.5]))  # as a training run's schedule leaves it
     parallel_state.initialize_model_parallel()  # left up: the runner tears it down
@@ -45,4 +50,9 @@ def fail() -> dict:
     if dist.get_rank() == dist.get_world_size() - 1:
         raise RuntimeError(f"part failed on purpose with {ARGS}")
     dist.barrier()
+    return {}
+
+
+def sleep() -> dict:
+    time.sleep(float(ARGS[1]))
     return {}

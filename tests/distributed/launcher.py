@@ -9,6 +9,7 @@ checks that the job left no child process behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -19,6 +20,31 @@ import tempfile
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+BACKGROUND = "MEGATRON_MOE_TEST_BACKGROUND_JOB"
+"""In the environment of a shared job run in the background (`shared_jobs.py`), and so of all its processes: the
+job's number. A foreground launch's leftovers are not among them."""
+
+
+def descendants(job: str | None = None) -> set[int]:
+    """This process's live descendants: the foreground's, or those of background job `job`."""
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(BACKGROUND) == job:
+                found.add(proc.pid)
+    return found
+
+
+def left_behind(before: set[int], job: str | None = None) -> list[str]:
+    """The command lines of the live descendants (of the foreground, or of background job `job`) not in `before`:
+    what a launch between the two left behind."""
+    found = []
+    for pid in descendants(job) - before:
+        with contextlib.suppress(psutil.Error):
+            found.append(" ".join(psutil.Process(pid).cmdline()))
+    return found
 
 
 def free_port() -> int:
@@ -63,7 +89,7 @@ def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 9
             "MEGATRON_MOE_FORCE_CPU": "1",
             **(env or {}),
         }
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        before = descendants()
         cmd = [
             sys.executable,
             "-m",
@@ -78,8 +104,8 @@ def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout: int = 9
             raise AssertionError(
                 f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
             )
-        leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        assert not leftovers, f"processes outlived the job: {[p.cmdline() for p in leftovers]}"
+        leftovers = left_behind(before)
+        assert not leftovers, f"processes outlived the job: {leftovers}"
         with open(results) as f:
             return json.load(f)
 

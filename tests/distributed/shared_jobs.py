@@ -3,25 +3,31 @@
 A module declares its parts (`JOB_PARTS = {name: Part(...)}`) and asks `shared_jobs.result(name)` for one; the
 first request of a world size runs every part of that size that the session's selected tests declare, in one job
 (`job_runner.py`), so selecting one module runs only its parts. A part that fails fails its own module's tests:
-the job stops at it, its error is that job's output, and the parts after it run in a new job.
+the job stops at it, its error is that job's output, and the parts after it run in a new job. A session `start`s
+the jobs in the background at its first test (niced: they take the cores its other tests leave idle) and runs the
+modules that read them last (`conftest.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 import psutil
 
-from tests.distributed.launcher import ROOT, free_port
+from tests.distributed.launcher import BACKGROUND, ROOT, descendants, free_port, left_behind
 
 RUNNER = os.path.join(ROOT, "tests", "distributed", "job_runner.py")
+_JOB_NUMBERS = itertools.count(1)
+"""The session's background jobs, numbered across instances: each job's mark its own."""
 TIMING = re.compile(r"\[job\] (\S+): ([0-9.]+) s, (\d+) threads after$", re.M)
 """job_runner.py's line after each part (rank 0's stderr)."""
 
@@ -56,6 +62,38 @@ class SharedJobs:
         self.workdirs: dict[str, str] = {}
         self.timings: dict[str, tuple[float, int]] = {}
         """{part: (seconds, rank 0's threads after it)} of the parts that finished: the session's summary."""
+        self.niceness = 0
+        self._background: threading.Thread | None = None
+        self._changed = threading.Condition()
+        self._job_proc: subprocess.Popen | None = None
+        self.running_job: str | None = None
+        """The mark (`launcher.BACKGROUND`) of the background job in flight."""
+        self._stopped = False
+
+    def start(self, niceness: int = 19) -> None:
+        """Run every part's job now, in a background thread, its ranks at `niceness`: they take the cores the
+        session's other tests leave idle (sleeping in a fault test, one process of a unit test, a launch's
+        imports) and yield them when those tests want them. `result` waits for its part."""
+        if self._background is not None or not self.parts:
+            return
+        for name in self.parts:
+            self.workdir(name)  # here, not in the background thread: the directories are made on this one
+        self.niceness = niceness
+        self._background = threading.Thread(target=self._run_all, name="shared-jobs", daemon=True)
+        self._background.start()
+
+    def stop(self) -> None:
+        """End the background's job, if one is running (a session that ends early leaves no job behind)."""
+        with self._changed:  # no job starts after this (`_job` starts one under this lock)
+            self._stopped, proc = True, self._job_proc
+        if proc is not None and proc.poll() is None:
+            kill_tree(proc.pid)
+        if self._background is not None:
+            self._background.join()
+
+    def _run_all(self) -> None:
+        for nproc in sorted({part.nproc for part in self.parts.values()}, reverse=True):
+            self._run(nproc)
 
     def workdir(self, name: str) -> str:
         """Part `name`'s directory (its `workdir` key's, made on first use)."""
@@ -66,7 +104,9 @@ class SharedJobs:
 
     def result(self, name: str) -> dict:
         """Part `name`'s {case: result}, its job run on first request; raises PartFailed with its job's output."""
-        if name not in self.outcomes:
+        with self._changed:
+            self._changed.wait_for(lambda: name in self.outcomes or not self._background_alive())
+        if name not in self.outcomes:  # not started, or its thread ended early (an error of its own)
             self._run(self.parts[name].nproc)
         outcome = self.outcomes[name]
         if isinstance(outcome, str):
@@ -79,14 +119,19 @@ class SharedJobs:
             for before in self.parts[name].after:
                 if before not in self.outcomes:
                     self._run(self.parts[before].nproc)
-        while pending:
+        while pending and not self._stopped:
             done, output = self._job(nproc, pending)
-            self.outcomes.update(done)
             if output and all(name in done for name in pending):  # failed after its parts (its teardown)
-                self.outcomes.update(dict.fromkeys(pending, output))
+                done = dict.fromkeys(pending, output)
             pending = [name for name in pending if name not in done]
             if pending:  # the job stopped at its first pending part
-                self.outcomes[pending.pop(0)] = output or "the job ended without a result for it"
+                done[pending.pop(0)] = output or "the job ended without a result for it"
+            with self._changed:
+                self.outcomes.update(done)
+                self._changed.notify_all()
+
+    def _background_alive(self) -> bool:
+        return self._background is not None and self._background.is_alive()
 
     def _job(self, nproc: int, names: list[str]) -> tuple[dict, str]:
         """One torchrun job of `names`: the results of those that finished, and the job's output if it failed."""
@@ -102,23 +147,32 @@ class SharedJobs:
             python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
             env = {**os.environ, "OMP_NUM_THREADS": "1", "RESULTS": results, "PYTHONPATH": python_path,
                    "MEGATRON_MOE_FORCE_CPU": "1"}  # fmt: skip
+            job = None
+            if self._background is not None:  # marked: no foreground launch counts its processes as its own
+                job = env[BACKGROUND] = f"{os.getpid()}.{next(_JOB_NUMBERS)}"
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                    f"--master-port={free_port()}", RUNNER, spec_path]  # fmt: skip
-            timeout = sum(self.parts[name].timeout for name in names)
-            before = {p.pid for p in psutil.Process().children(recursive=True)}
-            proc = subprocess.Popen(
-                cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                start_new_session=True,
-            )  # fmt: skip
+            if job:
+                cmd = ["nice", "-n", str(self.niceness), *cmd]
+            before = descendants(job)
+            timeout = sum(self.parts[name].timeout for name in names) * (3 if self.niceness else 1)
+            with self._changed:
+                if self._stopped:
+                    return {}, f"stopped before its job started; parts {names}"
+                proc = subprocess.Popen(
+                    cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+                self._job_proc, self.running_job = proc, job
             try:
                 stdout, stderr = proc.communicate(timeout=timeout)
                 failure = f"{' '.join(cmd)} failed ({proc.returncode})" if proc.returncode else ""
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 stdout, stderr = proc.communicate()
                 failure = f"{' '.join(cmd)} ran past {timeout} s"
             self.timings.update({name: (float(secs), int(threads)) for name, secs, threads in TIMING.findall(stderr)})
-            leftovers = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            leftovers = left_behind(before, job)
             done = {}
             if os.path.exists(results):
                 with open(results) as f:
@@ -127,6 +181,15 @@ class SharedJobs:
             failure = f"processes outlived the job: {leftovers}"
             done = {}
         return done, f"{failure}; parts {names}:\n{stdout[-6000:]}\n{stderr[-6000:]}" if failure else ""
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and its descendants (torchrun starts each rank in a session of its own)."""
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def train_part(scenario: str, nproc: int = 4, **fields) -> Part:

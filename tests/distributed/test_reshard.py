@@ -16,11 +16,10 @@ import shutil
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from tests.conftest import ROOT
-from tests.distributed.launcher import LOSS_RTOL, assert_matches, computed, run_torchrun
+from tests.distributed.launcher import LOSS_RTOL, assert_matches, computed, descendants, left_behind, run_torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "reshard_worker.py")
 CONVERT = ["-m", "tools.checkpoint.convert"]  # run from the repository root
@@ -30,12 +29,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def run_convert(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """The real command line, in a subprocess; no process of it may outlive it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = descendants()
     result = subprocess.run(
         [sys.executable, *CONVERT, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
-    leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert not leftovers, f"processes outlived convert.py: {[p.cmdline() for p in leftovers]}"
+    leftovers = left_behind(before)
+    assert not leftovers, f"processes outlived convert.py: {leftovers}"
     return result
 
 

@@ -1,8 +1,15 @@
 """The shared jobs themselves (`shared_jobs.py`, `job_runner.py`): parts of one world size run in one job, each
-with its own arguments and a clean slate; a part that fails fails alone, and the parts after it still run."""
+with its own arguments and a clean slate; a part that fails fails alone, and the parts after it still run. Run in
+the background, as a session runs them: niced, apart from the foreground's launches, ended with the session."""
 
+import time
+from types import SimpleNamespace
+
+import psutil
 import pytest
 
+from tests.distributed import conftest
+from tests.distributed.launcher import descendants
 from tests.distributed.shared_jobs import Part, PartFailed, SharedJobs
 
 PARTS = {
@@ -18,6 +25,7 @@ PARTS = {
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     jobs = SharedJobs(PARTS, {"data": "DATA"}, lambda key: str(tmp_path_factory.mktemp(key)))
+    jobs.start()
     outcomes = {}
     for name in PARTS:
         try:
@@ -65,3 +73,42 @@ def test_a_failing_part_fails_alone_and_the_rest_run_in_a_new_job(jobs):
     assert "part failed on purpose with ['broken']" in str(outcomes["broken"])
     assert outcomes["after"]["args"] == ["after", jobs.workdir("after")]
     assert outcomes["after"]["pid"] != outcomes["second"]["pid"]
+
+
+def test_background_jobs_run_niced_and_marked_each_job_its_own_mark(jobs):
+    _, outcomes = jobs
+    reports = [outcomes[name] for name in ("first", "second", "third", "after", "alone")]
+    assert all(report["niceness"] == 19 for report in reports)
+    # each rank its own session's autogroup (torchrun's start_new_session): the group niced too, else the kernel
+    # shares the cores between sessions as equals and the foreground's launches run half as fast
+    assert all(report["autogroup"] is None or report["autogroup"].split()[-2:] == ["nice", "19"] for report in reports)
+    marks = [report["background_job"] for report in reports]
+    assert marks[0] == marks[1] == marks[2] and len(set(marks)) == 3 and None not in marks  # jobs: 2, 2 after, 1
+
+
+def test_a_background_job_is_not_the_foregrounds_and_stop_ends_it(tmp_path_factory):
+    jobs = SharedJobs({"slow": Part("job_probe_worker", "sleep", 2, ("slow", "600"))}, {}, tmp_path_factory.mktemp)
+    jobs.start()
+    try:
+        deadline, ranks = time.monotonic() + 120, []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            ranks = [psutil.Process(pid) for pid in descendants(jobs.running_job)] if jobs.running_job else []
+            ranks = [proc for proc in ranks if "torch.distributed.run" not in proc.cmdline()]  # not torchrun
+        assert len(ranks) == 2, ranks
+        assert all(proc.nice() == 19 for proc in ranks)
+        assert not {proc.pid for proc in ranks} & descendants()  # a foreground launch's leftover check passes them by
+    finally:
+        jobs.stop()
+    assert not psutil.wait_procs(ranks, timeout=10)[1]
+    assert not descendants(jobs.running_job)
+    with pytest.raises(PartFailed):
+        jobs.result("slow")
+
+
+def test_the_modules_that_read_shared_jobs_run_last_each_in_its_order():
+    reads, other = SimpleNamespace(JOB_PARTS={"x": None}), SimpleNamespace()
+    items = [SimpleNamespace(module=module, name=name) for module, name in
+             [(reads, "r1"), (other, "o1"), (reads, "r2"), (other, "o2"), (None, "n1")]]  # fmt: skip
+    conftest.pytest_collection_modifyitems(items)
+    assert [item.name for item in items] == ["o1", "o2", "n1", "r1", "r2"]
