@@ -5,11 +5,15 @@ its caller waits) until its first MoE all-to-all is in flight (`at_yield`, calle
 stage's yield), then `backward` on the caller's thread, whose MoE all-to-alls each run the forward's next stage
 under them once started (`under_backward_comm`, called by `OverlapRuntime.run_under`), then the forward's rest.
 Invariant: one thread runs at a time, handing over only at those points, so every rank of a stage issues its
-collectives in the same order. Outside `run_paired` both points do nothing.
+collectives in the same order. Outside `run_paired` both points do nothing. `alone(forward, backward)` says, around
+one forward, which of its passes run beside no other micro-batch's; `chunked` gives those passes the pipeline's
+degrees and the paired ones 1 (their all-to-alls are under the other micro-batch's work: chunks would only add
+all-to-alls to a link the pair keeps busy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -129,9 +133,41 @@ def _worker() -> _Worker:
 _PAIRED: Coroutine | None = None
 """The forward running beside this rank's backward now (inside `combined_step`), or None."""
 
-COUNTS = {"paired": 0, "under": 0}
+COUNTS = {"paired": 0, "under": 0, "chunked": 0, "unchunked": 0}
 """Since the process started: forward-backward pairs run (`combined_step` with both), forward stages run under a
-backward all-to-all (`under_backward_comm`). What the tests and the step log read to see the overlap happen."""
+backward all-to-all (`under_backward_comm`), and of the MoE passes (forward, backward) under `alone` whose pipeline
+degree is above 1, those run chunked (alone, or not known to be paired) and those run whole (paired). What the
+tests and the step log read to see the overlap happen."""
+
+
+_PASSES = threading.local()
+"""`.alone`: (forward, backward) of the forward this thread runs under `alone`: whether each pass runs beside no other
+micro-batch's (backward None: not known, the degrees stand). Thread-local: a paired forward runs on the coroutine
+thread while the caller's thread runs the other micro-batch's backward."""
+
+
+@contextlib.contextmanager
+def alone(forward: bool, backward: bool | None):
+    """Around one micro-batch's forward under batch-level overlap: which of its passes run alone (module docstring).
+    Both figures come from the schedule's position, the same on every rank of a stage."""
+    before, _PASSES.alone = getattr(_PASSES, "alone", None), (forward, backward)
+    try:
+        yield
+    finally:
+        _PASSES.alone = before
+
+
+def chunked(degrees: tuple[int, int]) -> tuple[int, int]:
+    """The pipeline degrees (forward, backward) this forward runs: under `alone`, 1 for a pass that runs paired."""
+    passes = getattr(_PASSES, "alone", None)
+    if passes is None:
+        return degrees
+    forward_alone, backward_alone = passes
+    narrowed = degrees[0] if forward_alone else 1, degrees[1] if backward_alone is not False else 1
+    for degree, now in zip(degrees, narrowed):
+        if degree > 1:
+            COUNTS["chunked" if now > 1 else "unchunked"] += 1
+    return narrowed
 
 
 def at_yield() -> None:

@@ -406,7 +406,7 @@ class MoELayer(MegatronModule):
         rows_RH = self._hook("before_dispatch", rows_RH, ctx)
         shadow = splits.shadow  # NO_SHADOWING, or the shadowed experts' rows stay here (moe/shadow.py)
         rows_RH = shadow.split(rows_RH)
-        degrees = self.pipeline_degrees()
+        degrees = handover.chunked(self.pipeline_degrees())  # batch-level overlap: a paired pass unchunked
         if degrees == (1, 1):
             with self._in_region("dispatch"):  # dispatch: the dispatcher's, straight (one frame less on the path)
                 handle = self.dispatcher.dispatch(rows_RH, splits)

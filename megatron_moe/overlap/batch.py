@@ -15,6 +15,7 @@ code path overlaps on CPU and GPU. The stage pairing, the measurements: docs/ove
 
 from __future__ import annotations
 
+from megatron_moe.moe import handover
 from megatron_moe.moe.handover import run_paired
 from megatron_moe.platform.patch import Patch, source_sha256
 
@@ -55,6 +56,13 @@ def combined_step(
     if b_model is not None and pre_backward is not None:
         pre_backward(None)
 
+    # which of the forward's passes run alone (their MoE layers chunked as FSMoE's degrees say; the paired ones
+    # whole): its forward where no backward comes with it; its backward, in the schedule without pipelining, where
+    # it is the last micro-batch's (megatron-core's plan); under PP not known here, so the degrees stand
+    lone_backward = None
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 and current_microbatch is not None:
+        lone_backward = current_microbatch == num_microbatches - 1
+
     def forward():
         vp_size = config.virtual_pipeline_model_parallel_size
         last = f_model_chunk_id is None or (
@@ -77,6 +85,10 @@ def combined_step(
             is_last_stage=last,
         )
 
+    def forward_marked():  # on the thread that runs the forward (the coroutine's when paired)
+        with handover.alone(b_model is None, lone_backward):
+            return forward()
+
     def backward():
         return schedules.backward_step(
             b_input_tensor, b_output_tensor, b_output_tensor_grad, get_model_type(b_model), config
@@ -84,11 +96,11 @@ def combined_step(
 
     output_tensor = num_tokens = input_tensor_grad = None
     if b_model is None:
-        output_tensor, num_tokens = forward()
+        output_tensor, num_tokens = forward_marked()
     elif f_model is None:
         input_tensor_grad = backward()
     else:
-        (output_tensor, num_tokens), input_tensor_grad = run_paired(forward, backward)
+        (output_tensor, num_tokens), input_tensor_grad = run_paired(forward_marked, backward)
     if f_model is not None and post_forward is not None:
         post_forward(output_tensor, None)
     if b_model is not None and post_backward is not None:

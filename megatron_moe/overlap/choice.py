@@ -72,14 +72,22 @@ def candidates(open_features: Sequence[str]) -> list[Candidate]:
 
 
 def stage_times(
-    fits: ClusterFits, stages: Sequence[StageModel], candidate: Candidate, partitioned: Callable | None = None
+    fits: ClusterFits,
+    stages: Sequence[StageModel],
+    candidate: Candidate,
+    partitioned: Callable | None = None,
+    paired: Sequence[StageModel] | None = None,
 ) -> MicroBatchTimes:
     """`candidate`'s micro-batch times over this rank's chunks (`stages`, one per model chunk, each already with
     or without Lancet's deferral as the candidate says). `partitioned(stage) -> (forward, backward)`: the
-    operator partition's planned times where the candidate runs it."""
+    operator partition's planned times where the candidate runs it. `paired`: the same chunks at the degrees a
+    paired pass runs (`moe.handover.chunked`: the lone passes keep the pipeline's chunks, the paired run whole),
+    else `stages`."""
     forward = backward = pair = 0.0
-    for stage in stages:
+    for stage, pair_stage in zip(stages, paired or stages):
         f, b, p = paired_times(fits, stage)
+        if pair_stage is not stage:
+            p = paired_times(fits, pair_stage)[2]
         if "partition" in candidate.on and partitioned is not None:
             f, b = partitioned(stage)
         forward, backward, pair = forward + f, backward + b, pair + p

@@ -98,6 +98,16 @@ def open_features(cfg: RunConfig, micro_batches: int) -> tuple[tuple[str, ...], 
     return tuple(f for f in FEATURES if f in open_), fixed
 
 
+def paired_degrees(schedules: dict[int, Schedule], pipeline_size: int) -> dict[int, Schedule]:
+    """The degrees a pass paired under batch-level overlap runs (`moe.handover.chunked`, as overlap/batch.py's
+    `combined_step` says): the forward whole; the backward whole without PP, where the schedule says which backward
+    runs alone, and at its degree under PP, where it does not."""
+    return {
+        layer: dataclasses.replace(s, forward=1, backward=s.backward if pipeline_size > 1 else 1)
+        for layer, s in schedules.items()
+    }
+
+
 def choose_overlap(
     cfg: RunConfig, config: TransformerConfig, fits: ClusterFits | None, source: str
 ) -> tuple[RunConfig, OverlapChoice | None]:
@@ -127,7 +137,10 @@ def choose_overlap(
         trial = with_features(cfg, features, candidate.on)
         solved = schedules if "pipeline" in candidate.on or "pipeline" not in features else None  # None: r = 1
         stages = [stage_model(trial, chunk, solved) for chunk in layers]
-        times = stage_times(fits, stages, candidate, partitioned)
+        paired = None
+        if "batch" in candidate.on and solved:
+            paired = [stage_model(trial, chunk, paired_degrees(solved, pp)) for chunk in layers]
+        times = stage_times(fits, stages, candidate, partitioned, paired)
         steps.append(predicted_step_ms(times, micro_batches, pp))
     with comm.host_read("overlap choice"):
         agreed = comm.agree_predictions(torch.tensor(steps, dtype=torch.float64)).tolist()

@@ -129,6 +129,65 @@ def test_outside_a_pair_the_hand_over_points_do_nothing():
     assert handover.COUNTS["paired"] == paired + 1
 
 
+def test_a_paired_pass_runs_unchunked_a_lone_one_at_its_degrees_and_only_there():
+    """`chunked` narrows the pipeline degrees (forward, backward) only inside `alone`, on its own thread: a pass
+    known to run paired gets 1, a lone one (or one not known: backward None) keeps its degree; each pass of degree
+    above 1 is counted as run chunked or whole."""
+    assert handover.chunked((2, 3)) == (2, 3)
+    before = dict(handover.COUNTS)
+    with handover.alone(True, False):
+        assert handover.chunked((2, 3)) == (2, 1)
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(handover.chunked((2, 3))))
+        other.start()
+        other.join()
+        assert seen == [(2, 3)]  # thread-local: the other micro-batch's backward thread is not narrowed
+        with handover.alone(False, True):
+            assert handover.chunked((2, 3)) == (1, 3)
+        assert handover.chunked((4, 1)) == (4, 1)
+    with handover.alone(False, None):
+        assert handover.chunked((2, 3)) == (1, 3)
+    with handover.alone(False, False):
+        assert handover.chunked((1, 1)) == (1, 1)
+    assert handover.chunked((2, 3)) == (2, 3)
+    counted = {key: handover.COUNTS[key] - before[key] for key in before}
+    assert counted == {"paired": 0, "under": 0, "chunked": 4, "unchunked": 3}
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "expected"),
+    [(1, [(2, 1), (1, 1), (1, 1), (1, 3)]), (2, [(2, 3), (1, 3), (1, 3), (1, 3)])],
+    ids=["no_pipeline", "pp2"],
+)
+def test_the_combined_step_runs_the_lone_passes_chunked(monkeypatch, pipeline, expected):
+    """megatron-core's no-pipeline combined 1F1B with 4 micro-batches: forward 0 alone (its backward paired with
+    forward 1), forwards 1-3 paired, backward 3 alone. Each forward's MoE degrees (2, 3) as `combined_step` leaves
+    them: the lone passes chunked, the paired whole. Under PP the backward's pairing is not known at its forward:
+    the backward degree stands."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    seen = []
+
+    def forward_step(*args, current_microbatch=None, **kwargs):
+        seen.append(handover.chunked((2, 3)))
+        return torch.zeros(()), 1
+
+    monkeypatch.setattr(schedules, "forward_step", forward_step)
+    monkeypatch.setattr(schedules, "backward_step", lambda *args: None)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: pipeline)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 1)
+    config = type("Config", (), {"virtual_pipeline_model_parallel_size": None})()
+    model = torch.nn.Linear(1, 1)
+    model.model_type = None  # what megatron-core's get_model_type reads for the backward step
+    for microbatch in range(4):
+        b_model = None if microbatch == 0 else model
+        batch.combined_step(
+            None, None, model, 4, None, [], b_model, None, None, None, config, current_microbatch=microbatch
+        )
+    assert seen == expected
+
+
 def test_a_failed_backward_ends_the_paired_forward():
     ended = threading.Event()
 

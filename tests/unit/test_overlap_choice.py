@@ -14,9 +14,9 @@ from megatron_moe.training.overlap_choice import open_features, with_features
 ZERO = {k: 0.0 for k in FIT_KINDS} | {k: 0.0 for k in DENSE_KINDS}
 
 
-def _fits(a2a_beta=1e-3) -> ClusterFits:
+def _fits(a2a_beta=1e-3, a2a_alpha=0.0) -> ClusterFits:
     beta = ZERO | {"a2a": a2a_beta, "gemm": 1e-3, "attn": 1.0, "mlp": 1.0, "route": 0.5, "unroute": 0.5}
-    return ClusterFits.from_coefficients(ZERO, beta)
+    return ClusterFits.from_coefficients(ZERO | {"a2a": a2a_alpha}, beta)
 
 
 def _stage(**kw) -> StageModel:
@@ -125,3 +125,21 @@ def test_typed_degrees_stand_beside_the_solved_ones():
     assert given_degrees(_cfg(moe_bp_pipeline_degree="1"), solved)[1].forward == 3
     assert given_degrees(_cfg(moe_bp_pipeline_degree="1"), solved)[1].backward == 1
     assert given_degrees(_cfg(), solved)[1].backward == 2
+
+
+def test_the_pair_is_priced_at_the_degrees_a_paired_pass_runs():
+    """Under batch-level overlap the lone passes keep the pipeline's chunks and the paired ones run whole
+    (`handover.chunked`): the candidate's forward and backward are the chunked stage's, its pair the whole one's;
+    without PP the paired backward is whole too, under PP it keeps its degree (its pairing is not known)."""
+    from megatron_moe.overlap.cost_model import Schedule
+    from megatron_moe.training.overlap_choice import paired_degrees
+
+    fits, chunked, whole = _fits(a2a_alpha=1.0), _stage(degrees={1: (2, 2)}), _stage()  # each chunk 1 ms more
+    both = choice.Candidate(on=frozenset({"batch", "pipeline"}))
+    times = choice.stage_times(fits, [chunked], both, paired=[whole])
+    assert (times.forward, times.backward) == paired_times(fits, chunked)[:2]
+    assert times.pair == paired_times(fits, whole)[2] != paired_times(fits, chunked)[2]
+    assert choice.stage_times(fits, [chunked], both).pair == paired_times(fits, chunked)[2]  # none given: its own
+    solved = {1: Schedule(forward=3, backward=2, predicted_ms={}, case={})}
+    assert (paired_degrees(solved, 1)[1].forward, paired_degrees(solved, 1)[1].backward) == (1, 1)
+    assert (paired_degrees(solved, 2)[1].forward, paired_degrees(solved, 2)[1].backward) == (1, 2)
