@@ -5,7 +5,7 @@ first request of a world size runs every part of that size that the session's se
 (`job_runner.py`), so selecting one module runs only its parts. A part that fails fails its own module's tests:
 the job stops at it, its error is that job's output, and the parts after it run in a new job. A session `start`s
 the jobs in the background at its first test (niced: they take the cores its other tests leave idle) and runs the
-modules that read them last (`conftest.py`).
+modules that read them last (`conftest.py`); a `timed` part runs in the foreground when first asked for.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class Part:
     after: tuple[str, ...] = ()
     """Parts (in smaller jobs) that must have run first: this one reads what they wrote."""
     timeout: int = 300
+    timed: bool = False
+    """Its results are timings a test bounds: it runs in a job of its own in the foreground when first asked for,
+    never niced in the background (there its timed sections took the cores only when the foreground left them:
+    the cost profile's model error read 280%)."""
 
 
 class PartFailed(AssertionError):
@@ -93,7 +97,7 @@ class SharedJobs:
 
     def _run_all(self) -> None:
         for nproc in sorted({part.nproc for part in self.parts.values()}, reverse=True):
-            self._run(nproc)
+            self._run(nproc, timed=False)
 
     def workdir(self, name: str) -> str:
         """Part `name`'s directory (its `workdir` key's, made on first use)."""
@@ -104,21 +108,23 @@ class SharedJobs:
 
     def result(self, name: str) -> dict:
         """Part `name`'s {case: result}, its job run on first request; raises PartFailed with its job's output."""
-        with self._changed:
-            self._changed.wait_for(lambda: name in self.outcomes or not self._background_alive())
-        if name not in self.outcomes:  # not started, or its thread ended early (an error of its own)
-            self._run(self.parts[name].nproc)
+        if not self.parts[name].timed:
+            with self._changed:
+                self._changed.wait_for(lambda: name in self.outcomes or not self._background_alive())
+        if name not in self.outcomes:  # timed, not started, or the background thread ended early (an error of its own)
+            self._run(self.parts[name].nproc, self.parts[name].timed)
         outcome = self.outcomes[name]
         if isinstance(outcome, str):
             raise PartFailed(outcome)
         return outcome
 
-    def _run(self, nproc: int) -> None:
-        pending = [name for name, part in self.parts.items() if part.nproc == nproc and name not in self.outcomes]
+    def _run(self, nproc: int, timed: bool) -> None:
+        pending = [name for name, part in self.parts.items()
+                   if part.nproc == nproc and part.timed == timed and name not in self.outcomes]  # fmt: skip
         for name in pending:
             for before in self.parts[name].after:
                 if before not in self.outcomes:
-                    self._run(self.parts[before].nproc)
+                    self._run(self.parts[before].nproc, self.parts[before].timed)
         while pending and not self._stopped:
             done, output = self._job(nproc, pending)
             if output and all(name in done for name in pending):  # failed after its parts (its teardown)
@@ -148,14 +154,14 @@ class SharedJobs:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "RESULTS": results, "PYTHONPATH": python_path,
                    "MEGATRON_MOE_FORCE_CPU": "1"}  # fmt: skip
             job = None
-            if self._background is not None:  # marked: no foreground launch counts its processes as its own
+            if threading.current_thread() is self._background:  # marked: no foreground launch counts it as its own
                 job = env[BACKGROUND] = f"{os.getpid()}.{next(_JOB_NUMBERS)}"
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                    f"--master-port={free_port()}", RUNNER, spec_path]  # fmt: skip
             if job:
                 cmd = ["nice", "-n", str(self.niceness), *cmd]
             before = descendants(job)
-            timeout = sum(self.parts[name].timeout for name in names) * (3 if self.niceness else 1)
+            timeout = sum(self.parts[name].timeout for name in names) * (3 if job and self.niceness else 1)
             with self._changed:
                 if self._stopped:
                     return {}, f"stopped before its job started; parts {names}"

@@ -9,7 +9,7 @@ from megatron_moe.overlap import profile_cache
 from megatron_moe.overlap.cost_model import BACKWARD_KINDS, FIT_KINDS, OVERHEAD_KINDS, ClusterFits
 from tests.distributed.shared_jobs import Part
 
-JOB_PARTS = {"cost_profiler": Part("cost_profiler_worker", "cases", 4, ("{workdir}",))}
+JOB_PARTS = {"cost_profiler": Part("cost_profiler_worker", "cases", 4, ("{workdir}",), timed=True)}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ PARTS = {
     "broken": Part("job_probe_worker", "fail", 2, ("broken",)),
     "after": Part("job_probe_worker", "report", 2, ("after", "{workdir}"), workdir="shared"),
     "alone": Part("job_probe_worker", "report", 1, ("alone",)),
+    "timed": Part("job_probe_worker", "report", 2, ("timed",), timed=True),
 }
 
 
@@ -84,6 +85,15 @@ def test_background_jobs_run_niced_and_marked_each_job_its_own_mark(jobs):
     assert all(report["autogroup"] is None or report["autogroup"].split()[-2:] == ["nice", "19"] for report in reports)
     marks = [report["background_job"] for report in reports]
     assert marks[0] == marks[1] == marks[2] and len(set(marks)) == 3 and None not in marks  # jobs: 2, 2 after, 1
+
+
+def test_a_timed_part_runs_in_a_job_of_its_own_in_the_foreground(jobs):
+    """Not niced, not marked, not in the background's job of its world size: its timings are the machine's."""
+    _, outcomes = jobs
+    timed = outcomes["timed"]
+    assert timed["args"] == ["timed"] and timed["world"] == 2
+    assert timed["niceness"] == psutil.Process().nice() and timed["background_job"] is None
+    assert timed["pid"] not in {outcomes[name]["pid"] for name in ("first", "second", "third", "after")}
 
 
 def test_a_background_job_is_not_the_foregrounds_and_stop_ends_it(tmp_path_factory):
