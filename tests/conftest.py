@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.distributed.launcher import reset_megatron_core_aux_loss_scale
+from tests.distributed.shared_jobs import paused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 600
@@ -31,6 +32,18 @@ def pytest_collection_modifyitems(config, items):
         parts = os.path.relpath(str(item.path), ROOT).split(os.sep)
         if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
             item.add_marker(parts[1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet_cores(request):
+    """A `quiet_cores` module (`pytestmark`) runs with the background's shared jobs stopped
+    (tests/distributed/shared_jobs.py): module-scoped and autouse, so before the module's own fixtures, whose jobs
+    are what it times."""
+    if request.node.get_closest_marker("quiet_cores") is None:
+        yield
+        return
+    with paused():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,7 +5,8 @@ first request of a world size runs every part of that size that the session's se
 (`job_runner.py`), so selecting one module runs only its parts. A part that fails fails its own module's tests:
 the job stops at it, its error is that job's output, and the parts after it run in a new job. A session `start`s
 the jobs in the background at its first test (niced: they take the cores its other tests leave idle) and runs the
-modules that read them last (`conftest.py`); a `timed` part runs in the foreground when first asked for.
+modules that read them last (`conftest.py`); a `timed` part runs in the foreground when first asked for, and a
+`quiet_cores` test runs with the background paused (`paused`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import psutil
 
 from tests.distributed.launcher import BACKGROUND, ROOT, descendants, free_port, left_behind
 
 RUNNER = os.path.join(ROOT, "tests", "distributed", "job_runner.py")
+_STARTED: list[SharedJobs] = []
+"""Every `SharedJobs` started in this process (`paused` stops their jobs)."""
 _JOB_NUMBERS = itertools.count(1)
 """The session's background jobs, numbered across instances: each job's mark its own."""
 TIMING = re.compile(r"\[job\] (\S+): ([0-9.]+) s, (\d+) threads after$", re.M)
@@ -73,6 +78,7 @@ class SharedJobs:
         self.running_job: str | None = None
         """The mark (`launcher.BACKGROUND`) of the background job in flight."""
         self._stopped = False
+        self._paused = False
 
     def start(self, niceness: int = 19) -> None:
         """Run every part's job now, in a background thread, its ranks at `niceness`: they take the cores the
@@ -83,6 +89,7 @@ class SharedJobs:
         for name in self.parts:
             self.workdir(name)  # here, not in the background thread: the directories are made on this one
         self.niceness = niceness
+        _STARTED.append(self)
         self._background = threading.Thread(target=self._run_all, name="shared-jobs", daemon=True)
         self._background.start()
 
@@ -90,10 +97,19 @@ class SharedJobs:
         """End the background's job, if one is running (a session that ends early leaves no job behind)."""
         with self._changed:  # no job starts after this (`_job` starts one under this lock)
             self._stopped, proc = True, self._job_proc
+            self._changed.notify_all()
         if proc is not None and proc.poll() is None:
             kill_tree(proc.pid)
         if self._background is not None:
             self._background.join()
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP (True) or SIGCONT (False) the background's job in flight; while paused it starts none."""
+        with self._changed:
+            self._paused, proc = paused, self._job_proc
+            self._changed.notify_all()
+        if proc is not None and proc.poll() is None:
+            signal_tree(proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def _run_all(self) -> None:
         for nproc in sorted({part.nproc for part in self.parts.values()}, reverse=True):
@@ -163,6 +179,8 @@ class SharedJobs:
             before = descendants(job)
             timeout = sum(self.parts[name].timeout for name in names) * (3 if job and self.niceness else 1)
             with self._changed:
+                if job:  # a paused background starts no job
+                    self._changed.wait_for(lambda: not self._paused or self._stopped)
                 if self._stopped:
                     return {}, f"stopped before its job started; parts {names}"
                 proc = subprocess.Popen(
@@ -189,13 +207,44 @@ class SharedJobs:
         return done, f"{failure}; parts {names}:\n{stdout[-6000:]}\n{stderr[-6000:]}" if failure else ""
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL process `pid` and its descendants (torchrun starts each rank in a session of its own)."""
+@contextlib.contextmanager
+def paused():
+    """The background's jobs stopped for the block (a `quiet_cores` test: its wall-clock bounds are milliseconds,
+    and a niced job still takes a core for a scheduler slice now and then: a clock-offset miss of 9 ms, bound 5)."""
+    for jobs in _STARTED:
+        jobs.pause(True)
+    try:
+        yield
+    finally:
+        for jobs in _STARTED:
+            jobs.pause(False)
+
+
+def signal_tree(pid: int, signum: int) -> None:
+    """Send `signum` to process `pid` and its descendants (torchrun starts each rank in a session of its own): the
+    root first, so it starts no other rank meanwhile. SIGSTOP returns once each has stopped (a process running on
+    another core stops a moment after), or after 2 s."""
     with contextlib.suppress(psutil.Error):
         root = psutil.Process(pid)
-        for proc in [*root.children(recursive=True), root]:
+        procs = [root, *root.children(recursive=True)]
+        for proc in procs:
             with contextlib.suppress(psutil.Error):
-                proc.kill()
+                proc.send_signal(signum)
+        deadline = time.monotonic() + 2.0
+        while signum == signal.SIGSTOP and time.monotonic() < deadline and not all(map(_stopped, procs)):
+            time.sleep(0.01)
+
+
+def _stopped(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return True
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and its descendants."""
+    signal_tree(pid, signal.SIGKILL)
 
 
 def train_part(scenario: str, nproc: int = 4, **fields) -> Part:

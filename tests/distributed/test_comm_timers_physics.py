@@ -40,6 +40,8 @@ from tests.conftest import ROOT, load_tool
 from tests.distributed.comm_timers_worker import DELAY_MS, common
 from tests.distributed.launcher import free_port
 
+pytestmark = pytest.mark.quiet_cores  # wall-clock bounds of milliseconds
+
 cluster_tool = load_tool("emulated_cluster")
 WORKER = os.path.join(os.path.dirname(__file__), "comm_timers_worker.py")
 LINK_GBIT = 0.5

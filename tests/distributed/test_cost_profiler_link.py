@@ -14,6 +14,8 @@ import pytest
 from megatron_moe.overlap.cost_model import ClusterFits
 from tests.conftest import load_tool
 
+pytestmark = pytest.mark.quiet_cores  # wall-clock bounds of milliseconds
+
 profile_tool = load_tool("profile_cluster")
 link_tool = load_tool("bench_link")
 cluster_tool = load_tool("emulated_cluster")

@@ -10,7 +10,7 @@ import pytest
 
 from tests.distributed import conftest
 from tests.distributed.launcher import descendants
-from tests.distributed.shared_jobs import Part, PartFailed, SharedJobs
+from tests.distributed.shared_jobs import Part, PartFailed, SharedJobs, paused
 
 PARTS = {
     "first": Part("job_probe_worker", "report", 2, ("first", "{data}", "{workdir}")),
@@ -96,7 +96,7 @@ def test_a_timed_part_runs_in_a_job_of_its_own_in_the_foreground(jobs):
     assert timed["pid"] not in {outcomes[name]["pid"] for name in ("first", "second", "third", "after")}
 
 
-def test_a_background_job_is_not_the_foregrounds_and_stop_ends_it(tmp_path_factory):
+def test_a_background_job_is_not_the_foregrounds_pauses_and_stop_ends_it(tmp_path_factory):
     jobs = SharedJobs({"slow": Part("job_probe_worker", "sleep", 2, ("slow", "600"))}, {}, tmp_path_factory.mktemp)
     jobs.start()
     try:
@@ -108,6 +108,9 @@ def test_a_background_job_is_not_the_foregrounds_and_stop_ends_it(tmp_path_facto
         assert len(ranks) == 2, ranks
         assert all(proc.nice() == 19 for proc in ranks)
         assert not {proc.pid for proc in ranks} & descendants()  # a foreground launch's leftover check passes them by
+        with paused():  # a quiet_cores module: the job stopped, and going on after it
+            assert all(proc.status() == psutil.STATUS_STOPPED for proc in ranks), [proc.status() for proc in ranks]
+        assert not any(proc.status() == psutil.STATUS_STOPPED for proc in ranks)
     finally:
         jobs.stop()
     assert not psutil.wait_procs(ranks, timeout=10)[1]

@@ -19,6 +19,8 @@ from megatron_moe.comm import watchdog as watchdog_module
 from megatron_moe.comm.watchdog import Watchdog
 from megatron_moe.config import parse_args, rules
 
+pytestmark = pytest.mark.quiet_cores  # wall-clock bounds of milliseconds
+
 
 class Clock:
     def __init__(self):
