@@ -1,7 +1,9 @@
 """The distributed tier's shared torchrun jobs (`shared_jobs.py`): the parts the selected tests' modules declare,
-started in the background at the tier's first test; the modules that read them run last in the session."""
+started in the background at the tier's first test where BACKGROUND_JOBS asks for it; the modules that read them
+run last in the session."""
 
 import json
+import os
 import string
 
 import pytest
@@ -29,10 +31,18 @@ def shared_jobs(request, tmp_path_factory):
     jobs.stop()
 
 
+BACKGROUND_JOBS = "MEGATRON_MOE_TEST_BACKGROUND_JOBS"
+"""Set to 1, the session starts the shared jobs in the background. Off by default: on this 2-core machine it cut
+pytest from 1876 s to 1113-1453 s, but 3 of 4 clean-clone runs then failed a test that measures time (a cost
+profile's model error, a clock-offset miss, a cost-model choice made on a profile measured niced)."""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_jobs_in_background(request):
     """The shared jobs, started with the tier's first test: the modules that read them come last (below), and the
     tests before them run while the jobs take the cores those tests leave idle."""
+    if os.environ.get(BACKGROUND_JOBS) != "1":  # opt-in: see BACKGROUND_JOBS
+        return
     if any(getattr(item.module, "JOB_PARTS", None) for item in request.session.items if hasattr(item, "module")):
         request.getfixturevalue("shared_jobs").start()
 
